@@ -1,0 +1,64 @@
+"""Engine benchmark: capture and profile time of the built-in models, and the baselines' plans.
+
+Run: python benchmarks/engine.py [--size default] [--models gpt,mlp] [--devices 2,4,8]
+Prints one table of capture/profile times and one table of simulated plans per device count,
+on CPU ranks (profiled here, one thread each) and on an H100 preset (roofline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import explorer as ex
+from explorer.cli import _table, plan_rows
+
+BASELINES = ["single", "data-parallel", "even-layers", "balanced-params"]
+MiB = 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="default")
+    ap.add_argument("--models", default=",".join(ex.model_names()))
+    ap.add_argument("--devices", default="2,4,8")
+    args = ap.parse_args()
+    counts = [int(k) for k in args.devices.split(",")]
+    timing, plans = [], []
+    for name in args.models.split(","):
+        bm = ex.builtin_model(name, args.size)
+        t0 = time.perf_counter()
+        graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+        t_cap = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        costs_cpu = ex.profile(graph, ex.Cluster.cpu(max(counts)), cache=False, progress=False)
+        t_prof = time.perf_counter() - t0
+        s = graph.summary()
+        timing.append((name, s["ops"], f"{s['params_bytes'] / MiB:.1f}",
+                       f"{s['gflops_per_step']:.2f}", f"{t_cap:.2f}", f"{t_prof:.2f}"))
+        for k in counts:
+            for label, cl in ((f"cpu:{k}", ex.Cluster.cpu(k)),
+                              (f"{k}xH100", ex.Cluster.preset(f"{k}xH100"))):
+                costs = ex.profile(graph, cl, progress=False) if label.startswith("cpu") \
+                    else ex.profile(graph, cl)
+                if label.startswith("cpu"):
+                    costs = ex.CostModel(graph.fingerprint, cl, costs_cpu.per_type)
+                t0 = time.perf_counter()
+                for alg, plan, r in plan_rows(graph, cl, costs, BASELINES, {}):
+                    if plan is None:
+                        plans.append((name, label, alg, "-", "-", "-", "-", r[:60]))
+                        continue
+                    plans.append((name, label, alg, f"{r.step_s * 1e3:.2f}",
+                                  f"{r.gap * 100:.0f}%",
+                                  f"{max(r.peak_bytes.values()) / MiB:.1f}",
+                                  f"{r.cross_device_bytes / MiB:.2f}",
+                                  "yes" if r.fits else "no"))
+    print(f"Capture and profile ({args.size} size; profile = CPU rank, 1 thread)")
+    print(_table(("model", "ops", "params MiB", "GFLOP/step", "capture s", "profile s"), timing))
+    print("\nSimulated baselines")
+    print(_table(("model", "devices", "plan", "step ms", "gap to bound", "max peak MiB",
+                  "MiB across", "fits"), plans))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Partition Explorer: plan how a PyTorch model's training step is split across devices.
+
+    import explorer as ex
+    graph = ex.capture(model, example_inputs, loss_fn=..., targets=...)
+    cluster = ex.Cluster.cpu(2)            # or Cluster.discover(), Cluster.preset("4xH100")
+    costs = ex.profile(graph, cluster)
+    plan = ex.partition(graph, cluster, costs, "even-layers")
+    pred = ex.simulate(graph, plan, costs)
+"""
+
+from explorer.capture import capture
+from explorer.cluster import Cluster, Device, Link
+from explorer.costs import CostModel
+from explorer.errors import (
+    CaptureError,
+    ExplorerError,
+    InputMismatchError,
+    MemoryExceededError,
+    PlanError,
+    UnknownNameError,
+)
+from explorer.graph import OpGraph, OpNode
+from explorer.models import build as builtin_model
+from explorer.models import model_names
+from explorer.partition import algorithm, algorithms, partition
+from explorer.plan import Plan
+from explorer.profile import profile
+from explorer.simulate import Prediction, simulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError", "Cluster", "CostModel", "Device", "ExplorerError", "InputMismatchError",
+    "Link", "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "Prediction",
+    "UnknownNameError", "algorithm", "algorithms", "builtin_model", "capture", "model_names",
+    "partition", "profile", "simulate",
+]

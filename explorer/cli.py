@@ -1,0 +1,204 @@
+"""The ``explorer`` command line: list models and algorithms, describe devices, plan a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from explorer.errors import ExplorerError
+
+MiB = 2**20
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[k]) for r in cells) for k in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from explorer.models import build, model_names
+
+    rows = []
+    for name in model_names():
+        m = build(name, args.size)
+        n_params = sum(p.numel() for p in m.module.parameters())
+        shapes = " ".join("x".join(map(str, t.shape)) for t in m.example_inputs)
+        rows.append((name, args.size, f"{n_params / 1e6:.2f}M", shapes, m.description))
+    if args.json:
+        print(json.dumps([dict(zip(("name", "size", "params", "input", "description"), r,
+                                   strict=True)) for r in rows], indent=1))
+    else:
+        print(_table(("model", "size", "params", "input", "description"), rows))
+    return 0
+
+
+def cmd_algorithms(args: argparse.Namespace) -> int:
+    from explorer.partition import algorithm, algorithms
+
+    rows = [(n, algorithm(n).summary,
+             ", ".join(f"{k}={v!r}" for k, v in algorithm(n).options.items()))
+            for n in algorithms()]
+    print(_table(("algorithm", "what it does", "options"), rows))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from explorer.cluster import Cluster, parse_devices
+
+    if args.presets:
+        print("\n".join(Cluster.presets()))
+        return 0
+    print(parse_devices(args.devices).describe())
+    return 0
+
+
+def _prepare(args: argparse.Namespace):
+    """Build the model, capture, choose the cluster and profile: shared by plan and friends."""
+    import explorer as ex
+
+    t0 = time.perf_counter()
+    bm = ex.builtin_model(args.model, args.size, args.batch_size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    t_capture = time.perf_counter() - t0
+    from explorer.cluster import parse_devices
+
+    cluster = parse_devices(args.devices)
+    t0 = time.perf_counter()
+    costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet)
+    t_profile = time.perf_counter() - t0
+    return bm, graph, cluster, costs, t_capture, t_profile
+
+
+def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any]):
+    """Run each algorithm and simulate its plan; (name, plan, prediction or error text)."""
+    import explorer as ex
+
+    out = []
+    for name in names:
+        alg = ex.algorithm(name)
+        opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
+        try:
+            plan = ex.partition(graph, cluster, costs, name, **opts)
+            out.append((name, plan, ex.simulate(graph, plan, costs)))
+        except ExplorerError as exc:
+            out.append((name, None, str(exc)))
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import explorer as ex
+
+    names = ex.algorithms() if args.algorithm == "all" else [args.algorithm]
+    for n in names:
+        ex.algorithm(n)  # unknown names fail before any work is done
+    bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
+    settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
+                "optimizer": args.optimizer}
+    results = plan_rows(graph, cluster, costs, names, settings)
+    ok = [(n, p, r) for n, p, r in results if p is not None]
+    best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
+    if args.out:
+        if best is None:
+            raise ExplorerError("no plan fits the devices' memory; nothing was saved")
+        best[1].save(args.out)
+    if args.json:
+        print(json.dumps({
+            "model": bm.name, "size": bm.size, "graph": graph.summary(),
+            "cluster": cluster.name, "capture_s": t_cap, "profile_s": t_prof,
+            "plans": [_plan_json(n, p, r) for n, p, r in results],
+            "best": best[0] if best else None, "saved": args.out}, indent=1))
+        return 0
+    s = graph.summary()
+    print(f"{bm.name} ({bm.size}): {s['ops']} ops, {s['params_bytes'] / MiB:.1f} MiB params, "
+          f"{s['gflops_per_step']:.2f} GFLOP/step, batch {s['batch_size']}, captured in "
+          f"{t_cap:.1f} s, profiled in {t_prof:.1f} s")
+    print(f"devices: {cluster.name}\n")
+    rows = []
+    for n, p, r in results:
+        if p is None:
+            rows.append((n, "-", "-", "-", "-", "error: " + r))
+            continue
+        mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
+        rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
+                     f"{r.gap * 100:.0f}%", mem, f"{r.cross_device_bytes / MiB:.2f}",
+                     "yes" if r.fits else "NO: " + r.memory_report()))
+    print(_table(("algorithm", "step ms", "gap to bound", "peak MiB per device",
+                  "MiB across devices", "fits"), rows))
+    if best:
+        print(f"\n* fastest plan that fits: {best[0]}"
+              + (f" (saved to {args.out})" if args.out else ""))
+    return 0
+
+
+def _plan_json(name: str, plan, r) -> dict[str, Any]:
+    if plan is None:
+        return {"algorithm": name, "error": r}
+    return {"algorithm": name, "step_s": r.step_s, "lower_bound_s": r.lower_bound_s,
+            "gap": r.gap, "peak_bytes": r.peak_bytes, "fits": r.fits,
+            "over_memory_bytes": r.over_memory_bytes,
+            "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
+            "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
+            "micro_batches": plan.micro_batches, "schedule": plan.schedule}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="explorer", description="Plan how a model's training step is split across devices.")
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("models", help="list the built-in models")
+    m.add_argument("--size", default="default", help="tiny, small, default or large")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_models)
+    a = sub.add_parser("algorithms", help="list the partitioners and their options")
+    a.set_defaults(fn=cmd_algorithms)
+    d = sub.add_parser("devices", help="describe a cluster")
+    d.add_argument("--devices", default="gpu", help="cpu:N, gpu (discover) or a preset like 4xH100")
+    d.add_argument("--presets", action="store_true", help="list the GPU presets")
+    d.set_defaults(fn=cmd_devices)
+    pl = sub.add_parser("plan", help="capture a built-in model, profile it, partition, simulate")
+    pl.add_argument("--model", default="gpt", help="a built-in model (see `explorer models`)")
+    pl.add_argument("--size", default="default", help="tiny, small, default or large")
+    pl.add_argument("--batch-size", type=int, default=None)
+    pl.add_argument("--devices", default="cpu:2",
+                    help="cpu:N (CPU ranks), gpu (this machine's GPUs) or a preset like 4xH100")
+    pl.add_argument("--algorithm", default="all", help="a partitioner name, or all")
+    pl.add_argument("--micro-batches", type=int, default=None)
+    pl.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+    pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
+    pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
+    pl.add_argument("--quiet", action="store_true", help="no progress bars")
+    pl.set_defaults(fn=cmd_plan)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "out", None):
+        parent = Path(args.out).resolve().parent
+        if not parent.is_dir():
+            print(f"error: cannot save to {args.out}: folder {parent} does not exist",
+                  file=sys.stderr)
+            return 2
+    try:
+        return args.fn(args)
+    except ExplorerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The cost model: seconds per node on each device, transfer seconds, optimizer time, memory sizes.
+
+Numbers come from the profiler (``"measured"``) or from a roofline estimate (``"roofline"``)
+when a device is not present; every entry says which. A node's time at a fraction ``f`` of the
+batch (micro-batches, data-parallel shards) is ``overhead + (t - overhead) * f``: the fixed
+per-op cost (dispatch, kernel launch) does not shrink with the batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from explorer.cluster import Cluster, Device
+from explorer.errors import PlanError
+from explorer.graph import OpGraph
+
+#: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+#: fraction of a device's peak reached by real kernels in the roofline estimate
+ROOFLINE_EFFICIENCY = 0.6
+#: fixed cost per op when nothing was measured: eager PyTorch dispatch + kernel launch
+NOMINAL_OVERHEAD_S = {"cuda": 8e-6, "cpu": 4e-6}
+
+
+@dataclass
+class DeviceCosts:
+    """Costs of every node on one type of device (all devices with the same ``type_key``)."""
+
+    type_key: str
+    fwd_s: list[float]
+    bwd_s: list[float]
+    source: list[str]  # per node: "measured" | "roofline" | "free" (placeholders)
+    overhead_s: float
+    optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
+    optimizer_s_per_tensor: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CostModel:
+    """Per-node, per-device costs for one graph on one cluster.
+
+    The ``*_scale`` factors are what calibration fits from measured runs; 1.0 means "as
+    profiled". ``extra_op_s`` is a per-op cost added by calibration for effects the isolated
+    profile misses (the runtime's own bookkeeping per op).
+    """
+
+    graph_fingerprint: str
+    cluster: Cluster
+    per_type: dict[str, DeviceCosts]
+    compute_scale: float = 1.0
+    link_scale: float = 1.0
+    extra_op_s: float = 0.0
+
+    def _dc(self, device_id: str) -> DeviceCosts:
+        return self.per_type[self.cluster.device(device_id).type_key]
+
+    def fwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
+        dc = self._dc(device_id)
+        return self._scaled(dc, dc.fwd_s[i], fraction)
+
+    def bwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
+        dc = self._dc(device_id)
+        return self._scaled(dc, dc.bwd_s[i], fraction)
+
+    def _scaled(self, dc: DeviceCosts, t: float, fraction: float) -> float:
+        if t <= 0.0:
+            return 0.0
+        ovh = min(dc.overhead_s, t)
+        return (ovh + (t - ovh) * fraction) * self.compute_scale + self.extra_op_s
+
+    def source(self, i: int, device_id: str) -> str:
+        return self._dc(device_id).source[i]
+
+    def transfer_s(self, src: str, dst: str, nbytes: int) -> float:
+        if src == dst or nbytes <= 0:
+            return 0.0
+        link = self.cluster.link(src, dst)
+        return link.latency_s + nbytes / link.bandwidth_bytes_per_s * self.link_scale
+
+    def allreduce_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
+        """Ring all-reduce: 2(k-1)/k of the bytes over the slowest link, 2(k-1) latencies."""
+        k = len(device_ids)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        links = [self.cluster.link(a, b) for a, b in
+                 zip(device_ids, list(device_ids[1:]) + [device_ids[0]], strict=True)]
+        bw = min(lk.bandwidth_bytes_per_s for lk in links)
+        lat = max(lk.latency_s for lk in links)
+        return 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
+
+    def optimizer_s(self, device_id: str, optimizer: str, param_bytes: int,
+                    n_tensors: int) -> float:
+        dc = self._dc(device_id)
+        per_byte = dc.optimizer_s_per_byte.get(optimizer, dc.optimizer_s_per_byte.get("sgd", 0))
+        per_t = dc.optimizer_s_per_tensor.get(optimizer, dc.optimizer_s_per_tensor.get("sgd", 0))
+        return (param_bytes * per_byte + n_tensors * per_t) * self.compute_scale
+
+    def check(self, graph: OpGraph) -> None:
+        if graph.fingerprint != self.graph_fingerprint:
+            raise PlanError(f"these costs were profiled for graph {self.graph_fingerprint}, not "
+                            f"for {graph.name} ({graph.fingerprint}): run ex.profile(graph, "
+                            "cluster) again")
+
+    def node_s(self, i: int, device_id: str) -> float:
+        return self.fwd_s(i, device_id) + self.bwd_s(i, device_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"graph_fingerprint": self.graph_fingerprint, "cluster": self.cluster.to_dict(),
+                "per_type": {k: asdict(v) for k, v in self.per_type.items()},
+                "compute_scale": self.compute_scale, "link_scale": self.link_scale,
+                "extra_op_s": self.extra_op_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        return cls(d["graph_fingerprint"], Cluster.from_dict(d["cluster"]),
+                   {k: DeviceCosts(**v) for k, v in d["per_type"].items()},
+                   d.get("compute_scale", 1.0), d.get("link_scale", 1.0),
+                   d.get("extra_op_s", 0.0))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+
+def _io_bytes(graph: OpGraph, i: int) -> int:
+    n = graph.nodes[i]
+    return n.out_bytes + sum(graph.nodes[p].out_bytes for p in graph.preds[i])
+
+
+def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
+             efficiency: float = ROOFLINE_EFFICIENCY) -> DeviceCosts:
+    """Estimate every node's time on ``device`` from its FLOPs and bytes (a roofline).
+
+    time = overhead + max(FLOPs / (peak x efficiency), bytes moved / (bandwidth x efficiency));
+    backward reads and writes about twice the bytes of the forward. Views cost nothing.
+    Reference: Williams, Waterman, Patterson, "Roofline", CACM 2009.
+    """
+    ovh = NOMINAL_OVERHEAD_S.get(device.kind, 5e-6) if overhead_s is None else overhead_s
+    fwd, bwd, src = [], [], []
+    for i, n in enumerate(graph.nodes):
+        if n.kind != "op":
+            fwd.append(0.0)
+            bwd.append(0.0)
+            src.append("free")
+            continue
+        half = n.dtype in ("float16", "bfloat16")
+        peak = (device.half_flops_per_s if half else device.flops_per_s) * efficiency
+        bw = device.mem_bandwidth_bytes_per_s * efficiency
+        moved = 0 if n.is_view else _io_bytes(graph, i)
+        fwd.append(ovh + max(n.fwd_flops / peak, moved / bw))
+        bwd.append(ovh + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
+        src.append("roofline")
+    # optimizer: read param, grad and state, write param and state (bandwidth bound); torch's
+    # multi-tensor (foreach) kernels update many tensors per launch, so a tensor costs little
+    per_byte = {opt: (3 + 2 * st) / (device.mem_bandwidth_bytes_per_s * efficiency)
+                for opt, st in OPTIMIZER_STATE.items()}
+    return DeviceCosts(device.type_key, fwd, bwd, src, ovh, per_byte,
+                       dict.fromkeys(OPTIMIZER_STATE, ovh / 8))

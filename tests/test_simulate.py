@@ -1,0 +1,171 @@
+"""The simulator against schedules worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cluster, costs, graph
+
+from explorer.errors import PlanError
+from explorer.plan import Plan
+from explorer.simulate import lower_bound_s, simulate
+
+FWD = {"a": 1.0, "b": 2.0, "c": 3.0}
+BWD = {"a": 2.0, "b": 4.0, "c": 6.0}
+
+
+class TestChain:
+    def test_one_device_is_the_sum_of_all_work(self, chain3):
+        cl = cluster(1)
+        plan = Plan.single(chain3, "d:0")
+        pred = simulate(chain3, plan, costs(chain3, cl, FWD, BWD))
+        assert pred.step_s == pytest.approx(18.0)
+        assert pred.busy_s == {"d:0": pytest.approx(18.0)}
+        assert pred.transfer_bytes == 0
+        assert pred.bottleneck == "d:0"
+        # forward in order, then backward in reverse order
+        kinds = [(iv.kind, iv.label) for iv in pred.timeline if iv.lane == "compute"]
+        assert kinds == [("fwd", "a"), ("fwd", "b"), ("fwd", "c"),
+                         ("bwd", "c"), ("bwd", "b"), ("bwd", "a")]
+
+    def test_two_devices_wait_for_transfers(self, chain3):
+        # a on d:0; b, c on d:1. Link: 0.5 s latency + 100 B / 100 B/s = 1.5 s per transfer.
+        cl = cluster(2, latency_s=0.5, bandwidth=100.0)
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+        pred = simulate(chain3, plan, costs(chain3, cl, FWD, BWD))
+        # fa 1 + send 1.5 + fb 2 + fc 3 + bc 6 + bb 4 + grad back 1.5 + ba 2 = 21
+        assert pred.step_s == pytest.approx(21.0)
+        assert pred.busy_s["d:0"] == pytest.approx(3.0)
+        assert pred.busy_s["d:1"] == pytest.approx(15.0)
+        assert pred.transfer_bytes == 200  # activation forward + gradient back
+        assert pred.bottleneck == "d:1"
+        assert pred.critical_path[0] == "fwd a"
+        assert pred.critical_path[-1] == "bwd a"
+
+    def test_lower_bound_is_compute_over_devices(self, chain3):
+        cl = cluster(3)
+        assert lower_bound_s(chain3, costs(chain3, cl, FWD, BWD)) == pytest.approx(18.0 / 3)
+
+
+class TestForkJoin:
+    def test_branches_run_in_parallel(self):
+        g = graph([("x", "input", [], 10), ("s", "op", ["x"], 10), ("l", "op", ["s"], 10),
+                   ("r", "op", ["s"], 10), ("j", "op", ["l", "r"], 4)])
+        cl = cluster(2, latency_s=1.0)
+        f = {"s": 1.0, "l": 4.0, "r": 4.0, "j": 1.0}
+        b = {"s": 1.0, "l": 4.0, "r": 4.0, "j": 1.0}
+        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"s": 0, "l": 0, "r": 1, "j": 0})
+        pred = simulate(g, plan, costs(g, cl, f, b))
+        # forward: s [0,1]; l on d0 [1,5]; s->d1 [1,2], r [2,6], r->d0 [6,7], j [7,8]
+        # backward: bj [8,9]; grad->d1 [9,10], br [10,14]; bl on d0 [9,13];
+        # grad r->d0 [14,15]; bs [15,16]
+        assert pred.step_s == pytest.approx(16.0)
+        one = simulate(g, Plan.single(g, "d:0"), costs(g, cl, f, b))
+        assert one.step_s == pytest.approx(20.0)
+
+
+class TestPipeline:
+    @pytest.fixture
+    def two_stages(self):
+        g = graph([("x", "input", [], 80), ("a", "op", ["x"], 80, 0, ["x", "a"]),
+                   ("b", "op", ["a"], 80, 0, ["a"]), ("loss", "op", ["b"], 4)])
+        # per micro-batch (M=4, no fixed overhead): a and b take 1 s forward, 2 s backward
+        return g, {"a": 4.0, "b": 4.0}, {"a": 8.0, "b": 8.0}
+
+    @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+    def test_bubble_is_stages_minus_one(self, two_stages, schedule):
+        g, f, b = two_stages
+        cl = cluster(2)
+        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "loss": 1},
+                                    micro_batches=4, schedule=schedule)
+        pred = simulate(g, plan, costs(g, cl, f, b))
+        # (M + S - 1) x (f + b) per micro-batch = 5 x 3
+        assert pred.step_s == pytest.approx(15.0)
+
+    def test_1f1b_keeps_fewer_micro_batches_in_flight(self, two_stages):
+        g, f, b = two_stages
+        cl = cluster(2)
+        peaks = {}
+        for schedule in ("gpipe", "1f1b"):
+            plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "loss": 1},
+                                        micro_batches=4, schedule=schedule)
+            pred = simulate(g, plan, costs(g, cl, f, b))
+            peaks[schedule] = pred.memory["d:0"].activations_bytes
+        # stage 0 keeps x and a's output (saved by a) per micro-batch, 20 B each at M=4, and
+        # a received gradient (20 B) during a backward: GPipe holds all 4 micro-batches,
+        # 1F1B at most 2
+        assert peaks["gpipe"] >= 4 * 20 * 2
+        assert peaks["1f1b"] <= 2 * 20 * 2 + 20
+        assert peaks["1f1b"] < peaks["gpipe"]
+
+    def test_more_micro_batches_shrink_the_bubble(self, two_stages):
+        g, f, b = two_stages
+        cl = cluster(2)
+        steps = []
+        for m in (1, 2, 4):
+            plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "loss": 1},
+                                        micro_batches=m)
+            steps.append(simulate(g, plan, costs(g, cl, f, b)).step_s)
+        assert steps == pytest.approx([24.0, 18.0, 15.0])  # (M+1)/M x 12
+
+
+class TestDataParallel:
+    def test_allreduce_after_backward(self):
+        g = graph([("x", "input", [], 64), ("w", "param", [], 1000),
+                   ("a", "op", ["x", "w"], 64), ("loss", "op", ["a"], 4)])
+        cl = cluster(2, latency_s=0.25, bandwidth=1000.0)
+        c = costs(g, cl, {"a": 4.0, "loss": 0.0}, {"a": 8.0, "loss": 0.0})
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {"a": 0, "loss": 0})
+        pred = simulate(g, plan, c)
+        # each replica: fwd 2 + bwd 4; ring all-reduce of 1000 B over 2 devices:
+        # 2(k-1) x 0.25 s + 2(k-1)/k x 1000 B / 1000 B/s = 0.5 + 1.0
+        assert pred.step_s == pytest.approx(7.5)
+        assert pred.allreduce_bytes == 2000
+        assert pred.busy_s == {"d:0": pytest.approx(6.0), "d:1": pytest.approx(6.0)}
+        assert pred.memory["d:0"].params_bytes == 1000
+        assert pred.memory["d:0"].grads_bytes == 1000
+        assert pred.memory["d:0"].optimizer_bytes == 2000  # Adam: two moments
+
+    def test_fixed_overhead_does_not_shrink(self):
+        g = graph([("x", "input", [], 64), ("a", "op", ["x"], 64)])
+        cl = cluster(4)
+        c = costs(g, cl, {"a": 4.0}, {"a": 0.0}, overhead_s=1.0)
+        plan = Plan.from_assignment(g, [cl.ids], {"a": 0})
+        assert simulate(g, plan, c).step_s == pytest.approx(1.0 + 3.0 / 4)
+
+
+class TestMemory:
+    def test_saved_activations_live_until_backward(self):
+        g = graph([("x", "input", [], 100), ("w", "param", [], 40),
+                   ("a", "op", ["x", "w"], 200, 0, ["x"]),
+                   ("b", "op", ["a"], 300, 0, ["b"]), ("loss", "op", ["b"], 4)])
+        cl = cluster(1)
+        c = costs(g, cl, {"a": 1.0, "b": 1.0, "loss": 1.0}, {"a": 1.0, "b": 1.0, "loss": 1.0})
+        pred = simulate(g, Plan.single(g, "d:0", optimizer="sgd"), c)
+        m = pred.memory["d:0"]
+        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes) == (40, 40, 0)
+        # fa [0,1] fb [1,2] floss [2,3] bloss [3,4] bb [4,5] ba [5,6]. Live: x [0,6] (saved
+        # by a), a [0,2], b [1,5] (saved by b), loss [2,4], grad b [3,5], grad a [4,5].
+        # Peak in [4,5): x 100 + b 300 + grad b 300 + grad a 200 = 900
+        assert m.activations_bytes == 900
+
+    def test_over_memory_is_reported_with_the_device(self):
+        g = graph([("x", "input", [], 100), ("w", "param", [], 10_000),
+                   ("a", "op", ["x", "w"], 100)])
+        cl = cluster(1, memory=1000)
+        pred = simulate(g, Plan.single(g, "d:0"), costs(g, cl, {"a": 1.0}, {"a": 1.0}))
+        assert not pred.fits
+        assert "d:0" in pred.over_memory_bytes
+        assert "d:0 needs" in pred.memory_report()
+
+
+class TestRefusals:
+    def test_plan_for_another_graph_is_refused(self, chain3):
+        other = graph([("x", "input", [], 100), ("a", "op", ["x"], 100)], name="other")
+        plan = Plan.single(other, "d:0")
+        with pytest.raises(PlanError, match="made for graph other"):
+            simulate(chain3, plan, costs(chain3, cluster(1), FWD, BWD))
+
+    def test_unknown_device_is_refused(self, chain3):
+        plan = Plan.single(chain3, "gpu:7")
+        with pytest.raises(PlanError, match="gpu:7"):
+            simulate(chain3, plan, costs(chain3, cluster(1), FWD, BWD))
