@@ -96,7 +96,12 @@ def apply_pins(graph: OpGraph, plan: Plan, pins: Mapping[str, str]) -> Plan:
 
 
 def _load_builtin() -> None:
-    from explorer.partition import baselines  # noqa: F401  (registers on import)
+    """Import every module of this package: each registers its partitioners on import."""
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{mod.name}")
 
 
 __all__ = ["Algorithm", "algorithm", "algorithms", "apply_pins", "partition", "register"]
