@@ -1,0 +1,402 @@
+"""Tests of explorer.cluster: presets, links, round trips, CLI specs, discovery and CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+import types
+
+import pytest
+
+from explorer import cluster as cl
+from explorer.cluster import Cluster, Device, Link, parse_devices
+from explorer.errors import ExplorerError, UnknownNameError
+
+GiB = 2**30
+
+
+@pytest.fixture
+def nominal_cpu(monkeypatch):
+    """Make every ``Cluster.cpu`` call use nominal numbers, so nothing is measured."""
+    monkeypatch.setattr(cl, "_cpu_profile", lambda measure: cl._nominal_profile())
+
+
+def _children() -> list[int]:
+    """Pids of this process's live or zombie children, read from /proc."""
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            out.append(int(entry))
+    return out
+
+
+# ---- presets
+
+
+def test_presets_have_sane_datasheet_values():
+    names = Cluster.presets()
+    for required in ("A100-40GB", "A100-80GB", "H100", "H200", "V100", "T4", "L4", "A10G"):
+        assert required in names
+    assert "RTX4090" in names
+    for name in names:
+        c = Cluster.preset(name)
+        assert len(c) == 1 and c.ids == (f"{name}:0",)
+        d = c.devices[0]
+        assert d.kind == "cuda" and not d.present and d.torch_device == ""
+        assert 8 * GiB <= d.memory_bytes <= 200 * GiB
+        assert 5e12 <= d.flops_per_s < d.half_flops_per_s <= 1.0e15
+        assert 2e11 <= d.mem_bandwidth_bytes_per_s <= 6e12
+        assert 50 <= d.power_w <= 1000
+        assert 0.1 * d.power_w <= d.idle_power_w <= 0.25 * d.power_w
+        assert "https://" in d.source and "nominal" in d.source
+        assert d.type_key == f"cuda:{d.name}"
+        assert 1e10 <= c.default_link.bandwidth_bytes_per_s <= 1e12
+        assert 0 < c.default_link.latency_s < 1e-4
+    h100 = Cluster.preset("H100").devices[0]
+    assert h100.half_flops_per_s == pytest.approx(989e12)  # dense, not the 1,979 sparsity figure
+    assert h100.memory_bytes == 80 * GiB
+    assert Cluster.preset("A100-40GB").devices[0].mem_bandwidth_bytes_per_s == 1555e9
+    assert Cluster.preset("2xV100").default_link.bandwidth_bytes_per_s == 150e9
+    assert Cluster.preset("2xA100-80GB").default_link.bandwidth_bytes_per_s == 300e9
+    assert Cluster.preset("2xH100").default_link.bandwidth_bytes_per_s == 450e9
+    assert "per direction" in Cluster.preset("2xH100").default_link.source
+
+
+@pytest.mark.parametrize(
+    ("spec", "ids"),
+    [
+        ("4xH100", ("H100:0", "H100:1", "H100:2", "H100:3")),
+        ("4xh100", ("H100:0", "H100:1", "H100:2", "H100:3")),
+        ("H100", ("H100:0",)),
+        ("2 x t4", ("T4:0", "T4:1")),
+        ("8xA100-40GB", tuple(f"A100-40GB:{i}" for i in range(8))),
+        ("a100_80gb", ("A100-80GB:0",)),
+        ("2XRTX-4090", ("RTX4090:0", "RTX4090:1")),
+    ],
+)
+def test_preset_forms(spec, ids):
+    c = Cluster.preset(spec)
+    assert c.ids == ids
+    assert len({d.type_key for d in c.devices}) == 1
+
+
+def test_mixed_preset_links():
+    c = Cluster.preset("2xH100+2xT4")
+    assert c.ids == ("H100:0", "H100:1", "T4:0", "T4:1")
+    assert c.link("H100:0", "H100:1").bandwidth_bytes_per_s == 450e9
+    assert c.link("H100:1", "T4:0").bandwidth_bytes_per_s == 16e9  # T4's PCIe 3.0 is slowest
+    assert c.link("T4:1", "T4:0").bandwidth_bytes_per_s == 16e9
+
+
+def test_unknown_preset_lists_names():
+    with pytest.raises(UnknownNameError) as e:
+        Cluster.preset("4xB300")
+    msg = str(e.value)
+    assert "B300" in msg
+    for name in Cluster.presets():
+        assert name in msg
+    assert isinstance(e.value, ExplorerError)
+    with pytest.raises(ExplorerError, match=">= 1"):
+        Cluster.preset("0xH100")
+
+
+# ---- links, lookup, subset, round trip
+
+
+def test_link_transfer_time():
+    lk = Link(5e-6, 100e9, "test")
+    assert lk.transfer_s(0) == 0.0
+    assert lk.transfer_s(10**9) == pytest.approx(5e-6 + 0.01)
+    assert lk.transfer_s(1) == pytest.approx(5e-6 + 1e-11)
+    with pytest.raises(ExplorerError):
+        Link(-1.0, 1e9, "bad")
+    with pytest.raises(ExplorerError):
+        Link(0.0, 0.0, "bad")
+
+
+def test_link_lookup_and_overrides():
+    base = Cluster.preset("3xT4")
+    fast = Link(1e-6, 1e12, "override")
+    c = Cluster(base.name, base.devices, base.default_link, (("T4:2", "T4:0", fast),))
+    assert c.link("T4:0", "T4:2") is fast and c.link("T4:2", "T4:0") is fast
+    assert c.link("T4:0", "T4:1") == base.default_link
+    same = c.link("T4:1", "T4:1")
+    assert same.latency_s == 0 and math.isinf(same.bandwidth_bytes_per_s)
+    assert same.transfer_s(10**9) == 0.0
+    with pytest.raises(UnknownNameError, match="T4:0, T4:1, T4:2"):
+        c.link("T4:0", "T4:9")
+    with pytest.raises(UnknownNameError, match="T4:0"):
+        c.device("cuda:0")
+    assert c.device("T4:1").id == "T4:1"
+    with pytest.raises(ExplorerError):
+        Cluster("bad", base.devices, base.default_link, (("T4:0", "nope", fast),))
+    with pytest.raises(ExplorerError, match="twice"):
+        Cluster("bad", base.devices * 2, base.default_link)
+
+
+def test_subset_keeps_order_and_links():
+    base = Cluster.preset("4xH100")
+    fast = Link(1e-6, 1e12, "override")
+    c = Cluster(base.name, base.devices, base.default_link, (("H100:1", "H100:3", fast),))
+    s = c.subset(["H100:3", "H100:1"])
+    assert s.ids == ("H100:3", "H100:1")
+    assert s.link("H100:1", "H100:3") is fast
+    s2 = c.subset(["H100:2", "H100:0"])
+    assert s2.links == () and len(s2) == 2
+    assert c.subset("H100:2").ids == ("H100:2",)
+    with pytest.raises(UnknownNameError):
+        c.subset(["H100:7"])
+    with pytest.raises(ExplorerError, match="twice"):
+        c.subset(["H100:0", "H100:0"])
+
+
+def test_round_trip_through_json(nominal_cpu):
+    base = Cluster.preset("2xA100-80GB+2xL4")
+    inf = Link(0.0, math.inf, "infinitely fast")
+    c = Cluster(base.name, base.devices, base.default_link, (*base.links, ("L4:0", "L4:1", inf)))
+    text = json.dumps(c.to_dict(), allow_nan=False)
+    back = Cluster.from_dict(json.loads(text))
+    assert back == c
+    cpu = Cluster.cpu(2, measure=False)
+    assert Cluster.from_dict(json.loads(json.dumps(cpu.to_dict()))) == cpu
+    with pytest.raises(ExplorerError, match="malformed"):
+        Cluster.from_dict({"name": "x", "devices": [{"id": "a"}], "default_link": {}})
+
+
+def test_device_validation():
+    d = Cluster.preset("T4").devices[0]
+    with pytest.raises(ExplorerError, match="kind"):
+        Device(**{**d.__dict__, "kind": "tpu"})
+    with pytest.raises(ExplorerError, match="flops_per_s"):
+        Device(**{**d.__dict__, "flops_per_s": 0.0})
+
+
+def test_describe_mentions_devices_links_and_sources():
+    text = Cluster.preset("2xH100").describe()
+    assert "H100:0" in text and "H100:1" in text
+    assert "989.0 TFLOP/s" in text and "450.0 GB/s" in text
+    assert "sources:" in text and "datasheet" in text
+    assert len(text.splitlines()) >= 6
+
+
+# ---- CPU ranks
+
+
+def test_cpu_nominal_is_instant():
+    t0 = time.perf_counter()
+    c = Cluster.cpu(2, measure=False)
+    assert time.perf_counter() - t0 < 0.5
+    assert c.ids == ("cpu:0", "cpu:1") and c.name == "cpu:2"
+    for d in c.devices:
+        assert d.kind == "cpu" and d.present and d.torch_device == "cpu"
+        assert d.name == "CPU rank (1 thread)" and d.type_key == "cpu:CPU rank (1 thread)"
+        assert d.half_flops_per_s == d.flops_per_s
+        assert d.memory_bytes > 0
+        assert "nominal" in d.source and "W per busy core" in d.source
+    assert "nominal" in c.default_link.source
+    assert Cluster.cpu(4, measure=False).devices[0].memory_bytes * 4 <= cl._total_memory_bytes()
+
+
+@pytest.mark.parametrize("n", [0, -3])
+def test_cpu_needs_at_least_one_rank(n):
+    with pytest.raises(ExplorerError, match=">= 1"):
+        Cluster.cpu(n, measure=False)
+
+
+def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cl, "_MEMO", {})
+    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
+
+    def broken():
+        raise cl._LinkMeasureError("boom")
+
+    monkeypatch.setattr(cl, "_measure_gloo_link", broken)
+    c = Cluster.cpu(2)
+    assert c.devices[0].flops_per_s == 1e10 and "measured" in c.devices[0].source
+    assert "nominal" in c.default_link.source and "boom" in c.default_link.source
+    assert not (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
+
+
+def test_link_measurement_time_limit_kills_children():
+    t0 = time.perf_counter()
+    with pytest.raises(cl._LinkMeasureError, match="within"):
+        cl._measure_gloo_link(timeout_s=0.3)
+    assert time.perf_counter() - t0 < 5
+    assert multiprocessing.active_children() == []
+    assert _children() == []
+
+
+@pytest.mark.slow
+def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cl, "_MEMO", {})
+    t0 = time.perf_counter()
+    c = Cluster.cpu(2)
+    took = time.perf_counter() - t0
+    lk, d = c.default_link, c.devices[0]
+    numbers = (
+        f"took {took:.1f} s: {d.flops_per_s / 1e9:.1f} GFLOP/s, "
+        f"{d.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s copy, link {lk.latency_s * 1e6:.1f} us, "
+        f"{lk.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
+    )
+    assert "measured" in lk.source and "gloo" in lk.source, lk.source
+    assert 0 < lk.latency_s < 0.1, numbers
+    assert lk.bandwidth_bytes_per_s > 10e6, numbers
+    assert d.flops_per_s > 1e8 and d.mem_bandwidth_bytes_per_s > 1e8, numbers
+    assert "measured" in d.source
+    assert took < 30, numbers  # ~3 s on 2 idle cores; the link step is killed at 15 s
+    assert multiprocessing.active_children() == []
+    assert _children() == []
+    assert (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
+    monkeypatch.setattr(cl, "_MEMO", {})  # read back from the disk cache: instant and equal
+    t0 = time.perf_counter()
+    again = Cluster.cpu(2)
+    assert time.perf_counter() - t0 < 0.5
+    assert again == c
+
+
+# ---- discovery
+
+
+class _FakeNVMLError(Exception):
+    pass
+
+
+def _fake_pynvml(gpus, *, fail_init=False):
+    """A stand-in for the ``pynvml`` module that reports ``gpus`` (name, MiB, mW, nvlink)."""
+    calls = []
+
+    def init():
+        calls.append("init")
+        if fail_init:
+            raise _FakeNVMLError("Driver Not Loaded")
+
+    def handle(i):
+        return gpus[i]
+
+    def nvlink(h, link):
+        if not h[3]:
+            raise _FakeNVMLError("Not Supported")
+        return 1
+
+    mod = types.SimpleNamespace(
+        NVMLError=_FakeNVMLError,
+        nvmlInit=init,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: len(gpus),
+        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetName=lambda h: h[0],
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=h[1] * 2**20),
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: h[2],
+        nvmlDeviceGetNvLinkState=nvlink,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{gpus.index(h):04d}-uuid",
+    )
+    return mod, calls
+
+
+def _fallback_name():
+    return f"cpu:{min(os.cpu_count() or 1, 8)} (no NVIDIA GPU found"
+
+
+def test_discover_without_driver_falls_back_to_cpu_ranks(monkeypatch, nominal_cpu):
+    fake, calls = _fake_pynvml([], fail_init=True)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    c = Cluster.discover()
+    assert c.name.startswith(_fallback_name()) and "Driver Not Loaded" in c.name
+    assert len(c) == min(os.cpu_count() or 1, 8)
+    assert all(d.kind == "cpu" and d.present for d in c.devices)
+    assert calls == ["init"]
+
+
+def test_discover_without_nvidia_ml_py(monkeypatch, nominal_cpu):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes ``import pynvml`` fail
+    c = Cluster.discover()
+    assert c.name.startswith(_fallback_name()) and "not installed" in c.name
+
+
+def test_discover_on_this_machine_never_fails(nominal_cpu):
+    c = Cluster.discover()
+    assert len(c) >= 1
+    assert all(d.kind in ("cpu", "cuda") for d in c.devices)
+
+
+def test_discover_maps_nvml_gpus_to_presets(monkeypatch, nominal_cpu):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpus = [("NVIDIA H100 80GB HBM3", 81559, 700_000, True)] * 2
+    fake, calls = _fake_pynvml(gpus)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    c = Cluster.discover()
+    assert calls == ["init", "shutdown"]
+    assert c.ids == ("cuda:0", "cuda:1")
+    d = c.devices[0]
+    assert d.name == "NVIDIA H100 80GB HBM3" and d.kind == "cuda"
+    assert d.memory_bytes == 81559 * 2**20
+    assert d.half_flops_per_s == pytest.approx(989e12) and d.power_w == 700
+    assert d.source.startswith("nvml") and "datasheet" in d.source
+    assert c.link("cuda:0", "cuda:1").bandwidth_bytes_per_s == 450e9
+    torch_cuda = cl._torch_cuda_count() >= 2
+    assert d.present == torch_cuda and d.torch_device == ("cuda:0" if torch_cuda else "")
+
+
+def test_discover_honours_visible_devices_and_odd_gpus(monkeypatch, nominal_cpu):
+    gpus = [
+        ("NVIDIA A100-SXM4-80GB", 81920, 400_000, False),  # no NVLink: PCIe numbers
+        ("NVIDIA A100-SXM4-80GB", 81920, 400_000, False),
+        ("Some Future GPU", 16 * 1024, 0, False),  # no preset, no power reading
+    ]
+    fake, _ = _fake_pynvml(gpus)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    c = Cluster.discover()
+    assert c.ids == ("cuda:0", "cuda:1")
+    assert c.devices[0].mem_bandwidth_bytes_per_s == 2039e9  # the 80GB A100 by memory
+    assert c.default_link.bandwidth_bytes_per_s == 32e9
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0002")
+    odd = Cluster.discover()
+    assert odd.ids == ("cuda:0",) and odd.devices[0].name == "Some Future GPU"
+    assert "no preset" in odd.devices[0].source and odd.devices[0].power_w > 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    hidden = Cluster.discover()
+    assert hidden.devices[0].kind == "cpu" and "CUDA_VISIBLE_DEVICES" in hidden.name
+
+
+# ---- CLI specs
+
+
+def test_parse_devices_forms(monkeypatch, nominal_cpu):
+    assert parse_devices("cpu:3").ids == ("cpu:0", "cpu:1", "cpu:2")
+    assert parse_devices(" CPU:1 ").ids == ("cpu:0",)
+    assert len(parse_devices("cpu")) == 2
+    assert parse_devices("4xH100").ids == tuple(f"H100:{i}" for i in range(4))
+    assert parse_devices("2xh100+t4").ids == ("H100:0", "H100:1", "T4:0")
+    fake, _ = _fake_pynvml([], fail_init=True)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert parse_devices("gpu").devices[0].kind == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "text"),
+    [
+        ("cpu:0", ExplorerError, ">= 1"),
+        ("cpu:two", ExplorerError, "integer"),
+        ("", ExplorerError, "cpu:N"),
+        ("tpu:4", UnknownNameError, "cpu:N"),
+        ("3xB300", UnknownNameError, "H100"),
+    ],
+)
+def test_parse_devices_errors(spec, error, text, nominal_cpu):
+    with pytest.raises(error, match=text):
+        parse_devices(spec)
