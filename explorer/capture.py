@@ -122,16 +122,18 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
                                  "dimension (dim 0)")
     step = TrainStep(model, loss_fn, len(inputs))
     step.train()
-    _check_runs(step, inputs, tgts)
+    with keep_buffers(model):
+        _check_runs(step, inputs, tgts)
     name = name or type(model).__name__
     try:
         with _quiet_torch():
             program = torch.export.export(step, (*inputs, *tgts))
-    except Exception as exc:  # noqa: BLE001 - any export failure sends us to the fallback
+    except Exception as exc:
         reason = _first_line(exc)
         try:
-            graph = _capture_hooks(step, inputs, tgts, name)
-        except Exception as exc2:  # noqa: BLE001
+            with keep_buffers(model):
+                graph = _capture_hooks(step, inputs, tgts, name)
+        except Exception as exc2:
             raise CaptureError(
                 f"could not capture {name}: torch.export failed ({reason}) and the module-level "
                 f"fallback failed too ({_first_line(exc2)}). Make the forward pass traceable "
@@ -141,6 +143,19 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
                        "call from forward hooks instead",)
         return graph
     return _from_export(program, step, inputs, tgts, name)
+
+
+@contextlib.contextmanager
+def keep_buffers(model: nn.Module):
+    """Running the model updates buffers in place (BatchNorm's running statistics): undo it."""
+    saved = {k: b.detach().clone() for k, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in saved:
+                    b.copy_(saved[k])
 
 
 @contextlib.contextmanager
@@ -180,7 +195,7 @@ def _check_runs(step: TrainStep, inputs: tuple, targets: tuple) -> None:
             loss = step(*inputs, *targets)
     except CaptureError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's model, anything can happen
+    except Exception as exc:
         raise InputMismatchError(
             f"the example inputs do not fit the model: {_first_line(exc)} "
             f"(inputs and targets had shapes {shapes}; dim 0 must be the batch)") from exc
@@ -209,32 +224,52 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _from_export(program: Any, step: TrainStep, inputs: tuple, targets: tuple,
-                 name: str) -> OpGraph:
+def program_structure(program: Any, n_inputs: int) -> tuple[dict[str, Any], dict[str, str],
+                                                             set[str]]:
+    """Our node names for an exported program's nodes, in graph order.
+
+    Returns (name -> fx node, name -> state-dict key for parameters/buffers/constants,
+    names of trainable parameters). User inputs are named ``input_K`` then ``target_K``.
+    """
     sig = program.graph_signature
     state_names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                    **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
-    params = set(sig.inputs_to_parameters)
-    state_dict = {**program.state_dict, **program.constants}
-    runtime = CaptureRuntime(step, inputs, targets, program)
-    ours: dict[Any, str] = {}  # fx node -> our name
-    user_names: list[str] = []
+    fx_nodes: dict[str, Any] = {}
+    state_keys: dict[str, str] = {}
+    params: set[str] = set()
+    n_user = 0
     for fx in program.graph.nodes:
         if fx.op == "placeholder":
             if fx.name in state_names:
                 nm = _strip(state_names[fx.name])
+                state_keys[nm] = state_names[fx.name]
+                if fx.name in sig.inputs_to_parameters:
+                    params.add(nm)
             else:
-                k = len(user_names)
-                nm = f"input_{k}" if k < len(inputs) else f"target_{k - len(inputs)}"
-                user_names.append(nm)
-            if fx.name in state_names:
-                runtime.state[nm] = state_dict[state_names[fx.name]]
+                nm = f"input_{n_user}" if n_user < n_inputs else f"target_{n_user - n_inputs}"
+                n_user += 1
         elif fx.op == "call_function" and not str(fx.target).startswith("aten._assert"):
             nm = fx.name
+            while nm in fx_nodes:  # a top-level parameter may bear an op's name ("linear")
+                nm += "_"
         else:
             continue
-        ours[fx] = nm
-        runtime.fx_nodes[nm] = fx
+        fx_nodes[nm] = fx
+    return fx_nodes, state_keys, params
+
+
+def program_state(program: Any, state_keys: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Parameter, buffer and constant tensors of an exported program, by our node name."""
+    table = {**program.state_dict, **program.constants}
+    return {nm: table[key] for nm, key in state_keys.items()}
+
+
+def _from_export(program: Any, step: TrainStep, inputs: tuple, targets: tuple,
+                 name: str) -> OpGraph:
+    fx_nodes, state_keys, params = program_structure(program, len(inputs))
+    runtime = CaptureRuntime(step, inputs, targets, program, fx_nodes,
+                             program_state(program, state_keys))
+    ours = {fx: nm for nm, fx in fx_nodes.items()}
     loss_fx = program.graph.output_node().args[0][0]
     values = runtime.values()
     grad_of: dict[str, bool] = {}
@@ -247,7 +282,7 @@ def _from_export(program: Any, step: TrainStep, inputs: tuple, targets: tuple,
         dtype = str(outs[0].dtype).replace("torch.", "") if outs else "none"
         if fx.op == "placeholder":
             if nm in runtime.state:
-                is_param = fx.name in params
+                is_param = nm in params
                 kind = "param" if is_param else "buffer"
                 rg = is_param and val.is_floating_point()
                 mpath = nm.rsplit(".", 1)[0] if "." in nm else ""
@@ -341,7 +376,7 @@ def _replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> _R
                                 grad_outputs=[torch.ones_like(t) for t in grads_needed],
                                 allow_unused=True)
         bwd_flops = bwd_counter.get_total_flops()
-    me = fx.name
+    me = names[fx]  # our name, which differs from fx's when it was taken
     saves: list[str] = []
     extra, seen = 0, set()
     for t in saved:

@@ -20,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx.node import map_aggregate
-from tqdm.auto import tqdm
 
-from explorer.capture import CaptureRuntime, _tensors
+from explorer.capture import CaptureRuntime, keep_buffers
 from explorer.cluster import Cluster, Device
 from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
@@ -124,64 +122,49 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
             progress: bool = True) -> DeviceCosts:
-    """Time every op of ``graph`` on ``dev`` (which must be present)."""
-    rt: CaptureRuntime = graph.runtime
+    """Time every op of ``graph`` on ``dev`` (which must be present).
+
+    Export-captured graphs run through the real runtime (:mod:`explorer.execute`) on one
+    rank, so each op's forward and backward are timed exactly as a real run executes them,
+    bookkeeping included; the optimizer step is timed the same way. Hook-captured graphs time
+    each leaf-module call in real forward and backward passes.
+    """
     sync = _sync(dev)
     with device_threads(dev), torch.random.fork_rng(devices=[]):
+        per_byte, per_tensor = _measure_optimizers(dev, sync)
+        tiny = torch.zeros(1, device=dev.torch_device)
+        floor = _time(lambda: torch.add(tiny, 1.0), sync, max(repeats, 20), warmup)
         if graph.source == "hooks":
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
         else:
-            fwd, bwd = _measure_ops(graph, rt, dev, sync, repeats, warmup, progress)
-        tiny = torch.zeros(1, device=dev.torch_device)
-        overhead = _time(lambda: torch.add(tiny, 1.0), sync, max(repeats, 20), warmup)
-        per_byte, per_tensor = _measure_optimizers(dev, sync)
+            fwd, bwd, opt_s = _measure_in_runtime(graph, dev, repeats, warmup, progress)
+            # scale the optimizer micro-benchmark to what the real step measured
+            pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
+            ntens = sum(1 for n in graph.nodes if n.kind == "param")
+            model = per_byte["adam"] * pbytes + per_tensor["adam"] * ntens
+            if model > 0 and opt_s > 0:
+                k = opt_s / model
+                per_byte = {o: v * k for o, v in per_byte.items()}
+                per_tensor = {o: v * k for o, v in per_tensor.items()}
+    op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
+    overhead = max(floor, op_times[0]) if op_times else floor
     src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
     return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
 
 
-def _measure_ops(graph: OpGraph, rt: CaptureRuntime, dev: Device, sync, repeats: int,
-                 warmup: int, progress: bool) -> tuple[list[float], list[float]]:
-    values = rt.values(dev.torch_device)
-    names = {v: k for k, v in rt.fx_nodes.items()}
-    grad_of = {n.name: n.requires_grad for n in graph.nodes}
-    fwd = [0.0] * len(graph)
-    bwd = [0.0] * len(graph)
-    ops = [i for i, n in enumerate(graph.nodes) if n.kind == "op"]
-    bar = tqdm(ops, desc=f"profiling on {dev.id}", unit="op", disable=not progress,
-               leave=False)
-    for i in bar:
-        node = graph.nodes[i]
-        fx = rt.fx_nodes[node.name]
-        leaves: list[torch.Tensor] = []
+def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
+                        progress: bool) -> tuple[list[float], list[float], float]:
+    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank."""
+    from explorer.plan import Plan
+    from explorer.run import run
 
-        def arg(a: Any, leaves=leaves) -> Any:
-            if not isinstance(a, torch.fx.Node):
-                return a
-            nm = names[a]
-
-            def make(v: Any) -> Any:
-                if not isinstance(v, torch.Tensor):
-                    return v
-                t = v.detach()
-                if grad_of[nm] and t.is_floating_point():
-                    t = t.clone().requires_grad_(True)
-                    leaves.append(t)
-                return t
-
-            return map_aggregate(values[nm], make)
-
-        args, kwargs = map_aggregate(fx.args, arg), map_aggregate(fx.kwargs, arg)
-        target = fx.target
-        with torch.no_grad():
-            fwd[i] = _time(lambda: target(*args, **kwargs), sync, repeats, warmup)
-        if node.requires_grad and leaves:
-            outs = [t for t in _tensors(target(*args, **kwargs)) if t.requires_grad]
-            if outs:
-                grads = [torch.ones_like(t) for t in outs]
-                bwd[i] = _time(lambda outs=outs, grads=grads: torch.autograd.grad(
-                    outs, leaves, grads, retain_graph=True, allow_unused=True),
-                    sync, repeats, warmup)
-    return fwd, bwd
+    plan = Plan.single(graph, dev.id, optimizer="adam")
+    meas = run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
+               device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0)
+    task = meas.task_s
+    fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
+    bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]
+    return fwd, bwd, task.get("optimizer:-1", 0.0)
 
 
 def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
@@ -227,18 +210,19 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
     for m in leaves:
         hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
                   m.register_full_backward_pre_hook(bpre), m.register_full_backward_hook(bpost)]
-    try:
-        for k in range(warmup + repeats):
-            record["on"] = k >= warmup
-            calls.clear()
-            names_of.clear()
-            loss = step(*args)
-            loss.backward()
-    finally:
-        for h in hooks:
-            h.remove()
-        step.model.zero_grad(set_to_none=True)
-        rt.step.to("cpu")
+    with keep_buffers(step.model):  # BatchNorm statistics: as they were after capture
+        try:
+            for k in range(warmup + repeats):
+                record["on"] = k >= warmup
+                calls.clear()
+                names_of.clear()
+                loss = step(*args)
+                loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
+            step.model.zero_grad(set_to_none=True)
+            rt.step.to("cpu")
     med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
     fwd = [med(samples_f.get(n.name, [])) for n in graph.nodes]
     bwd = [med(samples_b.get(n.name, [])) for n in graph.nodes]

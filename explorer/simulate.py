@@ -312,7 +312,7 @@ class _Sim:
                 chan = self.resource(("allreduce", s, -1))
                 bucket: list[int] = []
                 size = 0
-                for k, p in enumerate(params + [None]):
+                for k, p in enumerate([*params, None]):
                     if p is not None:
                         bucket.append(p)
                         size += nodes[p].out_bytes
@@ -364,6 +364,7 @@ class _Sim:
         busy = [False] * R
         last_on = [-1] * R
         events: list[tuple[float, int]] = []
+        order: list[int] = []  # tasks in the order they start: a topological order
 
         def try_start(r: int, now: float) -> None:
             if busy[r] or not queues[r]:
@@ -372,6 +373,7 @@ class _Sim:
             s = max(now, ready_at[t], free_at[r])
             start[t] = s
             end[t] = s + self.dur[t]
+            order.append(t)
             cause[t] = ready_from[t] if ready_at[t] >= free_at[r] else last_on[r]
             busy[r] = True
             heapq.heappush(events, (end[t], t))
@@ -403,7 +405,7 @@ class _Sim:
         if done != n:
             raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
                             "bug in the plan or simulator, please report it with the plan JSON")
-        self.start, self.end, self.cause = start, end, cause
+        self.start, self.end, self.cause, self.order = start, end, cause, order
 
 
 def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
@@ -419,6 +421,45 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     sim.build()
     sim.run()
     return _predict(graph, plan, costs, sim)
+
+
+def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
+                    ) -> list[list[tuple[str, int, int]]]:
+    """Per stage, the compute tasks in the order the simulated schedule starts them.
+
+    Each task is (kind, micro-batch, node index) with kind "fwd", "bwd" or "optimizer" (node
+    -1). All stages' lists are subsequences of one topological order of the step's tasks, so
+    ranks that follow them with blocking receives (and non-blocking sends) cannot deadlock,
+    whatever the placement. Without ``costs`` every op counts as one unit of time.
+    """
+    if costs is None:
+        costs = unit_costs(graph, plan)
+    sim = _Sim(graph, plan, costs)
+    sim.build()
+    sim.run()
+    out: list[list[tuple[str, int, int]]] = [[] for _ in plan.stages]
+    for t in sim.order:
+        key = sim.resources[sim.res[t]]
+        if key[0] != "stage":
+            continue
+        kind = sim.kind[t]
+        node = -1 if kind == OPT else graph.index[sim.label[t]]
+        out[key[1]].append((kind, sim.mb[t], node))
+    return out
+
+
+def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
+    """Every op 1 s forward and 2 s backward, free links: for schedules without a profile."""
+    from explorer.cluster import Cluster, Device, Link
+    from explorer.costs import DeviceCosts
+
+    devs = tuple(Device(d, "cpu", "unit", 2**62, 1.0, 1.0, 1.0, 0.0, 0.0, False, "", "unit")
+                 for d in plan.devices)
+    cl = Cluster("unit", devs, Link(0.0, float("inf"), "unit"))
+    ops = [n.kind == "op" for n in graph.nodes]
+    dc = DeviceCosts("cpu:unit", [1.0 * o for o in ops], [2.0 * o for o in ops],
+                     ["unit"] * len(ops), 0.0)
+    return CostModel(graph.fingerprint, cl, {"cpu:unit": dc})
 
 
 def _predict(graph: OpGraph, plan: Plan, costs: CostModel, sim: _Sim) -> Prediction:

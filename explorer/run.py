@@ -1,0 +1,258 @@
+"""Real training steps under a plan: launch one process per device, gather what they measured.
+
+The launcher starts ``python -m explorer.execute JOB`` once per device with the environment
+torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), each in its own
+process group, watches them, and ends every one of them on failure, time-out or interrupt, so no
+process outlives a run. A failed rank becomes an :class:`RunFailed` naming the rank, its device
+and the cause; the caller (a notebook kernel) keeps running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from explorer.capture import capture
+from explorer.costs import CostModel
+from explorer.errors import ExplorerError, MemoryExceededError, PlanError
+from explorer.execute import write_job
+from explorer.graph import OpGraph
+from explorer.plan import Plan
+from explorer.simulate import execution_order, simulate, unit_costs
+
+
+class RunFailed(ExplorerError):
+    """A rank of a real run failed, hung or was killed."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What real steps measured. ``step_s`` is the median over the measured steps of the
+    slowest rank's step time; per-device figures are medians too."""
+
+    step_s: float
+    step_samples_s: tuple[float, ...]
+    busy_s: dict[str, float]
+    peak_bytes: dict[str, int]
+    memory_source: str
+    losses: tuple[float, ...]
+    energy_j: float | None
+    energy_by_device_j: dict[str, float] | None
+    algorithm: str
+    steps: int
+    warmup: int
+    task_s: dict[str, float] = field(default_factory=dict, repr=False)
+    grads: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    plan: Plan | None = field(default=None, repr=False, compare=False)
+    graph: OpGraph | None = field(default=None, repr=False, compare=False)
+
+
+def device_map(plan: Plan, cluster: Any = None) -> dict[str, str]:
+    """The torch device of every device in the plan; devices not on this machine are refused."""
+    out = {}
+    absent = []
+    for d in plan.devices:
+        dev = None
+        if cluster is not None and d in cluster.ids:
+            dev = cluster.device(d)
+        if dev is not None and dev.present:
+            out[d] = dev.torch_device or "cpu"
+        elif dev is None and d.startswith("cpu:"):
+            out[d] = "cpu"
+        elif dev is None and d.startswith("cuda:") and torch.cuda.is_available():
+            out[d] = d
+        else:
+            absent.append(d)
+    if absent:
+        raise PlanError(f"the plan uses {', '.join(absent)}, which this machine does not have; "
+                        "to run for real, plan for Cluster.cpu(n) or Cluster.discover(), or "
+                        "export the plan and launch it where those devices are")
+    if any(v.startswith("cuda") for v in out.values()) and any(v == "cpu" for v in out.values()):
+        raise PlanError("a real run uses either GPUs (NCCL) or CPU ranks (gloo), not both")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps: int = 5,
+        warmup: int = 2, loss_fn: Any = None, targets: Any = None, costs: CostModel | None = None,
+        cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
+        progress: bool = True, record: bool = False, keep: str | Path | None = None,
+        device_override: dict[str, str] | None = None) -> Measurement:
+    """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
+
+    ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
+    or an already captured :class:`OpGraph`. With ``costs`` the ranks follow the simulated
+    schedule of that cost model (and ``cluster`` defaults to its cluster); without, the schedule
+    is simulated with unit costs. A plan predicted not to fit in memory needs ``force=True``.
+    ``record=True`` keeps the gradients of the first step (for checking against one device).
+    """
+    if plan is None:
+        raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
+    graph = model if isinstance(model, OpGraph) else capture(model, example_inputs, loss_fn,
+                                                             targets)
+    if graph.source != "export" or graph.runtime is None or graph.runtime.program is None:
+        raise ExplorerError("real runs need a graph captured with torch.export; this one came "
+                            f"from {graph.source}: {'; '.join(graph.notes)}")
+    if steps < 1 or warmup < 0:
+        raise ExplorerError("steps must be >= 1 and warmup >= 0")
+    cluster = cluster if cluster is not None else (costs.cluster if costs else None)
+    plan.validate(graph)
+    plan.check_batch(graph.batch_size)
+    dmap = device_override or device_map(plan, cluster)
+    scored = costs if costs is not None else unit_costs(graph, plan)
+    if cluster is not None and not force:
+        model_costs = costs if costs is not None else None
+        if model_costs is not None:
+            pred = simulate(graph, plan, model_costs)
+            if not pred.fits:
+                raise MemoryExceededError(
+                    f"the prediction says this plan does not fit: {pred.memory_report()}; "
+                    "run it anyway with force=True, or choose a plan that fits")
+    order = execution_order(graph, plan, scored)
+    rt = graph.runtime
+    with contextlib.ExitStack() as stack:
+        if keep is None:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="explorer-")))
+        else:
+            folder = Path(keep)
+        write_job(folder, rt.program, plan, order, rt.inputs, rt.targets, steps, warmup, lr,
+                  record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss)
+        results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
+                                plan)
+    return _measurement(results, grads, plan, graph, steps, warmup)
+
+
+def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,
+           plan: Plan) -> tuple[list[dict], dict[str, torch.Tensor] | None]:
+    """Start ``world`` ranks on the job in ``folder`` and wait for them; never leave one."""
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+    logs = []
+    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    bar = tqdm(total=total_steps, desc="running steps", unit="step", disable=not progress,
+               leave=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for r in range(world):
+            log = open(folder / f"log-{r}.txt", "w")
+            logs.append(log)
+            env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "explorer.execute", str(folder)], env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        shown = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise RunFailed(_failure(folder, failed[0], codes[failed[0]], plan))
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                running = [r for r, c in enumerate(codes) if c is None]
+                raise RunFailed(
+                    f"the run did not finish within {timeout_s:.0f} s; ranks "
+                    f"{', '.join(f'{r} ({plan.devices[r]})' for r in running)} were still "
+                    "running and have been stopped. Give more time with timeout_s=..., or "
+                    "fewer steps")
+            done = _progress(folder)
+            if done > shown:
+                bar.update(done - shown)
+                shown = done
+            time.sleep(0.05)
+        bar.update(total_steps - shown)
+    finally:
+        bar.close()
+        _stop(procs)
+        for log in logs:
+            log.close()
+    results = []
+    grads: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        results.append(json.loads((folder / f"result-{r}.json").read_text()))
+        gpath = folder / f"grads-{r}.pt"
+        if gpath.exists():
+            grads.update(torch.load(gpath))
+    return results, grads or None
+
+
+def _progress(folder: Path) -> int:
+    try:
+        return int((folder / "progress").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _failure(folder: Path, rank: int, code: int, plan: Plan) -> str:
+    dev = plan.devices[rank]
+    err = folder / f"error-{rank}.txt"
+    if err.exists():
+        text = err.read_text().strip().splitlines()
+        return (f"rank {rank} ({dev}) failed: {text[0] if text else 'no message'}; all ranks "
+                "have been stopped")
+    if code < 0:
+        sig = signal.Signals(-code).name
+        why = " (the system may have run out of memory)" if sig == "SIGKILL" else ""
+        return f"rank {rank} ({dev}) was killed by {sig}{why}; all ranks have been stopped"
+    log = (folder / f"log-{rank}.txt")
+    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+    return (f"rank {rank} ({dev}) exited with code {code}: {' | '.join(tail) or 'no output'}; "
+            "all ranks have been stopped")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Kill every rank's whole process group and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: int,
+                 warmup: int) -> Measurement:
+    measured = [[s for s in r["steps"] if s["measured"]] for r in results]
+    per_step = [max(m[k]["step_s"] for m in measured) for k in range(steps)]
+    busy = {r["device"]: statistics.median(s["busy_s"] for s in m)
+            for r, m in zip(results, measured, strict=True)}
+    peak = {r["device"]: max(s["peak_bytes"] for s in m)
+            for r, m in zip(results, measured, strict=True)}
+    losses = []
+    for k in range(warmup + steps):
+        vals = [r["steps"][k]["loss"] for r in results if r["steps"][k]["loss"] is not None]
+        losses.append(sum(vals) / len(vals) if vals else float("nan"))
+    energies = {r["device"]: statistics.median(s["energy_j"] for s in m)
+                for r, m in zip(results, measured, strict=True)
+                if all(s.get("energy_j") is not None for s in m)}
+    return Measurement(
+        step_s=statistics.median(per_step), step_samples_s=tuple(per_step), busy_s=busy,
+        peak_bytes=peak, memory_source=results[0]["memory_source"], losses=tuple(losses),
+        energy_j=sum(energies.values()) if len(energies) == len(results) else None,
+        energy_by_device_j=energies if len(energies) == len(results) else None,
+        algorithm=plan.algorithm, steps=steps, warmup=warmup,
+        task_s={k: v for r in results for k, v in r.get("task_s", {}).items()}, grads=grads,
+        plan=plan,
+        graph=graph)
