@@ -10,6 +10,7 @@
 
 from explorer.capture import capture
 from explorer.cluster import Cluster, Device, Link
+from explorer.compare import Report, calibrate, compare
 from explorer.costs import CostModel
 from explorer.errors import (
     CaptureError,
@@ -19,19 +20,46 @@ from explorer.errors import (
     PlanError,
     UnknownNameError,
 )
+from explorer.export import export_script
 from explorer.graph import OpGraph, OpNode
 from explorer.models import build as builtin_model
 from explorer.models import model_names
 from explorer.partition import algorithm, algorithms, partition
 from explorer.plan import Plan
 from explorer.profile import profile
+from explorer.run import Measurement, RunFailed, run
 from explorer.simulate import Prediction, simulate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "Cluster", "CostModel", "Device", "ExplorerError", "InputMismatchError",
-    "Link", "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "Prediction",
-    "UnknownNameError", "algorithm", "algorithms", "builtin_model", "capture", "model_names",
-    "partition", "profile", "simulate",
+    "CaptureError",
+    "Cluster",
+    "CostModel",
+    "Device",
+    "ExplorerError",
+    "InputMismatchError",
+    "Link",
+    "Measurement",
+    "MemoryExceededError",
+    "OpGraph",
+    "OpNode",
+    "Plan",
+    "PlanError",
+    "Prediction",
+    "Report",
+    "RunFailed",
+    "UnknownNameError",
+    "algorithm",
+    "algorithms",
+    "builtin_model",
+    "calibrate",
+    "capture",
+    "compare",
+    "export_script",
+    "model_names",
+    "partition",
+    "profile",
+    "run",
+    "simulate",
 ]

@@ -125,9 +125,14 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     with keep_buffers(model):
         _check_runs(step, inputs, tgts)
     name = name or type(model).__name__
+    notes: tuple[str, ...] = ()
     try:
         with _quiet_torch():
-            program = torch.export.export(step, (*inputs, *tgts))
+            program = _export(step, (*inputs, *tgts))
+        if not _batch_is_dynamic(program):
+            notes = ("exported with a fixed batch size (the batch dimension could not be made "
+                     "dynamic): plans that split the batch (data parallel, micro-batches) can "
+                     "be simulated but not run",)
     except Exception as exc:
         reason = _first_line(exc)
         try:
@@ -142,7 +147,9 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         graph.notes = (f"torch.export failed ({reason}); captured one node per leaf-module "
                        "call from forward hooks instead",)
         return graph
-    return _from_export(program, step, inputs, tgts, name)
+    graph = _from_export(program, step, inputs, tgts, name)
+    graph.notes = notes
+    return graph
 
 
 @contextlib.contextmanager
@@ -172,6 +179,31 @@ def _quiet_torch():
     finally:
         for log in loggers:
             log.removeFilter(drop)
+
+
+def _export(step: TrainStep, args: tuple) -> Any:
+    """Export with dim 0 of every input dynamic, so shards of the batch run the same program;
+    a model that forces a fixed batch is exported with static shapes instead."""
+    batch = torch.export.Dim("batch")
+    try:
+        return torch.export.export(step, args, dynamic_shapes=(tuple({0: batch} for _ in args),))
+    except Exception:
+        return torch.export.export(step, args)
+
+
+def _batch_is_dynamic(program: Any) -> bool:
+    for fx in program.graph.nodes:
+        if fx.op == "placeholder" and fx.name in program.graph_signature.user_inputs:
+            val = fx.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() and not isinstance(val.shape[0], int):
+                return True
+    return False
+
+
+def batch_splits(graph: OpGraph) -> bool:
+    """Whether real runs of this graph may split the batch (dynamic batch dimension)."""
+    rt = graph.runtime
+    return rt is not None and rt.program is not None and _batch_is_dynamic(rt.program)
 
 
 def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -307,6 +339,9 @@ def _from_export(program: Any, step: TrainStep, inputs: tuple, targets: tuple,
     bs = int(inputs[0].shape[0])
     graph = OpGraph(name, nodes, bs, "export", ours[loss_fx])
     graph.runtime = runtime
+    from explorer.export import remember
+
+    remember(graph)
     return graph
 
 

@@ -41,6 +41,7 @@ from explorer.errors import ExplorerError
 from explorer.plan import Plan
 
 BUCKET_BYTES = 25 * 1024 * 1024
+_HEADER = 256  # int64 words of a message header
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
@@ -281,38 +282,56 @@ class Rank:
         return out
 
     # -- communication -------------------------------------------------------------------
-    def send(self, value: Any, dst: int) -> None:
+    def tag(self, kind: int, m: int, u: int, node: int) -> int:
+        """A message's tag: what it carries (activation 0, gradient 1, weight 2, weight
+        gradient 3) for which micro-batch, shard and node; receivers match on it."""
+        return ((m * self.U + u) * len(self.names) + node) * 4 + kind
+
+    def send(self, value: Any, dst: int, tag: int) -> None:
+        """Send a tensor, a list of tensors or a Python number: a header, then each tensor."""
         flat, _ = tree_flatten(value)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        header = [len(tensors)]
-        for t in tensors:
-            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-        h = torch.tensor([len(header), *header], dtype=torch.int64)
-        pad = torch.zeros(64, dtype=torch.int64)
-        pad[: len(h)] = h
-        self.pending.append((dist.isend(pad.to(self.tdev), dst), pad))
+        header = [len(flat)]
+        tensors = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                header += [0, _DTYPES.index(x.dtype), x.dim(), *x.shape]
+                tensors.append(x)
+            elif isinstance(x, (bool, int)):
+                header += [1, int(x)]
+            else:
+                raise ExplorerError(f"cannot send a {type(x).__name__} between ranks")
+        if len(header) + 1 > _HEADER:
+            raise ExplorerError("an op output has too many parts to send between ranks")
+        pad = torch.zeros(_HEADER, dtype=torch.int64)
+        pad[: len(header) + 1] = torch.tensor([len(header), *header], dtype=torch.int64)
+        pad = pad.to(self.tdev)
+        self.pending.append((dist.isend(pad, dst, tag=tag), pad))
         for t in tensors:
             c = t.detach().to(self.tdev).contiguous()
-            self.pending.append((dist.isend(c, dst), c))
+            self.pending.append((dist.isend(c, dst, tag=tag), c))
 
-    def recv(self, src: int) -> list[torch.Tensor]:
+    def recv(self, src: int, tag: int) -> list[Any]:
         t0 = time.perf_counter()
         try:
-            return self._recv(src)
+            return self._recv(src, tag)
         finally:
             self.waited += time.perf_counter() - t0
 
-    def _recv(self, src: int) -> list[torch.Tensor]:
-        pad = torch.zeros(64, dtype=torch.int64, device=self.tdev)
-        dist.recv(pad, src)
+    def _recv(self, src: int, tag: int) -> list[Any]:
+        pad = torch.zeros(_HEADER, dtype=torch.int64, device=self.tdev)
+        dist.recv(pad, src, tag=tag)
         h = pad.tolist()
         n, pos, out = h[1], 2, []
         for _ in range(n):
-            dtype, nd = _DTYPES[h[pos]], h[pos + 1]
-            shape = h[pos + 2: pos + 2 + nd]
-            pos += 2 + nd
+            if h[pos] == 1:
+                out.append(h[pos + 1])
+                pos += 2
+                continue
+            dtype, nd = _DTYPES[h[pos + 1]], h[pos + 2]
+            shape = h[pos + 3: pos + 3 + nd]
+            pos += 3 + nd
             t = torch.empty(shape, dtype=dtype, device=self.tdev)
-            dist.recv(t, src)
+            dist.recv(t, src, tag=tag)
             out.append(t)
         return out
 
@@ -380,12 +399,13 @@ class Rank:
             for t in {self.stage[c] for c in self.succs[i]} - {self.s}:
                 for jt, dev in enumerate(self.plan.stages[t]):
                     if jt % len(self.plan.stages[self.s]) == self.j:
-                        self.send(self.value[i].detach(), self.devs.index(dev))
+                        self.send(self.value[i].detach(), self.devs.index(dev),
+                                  self.tag(2, 0, 0, i))
         for i in self.used_remote:
             src_stage = self.stage[i]
             src = self.devs.index(self.plan.stages[src_stage][
                 self.j % len(self.plan.stages[src_stage])])
-            (t,) = self.recv(src)
+            (t,) = self.recv(src, self.tag(2, 0, 0, i))
             with torch.no_grad():
                 self.value[i].copy_(t)
 
@@ -401,11 +421,12 @@ class Rank:
         else:
             rk = (m, u, p)
             if rk not in self.received:
-                flat = self.recv(self.peer(self.stage[p], u))
+                flat = self.recv(self.peer(self.stage[p], u), self.tag(0, m, u, p))
                 spec = self._spec[p]
                 val = tree_unflatten(flat, spec) if spec is not None else flat[0]
                 for t in flat:
-                    self.tracker.add(t)
+                    if isinstance(t, torch.Tensor):
+                        self.tracker.add(t)
                 self.received[rk] = val
                 self.fwd_left[(m, u, p)] = sum(1 for c in self.succs[p]
                                                if self.stage[c] == self.s)
@@ -420,6 +441,15 @@ class Rank:
             else:
                 wrapped.append(t)
         return tree_unflatten(wrapped, spec)
+
+    def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Use this batch from the next step on (same shapes as the example batch)."""
+        for new, old in zip([*inputs, *targets], [*self.job.inputs, *self.job.targets],
+                            strict=True):
+            if new.shape != old.shape:
+                raise ExplorerError(f"batches() gave a tensor of shape {tuple(new.shape)} "
+                                    f"where the plan expects {tuple(old.shape)}")
+        self.job.inputs, self.job.targets = list(inputs), list(targets)
 
     def _batch(self, m: int, u: int, p: int) -> torch.Tensor:
         k = int(self.names[p].split("_")[1])
@@ -439,8 +469,8 @@ class Rank:
         slots: list = []
         args_of = {p: self._arg(m, u, p, slots) for p in self.preds[i]}
         lookup = {fx_in: args_of[self.index[self._name_of[fx_in]]] for fx_in in fx.all_input_nodes}
-        args = torch.fx.node.map_arg(fx.args, lambda a: lookup[a])
-        kwargs = torch.fx.node.map_arg(fx.kwargs, lambda a: lookup[a])
+        args = _plain(torch.fx.node.map_arg(fx.args, lambda a: lookup[a]))
+        kwargs = _plain(torch.fx.node.map_arg(fx.kwargs, lambda a: lookup[a]))
         tracker = self.tracker
         with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, tracker),
                                                       lambda s: s.t):
@@ -456,7 +486,7 @@ class Rank:
         self.slots[(m, u, i)] = slots
         self.fwd_left[(m, u, i)] = sum(1 for c in self.succs[i] if self.stage[c] == self.s)
         for t in sorted({self.stage[c] for c in self.succs[i]} - {self.s}):
-            self.send(out, self.peer(t, u))
+            self.send(out, self.peer(t, u), self.tag(0, m, u, i))
         if self.names[i] == self.loss_name:
             self.losses.append(float(out.detach()))
         # inputs whose last local forward use this was can go
@@ -492,11 +522,11 @@ class Rank:
         edges = self.edges.pop(key, None) or []
         slots = self.slots.pop(key, [])
         n = self._nflat[i]
-        grads = self.grad.pop(key, None)
         # gradients from consumers on other stages
         for t in sorted({self.stage[c] for c in self.succs[i] if self.requires_grad[c]}
                         - {self.s}):
-            grads = _add(grads, self.recv(self.peer(t, u)), n)
+            self._store_grad(key, self.recv(self.peer(t, u), self.tag(1, m, u, i)), n)
+        grads = self.grad.pop(key, None)
         if self.names[i] == self.loss_name:
             grads = [torch.full_like(self.env[(m, u)][i], 1.0 / (self.M * self.U))]
             self._release_output(m, u, i)
@@ -521,10 +551,7 @@ class Rank:
                 continue
             gk = (m, u, p)
             if p in per_pred:
-                for g in per_pred[p]:
-                    if g is not None:
-                        self.tracker.add(g)
-                self.grad[gk] = _add(self.grad.get(gk), per_pred[p], self._nflat[p])
+                self._store_grad(gk, per_pred[p], self._nflat[p])
             if self.stage[p] != self.s:
                 left = self.bwd_left.get(gk)
                 if left is None:
@@ -534,10 +561,22 @@ class Rank:
                 if left - 1 == 0:
                     g = self.grad.pop(gk, None) or [None] * self._nflat[p]
                     self.send([x if x is not None else _EMPTY for x in g],
-                              self.peer(self.stage[p], u))
+                              self.peer(self.stage[p], u), self.tag(1, m, u, p))
                     for x in g:
                         if x is not None:
                             self.tracker.drop(x)
+
+    def _store_grad(self, key: tuple[int, int, int], new: list, n: int) -> None:
+        """Add gradients to what is held for ``key``, keeping the memory accounting exact."""
+        old = self.grad.get(key)
+        total = _add(old, new, n)
+        for x in old or []:
+            if x is not None:
+                self.tracker.drop(x)
+        for x in total:
+            if x is not None:
+                self.tracker.add(x)
+        self.grad[key] = total
 
     def _param_used(self, p: int) -> None:
         self.uses_left[p] -= 1
@@ -571,7 +610,8 @@ class Rank:
             g = self.value[i].grad
             dst = self.devs.index(self.plan.stages[self.stage[i]][
                 self.j % len(self.plan.stages[self.stage[i]])])
-            self.send(g if g is not None else torch.zeros_like(self.value[i]), dst)
+            self.send(g if g is not None else torch.zeros_like(self.value[i]), dst,
+                      self.tag(3, 0, self.j, i))
             self._drop_grad(self.value[i])
         for i in self.owned:
             if self.kind[i] != "param" or not self.value[i].requires_grad:
@@ -580,7 +620,7 @@ class Rank:
             for t in remote:
                 for jt, dev in enumerate(self.plan.stages[t]):
                     if jt % len(self.plan.stages[self.s]) == self.j:
-                        (g,) = self.recv(self.devs.index(dev))
+                        (g,) = self.recv(self.devs.index(dev), self.tag(3, 0, jt, i))
                         p = self.value[i]
                         with torch.no_grad():
                             if p.grad is None:
@@ -667,6 +707,17 @@ _Released = _ReleasedType()
 _EMPTY = torch.zeros(0)  # stands for "no gradient" in a message
 
 
+def _plain(x: Any) -> Any:
+    """fx's immutable containers as plain lists and dicts (some ATen schemas insist)."""
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_plain(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
 def _add(acc: list | None, new: list, n: int) -> list:
     """Element-wise sum of two gradient lists; None (or an empty tensor) is no gradient."""
     new = [None if x is None or (x.dim() == 1 and x.numel() == 0) else x for x in new]
@@ -690,9 +741,21 @@ def _watch_parent() -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0])
+def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = False) -> int:
+    """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X]``.
+
+    ``batches(step)`` (optional) returns (inputs, targets) for each step, or None to reuse the
+    job's example batch. With ``verbose``, the rank holding the loss prints each step.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="explorer.execute")
+    ap.add_argument("job")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--lr", type=float)
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    folder = Path(args.job)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -701,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torch.set_num_threads(int(os.environ.get("EXPLORER_THREADS", "1")))
         job = read_job(folder)
+        for k in ("steps", "warmup", "lr"):
+            if getattr(args, k) is not None:
+                setattr(job, k, getattr(args, k))
         cuda = any(v.startswith("cuda") for v in job.device_map.values())
         backend = "nccl" if cuda else "gloo"
         if cuda:
@@ -712,7 +778,13 @@ def main(argv: list[str] | None = None) -> int:
         r.all_times = defaultdict(list)
         energy = _Energy(r.tdev)
         results = []
+        fault = _fault(rank)
         for k in range(job.warmup + job.steps):
+            if fault and k == fault[1]:
+                _inject(fault[0])
+            fed = batches(k) if batches is not None else None
+            if fed is not None:
+                r.feed(*fed)
             e0 = energy.read()
             res = r.step()
             e1 = energy.read()
@@ -721,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
             res["energy_j"] = (e1 - e0) if e0 is not None and e1 is not None else None
             res["measured"] = k >= job.warmup
             results.append(res)
+            if verbose and res["loss"] is not None and r.j == 0:
+                print(f"step {k + 1}/{job.warmup + job.steps}: loss {res['loss']:.6f}, "
+                      f"{res['step_s'] * 1e3:.1f} ms", flush=True)
             if rank == 0:
                 (out / "progress").write_text(str(k + 1))
         record = {"rank": rank, "device": r.device_id, "steps": results,
@@ -741,6 +816,29 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"error-{rank}.txt").write_text(
             f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
         os._exit(1)
+
+
+def _fault(rank: int) -> tuple[str, int] | None:
+    """Test hook: EXPLORER_FAULT="RANK:KIND[:STEP]" makes that rank fail (raise, oom, hang,
+    kill) at that step, so the launcher's clean-up can be tested for real."""
+    spec = os.environ.get("EXPLORER_FAULT", "")
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != rank:
+        return None
+    return parts[1], int(parts[2]) if len(parts) > 2 else 0
+
+
+def _inject(kind: str) -> None:
+    if kind == "raise":
+        raise RuntimeError("injected failure (EXPLORER_FAULT)")
+    if kind == "oom":
+        raise MemoryError("injected out-of-memory (EXPLORER_FAULT)")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "kill":
+        os.kill(os.getpid(), 9)
 
 
 class _Energy:

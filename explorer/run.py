@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from explorer.capture import capture
+from explorer.capture import batch_splits, capture
 from explorer.costs import CostModel
 from explorer.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.execute import write_job
@@ -117,6 +117,11 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
+    splits = max(len(st) for st in plan.stages) * plan.micro_batches
+    if splits > 1 and not batch_splits(graph):
+        raise PlanError("this model was exported with a fixed batch size, so a plan that "
+                        "splits the batch (replicas or micro-batches) cannot run; "
+                        f"{graph.notes[0] if graph.notes else ''}")
     dmap = device_override or device_map(plan, cluster)
     scored = costs if costs is not None else unit_costs(graph, plan)
     if cluster is not None and not force:
@@ -166,7 +171,9 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                raise RunFailed(_failure(folder, failed[0], codes[failed[0]], plan))
+                time.sleep(1.0)  # let the others report: the first error is the cause
+                codes = [p.poll() for p in procs]
+                raise RunFailed(_failure(folder, _first_failure(folder, codes), codes, plan))
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
@@ -204,8 +211,23 @@ def _progress(folder: Path) -> int:
         return 0
 
 
-def _failure(folder: Path, rank: int, code: int, plan: Plan) -> str:
+def _first_failure(folder: Path, codes: list[int | None]) -> int:
+    """The rank that failed first: the oldest error report, else the first non-zero exit."""
+    reports = sorted((f.stat().st_mtime, int(f.stem.split("-")[1]))
+                     for f in folder.glob("error-*.txt"))
+    peer = ("Connection closed by peer", "Connection reset by peer")
+    own = [r for _, r in reports
+           if not any(p in (folder / f"error-{r}.txt").read_text() for p in peer)]
+    if own:
+        return own[0]
+    if reports:
+        return reports[0][1]
+    return next(r for r, c in enumerate(codes) if c not in (None, 0))
+
+
+def _failure(folder: Path, rank: int, codes: list[int | None], plan: Plan) -> str:
     dev = plan.devices[rank]
+    code = codes[rank] if codes[rank] is not None else -9
     err = folder / f"error-{rank}.txt"
     if err.exists():
         text = err.read_text().strip().splitlines()

@@ -45,11 +45,13 @@ class Interval:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
+    """A device's memory at its peak moment, by what fills it."""
+
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
     buffers_bytes: int
-    activations_bytes: int  # peak of live activations and activation gradients
+    activations_bytes: int  # live activations and activation gradients at the peak
 
     @property
     def total_bytes(self) -> int:
@@ -531,7 +533,6 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim) -> dict[str, MemoryBreakdown]
     S = len(plan.stages)
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
-    grads = [0] * S
     bufs = [0] * S
     opt = [0] * S
     received_params: set[tuple[int, int]] = set()
@@ -542,14 +543,12 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim) -> dict[str, MemoryBreakdown]
         elif n.param_bytes:
             params[s] += n.param_bytes
             if n.requires_grad or n.kind == "op":
-                grads[s] += n.param_bytes
                 opt[s] += n.param_bytes * state_per_byte
         if n.kind in ("param", "buffer"):
             for c in graph.succs[i]:
                 if stage[c] != s and (i, stage[c]) not in received_params:
                     received_params.add((i, stage[c]))
-                    params[stage[c]] += n.out_bytes  # a copy of the weight and its gradient
-                    grads[stage[c]] += n.out_bytes if n.requires_grad else 0
+                    params[stage[c]] += n.out_bytes  # a copy of the weight
     root = _roots(graph)
     # saved-for-backward: producer root -> nodes whose backward keeps it
     saved_by: dict[int, list[int]] = defaultdict(list)
@@ -621,16 +620,39 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim) -> dict[str, MemoryBreakdown]
                 if stage[v] == dst and (sim.mb[t], v) in bwd:
                     t1 = max(t1, end[bwd[sim.mb[t], v]])
         live(dst, start[t], t1, int(sim.nbytes[t] * M * sim.frac[dst]))
-    act = []
+    # parameter gradients: from the first backward that reaches a weight until the optimizer
+    # step has used it (torch frees them with zero_grad(set_to_none=True))
+    grad_events: list[list[tuple[float, int, int]]] = [[] for _ in range(S)]
+    opt_end = [max(sim.end, default=0.0)] * S
+    for t, kind in enumerate(sim.kind):
+        if kind == OPT:
+            opt_end[sim.resources[sim.res[t]][1]] = sim.end[t]
+    for i, n in enumerate(nodes):
+        if not n.param_bytes or n.kind == "buffer" or not (n.requires_grad or n.kind == "op"):
+            continue
+        users = [i] if n.kind == "op" else graph.succs[i]
+        for s in {stage[c] for c in users}:
+            starts = [start[bwd[m, c]] for c in users for m in range(M)
+                      if stage[c] == s and (m, c) in bwd]
+            if starts:
+                size = n.param_bytes
+                grad_events[s].append((min(starts), 1, size))
+                grad_events[s].append((opt_end[s], 0, -size))
+    act, grad_at_peak = [], []
     for s in range(S):
-        cur = peak = 0
-        for _, _, b in sorted(events[s]):
-            cur += b
-            peak = max(peak, cur)
-        act.append(peak)
+        merged = [(t, o, b, 0) for t, o, b in events[s]] + \
+            [(t, o, b, 1) for t, o, b in grad_events[s]]
+        cur = [0, 0]
+        peak, at = 0, (0, 0)
+        for _, _, b, cat in sorted(merged):
+            cur[cat] += b
+            if cur[0] + cur[1] > peak:
+                peak, at = cur[0] + cur[1], (cur[0], cur[1])
+        act.append(at[0])
+        grad_at_peak.append(at[1])
     out = {}
     for s in range(S):
-        mb = MemoryBreakdown(params[s], grads[s], opt[s], bufs[s], act[s])
+        mb = MemoryBreakdown(params[s], grad_at_peak[s], opt[s], bufs[s], act[s])
         for d in plan.stages[s]:
             out[d] = mb
     return out

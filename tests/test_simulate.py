@@ -142,11 +142,13 @@ class TestMemory:
         c = costs(g, cl, {"a": 1.0, "b": 1.0, "loss": 1.0}, {"a": 1.0, "b": 1.0, "loss": 1.0})
         pred = simulate(g, Plan.single(g, "d:0", optimizer="sgd"), c)
         m = pred.memory["d:0"]
-        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes) == (40, 40, 0)
+        # w's gradient appears with a's backward [5,6), after the peak: none at the peak
+        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes) == (40, 0, 0)
         # fa [0,1] fb [1,2] floss [2,3] bloss [3,4] bb [4,5] ba [5,6]. Live: x [0,6] (saved
         # by a), a [0,2], b [1,5] (saved by b), loss [2,4], grad b [3,5], grad a [4,5].
         # Peak in [4,5): x 100 + b 300 + grad b 300 + grad a 200 = 900
         assert m.activations_bytes == 900
+        assert pred.peak_bytes["d:0"] == 940
 
     def test_over_memory_is_reported_with_the_device(self):
         g = graph([("x", "input", [], 100), ("w", "param", [], 10_000),
