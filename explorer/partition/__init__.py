@@ -32,7 +32,8 @@ class Algorithm:
 _REGISTRY: dict[str, Algorithm] = {}
 
 
-def register(name: str, exact: bool = False) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
+def register(name: str, exact: bool = False
+             ) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
     """Decorator adding a partitioner to the registry under ``name``."""
 
     def wrap(fn: Callable[..., Plan]) -> Callable[..., Plan]:
