@@ -27,7 +27,7 @@ from explorer.models import model_names
 from explorer.partition import algorithm, algorithms, partition
 from explorer.plan import Plan
 from explorer.profile import profile
-from explorer.run import Measurement, RunFailed, run
+from explorer.run import Measurement, RunFailed, reference, run
 from explorer.simulate import Prediction, simulate
 
 __version__ = "0.1.0"
@@ -60,6 +60,7 @@ __all__ = [
     "model_names",
     "partition",
     "profile",
+    "reference",
     "run",
     "simulate",
 ]

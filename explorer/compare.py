@@ -1,4 +1,4 @@
-"""Predicted against measured: a side-by-side report, and calibration of the cost model from runs."""
+"""Predicted against measured: a side-by-side report, and calibration of the cost model."""
 
 from __future__ import annotations
 

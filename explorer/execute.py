@@ -1,8 +1,9 @@
 """The rank side of real training steps: one process per device executing its part of a plan.
 
-Every rank loads the exported program (``torch.export.save``), the plan and a per-stage task
-order taken from the simulated schedule, and runs its tasks in that order: the forward and
-backward of each op placed on its stage, for each micro-batch. Tensors crossing stages go through
+Every rank loads the captured program (the ops of ``torch.export``'s graph with their
+arguments, and the weights), the plan and a per-stage task order taken from the simulated
+schedule, and runs its tasks in that order: the forward and backward of each op placed on its
+stage, for each micro-batch. Tensors crossing stages go through
 ``torch.distributed`` point-to-point (gloo on CPU, NCCL on GPU): non-blocking sends, blocking
 receives. As every stage's order is a piece of one global topological order, this cannot
 deadlock whatever the placement. Backward runs op by op: each op's inputs enter through a small
@@ -12,7 +13,7 @@ longer needs them and only what autograd saves stays alive. Replicas of a stage 
 gradients in 25 MB buckets as soon as a bucket is complete, as DDP does.
 
 The same module is what an exported training script runs under ``torchrun``: launch it with
-``python -m explorer.execute JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
+``python -m explorer.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT environment.
 """
 
@@ -36,7 +37,6 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from explorer.capture import program_state, program_structure
 from explorer.errors import ExplorerError
 from explorer.plan import Plan
 
@@ -121,11 +121,77 @@ class _Saved:
         self.tracker.drop(self.t)
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """A reference to another node's value inside an op's arguments."""
+
+    name: str
+
+
+@dataclass
+class OpCall:
+    """One node of the program a rank runs: enough to call it, nothing of torch.fx."""
+
+    name: str
+    kind: str  # input, param, buffer, op
+    target: str  # "aten.linear.default", "operator.getitem"; "" for placeholders
+    args: Any
+    kwargs: Any
+    inputs: list[str]
+    spec: str | None  # pytree spec of the output when it is not a single tensor
+    nflat: int
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    mod = getattr(target, "__module__", "")
+    if mod in ("_operator", "operator"):
+        return f"operator.{target.__name__}"
+    raise ExplorerError(f"cannot run op {target!r} across processes; please report it")
+
+
+def _resolve(name: str) -> Any:
+    if name.startswith("operator."):
+        import operator
+
+        return getattr(operator, name.split(".", 1)[1])
+    ns, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
+def program_calls(program: Any, n_inputs: int, requires_grad: dict[str, bool]
+                  ) -> tuple[list[OpCall], dict[str, torch.Tensor]]:
+    """The exported program as a list of :class:`OpCall` plus its parameters and buffers."""
+    from torch.utils._pytree import treespec_dumps
+
+    from explorer.capture import program_state, program_structure
+
+    fx_nodes, state_keys, trainable = program_structure(program, n_inputs)
+    names = {fx: n for n, fx in fx_nodes.items()}
+    calls = []
+    for nm, fx in fx_nodes.items():
+        ref = lambda a: _Ref(names[a])  # noqa: E731
+        val = fx.meta.get("val")
+        flat, spec = tree_flatten(val)
+        if fx.op == "placeholder":
+            kind = ("param" if nm in trainable else "buffer") if nm in state_keys else "input"
+            calls.append(OpCall(nm, kind, "", (), {}, [], None, 1))
+            continue
+        calls.append(OpCall(
+            nm, "op", _target_name(fx.target), _plain(torch.fx.node.map_arg(fx.args, ref)),
+            _plain(torch.fx.node.map_arg(fx.kwargs, ref)),
+            list(dict.fromkeys(names[a] for a in fx.all_input_nodes)),
+            None if isinstance(val, torch.Tensor) else treespec_dumps(spec), len(flat)))
+    return calls, program_state(program, state_keys)
+
+
 @dataclass
 class Job:
     """Everything a rank needs, as written to a job folder."""
 
-    program: Any
+    calls: list[OpCall]
+    state: dict[str, torch.Tensor]
     plan: Plan
     order: list[list[tuple[str, int, int]]]
     inputs: list[torch.Tensor]
@@ -144,7 +210,8 @@ def write_job(folder: Path, program: Any, plan: Plan, order, inputs, targets, st
               warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, str(folder / "program.pt2"))
+    calls, state = program_calls(program, len(inputs), {})
+    torch.save({"calls": [c.__dict__ for c in calls], "state": state}, folder / "program.pt")
     plan.save(folder / "plan.json")
     torch.save({"inputs": list(inputs), "targets": list(targets)}, folder / "batch.pt")
     (folder / "job.json").write_text(json.dumps({
@@ -155,8 +222,10 @@ def write_job(folder: Path, program: Any, plan: Plan, order, inputs, targets, st
 
 def read_job(folder: Path) -> Job:
     meta = json.loads((folder / "job.json").read_text())
-    batch = torch.load(folder / "batch.pt")
-    return Job(torch.export.load(str(folder / "program.pt2")), Plan.load(folder / "plan.json"),
+    batch = torch.load(folder / "batch.pt", weights_only=False)
+    prog = torch.load(folder / "program.pt", weights_only=False)  # our own file, written above
+    return Job([OpCall(**c) for c in prog["calls"]], prog["state"],
+               Plan.load(folder / "plan.json"),
                [[tuple(t) for t in st] for st in meta["order"]], batch["inputs"],
                batch["targets"], meta["steps"], meta["warmup"], meta["lr"], meta["record"],
                meta["timeout_s"], meta["device_map"], meta["requires_grad"], meta["loss"])
@@ -179,32 +248,22 @@ class Rank:
             tdev = f"cuda:{local_rank}" if tdev == "cuda" else tdev
             torch.cuda.set_device(tdev)
         self.tdev = torch.device(tdev or "cpu")
-        n_inputs = len(job.inputs)
-        fx_nodes, state_keys, trainable = program_structure(job.program, n_inputs)
-        self.names = list(fx_nodes)
-        self.fx = [fx_nodes[n] for n in self.names]
+        calls = job.calls
+        self.calls = calls
+        self.names = [c.name for c in calls]
         self.index = {n: i for i, n in enumerate(self.names)}
+        self.targets = [_resolve(c.target) if c.kind == "op" else None for c in calls]
         missing = [n for n in self.names if n not in plan.placement]
         if missing:
             raise ExplorerError(f"the plan does not place nodes {missing[:3]}: it was made for "
                                 "another model")
         self.stage = [plan.placement[n] for n in self.names]
-        self._name_of = {fx: n for n, fx in fx_nodes.items()}
-        self.preds = [list(dict.fromkeys(self.index[self._name_of[a]]
-                                         for a in fx.all_input_nodes)) for fx in self.fx]
+        self.preds = [[self.index[p] for p in c.inputs] for c in calls]
         self.succs: list[list[int]] = [[] for _ in self.names]
         for i, ps in enumerate(self.preds):
             for p in ps:
                 self.succs[p].append(i)
-        self.kind = []
-        for n in self.names:
-            if n in state_keys:
-                self.kind.append("param" if n in trainable else "buffer")
-            elif n.startswith(("input_", "target_")) and self.fx[self.index[n]].op == \
-                    "placeholder":
-                self.kind.append("input")
-            else:
-                self.kind.append("op")
+        self.kind = [c.kind for c in calls]
         self.s = plan.stage_of_device(self.device_id)
         reps = [len(st) for st in plan.stages]
         self.U = max(reps)
@@ -228,7 +287,7 @@ class Rank:
         self.anchor = torch.zeros((), requires_grad=True, device=self.tdev)
         self.devs = list(plan.devices)
         # state: params and buffers this stage owns or uses
-        state = program_state(job.program, state_keys)
+        state = job.state
         self.owned = [i for i, n in enumerate(self.names)
                       if self.kind[i] in ("param", "buffer") and self.stage[i] == self.s]
         self.used_remote = [i for i, n in enumerate(self.names)
@@ -465,16 +524,15 @@ class Rank:
         return time.perf_counter() - t_start - (self.waited - w0)
 
     def _forward(self, m: int, u: int, i: int) -> None:
-        fx = self.fx[i]
+        call = self.calls[i]
         slots: list = []
-        args_of = {p: self._arg(m, u, p, slots) for p in self.preds[i]}
-        lookup = {fx_in: args_of[self.index[self._name_of[fx_in]]] for fx_in in fx.all_input_nodes}
-        args = _plain(torch.fx.node.map_arg(fx.args, lambda a: lookup[a]))
-        kwargs = _plain(torch.fx.node.map_arg(fx.kwargs, lambda a: lookup[a]))
+        lookup = {self.names[p]: self._arg(m, u, p, slots) for p in self.preds[i]}
+        args = _fill(call.args, lookup)
+        kwargs = _fill(call.kwargs, lookup)
         tracker = self.tracker
         with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, tracker),
                                                       lambda s: s.t):
-            out = fx.target(*args, **kwargs)
+            out = self.targets[i](*args, **kwargs)
         key = (m, u)
         flat, _ = tree_flatten(out)
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
@@ -678,13 +736,11 @@ class Rank:
             raise ExplorerError("the job's graph does not match the exported program")
         self.requires_grad = list(self.job.requires_grad)
         self.loss_name = self.job.loss
-        self._spec: dict[int, Any] = {}
-        self._nflat: dict[int, int] = {}
-        for i, fx in enumerate(self.fx):
-            val = fx.meta.get("val")
-            flat, spec = tree_flatten(val)
-            self._spec[i] = spec if not isinstance(val, torch.Tensor) else None
-            self._nflat[i] = len(flat)
+        from torch.utils._pytree import treespec_loads
+
+        self._spec = {i: treespec_loads(c.spec) if c.spec else None
+                      for i, c in enumerate(self.calls)}
+        self._nflat = {i: c.nflat for i, c in enumerate(self.calls)}
         self.slots: dict[tuple[int, int, int], list] = {}
         self.record_grads: dict[str, torch.Tensor] | None = None
         self.state_tracked: set[int] = set()
@@ -705,6 +761,19 @@ class _ReleasedType:
 
 _Released = _ReleasedType()
 _EMPTY = torch.zeros(0)  # stands for "no gradient" in a message
+
+
+def _fill(x: Any, lookup: dict[str, Any]) -> Any:
+    """Arguments with every node reference replaced by its value."""
+    if isinstance(x, _Ref):
+        return lookup[x.name]
+    if isinstance(x, list):
+        return [_fill(v, lookup) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_fill(v, lookup) for v in x)
+    if isinstance(x, dict):
+        return {k: _fill(v, lookup) for k, v in x.items()}
+    return x
 
 
 def _plain(x: Any) -> Any:
@@ -809,7 +878,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         (out / f"result-{rank}.json").write_text(json.dumps(record))
         dist.barrier()
         dist.destroy_process_group()
-        return 0
+        sys.stdout.flush()
+        os._exit(0)  # results are on disk: skip the interpreter's slow teardown
     except BaseException as exc:
         kind = "out of memory" if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) \
             else type(exc).__name__

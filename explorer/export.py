@@ -24,9 +24,10 @@ SCRIPT = '''#!/usr/bin/env python
 """Train {name} under plan "{algorithm}" on {n} devices ({devices}).
 
 Launch on one machine:
-    torchrun --nproc_per_node {n} {script}
+    torchrun --standalone --nproc_per_node {n} {script}
 On a cluster ({n} processes in all), e.g. two nodes:
-    torchrun --nnodes 2 --nproc_per_node {half} --rdzv-backend c10d --rdzv-endpoint HOST:29500 {script}
+    torchrun --nnodes 2 --nproc_per_node {half} --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 {script}
 
 Options: --steps N (default {steps}), --warmup N (default {warmup}), --lr X (default {lr}).
 The model, the plan and the task order are data in {job}/ (plan.json is the plan); nothing

@@ -1,6 +1,6 @@
 """Real training steps under a plan: launch one process per device, gather what they measured.
 
-The launcher starts ``python -m explorer.execute JOB`` once per device with the environment
+The launcher starts ``python -m explorer.rank JOB`` once per device with the environment
 torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), each in its own
 process group, watches them, and ends every one of them on failure, time-out or interrupt, so no
 process outlives a run. A failed rank becomes an :class:`RunFailed` naming the rank, its device
@@ -164,7 +164,7 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
             logs.append(log)
             env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "explorer.execute", str(folder)], env=env,
+                [sys.executable, "-m", "explorer.rank", str(folder)], env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         shown = 0
         while True:
@@ -220,6 +220,10 @@ def _first_failure(folder: Path, codes: list[int | None]) -> int:
            if not any(p in (folder / f"error-{r}.txt").read_text() for p in peer)]
     if own:
         return own[0]
+    reported = {r for _, r in reports}
+    silent = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in reported]
+    if silent:  # died without a word (killed): the others only saw it go
+        return silent[0]
     if reports:
         return reports[0][1]
     return next(r for r, c in enumerate(codes) if c not in (None, 0))
@@ -278,3 +282,55 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         task_s={k: v for r in results for k, v in r.get("task_s", {}).items()}, grads=grads,
         plan=plan,
         graph=graph)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Plain PyTorch training on one device: the loss of every step, the first step's grads."""
+
+    losses: tuple[float, ...]
+    grads: dict[str, torch.Tensor]
+
+
+def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
+              lr: float = 1e-3, example_inputs: Any = None, targets: Any = None,
+              loss_fn: Any = None) -> Reference:
+    """Train ``model`` for ``steps`` on one device in eager PyTorch, as a check on real runs.
+
+    The batch is cut into ``shards`` equal slices along dim 0 and the step's loss and gradients
+    are the mean over slices: what a plan with that many replicas x micro-batches computes.
+    (For models without batch statistics this equals the whole batch at once.) ``model`` may
+    be a built-in model from ``ex.builtin_model``, which carries its batch and loss.
+    """
+    from explorer.execute import make_optimizer
+
+    if hasattr(model, "module") and hasattr(model, "example_inputs"):
+        module, example_inputs = model.module, model.example_inputs
+        targets, loss_fn = model.targets, model.loss_fn
+    else:
+        module = model
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    tgts = tuple(targets) if isinstance(targets, (tuple, list)) else \
+        ((targets,) if targets is not None else ())
+    from explorer.capture import TrainStep
+
+    step = TrainStep(module, loss_fn, len(inputs)).train()
+    params = list(module.parameters())
+    opt = make_optimizer(optimizer, params, lr)
+    rows = inputs[0].shape[0] // shards
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for k in range(shards):
+            sl = slice(k * rows, (k + 1) * rows)
+            loss = step(*(t[sl] for t in inputs), *(t[sl] for t in tgts)) / shards
+            loss.backward()
+            total += float(loss.detach())
+        losses.append(total)
+        if first is None:
+            first = {n: p.grad.detach().clone() for n, p in module.named_parameters()
+                     if p.grad is not None}
+        opt.step()
+    return Reference(tuple(losses), first or {})
