@@ -139,6 +139,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    import explorer as ex
+
+    if args.plan is None:
+        ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
+    bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
+    if args.plan:
+        plan = ex.Plan.load(args.plan, graph, cluster)
+    else:
+        opts = {"micro_batches": args.micro_batches, "schedule": args.schedule,
+                "optimizer": args.optimizer}
+        alg = ex.algorithm(args.algorithm)
+        plan = ex.partition(graph, cluster, costs, args.algorithm,
+                            **{k: v for k, v in opts.items()
+                               if v is not None and k in alg.options})
+    pred = ex.simulate(graph, plan, costs)
+    meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
+                  force=args.force, timeout_s=args.timeout, progress=not args.quiet)
+    report = ex.compare(pred, meas)
+    if args.json:
+        print(json.dumps({"model": bm.name, "size": bm.size, "plan": plan.to_dict(),
+                          "losses": list(meas.losses), **report.to_dict()}, indent=1))
+        return 0
+    print(f"{bm.name} ({bm.size}) under {plan.algorithm} on {', '.join(plan.devices)}: "
+          f"{args.steps} steps after {args.warmup} warm-up")
+    print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
+    print(report)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import explorer as ex
+
+    try:
+        meta = json.loads(Path(args.plan).read_text())
+        default_model = meta.get("graph", {}).get("name") or "gpt"
+    except (OSError, ValueError):
+        default_model = "gpt"  # Plan.load below explains what is wrong with the file
+    model = args.model or default_model
+    bm = ex.builtin_model(model, args.size, args.batch_size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    plan = ex.Plan.load(args.plan, graph)
+    script = ex.export_script(plan, args.out, graph=graph, steps=args.steps)
+    print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
+          f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
+    return 0
+
+
 def _plan_json(name: str, plan, r) -> dict[str, Any]:
     if plan is None:
         return {"algorithm": name, "error": r}
@@ -148,6 +196,16 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="capture a built-in model, profile it, partition, simulate")
     pl.add_argument("--model", default="gpt", help="a built-in model (see `explorer models`)")
     pl.add_argument("--size", default="default", help="tiny, small, default or large")
-    pl.add_argument("--batch-size", type=int, default=None)
+    pl.add_argument("--batch-size", type=_positive_int, default=None)
     pl.add_argument("--devices", default="cpu:2",
                     help="cpu:N (CPU ranks), gpu (this machine's GPUs) or a preset like 4xH100")
     pl.add_argument("--algorithm", default="all", help="a partitioner name, or all")
@@ -179,6 +237,33 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
     pl.add_argument("--quiet", action="store_true", help="no progress bars")
     pl.set_defaults(fn=cmd_plan)
+    r = sub.add_parser("run", help="run real steps of a plan on this machine's devices and "
+                                   "compare with the prediction")
+    r.add_argument("--model", default="gpt", help="a built-in model (see `explorer models`)")
+    r.add_argument("--size", default="default", help="tiny, small, default or large")
+    r.add_argument("--batch-size", type=_positive_int, default=None)
+    r.add_argument("--devices", default="cpu:2", help="cpu:N (CPU ranks) or gpu")
+    r.add_argument("--algorithm", default="even-layers", help="a partitioner name")
+    r.add_argument("--plan", help="run this plan JSON instead of partitioning")
+    r.add_argument("--steps", type=_positive_int, default=5)
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--micro-batches", type=_positive_int, default=None)
+    r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+    r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
+    r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
+    r.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    r.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.set_defaults(fn=cmd_run)
+    e = sub.add_parser("export", help="write a torchrun training script for a plan")
+    e.add_argument("--plan", required=True, help="a plan JSON (from `explorer plan --out`)")
+    e.add_argument("--out", required=True, help="the script to write, e.g. train_plan.py")
+    e.add_argument("--model", help="the built-in model the plan is for (default: the plan's)")
+    e.add_argument("--size", default="default", help="tiny, small, default or large")
+    e.add_argument("--batch-size", type=_positive_int, default=None)
+    e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
+    e.set_defaults(fn=cmd_export)
     return p
 
 

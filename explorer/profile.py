@@ -27,7 +27,7 @@ from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: ops timed through the runtime
 
 
 def cache_dir() -> Path:
