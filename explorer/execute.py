@@ -285,6 +285,8 @@ class Rank:
         self.M = M
         self.tracker = MemTracker()
         self.anchor = torch.zeros((), requires_grad=True, device=self.tdev)
+        self.headers_sent: set[tuple[int, int]] = set()
+        self.headers_seen: dict[tuple[int, int], list[int]] = {}
         self.devs = list(plan.devices)
         # state: params and buffers this stage owns or uses
         state = job.state
@@ -361,13 +363,18 @@ class Rank:
                 raise ExplorerError(f"cannot send a {type(x).__name__} between ranks")
         if len(header) + 1 > _HEADER:
             raise ExplorerError("an op output has too many parts to send between ranks")
-        pad = torch.zeros(_HEADER, dtype=torch.int64)
-        pad[: len(header) + 1] = torch.tensor([len(header), *header], dtype=torch.int64)
-        pad = pad.to(self.tdev)
-        self.pending.append((dist.isend(pad, dst, tag=tag), pad))
-        for t in tensors:
-            c = t.detach().to(self.tdev).contiguous()
-            self.pending.append((dist.isend(c, dst, tag=tag), c))
+        if (dst, tag) not in self.headers_sent:  # shapes repeat every step: send them once
+            self.headers_sent.add((dst, tag))
+            pad = torch.zeros(_HEADER, dtype=torch.int64)
+            pad[: len(header) + 1] = torch.tensor([len(header), *header], dtype=torch.int64)
+            pad = pad.to(self.tdev)
+            self.pending.append((dist.isend(pad, dst, tag=tag), pad))
+            numbers = []
+        else:  # Python numbers travelled in the header; now they follow the tensors
+            numbers = [torch.tensor([int(x)], dtype=torch.int64, device=self.tdev)
+                       for x in flat if not isinstance(x, torch.Tensor)]
+        for t in [*(t.detach().to(self.tdev).contiguous() for t in tensors), *numbers]:
+            self.pending.append((dist.isend(t, dst, tag=tag), t))
 
     def recv(self, src: int, tag: int) -> list[Any]:
         t0 = time.perf_counter()
@@ -377,13 +384,18 @@ class Rank:
             self.waited += time.perf_counter() - t0
 
     def _recv(self, src: int, tag: int) -> list[Any]:
-        pad = torch.zeros(_HEADER, dtype=torch.int64, device=self.tdev)
-        dist.recv(pad, src, tag=tag)
-        h = pad.tolist()
+        h = self.headers_seen.get((src, tag))
+        first = h is None
+        if first:
+            pad = torch.zeros(_HEADER, dtype=torch.int64, device=self.tdev)
+            dist.recv(pad, src, tag=tag)
+            h = self.headers_seen[(src, tag)] = pad.tolist()
         n, pos, out = h[1], 2, []
+        numbers = []
         for _ in range(n):
             if h[pos] == 1:
                 out.append(h[pos + 1])
+                numbers.append(len(out) - 1)
                 pos += 2
                 continue
             dtype, nd = _DTYPES[h[pos + 1]], h[pos + 2]
@@ -392,6 +404,11 @@ class Rank:
             t = torch.empty(shape, dtype=dtype, device=self.tdev)
             dist.recv(t, src, tag=tag)
             out.append(t)
+        if not first:
+            for k in numbers:  # sent after the header-less tensors, in order
+                n = torch.zeros(1, dtype=torch.int64, device=self.tdev)
+                dist.recv(n, src, tag=tag)
+                out[k] = int(n.item())
         return out
 
     def flush(self) -> None:
