@@ -283,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into head & co.: stop quietly
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
