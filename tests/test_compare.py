@@ -1,0 +1,87 @@
+"""compare() lines figures up; calibrate() recovers known cost-model errors and generalises."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import explorer as ex
+from explorer.compare import Report, Row
+from explorer.errors import ExplorerError
+from explorer.run import Measurement
+from explorer.synthetic import layered_dag, roofline_costs
+
+
+def _fake_measurement(graph, plan, truth) -> Measurement:
+    """What a run would measure if ``truth`` were the real costs."""
+    p = ex.simulate(graph, plan, truth)
+    return Measurement(step_s=p.step_s, step_samples_s=(p.step_s,), busy_s=p.busy_s,
+                       peak_bytes=p.peak_bytes, memory_source="simulated", losses=(1.0,),
+                       energy_j=None, energy_by_device_j=None, algorithm=plan.algorithm,
+                       steps=1, warmup=0, plan=plan, graph=graph)
+
+
+@pytest.fixture(scope="module")
+def case():
+    graph = layered_dag(60, width=3, seed=4)
+    cluster = ex.Cluster.preset("4xT4")
+    costs = roofline_costs(graph, cluster)
+    truth = replace(costs, compute_scale=1.3, extra_op_s=40e-6, link_scale=3.0)
+    return graph, cluster, costs, truth
+
+
+class TestCalibrate:
+    def test_recovers_compute_op_and_link_factors(self, case):
+        graph, cluster, costs, truth = case
+        plan = ex.partition(graph, cluster, costs, "even-layers", micro_batches=2)
+        fitted = ex.calibrate(costs, _fake_measurement(graph, plan, truth))
+        assert fitted.compute_scale == pytest.approx(1.3, rel=1e-3)
+        assert fitted.extra_op_s == pytest.approx(40e-6, rel=1e-3)
+        assert fitted.link_scale == pytest.approx(3.0, rel=0.05)
+
+    def test_predicts_plans_it_was_not_fitted_on(self, case):
+        graph, cluster, costs, truth = case
+        fit_on = ex.partition(graph, cluster, costs, "even-layers", micro_batches=2)
+        fitted = ex.calibrate(costs, _fake_measurement(graph, fit_on, truth))
+        for other in ("data-parallel", "min-comm", "pardnn"):
+            plan = ex.partition(graph, cluster, costs, other)
+            real = ex.simulate(graph, plan, truth).step_s
+            before = abs(ex.simulate(graph, plan, costs).step_s / real - 1)
+            after = abs(ex.simulate(graph, plan, fitted).step_s / real - 1)
+            assert after < 0.02, other
+            assert after < before, other
+
+    def test_needs_a_measurement_with_its_plan(self, case):
+        _, _, costs, _ = case
+        with pytest.raises(ExplorerError, match="at least one measurement"):
+            ex.calibrate(costs, [])
+
+
+class TestCompare:
+    def test_rows_and_errors(self, case):
+        graph, cluster, costs, truth = case
+        plan = ex.partition(graph, cluster, costs, "even-layers")
+        pred = ex.simulate(graph, plan, costs)
+        meas = _fake_measurement(graph, plan, truth)
+        rep = ex.compare(pred, meas)
+        assert isinstance(rep, Report)
+        step = rep.row("step time")
+        assert step.predicted == pred.step_s and step.measured == meas.step_s
+        assert rep.step_error == pytest.approx(pred.step_s / meas.step_s - 1)
+        assert set(rep.memory_errors) == set(plan.devices)
+        text = str(rep)
+        assert "step time" in text and "peak memory" in text and "%" in text
+        assert "<table>" in rep._repr_html_()
+        assert rep.to_dict()["rows"][0]["what"] == "step time"
+
+    def test_error_sign(self):
+        assert Row("x", "", "s", 1.2, 1.0).error == pytest.approx(0.2)
+        assert Row("x", "", "s", 0.8, 1.0).error == pytest.approx(-0.2)
+
+    def test_different_plans_are_refused(self, case):
+        graph, cluster, costs, truth = case
+        a = ex.partition(graph, cluster, costs, "even-layers")
+        b = ex.partition(graph, cluster, costs, "single")
+        with pytest.raises(ExplorerError, match="different plans"):
+            ex.compare(ex.simulate(graph, a, costs), _fake_measurement(graph, b, truth))
