@@ -86,7 +86,7 @@ class CostModel:
         if k <= 1 or nbytes <= 0:
             return 0.0
         links = [self.cluster.link(a, b) for a, b in
-                 zip(device_ids, list(device_ids[1:]) + [device_ids[0]], strict=True)]
+                 zip(device_ids, [*list(device_ids[1:]), device_ids[0]], strict=True)]
         bw = min(lk.bandwidth_bytes_per_s for lk in links)
         lat = max(lk.latency_s for lk in links)
         return 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale

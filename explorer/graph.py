@@ -140,12 +140,12 @@ class OpGraph:
 
     # -- module hierarchy ----------------------------------------------------------------
     def owner(self, i: int) -> int:
-        """Index of the node a parameter or buffer lives with: its first consumer.
+        """Index of the node a parameter, buffer or input lives with: its first consumer.
 
-        Parameters follow their first consumer when a placement is made from the ops alone.
+        They follow their first consumer when a placement is made from the ops alone.
         """
         n = self.nodes[i]
-        if n.kind in ("param", "buffer") and self.succs[i]:
+        if n.kind in ("param", "buffer", "input") and self.succs[i]:
             return self.succs[i][0]
         return i
 

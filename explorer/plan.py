@@ -1,4 +1,4 @@
-"""Plans: where every node runs and how the step runs, saved as versioned JSON and validated on load.
+"""Plans: where every node runs and how the step runs, as versioned JSON validated on load.
 
 A plan places every node of a graph on a *stage*: a set of devices that run those nodes. A
 stage with one device is plain model parallelism; a stage with several devices holds replicas
@@ -107,8 +107,9 @@ class Plan:
             if nm not in placement:
                 raise PlanError(f"no node named {nm!r} in this plan")
             placement[nm] = stage
-        return replace(self, placement=placement, algorithm="manual"
-                       if self.algorithm == "manual" else f"{self.algorithm}+edits")
+        edited = self.algorithm == "manual" or self.algorithm.endswith("+edits")
+        return replace(self, placement=placement,
+                       algorithm=self.algorithm if edited else f"{self.algorithm}+edits")
 
     def with_settings(self, **settings: Any) -> Plan:
         return replace(self, **settings)
@@ -194,7 +195,10 @@ class Plan:
             raise PlanError("this is not a Partition Explorer plan (no "
                             f"\"format\": \"{PLAN_FORMAT}\" field)")
         version = d.get("version")
-        if not isinstance(version, int) or version > PLAN_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(f"the plan has no valid format version ({version!r}); the file is "
+                            "damaged, export the plan again")
+        if version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this explorer "
                             f"understands ({PLAN_VERSION}); upgrade partition-explorer")
         try:

@@ -1,0 +1,231 @@
+"""The ``explorer`` command line, run in-process (and once through the installed entry point)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+import explorer as ex
+import explorer.cluster as cl
+from explorer.cli import main
+from explorer.plan import Plan
+
+PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--quiet"]
+BASELINES = ["balanced-params", "data-parallel", "even-layers", "single"]
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """A profile cache for this module, empty at its start: cpu:2 is measured once (seconds)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def isolated(module_cache, monkeypatch):
+    """The module's profile cache, and nominal CPU-rank numbers instead of measuring them."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(module_cache))
+    monkeypatch.setattr(cl, "_cpu_profile", lambda measure: cl._nominal_profile())
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    """The rows of a printed table under its ``----`` line, by first cell (best mark "*" cut)."""
+    lines = table.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith("---")) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        cells = line.split()
+        rows[cells[0]] = cells[2:] if cells[1:2] == ["*"] else cells[1:]
+    return rows
+
+
+def _mlp_graph() -> ex.OpGraph:
+    bm = ex.builtin_model("mlp", "tiny")
+    return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+
+
+class TestListings:
+    def test_models(self, capsys):
+        rc, out, _ = _run(capsys, "models", "--size", "tiny")
+        assert rc == 0
+        rows = _rows(out)
+        assert sorted(rows) == ex.model_names()
+        assert rows["mlp"][:3] == ["tiny", "0.01M", "8x32"]
+
+    def test_models_json(self, capsys):
+        rc, out, _ = _run(capsys, "models", "--size", "tiny", "--json")
+        assert rc == 0
+        models = json.loads(out)
+        assert [m["name"] for m in models] == ex.model_names()
+        assert {m["size"] for m in models} == {"tiny"}
+
+    def test_algorithms(self, capsys):
+        rc, out, _ = _run(capsys, "algorithms")
+        assert rc == 0
+        rows = _rows(out)
+        assert sorted(rows) == ex.algorithms()
+        assert "k=None," in " ".join(rows["even-layers"])
+
+    def test_devices(self, capsys):
+        rc, out, _ = _run(capsys, "devices", "--devices", "4xH100")
+        assert rc == 0
+        lines = out.splitlines()
+        assert lines[0] == "Cluster 4xH100: 4 devices"
+        assert lines[1].split()[:2] == ["id", "name"]
+        assert [line.split()[0] for line in lines[2:6]] == ["H100:0", "H100:1", "H100:2",
+                                                             "H100:3"]
+        assert "80.0 GiB" in lines[2]
+        assert lines[6].startswith("links: 5.0 us + bytes / 450.0 GB/s")
+
+    def test_presets(self, capsys):
+        rc, out, _ = _run(capsys, "devices", "--presets")
+        assert rc == 0
+        assert out.split() == cl.Cluster.presets()
+
+
+class TestPlan:
+    def test_a_row_per_algorithm_with_step_ms(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "cpu:2", "--algorithm", "all")
+        assert rc == 0, err
+        assert out.startswith("mlp (tiny): 6 ops,")
+        assert "devices: cpu:2" in out
+        rows = _rows(out)
+        assert sorted(rows) == ex.algorithms()
+        for name in BASELINES:
+            assert float(rows[name][0]) > 0
+            assert rows[name][-1] == "yes"
+        (best,) = [line.split()[0] for line in out.splitlines() if " * " in line]
+        assert out.endswith(f"\n* fastest plan that fits: {best}\n")
+
+    def test_json_with_a_plan_per_algorithm_and_out(self, capsys, tmp_path):
+        path = tmp_path / "plan.json"
+        rc, out, err = _run(capsys, *PLAN, "--devices", "cpu:2", "--algorithm", "all", "--json",
+                            "--out", str(path))
+        assert rc == 0, err
+        d = json.loads(out)
+        assert (d["model"], d["size"], d["cluster"]) == ("mlp", "tiny", "cpu:2")
+        assert [p["algorithm"] for p in d["plans"]] == ex.algorithms()
+        plans = {p["algorithm"]: p for p in d["plans"]}
+        assert plans["single"]["stages"] == [["cpu:0"]]
+        assert plans["data-parallel"]["stages"] == [["cpu:0", "cpu:1"]]
+        for name in BASELINES:
+            assert plans[name]["step_s"] > 0
+            assert plans[name]["fits"] is True
+        assert d["saved"] == str(path)
+        best = min((p for p in d["plans"] if p.get("fits")), key=lambda p: p["step_s"])
+        assert d["best"] == best["algorithm"]
+        graph = _mlp_graph()
+        assert d["graph"]["fingerprint"] == graph.fingerprint
+        plan = Plan.load(path, graph, cl.Cluster.cpu(2, measure=False))
+        assert plan.algorithm.startswith(d["best"])
+        assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no .tmp left behind
+
+    def test_out_says_where_it_saved(self, capsys, tmp_path):
+        path = tmp_path / "p.json"
+        rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                          "--out", str(path))
+        assert rc == 0
+        assert f"* fastest plan that fits: single (saved to {path})" in out
+        assert Plan.load(path, _mlp_graph()).stages == (("T4:0",),)
+
+    def test_plan_that_does_not_fit(self, capsys, monkeypatch):
+        real = cl.parse_devices
+
+        def no_memory(spec):
+            c = real(spec)
+            return dataclasses.replace(c, devices=tuple(
+                dataclasses.replace(d, memory_bytes=0) for d in c.devices))
+
+        monkeypatch.setattr(cl, "parse_devices", no_memory)
+        rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single")
+        assert rc == 0
+        line = next(line for line in out.splitlines() if line.startswith("single"))
+        assert line.split("NO: ")[1] == \
+            "T4:0 needs 0.1 MiB but has 0.0 MiB (over by 0.1 MiB)"
+        assert "fastest plan that fits" not in out
+
+    def test_nothing_fits_so_nothing_is_saved(self, capsys, monkeypatch, tmp_path):
+        real = cl.parse_devices
+        monkeypatch.setattr(cl, "parse_devices", lambda spec: dataclasses.replace(
+            real(spec), devices=tuple(dataclasses.replace(d, memory_bytes=0)
+                                      for d in real(spec).devices)))
+        rc, _, err = _run(capsys, *PLAN, "--devices", "T4", "--algorithm", "single",
+                          "--out", str(tmp_path / "p.json"))
+        assert rc == 2
+        assert err == "error: no plan fits the devices' memory; nothing was saved\n"
+        assert not (tmp_path / "p.json").exists()
+
+    def test_settings_reach_the_partitioner(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "even-layers",
+                            "--micro-batches", "2", "--schedule", "1f1b", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert (p["micro_batches"], p["schedule"]) == (2, "1f1b")
+
+    def test_bad_setting_is_an_error_row(self, capsys):
+        rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                          "--optimizer", "lion")
+        assert rc == 0
+        line = next(line for line in out.splitlines() if line.startswith("single"))
+        assert line.endswith("error: unknown optimizer 'lion'; choose one of sgd, momentum, "
+                             "adam, adamw")
+
+
+class TestErrors:
+    @pytest.mark.parametrize(("args", "message"), [
+        (["--model", "nope", "--size", "tiny"], "error: unknown model 'nope'; choose one of:"),
+        (["--model", "mlp", "--size", "huge"], "error: unknown size 'huge'"),
+        (["--model", "mlp", "--size", "tiny", "--algorithm", "nope"],
+         "error: unknown algorithm 'nope'; choose one of:"),
+        (["--model", "mlp", "--size", "tiny", "--devices", "3xFOO"],
+         "error: unknown device spec '3xFOO'"),
+        (["--model", "mlp", "--size", "tiny", "--devices", "cpu:x"],
+         "error: bad device spec 'cpu:x'"),
+        (["--model", "mlp", "--size", "tiny", "--out", "/no/such/folder/p.json"],
+         "error: cannot save to /no/such/folder/p.json: folder /no/such/folder does not exist"),
+    ])
+    def test_exit_2_with_a_message(self, capsys, args, message):
+        rc, out, err = _run(capsys, "plan", "--quiet", *args)
+        assert rc == 2
+        assert err.startswith(message)
+        assert "Traceback" not in err
+        assert out == ""
+
+    def test_unknown_device_spec_for_devices(self, capsys):
+        rc, _, err = _run(capsys, "devices", "--devices", "bogus")
+        assert rc == 2
+        assert err.startswith("error: unknown device spec 'bogus'")
+
+    @pytest.mark.parametrize("value", ["0", "-3", "x"])
+    def test_bad_batch_size(self, capsys, value):
+        with pytest.raises(SystemExit) as exit_:
+            main([*PLAN, "--batch-size", value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "error: argument --batch-size: must be a whole number >= 1" in err
+        assert "Traceback" not in err
+
+
+class TestEntryPoint:
+    def test_installed_command(self, tmp_path):
+        exe = shutil.which("explorer")
+        assert exe, "the `explorer` command is not on PATH: pip install -e ."
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+        done = subprocess.run(
+            [exe, *PLAN, "--devices", "2xT4", "--algorithm", "single", "--json"],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        (p,) = json.loads(done.stdout)["plans"]
+        assert p["stages"] == [["T4:0"]]

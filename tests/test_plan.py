@@ -1,0 +1,215 @@
+"""Plans: construction, editing, versioned JSON and the refusals on load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import cluster, graph
+
+from explorer.errors import PlanError
+from explorer.plan import PLAN_VERSION, Plan
+
+
+@pytest.fixture
+def two_stage(chain3) -> Plan:
+    return Plan.from_assignment(chain3, [("d:0",), ("d:1", "d:2")], {"a": 0, "b": 1, "c": 1},
+                                micro_batches=2, schedule="1f1b", optimizer="sgd",
+                                algorithm="even-layers", options={"k": 2, "depth": None},
+                                notes=("hand made",))
+
+
+def _write(path, d) -> None:
+    path.write_text(json.dumps(d))
+
+
+class TestFromAssignment:
+    def test_inputs_follow_their_first_consumer(self, chain3):
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 1, "b": 1, "c": 0})
+        assert plan.placement == {"x": 1, "a": 1, "b": 1, "c": 0}
+        assert plan.assignment(chain3) == [1, 1, 1, 0]
+        assert plan.graph_fingerprint == chain3.fingerprint
+        assert plan.graph_name == "g"
+
+    def test_by_index(self, chain3):
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {1: 0, 2: 1, 3: 1})
+        assert plan.placement == {"x": 0, "a": 0, "b": 1, "c": 1}
+
+    def test_unplaced_op(self, chain3):
+        with pytest.raises(PlanError, match="op 'c' has no stage"):
+            Plan.from_assignment(chain3, [("d:0",)], {"a": 0, "b": 0})
+
+    def test_queries(self, two_stage):
+        assert two_stage.devices == ("d:0", "d:1", "d:2")
+        assert two_stage.devices_of("b") == ("d:1", "d:2")
+        assert two_stage.stage_of_device("d:2") == 1
+        assert two_stage.data_parallel == 2
+        with pytest.raises(PlanError, match="device 'd:7' is not used by this plan"):
+            two_stage.stage_of_device("d:7")
+
+    def test_single(self, chain3):
+        plan = Plan.single(chain3, "d:3", optimizer="adamw")
+        assert plan.stages == (("d:3",),)
+        assert set(plan.placement.values()) == {0}
+        assert plan.optimizer == "adamw"
+
+
+class TestMove:
+    def test_returns_a_new_plan(self, two_stage):
+        moved = two_stage.move(["b"], 0)
+        assert moved.stage_of("b") == 0
+        assert two_stage.stage_of("b") == 1  # the original is untouched
+        assert moved.algorithm == "even-layers+edits"
+        assert moved.micro_batches == 2 and moved.stages == two_stage.stages
+
+    def test_edits_are_marked_once(self, two_stage):
+        assert two_stage.move(["b"], 0).move(["c"], 0).algorithm == "even-layers+edits"
+
+    def test_manual_stays_manual(self, chain3):
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 0, "b": 0, "c": 0})
+        assert plan.move(["c"], 1).algorithm == "manual"
+
+    def test_bad_stage_or_node(self, two_stage):
+        with pytest.raises(PlanError, match="stage 2 does not exist; this plan has 2"):
+            two_stage.move(["b"], 2)
+        with pytest.raises(PlanError, match="no node named 'zz'"):
+            two_stage.move(["zz"], 0)
+
+
+class TestCheckBatch:
+    def test_replicas_times_micro_batches_must_divide(self, two_stage):
+        with pytest.raises(PlanError, match=r"stage 1 splits the batch of 6 into 2 replicas x 2 "
+                                            r"micro-batches = 4 parts"):
+            two_stage.check_batch(6)
+
+    def test_dividing_batch_passes(self, two_stage):
+        two_stage.check_batch(8)
+        two_stage.check_batch(4)
+
+
+class TestSaveLoad:
+    def test_round_trip(self, chain3, two_stage, tmp_path):
+        path = two_stage.save(tmp_path / "plan.json")
+        back = Plan.load(path, chain3, cluster(3))
+        assert back == two_stage
+        assert back.placement == two_stage.placement
+        assert back.stages == (("d:0",), ("d:1", "d:2"))
+        assert (back.micro_batches, back.schedule, back.optimizer) == (2, "1f1b", "sgd")
+        assert back.options == {"k": 2, "depth": None}
+
+    def test_pinned_round_trip(self, chain3, tmp_path):
+        plan = Plan.from_assignment(chain3, [("d:0",)], {"a": 0, "b": 0, "c": 0},
+                                    pinned=frozenset({"b", "a"}))
+        assert Plan.load(plan.save(tmp_path / "p.json"), chain3).pinned == {"a", "b"}
+
+    def test_written_atomically(self, two_stage, tmp_path):
+        (tmp_path / "plan.json").write_text("old")
+        two_stage.save(tmp_path / "plan.json")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+        assert json.loads((tmp_path / "plan.json").read_text())["version"] == PLAN_VERSION
+
+    def test_loads_without_a_graph(self, two_stage, tmp_path):
+        assert Plan.load(two_stage.save(tmp_path / "p.json")) == two_stage
+
+
+class TestLoadRefuses:
+    @pytest.fixture
+    def saved(self, two_stage, tmp_path):
+        return two_stage.to_dict(), tmp_path / "plan.json"
+
+    def _refused(self, d, path, chain3, match, cl=None):
+        _write(path, d)
+        with pytest.raises(PlanError, match=match):
+            Plan.load(path, chain3, cl)
+
+    def test_another_graphs_plan(self, chain3, saved):
+        d, path = saved
+        other = graph([("x", "input", [], 100), ("a", "op", ["x"], 50)], name="other")
+        _write(path, d)
+        with pytest.raises(PlanError, match=rf"made for graph g \(fingerprint "
+                                            rf"{chain3.fingerprint}\), not for other "
+                                            rf"\(fingerprint {other.fingerprint}\)"):
+            Plan.load(path, other)
+
+    def test_unknown_devices(self, chain3, saved):
+        d, path = saved
+        self._refused(d, path, chain3, r"uses devices d:1, d:2 that this cluster \(test:1\) "
+                                       r"does not have; it has d:0", cluster(1))
+
+    def test_not_json(self, chain3, tmp_path):
+        path = tmp_path / "plan.json"
+        path.write_text('{\n "format": "partition-explorer-plan",\n "version": oops\n}')
+        with pytest.raises(PlanError, match=r"plan.json is not valid JSON \(line 3, column 13"):
+            Plan.load(path, chain3)
+
+    def test_missing_file(self, tmp_path):
+        with pytest.raises(PlanError, match=r"cannot read plan file .*nothing\.json"):
+            Plan.load(tmp_path / "nothing.json")
+
+    @pytest.mark.parametrize("content", [[1, 2], {"stages": []}, "plan", None])
+    def test_json_that_is_not_a_plan(self, chain3, tmp_path, content):
+        self._refused(content, tmp_path / "p.json", chain3, "not a Partition Explorer plan")
+
+    def test_newer_version(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "version": PLAN_VERSION + 1}, path, chain3,
+                      rf"version {PLAN_VERSION + 1} is newer .* upgrade")
+
+    @pytest.mark.parametrize("version", [None, "1", 0])
+    def test_missing_or_bad_version(self, chain3, saved, version):
+        d, path = saved
+        d = {**d, "version": version}
+        if version is None:
+            del d["version"]
+        self._refused(d, path, chain3, "no valid format version")
+
+    def test_missing_field(self, chain3, saved):
+        d, path = saved
+        del d["stages"]
+        self._refused(d, path, chain3, "the plan is damaged: field 'stages' is missing")
+
+    def test_missing_node(self, chain3, saved):
+        d, path = saved
+        del d["placement"]["b"]
+        self._refused(d, path, chain3, r"1 nodes of the graph are not placed, e\.g\. \['b'\]")
+
+    def test_extra_node(self, chain3, saved):
+        d, path = saved
+        d["placement"]["zz"] = 0
+        self._refused(d, path, chain3, r"places 1 nodes the graph does not have, e\.g\. \['zz'\]")
+
+    @pytest.mark.parametrize("stage", [2, -1, 1.0, "1"])
+    def test_stage_out_of_range(self, chain3, saved, stage):
+        d, path = saved
+        d["placement"]["b"] = stage
+        self._refused(d, path, chain3, rf"node 'b' is on stage {stage!r}, but stages run from "
+                                       r"0 to 1")
+
+    @pytest.mark.parametrize("mb", [0, -2, 1.5, "2"])
+    def test_bad_micro_batches(self, chain3, saved, mb):
+        d, path = saved
+        self._refused({**d, "micro_batches": mb}, path, chain3,
+                      rf"micro_batches must be a whole number >= 1, not {mb!r}")
+
+    def test_unknown_schedule(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "schedule": "zigzag"}, path, chain3,
+                      "unknown schedule 'zigzag'; choose one of gpipe, 1f1b")
+
+    def test_unknown_optimizer(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "optimizer": "lion"}, path, chain3,
+                      "unknown optimizer 'lion'; choose one of sgd, momentum, adam, adamw")
+
+    def test_device_in_two_stages(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "stages": [["d:0"], ["d:1", "d:0"]]}, path, chain3,
+                      "device 'd:0' is in stage 0 and stage 1")
+
+    def test_empty_stage(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "stages": [["d:0"], []]}, path, chain3, "stage 1 has no device")
+
+    def test_unknown_pinned_node(self, chain3, saved):
+        d, path = saved
+        self._refused({**d, "pinned": ["zz"]}, path, chain3, r"pinned nodes \['zz'\] are not")

@@ -1,0 +1,207 @@
+"""The profiler: measured numbers on CPU ranks, roofline elsewhere, a cache per graph and device.
+
+A real measurement runs the graph through the runtime in a worker process (seconds), so the
+module measures once, into a cache folder of its own, and the cache tests stand a fake
+measurement in for the real one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+import explorer as ex
+from explorer.cluster import Cluster
+from explorer.costs import DeviceCosts, roofline
+from explorer.errors import ExplorerError
+
+prof = importlib.import_module("explorer.profile")  # ``explorer.profile`` is the function
+FAST = {"repeats": 2, "warmup": 1, "progress": False}
+CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
+
+
+@pytest.fixture(scope="module")
+def gpt() -> ex.OpGraph:
+    bm = ex.builtin_model("gpt", "tiny")
+    return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """This module's own profile cache, empty at the start."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root))
+        yield root / "partition-explorer" / "profiles"
+
+
+@pytest.fixture(scope="module")
+def measured(gpt, module_cache):
+    """gpt profiled on two CPU ranks for real, and the torch thread count after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        costs = ex.profile(gpt, Cluster.cpu(2, measure=False), **FAST)
+        return costs, torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, empty profile cache for one test."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return tmp_path / "partition-explorer" / "profiles"
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Replace the real measurement: every op 1 ms forward, 2 ms backward; calls are counted."""
+    calls = []
+
+    def measure(graph, dev, repeats, warmup, progress):
+        calls.append((dev.id, repeats))
+        ops = [n.kind == "op" for n in graph.nodes]
+        return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
+                           ["measured" if o else "free" for o in ops], 1e-6)
+
+    monkeypatch.setattr(prof, "measure", measure)
+    return calls
+
+
+def _no_measuring(*args, **kwargs):
+    raise AssertionError("measured again instead of reading the cache")
+
+
+class TestMeasured:
+    def test_every_op_measured(self, gpt, measured):
+        costs, _ = measured
+        for i, n in enumerate(gpt.nodes):
+            if n.kind == "op":
+                assert costs.source(i, "cpu:0") == "measured"
+                assert costs.fwd_s(i, "cpu:0") > 0, n.name
+            else:
+                assert costs.source(i, "cpu:0") == "free"
+                assert costs.fwd_s(i, "cpu:0") == costs.bwd_s(i, "cpu:0") == 0.0
+        costs.check(gpt)
+
+    def test_backward_only_where_a_gradient_flows(self, gpt, measured):
+        costs, _ = measured
+        ops = [(i, n) for i, n in enumerate(gpt.nodes) if n.kind == "op"]
+        no_grad = [i for i, n in ops if not n.requires_grad]
+        assert no_grad  # arange, sizes of the token batch
+        assert [costs.bwd_s(i, "cpu:0") for i in no_grad] == [0.0] * len(no_grad)
+        assert [n.name for i, n in ops if n.requires_grad and costs.bwd_s(i, "cpu:0") <= 0] \
+            == []
+
+    def test_cpu_ranks_share_one_profile(self, gpt, measured):
+        costs, _ = measured
+        assert list(costs.per_type) == [CPU_KEY]
+        i = gpt.index[gpt.loss]
+        assert costs.fwd_s(i, "cpu:0") == costs.fwd_s(i, "cpu:1")
+
+    def test_optimizer_and_overhead_measured(self, measured):
+        dc = measured[0].per_type[CPU_KEY]
+        assert set(dc.optimizer_s_per_byte) == {"sgd", "momentum", "adam", "adamw"}
+        assert dc.overhead_s > 0
+        assert dc.optimizer_s_per_byte["adam"] + dc.optimizer_s_per_tensor["adam"] > 0
+
+    def test_threads_restored(self, measured):
+        assert measured[1] == 2
+
+    def test_cpu_ranks_measured_with_one_thread(self):
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            with pytest.raises(RuntimeError, match="boom"), \
+                    prof.device_threads(Cluster.cpu(1, measure=False).devices[0]):
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("boom")
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(before)
+
+    def test_bad_repeats(self, gpt):
+        cl = Cluster.cpu(1, measure=False)
+        with pytest.raises(ExplorerError, match="repeats must be >= 1"):
+            ex.profile(gpt, cl, repeats=0, progress=False)
+        with pytest.raises(ExplorerError, match="warmup >= 0"):
+            ex.profile(gpt, cl, warmup=-1, progress=False)
+
+
+class TestCache:
+    def test_second_call_is_read_from_the_cache(self, gpt, measured, module_cache,
+                                                monkeypatch):
+        files = [p.name for p in module_cache.iterdir()]
+        assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2.json"]
+        monkeypatch.setattr(prof, "measure", _no_measuring)
+        again = ex.profile(gpt, Cluster.cpu(2, measure=False), **FAST)
+        assert again == measured[0]
+
+    def test_cache_false_measures_again(self, gpt, fake, cache):
+        cl = Cluster.cpu(1, measure=False)
+        ex.profile(gpt, cl, **FAST)
+        ex.profile(gpt, cl, **FAST)
+        assert len(fake) == 1
+        ex.profile(gpt, cl, cache=False, **FAST)
+        assert fake == [("cpu:0", 2), ("cpu:0", 2)]
+
+    def test_other_repeats_are_another_entry(self, gpt, fake, cache):
+        cl = Cluster.cpu(1, measure=False)
+        ex.profile(gpt, cl, **FAST)
+        ex.profile(gpt, cl, repeats=3, warmup=0, progress=False)
+        assert fake == [("cpu:0", 2), ("cpu:0", 3)]
+        assert sorted(p.name[-8:] for p in cache.iterdir()) == ["-r2.json", "-r3.json"]
+
+    @pytest.mark.parametrize("damage", ["{not json", json.dumps({"version": 1}),
+                                        json.dumps({"version": 999, "torch": "x"})])
+    def test_damaged_or_old_entry_is_measured_again(self, gpt, fake, cache, damage):
+        cl = Cluster.cpu(1, measure=False)
+        ex.profile(gpt, cl, **FAST)
+        (entry,) = cache.iterdir()
+        entry.write_text(damage)
+        costs = ex.profile(gpt, cl, **FAST)
+        assert len(fake) == 2
+        assert costs.fwd_s(gpt.index[gpt.loss], "cpu:0") == pytest.approx(1e-3)
+        assert json.loads(entry.read_text())["version"] == prof.PROFILE_VERSION
+        assert [p.name for p in cache.iterdir()] == [entry.name]  # no .tmp left behind
+
+    def test_unwritable_cache_does_not_stop_profiling(self, gpt, fake, tmp_path, monkeypatch):
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # a file where a folder should be
+        costs = ex.profile(gpt, Cluster.cpu(1, measure=False), **FAST)
+        assert costs.source(gpt.index[gpt.loss], "cpu:0") == "measured"
+
+
+class TestRoofline:
+    def test_preset_cluster_gets_estimates(self, gpt, cache, monkeypatch):
+        monkeypatch.setattr(prof, "measure", _no_measuring)
+        cl = Cluster.preset("2xT4")
+        costs = ex.profile(gpt, cl, progress=False)
+        t4 = cl.devices[0]
+        assert costs.per_type == {t4.type_key: roofline(gpt, t4)}
+        assert {costs.source(i, "T4:1") for i, n in enumerate(gpt.nodes) if n.kind == "op"} \
+            == {"roofline"}
+        assert not cache.exists()  # estimates are not cached
+
+    def test_graph_without_runtime_is_estimated(self, chain3, cache, monkeypatch):
+        monkeypatch.setattr(prof, "measure", _no_measuring)
+        costs = ex.profile(chain3, Cluster.cpu(1, measure=False), progress=False)
+        assert costs.source(1, "cpu:0") == "roofline"
+
+    def test_mixed_cluster(self, gpt, measured, monkeypatch):
+        monkeypatch.setattr(prof, "measure", _no_measuring)  # the CPU part is in the cache
+        cpu = Cluster.cpu(1, measure=False)
+        t4 = Cluster.preset("T4")
+        cl = Cluster("cpu+T4", (*cpu.devices, *t4.devices), t4.default_link)
+        costs = ex.profile(gpt, cl, **FAST)
+        i = gpt.index[gpt.loss]
+        assert costs.source(i, "cpu:0") == "measured"
+        assert costs.fwd_s(i, "cpu:0") == measured[0].fwd_s(i, "cpu:0")
+        assert costs.source(i, "T4:0") == "roofline"
+        assert costs.fwd_s(i, "T4:0") == roofline(gpt, t4.devices[0]).fwd_s[i]
+        assert sorted(costs.per_type) == sorted([CPU_KEY, t4.devices[0].type_key])
