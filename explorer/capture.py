@@ -90,9 +90,16 @@ class CaptureRuntime:
                     env[name] = fx.target(*args, **kwargs)
         return env
 
+    @property
+    def names(self) -> dict[Any, str]:
+        """fx node -> our node name (built once)."""
+        if getattr(self, "_names", None) is None or len(self._names) != len(self.fx_nodes):
+            self._names = {v: k for k, v in self.fx_nodes.items()}
+        return self._names
+
     def resolve(self, fx: Any, env: dict[str, Any]) -> tuple[tuple, dict]:
         """The positional and keyword arguments of an fx node, looked up in ``env``."""
-        names = {v: k for k, v in self.fx_nodes.items()}
+        names = self.names
         lookup = lambda a: env[names[a]] if isinstance(a, torch.fx.Node) else a  # noqa: E731
         return map_aggregate(fx.args, lookup), map_aggregate(fx.kwargs, lookup)
 
@@ -367,7 +374,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def _replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> _Replay:
     """Run one node on its real inputs: FLOPs forward and backward, saved tensors, aliasing."""
-    names = {v: k for k, v in runtime.fx_nodes.items()}
+    names = runtime.names
     leaves: list[torch.Tensor] = []
     leaf_owner: dict[int, str] = {}
 

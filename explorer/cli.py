@@ -64,14 +64,13 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace):
     """Build the model, capture, choose the cluster and profile: shared by plan and friends."""
     import explorer as ex
+    from explorer.cluster import parse_devices
 
+    cluster = parse_devices(args.devices)  # a bad device spec fails before any work
     t0 = time.perf_counter()
     bm = ex.builtin_model(args.model, args.size, args.batch_size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
     t_capture = time.perf_counter() - t0
-    from explorer.cluster import parse_devices
-
-    cluster = parse_devices(args.devices)
     t0 = time.perf_counter()
     costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet)
     t_profile = time.perf_counter() - t0

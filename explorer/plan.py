@@ -154,7 +154,8 @@ class Plan:
         if bad:
             raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run from "
                             f"0 to {len(self.stages) - 1}")
-        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
+                or self.micro_batches < 1:
             raise PlanError(f"micro_batches must be a whole number >= 1, not "
                             f"{self.micro_batches!r}")
         if self.schedule not in SCHEDULES:
@@ -221,8 +222,12 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)  # never leave a half-written plan behind
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=1))
+            tmp.replace(path)  # never leave a half-written plan behind
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise PlanError(f"cannot save the plan to {path}: {exc.strerror or exc}") from exc
         return path
 
     @classmethod
