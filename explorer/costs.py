@@ -36,6 +36,33 @@ class DeviceCosts:
     overhead_s: float
     optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
     optimizer_s_per_tensor: dict[str, float] = field(default_factory=dict)
+    #: fractions of the batch also measured (e.g. [0.5, 0.25]) and the times there, per node
+    fractions: list[float] = field(default_factory=list)
+    fwd_at: list[list[float]] = field(default_factory=list)
+    bwd_at: list[list[float]] = field(default_factory=list)
+
+    def at(self, times: list[float], table: list[list[float]], i: int, fraction: float,
+           ) -> float:
+        """Seconds of node ``i`` at ``fraction`` of the batch, before calibration factors.
+
+        Between measured fractions, linear interpolation; below the smallest, the last
+        segment's slope, never under the fixed per-op cost; without measured fractions,
+        ``overhead + (t - overhead) * fraction``.
+        """
+        t = times[i]
+        if t <= 0.0 or fraction >= 1.0:
+            return max(t, 0.0)
+        if not self.fractions:
+            ovh = min(self.overhead_s, t)
+            return ovh + (t - ovh) * fraction
+        xs = [1.0, *self.fractions]
+        ys = [t, *(row[i] for row in table)]
+        for k in range(1, len(xs)):
+            if fraction >= xs[k]:
+                w = (fraction - xs[k]) / (xs[k - 1] - xs[k])
+                return ys[k] + w * (ys[k - 1] - ys[k])
+        slope = (ys[-2] - ys[-1]) / (xs[-2] - xs[-1])
+        return max(ys[-1] - slope * (xs[-1] - fraction), min(self.overhead_s, ys[-1]))
 
 
 @dataclass
@@ -59,17 +86,17 @@ class CostModel:
 
     def fwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
         dc = self._dc(device_id)
-        return self._scaled(dc, dc.fwd_s[i], fraction)
+        return self._scaled(dc.at(dc.fwd_s, dc.fwd_at, i, fraction))
 
     def bwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
         dc = self._dc(device_id)
-        return self._scaled(dc, dc.bwd_s[i], fraction)
+        return self._scaled(dc.at(dc.bwd_s, dc.bwd_at, i, fraction))
 
-    def _scaled(self, dc: DeviceCosts, t: float, fraction: float) -> float:
+    def _scaled(self, t: float) -> float:
+        """Apply the calibration factors to a profiled time."""
         if t <= 0.0:
             return 0.0
-        ovh = min(dc.overhead_s, t)
-        return (ovh + (t - ovh) * fraction) * self.compute_scale + self.extra_op_s
+        return t * self.compute_scale + self.extra_op_s
 
     def source(self, i: int, device_id: str) -> str:
         return self._dc(device_id).source[i]

@@ -21,13 +21,15 @@ from typing import Any
 
 import torch
 
-from explorer.capture import CaptureRuntime, keep_buffers
+from explorer.capture import CaptureRuntime, batch_splits, keep_buffers
 from explorer.cluster import Cluster, Device
 from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
-PROFILE_VERSION = 2  # 2: ops timed through the runtime
+PROFILE_VERSION = 3  # 2: ops timed through the runtime; 3: also at fractions of the batch
+#: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
+FRACTION_SPLITS = (2, 4)
 
 
 def cache_dir() -> Path:
@@ -138,6 +140,17 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
         else:
             fwd, bwd, opt_s = _measure_in_runtime(graph, dev, repeats, warmup, progress)
+            # the same ops on a half and a quarter of the batch: micro-batches and replicas
+            # run there, and small ops do not shrink in proportion
+            fractions, fwd_at, bwd_at = [], [], []
+            if batch_splits(graph):
+                for m in FRACTION_SPLITS:
+                    if graph.batch_size % m == 0 and graph.batch_size // m >= 1:
+                        f, b, _ = _measure_in_runtime(graph, dev, repeats, warmup, progress,
+                                                      micro_batches=m)
+                        fractions.append(1.0 / m)
+                        fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
+                        bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
             # scale the optimizer micro-benchmark to what the real step measured
             pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
             ntens = sum(1 for n in graph.nodes if n.kind == "param")
@@ -149,16 +162,26 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
     op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
     overhead = max(floor, op_times[0]) if op_times else floor
     src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
-    return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
+    if graph.source == "hooks":
+        return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
+    return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
+                       fractions, fwd_at, bwd_at)
+
+
+def _at_most(times: list[float], bigger: list[float]) -> list[float]:
+    """A smaller share of the batch never takes longer: clip timing noise to that."""
+    return [min(t, b) if b > 0 else t for t, b in zip(times, bigger, strict=True)]
 
 
 def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
-                        progress: bool) -> tuple[list[float], list[float], float]:
-    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank."""
+                        progress: bool, micro_batches: int = 1
+                        ) -> tuple[list[float], list[float], float]:
+    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank
+    (each op's time is the median over steps and micro-batches)."""
     from explorer.plan import Plan
     from explorer.run import run
 
-    plan = Plan.single(graph, dev.id, optimizer="adam")
+    plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
     meas = run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
                device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0)
     task = meas.task_s
