@@ -124,14 +124,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for n, p, r in results:
         if p is None:
-            rows.append((n, "-", "-", "-", "-", "error: " + r))
+            rows.append((n, "-", "-", "-", "-", "-", "error: " + r))
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
+        note = p.notes[0] if p.notes else ""
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
                      f"{r.gap * 100:.0f}%", mem, f"{r.cross_device_bytes / MiB:.2f}",
-                     "yes" if r.fits else "NO: " + r.memory_report()))
+                     "yes" if r.fits else "NO: " + r.memory_report(),
+                     note if len(note) <= 70 else note[:67] + "..."))
     print(_table(("algorithm", "step ms", "gap to bound", "peak MiB per device",
-                  "MiB across devices", "fits"), rows))
+                  "MiB across devices", "fits", "notes"), rows))
     if best:
         print(f"\n* fastest plan that fits: {best[0]}"
               + (f" (saved to {args.out})" if args.out else ""))
@@ -143,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.plan is None:
         ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
-    bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
+    bm, graph, cluster, costs, _, _ = _prepare(args)
     if args.plan:
         plan = ex.Plan.load(args.plan, graph, cluster)
     else:

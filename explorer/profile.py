@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from explorer.capture import CaptureRuntime, batch_splits, keep_buffers
 from explorer.cluster import Cluster, Device
@@ -139,18 +140,23 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
         if graph.source == "hooks":
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
         else:
-            fwd, bwd, opt_s = _measure_in_runtime(graph, dev, repeats, warmup, progress)
+            splits = [m for m in FRACTION_SPLITS if batch_splits(graph)
+                      and graph.batch_size % m == 0]
+            bar = tqdm(total=1 + len(splits), desc=f"profiling {graph.name} on {dev.id}",
+                       unit="run", disable=not progress, leave=False)
+            fwd, bwd, opt_s = _measure_in_runtime(graph, dev, repeats, warmup, False)
+            bar.update()
             # the same ops on a half and a quarter of the batch: micro-batches and replicas
             # run there, and small ops do not shrink in proportion
             fractions, fwd_at, bwd_at = [], [], []
-            if batch_splits(graph):
-                for m in FRACTION_SPLITS:
-                    if graph.batch_size % m == 0 and graph.batch_size // m >= 1:
-                        f, b, _ = _measure_in_runtime(graph, dev, repeats, warmup, progress,
-                                                      micro_batches=m)
-                        fractions.append(1.0 / m)
-                        fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
-                        bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
+            for m in splits:
+                f, b, _ = _measure_in_runtime(graph, dev, repeats, warmup, False,
+                                              micro_batches=m)
+                fractions.append(1.0 / m)
+                fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
+                bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
+                bar.update()
+            bar.close()
             # scale the optimizer micro-benchmark to what the real step measured
             pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
             ntens = sum(1 for n in graph.nodes if n.kind == "param")
