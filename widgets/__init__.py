@@ -1,1 +1,4 @@
-"""The Jupyter UI of Partition Explorer (ipywidgets + bokeh); every number comes from ``explorer``."""
+"""The Jupyter UI of Partition Explorer (ipywidgets + bokeh).
+
+Every number it shows comes from ``explorer``; it computes nothing of its own.
+"""
