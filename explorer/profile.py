@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -246,7 +247,9 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
                 calls.clear()
                 names_of.clear()
                 loss = step(*args)
-                loss.backward()
+                with warnings.catch_warnings():  # first module's inputs need no gradient:
+                    warnings.simplefilter("ignore", UserWarning)  # expected, not news
+                    loss.backward()
         finally:
             for h in hooks:
                 h.remove()
