@@ -122,8 +122,9 @@ class TestMeasurement:
 
 
 def _children() -> list[str]:
-    """Command lines of live processes running a rank."""
+    """Command lines of live rank processes started by this test process."""
     out = []
+    me = os.getpid()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -132,7 +133,8 @@ def _children() -> list[str]:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        if "explorer.rank" in cmd and ") Z " not in stat:
+        fields = stat.rsplit(") ", 1)[1].split()  # state, ppid, ...
+        if "explorer.rank" in cmd and fields[0] != "Z" and int(fields[1]) == me:
             out.append(cmd)
     return out
 
