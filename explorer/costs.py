@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from explorer.cluster import Cluster, Device
 from explorer.errors import PlanError
 from explorer.graph import OpGraph
@@ -63,6 +65,47 @@ class DeviceCosts:
                 return ys[k] + w * (ys[k - 1] - ys[k])
         slope = (ys[-2] - ys[-1]) / (xs[-2] - xs[-1])
         return max(ys[-1] - slope * (xs[-1] - fraction), min(self.overhead_s, ys[-1]))
+
+    def at_many(self, which: str, idx: np.ndarray, fraction: float) -> np.ndarray:
+        """:meth:`at` for the nodes ``idx`` at once (``which`` is "fwd_s" or "bwd_s")."""
+        times = self._array(which)[idx]
+        if fraction >= 1.0:
+            return np.maximum(times, 0.0)
+        if not self.fractions:
+            ovh = np.minimum(self.overhead_s, times)
+            out = ovh + (times - ovh) * fraction
+        else:
+            xs = [1.0, *self.fractions]
+            ys = [times, *(row[idx] for row in self._rows(which))]
+            for k in range(1, len(xs)):
+                if fraction >= xs[k]:
+                    w = (fraction - xs[k]) / (xs[k - 1] - xs[k])
+                    out = ys[k] + w * (ys[k - 1] - ys[k])
+                    break
+            else:
+                slope = (ys[-2] - ys[-1]) / (xs[-2] - xs[-1])
+                out = np.maximum(ys[-1] - slope * (xs[-1] - fraction),
+                                 np.minimum(self.overhead_s, ys[-1]))
+        return np.where(times <= 0.0, 0.0, out)
+
+    def _array(self, which: str) -> np.ndarray:
+        # kept per list object: replace the lists rather than editing them in place
+        src = getattr(self, which)
+        key = ("_arr", which, id(src), len(src))
+        cache = self.__dict__.setdefault("_np_cache", {})
+        a = cache.get(key)
+        if a is None:
+            a = cache[key] = np.asarray(src, dtype=np.float64)
+        return a
+
+    def _rows(self, which: str) -> list[np.ndarray]:
+        table = self.fwd_at if which == "fwd_s" else self.bwd_at
+        key = ("_rows", which, id(table), len(table))
+        cache = self.__dict__.setdefault("_np_cache", {})
+        r = cache.get(key)
+        if r is None:
+            r = cache[key] = [np.asarray(row, dtype=np.float64) for row in table]
+        return r
 
 
 @dataclass

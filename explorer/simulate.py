@@ -12,13 +12,25 @@ stage is simulated once and its timeline shared by its devices.
 Memory per device is parameters, gradients, optimizer state and buffers, plus activations by
 liveness along the simulated timeline: a tensor lives from its producer's start until its last
 forward consumer, outgoing transfer, or the backward of a node that saved it, whichever is last.
+
+Implementation: tasks live in flat lists indexed by task id (the forwards and backwards of a
+micro-batch are one block laid out from a per-op template), durations come from the cost tables
+as arrays, dependencies are built from the graph's edge arrays, and memory liveness is computed
+with array reductions; a priority is one integer, so the per-stage queues are heaps of ints.
+The results are those of the straightforward version (``tests/test_simulate_speed.py`` holds
+its predictions for many cases); a 100k-node graph simulates in well under a second.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
+import weakref
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
+from typing import Any, ClassVar
+
+import numpy as np
 
 from explorer.costs import OPTIMIZER_STATE, CostModel
 from explorer.errors import PlanError
@@ -28,6 +40,9 @@ from explorer.plan import Plan
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
 F, B, XFER, ALLREDUCE, OPT = "fwd", "bwd", "send", "allreduce", "optimizer"
+_INPUT, _PARAM, _BUFFER, _OP = 0, 1, 2, 3
+_KIND_CODE = {"input": _INPUT, "param": _PARAM, "buffer": _BUFFER, "op": _OP}
+_LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
 
 @dataclass(frozen=True)
@@ -59,20 +74,105 @@ class MemoryBreakdown:
                 + self.buffers_bytes + self.activations_bytes)
 
 
+class _Deferred:
+    """A :class:`Prediction` field's value, computed when the field is first read."""
+
+    def build(self) -> Any:
+        raise NotImplementedError
+
+
+class _Timeline(_Deferred):
+    """The simulated tasks a timeline is made of; :meth:`build` makes the Interval tuple.
+
+    A step of a large graph has hundreds of thousands of tasks, and most callers never look at
+    the timeline, so a :class:`Prediction` keeps this and builds its intervals on first read.
+    """
+
+    def __init__(self, sim: _Sim) -> None:
+        self.kind, self.res, self.resources = sim.kind, sim.res, sim.resources
+        self.start, self.end, self.label, self.mb = sim.start, sim.end, sim.label, sim.mb
+        self.stages = sim.plan.stages
+
+    def build(self) -> tuple[Interval, ...]:
+        out: list[Interval] = []
+        stages, resources, res = self.stages, self.resources, self.res
+        start, end, label, mb = self.start, self.end, self.label, self.mb
+        for t, kind in enumerate(self.kind):
+            if kind == "gate":
+                continue
+            key = resources[res[t]]
+            if key[0] == "stage":
+                for d in stages[key[1]]:
+                    out.append(Interval(d, "compute", kind, start[t], end[t], label[t], mb[t]))
+            elif key[0] == "link":
+                out.append(Interval(stages[key[1]][0], "comm", kind, start[t], end[t],
+                                    f"{label[t]} -> {stages[key[2]][0]}", mb[t]))
+            else:
+                for d in stages[key[1]]:
+                    out.append(Interval(d, "comm", kind, start[t], end[t], label[t], mb[t]))
+        out.sort(key=lambda iv: (iv.device, iv.start_s))
+        return tuple(out)
+
+
+class _CriticalPath(_Deferred):
+    """The chain of tasks that ended last and what made each one start, as labels."""
+
+    def __init__(self, sim: _Sim, last: int) -> None:
+        self.kind, self.label, self.mb, self.cause = sim.kind, sim.label, sim.mb, sim.cause
+        self.last, self.many = last, sim.plan.micro_batches > 1
+
+    def build(self) -> tuple[str, ...]:
+        t, cause = self.last, self.cause
+        path = []
+        while t >= 0:  # each task's cause started before it did, so the walk ends
+            path.append(t)
+            t = cause[t]
+        path.reverse()
+        kind, label, mb = self.kind, self.label, self.mb
+        if self.many:
+            return tuple(f"{kind[t]} {label[t]}[{mb[t]}]" if mb[t] >= 0 else
+                         f"{kind[t]} {label[t]}" for t in path if kind[t] != "gate")
+        return tuple([kind[t] + " " + label[t] for t in path])  # (gates need micro-batches)
+
+
+class _BuiltOnRead:
+    """A dataclass field that may be given as a :class:`_Deferred`: the first read builds the
+    value and keeps it. Any other value is stored and read back as is."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError(self.name)  # no default value for the dataclass field
+        value = obj.__dict__[self.name]
+        if isinstance(value, _Deferred):
+            value = obj.__dict__[self.name] = value.build()
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
 @dataclass(frozen=True)
 class Prediction:
-    """What the simulator predicts for one step of a plan."""
+    """What the simulator predicts for one step of a plan.
+
+    ``timeline`` is a tuple of :class:`Interval` sorted by device and start, and
+    ``critical_path`` a tuple of task labels; for large graphs these are big, so the simulator
+    builds them when they are first read.
+    """
 
     step_s: float
     busy_s: dict[str, float]
-    timeline: tuple[Interval, ...]
+    timeline: tuple[Interval, ...] = _BuiltOnRead()  # type: ignore[assignment]
     memory: dict[str, MemoryBreakdown]
     capacity_bytes: dict[str, int]
     transfer_bytes: int
     allreduce_bytes: int
     energy_j: float
     energy_by_device_j: dict[str, float]
-    critical_path: tuple[str, ...]
+    critical_path: tuple[str, ...] = _BuiltOnRead()  # type: ignore[assignment]
     bottleneck: str
     lower_bound_s: float
     algorithm: str
@@ -113,15 +213,178 @@ class Prediction:
             for d, b in over.items())
 
 
+# -- cost tables as arrays --------------------------------------------------------------------
+
+def _plain(costs: CostModel) -> bool:
+    """Whether ``costs`` computes node times with CostModel's own formulas (not overridden)."""
+    cls = type(costs)
+    return all(getattr(cls, m) is getattr(CostModel, m)
+               for m in ("fwd_s", "bwd_s", "_scaled", "_dc", "node_s", "transfer_s"))
+
+
+class _Seconds:
+    """Node seconds as ``costs.fwd_s`` / ``costs.bwd_s`` give them, for many nodes at once."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.plain = _plain(costs)
+
+    def on(self, which: str, idx: np.ndarray, device: str, fraction: float) -> np.ndarray:
+        """[len(idx)] seconds of nodes ``idx`` on ``device`` at ``fraction`` of the batch."""
+        costs = self.costs
+        if not self.plain:
+            fn = costs.fwd_s if which == "fwd_s" else costs.bwd_s
+            return np.array([fn(i, device, fraction) for i in idx.tolist()], dtype=np.float64)
+        dc = costs.per_type[costs.cluster.device(device).type_key]
+        t = dc.at_many(which, idx, fraction)  # DeviceCosts.at, elementwise
+        s = t * costs.compute_scale + costs.extra_op_s  # CostModel._scaled, elementwise
+        return np.where(t <= 0.0, 0.0, s)
+
+    def slowest(self, which: str, idx: np.ndarray, devices, fraction: float) -> np.ndarray:
+        out = None
+        for dv in devices:
+            s = self.on(which, idx, dv, fraction)
+            out = s if out is None else np.maximum(out, s)
+        return out if out is not None else np.zeros(len(idx))
+
+
 def lower_bound_s(graph: OpGraph, costs: CostModel) -> float:
     """Total compute on the fastest device type, spread over every device: no plan beats it."""
+    return _lower_bound(_GraphArrays.of(graph), costs, _Seconds(costs))
+
+
+def _lower_bound(A: _GraphArrays, costs: CostModel, sec: _Seconds) -> float:
     cluster = costs.cluster
     reps = {d.type_key: d.id for d in cluster.devices}
-    total = 0.0
-    for i, n in enumerate(graph.nodes):
-        if n.kind == "op":
-            total += min(costs.node_s(i, d) for d in reps.values())
-    return total / max(len(cluster), 1)
+    ops = np.flatnonzero(A.is_op)
+    best = None
+    for d in reps.values():
+        if sec.plain:
+            s = sec.on("fwd_s", ops, d, 1.0) + sec.on("bwd_s", ops, d, 1.0)
+        else:
+            s = np.array([costs.node_s(i, d) for i in ops.tolist()], dtype=np.float64)
+        best = s if best is None else np.minimum(best, s)
+    if best is None or not len(best):
+        return 0.0
+    # the ops' times added in node order (an accumulation runs strictly left to right)
+    return float(np.cumsum(best)[-1]) / max(len(cluster), 1)
+
+
+# -- the graph as arrays ----------------------------------------------------------------------
+
+class _GraphArrays:
+    """Per-node attributes, the edge list, memory roots and saved tensors of a graph, as lists
+    and numpy arrays.
+
+    They depend on the graph alone, so they are kept for the last few graphs simulated (the
+    partitioners simulate one graph many times). An entry serves only the same graph object
+    while its nodes are equal to those it was made from, so editing a graph's nodes is noticed
+    (its edges come from the graph's own cached ``preds``).
+    """
+
+    _cache: ClassVar[dict[int, tuple[Any, tuple, _GraphArrays]]] = {}
+    _CACHED = 4
+
+    @classmethod
+    def of(cls, g: OpGraph) -> _GraphArrays:
+        nodes = g.nodes
+        hit = cls._cache.get(id(g))
+        if hit is not None:
+            ref, snapshot, arrays = hit
+            if ref() is g and snapshot == tuple(nodes):  # (identical nodes compare quickly)
+                return arrays
+        arrays = cls(g)
+        cache = cls._cache
+
+        def forget(r: Any, k: int = id(g)) -> None:
+            if cache.get(k, (None,))[0] is r:
+                del cache[k]
+
+        try:
+            ref = weakref.ref(g, forget)
+        except TypeError:
+            return arrays
+        cache.pop(id(g), None)
+        cache[id(g)] = (ref, tuple(nodes), arrays)
+        while len(cache) > cls._CACHED:
+            del cache[next(iter(cache))]
+        return arrays
+
+    def __init__(self, g: OpGraph) -> None:
+        nodes = g.nodes
+        self.n = N = len(nodes)
+        self._preds, self._index = g.preds, g.index
+        # one pass over the nodes (much faster than one pass per attribute on large graphs)
+        cols: list[list] = [[] for _ in range(8)]
+        name, kind, rg, out_bytes, param_bytes, view, extra, saves = (c.append for c in cols)
+        for n in nodes:
+            name(n.name)
+            kind(n.kind)
+            rg(n.requires_grad)
+            out_bytes(n.out_bytes)
+            param_bytes(n.param_bytes)
+            view(n.is_view)
+            extra(n.saved_extra_bytes)
+            saves(n.saves)
+        (self.names, self.kinds, rg_l, self.out_bytes, self.param_bytes, self._views,
+         self._extra, self._saves) = cols
+        self.kcode = np.fromiter(map(_KIND_CODE.__getitem__, self.kinds), dtype=np.int8,
+                                 count=N)
+        self.is_op = self.kcode == _OP
+        self.rg = np.array(rg_l, dtype=bool)
+        self.has_b = self.is_op & self.rg
+        self.pbytes = np.array(self.param_bytes, dtype=np.int64)
+        preds = g.preds
+        lens = np.fromiter(map(len, preds), dtype=np.int64, count=N)
+        self.e_p = np.fromiter(chain.from_iterable(preds), dtype=np.int64, count=int(lens.sum()))
+        self.e_c = np.repeat(np.arange(N, dtype=np.int64), lens)  # by consumer, inputs in order
+        self.trainable = np.flatnonzero((self.kcode != _BUFFER) & (self.pbytes != 0)).tolist()
+        self.pg = np.flatnonzero((self.kcode == _PARAM) & self.rg)  # trainable weights
+
+    @cached_property
+    def grad_named(self) -> np.ndarray:
+        """Whether a node's name starts with "grad " (as the labels of gradient sends do)."""
+        return np.fromiter((nm.startswith("grad ") for nm in self.names), dtype=bool,
+                           count=self.n)
+
+    @cached_property
+    def names_obj(self) -> np.ndarray:
+        return np.array(self.names, dtype=object)
+
+    @cached_property
+    def out_b(self) -> np.ndarray:
+        return np.asarray(self.out_bytes, dtype=np.int64)
+
+    @cached_property
+    def extra(self) -> np.ndarray:
+        return np.array(self._extra, dtype=np.int64)
+
+    @cached_property
+    def root(self) -> list[int]:
+        """For views and in-place ops, the node whose memory they share: a view's root is its
+        first input's root."""
+        root = list(range(self.n))
+        preds = self._preds
+        for i in np.flatnonzero(np.array(self._views, dtype=bool)).tolist():
+            if preds[i]:
+                root[i] = root[preds[i][0]]
+        return root
+
+    @cached_property
+    def root_a(self) -> np.ndarray:
+        return np.asarray(self.root, dtype=np.int64)
+
+    @cached_property
+    def saved(self) -> tuple[np.ndarray, np.ndarray]:
+        """(producer root, node whose backward keeps it) for every saved op or input output."""
+        saves = self._saves
+        lens = np.fromiter(map(len, saves), dtype=np.int64, count=self.n)
+        idx = np.fromiter(map(self._index.__getitem__, chain.from_iterable(saves)),
+                          dtype=np.int64, count=int(lens.sum()))
+        p = self.root_a[idx]
+        v = np.repeat(np.arange(self.n, dtype=np.int64), lens)
+        keep = (self.kcode[p] == _OP) | (self.kcode[p] == _INPUT)
+        return p[keep], v[keep]
 
 
 class _Sim:
@@ -129,15 +392,15 @@ class _Sim:
 
     def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel) -> None:
         self.g, self.plan, self.costs = graph, plan, costs
+        # per task
         self.kind: list[str] = []
         self.res: list[int] = []
         self.dur: list[float] = []
-        self.prio: list[tuple] = []
+        self.enc: list[int] = []  # the schedule priority (a tuple once) as one order-keeping int
         self.label: list[str] = []
         self.mb: list[int] = []
         self.nbytes: list[int] = []
-        self.succ: list[list[int]] = []
-        self.ndeps: list[int] = []
+        self.node: list[int] = []  # the op of a forward or backward, the producer of a transfer
         self.resources: list[tuple[str, int, int]] = []  # ("stage", s, -1) / ("link", a, b)
         self._res_index: dict[tuple, int] = {}
 
@@ -148,266 +411,505 @@ class _Sim:
             self.resources.append(key)
         return r
 
-    def task(self, kind: str, res: int, dur: float, prio: tuple, label: str, mb: int = -1,
-             nbytes: int = 0) -> int:
+    def task(self, kind: str, res: int, dur: float, enc: int, label: str, mb: int = -1,
+             nbytes: int = 0, node: int = -1) -> int:
         t = len(self.kind)
         self.kind.append(kind)
         self.res.append(res)
         self.dur.append(dur)
-        self.prio.append(prio)
+        self.enc.append(enc)
         self.label.append(label)
         self.mb.append(mb)
         self.nbytes.append(nbytes)
-        self.succ.append([])
-        self.ndeps.append(0)
+        self.node.append(node)
         return t
 
-    def dep(self, before: int, after: int) -> None:
-        self.succ[before].append(after)
-        self.ndeps[after] += 1
+    def prio(self, slot: int, x: int | None = None) -> int:
+        """The priority tuple ``(slot,)`` or ``(slot, x)`` as an int that orders the same."""
+        return slot * self.W if x is None else slot * self.W + x + self.N + 1
 
     # -- building ------------------------------------------------------------------------
     def build(self) -> None:
         g, plan, costs = self.g, self.plan, self.costs
-        nodes = g.nodes
-        stage = plan.assignment(g)
+        A = self.arrays = _GraphArrays.of(g)
+        N = self.N = A.n
+        self.W = W = 2 * N + 2  # (slot, x) with -N < x < N  ->  slot * W + x + N + 1
+        names, out_b = A.names, A.out_bytes
+        succs = g.succs
+        if type(plan).assignment is Plan.assignment:  # the same list, faster
+            stage = list(map(plan.placement.__getitem__, names))
+        else:
+            stage = plan.assignment(g)
         self.stage = stage
+        st = self.st = np.asarray(stage, dtype=np.int64)
         S, M = len(plan.stages), plan.micro_batches
         reps = [plan.stages[s] for s in range(S)]
         frac = [1.0 / (len(reps[s]) * M) for s in range(S)]
         self.frac = frac
         # the slowest replica sets a stage's pace
         types = [{costs.cluster.device(d).type_key: d for d in reps[s]} for s in range(S)]
-        first_op = [min((i for i, n in enumerate(nodes) if n.kind == "op" and stage[i] == s),
-                        default=len(nodes)) for s in range(S)]
+        is_op, has_b = A.is_op, A.has_b
+        ops_arr = np.flatnonzero(is_op)
+        st_ops = st[ops_arr]
+        ops_by_stage = [ops_arr[st_ops == s] for s in range(S)]
+        first_op = [int(o[0]) if len(o) else N for o in ops_by_stage]
         order = sorted(range(S), key=lambda s: first_op[s])
-        active = [s for s in order if first_op[s] < len(nodes)]
+        active = [s for s in order if first_op[s] < N]
         rank = {s: k for k, s in enumerate(active)}
         warm = {s: min(len(active) - rank[s], M) for s in active}
-        self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]
-        ops = [i for i, n in enumerate(nodes) if n.kind == "op"]
-        grad_in = [n.requires_grad for n in nodes]
+        self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
+        if plan.schedule == "gpipe":
+            slot_f = [list(range(M)) for _ in range(S)]
+            slot_b = [[M + m for m in range(M)] for _ in range(S)]
+        else:
+            slot_f, slot_b = [], []
+            for s in range(S):
+                w = warm.get(s, 1)
+                slot_f.append([m if m < w else w + 2 * (m - w) + 1 for m in range(M)])
+                slot_b.append([w + 2 * m for m in range(M)])
 
-        def slot(s: int, kind: str, m: int) -> int:
-            if plan.schedule == "gpipe":
-                return m if kind == F else M + m
-            w = warm.get(s, 1)
-            if kind == F:
-                return m if m < w else w + 2 * (m - w) + 1
-            return w + 2 * m
+        # forwards and backwards: per micro-batch, every op's forward then its backward
+        nb = has_b[ops_arr]
+        width = 1 + nb.astype(np.int64)
+        off_ops = np.cumsum(width) - width
+        per_m = self.per_m = int(width.sum())
+        off_f = np.full(N, -1, dtype=np.int64)
+        off_f[ops_arr] = off_ops
+        off_b = np.full(N, -1, dtype=np.int64)
+        off_b[ops_arr[nb]] = off_ops[nb] + 1
+        self.off_f, self.off_b = off_f, off_b
+        tpl_node = np.empty(per_m, dtype=np.int64)
+        tpl_node[off_ops] = ops_arr
+        tpl_node[off_ops[nb] + 1] = ops_arr[nb]
+        tpl_isb = np.zeros(per_m, dtype=bool)
+        tpl_isb[off_ops[nb] + 1] = True
+        tpl_stage = st[tpl_node]
+        sec = self.seconds = _Seconds(costs)
+        fwd_d = np.zeros(N)
+        bwd_d = np.zeros(N)
+        for s in range(S):
+            idx = ops_by_stage[s]
+            if len(idx):
+                fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
+                idx = idx[has_b[idx]]
+                bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
+        tpl_node_l = tpl_node.tolist()
+        self.kind = np.array([F, B], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
+        self.res = tpl_stage.tolist() * M
+        self.fb_stage = tpl_stage
+        self.fb_dur = np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node])
+        self.dur = self.fb_dur.tolist() * M
+        self.label = A.names_obj[tpl_node].tolist() * M
+        self.node = tpl_node_l * M
+        self.mb = np.repeat(np.arange(M), per_m).tolist()
+        self.nbytes = [0] * (per_m * M)
+        x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
+        sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
+        enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
+                                 for m in range(M)])
+        self.enc = [0] * len(enc_fb)  # (kept as enc_fb; the tasks below append theirs)
 
-        fwd = {}
-        bwd = {}
-        for m in range(M):
-            for i in ops:
-                s = stage[i]
-                d = max(costs.fwd_s(i, dv, frac[s]) for dv in types[s].values())
-                fwd[m, i] = self.task(F, self.stage_res[s], d, (slot(s, F, m), i),
-                                      nodes[i].name, m)
-                if nodes[i].requires_grad:
-                    d = max(costs.bwd_s(i, dv, frac[s]) for dv in types[s].values())
-                    bwd[m, i] = self.task(B, self.stage_res[s], d, (slot(s, B, m), -i),
-                                          nodes[i].name, m)
-        self.fwd, self.bwd = fwd, bwd
-        self.xfer_f = xfer_f = {}
-        # forward edges and activation transfers (one per tensor, micro-batch, destination)
-        xfer_b: dict[tuple[int, int, int], int] = {}
-        param_in: dict[tuple[int, int], int] = {}
+        # dependencies: blocks of (src, dst) arrays, and pairs collected one by one
+        src_parts: list[np.ndarray] = []
+        dst_parts: list[np.ndarray] = []
+        py_src: list[int] = []
+        py_dst: list[int] = []
+
+        def edges(src: np.ndarray, dst: np.ndarray, m_src: int = 0, m_dst: int = 0) -> None:
+            src_parts.append(src + m_src * per_m if m_src else src)
+            dst_parts.append(dst + m_dst * per_m if m_dst else dst)
+
         self.transfer_bytes = 0
-        for i in ops:
-            s = stage[i]
-            for p in g.preds[i]:
-                pn, ps = nodes[p], stage[p]
-                if pn.kind == "input":
-                    continue  # every rank loads its own copy of the batch
-                if pn.kind in ("param", "buffer"):
-                    if ps != s:
-                        key = (p, s)
-                        if key not in param_in:
-                            param_in[key] = self._transfer(ps, s, pn.out_bytes, (0, p),
-                                                           f"{pn.name} -> stage {s}")
-                        for m in range(M):
-                            self.dep(param_in[key], fwd[m, i])
-                    continue
-                for m in range(M):
-                    if ps == s:
-                        self.dep(fwd[m, p], fwd[m, i])
-                        continue
-                    key = (m, p, s)
-                    if key not in xfer_f:
-                        xfer_f[key] = self._transfer(ps, s, pn.out_bytes // M, (slot(s, F, m), p),
-                                                     f"{pn.name}", m)
-                        self.dep(fwd[m, p], xfer_f[key])
-                    self.dep(xfer_f[key], fwd[m, i])
-        # backward edges: a node's backward waits for its consumers' backwards
-        for i in ops:
-            if not grad_in[i]:
-                continue
-            s = stage[i]
+        self._links: dict[int, tuple] = {}
+        e_p, e_c = A.e_p, A.e_c
+        same = st[e_p] == st[e_c]
+        op_c = is_op[e_c]
+        # forward edges and activation transfers (one per tensor, micro-batch, destination)
+        sel = op_c & is_op[e_p] & same
+        fs, fd = off_f[e_p[sel]], off_f[e_c[sel]]
+        for m in range(M):
+            edges(fs, fd, m, m)
+        # a weight or buffer used on another stage is sent there once; an activation once per
+        # micro-batch. Transfers are made in the order their first consumer (by node, then
+        # input) meets them.
+        sel = op_c & (A.kcode[e_p] != _INPUT) & ~same
+        cp, ci = e_p[sel], e_c[sel]
+        self.xf_keys = self.xf_base = np.zeros(0, dtype=np.int64)  # activation (p, stage)
+        xf_parts = []  # received activations, for memory
+        if len(cp):
+            keys = cp * S + st[ci]
+            uk, k_edge, sizes, base = self._first_seen(keys, np.where(is_op[cp], M, 1))
+            up, us = uk // S, uk % S
+            u_act = is_op[up]
+            k_task = np.repeat(np.arange(len(uk)), sizes)
+            m_task = np.arange(len(k_task)) - np.repeat(base - base[0], sizes)
+            tp, ts, t_act = up[k_task], us[k_task], u_act[k_task]
+            enc = np.where(t_act, sf[ts, m_task], 0) * W + tp + (N + 1)
+            labels = A.names_obj[tp]
+            for j in np.flatnonzero(~t_act).tolist():
+                labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
+            ob = A.out_b[tp]
+            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
+                            np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
+            # edges: producer's forward -> transfer -> consumer's forward (a weight's one
+            # transfer feeds every micro-batch)
+            e_base, e_act = base[k_edge], u_act[k_edge]
+            fi = off_f[ci]
+            ab = base[u_act]
             for m in range(M):
-                self.dep(fwd[m, i], bwd[m, i])
-            for c in g.succs[i]:
-                if (0, c) not in bwd:
-                    continue
-                cs = stage[c]
-                for m in range(M):
-                    if cs == s:
-                        self.dep(bwd[m, c], bwd[m, i])
-                        continue
-                    key = (m, i, cs)
-                    if key not in xfer_b:
-                        xfer_b[key] = self._transfer(cs, s, nodes[i].out_bytes // M,
-                                                     (slot(cs, B, m), -i),
-                                                     f"grad {nodes[i].name}", m)
-                        self.dep(xfer_b[key], bwd[m, i])
-                    self.dep(bwd[m, c], xfer_b[key])
+                edges(np.where(e_act, e_base + m, e_base), fi, 0, m)
+                edges(off_f[up[u_act]], ab + m, m)
+            self.xf_keys, self.xf_base = uk[u_act], ab
+            xa = np.flatnonzero(t_act)
+            xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
+                             ~A.grad_named[tp[xa]], A.out_b[tp[xa]] // M))
+        # backward edges: a node's backward waits for its consumers' backwards
+        bops = ops_arr[nb]
+        for m in range(M):
+            edges(off_f[bops], off_b[bops], m, m)
+        both = has_b[e_p] & has_b[e_c]
+        sel = both & same
+        bs, bd = off_b[e_c[sel]], off_b[e_p[sel]]
+        for m in range(M):
+            edges(bs, bd, m, m)
+        # activation gradients sent back, once per micro-batch, made in the order of (node,
+        # consumer)
+        sel = both & ~same
+        bi_, bc_ = e_p[sel], e_c[sel]
+        if len(bi_):
+            o = np.lexsort((bc_, bi_))
+            bi_, bc_ = bi_[o], bc_[o]
+            keys = bi_ * S + st[bc_]
+            uk, k_edge, sizes, base = self._first_seen(keys, np.full(len(keys), M))
+            ui, us = uk // S, uk % S
+            k_task = np.repeat(np.arange(len(uk)), M)
+            m_task = np.tile(np.arange(M), len(uk))
+            tp, ts = ui[k_task], us[k_task]
+            enc = sb[ts, m_task] * W - tp + (N + 1)
+            labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
+                               M).tolist()
+            self._transfers(ts, st[tp], A.out_b[tp] // M, enc, labels, m_task, tp)
+            for m in range(M):
+                edges(base + m, off_b[ui], 0, m)
+                edges(off_b[bc_], base[k_edge] + m, m)
+            xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
+                             np.zeros(len(tp), dtype=bool), A.out_b[tp] // M))
+        self.xf = tuple(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
+                        np.zeros(0, dtype=np.int64) for k in range(6))
         # 1F1B: at most `warm` micro-batches in flight on a stage
         if plan.schedule == "1f1b" and M > 1:
-            done = {}
             for s in active:
                 w = warm[s]
-                st_ops = [i for i in ops if stage[i] == s]
-                st_b = [i for i in st_ops if (0, i) in bwd]
+                fo = off_f[ops_by_stage[s]]
+                bo = off_b[ops_by_stage[s][has_b[ops_by_stage[s]]]]
+                if not len(bo):
+                    continue
                 for m in range(w, M):
-                    if not st_b:
-                        break
-                    gate = done.get((s, m - w))
-                    if gate is None:
-                        gate = done[s, m - w] = self.task("gate", self.resource(
-                            ("gate", s, m - w)), 0.0, (0,), "", m - w)
-                        for i in st_b:
-                            self.dep(bwd[m - w, i], gate)
-                    for i in st_ops:
-                        self.dep(gate, fwd[m, i])
+                    gate = self.task("gate", self.resource(("gate", s, m - w)), 0.0,
+                                     self.prio(0), "", m - w)
+                    edges(bo, np.full(len(bo), gate), m - w)
+                    edges(np.full(len(fo), gate), fo, 0, m)
         # gradients: params consumed on other stages send their gradient home; replicated
         # stages all-reduce in buckets; then each stage steps its optimizer
-        last_b: dict[int, list[int]] = defaultdict(list)  # param -> tasks its grad waits for
-        for p, n in enumerate(nodes):
-            if n.kind != "param" or not n.requires_grad:
-                continue
-            ps = stage[p]
-            for c in g.succs[p]:
-                if (0, c) not in bwd:
-                    continue
-                cs = stage[c]
-                for m in range(M):
-                    if cs == ps:
-                        last_b[p].append(bwd[m, c])
-                if cs != ps:
-                    key = (p, cs)
-                    if ("gp", key) not in self._res_index:
-                        self._res_index[("gp", key)] = -1
-                        t = self._transfer(cs, ps, n.out_bytes, (10**9, -p), f"grad {n.name}")
-                        for m in range(M):
-                            for c2 in g.succs[p]:
-                                if stage[c2] == cs and (0, c2) in bwd:
-                                    self.dep(bwd[m, c2], t)
-                        last_b[p].append(t)
+        is_pg = np.zeros(N, dtype=bool)
+        is_pg[A.pg] = True
+        sent_home: dict[int, list[int]] = {}  # param -> its gradients sent from other stages
+        sel = is_pg[e_p] & has_b[e_c] & ~same
+        gp_, gc_ = e_p[sel], e_c[sel]
+        if len(gp_):
+            o = np.lexsort((gc_, gp_))
+            gp_, gc_ = gp_[o], gc_[o]
+            keys = gp_ * S + st[gc_]
+            uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
+            up, us = uk // S, uk % S
+            self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
+                            [f"grad {names[p]}" for p in up.tolist()],
+                            np.full(len(up), -1), up)
+            for m in range(M):
+                edges(off_b[gc_], base[k_edge], m)
+            for p, t in zip(up.tolist(), base.tolist(), strict=True):
+                sent_home.setdefault(p, []).append(t)
         self.allreduce_bytes = 0
-        opt_deps: dict[int, list[int]] = defaultdict(list)
+        pg = A.pg
+        trainable_bytes = [0] * S
+        trainable_count = [0] * S
+        for i in A.trainable:
+            trainable_bytes[stage[i]] += A.param_bytes[i]
+            trainable_count[stage[i]] += 1
         for s in range(S):
-            params = [p for p in reversed(range(len(nodes)))
-                      if stage[p] == s and nodes[p].kind == "param" and nodes[p].requires_grad]
-            for p in params:
-                opt_deps[s].extend(last_b[p])
+            params = pg[st[pg] == s][::-1].tolist()
+            before_opt = [t for p in params for t in sent_home.get(p, ())]
             if len(reps[s]) > 1 and params:
+                has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
                 chan = self.resource(("allreduce", s, -1))
                 bucket: list[int] = []
                 size = 0
                 for k, p in enumerate([*params, None]):
                     if p is not None:
                         bucket.append(p)
-                        size += nodes[p].out_bytes
+                        size += out_b[p]
                     if bucket and (p is None or size >= BUCKET_BYTES):
                         d = costs.allreduce_s(reps[s], size)
                         k_ = len(reps[s])
                         self.allreduce_bytes += int(2 * (k_ - 1) * size)
-                        t = self.task(ALLREDUCE, chan, d, (k,), f"all-reduce {size} B", -1, size)
+                        t = self.task(ALLREDUCE, chan, d, self.prio(k), f"all-reduce {size} B",
+                                      -1, size)
                         for q in bucket:
-                            for before in last_b[q]:
-                                self.dep(before, t)
-                        opt_deps[s].append(t)
+                            for c in succs[q]:
+                                if has_b_l[c] and stage[c] == s:
+                                    bc = off_b_l[c]
+                                    for m in range(M):
+                                        py_src.append(bc + m * per_m)
+                                        py_dst.append(t)
+                            for x_ in sent_home.get(q, ()):
+                                py_src.append(x_)
+                                py_dst.append(t)
+                        before_opt.append(t)
                         bucket, size = [], 0
-            trainable = [p for p, n in enumerate(nodes) if stage[p] == s
-                         and n.param_bytes and n.kind != "buffer"]
-            pbytes = sum(nodes[p].param_bytes for p in trainable)
-            if not trainable:
+            if not trainable_count[s]:
                 continue
-            d = max(costs.optimizer_s(dv, plan.optimizer, pbytes, len(trainable))
-                    for dv in types[s].values())
-            t = self.task(OPT, self.stage_res[s], d, (10**9,), f"{plan.optimizer} step")
-            for before in opt_deps[s]:
-                self.dep(before, t)
-            for i in ops:
-                if stage[i] == s:
-                    for m in range(M):
-                        self.dep(bwd.get((m, i), fwd[m, i]), t)
+            d = max(costs.optimizer_s(dv, plan.optimizer, trainable_bytes[s],
+                                      trainable_count[s]) for dv in types[s].values())
+            t = self.task(OPT, self.stage_res[s], d, self.prio(_LAST), f"{plan.optimizer} step")
+            py_src.extend(before_opt)
+            py_dst.extend([t] * len(before_opt))
+            last = np.where(off_b[ops_by_stage[s]] >= 0, off_b[ops_by_stage[s]],
+                            off_f[ops_by_stage[s]])
+            for m in range(M):
+                edges(last, np.full(len(last), t), m)
+        # successor lists and dependency counts
+        T = len(self.kind)
+        src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])
+        dst = np.concatenate([*dst_parts, np.asarray(py_dst, dtype=np.int64)])
+        # grouped by task (a stable sort is quick here: the blocks come mostly in order; the
+        # order among a task's successors does not matter)
+        self.succ_flat_a = dst[np.argsort(src, kind="stable")]
+        self.succ_ptr_a = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=T))])
+        # successors of t: succ_flat[succ_ptr[t]:succ_ptr[t + 1]]
+        self.succ_flat, self.succ_ptr = self.succ_flat_a.tolist(), self.succ_ptr_a.tolist()
+        ndeps = np.bincount(dst, minlength=T)
+        self.ndeps = ndeps.tolist()
+        self.first = np.flatnonzero(ndeps == 0).tolist()  # tasks ready at the start
+        # the queues order tasks by (priority, task id): one int, priority * T + id
+        fb = len(enc_fb)
+        if fb and int(enc_fb.max()) < 2**62 // T:
+            self.key = (enc_fb * T + np.arange(fb)).tolist()
+        else:
+            self.key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
+        self.key += [e * T + t for t, e in enumerate(self.enc[fb:], fb)]
+        del self.enc
+        # whether every task takes no negative time (then time only moves forward)
+        self.forward_only = bool((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
+                                 and (np.asarray(self.dur[fb:], dtype=np.float64) >= 0.0).all())
 
-    def _transfer(self, a: int, b: int, nbytes: int, prio: tuple, label: str,
-                  mb: int = -1) -> int:
-        self.transfer_bytes += nbytes
-        devs_a, devs_b = self.plan.stages[a], self.plan.stages[b]
-        width = min(len(devs_a), len(devs_b))  # replicas send their shards side by side
-        d = self.costs.transfer_s(devs_a[0], devs_b[0], max(nbytes // width, 1))
-        return self.task(XFER, self.resource(("link", a, b)), d, prio, label, mb, nbytes)
+    def _first_seen(self, keys: np.ndarray, sizes: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Distinct ``keys`` in the order they first occur, each making ``sizes`` tasks (the
+        size at its first occurrence) from the next free task id on.
+
+        Returns the keys in that order, each key's place in it per occurrence, the sizes, and
+        each key's first task id.
+        """
+        uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        o = np.argsort(first)
+        rank = np.empty(len(o), dtype=np.int64)
+        rank[o] = np.arange(len(o))
+        size = sizes[first[o]]
+        return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
+
+    def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
+                   label: list[str], mb: np.ndarray, node: np.ndarray) -> None:
+        """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
+
+        Each ordered pair of stages is one link (a resource, made at its first transfer).
+        Replicated stages send their shards side by side: a transfer takes as long as
+        ``costs.transfer_s`` between the first devices for its bytes over the narrower side.
+        """
+        S = len(self.plan.stages)
+        stages, costs = self.plan.stages, self.costs
+        self.transfer_bytes += int(nbytes.sum())
+        link = a * S + b
+        uniq, first, inv = np.unique(link, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        lres, lsrc, ldst, lwidth, llat, lbw = [], [], [], [], [], []
+        for k in np.argsort(first).tolist():  # (resources in order of first use)
+            sa, sb_ = divmod(int(uniq[k]), S)
+            src, dst = stages[sa][0], stages[sb_][0]
+            lk = costs.cluster.link(src, dst)
+            lres.append((k, self.resource(("link", sa, sb_))))
+            lsrc.append((k, src))
+            ldst.append((k, dst))
+            lwidth.append((k, min(len(stages[sa]), len(stages[sb_]))))
+            llat.append((k, lk.latency_s if src != dst else 0.0))
+            lbw.append((k, lk.bandwidth_bytes_per_s if src != dst else np.inf))
+
+        def per_link(pairs: list, dtype: Any) -> np.ndarray:
+            out = np.empty(len(pairs), dtype=dtype)
+            for k, v in pairs:
+                out[k] = v
+            return out
+
+        res = per_link(lres, np.int64)[inv]
+        n = np.maximum(nbytes // per_link(lwidth, np.int64)[inv], 1)
+        if _plain(costs):  # CostModel.transfer_s: latency + bytes / bandwidth x link_scale
+            src_is_dst = (per_link(lsrc, object) == per_link(ldst, object))[inv]
+            dur = per_link(llat, np.float64)[inv] + n / per_link(lbw, np.float64)[inv] \
+                * costs.link_scale
+            dur = np.where(src_is_dst, 0.0, dur).tolist()
+        else:
+            srcs, dsts = per_link(lsrc, object)[inv], per_link(ldst, object)[inv]
+            dur = [costs.transfer_s(x, y, k) for x, y, k in
+                   zip(srcs.tolist(), dsts.tolist(), n.tolist(), strict=True)]
+        count = len(a)
+        self.kind.extend([XFER] * count)
+        self.res.extend(res.tolist())
+        self.dur.extend(dur)
+        self.enc.extend(np.asarray(enc).tolist())
+        self.label.extend(label)
+        self.mb.extend(np.asarray(mb).tolist())
+        self.nbytes.extend(np.asarray(nbytes).tolist())
+        self.node.extend(np.asarray(node).tolist())
 
     # -- scheduling ----------------------------------------------------------------------
     def run(self) -> None:
-        n = len(self.kind)
-        start = [0.0] * n
-        end = [0.0] * n
-        cause = [-1] * n  # the task whose end let this one start (critical path)
-        ready_at = [0.0] * n
-        ready_from = [-1] * n
-        deps = list(self.ndeps)
-        R = len(self.resources)
-        queues: list[list] = [[] for _ in range(R)]
-        free_at = [0.0] * R
-        busy = [False] * R
-        last_on = [-1] * R
+        T = len(self.kind)
+        self.start = [0.0] * T
+        self.end = [0.0] * T
+        self.cause = [-1] * T  # the task whose end let this one start (critical path)
+        self.order = []  # tasks in the order they start: a topological order
+        if self.forward_only:
+            self._run_forward()
+        else:
+            self._run_general()
+        if len(self.order) != T:
+            raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
+                            "bug in the plan or simulator, please report it with the plan JSON")
+
+    def _first_tasks(self, key: list[int]) -> tuple[list[list[int]], list[bool],
+                                                     list[tuple[float, int]]]:
+        """Queue the tasks without dependencies and start one on each resource at time 0."""
+        T = len(self.kind)
+        res, dur = self.res, self.dur
+        queues: list[list[int]] = [[] for _ in self.resources]
+        for t in self.first:
+            queues[res[t]].append(key[t])
+        busy = [False] * len(queues)
         events: list[tuple[float, int]] = []
-        order: list[int] = []  # tasks in the order they start: a topological order
+        for r, q in enumerate(queues):
+            if q:
+                heapq.heapify(q)
+                t = heapq.heappop(q) % T
+                self.end[t] = e = 0.0 + dur[t]
+                self.order.append(t)
+                busy[r] = True
+                heapq.heappush(events, (e, t))
+        return queues, busy, events
 
-        def try_start(r: int, now: float) -> None:
-            if busy[r] or not queues[r]:
-                return
-            _, t = heapq.heappop(queues[r])
-            s = max(now, ready_at[t], free_at[r])
-            start[t] = s
-            end[t] = s + self.dur[t]
-            order.append(t)
-            cause[t] = ready_from[t] if ready_at[t] >= free_at[r] else last_on[r]
-            busy[r] = True
-            heapq.heappush(events, (end[t], t))
+    def _run_forward(self) -> None:
+        """The list schedule when no task takes negative time, so time only moves forward.
 
-        for t in range(n):
-            if deps[t] == 0:
-                heapq.heappush(queues[self.res[t]], (self.prio[t], t))
-        for r in range(R):
-            try_start(r, 0.0)
-        done = 0
+        Whenever a resource is free it starts its first ready task (by priority, then task
+        id). With time moving forward a task starts the moment it becomes ready or its
+        resource frees, so the general loop's bookkeeping reduces to: a task that becomes ready
+        on an idle resource starts now, caused by the task that readied it; a freed resource
+        starts its first queued task now, caused by whichever came last of its readiness and
+        the task that freed the resource. A resource's next task is handled without the event
+        heap when its end is the earliest event anyway.
+        """
+        T = len(self.kind)
+        res, dur, flat, ptr = self.res, self.dur, self.succ_flat, self.succ_ptr
+        start, end, cause, order = self.start, self.end, self.cause, self.order
+        deps = list(self.ndeps)
+        key = self.key
+        ready_at = [0.0] * T
+        ready_from = [-1] * T
+        queues, busy, events = self._first_tasks(key)
+        heappush, heappop = heapq.heappush, heapq.heappop
         while events:
-            now, t = heapq.heappop(events)
-            done += 1
-            r = self.res[t]
+            now, t = heappop(events)
+            while True:  # the event: task t ends at time `now`
+                r = res[t]
+                touched = None
+                for u in flat[ptr[t]:ptr[t + 1]]:
+                    d = deps[u] - 1
+                    deps[u] = d
+                    if not d:
+                        ready_at[u] = now
+                        ready_from[u] = t
+                        ru = res[u]
+                        heappush(queues[ru], key[u])
+                        if ru != r:
+                            if touched is None:
+                                touched = [ru]
+                            else:
+                                touched.append(ru)
+                if touched is not None:  # idle resources whose queue was empty until now
+                    for ru in touched:
+                        if busy[ru]:
+                            continue
+                        u = heappop(queues[ru]) % T
+                        start[u] = now
+                        end[u] = e = now + dur[u]
+                        order.append(u)
+                        cause[u] = t
+                        busy[ru] = True
+                        heappush(events, (e, u))
+                q = queues[r]
+                if not q:
+                    busy[r] = False
+                    break
+                u = heappop(q) % T
+                start[u] = now
+                end[u] = e = now + dur[u]
+                order.append(u)
+                cause[u] = ready_from[u] if ready_at[u] >= now else t
+                if events:
+                    h = events[0]
+                    if e > h[0] or (e == h[0] and u > h[1]):
+                        heappush(events, (e, u))
+                        break
+                now, t = e, u  # u's end is the next event
+
+    def _run_general(self) -> None:
+        """The list schedule, for any task times (also negative ones)."""
+        T = len(self.kind)
+        res, dur, flat, ptr = self.res, self.dur, self.succ_flat, self.succ_ptr
+        start, end, cause, order = self.start, self.end, self.cause, self.order
+        deps = list(self.ndeps)
+        key = self.key
+        ready_at = [0.0] * T
+        ready_from = [-1] * T
+        R = len(self.resources)
+        free_at = [0.0] * R
+        last_on = [-1] * R
+        queues, busy, events = self._first_tasks(key)
+        heappush, heappop = heapq.heappush, heapq.heappop
+        while events:
+            now, t = heappop(events)
+            r = res[t]
             busy[r] = False
             free_at[r] = now
             last_on[r] = t
-            touched = {r}
-            for u in self.succ[t]:
+            touched = [r]
+            for u in flat[ptr[t]:ptr[t + 1]]:
                 if now >= ready_at[u]:
                     ready_at[u], ready_from[u] = now, t
                 deps[u] -= 1
                 if deps[u] == 0:
-                    ru = self.res[u]
-                    heapq.heappush(queues[ru], (self.prio[u], u))
-                    touched.add(ru)
+                    ru = res[u]
+                    heappush(queues[ru], key[u])
+                    touched.append(ru)
             for ru in touched:
-                try_start(ru, now)
-        if done != n:
-            raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
-                            "bug in the plan or simulator, please report it with the plan JSON")
-        self.start, self.end, self.cause, self.order = start, end, cause, order
+                if busy[ru] or not queues[ru]:
+                    continue
+                u = heappop(queues[ru]) % T
+                s = max(now, ready_at[u], free_at[ru])
+                start[u] = s
+                end[u] = s + dur[u]
+                order.append(u)
+                cause[u] = ready_from[u] if ready_at[u] >= free_at[ru] else last_on[ru]
+                busy[ru] = True
+                heappush(events, (end[u], u))
 
 
 def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
@@ -439,14 +941,13 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
     sim = _Sim(graph, plan, costs)
     sim.build()
     sim.run()
+    S = len(plan.stages)
     out: list[list[tuple[str, int, int]]] = [[] for _ in plan.stages]
+    kind, res, mb, node = sim.kind, sim.res, sim.mb, sim.node
     for t in sim.order:
-        key = sim.resources[sim.res[t]]
-        if key[0] != "stage":
-            continue
-        kind = sim.kind[t]
-        node = -1 if kind == OPT else graph.index[sim.label[t]]
-        out[key[1]].append((kind, sim.mb[t], node))
+        r = res[t]
+        if r < S:  # the stages are resources 0 .. S-1
+            out[r].append((kind[t], mb[t], node[t]))
     return out
 
 
@@ -465,205 +966,301 @@ def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
 
 
 def _predict(graph: OpGraph, plan: Plan, costs: CostModel, sim: _Sim) -> Prediction:
+    S, M = len(plan.stages), plan.micro_batches
+    end_a = np.asarray(sim.end)
     step_s = max(sim.end, default=0.0)
-    S = len(plan.stages)
-    busy_stage = [0.0] * S
-    intervals: list[Interval] = []
-    for t, kind in enumerate(sim.kind):
-        if kind == "gate":
-            continue
-        key = sim.resources[sim.res[t]]
-        if key[0] == "stage":
-            busy_stage[key[1]] += sim.dur[t]
-            for d in plan.stages[key[1]]:
-                intervals.append(Interval(d, "compute", kind, sim.start[t], sim.end[t],
-                                          sim.label[t], sim.mb[t]))
-        elif key[0] == "link":
-            intervals.append(Interval(plan.stages[key[1]][0], "comm", kind, sim.start[t],
-                                      sim.end[t], f"{sim.label[t]} -> "
-                                      f"{plan.stages[key[2]][0]}", sim.mb[t]))
-        else:
-            for d in plan.stages[key[1]]:
-                intervals.append(Interval(d, "comm", kind, sim.start[t], sim.end[t],
-                                          sim.label[t], sim.mb[t]))
-    intervals.sort(key=lambda iv: (iv.device, iv.start_s))
+    # busy time: each stage's task times summed in task order (the forward/backward block,
+    # laid out per micro-batch, then the rest)
+    busy_stage = np.bincount(np.tile(sim.fb_stage, M), weights=np.tile(sim.fb_dur, M),
+                             minlength=S).astype(np.float64).tolist()  # (floats when empty too)
+    res, dur = sim.res, sim.dur
+    for t in range(len(sim.fb_stage) * M, len(res)):
+        if res[t] < S:
+            busy_stage[res[t]] += dur[t]
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
     cluster = costs.cluster
-    memory = _memory(graph, plan, sim)
+    memory = _memory(graph, plan, sim, end_a)
     energy = {}
     for d, b in busy.items():
         dev = cluster.device(d)
         energy[d] = dev.power_w * b + dev.idle_power_w * max(step_s - b, 0.0)
     bottleneck = max(busy, key=lambda d: (busy[d], -plan.devices.index(d)))
+    last = int(np.argmax(end_a)) if len(end_a) else -1  # the first task to end last
     return Prediction(
-        step_s=step_s, busy_s=busy, timeline=tuple(intervals), memory=memory,
+        step_s=step_s, busy_s=busy, timeline=_Timeline(sim),  # type: ignore[arg-type]
+        memory=memory,
         capacity_bytes={d: cluster.device(d).memory_bytes for d in plan.devices},
         transfer_bytes=sim.transfer_bytes, allreduce_bytes=sim.allreduce_bytes,
         energy_j=sum(energy.values()), energy_by_device_j=energy,
-        critical_path=_critical_path(sim), bottleneck=bottleneck,
-        lower_bound_s=lower_bound_s(graph, costs), algorithm=plan.algorithm)
+        critical_path=_CriticalPath(sim, last),  # type: ignore[arg-type]
+        bottleneck=bottleneck, lower_bound_s=_lower_bound(sim.arrays, costs, sim.seconds),
+        algorithm=plan.algorithm)
 
 
-def _critical_path(sim: _Sim) -> tuple[str, ...]:
-    if not sim.end:
-        return ()
-    t = max(range(len(sim.end)), key=lambda k: sim.end[k])
-    path = []
-    seen = set()
-    while t >= 0 and t not in seen:
-        seen.add(t)
-        if sim.kind[t] != "gate":
-            mb = f"[{sim.mb[t]}]" if sim.mb[t] >= 0 and sim.plan.micro_batches > 1 else ""
-            path.append(f"{sim.kind[t]} {sim.label[t]}{mb}")
-        t = sim.cause[t]
-    return tuple(reversed(path))
-
-
-def _roots(graph: OpGraph) -> list[int]:
-    """For views and in-place ops, the node whose memory they share."""
-    root = list(range(len(graph)))
-    for i, n in enumerate(graph.nodes):
-        if n.is_view and graph.preds[i]:
-            root[i] = root[graph.preds[i][0]]
-    return root
-
-
-def _memory(graph: OpGraph, plan: Plan, sim: _Sim) -> dict[str, MemoryBreakdown]:
-    nodes, stage, M = graph.nodes, sim.stage, plan.micro_batches
-    S = len(plan.stages)
+def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
+            ) -> dict[str, MemoryBreakdown]:
+    A = sim.arrays
+    stage, st, M = sim.stage, sim.st, plan.micro_batches
+    N, S, per_m = A.n, len(plan.stages), sim.per_m
+    is_op, has_b, kcode = A.is_op, A.has_b, A.kcode
+    off_f, off_b = sim.off_f, sim.off_b
+    e_p, e_c = A.e_p, A.e_c
+    start, end = sim.start, sim.end
+    start_a = np.asarray(start)
+    frac = np.asarray(sim.frac)
+    out_b = A.out_b
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
     bufs = [0] * S
     opt = [0] * S
-    received_params: set[tuple[int, int]] = set()
-    for i, n in enumerate(nodes):
+    kinds, rg, param_bytes = A.kinds, A.rg, A.param_bytes
+    for i in np.flatnonzero(A.pbytes).tolist():
         s = stage[i]
-        if n.kind == "buffer":
-            bufs[s] += n.param_bytes
-        elif n.param_bytes:
-            params[s] += n.param_bytes
-            if n.requires_grad or n.kind == "op":
-                opt[s] += n.param_bytes * state_per_byte
-        if n.kind in ("param", "buffer"):
-            for c in graph.succs[i]:
-                if stage[c] != s and (i, stage[c]) not in received_params:
-                    received_params.add((i, stage[c]))
-                    params[stage[c]] += n.out_bytes  # a copy of the weight
-    root = _roots(graph)
-    # saved-for-backward: producer root -> nodes whose backward keeps it
-    saved_by: dict[int, list[int]] = defaultdict(list)
-    for v, n in enumerate(nodes):
-        for nm in n.saves:
-            p = root[graph.index[nm]]
-            if nodes[p].kind == "op" or nodes[p].kind == "input":
-                saved_by[p].append(v)
-    events: list[list[tuple[float, int, int]]] = [[] for _ in range(S)]  # (time, order, bytes)
+        if kinds[i] == "buffer":
+            bufs[s] += param_bytes[i]
+        else:
+            params[s] += param_bytes[i]
+            if rg[i] or kinds[i] == "op":
+                opt[s] += param_bytes[i] * state_per_byte
+    # a copy of each weight or buffer on every other stage that reads it
+    sel = ((kcode[e_p] == _PARAM) | (kcode[e_p] == _BUFFER)) & (st[e_c] != st[e_p])
+    for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
+        params[s] += A.out_bytes[p]
+    root = A.root_a
+    # saved-for-backward: (producer root, node whose backward keeps it)
+    sv_p_a, sv_v_a = A.saved
 
-    def live(s: int, t0: float, t1: float, nbytes: int) -> None:
-        if nbytes > 0:
-            events[s].append((t0, 1, nbytes))
-            events[s].append((max(t1, t0), 0, -nbytes))
+    # activation memory events: stage, time and bytes (an allocation positive, a free negative)
+    ev_s: list[np.ndarray] = []
+    ev_t: list[np.ndarray] = []
+    ev_b: list[np.ndarray] = []
 
-    fwd, bwd, start, end = sim.fwd, sim.bwd, sim.start, sim.end
-    for m in range(M):
-        for i, n in enumerate(nodes):
-            if n.kind == "op" and root[i] == i:
-                s = stage[i]
-                size = int(n.out_bytes * sim.frac[s])
-                t0 = start[fwd[m, i]]
-                t1 = end[fwd[m, i]]
-                if graph.loss == n.name and (m, i) in bwd:
-                    t1 = max(t1, end[bwd[m, i]])
-                # consumers (through views) on this stage, and the saving nodes' backwards
-                for c in _consumers(graph, i, root):
-                    if stage[c] == s and (m, c) in fwd:
-                        t1 = max(t1, end[fwd[m, c]])
-                    elif (m, c, stage[c]) in sim.xfer_f or (m, i, stage[c]) in sim.xfer_f:
-                        sent = sim.xfer_f.get((m, c, stage[c]), sim.xfer_f.get((m, i, stage[c])))
-                        t1 = max(t1, end[sent])
+    def live(s: np.ndarray, t0: np.ndarray, t1: np.ndarray, nbytes: np.ndarray) -> None:
+        keep = nbytes > 0
+        if not keep.all():
+            s, t0, t1, nbytes = s[keep], t0[keep], t1[keep], nbytes[keep]
+        ev_s.extend((s, s))
+        ev_t.extend((t0, np.maximum(t1, t0)))
+        ev_b.extend((nbytes, -nbytes))
+
+    def size_on(nbytes: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return (nbytes * frac[s]).astype(np.int64)
+
+    # activations of ops that own their memory: from the forward's start until the last
+    # forward consumer (through views), transfer out, saving backward or the loss's backward
+    rops = np.flatnonzero(is_op & (root == np.arange(N)))
+    if len(rops):
+        rs = st[rops]
+        size = size_on(out_b[rops], rs)
+        pos = np.full(N, -1, dtype=np.int64)  # root op -> its place in rops
+        pos[rops] = np.arange(len(rops))
+        owner = root[e_p]
+        sel = pos[owner] >= 0
+        own, con = owner[sel], e_c[sel]
+        os_, cs_ = st[own], st[con]
+        fsel = (os_ == cs_) & is_op[con]
+        # (owner, base, step): a task besides the owner's forward that may end the
+        # activation's life; micro-batch m's is base + m * step
+        parts = [(own[fsel], off_f[con[fsel]], per_m)]
+        xo, xs = own[~fsel], cs_[~fsel]
+        if len(xo) and len(sim.xf_keys):
+            o = np.argsort(sim.xf_keys)
+            xkeys, xbase = sim.xf_keys[o], sim.xf_base[o]
+            want = xo * S + xs
+            at = np.minimum(np.searchsorted(xkeys, want), len(xkeys) - 1)
+            hit = xkeys[at] == want
+            parts.append((xo[hit], xbase[at[hit]], 1))
+        loss = graph.index.get(graph.loss, -1) if graph.loss else -1
+        if loss >= 0 and pos[loss] >= 0 and has_b[loss]:
+            parts.append((np.array([loss]), off_b[[loss]], per_m))
+        sel = (pos[sv_p_a] >= 0) & (st[sv_v_a] == st[sv_p_a]) & has_b[sv_v_a]
+        parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
+        at_all = pos[np.concatenate([p[0] for p in parts])]
+        base_all = np.concatenate([p[1] for p in parts])
+        step_all = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
+        # gradients of those activations: from the first same-stage consumer backward until
+        # the op's own backward
+        sel = (pos[e_p] >= 0) & has_b[e_p] & has_b[e_c] & (st[e_p] == st[e_c])
+        g_at, g_con = pos[e_p[sel]], e_c[sel]
+        g_has = np.zeros(len(rops), dtype=bool)
+        g_has[g_at] = True
+        g_owner = rops[g_has]
+        for m in range(M):
+            t1 = end_a[off_f[rops] + m * per_m]
+            np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
+            live(rs, start_a[off_f[rops] + m * per_m], t1, size)
+            if len(g_owner):
+                g0 = np.full(len(rops), np.inf)
+                np.minimum.at(g0, g_at, start_a[off_b[g_con] + m * per_m])
+                live(rs[g_has], g0[g_has], end_a[off_b[g_owner] + m * per_m], size[g_has])
+    # extra tensors saved for the backward (masks, statistics)
+    extra = A.extra
+    xs_ = np.flatnonzero(has_b & (extra != 0))
+    if len(xs_):
+        for m in range(M):
+            live(st[xs_], end_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
+                 size_on(extra[xs_], st[xs_]))
+    # graph inputs: from their first consumer's forward until their last use on each stage
+    saved_by: dict[int, list[int]] = {}
+    sel = kcode[sv_p_a] == _INPUT
+    for p, v in zip(sv_p_a[sel].tolist(), sv_v_a[sel].tolist(), strict=True):
+        saved_by.setdefault(p, []).append(v)
+    off_f_l, off_b_l, has_b_l = off_f.tolist(), off_b.tolist(), has_b.tolist()
+    py_s: list[int] = []
+    py_t0: list[float] = []
+    py_t1: list[float] = []
+    py_b: list[int] = []
+    succs = graph.succs
+    for i in np.flatnonzero(kcode == _INPUT).tolist():
+        users_by_stage: dict[int, list[int]] = {}
+        for c in succs[i]:
+            users_by_stage.setdefault(stage[c], []).append(c)
+        for m in range(M):
+            mo = m * per_m
+            for s, users in users_by_stage.items():
+                t1 = max(end[off_f_l[c] + mo] for c in users)
                 for v in saved_by.get(i, ()):
-                    if stage[v] == s and (m, v) in bwd:
-                        t1 = max(t1, end[bwd[m, v]])
-                live(s, t0, t1, size)
-                # its gradient lives from the first consumer backward until its own backward
-                if (m, i) in bwd:
-                    cons = [bwd[m, c] for c in graph.succs[i]
-                            if (m, c) in bwd and stage[c] == s]
-                    if cons:
-                        g0 = min(start[t] for t in cons)
-                        live(s, g0, end[bwd[m, i]], size)
-            if n.kind == "op" and n.saved_extra_bytes and (m, i) in bwd:
-                s = stage[i]
-                live(s, end[fwd[m, i]], end[bwd[m, i]], int(n.saved_extra_bytes * sim.frac[s]))
-            if n.kind == "input":
-                for s in {stage[c] for c in graph.succs[i]}:
-                    users = [c for c in graph.succs[i] if stage[c] == s]
-                    t1 = max(end[fwd[m, c]] for c in users)
-                    for v in saved_by.get(i, ()):
-                        if stage[v] == s and (m, v) in bwd:
-                            t1 = max(t1, end[bwd[m, v]])
-                    t0 = min(start[fwd[m, c]] for c in users)
-                    live(s, t0, t1, int(n.out_bytes * sim.frac[s]))
-    # received activations: from arrival until their last use on the receiving stage
-    for t, kind in enumerate(sim.kind):
-        if kind != XFER or sim.mb[t] < 0:
-            continue
-        key = sim.resources[sim.res[t]]
-        dst = key[2]
-        t1 = end[t]
-        for u in sim.succ[t]:
-            t1 = max(t1, end[u])
-        if not sim.label[t].startswith("grad "):
-            nm = sim.label[t]
-            p = graph.index[nm]
-            for v in saved_by.get(root[p], ()):
-                if stage[v] == dst and (sim.mb[t], v) in bwd:
-                    t1 = max(t1, end[bwd[sim.mb[t], v]])
-        live(dst, start[t], t1, int(sim.nbytes[t] * M * sim.frac[dst]))
+                    if stage[v] == s and has_b_l[v]:
+                        t1 = max(t1, end[off_b_l[v] + mo])
+                t0 = min(start[off_f_l[c] + mo] for c in users)
+                py_s.append(s)
+                py_t0.append(t0)
+                py_t1.append(t1)
+                py_b.append(int(A.out_bytes[i] * sim.frac[s]))
+    if py_s:
+        live(np.asarray(py_s, dtype=np.int64), np.asarray(py_t0), np.asarray(py_t1),
+             np.asarray(py_b, dtype=np.int64))
+    # received activations (and activation gradients): from arrival until their last use on
+    # the receiving stage: the tasks waiting for them and, for activations, the backwards of
+    # the nodes that saved the tensor
+    x_id, x_dst, x_node, x_m, x_fwd, x_nbytes = sim.xf
+    if len(x_id):
+        t1 = end_a[x_id]
+        lo, hi = sim.succ_ptr_a[x_id], sim.succ_ptr_a[x_id + 1]
+        k, idx = _ranges(lo, hi)
+        np.maximum.at(t1, k, end_a[sim.succ_flat_a[idx]])
+        sv_order = np.argsort(sv_p_a, kind="stable")
+        sv_p_s, sv_v_s = sv_p_a[sv_order], sv_v_a[sv_order]
+        xr = root[x_node]
+        lo = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="left"), 0)
+        hi = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="right"), 0)
+        k, idx = _ranges(lo, hi)
+        v = sv_v_s[idx]
+        ok = (st[v] == x_dst[k]) & has_b[v]
+        k, v = k[ok], v[ok]
+        np.maximum.at(t1, k, end_a[off_b[v] + x_m[k] * per_m])
+        live(x_dst, start_a[x_id], t1, (x_nbytes * M * frac[x_dst]).astype(np.int64))
     # parameter gradients: from the first backward that reaches a weight until the optimizer
     # step has used it (torch frees them with zero_grad(set_to_none=True))
-    grad_events: list[list[tuple[float, int, int]]] = [[] for _ in range(S)]
-    opt_end = [max(sim.end, default=0.0)] * S
-    for t, kind in enumerate(sim.kind):
-        if kind == OPT:
-            opt_end[sim.resources[sim.res[t]][1]] = sim.end[t]
-    for i, n in enumerate(nodes):
-        if not n.param_bytes or n.kind == "buffer" or not (n.requires_grad or n.kind == "op"):
-            continue
-        users = [i] if n.kind == "op" else graph.succs[i]
-        for s in {stage[c] for c in users}:
-            starts = [start[bwd[m, c]] for c in users for m in range(M)
-                      if stage[c] == s and (m, c) in bwd]
-            if starts:
-                size = n.param_bytes
-                grad_events[s].append((min(starts), 1, size))
-                grad_events[s].append((opt_end[s], 0, -size))
-    act, grad_at_peak = [], []
-    for s in range(S):
-        merged = [(t, o, b, 0) for t, o, b in events[s]] + \
-            [(t, o, b, 1) for t, o, b in grad_events[s]]
-        cur = [0, 0]
-        peak, at = 0, (0, 0)
-        for _, _, b, cat in sorted(merged):
-            cur[cat] += b
-            if cur[0] + cur[1] > peak:
-                peak, at = cur[0] + cur[1], (cur[0], cur[1])
-        act.append(at[0])
-        grad_at_peak.append(at[1])
+    opt_end = [max(end, default=0.0)] * S
+    for t in range(len(sim.kind) - 1, -1, -1):
+        if sim.kind[t] == OPT:
+            opt_end[sim.res[t]] = end[t]
+        elif sim.kind[t] != ALLREDUCE:
+            break  # the optimizer steps are the last tasks (with the all-reduces)
+    pbytes = A.pbytes
+    holds = (pbytes != 0) & (kcode != _BUFFER) & (rg | is_op)
+    own_ops = np.flatnonzero(holds & is_op)
+    sel = holds[e_p] & ~is_op[e_p]
+    g_node = np.concatenate([own_ops, e_p[sel]])
+    g_user = np.concatenate([own_ops, e_c[sel]])
+    sel = has_b[g_user]
+    g_node, g_user = g_node[sel], g_user[sel]
+    g_s_ = st[g_user]
+    g_ev_s = g_ev_t = g_ev_b = np.zeros(0, dtype=np.int64)
+    if len(g_node):
+        first_b = start_a[off_b[g_user]]
+        for m in range(1, M):
+            first_b = np.minimum(first_b, start_a[off_b[g_user] + m * per_m])
+        gk, inv = np.unique(g_node * S + g_s_, return_inverse=True)
+        g0 = np.full(len(gk), np.inf)
+        np.minimum.at(g0, inv, first_b)
+        gs, gsize = gk % S, pbytes[gk // S]
+        g_ev_s = np.concatenate([gs, gs])
+        g_ev_t = np.concatenate([g0, np.asarray(opt_end)[gs]])
+        g_ev_b = np.concatenate([gsize, -gsize])
+    # each stage's peak of activations plus gradients, and what fills it
+    es = np.concatenate([*ev_s, g_ev_s]).astype(np.int64)
+    et = np.concatenate([*ev_t, g_ev_t]).astype(np.float64)
+    eb = np.concatenate([*ev_b, g_ev_b]).astype(np.int64)
+    cat = np.concatenate([np.zeros(len(es) - len(g_ev_s), dtype=np.int64),
+                          np.ones(len(g_ev_s), dtype=np.int64)])
+    # each event sorts by (time, order, bytes, category) within its stage, order 0 for frees
+    # and 1 for allocations; the peak is the first maximum of the running total
+    if len(g_ev_s) and (g_ev_b[: len(g_ev_b) // 2] <= 0).any():
+        order = np.concatenate([eb[: len(es) - len(g_ev_s)] > 0,  # (activations: bytes > 0)
+                                np.arange(len(g_ev_s)) < len(g_ev_s) // 2])
+        peaks = _peaks_in_order(S, es, et, eb, cat, order.astype(np.int64))
+    else:
+        peaks = _peaks(S, es, et, eb, cat)
     out = {}
     for s in range(S):
-        mb = MemoryBreakdown(params[s], grad_at_peak[s], opt[s], bufs[s], act[s])
+        act, grads = peaks[s]
+        mb = MemoryBreakdown(params[s], grads, opt[s], bufs[s], act)
         for d in plan.stages[s]:
             out[d] = mb
     return out
 
 
-def _consumers(graph: OpGraph, i: int, root: list[int]) -> list[int]:
-    """Consumers of node i, looking through views of it."""
-    out, stack = [], list(graph.succs[i])
-    while stack:
-        c = stack.pop()
-        out.append(c)
-        if graph.nodes[c].is_view and root[c] == root[i]:
-            stack.extend(graph.succs[c])
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
+    counts = hi - lo
+    k = np.repeat(np.arange(len(lo)), counts)
+    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
+    return k, idx
+
+
+def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray
+           ) -> list[tuple[int, int]]:
+    """Per stage, (activation bytes, gradient bytes) live at the first peak of their total.
+
+    Events (stage, time, bytes, category) with every allocation positive and every free
+    negative. Sorted by (time, frees first, bytes, category) within a stage, the running total
+    falls through one time's frees and then rises through its allocations, so its first maximum
+    is at the last event of some time, where what is live does not depend on how that time's
+    events are ordered: sorting by time alone gives the same peak.
+    """
+    o = np.argsort(et)
+    o = o[np.argsort(es[o].astype(np.int16 if S < 2**15 else np.int64), kind="stable")]
+    es, et, eb, cat = es[o], et[o], eb[o], cat[o]
+    c0 = np.cumsum(np.where(cat == 0, eb, 0))
+    c1 = np.cumsum(np.where(cat == 0, 0, eb))
+    last = np.ones(len(es), dtype=bool)  # the last event of each (stage, time)
+    last[:-1] = (es[1:] != es[:-1]) | (et[1:] != et[:-1])
+    bounds = np.searchsorted(es, np.arange(S + 1))
+    out = []
+    for s in range(S):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        act = grads = 0
+        if hi > lo:
+            ends = lo + np.flatnonzero(last[lo:hi])
+            b0 = c0[lo - 1] if lo else 0
+            b1 = c1[lo - 1] if lo else 0
+            tot = (c0[ends] - b0) + (c1[ends] - b1)
+            k = int(np.argmax(tot))
+            if tot[k] > 0:
+                act, grads = int(c0[ends[k]] - b0), int(c1[ends[k]] - b1)
+        out.append((act, grads))
+    return out
+
+
+def _peaks_in_order(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray,
+                    order: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`_peaks` for any signs of bytes: events in their full sort order."""
+    o = np.lexsort((cat, eb, order, et, es))
+    es, eb, cat = es[o], eb[o], cat[o]
+    bounds = np.searchsorted(es, np.arange(S + 1))
+    out = []
+    for s in range(S):
+        lo, hi = bounds[s], bounds[s + 1]
+        act = grads = 0
+        if hi > lo:
+            b, c = eb[lo:hi], cat[lo:hi]
+            c0 = np.cumsum(np.where(c == 0, b, 0))
+            c1 = np.cumsum(np.where(c == 1, b, 0))
+            tot = c0 + c1
+            k = int(np.argmax(tot))
+            if tot[k] > 0:
+                act, grads = int(c0[k]), int(c1[k])
+        out.append((act, grads))
     return out
