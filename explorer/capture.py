@@ -254,7 +254,11 @@ def _module_of(fx: Any) -> tuple[str, str]:
     stack = fx.meta.get("nn_module_stack") or {}
     if not stack:
         return "", ""
-    path, typ = list(stack.values())[-1]
+    # entries torch.export adds for nodes it made itself (no module of the user's) are skipped
+    real = [v for v in stack.values() if not str(v[0]).startswith("_empty_nn_module_stack")]
+    if not real:
+        return "", ""
+    path, typ = real[-1]
     typ = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1]
     return _strip(path), typ
 

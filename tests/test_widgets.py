@@ -1,0 +1,293 @@
+"""The explorer's state and widget without a browser: edits, undo/redo, pins, estimates, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import explorer as ex
+from explorer.errors import ExplorerError
+from explorer.synthetic import layered_dag, roofline_costs
+from widgets import Session
+from widgets.graphview import MAX_CHILDREN, GraphView
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    bm = ex.builtin_model("gpt", "tiny")
+    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    return g
+
+
+@pytest.fixture
+def session(gpt):
+    cl = ex.Cluster.preset("4xH100")
+    return Session(gpt, cl, roofline_costs(gpt, cl))
+
+
+def block_ops(g, prefix):
+    return [n.name for n in g.ops if n.module_path.startswith(prefix)]
+
+
+# -- the session ------------------------------------------------------------------------------
+
+def test_every_edit_is_estimated_by_the_engine(session, gpt):
+    ids = session.cluster.ids
+    ops = block_ops(gpt, "blocks.1")
+    before = session.prediction
+    session.assign(ops, ids[1])
+    assert all(session.plan.devices_of(n) == (ids[1],) for n in ops)
+    # the weights used by the moved ops move with them
+    owned = [gpt.nodes[i].name for i, n in enumerate(gpt.nodes)
+             if n.kind == "param" and gpt.nodes[gpt.owner(i)].name in ops]
+    assert owned and all(session.plan.devices_of(n) == (ids[1],) for n in owned)
+    assert session.prediction == ex.simulate(gpt, session.plan, session.costs)
+    assert session.prediction.cross_device_bytes > 0 == before.cross_device_bytes
+    assert session.plan.algorithm == "manual"
+
+
+def test_undo_redo_restore_plans_and_estimates(session):
+    ids = session.cluster.ids
+    g = session.graph
+    plans = [session.plan]
+    for k, prefix in enumerate(["blocks.0", "blocks.1", "lm_head"]):
+        session.assign(block_ops(g, prefix), ids[k + 1])
+        plans.append(session.plan)
+    assert len(session.history) == 3 and session.history[0].endswith(f"to {ids[1]}")
+    for want in reversed(plans[:-1]):
+        session.undo()
+        assert session.plan == want
+        assert session.prediction == ex.simulate(g, want, session.costs)
+    assert not session.can_undo
+    with pytest.raises(ExplorerError, match="nothing to undo"):
+        session.undo()
+    for want in plans[1:]:
+        session.redo()
+        assert session.plan == want
+    with pytest.raises(ExplorerError, match="nothing to redo"):
+        session.redo()
+    session.undo()
+    session.assign(block_ops(g, "ln_f"), ids[3])  # a new edit clears what redo had
+    assert not session.can_redo
+
+
+def test_a_device_taken_from_a_replicated_stage_becomes_its_own_stage(session):
+    g = session.graph
+    ids = session.cluster.ids
+    dp = ex.partition(g, session.cluster, session.costs, "data-parallel")
+    session.load(dp)
+    assert session.targets()[-1] == "+".join(ids)
+    session.assign(block_ops(g, "lm_head"), ids[3])
+    stages = session.plan.stages
+    assert (ids[3],) in stages and tuple(ids[:3]) in stages
+    assert session.plan.devices_of(block_ops(g, "lm_head")[0]) == (ids[3],)
+    session.assign(block_ops(g, "lm_head"), "+".join(ids[:3]))  # back onto the replicas
+    assert session.plan.stages == (tuple(ids[:3]),)  # the emptied stage is dropped
+
+
+def test_pins_follow_edits_and_partitioners_solve_around_them(session):
+    g = session.graph
+    ids = session.cluster.ids
+    ops = block_ops(g, "blocks.0.mlp")
+    session.assign(ops, ids[2])
+    session.pin(ops)
+    assert session.pins == dict.fromkeys(ops, ids[2])
+    assert session.plan.pinned == frozenset(ops)
+    entry = session.solve("pardnn")
+    assert entry.name == "pardnn (pinned)" and session.plan is entry.plan
+    assert all(session.plan.devices_of(n)[0] == ids[2] for n in ops)
+    free = session.solve("single", around_pins=False, load=False)
+    assert {free.plan.devices_of(n) for n in ops} == {(ids[0],)}
+    session.assign(ops[:1], ids[3])  # a pinned node moved by hand keeps its pin there
+    assert session.pins[ops[0]] == ids[3]
+    session.unpin(ops[:1])
+    assert ops[0] not in session.pins
+    session.unpin()
+    assert session.pins == {} and session.plan.pinned == frozenset()
+    assert [e.name for e in session.plans] == ["pardnn (pinned)", "single"]
+    session.undo()
+    assert set(session.pins) == set(ops[1:])
+
+
+def test_bad_edits_raise_and_change_nothing(session, gpt, tmp_path):
+    plan, pred = session.plan, session.prediction
+    with pytest.raises(ExplorerError, match="no node named 'nope'"):
+        session.assign(["nope"], session.cluster.ids[1])
+    with pytest.raises(ExplorerError, match="H100:9"):
+        session.assign([gpt.ops[3].name], "H100:9")
+    with pytest.raises(ExplorerError, match="select one or more nodes"):
+        session.assign([], session.cluster.ids[1])
+    with pytest.raises(ExplorerError, match="not a replicated stage"):
+        session.assign([gpt.ops[3].name], "H100:0+H100:1")
+    with pytest.raises(ExplorerError):
+        session.solve("no-such-algorithm")
+    other = layered_dag(20, seed=1)
+    foreign = ex.Plan.single(other, session.cluster.ids[0])
+    with pytest.raises(ExplorerError, match="made for graph"):
+        session.load(foreign)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ExplorerError):
+        session.load(bad)
+    with pytest.raises(ExplorerError, match="run real steps first"):
+        session.calibrate()
+    with pytest.raises(ExplorerError):
+        session.set_schedule(schedule="zigzag")
+    assert session.plan is plan and session.prediction is pred and not session.can_undo
+
+
+def test_settings_save_load_and_export(session, tmp_path):
+    g = session.graph
+    session.assign(block_ops(g, "blocks.1"), session.cluster.ids[1])
+    session.set_schedule(micro_batches=2, schedule="1f1b", optimizer="sgd")
+    assert (session.plan.micro_batches, session.plan.schedule, session.plan.optimizer) == \
+        (2, "1f1b", "sgd")
+    path = session.save(tmp_path / "p.json")
+    saved = session.plan
+    session.undo()
+    session.load(path)
+    assert session.plan.placement == saved.placement and session.plan.micro_batches == 2
+    script = session.export(tmp_path / "train.py")
+    assert script.exists() and "torchrun" in script.read_text()
+    job = tmp_path / "train_job"
+    plans = list(job.glob("*.json"))
+    assert plans and any(json.loads(p.read_text()).get("placement") == dict(session.plan.placement)
+                         for p in plans)
+
+
+# -- the graph view ---------------------------------------------------------------------------
+
+def test_view_groups_by_module_and_expands_to_ops(gpt):
+    v = GraphView(gpt)
+    top = [it.label for it in v.items]
+    assert "blocks" in top and len(v.items) < 12
+    shown = sorted(i for it in v.items for i in it.nodes)
+    assert shown == list(range(len(gpt.nodes)))  # every node drawn exactly once
+    blocks = next(it for it in v.items if it.label == "blocks")
+    v.expand([blocks.key])
+    labels = [it.label for it in v.items]
+    assert "blocks.0" in labels and "blocks.1" in labels and "blocks" not in labels
+    v.expand_all()
+    assert len(v.items) == len(gpt.ops) and all(len(it.ops) == 1 for it in v.items)
+    v.collapse([v.items[10].key])
+    assert len(v.items) < len(gpt.ops)
+    v.collapse_all()
+    assert [it.label for it in v.items] == top
+    xy = v.layout()
+    assert xy[0][1] == 0 and all(y <= 0 for _, y in xy)
+    for (a, z) in v.edges():  # every edge points down the page
+        assert xy[z][1] < xy[a][1]
+
+
+def test_large_graphs_are_drawn_in_blocks():
+    g = layered_dag(10_000, seed=0)
+    assert len(GraphView(g).items) <= MAX_CHILDREN  # grouped by its modules
+    flat = ex.OpGraph("flat", [dataclasses.replace(n, module_path="") for n in g.nodes],
+                      g.batch_size)  # no modules at all: blocks of consecutive ops
+    v = GraphView(flat)
+    assert len(v.items) <= MAX_CHILDREN and {it.kind for it in v.items} == {"block"}
+    assert sum(len(it.ops) for it in v.items) == len(g.ops)
+    v.expand([v.items[0].key])
+    assert len(v.items) <= 2 * MAX_CHILDREN
+
+
+# -- the widget, without a browser --------------------------------------------------------------
+
+@pytest.fixture
+def widget(gpt):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+
+    cl = ex.Cluster.preset("2xH100")
+    return Explorer(gpt, roofline_costs(gpt, cl))
+
+
+def shown_step(w) -> float:
+    import re
+
+    return float(re.search(r"class='pe-step' data-value='([^']+)'", w._estimate.value)[1])
+
+
+def test_widget_edit_updates_numbers_colors_and_edges(widget):
+    w = widget
+    ids = w.session.cluster.ids
+    assert shown_step(w) == w.session.prediction.step_s
+    w.select(["blocks"])
+    assert "56 ops" in w._selection.value
+    w.assign(ids[1])
+    assert w.message == ""
+    pred = ex.simulate(w.session.graph, w.session.plan, w.session.costs)
+    assert shown_step(w) == pred.step_s
+    k = [it.label for it in w.view.items].index("blocks")
+    assert w._nodes.data["device"][k] == ids[1]
+    assert w._nodes.data["color"][k] != w._nodes.data["color"][0]
+    assert "#d62728" in w._links.data["color"]  # edges across devices are marked
+    assert any("across devices" in t for t in w._links.data["label"])
+    mem = dict(zip(w._mem_src.data["device"], w._mem_src.data["activations"], strict=True))
+    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**20)
+    assert len(w._gantt_src.data["lane"]) > 0
+    w._undo_btn.click()
+    assert w._nodes.data["device"][k] == ids[0] and "#d62728" not in w._links.data["color"]
+
+
+def test_widget_errors_become_messages(widget):
+    w = widget
+    w._assign_btn.click()  # nothing selected
+    assert "select one or more nodes" in w.message
+    w._algo_opts.value = "{oops"
+    w._solve_btn.click()
+    assert "options must be JSON" in w.message
+    w._plan_path.value = "/nonexistent/dir/plan.json"
+    w._do_load_file_guarded = w._guard(w._do_load_file)
+    w._do_load_file_guarded()
+    assert w.message and "Traceback" not in w.message
+    w._run_btn.click()  # roofline H100s are not on this machine: a message, not a crash
+    assert w.message
+
+
+def test_widget_partitioners_table_and_loading(widget, tmp_path):
+    w = widget
+    w._algo.value = "even-layers"
+    w._solve_btn.click()
+    assert "even-layers" in w.message and "even-layers" in w._plans_html.value
+    w._keep_btn.click()
+    assert w._plan_pick.options[-1].startswith("even-layers")
+    w._plan_pick.value = w._plan_pick.options[0]
+    w._load_btn.click()
+    assert w.session.plan == w.session.plans[0].plan
+    w._plan_path.value = str(tmp_path / "plan.json")
+    w._tabs.children[4].children[0].children[1].click()  # save plan
+    assert (tmp_path / "plan.json").exists(), w.message
+    w.select(["blocks"])
+    w._expand_btn.click()
+    assert "blocks.0" in [it.label for it in w.view.items]
+    w._collapse_btn.click()
+    assert "blocks" in [it.label for it in w.view.items]
+
+
+def test_widget_runs_real_steps_on_cpu_ranks_and_compares():
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+
+    bm = ex.builtin_model("mlp", "tiny")
+    w = Explorer(bm, cluster=ex.Cluster.cpu(2), progress=False)
+    w._algo.value = "even-layers"
+    w._solve_btn.click()
+    w._steps.value = 2
+    w._run_btn.click()
+    assert "step time error" in w.message, w.message
+    assert "busy time" in w._report.value and "peak memory" in w._report.value
+    w._calib_btn.click()
+    assert "calibrated" in w.message
+
+
+def test_explorer_needs_an_example_batch():
+    pytest.importorskip("jupyter_bokeh")
+    import torch
+
+    from widgets import Explorer
+
+    with pytest.raises(ExplorerError, match="example batch"):
+        Explorer(torch.nn.Linear(3, 3))

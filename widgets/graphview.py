@@ -1,0 +1,208 @@
+"""What the graph picture shows: nodes grouped by module, expandable to ops, laid out top-down.
+
+The view starts with the model's top-level modules (runs of consecutive ops in topological
+order that belong to the same module); expanding an item shows its sub-modules, and at the
+bottom its ops. Items with too many children are shown in blocks, so even a 100,000-op graph
+draws a few hundred items at a time. Parameters, buffers and inputs travel with the op that
+first uses them (:meth:`explorer.OpGraph.owner`).
+
+Items are laid out top to bottom by dependency level (y = -level, where an item's level is one
+more than the deepest item it depends on) and spread out side by side within a level.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from explorer.graph import OpGraph
+
+#: most items an expanded item shows before its children are grouped into blocks
+MAX_CHILDREN = 120
+
+
+@dataclass(frozen=True)
+class Item:
+    """One drawn node: a module run, a block of ops, or a single op."""
+
+    key: str
+    label: str
+    nodes: tuple[int, ...]  # graph indices: ops and the parameters/inputs they own
+    ops: tuple[int, ...]
+    depth: int
+    expandable: bool
+    kind: str  # "module" | "block" | "op"
+
+
+class GraphView:
+    """The items currently shown for ``graph``, given which items are expanded."""
+
+    def __init__(self, graph: OpGraph) -> None:
+        self.graph = graph
+        self.expanded: set[str] = set()
+        self._owned: dict[int, list[int]] = defaultdict(list)
+        orphans = []
+        for i, n in enumerate(graph.nodes):
+            if n.kind != "op":
+                o = graph.owner(i)
+                (orphans if o == i else self._owned[o]).append(i)
+        self._ops = [i for i, n in enumerate(graph.nodes) if n.kind == "op"]
+        if orphans and self._ops:
+            self._owned[self._ops[0]][:0] = orphans
+        self._paths = {i: graph.nodes[i].module_path.split(".") if graph.nodes[i].module_path
+                       else [] for i in self._ops}
+        self.items: list[Item] = []
+        self.refresh()
+
+    # -- structure -----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Recompute the shown items from ``expanded``."""
+        items: list[Item] = []
+        self._children_of(tuple(self._ops), 0, "", items)
+        self.items = items
+        self.item_of = {}
+        for k, it in enumerate(items):
+            for i in it.nodes:
+                self.item_of[i] = k
+
+    def expand(self, keys: list[str]) -> None:
+        self.expanded.update(k for k in keys if self._find(k) and self._find(k).expandable)
+        self.refresh()
+
+    def collapse(self, keys: list[str]) -> None:
+        """Collapse the items' parents (for an op or sub-module, the module it is in)."""
+        for k in keys:
+            for parent in list(self.expanded):
+                if k.startswith(parent + "/") or k == parent:
+                    self.expanded.discard(parent)
+        self.refresh()
+
+    def collapse_all(self) -> None:
+        self.expanded.clear()
+        self.refresh()
+
+    def expand_all(self) -> None:
+        """Expand everything (every op its own item): meant for small graphs."""
+        for _ in range(64):
+            more = {it.key for it in self.items if it.expandable} - self.expanded
+            if not more:
+                break
+            self.expanded |= more
+            self.refresh()
+
+    def _find(self, key: str) -> Item | None:
+        return next((it for it in self.items if it.key == key), None)
+
+    def names(self, keys_or_indices) -> list[str]:
+        """Graph node names (ops and what they own) of shown items, by key or position."""
+        out = []
+        for k in keys_or_indices:
+            it = self.items[k] if isinstance(k, int) else self._find(k)
+            if it is not None:
+                out.extend(self.graph.nodes[i].name for i in it.nodes)
+        return out
+
+    def _with_owned(self, ops: tuple[int, ...]) -> tuple[int, ...]:
+        out = []
+        for i in ops:
+            out.extend(self._owned.get(i, ()))
+            out.append(i)
+        return tuple(out)
+
+    def _children_of(self, ops: tuple[int, ...], depth: int, parent: str,
+                     out: list[Item]) -> None:
+        groups = self._split(ops, depth)
+        while len(groups) == 1 and groups[0][0] is not None and depth < 64:
+            depth += 1  # one module only at this depth: look one level deeper
+            groups = self._split(ops, depth)
+        if len(groups) == 1 and groups[0][0] is None:  # ops without deeper modules
+            groups = [(None, (i,)) for i in ops]
+        if len(groups) > MAX_CHILDREN:
+            self._blocks(groups, depth, parent, out)
+            return
+        for path, members in groups:
+            self._emit(path, members, depth, parent, out)
+
+    def _emit(self, path, members, depth, parent, out) -> None:
+        g = self.graph
+        if path is None and len(members) == 1:
+            i = members[0]
+            out.append(Item(f"{parent}/op:{g.nodes[i].name}", g.nodes[i].name,
+                            self._with_owned(members), members, depth, False, "op"))
+            return
+        label = path if path is not None else f"{g.nodes[members[0]].name} .."
+        key = f"{parent}/m:{label}@{members[0]}"
+        if key in self.expanded and len(members) > 1:
+            self._children_of(members, depth + 1, key, out)
+            return
+        # the module's class is known for leaf modules (the ops' own module) only
+        typ = (g.nodes[members[0]].module_type
+               if path is not None and ".".join(self._paths[members[0]]) == path else "")
+        text = f"{label} ({typ})" if typ and path else label
+        out.append(Item(key, text or "(model)", self._with_owned(members), members, depth,
+                        len(members) > 1, "module"))
+
+    def _blocks(self, groups, depth, parent, out) -> None:
+        size = -(-len(groups) // MAX_CHILDREN)
+        for b in range(0, len(groups), size):
+            chunk = groups[b:b + size]
+            members = tuple(i for _, m in chunk for i in m)
+            if len(chunk) == 1:
+                self._emit(chunk[0][0], chunk[0][1], depth, parent, out)
+                continue
+            key = f"{parent}/b:{members[0]}-{members[-1]}"
+            if key in self.expanded:
+                for path, m in chunk:
+                    self._emit(path, m, depth, key, out)
+                continue
+            first, last = self.graph.nodes[members[0]].name, self.graph.nodes[members[-1]].name
+            out.append(Item(key, f"{len(members)} ops: {first} .. {last}",
+                            self._with_owned(members), members, depth, True, "block"))
+
+    def _split(self, ops: tuple[int, ...], depth: int) -> list[tuple[str | None, tuple]]:
+        """Consecutive runs of ops by module path cut to ``depth + 1`` parts (None: the op
+        has no module that deep)."""
+        groups: list[tuple[str | None, list[int]]] = []
+        for i in ops:
+            p = self._paths[i]
+            key = ".".join(p[:depth + 1]) if len(p) > depth else None
+            if groups and groups[-1][0] == key and key is not None:
+                groups[-1][1].append(i)
+            elif groups and key is None and groups[-1][0] is None:
+                groups[-1][1].append(i)
+            else:
+                groups.append((key, [i]))
+        return [(k, tuple(m)) for k, m in groups]
+
+    # -- drawing data --------------------------------------------------------------------
+    def edges(self) -> dict[tuple[int, int], int]:
+        """Bytes flowing between shown items (item position pairs)."""
+        out: dict[tuple[int, int], int] = defaultdict(int)
+        item_of = self.item_of
+        for p, c, b in self.graph.edges:
+            a, z = item_of.get(p), item_of.get(c)
+            if a is not None and z is not None and a != z:
+                out[a, z] += b
+        return dict(out)
+
+    def layout(self, edges: dict[tuple[int, int], int] | None = None
+               ) -> list[tuple[float, float]]:
+        """(x, y) of every item: y = -dependency level, x spread within the level."""
+        edges = self.edges() if edges is None else edges
+        preds: dict[int, list[int]] = defaultdict(list)
+        for a, z in edges:
+            preds[z].append(a)
+        level = [0] * len(self.items)
+        for k in range(len(self.items)):  # items are in topological order
+            ps = [level[a] for a in preds.get(k, ()) if a < k]
+            level[k] = max(ps) + 1 if ps else 0
+        width: dict[int, int] = defaultdict(int)
+        for lv in level:
+            width[lv] += 1
+        seen: dict[int, int] = defaultdict(int)
+        out = []
+        for lv in level:
+            x = seen[lv] - (width[lv] - 1) / 2
+            seen[lv] += 1
+            out.append((x * 2.0, -float(lv)))
+        return out

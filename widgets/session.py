@@ -1,0 +1,350 @@
+"""The explorer's state without any drawing: a plan being edited, its pins, history and estimate.
+
+A :class:`Session` holds one graph, cluster and cost model, and the plan the user is editing.
+Every edit makes a new :class:`explorer.Plan` (plans are immutable), pushes the previous one on
+the undo stack and asks :func:`explorer.simulate` for a fresh estimate. Nothing here computes a
+number of its own: step times, memory and bytes all come from ``explorer``.
+
+Edits that cannot be made (an unknown node or device, a plan for another graph) raise
+:class:`explorer.ExplorerError` and leave the state as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import explorer as ex
+from explorer.errors import ExplorerError
+from explorer.partition import algorithm as get_algorithm
+
+#: how many edits undo remembers
+HISTORY = 200
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What undo brings back: the plan and the pins (node name -> device id)."""
+
+    plan: ex.Plan
+    pins: Mapping[str, str]
+    label: str
+
+
+@dataclass
+class PlanEntry:
+    """A plan in the side-by-side table, with its prediction."""
+
+    name: str
+    plan: ex.Plan
+    prediction: ex.Prediction
+    solve_s: float = 0.0
+
+    def row(self) -> dict[str, Any]:
+        p = self.prediction
+        return {"plan": self.name, "step_ms": p.step_s * 1e3,
+                "max_memory_mib": max(p.peak_bytes.values(), default=0) / 2**20,
+                "fits": p.fits, "cross_mib": p.cross_device_bytes / 2**20,
+                "gap_pct": p.gap * 100, "lower_bound_ms": p.lower_bound_s * 1e3,
+                "solve_s": self.solve_s}
+
+
+@dataclass
+class Session:
+    """A plan under edit for one graph on one cluster, with undo/redo, pins and estimates.
+
+    >>> import explorer as ex
+    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> g = layered_dag(40, seed=0)
+    >>> cl = ex.Cluster.preset("2xH100")
+    >>> s = Session(g, cl, roofline_costs(g, cl))
+    >>> op = g.ops[0].name
+    >>> s.assign([op], cl.ids[1]); s.plan.devices_of(op) == (cl.ids[1],)
+    True
+    >>> s.undo(); s.plan.devices_of(op) == (cl.ids[0],)
+    True
+    """
+
+    graph: ex.OpGraph
+    cluster: ex.Cluster
+    costs: ex.CostModel
+    plan: ex.Plan | None = None
+    pins: dict[str, str] = field(default_factory=dict)
+    plans: list[PlanEntry] = field(default_factory=list)
+    measurement: ex.Measurement | None = None
+    report: ex.Report | None = None
+    _undo: list[Snapshot] = field(default_factory=list, repr=False)
+    _redo: list[Snapshot] = field(default_factory=list, repr=False)
+    _listeners: list[Callable[[Session, str], None]] = field(default_factory=list, repr=False)
+    prediction: ex.Prediction | None = field(default=None, repr=False)
+    estimate_s: float = 0.0  # how long the last estimate took (simulation), seconds
+
+    def __post_init__(self) -> None:
+        self.costs.check(self.graph)
+        if self.plan is None:
+            self.plan = ex.Plan.single(self.graph, self.cluster.ids[0])
+        else:
+            self.plan.validate(self.graph, self.cluster)
+        self.pins = {n: d for n, d in self.pins.items()}
+        for n in self.plan.pinned:
+            self.pins.setdefault(n, self.plan.devices_of(n)[0])
+        self._estimate()
+
+    # -- observers -----------------------------------------------------------------------
+    def observe(self, fn: Callable[[Session, str], None]) -> None:
+        """Call ``fn(session, what)`` after every change ("plan", "plans", "run", "costs")."""
+        self._listeners.append(fn)
+
+    def _changed(self, what: str) -> None:
+        for fn in list(self._listeners):
+            fn(self, what)
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def can_undo(self) -> bool:
+        return bool(self._undo)
+
+    @property
+    def can_redo(self) -> bool:
+        return bool(self._redo)
+
+    @property
+    def history(self) -> list[str]:
+        """Labels of the edits undo would take back, oldest first."""
+        return [s.label for s in self._undo]
+
+    def targets(self) -> list[str]:
+        """Where nodes can be assigned: every device, and each replicated stage as a whole
+        (named by its devices joined with "+")."""
+        out = list(self.cluster.ids)
+        out += ["+".join(s) for s in self.plan.stages if len(s) > 1]
+        return out
+
+    def device_label(self, name: str) -> str:
+        """The device (or "+"-joined replicated stage) a node is placed on."""
+        return "+".join(self.plan.devices_of(name))
+
+    # -- edits ---------------------------------------------------------------------------
+    def assign(self, names: Iterable[str], target: str) -> None:
+        """Place nodes on a device, or on a replicated stage named ``"dev+dev"``.
+
+        Parameters, buffers and inputs owned by a moved op (see :meth:`OpGraph.owner`) move
+        with it. A device not used by the plan becomes a new stage; a device taken out of a
+        replicated stage becomes a stage of its own. Pinned nodes keep their pin, moved to the
+        new device.
+        """
+        names = self._expand(names)
+        if not names:
+            raise ExplorerError("select one or more nodes first, then assign them")
+        plan = self._placed_on(self.plan, names, target)
+        moved = set(names)
+        pins = {n: (self._first_device(plan, n) if n in moved else d)
+                for n, d in self.pins.items()}
+        self._commit(plan, pins, f"assign {self._count(names)} to {target}")
+
+    def pin(self, names: Iterable[str]) -> None:
+        """Fix nodes to their current device: partitioners re-solved around pins keep them."""
+        names = self._expand(names, owned=False)
+        if not names:
+            raise ExplorerError("select the nodes to pin first")
+        pins = dict(self.pins)
+        for n in names:
+            pins[n] = self._first_device(self.plan, n)
+        self._commit(self.plan.with_settings(pinned=frozenset(pins)), pins,
+                     f"pin {self._count(names)}")
+
+    def unpin(self, names: Iterable[str] | None = None) -> None:
+        """Release pins (all of them when ``names`` is None)."""
+        names = set(self.pins) if names is None else set(self._expand(names, owned=False))
+        pins = {n: d for n, d in self.pins.items() if n not in names}
+        if pins == self.pins:
+            return
+        self._commit(self.plan.with_settings(pinned=frozenset(pins)), pins,
+                     f"unpin {self._count(names)}")
+
+    def set_schedule(self, micro_batches: int | None = None, schedule: str | None = None,
+                     optimizer: str | None = None) -> None:
+        """Change the plan's micro-batch count, pipeline schedule or optimizer."""
+        settings = {k: v for k, v in (("micro_batches", micro_batches), ("schedule", schedule),
+                                      ("optimizer", optimizer)) if v is not None}
+        if not settings:
+            return
+        plan = self.plan.with_settings(**settings)
+        plan.validate(self.graph, self.cluster)
+        self._commit(plan, self.pins, ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+    def load(self, plan: ex.Plan | str | Path, name: str | None = None) -> None:
+        """Make ``plan`` (a Plan, or a path to a plan JSON file) the plan under edit."""
+        if not isinstance(plan, ex.Plan):
+            plan = ex.Plan.load(plan, self.graph, self.cluster)
+        plan.validate(self.graph, self.cluster)
+        pins = {n: self._first_device(plan, n) for n in plan.pinned}
+        self._commit(plan, pins, f"load {name or plan.algorithm}")
+
+    def undo(self) -> None:
+        if not self._undo:
+            raise ExplorerError("nothing to undo")
+        snap = self._undo.pop()
+        self._redo.append(Snapshot(self.plan, dict(self.pins), snap.label))
+        self._restore(snap)
+
+    def redo(self) -> None:
+        if not self._redo:
+            raise ExplorerError("nothing to redo")
+        snap = self._redo.pop()
+        self._undo.append(Snapshot(self.plan, dict(self.pins), snap.label))
+        self._restore(snap)
+
+    # -- partitioners --------------------------------------------------------------------
+    def solve(self, algorithm: str, around_pins: bool = True, load: bool = True,
+              **options: Any) -> PlanEntry:
+        """Run a registered partitioner (with the pins when ``around_pins``), add its plan to
+        the table and, with ``load``, make it the plan under edit."""
+        get_algorithm(algorithm)  # unknown names raise with the list of known ones
+        t0 = time.perf_counter()
+        plan = ex.partition(self.graph, self.cluster, self.costs, algorithm,
+                            pins=self.pins if around_pins else None, **options)
+        took = time.perf_counter() - t0
+        name = algorithm + (" (pinned)" if around_pins and self.pins else "")
+        entry = PlanEntry(self._unique(name), plan, ex.simulate(self.graph, plan, self.costs),
+                          took)
+        self.plans.append(entry)
+        self._changed("plans")
+        if load:
+            self.load(plan, entry.name)
+        return entry
+
+    def keep(self, name: str | None = None) -> PlanEntry:
+        """Add the plan under edit to the table (to compare hand edits with solvers)."""
+        entry = PlanEntry(self._unique(name or self.plan.algorithm), self.plan, self.prediction)
+        self.plans.append(entry)
+        self._changed("plans")
+        return entry
+
+    def entry(self, name: str) -> PlanEntry:
+        for e in self.plans:
+            if e.name == name:
+                return e
+        raise ExplorerError(f"no plan named {name!r} in the table; it has "
+                            f"{', '.join(e.name for e in self.plans) or 'no plans yet'}")
+
+    # -- real steps, calibration, export -------------------------------------------------
+    def run(self, steps: int = 5, warmup: int = 2, force: bool = False,
+            progress: bool = True, **kw: Any) -> ex.Report:
+        """Run real training steps with the plan under edit and compare with its estimate."""
+        meas = ex.run(self.graph, None, self.plan, steps=steps, warmup=warmup,
+                      costs=self.costs, cluster=self.cluster, force=force, progress=progress,
+                      **kw)
+        self.measurement = meas
+        self.report = ex.compare(self.prediction, meas)
+        self._changed("run")
+        return self.report
+
+    def calibrate(self) -> ex.Prediction:
+        """Fit the cost model to the last real run, then estimate again."""
+        if self.measurement is None:
+            raise ExplorerError("run real steps first: calibration fits the cost model to them")
+        self.costs = ex.calibrate(self.costs, self.measurement)
+        self.plans = [replace(e, prediction=ex.simulate(self.graph, e.plan, self.costs))
+                      for e in self.plans]
+        self._estimate()
+        self._changed("costs")
+        return self.prediction
+
+    def save(self, path: str | Path) -> Path:
+        return self.plan.save(path)
+
+    def export(self, path: str | Path, steps: int = 10) -> Path:
+        """Write the torchrun script (and its plan JSON and job folder) for the plan under edit."""
+        return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps)
+
+    # -- internals -----------------------------------------------------------------------
+    def _expand(self, names: Iterable[str], owned: bool = True) -> list[str]:
+        """Check names; add the parameters, buffers and inputs owned by the given ops."""
+        names = list(dict.fromkeys(names))
+        bad = [n for n in names if n not in self.graph]
+        if bad:
+            raise ExplorerError(f"no node named {bad[0]!r} in graph {self.graph.name}")
+        if not owned:
+            return names
+        idx = self.graph.index
+        chosen = {idx[n] for n in names}
+        extra = [n.name for i, n in enumerate(self.graph.nodes)
+                 if n.kind != "op" and i not in chosen and self.graph.owner(i) in chosen]
+        return names + extra
+
+    def _placed_on(self, plan: ex.Plan, names: list[str], target: str) -> ex.Plan:
+        stages = [tuple(s) for s in plan.stages]
+        placement = dict(plan.placement)
+        if "+" in target:
+            devs = tuple(target.split("+"))
+            if devs not in stages:
+                raise ExplorerError(f"{target!r} is not a replicated stage of this plan; "
+                                    f"choose one of {', '.join(self.targets())}")
+            where = stages.index(devs)
+        else:
+            self.cluster.device(target)  # unknown devices raise, listing the known ones
+            where = next((k for k, s in enumerate(stages) if target in s), None)
+            if where is None:
+                stages.append((target,))
+                where = len(stages) - 1
+            elif len(stages[where]) > 1:  # take the device out of its replicated stage
+                stages[where] = tuple(d for d in stages[where] if d != target)
+                stages.append((target,))
+                where = len(stages) - 1
+        for n in names:
+            placement[n] = where
+        # drop stages left with nothing on them, renumbering the rest
+        used = sorted(set(placement.values()))
+        renum = {old: new for new, old in enumerate(used)}
+        placement = {n: renum[s] for n, s in placement.items()}
+        stages = [stages[s] for s in used]
+        edited = plan.algorithm == "manual" or plan.algorithm.endswith("+edits")
+        out = plan.with_settings(stages=tuple(stages), placement=placement,
+                                 algorithm=plan.algorithm if edited
+                                 else f"{plan.algorithm}+edits")
+        out.validate(self.graph, self.cluster)
+        return out
+
+    @staticmethod
+    def _first_device(plan: ex.Plan, name: str) -> str:
+        return plan.devices_of(name)[0]
+
+    def _count(self, names: Iterable[str]) -> str:
+        names = list(names)
+        ops = [n for n in names if self.graph[n].kind == "op"] or names
+        return ops[0] if len(ops) == 1 else f"{len(ops)} ops"
+
+    def _unique(self, name: str) -> str:
+        taken = {e.name for e in self.plans}
+        out, k = name, 2
+        while out in taken:
+            out, k = f"{name} #{k}", k + 1
+        return out
+
+    def _commit(self, plan: ex.Plan, pins: Mapping[str, str], label: str) -> None:
+        prev = Snapshot(self.plan, dict(self.pins), label)
+        old = (self.plan, self.pins, self.prediction)
+        self.plan, self.pins = plan, dict(pins)
+        try:
+            self._estimate()
+        except Exception:
+            self.plan, self.pins, self.prediction = old
+            raise
+        self._undo.append(prev)
+        del self._undo[:-HISTORY]
+        self._redo.clear()
+        self._changed("plan")
+
+    def _restore(self, snap: Snapshot) -> None:
+        self.plan, self.pins = snap.plan, dict(snap.pins)
+        self._estimate()
+        self._changed("plan")
+
+    def _estimate(self) -> None:
+        t0 = time.perf_counter()
+        self.prediction = ex.simulate(self.graph, self.plan, self.costs)
+        self.estimate_s = time.perf_counter() - t0
