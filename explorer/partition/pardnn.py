@@ -660,7 +660,8 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
     if by_sim:
         plan = make()
         pred = simulate(graph, plan, costs)
-        out.append(_Candidate("single", lambda: plan, _fits(pred, memory_fraction), pred.step_s))
+        out.append(_Candidate("single", lambda plan=plan: plan, _fits(pred, memory_fraction),
+                              pred.step_s))
     else:
         fits = bool(np.all(base.used_bytes(dev) <= base.cap))
         if pins:
