@@ -68,6 +68,7 @@ only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,13 +213,17 @@ class PaseSolution:
     order: tuple[int, ...]
 
 
-def dependent_order(problem: PaseProblem) -> tuple[list[int], int, int]:
+def dependent_order(problem: PaseProblem | _Shape, limit: float = math.inf
+                    ) -> tuple[list[int], int, int]:
     """A visiting order with small dependent sets: ``(order, M, largest table entries)``.
 
     Greedy, as in PaSE: the next vertex is the one that leaves the smallest dependent set
     (visited vertices with edges to unvisited ones), ties broken by that set's table size,
     then by index (the layers' topological order). Only vertices adjacent to the dependent
     set and the first other unvisited vertex can be best, so each step looks at those.
+
+    With ``limit``, stops as soon as a table would exceed ``limit`` entries: the order is then
+    partial and ``M`` and the entries are those met so far (enough to refuse the graph).
     """
     n = problem.n_layers
     nbrs = problem.neighbours()
@@ -251,6 +256,8 @@ def dependent_order(problem: PaseProblem) -> tuple[list[int], int, int]:
         assert best is not None
         v = best[1]
         worst_entries = max(worst_entries, dep_entries * sizes[v])
+        if worst_entries > limit:
+            return [*order, v], max(worst_m, len(dep) + 1), worst_entries
         visited[v] = True
         order.append(v)
         frontier.discard(v)
@@ -513,9 +520,8 @@ class _Edge:
     grad: bool
 
 
-def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
-                 layers: Sequence[Sequence[int]], optimizer: str
-                 ) -> tuple[list[LayerInfo], list[_Edge]]:
+def _layer_of(graph: OpGraph, layers: Sequence[Sequence[int]]) -> list[int]:
+    """The layer of every node (nodes outside every layer: their owner's, else layer 0)."""
     nodes = graph.nodes
     layer_of = [-1] * len(nodes)
     for j, layer in enumerate(layers):
@@ -524,15 +530,19 @@ def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     for i in range(len(nodes)):
         if layer_of[i] < 0:
             layer_of[i] = layer_of[graph.owner(i)] if layer_of[graph.owner(i)] >= 0 else 0
-    reps: dict[str, str] = {}
-    for dev in ids:
-        reps.setdefault(costs.cluster.device(dev).type_key, dev)
-    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0)
-    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0)
+    return layer_of
+
+
+def _layer_edges(graph: OpGraph, layer_of: Sequence[int], n_layers: int
+                 ) -> tuple[dict[tuple[int, int], list[int]], dict[tuple[int, int], bool],
+                            list[int], list[int]]:
+    """Tensors between layers: ``(bytes and tensors per edge, whether a gradient flows back,
+    output bytes per layer, gradient input bytes per layer)``."""
+    nodes = graph.nodes
     edges: dict[tuple[int, int], list[int]] = {}
     edge_grad: dict[tuple[int, int], bool] = {}
-    out_bytes = [0] * len(layers)
-    grad_in = [0] * len(layers)
+    out_bytes = [0] * n_layers
+    grad_in = [0] * n_layers
     for p, nd in enumerate(nodes):
         if nd.kind != "op" or nd.out_bytes <= 0:
             continue  # graph inputs: every device loads its own slice; weights: see Limits
@@ -550,11 +560,37 @@ def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
             edge_grad[key] = edge_grad.get(key, False) or grad
             if grad:
                 grad_in[b] += nd.out_bytes
+    return edges, edge_grad, out_bytes, grad_in
+
+
+def _feature_limit(graph: OpGraph, layer: Sequence[int]) -> int:
+    """The largest feature split a layer is offered: the first dimension of its trainable
+    weights (1 for a layer without any)."""
+    gbytes = max_feature = 0
+    for i in layer:
+        nd = graph.nodes[i]
+        if nd.kind == "param" and nd.requires_grad:
+            gbytes += nd.out_bytes
+            shape = nd.shapes[0] if nd.shapes and nd.shapes[0] else (1,)
+            max_feature = max(max_feature, int(shape[0]))
+    return max(max_feature, 1) if gbytes else 1
+
+
+def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
+                 layers: Sequence[Sequence[int]], optimizer: str
+                 ) -> tuple[list[LayerInfo], list[_Edge]]:
+    nodes = graph.nodes
+    layer_of = _layer_of(graph, layers)
+    reps: dict[str, str] = {}
+    for dev in ids:
+        reps.setdefault(costs.cluster.device(dev).type_key, dev)
+    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0)
+    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0)
+    edges, edge_grad, out_bytes, grad_in = _layer_edges(graph, layer_of, len(layers))
     infos = []
     for j, layer in enumerate(layers):
         fixed, var, opt_fixed, opt_byte = [], [], [], []
         pbytes = gbytes = ntensors = 0
-        max_feature = 0
         fc = False
         for i in layer:
             nd = nodes[i]
@@ -563,8 +599,6 @@ def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 ntensors += 1
             if nd.kind == "param" and nd.requires_grad:
                 gbytes += nd.out_bytes
-                shape = nd.shapes[0] if nd.shapes and nd.shapes[0] else (1,)
-                max_feature = max(max_feature, int(shape[0]))
             if nd.kind == "op" and (nd.module_type == "Linear" or nd.op in _LINEAR_OPS):
                 fc = True
         for dev in reps.values():
@@ -589,7 +623,7 @@ def _layer_infos(graph: OpGraph, costs: CostModel, ids: Sequence[str],
             pbytes, gbytes, out_bytes[j], grad_in[j],
             int(sum(fixed_mem[i] for i in layer)),
             int(sum(full_mem[i] - fixed_mem[i] for i in layer)),
-            max(max_feature, 1) if gbytes else 1, fc and gbytes > 0))
+            _feature_limit(graph, layer), fc and gbytes > 0))
     return infos, [_Edge(a, b, nb, cnt, edge_grad[(a, b)])
                    for (a, b), (nb, cnt) in sorted(edges.items())]
 
@@ -615,6 +649,13 @@ Config(batch=2, feature=2), Config(batch=2, feature=1), Config(batch=1, feature=
     rest = sorted(every, key=lambda c: (c.devices != p, -c.devices, -c.batch))
     out = list(dict.fromkeys([*first, *rest]))
     return tuple(out[:max(1, max_configs)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _configs(p: int, batch_size: int, max_feature: int, max_configs: int,
+             batch_only: bool) -> tuple[Config, ...]:
+    """:func:`layer_configs`, remembered: many layers ask for the same few."""
+    return layer_configs(p, batch_size, max_feature, max_configs, batch_only)
 
 
 def _links(costs: CostModel, ids: Sequence[str]) -> tuple[float, float]:
@@ -675,22 +716,69 @@ class _Model:
     depth: int | None
     layer_pins: tuple[frozenset[str], ...]  # device ids pinned per layer
     memory_by_device: tuple[int, ...]  # each device's memory, in the order of ids
+    edge_list: tuple[_Edge, ...] = ()  # the tensors between layers behind problem.edges
 
 
-def _build(graph: OpGraph, costs: CostModel, ids: Sequence[str], depth: int | None,
-           max_configs: int, optimizer: str, pins: Mapping[str, str],
-           headroom: float, batch_only: bool = False) -> _Model:
-    layers = [tuple(x) for x in graph.layers(depth)]
-    infos, edges = _layer_infos(graph, costs, ids, layers, optimizer)
-    p = len(ids)
+class _Shape(NamedTuple):
+    """What :func:`dependent_order` needs of a problem (no costs): configurations per layer
+    and the layers each layer shares tensors with."""
+
+    n_layers: int
+    sizes: tuple[int, ...]
+    nbrs: tuple[frozenset[int], ...]
+
+    def neighbours(self) -> list[set[int]]:
+        return [set(x) for x in self.nbrs]
+
+
+def _pinned_layers(graph: OpGraph, layers: Sequence[Sequence[int]],
+                   pins: Mapping[str, str]) -> list[set[str]]:
+    """The devices pinned in each layer."""
     layer_of = {i: j for j, layer in enumerate(layers) for i in layer}
     pinned: list[set[str]] = [set() for _ in layers]
     for nm, dev in pins.items():
         i = graph.index[nm]
         j = layer_of.get(i, layer_of.get(graph.owner(i), 0))
         pinned[j].add(dev)
-    configs = tuple(layer_configs(p, graph.batch_size, info.max_feature, max_configs,
-                                  batch_only=batch_only or bool(pinned[j]))
+    return pinned
+
+
+def _shape(graph: OpGraph, p: int, layers: Sequence[Sequence[int]], max_configs: int,
+           pins: Mapping[str, str]) -> _Shape:
+    """The layer graph's shape as :func:`_build` would make it, without costing anything:
+    enough to tell whether the DP tables fit before paying for the cost table."""
+    pinned = _pinned_layers(graph, layers, pins)
+    sizes = tuple(len(_configs(p, graph.batch_size, _feature_limit(graph, layer), max_configs,
+                               bool(pinned[j])))
+                  for j, layer in enumerate(layers))
+    edges = _layer_edges(graph, _layer_of(graph, layers), len(layers))[0]
+    nbrs: list[set[int]] = [set() for _ in layers]
+    for a, b in edges:
+        nbrs[a].add(b)
+        nbrs[b].add(a)
+    return _Shape(len(layers), sizes, tuple(frozenset(x) for x in nbrs))
+
+
+def _build(graph: OpGraph, costs: CostModel, ids: Sequence[str], depth: int | None,
+           max_configs: int, optimizer: str, pins: Mapping[str, str],
+           headroom: float, batch_only: bool = False,
+           layers: Sequence[tuple[int, ...]] | None = None, like: _Model | None = None
+           ) -> _Model:
+    """PaSE's problem over ``graph.layers(depth)`` (or ``layers``, when already made).
+
+    ``like``: a model built from the same graph, costs, devices, depth and optimizer, whose
+    layer facts are reused (only the configurations offered differ).
+    """
+    if like is not None:
+        layers, infos, edges = like.layers, list(like.infos), list(like.edge_list)
+    else:
+        if layers is None:
+            layers = [tuple(x) for x in graph.layers(depth)]
+        infos, edges = _layer_infos(graph, costs, ids, layers, optimizer)
+    p = len(ids)
+    pinned = _pinned_layers(graph, layers, pins)
+    configs = tuple(_configs(p, graph.batch_size, info.max_feature, max_configs,
+                             batch_only or bool(pinned[j]))
                     for j, info in enumerate(infos))
     lat, spb = _links(costs, ids)
     unary = tuple(np.array([unary_cost_s(info, c, lat, spb) + TIE_S * (c.devices - 1)
@@ -710,7 +798,7 @@ def _build(graph: OpGraph, costs: CostModel, ids: Sequence[str], depth: int | No
     mem_dev = tuple(costs.cluster.device(d).memory_bytes for d in ids)
     problem = PaseProblem(configs, unary, memory, tuple(mats), min(mem_dev) * headroom)
     return _Model(problem, tuple(layers), tuple(infos), tuple(ids), depth,
-                  tuple(frozenset(s) for s in pinned), mem_dev)
+                  tuple(frozenset(s) for s in pinned), mem_dev, tuple(edges))
 
 
 def pase_problem(graph: OpGraph, costs: CostModel, *, k: int | None = None,
@@ -832,26 +920,41 @@ def _model_and_solution(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     """Build and solve at ``depth``; with ``depth=None`` the finest depth whose table fits."""
     if max_configs < 1:
         raise ExplorerError(f"pase: max_configs must be >= 1, not {max_configs}")
-    tried: list[str] = []
-    first: TooDenseError | None = None
+    refused: list[tuple[int | None, _Shape | TooDenseError]] = []  # depths too dense
     seen: set[int] = set()
     for dp in _depths(graph, depth):
-        n_layers = len(graph.layers(dp))
-        if n_layers in seen:  # the same layers as a finer depth already tried
+        layers = [tuple(x) for x in graph.layers(dp)]
+        if len(layers) in seen:  # the same layers as a finer depth already tried
             continue
-        seen.add(n_layers)
-        model = _build(graph, costs, ids, dp, max_configs, optimizer, pins, headroom)
+        seen.add(len(layers))
+        # the order needs only the layer graph's shape: refuse a dense depth before costing it
+        shape = _shape(graph, len(ids), layers, max_configs, pins)
+        order, _, entries = dependent_order(shape, limit=max_table)
+        if entries > max_table:
+            refused.append((dp, shape))
+            continue
+        model = _build(graph, costs, ids, dp, max_configs, optimizer, pins, headroom,
+                       layers=layers)
         try:
-            return model, solve(model.problem, max_table)
+            return model, solve(model.problem, max_table, order=order)
         except TooDenseError as exc:
-            first = first or exc
-            tried.append(f"depth={dp}: M={exc.dependent_set}, {exc.table_entries:,} entries")
+            refused.append((dp, exc))
+    tried: list[str] = []
+    first: TooDenseError | None = None
+    for dp, what in refused:  # say how large each depth's tables are, finest first
+        if isinstance(what, TooDenseError):
+            m, entries = what.dependent_set, what.table_entries
+        else:
+            _, m, entries = dependent_order(what)  # the whole order, for the message
+        first = first or TooDenseError("", m, entries)
+        tried.append(f"depth={dp}: M={m}, {entries:,} entries")
     assert first is not None
     coarser = "..."
     if depth is not None:  # a coarser depth whose table fits, if any
         for dp in range(min(depth, graph.module_depth() + 1) - 1, 0, -1):
-            model = _build(graph, costs, ids, dp, max_configs, optimizer, pins, headroom)
-            if dependent_order(model.problem)[2] <= max_table:
+            layers = [tuple(x) for x in graph.layers(dp)]
+            shape = _shape(graph, len(ids), layers, max_configs, pins)
+            if dependent_order(shape, limit=max_table)[2] <= max_table:
                 coarser = str(dp)
                 break
     k = max(1, int(max_table ** (1 / (first.dependent_set + 1))))
@@ -1137,7 +1240,7 @@ def _pase_plan(graph: OpGraph, costs: CostModel, ids: Sequence[str], pins: Mappi
     lay = None if res.feature_split else _direct_layout(model, res.configs, res.cost_s)
     if lay is None:
         batch_model = _build(graph, costs, ids, model.depth, max_configs, optimizer, pins,
-                             headroom, batch_only=True)
+                             headroom, batch_only=True, like=model)
         lay, why = _expressible_layout(batch_model, max_table)
         if lay is None:
             raise why or ExplorerError("pase: no batch-only strategy found")

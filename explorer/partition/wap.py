@@ -158,6 +158,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
     pins = dict(pins or {})
     batch = max(graph.batch_size, 1)
     points = []
+    seen = _Predictions(graph, costs)
     for k in range(1, top + 1):
         sub = cluster.subset(cluster.ids[:k])
         tried: list[tuple[str, str]] = []
@@ -175,7 +176,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
                 except ExplorerError as exc:
                     tried.append((nm, f"no plan: {exc}"))
                     continue
-                pred = simulate(graph, plan, costs)
+                pred = seen.simulate(plan)
                 if not pred.fits:
                     tried.append((nm, f"does not fit: {pred.memory_report()}"))
                     continue
@@ -196,6 +197,26 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
         raise MemoryExceededError(f"wap: no device count has a plan that fits ({reasons})")
     chosen, why = _choose(feasible, objective, within)
     return WapResult(tuple(points), chosen.k, objective, within, why)
+
+
+class _Predictions:
+    """Simulates plans, once per distinct plan: several partitioners often return the same
+    placement (all of them on one device, or data-parallel), and at 100,000 nodes a simulation
+    takes about a second."""
+
+    def __init__(self, graph: OpGraph, costs: CostModel) -> None:
+        self.graph, self.costs = graph, costs
+        self.done: dict[tuple, list[tuple[Mapping[str, int], Any]]] = {}
+
+    def simulate(self, plan: Plan) -> Any:
+        key = (plan.stages, plan.micro_batches, plan.schedule, plan.optimizer)
+        same = self.done.setdefault(key, [])
+        for placement, pred in same:
+            if placement == plan.placement:
+                return pred
+        pred = simulate(self.graph, plan, self.costs)
+        same.append((plan.placement, pred))
+        return pred
 
 
 def _choose(feasible: list[WapPoint], objective: str, within: float) -> tuple[WapPoint, str]:
