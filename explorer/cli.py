@@ -124,16 +124,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for n, p, r in results:
         if p is None:
-            rows.append((n, "-", "-", "-", "-", "-", "error: " + r))
+            rows.append((n, "-", "-", "-", "-", "-", "-", "error: " + r))
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
-                     f"{r.gap * 100:.0f}%", mem, f"{r.cross_device_bytes / MiB:.2f}",
+                     f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
+                     f"{r.cross_device_bytes / MiB:.2f}",
                      "yes" if r.fits else "NO: " + r.memory_report(),
                      note if len(note) <= 70 else note[:67] + "..."))
-    print(_table(("algorithm", "step ms", "gap to bound", "peak MiB per device",
-                  "MiB across devices", "fits", "notes"), rows))
+    print(_table(("algorithm", "step ms", "lower bound ms", "gap to bound",
+                  "peak MiB per device", "MiB across devices", "fits", "notes"), rows))
+    print("\nlower bound: total compute on the fastest device type / "
+          f"{len(cluster)} devices; no plan can beat it")
     if best:
         print(f"\n* fastest plan that fits: {best[0]}"
               + (f" (saved to {args.out})" if args.out else ""))

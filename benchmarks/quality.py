@@ -1,0 +1,254 @@
+"""Quality benchmark: step time, peak memory and gap to the lower bound of every partitioner.
+
+Run: python benchmarks/quality.py [--size default] [--models all] [--devices 2,4,8]
+         [--clusters cpu,H100] [--algorithms all] [--cpu-costs profiled|roofline] [--no-cache]
+
+For every built-in model and device count ``k`` it plans for ``k`` CPU ranks
+(``Cluster.cpu(k)``) and for the ``kxH100`` preset. CPU costs are measured by
+``explorer.profile`` on one CPU rank (one thread) and shared by the ``k`` identical ranks
+(``--cpu-costs roofline`` estimates them from FLOPs and bytes instead); H100 costs are the
+roofline estimate (no GPU is needed). Every registered partitioner, the baselines included,
+plans; each plan is simulated once. One table per (cluster, model):
+
+- ``step ms``: simulated step time; ``*`` marks the fastest plan that fits;
+- ``gap``: how far the step is above the lower bound (total compute on the fastest device
+  type / devices; given in the table's title);
+- ``max peak MiB``: the largest peak memory over the plan's devices;
+- ``MiB moved``: bytes across devices per step (activations and gradients between stages
+  plus gradient all-reduces), with the all-reduce part in brackets;
+- ``used``: devices the plan uses; ``idle``: the share of device-time (all ``k`` devices over
+  the step) spent not computing;
+- ``notes``: why data-parallel is faster, when it is, from the numbers of the two plans
+  (devices used, the busiest device's compute, idle time, bytes moved); which baseline an
+  algorithm returned; or the message of an algorithm that refused.
+
+A summary table follows: per (cluster, model) the best plan and how much faster it is than
+``single`` and ``data-parallel``, then per algorithm the number of groups it wins (ties
+included) and its mean step time over the best (geometric mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import explorer as ex
+from explorer.cli import _table
+from explorer.errors import ExplorerError
+from explorer.synthetic import roofline_costs
+
+MiB = 2**20
+#: differences in step time below this fraction are ties
+TIE = 1e-3
+
+
+@dataclass(frozen=True)
+class Row:
+    """One algorithm's plan on one (cluster, model), or why it has none."""
+
+    algorithm: str
+    plan: ex.Plan | None
+    pred: ex.Prediction | None
+    error: str
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.pred is not None
+
+    @property
+    def fits(self) -> bool:
+        return self.pred is not None and self.pred.fits
+
+
+def idle_share(pred: ex.Prediction, n_devices: int) -> float:
+    """Share of the cluster's device-time (``n_devices`` x step) spent not computing."""
+    if pred.step_s <= 0:
+        return 0.0
+    return 1.0 - sum(pred.busy_s.values()) / (n_devices * pred.step_s)
+
+
+def comm_s(pred: ex.Prediction) -> float:
+    """The longest time any device spends communicating (sending, all-reducing) in a step."""
+    per: dict[str, float] = defaultdict(float)
+    for iv in pred.timeline:
+        if iv.lane == "comm":
+            per[iv.device] += iv.end_s - iv.start_s
+    return max(per.values(), default=0.0)
+
+
+def why_data_parallel_wins(r: Row, dp: Row, n: int) -> str:
+    """Why the data-parallel plan is faster than ``r``'s, from the two predictions."""
+    a, d = r.pred, dp.pred
+    assert a is not None and d is not None and r.plan is not None
+    faster = a.step_s / d.step_s - 1
+    parts = []
+    if d.fits:
+        parts.append(f"model fits on each device (data-parallel peak "
+                     f"{max(d.peak_bytes.values()) / MiB:.1f} MiB)")
+    used = len(r.plan.devices)
+    if r.algorithm == "wap" and "k" in r.plan.options:
+        parts.append(f"wap picks k={r.plan.options['k']} for {r.plan.options.get('objective')}, "
+                     "not for speed")
+    elif used < n:
+        parts.append(f"uses {used} of {n} devices")
+    bn_a, bn_d = max(a.busy_s.values()), max(d.busy_s.values())
+    if bn_a > 1.05 * bn_d:
+        parts.append(f"its busiest device computes {bn_a * 1e3:.3g} ms vs {bn_d * 1e3:.3g} ms "
+                     "(each data-parallel replica does 1/k of every op)")
+    idle_a, idle_d = idle_share(a, n), idle_share(d, n)
+    if idle_a > idle_d + 0.05 and len(r.plan.stages) > 1:
+        parts.append(f"devices idle {idle_a:.0%} of the step vs {idle_d:.0%} (stages wait for "
+                     f"each other: pipeline bubble, {r.plan.micro_batches} micro-batch"
+                     f"{'es' if r.plan.micro_batches > 1 else ''})")
+    c_a, c_d = comm_s(a), comm_s(d)
+    if a.transfer_bytes and c_a > c_d:
+        parts.append(f"moves {a.cross_device_bytes / MiB:.2f} MiB across stages "
+                     f"({c_a * 1e3:.3g} ms on a link) vs a {d.allreduce_bytes / MiB:.2f} MiB "
+                     f"all-reduce ({c_d * 1e3:.3g} ms, overlapping the backward)")
+    elif a.transfer_bytes and a.cross_device_bytes < d.cross_device_bytes:
+        parts.append(f"moves fewer bytes ({a.cross_device_bytes / MiB:.2f} vs "
+                     f"{d.cross_device_bytes / MiB:.2f} MiB), but that does not make up for it")
+    return f"data-parallel {faster:.0%} faster: " + "; ".join(parts)
+
+
+def note(r: Row, dp: Row | None, n: int) -> str:
+    if not r.ok:
+        return "refused: " + r.error
+    assert r.plan is not None and r.pred is not None
+    out = []
+    if not r.pred.fits:
+        out.append("does not fit: " + r.pred.memory_report())
+    fallback = r.plan.options.get("fallback")
+    if fallback:
+        out.append(f"returns the {fallback} plan (its own was slower)")
+    if (r.algorithm != "data-parallel" and dp is not None and dp.ok and dp.fits
+            and r.pred.step_s > dp.pred.step_s * (1 + TIE)):
+        out.append(why_data_parallel_wins(r, dp, n))
+    return "; ".join(out)
+
+
+def run_group(graph, cluster, costs, names: list[str]) -> list[Row]:
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            plan = ex.partition(graph, cluster, costs, name)
+            pred = ex.simulate(graph, plan, costs)
+            rows.append(Row(name, plan, pred, "", time.perf_counter() - t0))
+        except ExplorerError as exc:
+            rows.append(Row(name, None, None, " ".join(str(exc).split()),
+                            time.perf_counter() - t0))
+    return rows
+
+
+def group_table(rows: list[Row], n: int, width: int) -> str:
+    best = min((r.pred.step_s for r in rows if r.fits), default=math.inf)
+    dp = next((r for r in rows if r.algorithm == "data-parallel"), None)
+    out = []
+    for r in rows:
+        nt = note(r, dp, n)
+        nt = nt if len(nt) <= width else nt[:width - 3] + "..."
+        if not r.ok:
+            out.append((r.algorithm, "-", "-", "-", "-", "-", "-", f"{r.wall_s:.2f}", nt))
+            continue
+        p, pl = r.pred, r.plan
+        mark = " *" if r.fits and p.step_s <= best * (1 + TIE) else ""
+        out.append((r.algorithm, f"{p.step_s * 1e3:.3f}{mark}", f"{p.gap:.0%}",
+                    f"{max(p.peak_bytes.values()) / MiB:.1f}",
+                    f"{p.cross_device_bytes / MiB:.2f} ({p.allreduce_bytes / MiB:.2f})",
+                    str(len(pl.devices)), f"{idle_share(p, n):.0%}", f"{r.wall_s:.2f}", nt))
+    return _table(("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)",
+                   "used", "idle", "plan s", "notes"), out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="default", help="model size (tiny, small, default)")
+    ap.add_argument("--models", default="all", help="built-in models, comma-separated")
+    ap.add_argument("--devices", default="2,4,8", help="device counts")
+    ap.add_argument("--clusters", default="cpu,H100", help="cpu and/or a GPU preset type")
+    ap.add_argument("--algorithms", default="all", help="partitioners, or all")
+    ap.add_argument("--cpu-costs", default="profiled", choices=("profiled", "roofline"))
+    ap.add_argument("--no-cache", action="store_true", help="profile afresh")
+    ap.add_argument("--width", type=int, default=400, help="longest note printed")
+    args = ap.parse_args()
+    models = ex.model_names() if args.models == "all" else args.models.split(",")
+    names = ex.algorithms() if args.algorithms == "all" else args.algorithms.split(",")
+    counts = [int(k) for k in args.devices.split(",")]
+    kinds = args.clusters.split(",")
+    t_start = time.perf_counter()
+    print(f"quality: {args.size} models, {', '.join(names)}; CPU ranks: "
+          + ("costs measured on one CPU rank (one thread), shared by all ranks"
+             if args.cpu_costs == "profiled" else "roofline costs")
+          + "; GPU presets: roofline costs; load average "
+          + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
+    summary, ratio = [], defaultdict(list)
+    wins: dict[str, int] = defaultdict(int)
+    for model in models:
+        bm = ex.builtin_model(model, args.size)
+        graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=model)
+        cpu_costs = None
+        if "cpu" in kinds and args.cpu_costs == "profiled":
+            cpu_costs = ex.profile(graph, ex.Cluster.cpu(1), cache=not args.no_cache,
+                                   progress=False)
+        s = graph.summary()
+        for kind in kinds:
+            for k in counts:
+                if kind == "cpu":
+                    cluster = ex.Cluster.cpu(k)
+                    costs = (ex.CostModel(graph.fingerprint, cluster, cpu_costs.per_type)
+                             if cpu_costs is not None else roofline_costs(graph, cluster))
+                    label = f"cpu:{k} ({args.cpu_costs})"
+                else:
+                    cluster = ex.Cluster.preset(f"{k}x{kind}")
+                    costs = roofline_costs(graph, cluster)
+                    label = f"{k}x{kind} (roofline)"
+                rows = run_group(graph, cluster, costs, names)
+                bound = next((r.pred.lower_bound_s for r in rows if r.ok), math.nan)
+                print(f"\n{model} ({args.size}: {s['ops']} ops, "
+                      f"{s['params_bytes'] / MiB:.1f} MiB params, batch {s['batch_size']}) on "
+                      f"{label}: lower bound {bound * 1e3:.3f} ms (total compute / {k} devices)")
+                print(group_table(rows, k, args.width), flush=True)
+                fit = [r for r in rows if r.fits]
+                if not fit:
+                    summary.append((model, label, "-", "-", "-", "-", "-"))
+                    continue
+                best = min(r.pred.step_s for r in fit)
+                tops = [r.algorithm for r in fit if r.pred.step_s <= best * (1 + TIE)]
+                for r in fit:
+                    ratio[r.algorithm].append(r.pred.step_s / best)
+                for a in tops:
+                    wins[a] += 1
+                step = {r.algorithm: r.pred.step_s for r in fit}
+                summary.append((
+                    model, label, ", ".join(tops), f"{best * 1e3:.3f}",
+                    f"{best / bound - 1:.0%}" if bound > 0 else "-",
+                    f"{step['single'] / best:.2f}x" if "single" in step else "-",
+                    f"{step['data-parallel'] / best:.2f}x" if "data-parallel" in step else "-"))
+    print("\nBest plan per (model, cluster)")
+    print(_table(("model", "devices", "best (ties)", "step ms", "gap", "single / best",
+                  "data-parallel / best"), summary))
+    print("\nPer algorithm, over the groups where its plan fits")
+    agg = []
+    for a in names:
+        xs = ratio.get(a, [])
+        gm = math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+        agg.append((a, str(len(xs)), str(wins.get(a, 0)), f"{gm:.3f}x",
+                    f"{max(xs):.2f}x" if xs else "-"))
+    print(_table(("algorithm", "plans that fit", "best (ties)", "mean step / best",
+                  "worst step / best"), agg))
+    print(f"\nwall {time.perf_counter() - t_start:.0f} s; load average "
+          + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()
