@@ -20,7 +20,8 @@ plans; each plan is simulated once. One table per (cluster, model):
   the step) spent not computing;
 - ``notes``: why data-parallel is faster, when it is, from the numbers of the two plans
   (devices used, the busiest device's compute, idle time, bytes moved); which baseline an
-  algorithm returned; or the message of an algorithm that refused.
+  algorithm returned; a step under the lower bound (possible with measured costs, see the
+  note there); or the message of an algorithm that refused.
 
 A summary table follows: per (cluster, model) the best plan and how much faster it is than
 ``single`` and ``data-parallel``, then per algorithm the number of groups it wins (ties
@@ -125,6 +126,9 @@ def note(r: Row, dp: Row | None, n: int) -> str:
         return "refused: " + r.error
     assert r.plan is not None and r.pred is not None
     out = []
+    if r.pred.gap < 0:
+        out.append(f"{-r.pred.gap:.0%} under the lower bound: the bound counts every op at the "
+                   "whole batch, but measured ops cost less per sample at a fraction of it")
     if not r.pred.fits:
         out.append("does not fit: " + r.pred.memory_report())
     fallback = r.plan.options.get("fallback")
