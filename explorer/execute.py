@@ -19,6 +19,7 @@ MASTER_PORT environment.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,6 +29,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,12 +76,29 @@ class _Entry(torch.autograd.Function):
 
 
 class MemTracker:
-    """Tensor accounting on CPU: bytes of the storages the rank holds or autograd saved."""
+    """Tensor accounting on CPU: bytes of the storages the rank holds or autograd saved.
+
+    While :meth:`deferred` is active, frees wait until it ends: autograd computes a node's input
+    gradients before it releases what the node saved, so an op's backward is accounted as all its
+    allocations first, then its frees (the order the memory is really held in).
+    """
 
     def __init__(self) -> None:
         self.refs: dict[int, list[int]] = {}
         self.live = 0
         self.peak = 0
+        self._held: list[torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Frees (``drop``) inside the block take effect when it ends."""
+        outer, self._held = self._held, []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, outer
+            for t in held:
+                self.drop(t)
 
     def add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -95,6 +114,9 @@ class MemTracker:
             ref[0] += 1
 
     def drop(self, t: torch.Tensor) -> None:
+        if self._held is not None:
+            self._held.append(t)  # (keeps the storage, so its address is not reused meanwhile)
+            return
         key = t.untyped_storage().data_ptr()
         ref = self.refs.get(key)
         if ref is None:
@@ -487,8 +509,14 @@ class Rank:
 
     def _arg(self, m: int, u: int, p: int, slots: list) -> Any:
         kind = self.kind[p]
-        if kind == "input":
-            return self._batch(m, u, p)
+        if kind == "input":  # this stage's copy of its micro-batch's rows, until its last use
+            env = self.env[(m, u)]
+            if p not in env:
+                env[p] = self._batch(m, u, p)
+                self.tracker.add(env[p])
+                self.fwd_left[(m, u, p)] = sum(1 for c in self.succs[p]
+                                               if self.stage[c] == self.s)
+            return env[p]
         if kind in ("param", "buffer"):
             return self.value[p]
         key = (m, u)
@@ -528,10 +556,12 @@ class Rank:
         self.job.inputs, self.job.targets = list(inputs), list(targets)
 
     def _batch(self, m: int, u: int, p: int) -> torch.Tensor:
+        """The rows of input ``p`` for micro-batch ``m``, shard ``u``, as a tensor of their own
+        on the device (a copy on CPU too, as on a GPU: the batch itself is host data)."""
         k = int(self.names[p].split("_")[1])
         src = self.job.inputs[k] if self.names[p].startswith("input_") else self.job.targets[k]
         start = (m * self.U + u) * self.rows
-        return src[start: start + self.rows].to(self.tdev)
+        return src[start: start + self.rows].to(self.tdev, copy=True)
 
     def forward(self, m: int, u: int, i: int) -> float:
         """Run op ``i`` forward on micro-batch ``m``, shard ``u``; seconds spent, waits excluded."""
@@ -575,14 +605,14 @@ class Rank:
             self._release_output(m, u, i)
 
     def _release_output(self, m: int, u: int, p: int) -> None:
-        val = self.env[(m, u)].pop(p, None) if self.stage[p] == self.s else \
-            self.received.get((m, u, p))
+        here = self.stage[p] == self.s or self.kind[p] == "input"  # (each stage has its rows)
+        val = self.env[(m, u)].pop(p, None) if here else self.received.get((m, u, p))
         if val is None:
             return
         for t in tree_flatten(val)[0]:
             if isinstance(t, torch.Tensor):
                 self.tracker.drop(t)
-        if self.stage[p] != self.s:
+        if not here:
             self.received[(m, u, p)] = _Released
 
     def backward(self, m: int, u: int, i: int) -> float:
@@ -607,11 +637,18 @@ class Rank:
             self._release_output(m, u, i)
         pairs = [(e, g) for e, g in zip(edges, grads or [], strict=False)
                  if e is not None and g is not None]
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        for g in grads or []:
-            if g is not None:
-                self.tracker.drop(g)
+        # autograd frees what the op saved (and its output's gradient) only after computing
+        # the gradients of its inputs: count those first (on CPU; a GPU's allocator measures
+        # itself, and holding the freed tensors a little longer would only raise its peak)
+        with (self.tracker.deferred() if self.tdev.type != "cuda" else contextlib.nullcontext()):
+            if pairs:
+                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+            made = [g for _, _, slot in slots for g in slot]
+            for g in made:
+                self.tracker.add(g)
+            for g in grads or []:
+                if g is not None:
+                    self.tracker.drop(g)
         # route the gradients of this op's inputs, even when none flowed
         per_pred: dict[int, list] = {}
         for p, pos, slot in slots:
@@ -640,6 +677,8 @@ class Rank:
                     for x in g:
                         if x is not None:
                             self.tracker.drop(x)
+        for g in made:
+            self.tracker.drop(g)
 
     def _store_grad(self, key: tuple[int, int, int], new: list, n: int) -> None:
         """Add gradients to what is held for ``key``, keeping the memory accounting exact."""

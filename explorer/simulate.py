@@ -10,8 +10,14 @@ carries one transfer at a time, overlapping compute. Replicas of a stage are sym
 stage is simulated once and its timeline shared by its devices.
 
 Memory per device is parameters, gradients, optimizer state and buffers, plus activations by
-liveness along the simulated timeline: a tensor lives from its producer's start until its last
-forward consumer, outgoing transfer, or the backward of a node that saved it, whichever is last.
+liveness along the simulated timeline: an op's output (and what else its forward saves) lives
+from its forward's start until its last forward consumer on the stage (an output sent elsewhere
+is handed to the send) or the backward of a node that saved it, whichever is last; a received
+tensor from the task that first needs it. Activation gradients are the buffers autograd makes:
+a consumer's backward makes its inputs' gradients (a new tensor, or its own incoming gradient
+handed on by views, getitem, same-size add and cat) while what it saved is still held; an op
+keeps the first gradient it gets until its own backward (or until it is sent), and later ones
+are added into it.
 
 Implementation: tasks live in flat lists indexed by task id (the forwards and backwards of a
 micro-batch are one block laid out from a per-op template), durations come from the cost tables
@@ -43,6 +49,13 @@ F, B, XFER, ALLREDUCE, OPT = "fwd", "bwd", "send", "allreduce", "optimizer"
 _INPUT, _PARAM, _BUFFER, _OP = 0, 1, 2, 3
 _KIND_CODE = {"input": _INPUT, "param": _PARAM, "buffer": _BUFFER, "op": _OP}
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
+# ops whose backward hands an input the incoming gradient itself (or a view of it): see
+# _GraphArrays.hands_on
+_HAND_FIRST, _HAND_ALL, _GETITEM = 1, 2, 3
+_HANDS_FIRST = frozenset({"aten.sub.Tensor", "aten.clone.default", "aten.alias.default",
+                          "aten.contiguous.default"})
+_SLICES_GRAD = frozenset({"aten.cat.default", "aten.concat.default", "aten.stack.default"})
+_HANDS_ALL = frozenset({"aten.add.Tensor", "aten.add.Scalar"}) | _SLICES_GRAD
 
 
 @dataclass(frozen=True)
@@ -313,6 +326,7 @@ class _GraphArrays:
     def __init__(self, g: OpGraph) -> None:
         nodes = g.nodes
         self.n = N = len(nodes)
+        self._nodes = nodes
         self._preds, self._index = g.preds, g.index
         # one pass over the nodes (much faster than one pass per attribute on large graphs)
         cols: list[list] = [[] for _ in range(8)]
@@ -375,16 +389,57 @@ class _GraphArrays:
         return np.asarray(self.root, dtype=np.int64)
 
     @cached_property
+    def hands_on(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per edge (``e_p``, ``e_c``): whether the consumer's backward hands the producer its
+        own incoming gradient (or views of it) instead of making a new tensor, and whether that
+        is a getitem taking one piece of a multi-output producer's gradient.
+
+        Autograd does so for views of the same size (their backward views the gradient back),
+        getitem, same-size add (and the first input of sub), clone and alias, and cat (each
+        input gets a slice of the gradient)."""
+        code = np.zeros(self.n, dtype=np.int8)
+        multi = np.zeros(self.n, dtype=bool)
+        for i, nd in enumerate(self._nodes):
+            if nd.kind != "op":
+                continue
+            multi[i] = len(nd.shapes) > 1
+            if nd.op == "getitem":
+                code[i] = _GETITEM
+            elif nd.op in _HANDS_ALL:
+                code[i] = _HAND_ALL
+            elif nd.op in _HANDS_FIRST or (nd.is_view and len(nd.shapes) == 1):
+                code[i] = _HAND_FIRST
+        e_p, e_c = self.e_p, self.e_c
+        cc = code[e_c]
+        first_in = np.ones(len(e_c), dtype=bool)  # the edge is its consumer's first input
+        first_in[1:] = e_c[1:] != e_c[:-1]
+        same = self.out_b[e_p] == self.out_b[e_c]
+        piece = (cc == _GETITEM) & multi[e_p]
+        hand = (piece | (cc == _HAND_ALL) & (same | self._cat[e_c])
+                | ((cc == _HAND_FIRST) | (cc == _GETITEM)) & first_in & same)
+        return hand, piece
+
+    @cached_property
+    def _cat(self) -> np.ndarray:
+        return np.fromiter((nd.op in _SLICES_GRAD for nd in self._nodes), dtype=bool,
+                           count=self.n)
+
+    @cached_property
     def saved(self) -> tuple[np.ndarray, np.ndarray]:
         """(producer root, node whose backward keeps it) for every saved op or input output."""
+        p, v = self.saved_any
+        keep = (self.kcode[p] == _OP) | (self.kcode[p] == _INPUT)
+        return p[keep], v[keep]
+
+    @cached_property
+    def saved_any(self) -> tuple[np.ndarray, np.ndarray]:
+        """(saved node's root, node whose backward keeps it) for every saved tensor, views of
+        weights and buffers too (a stage that receives one holds its own copy)."""
         saves = self._saves
         lens = np.fromiter(map(len, saves), dtype=np.int64, count=self.n)
         idx = np.fromiter(map(self._index.__getitem__, chain.from_iterable(saves)),
                           dtype=np.int64, count=int(lens.sum()))
-        p = self.root_a[idx]
-        v = np.repeat(np.arange(self.n, dtype=np.int64), lens)
-        keep = (self.kcode[p] == _OP) | (self.kcode[p] == _INPUT)
-        return p[keep], v[keep]
+        return self.root_a[idx], np.repeat(np.arange(self.n, dtype=np.int64), lens)
 
 
 class _Sim:
@@ -534,7 +589,6 @@ class _Sim:
         # input) meets them.
         sel = op_c & (A.kcode[e_p] != _INPUT) & ~same
         cp, ci = e_p[sel], e_c[sel]
-        self.xf_keys = self.xf_base = np.zeros(0, dtype=np.int64)  # activation (p, stage)
         xf_parts = []  # received activations, for memory
         if len(cp):
             keys = cp * S + st[ci]
@@ -559,7 +613,6 @@ class _Sim:
             for m in range(M):
                 edges(np.where(e_act, e_base + m, e_base), fi, 0, m)
                 edges(off_f[up[u_act]], ab + m, m)
-            self.xf_keys, self.xf_base = uk[u_act], ab
             xa = np.flatnonzero(t_act)
             xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
                              ~A.grad_named[tp[xa]], A.out_b[tp[xa]] // M))
@@ -1047,7 +1100,8 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
         return (nbytes * frac[s]).astype(np.int64)
 
     # activations of ops that own their memory: from the forward's start until the last
-    # forward consumer (through views), transfer out, saving backward or the loss's backward
+    # forward consumer (through views), saving backward or the loss's backward. An output sent
+    # to another stage is handed to the send when its forward ends (the runtime's accounting).
     rops = np.flatnonzero(is_op & (root == np.arange(N)))
     if len(rops):
         rs = st[rops]
@@ -1057,19 +1111,10 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
         owner = root[e_p]
         sel = pos[owner] >= 0
         own, con = owner[sel], e_c[sel]
-        os_, cs_ = st[own], st[con]
-        fsel = (os_ == cs_) & is_op[con]
+        fsel = (st[own] == st[con]) & is_op[con]
         # (owner, base, step): a task besides the owner's forward that may end the
         # activation's life; micro-batch m's is base + m * step
         parts = [(own[fsel], off_f[con[fsel]], per_m)]
-        xo, xs = own[~fsel], cs_[~fsel]
-        if len(xo) and len(sim.xf_keys):
-            o = np.argsort(sim.xf_keys)
-            xkeys, xbase = sim.xf_keys[o], sim.xf_base[o]
-            want = xo * S + xs
-            at = np.minimum(np.searchsorted(xkeys, want), len(xkeys) - 1)
-            hit = xkeys[at] == want
-            parts.append((xo[hit], xbase[at[hit]], 1))
         loss = graph.index.get(graph.loss, -1) if graph.loss else -1
         if loss >= 0 and pos[loss] >= 0 and has_b[loss]:
             parts.append((np.array([loss]), off_b[[loss]], per_m))
@@ -1078,28 +1123,72 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
         at_all = pos[np.concatenate([p[0] for p in parts])]
         base_all = np.concatenate([p[1] for p in parts])
         step_all = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
-        # gradients of those activations: from the first same-stage consumer backward until
-        # the op's own backward
-        sel = (pos[e_p] >= 0) & has_b[e_p] & has_b[e_c] & (st[e_p] == st[e_c])
-        g_at, g_con = pos[e_p[sel]], e_c[sel]
-        g_has = np.zeros(len(rops), dtype=bool)
-        g_has[g_at] = True
-        g_owner = rops[g_has]
         for m in range(M):
             t1 = end_a[off_f[rops] + m * per_m]
             np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
-            if len(g_owner):
-                g0 = np.full(len(rops), np.inf)
-                np.minimum.at(g0, g_at, start_a[off_b[g_con] + m * per_m])
-                live(rs[g_has], g0[g_has], end_a[off_b[g_owner] + m * per_m], size[g_has])
-    # extra tensors saved for the backward (masks, statistics)
+    # extra tensors saved for the backward (masks, statistics): made by the forward, kept
+    # until the backward
     extra = A.extra
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         for m in range(M):
-            live(st[xs_], end_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
+            live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
+    # activation gradients, as autograd and the runtime hold them. A consumer's backward
+    # makes the gradient of each op it reads: a new tensor, or the consumer's own incoming
+    # gradient handed on (views, getitem, same-size add, cat: see _GraphArrays.hands_on). Per
+    # op and stage, the first gradient made (in schedule order) is kept until the op's own
+    # backward (for an op on another stage: until it is sent, after the backward of its last
+    # consumer here); later ones are added into it and live for their backward only; a
+    # handed-on gradient keeps its buffer alive until the receiving op's backward.
+    sel = has_b[e_p] & has_b[e_c]
+    local_grad = np.zeros(N, dtype=bool)  # ops whose gradient is made on their own stage
+    if sel.any():
+        hand_a, piece_a = A.hands_on
+        gp, gc = e_p[sel], e_c[sel]
+        hand, piece = hand_a[sel], piece_a[sel]
+        new = ~hand
+        gs = st[gc]  # the stage that makes (and holds) the gradient
+        local = st[gp] == gs
+        local_grad[gp[local]] = True
+        _, ginv = np.unique(gp * S + gs, return_inverse=True)
+        n_g = int(ginv.max()) + 1
+        shared = np.flatnonzero(np.bincount(ginv, minlength=n_g)[ginv] > 1)
+        sh_g = ginv[shared]
+        far = np.flatnonzero(~local)
+        p_size = size_on(out_b[gp], gs)
+        hi = np.flatnonzero(hand)
+        uc, h_inv = np.unique(gc[hi], return_inverse=True)
+        uc_s, uc_size = st[uc], size_on(out_b[uc], st[uc])
+        for m in range(M):
+            tb = off_b[gc] + m * per_m
+            b0, b1 = start_a[tb], end_a[tb]
+            # the first of several consumers' backwards (a zero-length one before a longer one
+            # that starts at the same time: it ran first)
+            first = np.ones(len(gp), dtype=bool)
+            if len(shared):
+                o = np.lexsort((b1[shared], b0[shared], sh_g))
+                head = np.ones(len(o), dtype=bool)
+                head[1:] = sh_g[o][1:] != sh_g[o][:-1]
+                first[shared] = False
+                first[shared[o[head]]] = True
+                first |= piece
+            t_end = end_a[off_b[gp] + m * per_m]
+            if len(far):  # sent home after the backward of the last consumer here
+                sent = np.full(n_g, -np.inf)
+                np.maximum.at(sent, ginv[far], b1[far])
+                t_end[far] = sent[ginv[far]]
+            k = new & first
+            live(gs[k], b0[k], t_end[k], p_size[k])
+            k = new & ~first
+            live(gs[k], b0[k], b1[k], p_size[k])
+            if len(hi):
+                t1 = np.full(len(uc), -np.inf)
+                f = first[hi]
+                np.maximum.at(t1, h_inv[f], t_end[hi[f]])
+                k = np.isfinite(t1)
+                live(uc_s[k], end_a[off_b[uc[k]] + m * per_m], t1[k], uc_size[k])
     # graph inputs: from their first consumer's forward until their last use on each stage
     saved_by: dict[int, list[int]] = {}
     sel = kcode[sv_p_a] == _INPUT
@@ -1130,17 +1219,23 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
     if py_s:
         live(np.asarray(py_s, dtype=np.int64), np.asarray(py_t0), np.asarray(py_t1),
              np.asarray(py_b, dtype=np.int64))
-    # received activations (and activation gradients): from arrival until their last use on
-    # the receiving stage: the tasks waiting for them and, for activations, the backwards of
-    # the nodes that saved the tensor
+    # received activations and activation gradients: from the first task that needs them on
+    # the receiving stage (it receives them) until their last use there: the tasks waiting
+    # for them and, for activations, the backwards of the nodes that saved the tensor. A
+    # gradient for an op that also gets gradients on its own stage is added into those (one
+    # buffer), and of several received for one op and micro-batch the first is kept
     x_id, x_dst, x_node, x_m, x_fwd, x_nbytes = sim.xf
     if len(x_id):
         t1 = end_a[x_id]
+        t0 = np.full(len(x_id), np.inf)
         lo, hi = sim.succ_ptr_a[x_id], sim.succ_ptr_a[x_id + 1]
         k, idx = _ranges(lo, hi)
         np.maximum.at(t1, k, end_a[sim.succ_flat_a[idx]])
-        sv_order = np.argsort(sv_p_a, kind="stable")
-        sv_p_s, sv_v_s = sv_p_a[sv_order], sv_v_a[sv_order]
+        np.minimum.at(t0, k, start_a[sim.succ_flat_a[idx]])
+        t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
+        sv_p_any, sv_v_any = A.saved_any
+        sv_order = np.argsort(sv_p_any, kind="stable")
+        sv_p_s, sv_v_s = sv_p_any[sv_order], sv_v_any[sv_order]
         xr = root[x_node]
         lo = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="left"), 0)
         hi = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="right"), 0)
@@ -1149,7 +1244,14 @@ def _memory(graph: OpGraph, plan: Plan, sim: _Sim, end_a: np.ndarray
         ok = (st[v] == x_dst[k]) & has_b[v]
         k, v = k[ok], v[ok]
         np.maximum.at(t1, k, end_a[off_b[v] + x_m[k] * per_m])
-        live(x_dst, start_a[x_id], t1, (x_nbytes * M * frac[x_dst]).astype(np.int64))
+        keep = x_fwd | ~local_grad[x_node]
+        gk = np.flatnonzero(~x_fwd & keep)
+        if len(gk):  # one received gradient per op and micro-batch
+            _, at = np.unique(x_node[gk] * M + x_m[gk], return_index=True)
+            keep[gk] = False
+            keep[gk[at]] = True
+        live(x_dst[keep], t0[keep], t1[keep],
+             (x_nbytes[keep] * M * frac[x_dst[keep]]).astype(np.int64))
     # parameter gradients: from the first backward that reaches a weight until the optimizer
     # step has used it (torch frees them with zero_grad(set_to_none=True))
     opt_end = [max(end, default=0.0)] * S
