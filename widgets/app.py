@@ -176,6 +176,7 @@ class Explorer(W.VBox):
                    x_range=Range1d(-5, 5), y_range=Range1d(-5, 1), min_border=4)
         p.axis.visible = False
         p.grid.visible = False
+        p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
         links = p.segment("x0", "y0", "x1", "y1", source=self._links, line_color="color",
                           line_width="width", line_alpha=0.7)
         r = p.rect("x", "y", width=1.6, height=0.6, source=self._nodes, fill_color="color",
@@ -268,6 +269,7 @@ class Explorer(W.VBox):
                source=self._gantt_src)
         p.add_tools(HoverTool(tooltips=[("", "@label"), ("from", "@start{0.000} ms"),
                                         ("to", "@end{0.000} ms")]))
+        p.name = "pe-timeline-plot"
         self._gantt_fig = p
         self._gantt_lanes = lanes
         timeline = W.VBox([W.HTML(" ".join(
