@@ -24,6 +24,8 @@ from bokeh.models import (
     HoverTool,
     LabelSet,
     LassoSelectTool,
+    Legend,
+    LegendItem,
     Range1d,
     TapTool,
 )
@@ -48,7 +50,7 @@ KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#
 #: most timeline bars drawn; longer timelines merge neighbouring bars of the same kind
 MAX_BARS = 1000
 #: columns of the graph's items that depend on the placement
-DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw")
+DYNAMIC = ("device", "color", "text_color", "hatch", "time", "pinned", "line", "lw")
 #: items with labels drawn on the graph (beyond this, hover shows them)
 MAX_LABELS = 150
 
@@ -74,6 +76,12 @@ def _bokeh(model: Any) -> W.Widget:
     from jupyter_bokeh.widgets import BokehModel
 
     return BokehModel(model)
+
+
+def _text_on(fill: str) -> str:
+    """Black or white, whichever reads better on a ``#rrggbb`` fill."""
+    r, g, b = (int(fill[k:k + 2], 16) for k in (1, 3, 5))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 90 else "white"
 
 
 def _fmt_bytes(b: float) -> str:
@@ -182,10 +190,10 @@ class Explorer(W.VBox):
         r = p.rect("x", "y", width=1.6, height=0.6, source=self._nodes, fill_color="color",
                    line_color="line", line_width="lw", hatch_pattern="hatch",
                    hatch_color="white", hatch_alpha=0.6)
-        r.nonselection_glyph.fill_alpha = 0.35
+        r.nonselection_glyph.fill_alpha = 0.45
         r.selection_glyph = None
         labels = LabelSet(x="x", y="y", text="short", source=self._nodes, text_font_size="8pt",
-                          text_align="center", text_baseline="middle")
+                          text_align="center", text_baseline="middle", text_color="text_color")
         p.add_layout(labels)
         self._labels = labels
         p.add_tools(
@@ -198,6 +206,8 @@ class Explorer(W.VBox):
             LassoSelectTool(renderers=[r]))
         self._nodes.selected.on_change("indices", self._on_select)
         self._figure = p
+        # fit before the plot goes to the browser: changes sent before it is shown can be lost
+        self._fit_ranges(self._nodes.data)
         self._graph_widget = _bokeh(p)
         self._graph_widget.add_class("pe-graph")
         self._legend = W.HTML("")
@@ -209,16 +219,23 @@ class Explorer(W.VBox):
         self._estimate.add_class("pe-estimate")
         self._mem_src = ColumnDataSource(self._memory_data())
         devices = list(self.session.cluster.ids)
-        p = figure(height=60 + 34 * len(devices), width=380, y_range=FactorRange(*devices[::-1]),
-                   title="memory at the peak vs capacity (MiB)", toolbar_location=None,
-                   output_backend=self._backend)
-        p.hbar_stack(list(CATEGORIES), y="device", height=0.6, source=self._mem_src,
-                     color=list(CATEGORY_COLORS), legend_label=list(CATEGORIES))
+        p = figure(height=100 + 34 * len(devices), width=380,
+                   y_range=FactorRange(*devices[::-1]),
+                   title="memory at the peak vs capacity (dashed box), MiB",
+                   toolbar_location=None, output_backend=self._backend)
+        stack = p.hbar_stack(list(CATEGORIES), y="device", height=0.6, source=self._mem_src,
+                             color=list(CATEGORY_COLORS))
         p.hbar(y="device", right="capacity", height=0.8, source=self._mem_src, fill_alpha=0,
                line_color="cap_color", line_width="cap_width", line_dash="dashed")
-        p.legend.orientation = "horizontal"
-        p.legend.location = "bottom_right"
-        p.legend.label_text_font_size = "7pt"
+        # bars far below capacity are invisible: say the numbers in words on each bar
+        p.add_layout(LabelSet(x=0, y="device", text="summary", source=self._mem_src,
+                              x_offset=4, y_offset=-6, text_font_size="8pt",
+                              text_color="cap_color"))
+        legend = Legend(items=[LegendItem(label=c, renderers=[r])
+                               for c, r in zip(CATEGORIES, stack, strict=True)],
+                        orientation="horizontal", label_text_font_size="7pt",
+                        glyph_width=10, spacing=4, padding=2, margin=2)
+        p.add_layout(legend, "below")
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
                                         ("params/grads/opt", "@detail")]))
@@ -259,7 +276,7 @@ class Explorer(W.VBox):
     def _build_tabs(self) -> None:
         s = self.session
         # timeline
-        self._gantt_src = ColumnDataSource(dict(lane=[], start=[], end=[], color=[], label=[]))
+        self._gantt_src = ColumnDataSource(self._timeline_data())
         lanes = [f"{d} {lane}" for d in s.cluster.ids for lane in ("compute", "comm")][::-1]
         p = figure(height=80 + 26 * len(lanes), sizing_mode="stretch_width",
                    y_range=FactorRange(*lanes), x_axis_label="ms into the step",
@@ -599,6 +616,7 @@ class Explorer(W.VBox):
             n_pinned = sum(1 for i in it.nodes if g.nodes[i].name in pins) if pins else 0
             cols["device"].append(dev)
             cols["color"].append(color)
+            cols["text_color"].append(_text_on(color))
             cols["hatch"].append("/" if rep else " ")
             cols["time"].append(self._item_time(k, first))
             cols["pinned"].append(f"{n_pinned} node(s)" if n_pinned else "no")
@@ -643,14 +661,17 @@ class Explorer(W.VBox):
         self._nodes.selected.indices = []
         self._nodes.data = data
         self._links.data = self._edge_data()
-        xs, ys = data["x"], data["y"]
+        self._fit_ranges(data)
+        self._refresh_legend()
+
+    def _fit_ranges(self, data) -> None:
+        xs, ys = np.asarray(data["x"], dtype=float), np.asarray(data["y"], dtype=float)
         if len(xs):
-            w = max(float(xs.max() - xs.min()), 8.0)
-            self._figure.x_range.start, self._figure.x_range.end = \
-                float(xs.min()) - 1.5, float(xs.min()) - 1.5 + w + 3
+            w = max(float(xs.max() - xs.min()), 4.0) + 3  # narrow graphs: centred, readable
+            mid = (float(xs.max()) + float(xs.min())) / 2
+            self._figure.x_range.start, self._figure.x_range.end = mid - w / 2, mid + w / 2
             shown = min(-float(ys.min()) + 1, 30)  # deep graphs: the top, pan down for more
             self._figure.y_range.start, self._figure.y_range.end = -shown, 0.8
-        self._refresh_legend()
 
     @staticmethod
     def _patch(source: ColumnDataSource, new: dict[str, list]) -> None:
@@ -712,6 +733,9 @@ class Explorer(W.VBox):
             cols["cap_color"].append("#d62728" if over else "#333333")
             cols["cap_width"].append(3.0 if over else 1.0)
             cols["detail"].append(" / ".join(_fmt_bytes(v) for v in vals[:3]))
+            cols["summary"].append(f"{_fmt_bytes(total)} of {_fmt_bytes(cap)} "
+                                   f"({total / cap:.0%})" + (" OVER" if over else "")
+                                   if m else "unused")
         return dict(cols)
 
     def _refresh_estimates(self) -> None:

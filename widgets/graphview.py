@@ -130,8 +130,12 @@ class GraphView:
             out.append(Item(f"{parent}/op:{g.nodes[i].name}", g.nodes[i].name,
                             self._with_owned(members), members, depth, False, "op"))
             return
-        label = path if path is not None else f"{g.nodes[members[0]].name} .."
-        key = f"{parent}/m:{label}@{members[0]}"
+        if path is not None:
+            label = path
+        else:  # ops outside any module at this depth (shape arithmetic, the loss, ...)
+            first, last = g.nodes[members[0]].name, g.nodes[members[-1]].name
+            label = f"{len(members)} ops: {first} .. {last}"
+        key = f"{parent}/m:{path or 'ops'}@{members[0]}"
         if key in self.expanded and len(members) > 1:
             self._children_of(members, depth + 1, key, out)
             return

@@ -1,0 +1,200 @@
+"""The explorer in a real JupyterLab and a real Chromium: run a notebook, click a node, assign it.
+
+Needs Debian's Chromium (``apt-get install -y chromium``) and the ``playwright`` package (never
+its own browser download). Skipped when either is missing, unless ``PE_REQUIRE_BROWSER=1``
+(set by ``.ci/run``), where a missing browser fails. Screenshots go to ``test-output/``
+(or ``$PE_TEST_OUTPUT``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+OUT = Path(os.environ.get("PE_TEST_OUTPUT", Path(__file__).parent.parent / "test-output"))
+
+SETUP = """\
+import explorer as ex
+from explorer.synthetic import roofline_costs
+from widgets import Explorer
+bm = ex.builtin_model("gpt", "tiny")
+g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+cl = ex.Cluster.preset("2xH100")
+w = Explorer(g, roofline_costs(g, cl), height=420)
+w"""
+
+KERNEL_IDLE = """() => {
+  const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session
+            && w.sessionContext.session.kernel;
+  return !!k && k.status === 'idle';
+}"""
+
+#: screen position of a graph item, from BokehJS's own scales (the graph is a canvas)
+ITEM_XY = """(key) => {
+  const v = [...Bokeh.index.all_views()].find(v => v.model && v.model.name === 'pe-graph-plot');
+  if (!v) return null;
+  v.el.scrollIntoView({block: 'center'});
+  const src = v.model.renderers.map(r => r.data_source).find(s => s && s.data.key);
+  const i = src.data.key.indexOf(key);
+  if (i < 0) return null;
+  const sx = v.frame.x_scale.compute(src.data.x[i]);
+  const sy = v.frame.y_scale.compute(src.data.y[i]);
+  const box = v.canvas_view.el.getBoundingClientRect();
+  return [box.left + sx, box.top + sy];
+}"""
+
+
+def _browser_ready() -> str:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install playwright)"
+    if not Path(CHROMIUM).exists():
+        return "Chromium is not installed (apt-get install -y chromium)"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    why = _browser_ready()
+    if why:
+        if os.environ.get("PE_REQUIRE_BROWSER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    import nbformat
+
+    root = tmp_path_factory.mktemp("lab")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(SETUP)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, root / "explorer_test.ipynb")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".cfg"),
+           "JUPYTER_RUNTIME_DIR": str(root / ".rt"), "JUPYTER_DATA_DIR_UNUSED": ""}
+    log = open(root / "server.log", "w")
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip",
+         "127.0.0.1", "--port", str(port), "--ServerApp.token=", "--ServerApp.password=",
+         "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={root}",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+         "jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 1).close()
+                break
+            except OSError:
+                if srv.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("JupyterLab did not start: "
+                                + (root / "server.log").read_text()[-2000:])
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        srv.terminate()
+        try:
+            srv.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(srv.pid, 9)
+        log.close()
+
+
+def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
+    from playwright.sync_api import sync_playwright
+
+    import explorer as ex
+    from explorer.synthetic import roofline_costs
+    from widgets import Session
+    from widgets.graphview import GraphView
+
+    url, _root = lab
+    # what the engine says the edit gives, computed here in the test's own process
+    bm = ex.builtin_model("gpt", "tiny")
+    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    cl = ex.Cluster.preset("2xH100")
+    view = GraphView(g)
+    item = next(it for it in view.items if it.label == "blocks")
+    expected = Session(g, cl, roofline_costs(g, cl))
+    before = expected.prediction
+    expected.assign(view.names([item.key]), cl.ids[1])
+    after = expected.prediction
+    assert after.step_s != before.step_s
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1800})
+            page.set_default_timeout(120_000)
+            page.goto(f"{url}/lab/tree/explorer_test.ipynb?reset")
+            page.wait_for_function(KERNEL_IDLE)
+            no_news = page.get_by_role("button", name="No")  # JupyterLab's news question
+            if no_news.count():
+                no_news.first.click()
+            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            step = page.locator(".pe-estimate .pe-step")
+            step.wait_for()
+            assert float(step.get_attribute("data-value")) == before.step_s
+            page.wait_for_function("() => typeof Bokeh !== 'undefined' && "
+                                   "[...Bokeh.index.all_views()].some(v => v.model && "
+                                   "v.model.name === 'pe-graph-plot')")
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(OUT / "explorer-opened.png"), full_page=True)
+
+            xy = page.evaluate(ITEM_XY, item.key)
+            assert xy, "the 'blocks' node is not drawn"
+            page.mouse.click(*xy)
+            page.locator(".pe-selection", has_text="56 ops").wait_for()
+            page.locator(".pe-target select").select_option(cl.ids[1])
+            page.locator("button.pe-assign").click()
+            page.wait_for_function(
+                "(v) => { const e = document.querySelector('.pe-estimate .pe-step');"
+                " return e && e.dataset.value !== v; }", arg=repr(before.step_s))
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(OUT / "explorer-after-assign.png"), full_page=True)
+
+            assert float(step.get_attribute("data-value")) == after.step_s
+            for d in cl.ids:
+                shown = page.locator(f".pe-estimate .pe-mem[data-device='{d}']")
+                assert int(shown.get_attribute("data-value")) == after.peak_bytes[d]
+            cross = page.locator(".pe-estimate .pe-cross")
+            assert int(cross.get_attribute("data-value")) == after.cross_device_bytes > 0
+            assert page.locator(".pe-message").inner_text().strip() == ""
+
+            # the selected module opens into its parts, drawn where the engine's view puts them
+            view.expand([item.key])
+            part = next(it for it in view.items if it.label == "blocks.1")
+            page.locator("button.pe-expand").click()
+            page.wait_for_function(f"() => ({ITEM_XY})({part.key!r}) !== null")
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(OUT / "explorer-expanded.png"), full_page=True)
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-widget.png"))
+
+            # a request that cannot be met shows a message in the widget; the kernel stays alive
+            page.locator("button.pe-expand").click()  # nothing is selected after expanding
+            page.locator(".pe-message", has_text="select a module").wait_for()
+            page.locator("button.pe-undo").click()
+            page.wait_for_function(
+                "(v) => document.querySelector('.pe-estimate .pe-step').dataset.value === v",
+                arg=repr(before.step_s))
+            page.wait_for_function(KERNEL_IDLE)
+        finally:
+            browser.close()
