@@ -5,7 +5,9 @@ Run: python benchmarks/accuracy.py [--size small] [--models mlp,gpt,...] [--step
 For every model x plan it profiles once (through the runtime, one thread per rank), predicts,
 runs real steps with ``ex.run`` and prints predicted vs measured step time and peak memory with
 the error per plan, their mean and max, and Kendall's tau between predicted and measured step
-times across all plans. Run it on a quiet machine: the ranks share its cores.
+times across all plans. A second prediction per plan comes from a cost model calibrated
+(``ex.calibrate``) on the runs of the *other* models only, so no plan is predicted by a fit
+that saw it. Run it on a quiet machine: the ranks share its cores.
 """
 
 from __future__ import annotations
@@ -40,43 +42,79 @@ def main() -> None:
     args = ap.parse_args()
     plans = list(PLANS) + [(a, {}) for a in args.extra.split(",") if a]
     cluster = ex.Cluster.cpu(args.devices)
-    rows, pairs, step_err, mem_err = [], [], [], []
+    runs = []  # (model, label, graph, costs, plan, pred, meas)
+    skipped = []
     t_all = time.perf_counter()
     for name in args.models.split(","):
         bm = ex.builtin_model(name, args.size)
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
         costs = ex.profile(graph, cluster, progress=False)
         for alg, opts in plans:
+            label = alg + "".join(f" {k}={v}" for k, v in opts.items())
             try:
                 plan = ex.partition(graph, cluster, costs, alg, **opts)
             except ex.ExplorerError as exc:
-                rows.append((name, alg, "-", "-", "-", "-", "-", "-", f"skipped: {exc}"[:50]))
+                skipped.append((name, label, f"skipped: {exc}"[:60]))
                 continue
             pred = ex.simulate(graph, plan, costs)
             meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                           progress=False)
-            rep = ex.compare(pred, meas)
-            e_step = rep.step_error
-            e_mem = max(rep.memory_errors.values(), key=abs)
-            step_err.append(abs(e_step))
-            mem_err.append(abs(e_mem))
-            pairs.append((pred.step_s, meas.step_s))
-            label = alg + "".join(f" {k}={v}" for k, v in opts.items())
-            rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
-                         f"{e_step * 100:+.1f}%",
-                         f"{max(pred.peak_bytes.values()) / 2**20:.2f}",
-                         f"{max(meas.peak_bytes.values()) / 2**20:.2f}",
-                         f"{e_mem * 100:+.1f}%", ""))
+            runs.append((name, label, graph, costs, plan, pred, meas))
+    # calibrated: fitted on the runs of the *other* models only, then predicting this one
+    calibrated = {}
+    models = sorted({r[0] for r in runs})
+    for name in models:
+        mine = [r for r in runs if r[0] == name]
+        rest = [r for r in runs if r[0] != name]
+        if not rest:
+            continue
+        others = {r[3].graph_fingerprint: r[3] for r in rest}
+        fitted = ex.calibrate(mine[0][3], [r[6] for r in rest], others=others.values())
+        for r in mine:
+            calibrated[id(r)] = ex.simulate(r[2], r[4], fitted)
+        print(f"calibrated for {name} on the other models: compute x{fitted.compute_scale:.2f}, "
+              f"{fitted.extra_op_s * 1e6:.1f} us per op, {fitted.message_s * 1e6:.1f} us per "
+              f"message, link x{fitted.link_scale:.2f}")
+
+    rows, step_err, cal_err, mem_err, pairs, cal_pairs = [], [], [], [], [], []
+    for r in runs:
+        name, label, _, _, _, pred, meas = r
+        rep = ex.compare(pred, meas)
+        e_step = rep.step_error
+        e_mem = max(rep.memory_errors.values(), key=abs)
+        step_err.append(abs(e_step))
+        mem_err.append(abs(e_mem))
+        pairs.append((pred.step_s, meas.step_s))
+        cal = calibrated.get(id(r))
+        if cal is not None:
+            e_cal = cal.step_s / meas.step_s - 1
+            cal_err.append(abs(e_cal))
+            cal_pairs.append((cal.step_s, meas.step_s))
+        rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
+                     f"{e_step * 100:+.1f}%",
+                     f"{cal.step_s * 1e3:.2f}" if cal else "-",
+                     f"{e_cal * 100:+.1f}%" if cal else "-",
+                     f"{max(pred.peak_bytes.values()) / 2**20:.2f}",
+                     f"{max(meas.peak_bytes.values()) / 2**20:.2f}",
+                     f"{e_mem * 100:+.1f}%", ""))
+    for name, label, note in skipped:
+        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", note))
     print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.steps} steps "
           f"after {args.warmup} warm-up, median of the slowest rank)")
-    print(_table(("model", "plan", "pred ms", "meas ms", "step err", "pred MiB", "meas MiB",
-                  "mem err (worst device)", "note"), rows))
+    print(_table(("model", "plan", "pred ms", "meas ms", "step err", "calib ms", "calib err",
+                  "pred MiB", "meas MiB", "mem err (worst device)", "note"), rows))
+
+    def summary(what: str, errs: list[float], prs: list[tuple[float, float]]) -> str:
+        tau = kendalltau([p for p, _ in prs], [m for _, m in prs]).statistic
+        return (f"{what}: step-time error mean {statistics.mean(errs) * 100:.1f}%, max "
+                f"{max(errs) * 100:.1f}%, Kendall tau {tau:.2f}")
+
     if pairs:
-        tau = kendalltau([p for p, _ in pairs], [m for _, m in pairs]).statistic
-        print(f"\nplans: {len(pairs)}; step-time error mean {statistics.mean(step_err) * 100:.1f}%"
-              f", max {max(step_err) * 100:.1f}%; memory error mean "
-              f"{statistics.mean(mem_err) * 100:.1f}%, max {max(mem_err) * 100:.1f}%; "
-              f"Kendall tau {tau:.2f}; wall {time.perf_counter() - t_all:.0f} s")
+        print(f"\nplans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
+              f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
+        print(summary("as profiled", step_err, pairs))
+    if cal_pairs:
+        print(summary("calibrated on the other models' runs", cal_err, cal_pairs))
 
 
 if __name__ == "__main__":

@@ -96,49 +96,63 @@ def compare(pred: Prediction, meas: Measurement) -> Report:
     return Report(tuple(rows), meas.algorithm, meas.memory_source)
 
 
-def calibrate(costs: CostModel, measurements: Measurement | Iterable[Measurement]
-              ) -> CostModel:
-    """Fit the cost model to measured runs: compute scale, per-op cost, link scale.
+def calibrate(costs: CostModel, measurements: Measurement | Iterable[Measurement],
+              others: Iterable[CostModel] = ()) -> CostModel:
+    """Fit the cost model to measured runs: compute scale, per-op cost, per-message cost,
+    link scale.
 
-    Per device, measured busy time = a x predicted compute + b x ops run (least squares,
-    a, b >= 0); then the link scale minimises the squared log error of the step times, with
-    the fitted compute. Each measurement must carry its plan and graph (``ex.run`` sets them).
+    Per device, measured busy time = a x predicted compute + b x ops run + c x tensors sent
+    and received (least squares, a, b, c >= 0); then the link scale minimises the squared log
+    error of the step times, with the fitted compute. Each measurement must carry its plan
+    and graph (``ex.run`` sets them). The factors describe the devices and the runtime, not
+    one graph: measurements of other models may join the fit when ``others`` holds their
+    cost models (profiled on the same devices), and the result is ``costs`` with the fitted
+    factors, so it predicts a model that was never run.
     """
     meas = [measurements] if isinstance(measurements, Measurement) else list(measurements)
     if not meas:
         raise ExplorerError("calibrate needs at least one measurement from ex.run")
-    base = replace(costs, compute_scale=1.0, extra_op_s=0.0, link_scale=1.0)
-    xs: list[tuple[float, float]] = []
+    pool = {c.graph_fingerprint: replace(c, compute_scale=1.0, extra_op_s=0.0,
+                                         link_scale=1.0, message_s=0.0)
+            for c in [costs, *others]}
+    xs: list[tuple[float, ...]] = []
     ys: list[float] = []
     cases = []
     for m in meas:
         if m.plan is None or m.graph is None:
             raise ExplorerError("this measurement does not carry its plan and graph; use the "
                                 "one ex.run returned")
+        base = pool.get(m.graph.fingerprint)
+        if base is None:
+            raise ExplorerError(f"a measurement of {m.graph.name or 'a graph'} "
+                                f"({m.graph.fingerprint}) has no cost model here: pass that "
+                                "graph's costs in others=[...]")
         pred = simulate(m.graph, m.plan, base)
         ops = {d: sum(1 for iv in pred.timeline if iv.device == d and iv.lane == "compute"
                       and iv.kind in ("fwd", "bwd")) for d in pred.busy_s}
+        # busy with 1 ms per message minus busy without = 1 ms x messages
+        msgs = simulate(m.graph, m.plan, replace(base, message_s=1e-3)).busy_s
         for d, b in pred.busy_s.items():
-            xs.append((b, float(ops[d])))
+            xs.append((b, float(ops[d]), round((msgs[d] - b) / 1e-3)))
             ys.append(m.busy_s[d])
-        cases.append(m)
-    a, b = _nnls2(xs, ys)
-    fitted = replace(costs, compute_scale=a, extra_op_s=b, link_scale=1.0)
+        cases.append((m, base))
+    a, b, c = _nnls(xs, ys)
+    factors = {"compute_scale": a, "extra_op_s": b, "message_s": c}
 
     def loss(log_scale: float) -> float:
-        c = replace(fitted, link_scale=10 ** log_scale)
-        return sum(math.log(simulate(m.graph, m.plan, c).step_s / m.step_s) ** 2
-                   for m in cases)
+        return sum(math.log(simulate(m.graph, m.plan, replace(
+            base, link_scale=10 ** log_scale, **factors)).step_s / m.step_s) ** 2
+            for m, base in cases)
 
     from scipy.optimize import minimize_scalar
 
     best = minimize_scalar(loss, bounds=(-1.0, 2.0), method="bounded",
                            options={"xatol": 0.01})
-    return replace(fitted, link_scale=10 ** float(best.x))
+    return replace(costs, link_scale=10 ** float(best.x), **factors)
 
 
-def _nnls2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[float, float]:
-    """Least squares y = a x0 + b x1 with a, b >= 0 (a > 0)."""
+def _nnls(xs: Sequence[tuple[float, ...]], ys: Sequence[float]) -> tuple[float, ...]:
+    """Least squares y = a x0 + b x1 + ... with every coefficient >= 0 (a > 0)."""
     import numpy as np
     from scipy.optimize import nnls
 
@@ -147,8 +161,7 @@ def _nnls2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[floa
     scale = A.max(axis=0)
     scale[scale == 0] = 1.0
     coef, _ = nnls(A / scale, y)
-    a, b = coef / scale
-    if a <= 0:
-        a = float(y.sum() / max(A[:, 0].sum(), 1e-12))
-        b = 0.0
-    return float(a), float(b)
+    coef = coef / scale
+    if coef[0] <= 0:
+        return (float(y.sum() / max(A[:, 0].sum(), 1e-12)),) + (0.0,) * (A.shape[1] - 1)
+    return tuple(float(x) for x in coef)

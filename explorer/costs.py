@@ -114,7 +114,10 @@ class CostModel:
 
     The ``*_scale`` factors are what calibration fits from measured runs; 1.0 means "as
     profiled". ``extra_op_s`` is a per-op cost added by calibration for effects the isolated
-    profile misses (the runtime's own bookkeeping per op).
+    profile misses (the runtime's own bookkeeping per op). ``message_s`` is the processor time
+    a device spends on each tensor it sends or receives between devices (posting the
+    transfer, allocating and matching the receive), on its compute lane, on top of the link's
+    latency and bandwidth; calibration fits it.
     """
 
     graph_fingerprint: str
@@ -123,6 +126,7 @@ class CostModel:
     compute_scale: float = 1.0
     link_scale: float = 1.0
     extra_op_s: float = 0.0
+    message_s: float = 0.0
 
     def _dc(self, device_id: str) -> DeviceCosts:
         return self.per_type[self.cluster.device(device_id).type_key]
@@ -181,14 +185,14 @@ class CostModel:
         return {"graph_fingerprint": self.graph_fingerprint, "cluster": self.cluster.to_dict(),
                 "per_type": {k: asdict(v) for k, v in self.per_type.items()},
                 "compute_scale": self.compute_scale, "link_scale": self.link_scale,
-                "extra_op_s": self.extra_op_s}
+                "extra_op_s": self.extra_op_s, "message_s": self.message_s}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
         return cls(d["graph_fingerprint"], Cluster.from_dict(d["cluster"]),
                    {k: DeviceCosts(**v) for k, v in d["per_type"].items()},
                    d.get("compute_scale", 1.0), d.get("link_scale", 1.0),
-                   d.get("extra_op_s", 0.0))
+                   d.get("extra_op_s", 0.0), d.get("message_s", 0.0))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

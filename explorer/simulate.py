@@ -548,6 +548,8 @@ class _Sim:
                 fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
                 idx = idx[has_b[idx]]
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
+        if costs.message_s:
+            _message_time(A, st, S, fwd_d, bwd_d, costs.message_s)
         tpl_node_l = tpl_node.tolist()
         self.kind = np.array([F, B], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
@@ -963,6 +965,29 @@ class _Sim:
                 cause[u] = ready_from[u] if ready_at[u] >= free_at[ru] else last_on[ru]
                 busy[ru] = True
                 heappush(events, (end[u], u))
+
+
+def _message_time(A: _GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
+                  bwd_d: np.ndarray, message_s: float) -> None:
+    """Charge each device's processor for the activations and gradients it sends and
+    receives, where the runtime does it: an op's output goes once to each other stage that
+    uses it (at the end of its forward) and is received by its first consumer there; the
+    gradient comes back once per such stage, sent by the backward of the earliest consumer
+    there (the last to run) and received by the producer's backward."""
+    e_p, e_c = A.e_p, A.e_c
+    for is_b in (False, True):
+        sel = st[e_p] != st[e_c]
+        sel &= (A.has_b[e_p] & A.has_b[e_c]) if is_b else (A.is_op[e_p] & A.is_op[e_c])
+        p, c = e_p[sel], e_c[sel]
+        if not len(p):
+            continue
+        key = p * S + st[c]
+        o = np.lexsort((c, key))
+        k = key[o]
+        first = o[np.concatenate([[True], k[1:] != k[:-1]])]
+        d = bwd_d if is_b else fwd_d
+        np.add.at(d, p[first], message_s)
+        np.add.at(d, c[first], message_s)
 
 
 def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:

@@ -27,17 +27,19 @@ def case():
     graph = layered_dag(60, width=3, seed=4)
     cluster = ex.Cluster.preset("4xT4")
     costs = roofline_costs(graph, cluster)
-    truth = replace(costs, compute_scale=1.3, extra_op_s=40e-6, link_scale=3.0)
+    truth = replace(costs, compute_scale=1.3, extra_op_s=40e-6, link_scale=3.0,
+                    message_s=70e-6)
     return graph, cluster, costs, truth
 
 
 class TestCalibrate:
-    def test_recovers_compute_op_and_link_factors(self, case):
+    def test_recovers_compute_op_message_and_link_factors(self, case):
         graph, cluster, costs, truth = case
         plan = ex.partition(graph, cluster, costs, "even-layers", micro_batches=2)
         fitted = ex.calibrate(costs, _fake_measurement(graph, plan, truth))
         assert fitted.compute_scale == pytest.approx(1.3, rel=1e-3)
         assert fitted.extra_op_s == pytest.approx(40e-6, rel=1e-3)
+        assert fitted.message_s == pytest.approx(70e-6, rel=1e-3)
         assert fitted.link_scale == pytest.approx(3.0, rel=0.05)
 
     def test_predicts_plans_it_was_not_fitted_on(self, case):
@@ -85,3 +87,31 @@ class TestCompare:
         b = ex.partition(graph, cluster, costs, "single")
         with pytest.raises(ExplorerError, match="different plans"):
             ex.compare(ex.simulate(graph, a, costs), _fake_measurement(graph, b, truth))
+
+
+class TestCalibrateAcrossModels:
+    def test_fit_on_one_model_predicts_another(self, case):
+        graph, cluster, costs, truth = case
+        other = layered_dag(80, width=2, seed=9)
+        o_costs = roofline_costs(other, cluster)
+        o_truth = replace(o_costs, compute_scale=1.3, extra_op_s=40e-6, link_scale=3.0,
+                          message_s=70e-6)
+        runs = [_fake_measurement(other, ex.partition(other, cluster, o_costs, a, **kw),
+                                  o_truth)
+                for a, kw in (("even-layers", {"micro_batches": 2}), ("data-parallel", {}))]
+        fitted = ex.calibrate(costs, runs, others=[o_costs])
+        assert fitted.graph_fingerprint == graph.fingerprint
+        assert fitted.message_s == pytest.approx(70e-6, rel=1e-3)
+        for alg in ("pardnn", "min-comm"):
+            plan = ex.partition(graph, cluster, costs, alg)
+            real = ex.simulate(graph, plan, truth).step_s
+            assert ex.simulate(graph, plan, fitted).step_s == pytest.approx(real, rel=0.02)
+
+    def test_a_run_of_a_model_without_its_costs_is_refused(self, case):
+        _, cluster, costs, _ = case
+        other = layered_dag(30, width=2, seed=3)
+        o_costs = roofline_costs(other, cluster)
+        run = _fake_measurement(other, ex.partition(other, cluster, o_costs, "even-layers"),
+                                o_costs)
+        with pytest.raises(ExplorerError, match="others="):
+            ex.calibrate(costs, run)

@@ -193,7 +193,7 @@ class TestSerialisation:
         cl = cluster(2, latency_s=0.5, bandwidth=float("inf"))
         cm = costs(chain3, cl, {"a": 1.0, "b": 2.0}, {"a": 3.0}, overhead_s=0.25,
                    opt_per_byte=1e-9)
-        cm.compute_scale, cm.link_scale, cm.extra_op_s = 1.5, 2.5, 1e-6
+        cm.compute_scale, cm.link_scale, cm.extra_op_s, cm.message_s = 1.5, 2.5, 1e-6, 2e-5
         back = CostModel.from_dict(json.loads(json.dumps(cm.to_dict())))
         assert back == cm
         assert back.fwd_s(2, "d:1") == cm.fwd_s(2, "d:1")

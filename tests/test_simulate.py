@@ -41,6 +41,25 @@ class TestChain:
         assert pred.critical_path[0] == "fwd a"
         assert pred.critical_path[-1] == "bwd a"
 
+    def test_each_message_costs_both_ends_processor_time(self, chain3):
+        # as above, with 0.25 s of processor time per tensor at each end: a's forward sends,
+        # b's forward receives; b's backward sends the gradient, a's backward receives it
+        from dataclasses import replace
+
+        cl = cluster(2, latency_s=0.5, bandwidth=100.0)
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+        pred = simulate(chain3, plan, replace(costs(chain3, cl, FWD, BWD), message_s=0.25))
+        assert pred.step_s == pytest.approx(21.0 + 4 * 0.25)
+        assert pred.busy_s["d:0"] == pytest.approx(3.0 + 2 * 0.25)
+        assert pred.busy_s["d:1"] == pytest.approx(15.0 + 2 * 0.25)
+        ends = {(iv.kind, iv.label): iv.end_s - iv.start_s for iv in pred.timeline
+                if iv.lane == "compute"}
+        assert ends[("fwd", "a")] == pytest.approx(1.25)
+        assert ends[("fwd", "b")] == pytest.approx(2.25)
+        assert ends[("bwd", "b")] == pytest.approx(4.25)
+        assert ends[("bwd", "a")] == pytest.approx(2.25)
+        assert ends[("fwd", "c")] == pytest.approx(3.0)
+
     def test_lower_bound_is_compute_over_devices(self, chain3):
         cl = cluster(3)
         assert lower_bound_s(chain3, costs(chain3, cl, FWD, BWD)) == pytest.approx(18.0 / 3)
