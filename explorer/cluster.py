@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -112,11 +112,19 @@ class Device:
 
 @dataclass(frozen=True)
 class Link:
-    """How long moving bytes between two devices takes: ``latency_s + nbytes / bandwidth``."""
+    """How long moving bytes between two devices takes: ``latency_s + nbytes / bandwidth``.
+
+    ``allreduce_latency_s`` and ``allreduce_bandwidth_bytes_per_s``, when set (> 0), are an
+    all-reduce between two ranks measured as a whole (``latency + nbytes / bandwidth``): a
+    library's collective is not two point-to-point transfers (gloo on CPU ranks reduces in
+    its own threads, in chunks); 0 means "derive it from the link as a ring".
+    """
 
     latency_s: float
     bandwidth_bytes_per_s: float
     source: str
+    allreduce_latency_s: float = 0.0
+    allreduce_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0:
@@ -303,7 +311,8 @@ class Cluster:
             )
             for i in range(n)
         )
-        link = Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"])
+        link = Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"],
+                    prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"])
         return cls(f"cpu:{n}", devices, link)
 
     @classmethod
@@ -769,6 +778,8 @@ _PROFILE_KEYS = (
     "mem_bandwidth_bytes_per_s",
     "link_latency_s",
     "link_bandwidth_bytes_per_s",
+    "allreduce_latency_s",
+    "allreduce_bandwidth_bytes_per_s",
 )
 #: profiles measured in this process, by (cache file, key), including failed link measurements
 _MEMO: dict[tuple[str, str], dict[str, Any]] = {}
@@ -784,6 +795,8 @@ def _nominal_profile() -> dict[str, Any]:
         ),
         "link_latency_s": GLOO_NOMINAL_LATENCY_S,
         "link_bandwidth_bytes_per_s": GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
+        "allreduce_latency_s": 0.0,
+        "allreduce_bandwidth_bytes_per_s": 0.0,
         "link_source": _nominal_link_source("not measured"),
     }
 
@@ -865,11 +878,13 @@ def _measure_cpu_profile() -> dict[str, Any]:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        latency, bandwidth = _measure_gloo_link()
+        latency, bandwidth, ar_latency, ar_bandwidth = _measure_gloo_link()
     except _LinkMeasureError as e:
         prof.update(
             link_latency_s=GLOO_NOMINAL_LATENCY_S,
             link_bandwidth_bytes_per_s=GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
+            allreduce_latency_s=0.0,
+            allreduce_bandwidth_bytes_per_s=0.0,
             link_source=_nominal_link_source(f"gloo measurement failed: {e}"),
             link_measured=False,
         )
@@ -877,10 +892,13 @@ def _measure_cpu_profile() -> dict[str, Any]:
     prof.update(
         link_latency_s=latency,
         link_bandwidth_bytes_per_s=bandwidth,
+        allreduce_latency_s=ar_latency,
+        allreduce_bandwidth_bytes_per_s=ar_bandwidth,
         link_source=(
             f"measured on {host}: torch.distributed gloo send/recv ping-pong between two local "
             f"processes over 127.0.0.1, median of {_PING_REPS} x 4 B (latency) and "
-            f"{_BULK_REPS} x {_BULK_BYTES // 2**20} MiB (bandwidth)"
+            f"{_BULK_REPS} x {_BULK_BYTES // 2**20} MiB (bandwidth); all-reduce of the same "
+            "sizes between the two, medians"
         ),
         link_measured=True,
     )
@@ -976,9 +994,22 @@ latency = pingpong(small, {_PING_REPS})
 big = torch.zeros({_BULK_BYTES // 4})
 pingpong(big, 2)
 one_way = pingpong(big, {_BULK_REPS})
+def allreduce(t, reps):
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+allreduce(small, 10)
+ar_small = allreduce(small, {_PING_REPS // 2})
+allreduce(big, 2)
+ar_big = allreduce(big, {_BULK_REPS})
 dist.destroy_process_group()
 if rank == 0:
-    print(json.dumps({{"latency_s": latency, "one_way_s": one_way}}), flush=True)
+    print(json.dumps({{"latency_s": latency, "one_way_s": one_way, "ar_small_s": ar_small,
+                      "ar_big_s": ar_big}}), flush=True)
 """
 
 
@@ -996,8 +1027,10 @@ def _loopback_ifname() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S) -> tuple[float, float]:
-    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes.
+def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
+                       ) -> tuple[float, float, float, float]:
+    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes, and the same
+    two figures for an all-reduce between them.
 
     The children are killed at ``timeout_s`` (and kill themselves shortly after it should the
     parent die); none outlives this call.
@@ -1044,13 +1077,16 @@ def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S) -> tuple[float
     try:
         res = json.loads(outs[0].strip().splitlines()[-1])
         latency, one_way = float(res["latency_s"]), float(res["one_way_s"])
+        ar_small, ar_big = float(res["ar_small_s"]), float(res["ar_big_s"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise _LinkMeasureError("unreadable result from the gloo processes") from None
-    if not (latency > 0 and one_way > 0):
-        raise _LinkMeasureError(f"implausible timings {latency!r}, {one_way!r}")
+    if not (latency > 0 and one_way > 0 and ar_small > 0 and ar_big > 0):
+        raise _LinkMeasureError(f"implausible timings {latency!r}, {one_way!r}, "
+                                f"{ar_small!r}, {ar_big!r}")
     # one_way = latency + bytes / bandwidth; guard against noise making the difference tiny
     bandwidth = _BULK_BYTES / max(one_way - latency, one_way / 10)
-    return latency, bandwidth
+    ar_bandwidth = _BULK_BYTES / max(ar_big - ar_small, ar_big / 10)
+    return latency, bandwidth, ar_small, ar_bandwidth
 
 
 # --------------------------------------------------------------------------------------------
@@ -1072,6 +1108,8 @@ def _record(cls: type, d: dict[str, Any]) -> Any:
         raise TypeError(f"{cls.__name__} must be a dict, not {type(d).__name__}")
     kwargs = {}
     for f in fields(cls):
+        if f.name not in d and f.default is not MISSING:  # written before the field existed
+            continue
         v = d[f.name]
         if f.type in ("float", float):
             v = float(v)

@@ -155,12 +155,22 @@ class CostModel:
         return link.latency_s + nbytes / link.bandwidth_bytes_per_s * self.link_scale
 
     def allreduce_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
-        """Ring all-reduce: 2(k-1)/k of the bytes over the slowest link, 2(k-1) latencies."""
+        """Ring all-reduce: 2(k-1)/k of the bytes over the slowest link, 2(k-1) latencies.
+
+        Where the links carry a measured two-rank all-reduce (``Link.allreduce_*``), that
+        measurement is the k = 2 case and the ring's terms scale it: (k-1) x its latency plus
+        2(k-1)/k x bytes / its bandwidth.
+        """
         k = len(device_ids)
         if k <= 1 or nbytes <= 0:
             return 0.0
         links = [self.cluster.link(a, b) for a, b in
                  zip(device_ids, [*list(device_ids[1:]), device_ids[0]], strict=True)]
+        if all(lk.allreduce_latency_s > 0 and lk.allreduce_bandwidth_bytes_per_s > 0
+               for lk in links):
+            lat = max(lk.allreduce_latency_s for lk in links)
+            bw = min(lk.allreduce_bandwidth_bytes_per_s for lk in links)
+            return (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
         bw = min(lk.bandwidth_bytes_per_s for lk in links)
         lat = max(lk.latency_s for lk in links)
         return 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale

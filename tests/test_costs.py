@@ -214,3 +214,27 @@ class TestCheck:
         with pytest.raises(PlanError, match=rf"profiled for graph {chain3.fingerprint}, not for "
                                             rf"other \({other.fingerprint}\)"):
             cm.check(other)
+
+
+class TestMeasuredAllReduce:
+    def test_a_measured_two_rank_all_reduce_is_used_and_scaled_as_a_ring(self, chain3):
+        from dataclasses import replace as _replace
+
+        cl = cluster(4, latency_s=0.5, bandwidth=100.0)
+        cm = costs(chain3, cl, {"a": 1.0}, {})
+        ids = cl.ids
+        # as a ring of the link: 2(k-1) latencies + 2(k-1)/k x bytes / bandwidth
+        assert cm.allreduce_s(ids[:2], 100) == pytest.approx(2 * 0.5 + 100 / 100)
+        measured = _replace(cl.default_link, allreduce_latency_s=0.25,
+                            allreduce_bandwidth_bytes_per_s=50.0)
+        cm.cluster = _replace(cl, default_link=measured)
+        # k = 2 is the measurement itself; k = 4 scales it as a ring would
+        assert cm.allreduce_s(ids[:2], 100) == pytest.approx(0.25 + 100 / 50)
+        assert cm.allreduce_s(ids, 100) == pytest.approx(3 * 0.25 + 1.5 * 100 / 50)
+
+    def test_cluster_json_from_before_the_field_still_loads(self):
+        d = cluster(2).to_dict()
+        for k in ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s"):
+            del d["default_link"][k]
+        back = type(cluster(2)).from_dict(d)
+        assert back.default_link.allreduce_latency_s == 0.0
