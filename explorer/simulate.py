@@ -273,7 +273,7 @@ def _lower_bound(A: _GraphArrays, costs: CostModel, sec: _Seconds) -> float:
     best = None
     for d in reps.values():
         if sec.plain:
-            s = sec.on("fwd_s", ops, d, 1.0) + sec.on("bwd_s", ops, d, 1.0)
+            s = _per_batch(sec, costs, "fwd_s", ops, d) + _per_batch(sec, costs, "bwd_s", ops, d)
         else:
             s = np.array([costs.node_s(i, d) for i in ops.tolist()], dtype=np.float64)
         best = s if best is None else np.minimum(best, s)
@@ -281,6 +281,34 @@ def _lower_bound(A: _GraphArrays, costs: CostModel, sec: _Seconds) -> float:
         return 0.0
     # the ops' times added in node order (an accumulation runs strictly left to right)
     return float(np.cumsum(best)[-1]) / max(len(cluster), 1)
+
+
+def _per_batch(sec: _Seconds, costs: CostModel, which: str, ops: np.ndarray, device: str
+               ) -> np.ndarray:
+    """The least time each op can take for the whole batch on ``device``, whatever pieces a
+    plan cuts the batch into: min over fractions f of time(f) / f.
+
+    Measured times are not proportional to the batch (a quarter batch may cost less than a
+    quarter), so the whole batch at once is not always cheapest. Between measured fractions
+    time(f) is linear, so time(f) / f is least at a measured fraction; below the smallest it
+    follows the last segment down to a floor, and is least where the two meet.
+    """
+    best = sec.on(which, ops, device, 1.0)
+    dc = costs.per_type[costs.cluster.device(device).type_key]
+    if not dc.fractions:  # overhead + (t - overhead) x f: per sample, least at f = 1
+        return best
+    for f in dc.fractions:
+        best = np.minimum(best, sec.on(which, ops, device, f) / f)
+    xs = [1.0, *dc.fractions]
+    y_m = dc.at_many(which, ops, xs[-1])
+    y_p = dc.at_many(which, ops, xs[-2])
+    slope = (y_p - y_m) / (xs[-2] - xs[-1])
+    floor = np.minimum(dc.overhead_s, y_m)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fk = xs[-1] - (y_m - floor) / slope
+        ok = (slope > 0) & (fk > 0) & (fk < xs[-1]) & (y_m > 0)
+        at_k = np.where(floor > 0, floor * costs.compute_scale + costs.extra_op_s, 0.0)
+        return np.where(ok, np.minimum(best, at_k / np.where(ok, fk, 1.0)), best)
 
 
 # -- the graph as arrays ----------------------------------------------------------------------

@@ -60,6 +60,41 @@ class TestChain:
         assert ends[("bwd", "a")] == pytest.approx(2.25)
         assert ends[("fwd", "c")] == pytest.approx(3.0)
 
+    def test_lower_bound_holds_when_a_split_batch_is_cheaper_per_sample(self, chain3):
+        # measured: b takes 2 s at the whole batch, 0.8 s at half (1.6 s per batch), 0.7 s
+        # at a quarter; data-parallel on 2 devices runs it at half, so the bound must use 1.6
+        from explorer.plan import Plan as _Plan
+
+        cl = cluster(2)
+        cm = costs(chain3, cl, FWD, {}, overhead_s=0.5)
+        dc = next(iter(cm.per_type.values()))
+        names = [n.name for n in chain3.nodes]
+        dc.fractions = [0.5, 0.25]
+        dc.fwd_at = [[{"a": 0.5, "b": 0.8, "c": 1.5}.get(n, 0.0) for n in names],
+                     [{"a": 0.25, "b": 0.7, "c": 0.75}.get(n, 0.0) for n in names]]
+        dc.bwd_at = [[0.0] * len(names), [0.0] * len(names)]
+        # per batch: a min(1, 1, 1) = 1; b min(2, 1.6, 2.8) = 1.6 (below a quarter its time
+        # falls 0.4 s per batch, never to the 0.5 s floor: more per sample); c min(3, 3, 3)
+        assert lower_bound_s(chain3, cm) == pytest.approx((1 + 1.6 + 3) / 2)
+        plan = _Plan.from_assignment(chain3, [tuple(cl.ids)], {"a": 0, "b": 0, "c": 0})
+        pred = simulate(chain3, plan, cm)
+        assert pred.step_s >= pred.lower_bound_s
+
+    def test_lower_bound_where_the_time_meets_its_floor(self, chain3):
+        # c: 3 s, 1.4 s at half, 0.6 s at a quarter; below that the time falls 3.2 s per batch
+        # to the 0.3 s floor, reached at f = 0.25 - 0.3 / 3.2 = 0.15625: 0.3 / f = 1.92 s per
+        # batch, less than any measured fraction gives (3, 2.8, 2.4)
+        cl = cluster(1)
+        cm = costs(chain3, cl, {"c": 3.0}, {}, overhead_s=0.3)
+        dc = next(iter(cm.per_type.values()))
+        dc.fractions = [0.5, 0.25]
+        dc.fwd_at = [[0.0, 0.0, 0.0, 1.4], [0.0, 0.0, 0.0, 0.6]]
+        dc.bwd_at = [[0.0] * 4, [0.0] * 4]
+        assert lower_bound_s(chain3, cm) == pytest.approx(1.92)
+        for m in range(1, 12):  # whatever the micro-batches, a step is no faster
+            plan = Plan.single(chain3, "d:0", micro_batches=m)
+            assert simulate(chain3, plan, cm).step_s >= 1.92 - 1e-9
+
     def test_lower_bound_is_compute_over_devices(self, chain3):
         cl = cluster(3)
         assert lower_bound_s(chain3, costs(chain3, cl, FWD, BWD)) == pytest.approx(18.0 / 3)
