@@ -291,3 +291,21 @@ def test_explorer_needs_an_example_batch():
 
     with pytest.raises(ExplorerError, match="example batch"):
         Explorer(torch.nn.Linear(3, 3))
+
+
+def test_select_opens_folded_modules_and_names_what_is_unknown():
+    from widgets import Explorer
+
+    bm = ex.builtin_model("gpt", "tiny")
+    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    cl = ex.Cluster.preset("2xH100")
+    w = Explorer(g, roofline_costs(g, cl), progress=False)
+    assert "blocks.1" not in [it.label for it in w.view.items]  # folded into "blocks"
+    w.select(["blocks.1"])
+    labels = [w.view.items[k].label for k in w._selected]
+    assert labels == ["blocks.1"]
+    assert "56 ops" not in w._selection.value and "blocks.1" in w._selection.value
+    before = w.session.plan
+    w._guard(lambda: w.select(["no_such_layer"]))()
+    assert "no node or module named 'no_such_layer'" in w.message
+    assert w.session.plan == before

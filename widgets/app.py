@@ -399,13 +399,35 @@ class Explorer(W.VBox):
 
     # -- actions (also callable from code) -----------------------------------------------
     def select(self, names_or_keys: list[str]) -> None:
-        """Select items by node name, module path or item key (as clicking does)."""
+        """Select items by node name, module path or item key (as clicking does); a node or
+        module inside a folded module is shown by expanding what it is in."""
         want = set(names_or_keys)
-        idx = [k for k, it in enumerate(self.view.items)
+        idx = {k for k, it in enumerate(self.view.items)
                if it.key in want or it.label.split(" (")[0] in want
-               or any(self.session.graph.nodes[i].name in want for i in it.ops)]
-        self._nodes.selected.indices = idx
-        self._on_select("indices", None, idx)
+               or any(self.session.graph.nodes[i].name in want for i in it.ops)}
+        found = {w for w in want if any(
+            it.key == w or it.label.split(" (")[0] == w
+            or any(self.session.graph.nodes[i].name == w for i in it.ops)
+            for it in (self.view.items[k] for k in idx))}
+        missing = sorted(want - found)
+        if missing:
+            before = [it.key for it in self.view.items]
+            unknown = []
+            for w in missing:
+                if not self.view.reveal(w):
+                    unknown.append(w)
+            if [it.key for it in self.view.items] != before:
+                self._redraw_graph()
+            if unknown:
+                raise ExplorerError(f"no node or module named {', '.join(map(repr, unknown))} "
+                                    "in this graph (names as in the hover text, e.g. "
+                                    "'blocks.0' or 'linear_1')")
+            idx = set()
+            for w in want:
+                idx.update(self.view.reveal(w))
+        idx_l = sorted(idx)
+        self._nodes.selected.indices = idx_l
+        self._on_select("indices", None, idx_l)
 
     def assign(self, target: str) -> None:
         self._target.value = target

@@ -90,6 +90,31 @@ class GraphView:
             self.expanded |= more
             self.refresh()
 
+    def reveal(self, name: str) -> list[int]:
+        """Positions of the items that show node or module ``name``, expanding the folded
+        modules it is in as far as needed; [] when the graph has no such node or module."""
+        g = self.graph
+        want = {i for i in self._ops
+                if g.nodes[i].name == name or g.nodes[i].module_path == name
+                or g.nodes[i].module_path.startswith(name + ".")}
+        want |= {o for o, owned in self._owned.items()  # a parameter: the op that owns it
+                 if any(g.nodes[j].name == name for j in owned)}
+        if not want:
+            return []
+        for _ in range(64):
+            shown = sorted({self.item_of[i] for i in want if i in self.item_of})
+            exact = [k for k in shown if self.items[k].label.split(" (")[0] == name
+                     or set(self.items[k].ops) <= want]
+            if exact and all(set(self.items[k].ops) <= want or k in exact for k in shown):
+                return shown
+            opened = [self.items[k].key for k in shown
+                      if self.items[k].expandable and not set(self.items[k].ops) <= want]
+            if not opened:
+                return shown
+            self.expanded.update(opened)
+            self.refresh()
+        return sorted({self.item_of[i] for i in want if i in self.item_of})
+
     def _find(self, key: str) -> Item | None:
         return next((it for it in self.items if it.key == key), None)
 
