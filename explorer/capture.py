@@ -128,7 +128,17 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         raise InputMismatchError("the first example input is a scalar: it needs a batch "
                                  "dimension (dim 0)")
     step = TrainStep(model, loss_fn, len(inputs))
-    step.train()
+    modes = {m: m.training for m in step.modules()}
+    try:
+        step.train()  # a training step: dropout on, batch statistics in BatchNorm
+        return _capture(step, model, inputs, tgts, name)
+    finally:  # the caller's model keeps its train/eval modes
+        for m, training in modes.items():
+            m.training = training
+
+
+def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
+             name: str | None) -> OpGraph:
     with keep_buffers(model):
         _check_runs(step, inputs, tgts)
     name = name or type(model).__name__

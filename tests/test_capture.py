@@ -74,6 +74,18 @@ class TestBuiltinModels:
         assert again.fingerprint == captured["mlp"].fingerprint
         assert _capture_builtin("mlp", batch_size=16).fingerprint != again.fingerprint
 
+    def test_capture_keeps_the_models_train_and_eval_modes(self):
+        bm = ex.builtin_model("resnet", "tiny")
+        bm.module.eval()
+        bm.module.fc.train()  # a mix, as a user may leave it
+        modes = {n: m.training for n, m in bm.module.named_modules()}
+        g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
+        assert {n: m.training for n, m in bm.module.named_modules()} == modes
+        # the graph is still the training step, the same as from a model in train mode
+        bm.module.train()
+        assert ex.capture(bm.module, bm.example_inputs, bm.loss_fn,
+                          bm.targets).fingerprint == g.fingerprint
+
     def test_capture_leaves_batchnorm_statistics_alone(self):
         bm = ex.builtin_model("resnet", "tiny")
         before = {k: v.clone() for k, v in bm.module.state_dict().items()}
