@@ -128,11 +128,19 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         raise InputMismatchError("the first example input is a scalar: it needs a batch "
                                  "dimension (dim 0)")
     step = TrainStep(model, loss_fn, len(inputs))
-    modes = {m: m.training for m in step.modules()}
-    try:
-        step.train()  # a training step: dropout on, batch statistics in BatchNorm
+    with training_mode(step):  # the caller's model keeps its own train/eval modes after
         return _capture(step, model, inputs, tgts, name)
-    finally:  # the caller's model keeps its train/eval modes
+
+
+@contextlib.contextmanager
+def training_mode(module: nn.Module):
+    """Train mode inside (a training step: dropout on, batch statistics in BatchNorm); every
+    submodule's own mode back after."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        module.train()
+        yield
+    finally:
         for m, training in modes.items():
             m.training = training
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from explorer.capture import CaptureRuntime, batch_splits, keep_buffers
+from explorer.capture import CaptureRuntime, batch_splits, keep_buffers, training_mode
 from explorer.cluster import Cluster, Device
 from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
@@ -240,7 +240,9 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
     for m in leaves:
         hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
                   m.register_full_backward_pre_hook(bpre), m.register_full_backward_hook(bpost)]
-    with keep_buffers(step.model):  # BatchNorm statistics: as they were after capture
+    # a training step (the user's model may be in eval mode), BatchNorm statistics and modes
+    # as they were after capture
+    with training_mode(step), keep_buffers(step.model):
         try:
             for k in range(warmup + repeats):
                 record["on"] = k >= warmup

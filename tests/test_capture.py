@@ -303,3 +303,22 @@ class TestErrors:
     def test_every_capture_error_is_an_explorer_error(self):
         assert issubclass(CaptureError, ExplorerError)
         assert issubclass(InputMismatchError, ExplorerError)
+
+    def test_fallback_profiles_a_training_step_of_a_model_in_eval_mode(self, tmp_path,
+                                                                        monkeypatch):
+        seen = []
+
+        class Spy(nn.Module):
+            def forward(self, x):
+                seen.append(self.training)
+                return x
+
+        model = nn.Sequential(DataDependent(), Spy())
+        model.eval()
+        g = ex.capture(model, torch.randn(5, 4))
+        assert g.source == "hooks" and not model.training
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        seen.clear()
+        ex.profile(g, ex.Cluster.cpu(1, measure=False), repeats=1, warmup=0, progress=False)
+        assert seen and all(seen)  # timed as a training step
+        assert not any(m.training for m in model.modules())  # and given back as it was

@@ -304,7 +304,23 @@ def test_select_opens_folded_modules_and_names_what_is_unknown():
     w.select(["blocks.1"])
     labels = [w.view.items[k].label for k in w._selected]
     assert labels == ["blocks.1"]
-    assert "56 ops" not in w._selection.value and "blocks.1" in w._selection.value
+    assert "blocks.1" in w._selection.value
+    # an op's name opens the modules it is in, down to an item that is just that op
+    op = next(n.name for n in g.nodes if n.kind == "op" and n.module_path.startswith("blocks.0."))
+    w.view.collapse_all()
+    w._redraw_graph()
+    w.select([op])
+    assert [[g.nodes[i].name for i in w.view.items[k].ops] for k in w._selected] == [[op]]
+    # several at once, an item key among them: each is selected, the plot matches the view
+    w.view.collapse_all()
+    w._redraw_graph()
+    first = w.view.items[0]
+    w.select([first.key, "blocks.1", op])
+    got = [[g.nodes[i].name for i in w.view.items[k].ops] for k in w._selected]
+    assert w._selected[0] == 0 and w.view.items[0].key == first.key
+    assert [op] in got and any(w.view.items[k].label == "blocks.1" for k in w._selected)
+    assert len(got) == 3
+    assert list(w._nodes.data["key"]) == [it.key for it in w.view.items]
     before = w.session.plan
     w._guard(lambda: w.select(["no_such_layer"]))()
     assert "no node or module named 'no_such_layer'" in w.message

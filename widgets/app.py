@@ -401,30 +401,32 @@ class Explorer(W.VBox):
     def select(self, names_or_keys: list[str]) -> None:
         """Select items by node name, module path or item key (as clicking does); a node or
         module inside a folded module is shown by expanding what it is in."""
-        want = set(names_or_keys)
-        idx = {k for k, it in enumerate(self.view.items)
-               if it.key in want or it.label.split(" (")[0] in want
-               or any(self.session.graph.nodes[i].name in want for i in it.ops)}
-        found = {w for w in want if any(
-            it.key == w or it.label.split(" (")[0] == w
-            or any(self.session.graph.nodes[i].name == w for i in it.ops)
-            for it in (self.view.items[k] for k in idx))}
-        missing = sorted(want - found)
-        if missing:
+        want = list(dict.fromkeys(names_or_keys))
+        g = self.session.graph
+
+        def exact(it, w: str) -> bool:
+            return (it.key == w or it.label.split(" (")[0] == w
+                    or (len(it.ops) == 1 and g.nodes[it.ops[0]].name == w))
+
+        start = [it.key for it in self.view.items]
+        for _ in range(16):  # until a pass over every name opens nothing more
             before = [it.key for it in self.view.items]
+            idx: set[int] = set()
             unknown = []
-            for w in missing:
-                if not self.view.reveal(w):
-                    unknown.append(w)
-            if [it.key for it in self.view.items] != before:
-                self._redraw_graph()
-            if unknown:
-                raise ExplorerError(f"no node or module named {', '.join(map(repr, unknown))} "
-                                    "in this graph (names as in the hover text, e.g. "
-                                    "'blocks.0' or 'linear_1')")
-            idx = set()
             for w in want:
-                idx.update(self.view.reveal(w))
+                hits = [k for k, it in enumerate(self.view.items) if exact(it, w)]
+                hits = hits or self.view.reveal(w)
+                if not hits:
+                    unknown.append(w)
+                idx.update(hits)
+            if [it.key for it in self.view.items] == before:
+                break
+        if [it.key for it in self.view.items] != start:
+            self._redraw_graph()
+        if unknown:
+            raise ExplorerError(f"no node or module named {', '.join(map(repr, unknown))} "
+                                "in this graph (names as in the hover text, e.g. "
+                                "'blocks.0' or 'linear_1')")
         idx_l = sorted(idx)
         self._nodes.selected.indices = idx_l
         self._on_select("indices", None, idx_l)
@@ -755,9 +757,9 @@ class Explorer(W.VBox):
             cols["cap_color"].append("#d62728" if over else "#333333")
             cols["cap_width"].append(3.0 if over else 1.0)
             cols["detail"].append(" / ".join(_fmt_bytes(v) for v in vals[:3]))
-            cols["summary"].append(f"{_fmt_bytes(total)} of {_fmt_bytes(cap)} "
-                                   f"({total / cap:.0%})" + (" OVER" if over else "")
-                                   if m else "unused")
+            share = f" ({total / cap:.0%})" if cap > 0 else ""
+            cols["summary"].append(f"{_fmt_bytes(total)} of {_fmt_bytes(cap)}{share}"
+                                   + (" OVER" if over else "") if m else "unused")
         return dict(cols)
 
     def _refresh_estimates(self) -> None:
