@@ -201,6 +201,9 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
                      warmup: int) -> tuple[list[float], list[float]]:
     """Hook-captured graphs: time each leaf-module call in real forward and backward passes."""
     rt: CaptureRuntime = graph.runtime
+    params = list(rt.step.parameters())
+    home = params[0].device if params else torch.device("cpu")
+    grads = [q.grad for q in params]  # the user's, given back after timing
     step = rt.step.to(dev.torch_device)
     args = [t.to(dev.torch_device) for t in rt.args]
     order = [n.name for n in graph.nodes if n.kind == "op"]
@@ -255,8 +258,9 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
         finally:
             for h in hooks:
                 h.remove()
-            step.model.zero_grad(set_to_none=True)
-            rt.step.to("cpu")
+            rt.step.to(home)
+            for q, g in zip(params, grads, strict=True):
+                q.grad = g
     med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
     fwd = [med(samples_f.get(n.name, [])) for n in graph.nodes]
     bwd = [med(samples_b.get(n.name, [])) for n in graph.nodes]

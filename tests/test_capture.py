@@ -322,3 +322,9 @@ class TestErrors:
         ex.profile(g, ex.Cluster.cpu(1, measure=False), repeats=1, warmup=0, progress=False)
         assert seen and all(seen)  # timed as a training step
         assert not any(m.training for m in model.modules())  # and given back as it was
+        # the model's own gradients are as they were: kept, or still none
+        model[0].a.weight.grad = torch.ones_like(model[0].a.weight)
+        ex.profile(g, ex.Cluster.cpu(1, measure=False), repeats=1, warmup=0, progress=False,
+                   cache=False)
+        assert torch.equal(model[0].a.weight.grad, torch.ones_like(model[0].a.weight))
+        assert model[0].b.weight.grad is None
