@@ -203,7 +203,9 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
     rt: CaptureRuntime = graph.runtime
     params = list(rt.step.parameters())
     home = params[0].device if params else torch.device("cpu")
-    grads = [q.grad for q in params]  # the user's, given back after timing
+    grads = [q.grad for q in params]  # the user's, given back after timing (untouched:
+    for q in params:  # the timed backwards accumulate into fresh tensors)
+        q.grad = None
     step = rt.step.to(dev.torch_device)
     args = [t.to(dev.torch_device) for t in rt.args]
     order = [n.name for n in graph.nodes if n.kind == "op"]
