@@ -203,9 +203,7 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
     rt: CaptureRuntime = graph.runtime
     params = list(rt.step.parameters())
     home = params[0].device if params else torch.device("cpu")
-    grads = [q.grad for q in params]  # the user's, given back after timing (untouched:
-    for q in params:  # the timed backwards accumulate into fresh tensors)
-        q.grad = None
+    grads = [q.grad for q in params]  # the user's, given back untouched after timing
     step = rt.step.to(dev.torch_device)
     args = [t.to(dev.torch_device) for t in rt.args]
     order = [n.name for n in graph.nodes if n.kind == "op"]
@@ -249,6 +247,8 @@ def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
     # as they were after capture
     with training_mode(step), keep_buffers(step.model):
         try:
+            for q in params:  # the timed backwards accumulate into fresh tensors
+                q.grad = None
             for k in range(warmup + repeats):
                 record["on"] = k >= warmup
                 calls.clear()
