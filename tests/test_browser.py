@@ -196,5 +196,17 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
                 "(v) => document.querySelector('.pe-estimate .pe-step').dataset.value === v",
                 arg=repr(before.step_s))
             page.wait_for_function(KERNEL_IDLE)
+
+            # box-select the two embeddings with Bokeh's box select tool
+            tok = next(it for it in view.items if it.label.startswith("tok_emb"))
+            pos = next(it for it in view.items if it.label.startswith("pos_emb"))
+            page.locator(".pe-graph [title='Box Select']").first.click()
+            (x0, y0), (x1, y1) = (page.evaluate(ITEM_XY, k) for k in (tok.key, pos.key))
+            page.mouse.move(min(x0, x1) - 60, min(y0, y1) - 15)
+            page.mouse.down()
+            page.mouse.move(max(x0, x1) + 60, max(y0, y1) + 15, steps=8)
+            page.mouse.up()
+            page.locator(".pe-selection", has_text="selected 2 item(s)").wait_for()
+            page.wait_for_function(KERNEL_IDLE)
         finally:
             browser.close()
