@@ -40,12 +40,15 @@ def cache_dir() -> Path:
 
 
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
-            cache: bool = True, progress: bool = True) -> CostModel:
+            cache: bool = True, progress: bool = True, message: bool = True) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
     roofline estimate from their datasheet numbers. Results are cached per graph fingerprint and
     device type in ``~/.cache/partition-explorer/profiles``; ``cache=False`` measures afresh.
+    With two or more measured CPU ranks (and ``message``), the processor time each tensor
+    sent between ranks costs is measured once per host (:mod:`explorer.probe`) and set as
+    ``message_s``.
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
@@ -63,7 +66,12 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
             if cache:
                 _store(path, dc)
         per_type[dev.type_key] = dc
-    return CostModel(graph.fingerprint, cluster, per_type)
+    message_s = 0.0
+    if message and graph.runtime is not None:
+        from explorer.probe import cpu_message_s
+
+        message_s = cpu_message_s(cluster)
+    return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 
 def _slug(text: str) -> str:

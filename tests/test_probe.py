@@ -1,0 +1,42 @@
+"""The per-message processor cost between CPU ranks, measured once per host."""
+
+from __future__ import annotations
+
+import explorer as ex
+from explorer import probe
+
+
+def test_measured_through_the_runtime_on_two_ranks():
+    value = probe.measure_message_s(steps=4, warmup=2)
+    # tens to hundreds of microseconds on a real machine; never negative, never absurd
+    assert 0.0 <= value < 5e-3
+
+
+def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(probe, "_MEMO", {})
+    calls = []
+    monkeypatch.setattr(probe, "measure_message_s", lambda: calls.append(1) or 1.25e-4)
+    bm = ex.builtin_model("mlp", "tiny")
+    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
+    cl = ex.Cluster.cpu(2)
+    assert ex.profile(g, cl, progress=False).message_s == 1.25e-4
+    monkeypatch.setattr(probe, "_MEMO", {})  # a new process reads the cache file
+    assert ex.profile(g, cl, progress=False).message_s == 1.25e-4
+    assert calls == [1]
+    # no probe for nominal ranks, one rank, presets, or when asked not to
+    assert ex.profile(g, ex.Cluster.cpu(2, measure=False), progress=False).message_s == 0.0
+    assert ex.profile(g, ex.Cluster.cpu(1), progress=False).message_s == 0.0
+    assert ex.profile(g, ex.Cluster.preset("2xH100"), progress=False).message_s == 0.0
+    assert ex.profile(g, cl, progress=False, message=False).message_s == 0.0
+
+
+def test_a_probe_that_fails_leaves_the_cost_at_zero(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(probe, "_MEMO", {})
+
+    def broken():
+        raise RuntimeError("no ranks today")
+
+    monkeypatch.setattr(probe, "measure_message_s", broken)
+    assert probe.cpu_message_s(ex.Cluster.cpu(2)) == 0.0
