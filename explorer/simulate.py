@@ -1009,10 +1009,8 @@ def _message_time(A: _GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
         p, c = e_p[sel], e_c[sel]
         if not len(p):
             continue
-        key = p * S + st[c]
-        o = np.lexsort((c, key))
-        k = key[o]
-        first = o[np.concatenate([[True], k[1:] != k[:-1]])]
+        # edges come by consumer in node order: a key's first edge has its first consumer
+        _, first = np.unique(p * S + st[c], return_index=True)
         d = bwd_d if is_b else fwd_d
         np.add.at(d, p[first], message_s)
         np.add.at(d, c[first], message_s)

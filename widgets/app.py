@@ -402,20 +402,13 @@ class Explorer(W.VBox):
         """Select items by node name, module path or item key (as clicking does); a node or
         module inside a folded module is shown by expanding what it is in."""
         want = list(dict.fromkeys(names_or_keys))
-        g = self.session.graph
-
-        def exact(it, w: str) -> bool:
-            return (it.key == w or it.label.split(" (")[0] == w
-                    or (len(it.ops) == 1 and g.nodes[it.ops[0]].name == w))
-
         start = [it.key for it in self.view.items]
         for _ in range(16):  # until a pass over every name opens nothing more
             before = [it.key for it in self.view.items]
             idx: set[int] = set()
             unknown = []
             for w in want:
-                hits = [k for k, it in enumerate(self.view.items) if exact(it, w)]
-                hits = hits or self.view.reveal(w)
+                hits = self.view.matching(w) or self.view.reveal(w)
                 if not hits:
                     unknown.append(w)
                 idx.update(hits)

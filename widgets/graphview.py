@@ -90,6 +90,16 @@ class GraphView:
             self.expanded |= more
             self.refresh()
 
+    def label_of(self, k: int) -> str:
+        """Item ``k``'s name without the module class ("blocks.0", not "blocks.0 (Block)")."""
+        return self.items[k].label.split(" (")[0]
+
+    def matching(self, name: str) -> list[int]:
+        """Positions of the shown items that are ``name``: by key, by label, or the one op."""
+        return [k for k, it in enumerate(self.items)
+                if it.key == name or self.label_of(k) == name
+                or (len(it.ops) == 1 and self.graph.nodes[it.ops[0]].name == name)]
+
     def reveal(self, name: str) -> list[int]:
         """Positions of the items that show node or module ``name``, expanding the folded
         modules it is in as far as needed; [] when the graph has no such node or module."""
@@ -103,13 +113,11 @@ class GraphView:
             return []
         for _ in range(64):
             shown = sorted({self.item_of[i] for i in want if i in self.item_of})
-            exact = [k for k in shown if self.items[k].label.split(" (")[0] == name
-                     or set(self.items[k].ops) <= want]
-            if exact and all(set(self.items[k].ops) <= want or k in exact for k in shown):
-                return shown
-            opened = [self.items[k].key for k in shown
-                      if self.items[k].expandable and not set(self.items[k].ops) <= want]
-            if not opened:
+            # items holding other nodes too: open them (unless one is the module itself)
+            mixed = [k for k in shown if not set(self.items[k].ops) <= want
+                     and self.label_of(k) != name]
+            opened = [self.items[k].key for k in mixed if self.items[k].expandable]
+            if not mixed or not opened:
                 return shown
             self.expanded.update(opened)
             self.refresh()

@@ -93,7 +93,6 @@ def groups_of(graph: OpGraph, target: int = 2000) -> list[list[int]]:
     run_of_op = np.zeros(len(ops), dtype=np.int64)
     run_of_op[starts[1:]] = 1
     run_of_op = np.cumsum(run_of_op)
-    pos = {i: k for k, i in enumerate(ops)}
     groups: list[list[int]] = [[] for _ in starts]
     owned: dict[int, list[int]] = {}
     orphans = []
@@ -106,7 +105,6 @@ def groups_of(graph: OpGraph, target: int = 2000) -> list[list[int]]:
         grp.extend(owned.get(i, ()))
         grp.append(i)
     groups[0][:0] = orphans
-    del pos
     return groups
 
 

@@ -175,7 +175,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
     pins = dict(pins or {})
     n_ops = sum(1 for n in graph.nodes if n.kind == "op")
     if coarse_above is not None and n_ops > coarse_above:
-        res = _coarse_sweep(graph, cluster, costs, names, objective, within, pins, top)
+        res = _coarse_sweep(graph, cluster, costs, names, objective, within, pins, top, n_ops)
         if res is not None:
             return res
     batch = max(graph.batch_size, 1)
@@ -222,7 +222,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
 
 def _coarse_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel, names: list[str],
-                  objective: str, within: float, pins: dict[str, str], top: int
+                  objective: str, within: float, pins: dict[str, str], top: int, n_ops: int
                   ) -> WapResult | None:
     """The sweep on a merged stand-in graph, the chosen plan made and simulated on the real
     one; None when the stand-in cannot serve (pins inside one run disagree, or the chosen
@@ -255,7 +255,6 @@ def _coarse_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel, names: lis
                 p.tried, "ops"))
         else:
             points.append(replace(p, plan=None, fit=p.fits, simulated_on=where))
-    n_ops = sum(1 for n in graph.nodes if n.kind == "op")
     why = (f"{res.why} (swept on a stand-in of {graph.name or 'the graph'} merged into "
            f"{where}; on all {n_ops} ops the k={chosen.k} plan takes "
            f"{pred.step_s * 1e3:.3f} ms and {pred.energy_j:.3g} J per step)")
