@@ -325,3 +325,19 @@ def test_select_opens_folded_modules_and_names_what_is_unknown():
     w._guard(lambda: w.select(["no_such_layer"]))()
     assert "no node or module named 'no_such_layer'" in w.message
     assert w.session.plan == before
+
+
+def test_assign_from_code_to_an_unknown_device_says_which_devices_exist():
+    from widgets import Explorer
+
+    bm = ex.builtin_model("gpt", "tiny")
+    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    cl = ex.Cluster.preset("2xH100")
+    w = Explorer(g, roofline_costs(g, cl), progress=False)
+    w.select(["blocks"])
+    before = w.session.plan
+    w._guard(lambda: w.assign("H100:7"))()
+    assert "H100:7" in w.message and "H100:1" in w.message
+    assert w.session.plan == before
+    w.assign("H100:1")
+    assert w.session.plan != before and w._target.value == "H100:1"

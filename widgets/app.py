@@ -425,8 +425,11 @@ class Explorer(W.VBox):
         self._on_select("indices", None, idx_l)
 
     def assign(self, target: str) -> None:
-        self._target.value = target
-        self._do_assign()
+        """Move the selection to ``target`` (a device, or ``"dev+dev"`` for a replicated
+        stage), as the assign button does; the session says what is wrong with a target."""
+        if target in self._target.options:
+            self._target.value = target
+        self.session.assign(self._selected_names(), target)
 
     def _selected_names(self) -> list[str]:
         return self.view.names(self._selected)
