@@ -13,6 +13,7 @@ that saw it. Run it on a quiet machine: the ranks share its cores.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -77,9 +78,14 @@ def main() -> None:
               f"message, link x{fitted.link_scale:.2f}")
 
     rows, step_err, cal_err, mem_err, pairs, cal_pairs = [], [], [], [], [], []
+    flat_err, flat_pairs = [], []
     for r in runs:
-        name, label, _, _, _, pred, meas = r
+        name, label, graph, costs, plan, pred, meas = r
         rep = ex.compare(pred, meas)
+        # the same prediction without the measured contention between ranks of this host
+        flat = ex.simulate(graph, plan, _without_contention(costs))
+        flat_err.append(abs(flat.step_s / meas.step_s - 1))
+        flat_pairs.append((flat.step_s, meas.step_s))
         e_step = rep.step_error
         e_mem = max(rep.memory_errors.values(), key=abs)
         step_err.append(abs(e_step))
@@ -91,17 +97,18 @@ def main() -> None:
             cal_err.append(abs(e_cal))
             cal_pairs.append((cal.step_s, meas.step_s))
         rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
-                     f"{e_step * 100:+.1f}%",
+                     f"{e_step * 100:+.1f}%", f"{(flat.step_s / meas.step_s - 1) * 100:+.1f}%",
                      f"{cal.step_s * 1e3:.2f}" if cal else "-",
                      f"{e_cal * 100:+.1f}%" if cal else "-",
                      f"{max(pred.peak_bytes.values()) / 2**20:.2f}",
                      f"{max(meas.peak_bytes.values()) / 2**20:.2f}",
                      f"{e_mem * 100:+.1f}%", ""))
     for name, label, note in skipped:
-        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", note))
+        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", note))
     print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.steps} steps "
           f"after {args.warmup} warm-up, median of the slowest rank)")
-    print(_table(("model", "plan", "pred ms", "meas ms", "step err", "calib ms", "calib err",
+    print(_table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
+                  "calib ms", "calib err",
                   "pred MiB", "meas MiB", "mem err (worst device)", "note"), rows))
 
     def summary(what: str, errs: list[float], prs: list[tuple[float, float]]) -> str:
@@ -113,8 +120,14 @@ def main() -> None:
         print(f"\nplans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
               f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
         print(summary("as profiled", step_err, pairs))
+        print(summary("as profiled, without contention", flat_err, flat_pairs))
     if cal_pairs:
         print(summary("calibrated on the other models' runs", cal_err, cal_pairs))
+
+
+def _without_contention(costs: ex.CostModel) -> ex.CostModel:
+    return dataclasses.replace(costs, per_type={
+        k: dataclasses.replace(v, contention=[]) for k, v in costs.per_type.items()})
 
 
 if __name__ == "__main__":

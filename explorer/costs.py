@@ -42,6 +42,10 @@ class DeviceCosts:
     fractions: list[float] = field(default_factory=list)
     fwd_at: list[list[float]] = field(default_factory=list)
     bwd_at: list[list[float]] = field(default_factory=list)
+    #: per node, how much slower (forward + backward) it ran while another rank of the same
+    #: host ran the same work at the same time, e.g. 1.3; empty where not measured (GPUs,
+    #: one rank). The simulator slows ops by it while other ranks of the host compute.
+    contention: list[float] = field(default_factory=list)
 
     def at(self, times: list[float], table: list[list[float]], i: int, fraction: float,
            ) -> float:

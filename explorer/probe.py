@@ -4,9 +4,10 @@ Profiling times each op on one rank; what a step on several ranks adds is the wo
 tensors between them: posting the send, matching and allocating the receive, and waking a rank
 that blocked waiting (on a virtual machine this grows with how long it slept). The probe runs
 the built-in tiny MLP split in two stages with four micro-batches on two real CPU ranks, and
-divides the busy time the ranks spent beyond the profile's prediction by the messages they
-exchanged. The result (``CostModel.message_s``) is measured once per host and torch version
-and cached beside the CPU rank profile; calibration refines it from your own runs.
+divides the busy time the ranks spent beyond the profile's prediction (which includes the
+ranks slowing each other, measured by the profile) by the messages they exchanged. The
+result (``CostModel.message_s``) is measured once per host and torch version and cached
+beside the CPU rank profile; calibration refines it from your own runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 from explorer import cluster as _cl
 
-PROBE_KEY = "runtime message cost"
+PROBE_KEY = "runtime message cost beyond contention"
 
 
 def cpu_message_s(cluster: _cl.Cluster) -> float:

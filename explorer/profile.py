@@ -48,7 +48,9 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
     device type in ``~/.cache/partition-explorer/profiles``; ``cache=False`` measures afresh.
     With two or more measured CPU ranks (and ``message``), the processor time each tensor
     sent between ranks costs is measured once per host (:mod:`explorer.probe`) and set as
-    ``message_s``.
+    ``message_s``; and how much each op slows while another rank of the host computes too
+    (:func:`measure_contention`, stored with the profile). Both are host measurements: not
+    taken for ``Cluster.cpu(n, measure=False)``.
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
@@ -61,10 +63,18 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
             continue
         path = cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}.json"
         dc = _load(path) if cache else None
+        fresh = dc is None
         if dc is None:
             dc = measure(graph, dev, repeats, warmup, progress)
-            if cache:
-                _store(path, dc)
+        ranks = [d for d in cluster.devices if d.present and d.type_key == dev.type_key]
+        if not dc.contention and len(ranks) >= 2 and dev.kind == "cpu" \
+                and cluster.default_link.source.startswith("measured") \
+                and graph.source == "export" and batch_splits(graph) \
+                and graph.batch_size % 2 == 0:
+            dc.contention = measure_contention(graph, ranks[:2], repeats, warmup, progress)
+            fresh = True
+        if cache and fresh:
+            _store(path, dc)
         per_type[dev.type_key] = dc
     message_s = 0.0
     if message and graph.runtime is not None:
@@ -181,6 +191,44 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
         return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
     return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
                        fractions, fwd_at, bwd_at)
+
+
+def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
+                       warmup: int = 2, progress: bool = True) -> list[float]:
+    """Per node: how much slower its forward + backward ran while another rank of this host
+    ran the same work at the same time, than alone (1.0: no slower).
+
+    CPU ranks of one host share its memory bandwidth and caches, and (in a virtual machine)
+    often more: on some hosts two ranks computing at once each run 20-50 % slower on
+    small-op work than one alone, while large matrix products do not slow at all. Measured
+    back to back, on half the batch each: one rank alone with the batch in two micro-batches,
+    then two ranks data-parallel. Each op's time is the runtime's own per-op timing, waits
+    excluded, so the all-reduce at the end of the backward does not count.
+    """
+    from explorer.plan import Plan
+    from explorer.run import run
+
+    a, b = ranks[0], ranks[1]
+    override = {a.id: a.torch_device or "cpu", b.id: b.torch_device or "cpu"}
+    solo = run(graph, plan=Plan.single(graph, a.id, optimizer="adam", micro_batches=2),
+               steps=repeats, warmup=warmup, progress=False, timeout_s=600.0,
+               device_override={a.id: override[a.id]})
+    both = run(graph, plan=Plan.from_assignment(graph, [[a.id, b.id]],
+                                                dict.fromkeys(range(len(graph)), 0),
+                                                algorithm="data-parallel", optimizer="adam"),
+               steps=repeats, warmup=warmup, progress=False, timeout_s=600.0,
+               device_override=override)
+
+    def total(m: Any, i: int) -> float:
+        return m.task_s.get(f"fwd:{i}", 0.0) + m.task_s.get(f"bwd:{i}", 0.0)
+
+    alone = [total(solo, i) for i in range(len(graph))]
+    shared = [total(both, i) for i in range(len(graph))]
+    whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
+    # a ratio of two medians of one small op is noisy: bound it, and use the whole
+    # model's ratio where an op took no measurable time alone
+    return [min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else whole
+            for s, t in zip(shared, alone, strict=True)]
 
 
 def _at_most(times: list[float], bigger: list[float]) -> list[float]:

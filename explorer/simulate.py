@@ -236,11 +236,16 @@ def _plain(costs: CostModel) -> bool:
 
 
 class _Seconds:
-    """Node seconds as ``costs.fwd_s`` / ``costs.bwd_s`` give them, for many nodes at once."""
+    """Node seconds as ``costs.fwd_s`` / ``costs.bwd_s`` give them, for many nodes at once.
 
-    def __init__(self, costs: CostModel) -> None:
+    ``others`` (device -> mean number of other ranks of its host computing while it computes)
+    slows each op by its measured contention: ``t x (1 + (ratio - 1) x others)``.
+    """
+
+    def __init__(self, costs: CostModel, others: dict[str, float] | None = None) -> None:
         self.costs = costs
         self.plain = _plain(costs)
+        self.others = others or {}
 
     def on(self, which: str, idx: np.ndarray, device: str, fraction: float) -> np.ndarray:
         """[len(idx)] seconds of nodes ``idx`` on ``device`` at ``fraction`` of the batch."""
@@ -250,6 +255,9 @@ class _Seconds:
             return np.array([fn(i, device, fraction) for i in idx.tolist()], dtype=np.float64)
         dc = costs.per_type[costs.cluster.device(device).type_key]
         t = dc.at_many(which, idx, fraction)  # DeviceCosts.at, elementwise
+        busy_others = self.others.get(device, 0.0)
+        if busy_others and dc.contention:
+            t = t * (1.0 + (np.asarray(dc.contention)[idx] - 1.0) * busy_others)
         s = t * costs.compute_scale + costs.extra_op_s  # CostModel._scaled, elementwise
         return np.where(t <= 0.0, 0.0, s)
 
@@ -473,8 +481,10 @@ class _GraphArrays:
 class _Sim:
     """Builds the task graph of one step and list-schedules it."""
 
-    def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel) -> None:
+    def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel,
+                 others: dict[str, float] | None = None) -> None:
         self.g, self.plan, self.costs = graph, plan, costs
+        self.others = others
         # per task
         self.kind: list[str] = []
         self.res: list[int] = []
@@ -567,7 +577,7 @@ class _Sim:
         tpl_isb = np.zeros(per_m, dtype=bool)
         tpl_isb[off_ops[nb] + 1] = True
         tpl_stage = st[tpl_node]
-        sec = self.seconds = _Seconds(costs)
+        sec = self.seconds = _Seconds(costs, self.others)
         fwd_d = np.zeros(N)
         bwd_d = np.zeros(N)
         for s in range(S):
@@ -1028,7 +1038,56 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     sim = _Sim(graph, plan, costs)
     sim.build()
     sim.run()
+    others = _contended(plan, costs, sim)
+    if others:  # ranks sharing a host slow each other: schedule again with their ops slowed
+        sim = _Sim(graph, plan, costs, others)
+        sim.build()
+        sim.run()
     return _predict(graph, plan, costs, sim)
+
+
+def _contended(plan: Plan, costs: CostModel, sim: _Sim) -> dict[str, float]:
+    """Per device whose profile measured contention (CPU ranks of one host): the mean number
+    of the host's other ranks computing while it computes, in the schedule ``sim`` found.
+
+    Replicas of a stage compute in step, so each counts for the whole of the stage's compute;
+    other stages count for the time their compute overlaps this stage's.
+    """
+    cluster = costs.cluster
+    shared = [[d for d in st if costs.per_type[cluster.device(d).type_key].contention]
+              for st in plan.stages]
+    if sum(len(x) for x in shared) < 2 or not _plain(costs):
+        return {}
+    S = len(plan.stages)
+    res = np.asarray(sim.res, dtype=np.int64)
+    start, end = np.asarray(sim.start), np.asarray(sim.end)
+    keep = (res < S) & (end > start)
+    res, start, end = res[keep], start[keep], end[keep]
+    # sweep over every compute start and end: which stages are computing in each slice
+    times = np.concatenate([start, end])
+    delta = np.concatenate([np.ones(len(start), dtype=np.int32),
+                            -np.ones(len(end), dtype=np.int32)])
+    who = np.concatenate([res, res])
+    o = np.argsort(times, kind="stable")
+    times, delta, who = times[o], delta[o], who[o]
+    active = np.zeros((S, len(times)), dtype=np.int32)
+    active[who, np.arange(len(times))] = delta
+    active = np.cumsum(active, axis=1, dtype=np.int32) > 0  # [stage, slice from times[k]]
+    width = np.diff(times, append=times[-1] if len(times) else 0.0)
+    count = np.array([len(x) for x in shared], dtype=np.float64)
+    out = {}
+    for s in range(S):
+        if not shared[s]:
+            continue
+        busy = float((active[s] * width).sum())
+        if busy <= 0.0:
+            continue
+        overlap = active * width * active[s]  # other stages' compute during this one's
+        others = float(count @ overlap.sum(axis=1) - count[s] * busy) / busy + count[s] - 1
+        if others > 0.0:
+            for d in shared[s]:
+                out[d] = others
+    return out
 
 
 def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
@@ -1097,7 +1156,7 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, sim: _Sim) -> Predict
         transfer_bytes=sim.transfer_bytes, allreduce_bytes=sim.allreduce_bytes,
         energy_j=sum(energy.values()), energy_by_device_j=energy,
         critical_path=_CriticalPath(sim, last),  # type: ignore[arg-type]
-        bottleneck=bottleneck, lower_bound_s=_lower_bound(sim.arrays, costs, sim.seconds),
+        bottleneck=bottleneck, lower_bound_s=_lower_bound(sim.arrays, costs, _Seconds(costs)),
         algorithm=plan.algorithm)
 
 

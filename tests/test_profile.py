@@ -205,3 +205,33 @@ class TestRoofline:
         assert costs.source(i, "T4:0") == "roofline"
         assert costs.fwd_s(i, "T4:0") == roofline(gpt, t4.devices[0]).fwd_s[i]
         assert sorted(costs.per_type) == sorted([CPU_KEY, t4.devices[0].type_key])
+
+
+class TestContention:
+    def test_measured_on_two_real_ranks(self):
+        bm = ex.builtin_model("mlp", "tiny")
+        g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
+        ranks = list(Cluster.cpu(2, measure=False).devices)
+        ratios = prof.measure_contention(g, ranks, repeats=3, warmup=1, progress=False)
+        assert len(ratios) == len(g)
+        assert all(0.5 <= r <= 4.0 for r in ratios)
+
+    def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch):
+        calls = []
+        monkeypatch.setattr(prof, "measure_contention",
+                            lambda g, ranks, *a: calls.append([d.id for d in ranks])
+                            or [1.25] * len(g))
+        monkeypatch.setattr("explorer.probe.cpu_message_s", lambda cl: 0.0)
+        two = Cluster.cpu(2)
+        costs = ex.profile(gpt, two, **FAST)
+        assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
+        assert calls == [["cpu:0", "cpu:1"]]
+        again = ex.profile(gpt, two, **FAST)  # read back from the cache with the profile
+        assert again.per_type[CPU_KEY].contention == [1.25] * len(gpt)
+        assert len(calls) == 1 and len(fake) == 1
+        # not for one rank, nor for nominal ranks (no host measurements)
+        assert ex.profile(gpt, Cluster.cpu(1), cache=False, **FAST).per_type[
+            CPU_KEY].contention == []
+        assert ex.profile(gpt, Cluster.cpu(2, measure=False), cache=False, **FAST).per_type[
+            CPU_KEY].contention == []
+        assert len(calls) == 1

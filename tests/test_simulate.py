@@ -225,3 +225,53 @@ class TestRefusals:
         plan = Plan.single(chain3, "gpu:7")
         with pytest.raises(PlanError, match="gpu:7"):
             simulate(chain3, plan, costs(chain3, cluster(1), FWD, BWD))
+
+
+class TestContention:
+    """CPU ranks of one host slow each other while both compute (DeviceCosts.contention)."""
+
+    @staticmethod
+    def _contended(g, cl, ratio: float):
+        cm = costs(g, cl, FWD, BWD)
+        for dc in cm.per_type.values():
+            dc.contention = [ratio if n.kind == "op" else 1.0 for n in g.nodes]
+        return cm
+
+    def test_a_sequential_plan_is_unchanged(self, chain3):
+        # a on d:0, then b, c on d:1: never both computing
+        cl = cluster(2)
+        plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+        pred = simulate(chain3, plan, self._contended(chain3, cl, 2.0))
+        assert pred.step_s == pytest.approx(18.0)
+        assert pred.busy_s == {"d:0": pytest.approx(3.0), "d:1": pytest.approx(15.0)}
+
+    def test_replicas_always_compute_together(self, chain3):
+        # data-parallel: each replica runs every op on half the batch (9 s) while the other
+        # does the same, so every op takes 1.5 x
+        cl = cluster(2)
+        plan = Plan.from_assignment(chain3, [("d:0", "d:1")], {"a": 0, "b": 0, "c": 0})
+        assert simulate(chain3, plan, costs(chain3, cl, FWD, BWD)).step_s == pytest.approx(9.0)
+        pred = simulate(chain3, plan, self._contended(chain3, cl, 1.5))
+        assert pred.step_s == pytest.approx(13.5)
+        assert pred.busy_s == {"d:0": pytest.approx(13.5), "d:1": pytest.approx(13.5)}
+
+    def test_partial_overlap_slows_in_proportion(self):
+        # a on d:0 and b on d:1 both read x; c = f(a, b) on d:1. Alone: fa [0,1] with
+        # fb [0,2]; fc [2,5]; bc [5,11]; then bb [11,15] with ba [11,13]. d:0 computes 3 s,
+        # all of it beside d:1: 1 other rank on average; d:1 computes 15 s, 3 s of it beside
+        # d:0: 0.2. With contention 2: d:0's ops take 2 x, d:1's 1.2 x: fa 2, fb 2.4, fc 3.6,
+        # bc 7.2, bb 4.8, ba 4: step = 2.4 + 3.6 + 7.2 + 4.8 = 18
+        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100), ("b", "op", ["x"], 100),
+                   ("c", "op", ["a", "b"], 4)])
+        cl = cluster(2)
+        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+        assert simulate(g, plan, costs(g, cl, FWD, BWD)).step_s == pytest.approx(15.0)
+        pred = simulate(g, plan, self._contended(g, cl, 2.0))
+        assert pred.step_s == pytest.approx(18.0)
+        assert pred.busy_s == {"d:0": pytest.approx(6.0), "d:1": pytest.approx(18.0)}
+
+    def test_the_lower_bound_ignores_it(self, chain3):
+        cl = cluster(2)
+        plan = Plan.from_assignment(chain3, [("d:0", "d:1")], {"a": 0, "b": 0, "c": 0})
+        pred = simulate(chain3, plan, self._contended(chain3, cl, 1.5))
+        assert pred.lower_bound_s == pytest.approx(9.0)
