@@ -1,9 +1,10 @@
 """Prediction accuracy: run plans for real on CPU ranks and compare with the simulator.
 
 Run: python benchmarks/accuracy.py [--size small] [--models mlp,gpt,...] [--steps 5]
-       [--algorithms single,data-parallel,...] [--devices 2]
-For every model x plan it profiles once (through the runtime, one thread per rank), predicts,
-runs real steps with ``ex.run`` and prints predicted vs measured step time and peak memory with
+       [--passes 2] [--extra ALGORITHMS] [--devices 2] [--cached]
+For every model it profiles afresh (through the runtime, one thread per rank), then for every
+plan predicts, runs real steps with ``ex.run`` (``--passes`` times, in turn over the model's
+plans) and prints predicted vs measured step time and peak memory with
 the error per plan, their mean and max, and Kendall's tau between predicted and measured step
 times across all plans. A second prediction per plan comes from a cost model calibrated
 (``ex.calibrate``) on the runs of the *other* models only, so no plan is predicted by a fit
@@ -40,6 +41,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--extra", default="", help="more registered algorithms to include")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="run every plan this many times, in turn over all of a model's "
+                         "plans; a plan's measured step is the median over all its steps")
+    ap.add_argument("--cached", action="store_true",
+                    help="use cached profiles (default: profile afresh just before the runs, "
+                         "as a user profiles and then runs in one session)")
     args = ap.parse_args()
     plans = list(PLANS) + [(a, {}) for a in args.extra.split(",") if a]
     cluster = ex.Cluster.cpu(args.devices)
@@ -49,7 +56,8 @@ def main() -> None:
     for name in args.models.split(","):
         bm = ex.builtin_model(name, args.size)
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-        costs = ex.profile(graph, cluster, progress=False)
+        costs = ex.profile(graph, cluster, progress=False, cache=args.cached)
+        todo = []
         for alg, opts in plans:
             label = alg + "".join(f" {k}={v}" for k, v in opts.items())
             try:
@@ -57,10 +65,16 @@ def main() -> None:
             except ex.ExplorerError as exc:
                 skipped.append((name, label, f"skipped: {exc}"[:60]))
                 continue
-            pred = ex.simulate(graph, plan, costs)
-            meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
-                          progress=False)
-            runs.append((name, label, graph, costs, plan, pred, meas))
+            todo.append((label, plan, []))
+        # passes in turn over the plans: a burst of load on the host lands on one pass of
+        # several plans, not on every step of one plan
+        for _ in range(args.passes):
+            for _, plan, got in todo:
+                got.append(ex.run(graph, plan=plan, costs=costs, steps=args.steps,
+                                  warmup=args.warmup, progress=False))
+        for label, plan, got in todo:
+            runs.append((name, label, graph, costs, plan, ex.simulate(graph, plan, costs),
+                         _pooled(got)))
     # calibrated: fitted on the runs of the *other* models only, then predicting this one
     calibrated = {}
     models = sorted({r[0] for r in runs})
@@ -105,8 +119,8 @@ def main() -> None:
                      f"{e_mem * 100:+.1f}%", ""))
     for name, label, note in skipped:
         rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", note))
-    print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.steps} steps "
-          f"after {args.warmup} warm-up, median of the slowest rank)")
+    print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
+          f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
     print(_table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
                   "calib ms", "calib err",
                   "pred MiB", "meas MiB", "mem err (worst device)", "note"), rows))
@@ -123,6 +137,18 @@ def main() -> None:
         print(summary("as profiled, without contention", flat_err, flat_pairs))
     if cal_pairs:
         print(summary("calibrated on the other models' runs", cal_err, cal_pairs))
+
+
+def _pooled(ms: list) -> ex.Measurement:
+    """One measurement of a plan from several runs of it: medians over all their steps."""
+    if len(ms) == 1:
+        return ms[0]
+    steps = tuple(x for m in ms for x in m.step_samples_s)
+    return dataclasses.replace(
+        ms[0], step_s=statistics.median(steps), step_samples_s=steps,
+        busy_s={d: statistics.median(m.busy_s[d] for m in ms) for d in ms[0].busy_s},
+        peak_bytes={d: max(m.peak_bytes[d] for m in ms) for d in ms[0].peak_bytes},
+        steps=len(steps))
 
 
 def _without_contention(costs: ex.CostModel) -> ex.CostModel:

@@ -1035,15 +1035,22 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     """
     costs.check(graph)
     plan.validate(graph, costs.cluster)
+    return _predict(graph, plan, costs, _schedule(graph, plan, costs))
+
+
+def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> _Sim:
+    """The step's tasks, list-scheduled; where ranks sharing a host slow each other
+    (measured contention), scheduled again with each rank's ops slowed by how much of its
+    compute the first schedule overlapped with the others'."""
     sim = _Sim(graph, plan, costs)
     sim.build()
     sim.run()
     others = _contended(plan, costs, sim)
-    if others:  # ranks sharing a host slow each other: schedule again with their ops slowed
+    if others:
         sim = _Sim(graph, plan, costs, others)
         sim.build()
         sim.run()
-    return _predict(graph, plan, costs, sim)
+    return sim
 
 
 def _contended(plan: Plan, costs: CostModel, sim: _Sim) -> dict[str, float]:
@@ -1101,9 +1108,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
     """
     if costs is None:
         costs = unit_costs(graph, plan)
-    sim = _Sim(graph, plan, costs)
-    sim.build()
-    sim.run()
+    sim = _schedule(graph, plan, costs)  # the order the prediction assumes, contention too
     S = len(plan.stages)
     out: list[list[tuple[str, int, int]]] = [[] for _ in plan.stages]
     kind, res, mb, node = sim.kind, sim.res, sim.mb, sim.node

@@ -275,3 +275,19 @@ class TestContention:
         plan = Plan.from_assignment(chain3, [("d:0", "d:1")], {"a": 0, "b": 0, "c": 0})
         pred = simulate(chain3, plan, self._contended(chain3, cl, 1.5))
         assert pred.lower_bound_s == pytest.approx(9.0)
+
+    def test_the_runtime_follows_the_contended_schedule(self):
+        # the ranks run the tasks in the order the prediction (and its memory) assumes
+        from explorer.simulate import execution_order
+
+        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100), ("b", "op", ["x"], 100),
+                   ("c", "op", ["a", "b"], 4)])
+        cl = cluster(2)
+        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+        cm = self._contended(g, cl, 2.0)
+        pred = simulate(g, plan, cm)
+        for s, dev in enumerate(("d:0", "d:1")):
+            shown = [(iv.kind, iv.label) for iv in sorted(pred.timeline, key=lambda iv: (
+                iv.start_s, iv.end_s)) if iv.device == dev and iv.kind in ("fwd", "bwd")]
+            assert [(k, g.nodes[i].name) for k, _, i in execution_order(g, plan, cm)[s]
+                    if k in ("fwd", "bwd")] == shown
