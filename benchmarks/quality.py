@@ -31,6 +31,7 @@ included) and its mean step time over the best (geometric mean).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -209,7 +210,12 @@ def main() -> None:
             for k in counts:
                 if kind == "cpu":
                     cluster = ex.Cluster.cpu(k)
-                    costs = (ex.CostModel(graph.fingerprint, cluster, cpu_costs.per_type)
+                    # one rank's op times, shared by k identical ranks; without the
+                    # contention a cached two-rank profile may carry (measured for two ranks
+                    # of this host, it says nothing of k hypothetical ones)
+                    per_type = {key: dataclasses.replace(v, contention=[])
+                                for key, v in cpu_costs.per_type.items()} if cpu_costs else {}
+                    costs = (ex.CostModel(graph.fingerprint, cluster, per_type)
                              if cpu_costs is not None else roofline_costs(graph, cluster))
                     label = f"cpu:{k} ({args.cpu_costs})"
                 else:
