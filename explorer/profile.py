@@ -194,36 +194,43 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
 
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
-                       warmup: int = 2, progress: bool = True) -> list[float]:
+                       warmup: int = 2, progress: bool = True, rounds: int = 2) -> list[float]:
     """Per node: how much slower its forward + backward ran while another rank of this host
     ran the same work at the same time, than alone (1.0: no slower).
 
     CPU ranks of one host share its memory bandwidth and caches, and (in a virtual machine)
     often more: on some hosts two ranks computing at once each run 20-50 % slower on
     small-op work than one alone, while large matrix products do not slow at all. Measured
-    back to back, on half the batch each: one rank alone with the batch in two micro-batches,
-    then two ranks data-parallel. Each op's time is the runtime's own per-op timing, waits
-    excluded, so the all-reduce at the end of the backward does not count.
+    back to back, on half the batch each, ``rounds`` times in turn: one rank alone with the
+    batch in two micro-batches, then two ranks data-parallel; per op, the summed times. Each
+    op's time is the runtime's own per-op timing, waits excluded, so the all-reduce at the end
+    of the backward does not count.
     """
     from explorer.plan import Plan
     from explorer.run import run
 
     a, b = ranks[0], ranks[1]
     override = {a.id: a.torch_device or "cpu", b.id: b.torch_device or "cpu"}
-    solo = run(graph, plan=Plan.single(graph, a.id, optimizer="adam", micro_batches=2),
-               steps=repeats, warmup=warmup, progress=False, timeout_s=600.0,
-               device_override={a.id: override[a.id]})
-    both = run(graph, plan=Plan.from_assignment(graph, [[a.id, b.id]],
-                                                dict.fromkeys(range(len(graph)), 0),
-                                                algorithm="data-parallel", optimizer="adam"),
-               steps=repeats, warmup=warmup, progress=False, timeout_s=600.0,
-               device_override=override)
+    single = Plan.single(graph, a.id, optimizer="adam", micro_batches=2)
+    pair = Plan.from_assignment(graph, [[a.id, b.id]], dict.fromkeys(range(len(graph)), 0),
+                                algorithm="data-parallel", optimizer="adam")
+    solos, boths = [], []
+    bar = tqdm(total=2 * rounds, desc=f"contention of {graph.name} on {a.id}+{b.id}",
+               unit="run", disable=not progress, leave=False)
+    for _ in range(rounds):  # in turn, so a burst of load on the host hits both sides
+        solos.append(run(graph, plan=single, steps=repeats, warmup=warmup, progress=False,
+                         timeout_s=600.0, device_override={a.id: override[a.id]}))
+        bar.update()
+        boths.append(run(graph, plan=pair, steps=repeats, warmup=warmup, progress=False,
+                         timeout_s=600.0, device_override=override))
+        bar.update()
+    bar.close()
 
-    def total(m: Any, i: int) -> float:
-        return m.task_s.get(f"fwd:{i}", 0.0) + m.task_s.get(f"bwd:{i}", 0.0)
+    def total(ms: list[Any], i: int) -> float:
+        return sum(m.task_s.get(f"fwd:{i}", 0.0) + m.task_s.get(f"bwd:{i}", 0.0) for m in ms)
 
-    alone = [total(solo, i) for i in range(len(graph))]
-    shared = [total(both, i) for i in range(len(graph))]
+    alone = [total(solos, i) for i in range(len(graph))]
+    shared = [total(boths, i) for i in range(len(graph))]
     whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
     # a ratio of two medians of one small op is noisy: bound it, and use the whole
     # model's ratio where an op took no measurable time alone
