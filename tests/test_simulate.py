@@ -237,6 +237,13 @@ class TestContention:
             dc.contention = [ratio if n.kind == "op" else 1.0 for n in g.nodes]
         return cm
 
+    @staticmethod
+    def _branches():
+        """a on d:0 and b on d:1 both read x; c = f(a, b) on d:1."""
+        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100), ("b", "op", ["x"], 100),
+                   ("c", "op", ["a", "b"], 4)])
+        return g, Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
+
     def test_a_sequential_plan_is_unchanged(self, chain3):
         # a on d:0, then b, c on d:1: never both computing
         cl = cluster(2)
@@ -256,15 +263,12 @@ class TestContention:
         assert pred.busy_s == {"d:0": pytest.approx(13.5), "d:1": pytest.approx(13.5)}
 
     def test_partial_overlap_slows_in_proportion(self):
-        # a on d:0 and b on d:1 both read x; c = f(a, b) on d:1. Alone: fa [0,1] with
-        # fb [0,2]; fc [2,5]; bc [5,11]; then bb [11,15] with ba [11,13]. d:0 computes 3 s,
-        # all of it beside d:1: 1 other rank on average; d:1 computes 15 s, 3 s of it beside
-        # d:0: 0.2. With contention 2: d:0's ops take 2 x, d:1's 1.2 x: fa 2, fb 2.4, fc 3.6,
-        # bc 7.2, bb 4.8, ba 4: step = 2.4 + 3.6 + 7.2 + 4.8 = 18
-        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100), ("b", "op", ["x"], 100),
-                   ("c", "op", ["a", "b"], 4)])
+        # alone: fa [0,1] with fb [0,2]; fc [2,5]; bc [5,11]; then bb [11,15] with
+        # ba [11,13]. d:0 computes 3 s, all of it beside d:1: 1 other rank on average; d:1
+        # computes 15 s, 3 s of it beside d:0: 0.2. With contention 2: d:0's ops take 2 x,
+        # d:1's 1.2 x: fa 2, fb 2.4, fc 3.6, bc 7.2, bb 4.8, ba 4: step 2.4+3.6+7.2+4.8 = 18
+        g, plan = self._branches()
         cl = cluster(2)
-        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
         assert simulate(g, plan, costs(g, cl, FWD, BWD)).step_s == pytest.approx(15.0)
         pred = simulate(g, plan, self._contended(g, cl, 2.0))
         assert pred.step_s == pytest.approx(18.0)
@@ -280,11 +284,8 @@ class TestContention:
         # the ranks run the tasks in the order the prediction (and its memory) assumes
         from explorer.simulate import execution_order
 
-        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100), ("b", "op", ["x"], 100),
-                   ("c", "op", ["a", "b"], 4)])
-        cl = cluster(2)
-        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
-        cm = self._contended(g, cl, 2.0)
+        g, plan = self._branches()
+        cm = self._contended(g, cluster(2), 2.0)
         pred = simulate(g, plan, cm)
         for s, dev in enumerate(("d:0", "d:1")):
             shown = [(iv.kind, iv.label) for iv in sorted(pred.timeline, key=lambda iv: (
