@@ -97,7 +97,7 @@ def main() -> None:
         name, label, graph, costs, plan, pred, meas = r
         rep = ex.compare(pred, meas)
         # the same prediction without the measured contention between ranks of this host
-        flat = ex.simulate(graph, plan, _without_contention(costs))
+        flat = ex.simulate(graph, plan, costs.without_contention())
         flat_err.append(abs(flat.step_s / meas.step_s - 1))
         flat_pairs.append((flat.step_s, meas.step_s))
         e_step = rep.step_error
@@ -149,11 +149,6 @@ def _pooled(ms: list) -> ex.Measurement:
         busy_s={d: statistics.median(m.busy_s[d] for m in ms) for d in ms[0].busy_s},
         peak_bytes={d: max(m.peak_bytes[d] for m in ms) for d in ms[0].peak_bytes},
         steps=len(steps))
-
-
-def _without_contention(costs: ex.CostModel) -> ex.CostModel:
-    return dataclasses.replace(costs, per_type={
-        k: dataclasses.replace(v, contention=[]) for k, v in costs.per_type.items()})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ on CPU ranks (profiled here, one thread each) and on an H100 preset (roofline).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import explorer as ex
@@ -44,9 +43,8 @@ def main() -> None:
                     else ex.profile(graph, cl)
                 if label.startswith("cpu"):  # one rank's op times for k ranks, without the
                     # contention measured between two ranks of this host (see quality.py)
-                    costs = ex.CostModel(graph.fingerprint, cl, {
-                        key: dataclasses.replace(v, contention=[])
-                        for key, v in costs_cpu.per_type.items()})
+                    costs = ex.CostModel(graph.fingerprint, cl,
+                                         costs_cpu.without_contention().per_type)
                 t0 = time.perf_counter()
                 for alg, plan, r in plan_rows(graph, cl, costs, BASELINES, {}):
                     if plan is None:

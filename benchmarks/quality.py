@@ -31,7 +31,6 @@ included) and its mean step time over the best (geometric mean).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -213,9 +212,8 @@ def main() -> None:
                     # one rank's op times, shared by k identical ranks; without the
                     # contention a cached two-rank profile may carry (measured for two ranks
                     # of this host, it says nothing of k hypothetical ones)
-                    per_type = {key: dataclasses.replace(v, contention=[])
-                                for key, v in cpu_costs.per_type.items()} if cpu_costs else {}
-                    costs = (ex.CostModel(graph.fingerprint, cluster, per_type)
+                    costs = (ex.CostModel(graph.fingerprint, cluster,
+                                          cpu_costs.without_contention().per_type)
                              if cpu_costs is not None else roofline_costs(graph, cluster))
                     label = f"cpu:{k} ({args.cpu_costs})"
                 else:

@@ -9,7 +9,7 @@ per-op cost (dispatch, kernel launch) does not shrink with the batch.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,12 @@ class CostModel:
         if t <= 0.0:
             return 0.0
         return t * self.compute_scale + self.extra_op_s
+
+    def without_contention(self) -> CostModel:
+        """These costs as if ranks sharing a host did not slow each other (one rank's op
+        times for ranks elsewhere, or to see what contention adds to a prediction)."""
+        return replace(self, per_type={k: replace(v, contention=[])
+                                       for k, v in self.per_type.items()})
 
     def source(self, i: int, device_id: str) -> str:
         return self._dc(device_id).source[i]

@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def _store(path: Path, dc: DeviceCosts) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"version": PROFILE_VERSION, "torch": torch.__version__,
-                                   **dc.__dict__}))
+                                   **asdict(dc)}))  # the fields, not cached arrays
         tmp.replace(path)
     except OSError:
         pass  # caching is a convenience; a read-only home must not stop profiling

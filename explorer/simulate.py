@@ -257,7 +257,7 @@ class _Seconds:
         t = dc.at_many(which, idx, fraction)  # DeviceCosts.at, elementwise
         busy_others = self.others.get(device, 0.0)
         if busy_others and dc.contention:
-            t = t * (1.0 + (np.asarray(dc.contention)[idx] - 1.0) * busy_others)
+            t = t * (1.0 + (dc._array("contention")[idx] - 1.0) * busy_others)
         s = t * costs.compute_scale + costs.extra_op_s  # CostModel._scaled, elementwise
         return np.where(t <= 0.0, 0.0, s)
 
@@ -1081,16 +1081,15 @@ def _contended(plan: Plan, costs: CostModel, sim: _Sim) -> dict[str, float]:
     active[who, np.arange(len(times))] = delta
     active = np.cumsum(active, axis=1, dtype=np.int32) > 0  # [stage, slice from times[k]]
     width = np.diff(times, append=times[-1] if len(times) else 0.0)
+    # both[s, t]: seconds stages s and t compute at once (both[s, s]: s's compute time)
+    both = (active * width) @ active.T.astype(np.float64)
     count = np.array([len(x) for x in shared], dtype=np.float64)
     out = {}
     for s in range(S):
-        if not shared[s]:
+        busy = both[s, s]
+        if not shared[s] or busy <= 0.0:
             continue
-        busy = float((active[s] * width).sum())
-        if busy <= 0.0:
-            continue
-        overlap = active * width * active[s]  # other stages' compute during this one's
-        others = float(count @ overlap.sum(axis=1) - count[s] * busy) / busy + count[s] - 1
+        others = float(count @ both[s] - count[s] * busy) / busy + count[s] - 1
         if others > 0.0:
             for d in shared[s]:
                 out[d] = others
