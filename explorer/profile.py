@@ -72,8 +72,13 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
                 and cluster.default_link.source.startswith("measured") \
                 and graph.source == "export" and batch_splits(graph) \
                 and graph.batch_size % 2 == 0:
-            dc.contention = measure_contention(graph, ranks[:2], repeats, warmup, progress)
-            fresh = True
+            try:
+                dc.contention = measure_contention(graph, ranks[:2], repeats, warmup,
+                                                   progress)
+                fresh = True
+            except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
+                warnings.warn(f"could not measure how CPU ranks of this host slow each other "
+                              f"({exc}); predictions leave it out", stacklevel=2)
         if cache and fresh:
             _store(path, dc)
         per_type[dev.type_key] = dc

@@ -235,3 +235,17 @@ class TestContention:
         assert ex.profile(gpt, Cluster.cpu(2, measure=False), cache=False, **FAST).per_type[
             CPU_KEY].contention == []
         assert len(calls) == 1
+
+    def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
+                                                               monkeypatch):
+        from explorer.run import RunFailed
+
+        def broken(*args):
+            raise RunFailed("rank 1 (cpu:1) was killed by SIGKILL")
+
+        monkeypatch.setattr(prof, "measure_contention", broken)
+        monkeypatch.setattr("explorer.probe.cpu_message_s", lambda cl: 0.0)
+        with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
+            costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
+        assert costs.per_type[CPU_KEY].contention == []
+        assert costs.source(gpt.index[gpt.loss], "cpu:0") == "measured"
