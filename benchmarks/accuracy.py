@@ -1,14 +1,24 @@
 """Prediction accuracy: run plans for real on CPU ranks and compare with the simulator.
 
-Run: python benchmarks/accuracy.py [--size small] [--models mlp,gpt,...] [--steps 5]
-       [--passes 2] [--extra ALGORITHMS] [--devices 2] [--cached]
-For every model it profiles afresh (through the runtime, one thread per rank), then for every
-plan predicts, runs real steps with ``ex.run`` (``--passes`` times, in turn over the model's
-plans) and prints predicted vs measured step time and peak memory with
-the error per plan, their mean and max, and Kendall's tau between predicted and measured step
-times across all plans. A second prediction per plan comes from a cost model calibrated
-(``ex.calibrate``) on the runs of the *other* models only, so no plan is predicted by a fit
-that saw it. Run it on a quiet machine: the ranks share its cores.
+Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...] [--steps 5]
+       [--passes 3] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
+For every model it profiles afresh (through the runtime, one thread per rank), then makes the
+baseline plans and one plan per registered partitioner. Partitioners that arrive at a plan
+already made (the same placement, stages, micro-batches and schedule) share its row, so every
+distinct plan is run once per pass. Each plan is predicted, then run for real with ``ex.run``
+``--passes`` times, in turn over the model's plans; its measured step is the median over all
+its steps. The table gives predicted vs measured step time and peak memory with the error per
+plan, their mean and max, and Kendall's tau between predicted and measured step times across
+all plans. Two references beside it:
+
+* the measurement against itself: the first pass's median against the second's, per plan,
+  summarized the same way (error mean and max, tau). No prediction can agree with the
+  measurement better than the measurement agrees with itself, so this is the floor the
+  prediction errors are to be read against;
+* a cost model calibrated (``ex.calibrate``) on the runs of the *other* models only, so no
+  plan is predicted by a fit that saw it.
+
+Run it on a quiet machine: the ranks share its cores.
 """
 
 from __future__ import annotations
@@ -35,20 +45,29 @@ PLANS = [
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="small")
+    ap.add_argument("--size", default="default")
     ap.add_argument("--models", default="mlp,alexnet,resnet,gpt")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--devices", type=int, default=2)
-    ap.add_argument("--extra", default="", help="more registered algorithms to include")
-    ap.add_argument("--passes", type=int, default=2,
+    ap.add_argument("--partitioners", default="all",
+                    help="registered partitioners to run besides the baselines: all, none, "
+                         "or a comma-separated list")
+    ap.add_argument("--passes", type=int, default=3,
                     help="run every plan this many times, in turn over all of a model's "
                          "plans; a plan's measured step is the median over all its steps")
     ap.add_argument("--cached", action="store_true",
                     help="use cached profiles (default: profile afresh just before the runs, "
                          "as a user profiles and then runs in one session)")
     args = ap.parse_args()
-    plans = list(PLANS) + [(a, {}) for a in args.extra.split(",") if a]
+    baselines = {a for a, _ in PLANS}
+    if args.partitioners == "all":
+        extra = [a for a in ex.algorithms() if a not in baselines]
+    elif args.partitioners == "none":
+        extra = []
+    else:
+        extra = [a for a in args.partitioners.split(",") if a]
+    plans = list(PLANS) + [(a, {}) for a in extra]
     cluster = ex.Cluster.cpu(args.devices)
     runs = []  # (model, label, graph, costs, plan, pred, meas)
     skipped = []
@@ -58,6 +77,7 @@ def main() -> None:
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
         costs = ex.profile(graph, cluster, progress=False, cache=args.cached)
         todo = []
+        seen: dict[tuple, int] = {}  # a plan's signature -> its row in todo
         for alg, opts in plans:
             label = alg + "".join(f" {k}={v}" for k, v in opts.items())
             try:
@@ -65,16 +85,22 @@ def main() -> None:
             except ex.ExplorerError as exc:
                 skipped.append((name, label, f"skipped: {exc}"[:60]))
                 continue
-            todo.append((label, plan, []))
+            key = _signature(plan)
+            if key in seen:  # the same plan again: one row, every algorithm that made it
+                row = todo[seen[key]]
+                todo[seen[key]] = (row[0], row[1], row[2], row[3] + [label])
+                continue
+            seen[key] = len(todo)
+            todo.append((label, plan, [], []))
         # passes in turn over the plans: a burst of load on the host lands on one pass of
         # several plans, not on every step of one plan
         for _ in range(args.passes):
-            for _, plan, got in todo:
+            for _, plan, got, _ in todo:
                 got.append(ex.run(graph, plan=plan, costs=costs, steps=args.steps,
                                   warmup=args.warmup, progress=False))
-        for label, plan, got in todo:
+        for label, plan, got, same in todo:
             runs.append((name, label, graph, costs, plan, ex.simulate(graph, plan, costs),
-                         _pooled(got)))
+                         _pooled(got), [m.step_s for m in got], same))
     # calibrated: fitted on the runs of the *other* models only, then predicting this one
     calibrated = {}
     models = sorted({r[0] for r in runs})
@@ -92,9 +118,13 @@ def main() -> None:
               f"message, link x{fitted.link_scale:.2f}")
 
     rows, step_err, cal_err, mem_err, pairs, cal_pairs = [], [], [], [], [], []
-    flat_err, flat_pairs = [], []
+    flat_err, flat_pairs, self_err, self_pairs = [], [], [], []
     for r in runs:
-        name, label, graph, costs, plan, pred, meas = r
+        name, label, graph, costs, plan, pred, meas, per_pass, same = r
+        spread = max(per_pass) / min(per_pass) - 1
+        if len(per_pass) >= 2:  # the measurement against itself: pass 1 against pass 2
+            self_err.append(abs(per_pass[0] / per_pass[1] - 1))
+            self_pairs.append((per_pass[0], per_pass[1]))
         rep = ex.compare(pred, meas)
         # the same prediction without the measured contention between ranks of this host
         flat = ex.simulate(graph, plan, costs.without_contention())
@@ -116,14 +146,16 @@ def main() -> None:
                      f"{e_cal * 100:+.1f}%" if cal else "-",
                      f"{max(pred.peak_bytes.values()) / 2**20:.2f}",
                      f"{max(meas.peak_bytes.values()) / 2**20:.2f}",
-                     f"{e_mem * 100:+.1f}%", ""))
+                     f"{e_mem * 100:+.1f}%", f"{spread * 100:.1f}%",
+                     "same plan from " + ", ".join(same) if same else ""))
     for name, label, note in skipped:
-        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", note))
+        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", note))
     print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
           f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
     print(_table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
                   "calib ms", "calib err",
-                  "pred MiB", "meas MiB", "mem err (worst device)", "note"), rows))
+                  "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note"),
+                 rows))
 
     def summary(what: str, errs: list[float], prs: list[tuple[float, float]]) -> str:
         tau = kendalltau([p for p, _ in prs], [m for _, m in prs]).statistic
@@ -135,8 +167,17 @@ def main() -> None:
               f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
         print(summary("as profiled", step_err, pairs))
         print(summary("as profiled, without contention", flat_err, flat_pairs))
+    if self_pairs:
+        print(summary("measured against itself (pass 1 vs pass 2, the floor)", self_err,
+                      self_pairs))
     if cal_pairs:
         print(summary("calibrated on the other models' runs", cal_err, cal_pairs))
+
+
+def _signature(plan: ex.Plan) -> tuple:
+    """What makes two plans run the same way (the algorithm that made them aside)."""
+    return (plan.stages, tuple(sorted(plan.placement.items())), plan.micro_batches,
+            plan.schedule if plan.micro_batches > 1 else "", plan.optimizer)
 
 
 def _pooled(ms: list) -> ex.Measurement:
