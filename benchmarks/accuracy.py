@@ -69,7 +69,7 @@ def main() -> None:
         extra = [a for a in args.partitioners.split(",") if a]
     plans = list(PLANS) + [(a, {}) for a in extra]
     cluster = ex.Cluster.cpu(args.devices)
-    runs = []  # (model, label, graph, costs, plan, pred, meas)
+    runs = []  # (model, label, graph, costs, plan, pred, meas, per-pass steps, same plan from)
     skipped = []
     t_all = time.perf_counter()
     for name in args.models.split(","):
@@ -117,31 +117,28 @@ def main() -> None:
               f"{fitted.extra_op_s * 1e6:.1f} us per op, {fitted.message_s * 1e6:.1f} us per "
               f"message, link x{fitted.link_scale:.2f}")
 
-    rows, step_err, cal_err, mem_err, pairs, cal_pairs = [], [], [], [], [], []
-    flat_err, flat_pairs, self_err, self_pairs = [], [], [], []
+    # (predicted, measured) per plan for each summary; errors are (p - m) / m as in ex.compare
+    rows, mem_err, pairs, flat_pairs, cal_pairs, self_pairs = [], [], [], [], [], []
     for r in runs:
         name, label, graph, costs, plan, pred, meas, per_pass, same = r
         spread = max(per_pass) / min(per_pass) - 1
         if len(per_pass) >= 2:  # the measurement against itself: pass 1 against pass 2
-            self_err.append(abs(per_pass[0] / per_pass[1] - 1))
             self_pairs.append((per_pass[0], per_pass[1]))
         rep = ex.compare(pred, meas)
         # the same prediction without the measured contention between ranks of this host
         flat = ex.simulate(graph, plan, costs.without_contention())
-        flat_err.append(abs(flat.step_s / meas.step_s - 1))
+        e_flat = flat.step_s / meas.step_s - 1
         flat_pairs.append((flat.step_s, meas.step_s))
         e_step = rep.step_error
         e_mem = max(rep.memory_errors.values(), key=abs)
-        step_err.append(abs(e_step))
         mem_err.append(abs(e_mem))
         pairs.append((pred.step_s, meas.step_s))
         cal = calibrated.get(id(r))
         if cal is not None:
             e_cal = cal.step_s / meas.step_s - 1
-            cal_err.append(abs(e_cal))
             cal_pairs.append((cal.step_s, meas.step_s))
         rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
-                     f"{e_step * 100:+.1f}%", f"{(flat.step_s / meas.step_s - 1) * 100:+.1f}%",
+                     f"{e_step * 100:+.1f}%", f"{e_flat * 100:+.1f}%",
                      f"{cal.step_s * 1e3:.2f}" if cal else "-",
                      f"{e_cal * 100:+.1f}%" if cal else "-",
                      f"{max(pred.peak_bytes.values()) / 2**20:.2f}",
@@ -157,7 +154,8 @@ def main() -> None:
                   "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note"),
                  rows))
 
-    def summary(what: str, errs: list[float], prs: list[tuple[float, float]]) -> str:
+    def summary(what: str, prs: list[tuple[float, float]]) -> str:
+        errs = [abs(p / m - 1) for p, m in prs]
         tau = kendalltau([p for p, _ in prs], [m for _, m in prs]).statistic
         return (f"{what}: step-time error mean {statistics.mean(errs) * 100:.1f}%, max "
                 f"{max(errs) * 100:.1f}%, Kendall tau {tau:.2f}")
@@ -165,13 +163,12 @@ def main() -> None:
     if pairs:
         print(f"\nplans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
               f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
-        print(summary("as profiled", step_err, pairs))
-        print(summary("as profiled, without contention", flat_err, flat_pairs))
+        print(summary("as profiled", pairs))
+        print(summary("as profiled, without contention", flat_pairs))
     if self_pairs:
-        print(summary("measured against itself (pass 1 vs pass 2, the floor)", self_err,
-                      self_pairs))
+        print(summary("measured against itself (pass 1 vs pass 2, the floor)", self_pairs))
     if cal_pairs:
-        print(summary("calibrated on the other models' runs", cal_err, cal_pairs))
+        print(summary("calibrated on the other models' runs", cal_pairs))
 
 
 def _signature(plan: ex.Plan) -> tuple:
