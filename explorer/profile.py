@@ -1,10 +1,11 @@
 """The profiler: measure each node's forward and backward seconds on the devices that are here.
 
-Each op of the captured graph is replayed on its real inputs (recorded by running the graph
-once), after warm-up, as the median of several repeats; the backward is timed with
-``torch.autograd.grad(..., retain_graph=True)`` on the op alone. CPU ranks are measured with
-one thread, as they run. Devices that are not present get a roofline estimate. Profiles are
-cached per graph fingerprint and device type.
+Graphs captured with torch.export run a few real training steps through the runtime
+(:mod:`explorer.execute`) on one rank, at the whole batch and at a half and a quarter of it,
+and each op's forward and backward is timed there, after warm-up, as it runs in a real step.
+Hook-captured graphs time each leaf module in real forward and backward passes. CPU ranks
+are measured with one thread, as they run. Devices that are not present get a roofline
+estimate. Profiles are cached per graph fingerprint and device type.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
-PROFILE_VERSION = 3  # 2: ops timed through the runtime; 3: also at fractions of the batch
+# 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
+# to the median step
+PROFILE_VERSION = 4
 #: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
 FRACTION_SPLITS = (2, 4)
+#: how many times each of those runs is made, in turn; an op's time is its mean over them.
+#: A shared host's speed wanders by 5-10 % over seconds: on the 2-core machine this was
+#: measured on, two rounds a few seconds apart cut the spread of a profile's step total by
+#: a third to a half (8 profiles each of two models).
+ROUNDS = 2
 
 
 def cache_dir() -> Path:
@@ -154,7 +162,8 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
 
     Export-captured graphs run through the real runtime (:mod:`explorer.execute`) on one
     rank, so each op's forward and backward are timed exactly as a real run executes them,
-    bookkeeping included; the optimizer step is timed the same way. Hook-captured graphs time
+    bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
+    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn. Hook-captured graphs time
     each leaf-module call in real forward and backward passes.
     """
     sync = _sync(dev)
@@ -165,23 +174,26 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
         if graph.source == "hooks":
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
         else:
-            splits = [m for m in FRACTION_SPLITS if batch_splits(graph)
-                      and graph.batch_size % m == 0]
-            bar = tqdm(total=1 + len(splits), desc=f"profiling {graph.name} on {dev.id}",
-                       unit="run", disable=not progress, leave=False)
-            fwd, bwd, opt_s = _measure_in_runtime(graph, dev, repeats, warmup, False)
-            bar.update()
-            # the same ops on a half and a quarter of the batch: micro-batches and replicas
-            # run there, and small ops do not shrink in proportion
+            # the whole batch, then the same ops on a half and a quarter of it (micro-batches
+            # and replicas run there, and small ops do not shrink in proportion)
+            splits = [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
+                            and graph.batch_size % m == 0]
+            bar = tqdm(total=ROUNDS * len(splits), unit="run", disable=not progress,
+                       desc=f"profiling {graph.name} on {dev.id}", leave=False)
+            got: dict[int, list[tuple[list[float], list[float], float]]] = {}
+            for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
+                for m in splits:
+                    got.setdefault(m, []).append(_measure_in_runtime(
+                        graph, dev, repeats, warmup, False, micro_batches=m))
+                    bar.update()
+            bar.close()
+            fwd, bwd, opt_s = _mean_of_rounds(got[1])
             fractions, fwd_at, bwd_at = [], [], []
-            for m in splits:
-                f, b, _ = _measure_in_runtime(graph, dev, repeats, warmup, False,
-                                              micro_batches=m)
+            for m in splits[1:]:
+                f, b, _ = _mean_of_rounds(got[m])
                 fractions.append(1.0 / m)
                 fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
                 bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
-                bar.update()
-            bar.close()
             # scale the optimizer micro-benchmark to what the real step measured
             pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
             ntens = sum(1 for n in graph.nodes if n.kind == "param")
@@ -244,6 +256,14 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
             for s, t in zip(shared, alone, strict=True)]
 
 
+def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]
+                    ) -> tuple[list[float], list[float], float]:
+    """Per op, the mean over the rounds (each op's times from one run)."""
+    fwd = [statistics.fmean(x) for x in zip(*(r[0] for r in rounds), strict=True)]
+    bwd = [statistics.fmean(x) for x in zip(*(r[1] for r in rounds), strict=True)]
+    return fwd, bwd, statistics.fmean(r[2] for r in rounds)
+
+
 def _at_most(times: list[float], bigger: list[float]) -> list[float]:
     """A smaller share of the batch never takes longer: clip timing noise to that."""
     return [min(t, b) if b > 0 else t for t, b in zip(times, bigger, strict=True)]
@@ -252,8 +272,9 @@ def _at_most(times: list[float], bigger: list[float]) -> list[float]:
 def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
                         progress: bool, micro_batches: int = 1
                         ) -> tuple[list[float], list[float], float]:
-    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank
-    (each op's time is the median over steps and micro-batches)."""
+    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
+    each op's median over steps and micro-batches, scaled so that together they make the
+    median step's busy time."""
     from explorer.plan import Plan
     from explorer.run import run
 
@@ -263,7 +284,17 @@ def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
     task = meas.task_s
     fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
     bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]
-    return fwd, bwd, task.get("optimizer:-1", 0.0)
+    opt = task.get("optimizer:-1", 0.0)
+    # An op's median leaves out its occasional slow repeat (the processor taken away for a
+    # moment, an interrupt), but every step pays for the ones that land in it: the medians
+    # add up to 1-3 % less than a median step's busy time on this kind of host. Scale them
+    # to add up to it, so a prediction of this very plan is the step it measured.
+    total = micro_batches * (sum(fwd) + sum(bwd)) + opt
+    busy = meas.busy_s.get(dev.id, 0.0)
+    if total > 0.0 and busy > 0.0:
+        k = busy / total
+        fwd, bwd, opt = [t * k for t in fwd], [t * k for t in bwd], opt * k
+    return fwd, bwd, opt
 
 
 def _measure_modules(graph: OpGraph, dev: Device, repeats: int,

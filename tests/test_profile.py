@@ -124,6 +124,46 @@ class TestMeasured:
         finally:
             torch.set_num_threads(before)
 
+    @pytest.mark.parametrize("micro_batches", [1, 2])
+    def test_op_times_add_up_to_the_median_step(self, gpt, monkeypatch, micro_batches):
+        run_mod = importlib.import_module("explorer.run")  # ``explorer.run`` is the function
+        real, runs = run_mod.run, []
+
+        def recording(*args, **kwargs):
+            runs.append(real(*args, **kwargs))
+            return runs[-1]
+
+        monkeypatch.setattr(run_mod, "run", recording)
+        dev = Cluster.cpu(1, measure=False).devices[0]
+        fwd, bwd, opt = prof._measure_in_runtime(gpt, dev, 3, 1, False, micro_batches)
+        (meas,) = runs
+        busy = meas.busy_s[dev.id]
+        assert micro_batches * (sum(fwd) + sum(bwd)) + opt == pytest.approx(busy, rel=1e-9)
+        # one factor for every op: the medians' proportions stand
+        k = opt / meas.task_s["optimizer:-1"]
+        assert 0.8 < k < 1.25
+        for i in range(len(gpt)):
+            assert fwd[i] == pytest.approx(meas.task_s.get(f"fwd:{i}", 0.0) * k, rel=1e-9)
+            assert bwd[i] == pytest.approx(meas.task_s.get(f"bwd:{i}", 0.0) * k, rel=1e-9)
+
+    def test_runs_in_rounds_and_averages_them(self, gpt, monkeypatch):
+        calls = []
+
+        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1):
+            calls.append(micro_batches)
+            slow = 1.0 + 0.5 * (len(calls) > 3)  # the host slows down in the second round
+            ops = [slow * (n.kind == "op") * 1e-3 / micro_batches for n in graph.nodes]
+            return ops, [2 * t for t in ops], slow * 1e-3
+
+        monkeypatch.setattr(prof, "_measure_in_runtime", fake_run)
+        monkeypatch.setattr(prof, "ROUNDS", 2)
+        dc = prof.measure(gpt, Cluster.cpu(1, measure=False).devices[0], 2, 0, False)
+        assert calls == [1, 2, 4, 1, 2, 4]  # in turn: a slow spell lands on every split
+        i = gpt.index[gpt.loss]
+        assert dc.fwd_s[i] == pytest.approx(1.25e-3) and dc.bwd_s[i] == pytest.approx(2.5e-3)
+        assert dc.fractions == [0.5, 0.25]
+        assert dc.fwd_at[1][i] == pytest.approx(1.25e-3 / 4)
+
     def test_bad_repeats(self, gpt):
         cl = Cluster.cpu(1, measure=False)
         with pytest.raises(ExplorerError, match="repeats must be >= 1"):
