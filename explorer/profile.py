@@ -38,8 +38,8 @@ PROFILE_VERSION = 4
 FRACTION_SPLITS = (2, 4)
 #: how many times each of those runs is made, in turn; an op's time is its mean over them.
 #: A shared host's speed wanders by 5-10 % over seconds: on the 2-core machine this was
-#: measured on, two rounds a few seconds apart cut the spread of a profile's step total by
-#: a third to a half (8 profiles each of two models).
+#: measured on, averaging two runs a few seconds apart cut the spread of the whole-batch
+#: step total by a third to a half (eight runs each of two models, averaged in pairs).
 ROUNDS = 2
 
 
