@@ -1,7 +1,7 @@
 """Prediction accuracy: run plans for real on CPU ranks and compare with the simulator.
 
 Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...] [--steps 5]
-       [--passes 3] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
+       [--passes 4] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
 For every model it profiles afresh (through the runtime, one thread per rank), then makes the
 baseline plans and one plan per registered partitioner. Partitioners that arrive at a plan
 already made (the same placement, stages, micro-batches and schedule) share its row, so every
@@ -9,13 +9,13 @@ distinct plan is run once per pass. Each plan is predicted, then run for real wi
 ``--passes`` times, in turn over the model's plans; its measured step is the median over all
 its steps. The table gives predicted vs measured step time and peak memory with the error per
 plan, their mean and max, and Kendall's tau between predicted and measured step times across
-all plans. Two references beside it:
+all plans. Three references beside it:
 
 * the measurement against itself: per plan, the median of the odd passes' steps against
   the median of the even passes' steps, summarized the same way (error mean and max, tau).
   Each half has half the steps of the measurement the predictions are compared with, so
-  the whole measurement's own error is about half of the halves' disagreement (for
-  independent noise);
+  (with an even number of passes, and independent noise) the whole measurement's own error
+  is about half of the halves' disagreement;
 * the profile against itself: after a model's runs it is profiled again, and every plan
   predicted from that second profile; the summary compares the two profiles' predictions
   (how far a profile taken minutes later moves them), and the second profile's predictions

@@ -2,14 +2,14 @@
 
 Run: python benchmarks/host.py [--seconds 2] [--rounds 2]
 
-Each kind of work runs in one process pinned to core 0, then in two processes pinned to cores
-0 and 1 at the same time, ``--rounds`` times in turn; the table gives the work done per
-second per process. Arithmetic on registers shows whether the two cores are truly separate
-(hyper-threads of one core slow each other here); copying a 16 MiB array (beyond the caches)
-shows whether they share memory bandwidth. The second is why, on a host where it slows, ops
-that stream memory (element-wise ops, small layers) slow while another rank computes and large
-matrix products do not: the profile measures that per op (``measure_contention``) and the
-simulator applies it.
+Each kind of work runs in one process pinned to the first core this process may use, then in
+two processes pinned to the first two at the same time, ``--rounds`` times in turn; the table
+gives the work done per second per process. Arithmetic on registers shows whether the two
+cores are truly separate (hyper-threads of one core slow each other here); copying a 16 MiB
+array (beyond the caches) shows whether they share memory bandwidth. The second is why, on a
+host where it slows, ops that stream memory (element-wise ops, small layers) slow while
+another rank computes and large matrix products do not: the profile measures that per op
+(``measure_contention``) and the simulator applies it.
 """
 
 from __future__ import annotations

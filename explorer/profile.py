@@ -39,7 +39,7 @@ FRACTION_SPLITS = (2, 4)
 #: how many times each of those runs is made, in turn; an op's time is its mean over them.
 #: A shared host's speed wanders by 5-10 % over seconds: on the 2-core machine this was
 #: measured on, averaging two runs a few seconds apart cut the spread of the whole-batch
-#: step total by a third to a half (eight runs each of two models, averaged in pairs).
+#: step total by a third to two-thirds (eight runs each of two models, averaged in pairs).
 ROUNDS = 2
 
 
@@ -288,7 +288,7 @@ def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
     # An op's median leaves out its occasional slow repeat (the processor taken away for a
     # moment, an interrupt), but every step pays for the ones that land in it: the medians
     # add up to 1-3 % less than a median step's busy time on this kind of host. Scale them
-    # to add up to it, so a prediction of this very plan is the step it measured.
+    # to add up to it, so a prediction of this very plan has the busy time it measured.
     total = micro_batches * (sum(fwd) + sum(bwd)) + opt
     busy = meas.busy_s.get(dev.id, 0.0)
     if total > 0.0 and busy > 0.0:
