@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from explorer.cluster import _free_port
 
 CASES = ("receiver waiting", "sent first", "posted ahead")
 
@@ -74,12 +75,6 @@ def _rank(rank: int, port: int, iters: int, sizes: list[int], out) -> None:
         out.put(got)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

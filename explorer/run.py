@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from explorer.capture import batch_splits, capture
+from explorer.cluster import _free_port
 from explorer.costs import CostModel
 from explorer.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.execute import write_job
@@ -84,12 +84,6 @@ def device_map(plan: Plan, cluster: Any = None) -> dict[str, str]:
     if any(v.startswith("cuda") for v in out.values()) and any(v == "cpu" for v in out.values()):
         raise PlanError("a real run uses either GPUs (NCCL) or CPU ranks (gloo), not both")
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps: int = 5,
