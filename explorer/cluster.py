@@ -118,6 +118,12 @@ class Link:
     all-reduce between two ranks measured as a whole (``latency + nbytes / bandwidth``): a
     library's collective is not two point-to-point transfers (gloo on CPU ranks reduces in
     its own threads, in chunks); 0 means "derive it from the link as a ring".
+
+    ``late_receive_s`` is how long a message waits, beyond the transfer, when its receive is
+    posted after it was sent while the sender computes: gloo moves a message only once the
+    receive is posted, and then the sender's communication thread must get a core, which on
+    a host whose cores all compute waits for the scheduler. Measured between CPU ranks of one
+    host; 0 where there is no such wait (NCCL, a spare core) or it was not measured.
     """
 
     latency_s: float
@@ -125,10 +131,13 @@ class Link:
     source: str
     allreduce_latency_s: float = 0.0
     allreduce_bandwidth_bytes_per_s: float = 0.0
+    late_receive_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0:
             raise ExplorerError(f"link latency_s must be >= 0, not {self.latency_s!r}")
+        if not self.late_receive_s >= 0:
+            raise ExplorerError(f"link late_receive_s must be >= 0, not {self.late_receive_s!r}")
         if not self.bandwidth_bytes_per_s > 0:
             raise ExplorerError(
                 f"link bandwidth_bytes_per_s must be > 0, not {self.bandwidth_bytes_per_s!r}"
@@ -216,6 +225,13 @@ class Cluster:
         if ids == self.ids:
             return self
         return Cluster(f"{self.name} [{', '.join(ids)}]", devices, self.default_link, links)
+
+    def without_late_receive(self) -> Cluster:
+        """This cluster with no late-receive wait on any link (``Link.late_receive_s``): as
+        if every rank had a core to spare, or to see what the wait adds to a prediction."""
+        return replace(self, default_link=replace(self.default_link, late_receive_s=0.0),
+                       links=tuple((a, b, replace(lk, late_receive_s=0.0))
+                                   for a, b, lk in self.links))
 
     # ---- serialisation
 
@@ -312,7 +328,8 @@ class Cluster:
             for i in range(n)
         )
         link = Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"],
-                    prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"])
+                    prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"],
+                    prof["late_receive_s"])
         return cls(f"cpu:{n}", devices, link)
 
     @classmethod
@@ -797,6 +814,7 @@ def _nominal_profile() -> dict[str, Any]:
         "link_bandwidth_bytes_per_s": GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
         "allreduce_latency_s": 0.0,
         "allreduce_bandwidth_bytes_per_s": 0.0,
+        "late_receive_s": 0.0,
         "link_source": _nominal_link_source("not measured"),
     }
 
@@ -833,6 +851,9 @@ def _valid_profile(p: Any) -> bool:
     if not isinstance(p, dict):
         return False
     if not all(isinstance(p.get(k), str) for k in ("compute_source", "link_source")):
+        return False
+    late = p.get("late_receive_s")  # (0 is a measurement: no wait on this host)
+    if not (isinstance(late, (int, float)) and math.isfinite(late) and late >= 0):
         return False
     return all(
         isinstance(p.get(k), (int, float)) and math.isfinite(p[k]) and p[k] > 0
@@ -878,13 +899,14 @@ def _measure_cpu_profile() -> dict[str, Any]:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        latency, bandwidth, ar_latency, ar_bandwidth = _measure_gloo_link()
+        latency, bandwidth, ar_latency, ar_bandwidth, late = _measure_gloo_link()
     except _LinkMeasureError as e:
         prof.update(
             link_latency_s=GLOO_NOMINAL_LATENCY_S,
             link_bandwidth_bytes_per_s=GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
             allreduce_latency_s=0.0,
             allreduce_bandwidth_bytes_per_s=0.0,
+            late_receive_s=0.0,
             link_source=_nominal_link_source(f"gloo measurement failed: {e}"),
             link_measured=False,
         )
@@ -894,11 +916,14 @@ def _measure_cpu_profile() -> dict[str, Any]:
         link_bandwidth_bytes_per_s=bandwidth,
         allreduce_latency_s=ar_latency,
         allreduce_bandwidth_bytes_per_s=ar_bandwidth,
+        late_receive_s=late,
         link_source=(
             f"measured on {host}: torch.distributed gloo send/recv ping-pong between two local "
             f"processes over 127.0.0.1, median of {_PING_REPS} x 4 B (latency) and "
             f"{_BULK_REPS} x {_BULK_BYTES // 2**20} MiB (bandwidth); all-reduce of the same "
-            "sizes between the two, medians"
+            f"sizes between the two, medians; late receive: {_LATE_REPS} messages sent "
+            f"{_LATE_AHEAD_S * 1e3:g} ms before their receive was posted, both ranks computing, "
+            "trimmed mean of the wait"
         ),
         link_measured=True,
     )
@@ -961,6 +986,9 @@ class _LinkMeasureError(Exception):
 _PING_REPS = 200
 _BULK_REPS = 10
 _BULK_BYTES = 8 * 2**20
+_LATE_REPS = 60
+_LATE_AHEAD_S = 0.003
+_LATE_TAIL_S = 0.008
 
 # Run as ``python -c _GLOO_CHILD rank port timeout_s``. Rank 0 prints one JSON line.
 _GLOO_CHILD = f"""
@@ -1006,10 +1034,37 @@ allreduce(small, 10)
 ar_small = allreduce(small, {_PING_REPS // 2})
 allreduce(big, 2)
 ar_big = allreduce(big, {_BULK_REPS})
+# late receive: both ranks compute (small matrix products); rank 1 sends {_LATE_AHEAD_S * 1e3:g} ms
+# before rank 0 posts the receive, and computes on for {_LATE_TAIL_S * 1e3:g} ms more; the data
+# was there, so rank 0's whole wait is lateness
+a = torch.randn(256, 256)
+def compute(s):
+    t_end = time.perf_counter() + s
+    while time.perf_counter() < t_end:
+        a @ a
+def late(reps):
+    waits = []
+    for it in range(reps):
+        dist.barrier()
+        if rank == 1:
+            compute({_LATE_AHEAD_S})
+            work = dist.isend(small, 0, tag=it)
+            compute({_LATE_AHEAD_S + _LATE_TAIL_S})
+            work.wait()
+        else:
+            compute({2 * _LATE_AHEAD_S})
+            t0 = time.perf_counter()
+            dist.recv(small, 1, tag=it)
+            waits.append(time.perf_counter() - t0)
+    return waits
+late(5)
+waits = sorted(late({_LATE_REPS}))
+cut = len(waits) // 10
+late_s = statistics.fmean(waits[cut:len(waits) - cut]) if rank == 0 else 0.0
 dist.destroy_process_group()
 if rank == 0:
     print(json.dumps({{"latency_s": latency, "one_way_s": one_way, "ar_small_s": ar_small,
-                      "ar_big_s": ar_big}}), flush=True)
+                      "ar_big_s": ar_big, "late_s": late_s}}), flush=True)
 """
 
 
@@ -1028,9 +1083,10 @@ def _loopback_ifname() -> str | None:
 
 
 def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
-                       ) -> tuple[float, float, float, float]:
-    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes, and the same
-    two figures for an all-reduce between them.
+                       ) -> tuple[float, float, float, float, float]:
+    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes, the same
+    two figures for an all-reduce between them, and the late-receive wait
+    (:attr:`Link.late_receive_s`; a trimmed mean over the middle 80 % of the messages).
 
     The children are killed at ``timeout_s`` (and kill themselves shortly after it should the
     parent die); none outlives this call.
@@ -1078,15 +1134,17 @@ def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
         res = json.loads(outs[0].strip().splitlines()[-1])
         latency, one_way = float(res["latency_s"]), float(res["one_way_s"])
         ar_small, ar_big = float(res["ar_small_s"]), float(res["ar_big_s"])
+        late = float(res["late_s"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise _LinkMeasureError("unreadable result from the gloo processes") from None
-    if not (latency > 0 and one_way > 0 and ar_small > 0 and ar_big > 0):
+    if not (latency > 0 and one_way > 0 and ar_small > 0 and ar_big > 0
+            and math.isfinite(late) and late >= 0):
         raise _LinkMeasureError(f"implausible timings {latency!r}, {one_way!r}, "
-                                f"{ar_small!r}, {ar_big!r}")
+                                f"{ar_small!r}, {ar_big!r}, {late!r}")
     # one_way = latency + bytes / bandwidth; guard against noise making the difference tiny
     bandwidth = _BULK_BYTES / max(one_way - latency, one_way / 10)
     ar_bandwidth = _BULK_BYTES / max(ar_big - ar_small, ar_big / 10)
-    return latency, bandwidth, ar_small, ar_bandwidth
+    return latency, bandwidth, ar_small, ar_bandwidth, late
 
 
 # --------------------------------------------------------------------------------------------
@@ -1135,4 +1193,6 @@ def _fmt_rate(x: float) -> str:
 
 def _fmt_link(lk: Link, with_source: bool = False) -> str:
     s = f"{lk.latency_s * 1e6:.1f} us + bytes / {_fmt_rate(lk.bandwidth_bytes_per_s)}"
+    if lk.late_receive_s > 0:
+        s += f"; +{lk.late_receive_s * 1e3:.2f} ms if sent before its receive is posted"
     return f"{s} ({lk.source})" if with_source else s

@@ -123,6 +123,20 @@ def test_link_transfer_time():
         Link(-1.0, 1e9, "bad")
     with pytest.raises(ExplorerError):
         Link(0.0, 0.0, "bad")
+    with pytest.raises(ExplorerError, match="late_receive_s"):
+        Link(0.0, 1e9, "bad", late_receive_s=-1e-3)
+
+
+def test_without_late_receive_clears_every_link():
+    late = Link(1e-4, 1e9, "gloo", late_receive_s=2e-3)
+    base = Cluster.cpu(3, measure=False)
+    c = Cluster(base.name, base.devices, late, (("cpu:0", "cpu:2", late),))
+    assert "+2.00 ms if sent before its receive is posted" in c.describe()
+    on_time = c.without_late_receive()
+    assert on_time.link("cpu:0", "cpu:1").late_receive_s == 0.0
+    assert on_time.link("cpu:2", "cpu:0").late_receive_s == 0.0
+    assert on_time.link("cpu:0", "cpu:2").latency_s == 1e-4  # the rest is kept
+    assert "if sent before" not in on_time.describe()
 
 
 def test_link_lookup_and_overrides():
@@ -230,6 +244,27 @@ def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
     assert not (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
 
 
+def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cl, "_MEMO", {})
+    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
+    calls = []
+
+    def link():
+        calls.append(1)
+        return 1e-4, 1e9, 2e-4, 5e8, 3e-3
+
+    monkeypatch.setattr(cl, "_measure_gloo_link", link)
+    old = {k: 1.0 for k in cl._PROFILE_KEYS} | {"compute_source": "old", "link_source": "old"}
+    cl._write_cache(cl._cache_file(), cl._cache_key(), old)
+    c = Cluster.cpu(2)
+    assert calls == [1] and c.default_link.late_receive_s == 3e-3
+    monkeypatch.setattr(cl, "_MEMO", {})  # the new entry is read back, not measured again
+    assert Cluster.cpu(2).default_link.late_receive_s == 3e-3 and calls == [1]
+
+
 def test_link_measurement_time_limit_kills_children():
     t0 = time.perf_counter()
     with pytest.raises(cl._LinkMeasureError, match="within"):
@@ -254,6 +289,8 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
     )
     assert "measured" in lk.source and "gloo" in lk.source, lk.source
     assert 0 < lk.latency_s < 0.1, numbers
+    assert 0 < lk.late_receive_s < 0.05, numbers + f", late receive {lk.late_receive_s}"
+    assert "late receive" in lk.source, lk.source
     assert lk.bandwidth_bytes_per_s > 10e6, numbers
     assert d.flops_per_s > 1e8 and d.mem_bandwidth_bytes_per_s > 1e8, numbers
     assert "measured" in d.source

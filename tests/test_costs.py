@@ -234,7 +234,8 @@ class TestMeasuredAllReduce:
 
     def test_cluster_json_from_before_the_field_still_loads(self):
         d = cluster(2).to_dict()
-        for k in ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s"):
+        for k in ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s", "late_receive_s"):
             del d["default_link"][k]
         back = type(cluster(2)).from_dict(d)
         assert back.default_link.allreduce_latency_s == 0.0
+        assert back.default_link.late_receive_s == 0.0
