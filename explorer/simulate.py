@@ -29,6 +29,7 @@ its predictions for many cases); a 100k-node graph simulates in well under a sec
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import weakref
 from dataclasses import dataclass
@@ -615,6 +616,7 @@ class _Sim:
             dst_parts.append(dst + m_dst * per_m if m_dst else dst)
 
         self.transfer_bytes = 0
+        self.late_xfer: list[tuple[int, float]] = []
         self._links: dict[int, tuple] = {}
         e_p, e_c = A.e_p, A.e_c
         same = st[e_p] == st[e_c]
@@ -780,6 +782,15 @@ class _Sim:
         self.succ_ptr_a = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=T))])
         # successors of t: succ_flat[succ_ptr[t]:succ_ptr[t + 1]]
         self.succ_flat, self.succ_ptr = self.succ_flat_a.tolist(), self.succ_ptr_a.tolist()
+        # per forward/backward task, the transfers it receives that can arrive late:
+        # [(transfer, wait, sending stage)]
+        self.late_in: dict[int, list[tuple[int, float, int]]] = {}
+        n_fb = per_m * M
+        for x, wait in self.late_xfer:
+            s_send = self.resources[self.res[x]][1]
+            for u in self.succ_flat[self.succ_ptr[x]:self.succ_ptr[x + 1]]:
+                if u < n_fb:
+                    self.late_in.setdefault(u, []).append((x, wait, s_send))
         ndeps = np.bincount(dst, minlength=T)
         self.ndeps = ndeps.tolist()
         self.first = np.flatnonzero(ndeps == 0).tolist()  # tasks ready at the start
@@ -824,7 +835,7 @@ class _Sim:
         link = a * S + b
         uniq, first, inv = np.unique(link, return_index=True, return_inverse=True)
         inv = inv.reshape(-1)
-        lres, lsrc, ldst, lwidth, llat, lbw = [], [], [], [], [], []
+        lres, lsrc, ldst, lwidth, llat, lbw, llate = [], [], [], [], [], [], []
         for k in np.argsort(first).tolist():  # (resources in order of first use)
             sa, sb_ = divmod(int(uniq[k]), S)
             src, dst = stages[sa][0], stages[sb_][0]
@@ -835,6 +846,7 @@ class _Sim:
             lwidth.append((k, min(len(stages[sa]), len(stages[sb_]))))
             llat.append((k, lk.latency_s if src != dst else 0.0))
             lbw.append((k, lk.bandwidth_bytes_per_s if src != dst else np.inf))
+            llate.append((k, lk.late_receive_s if src != dst else 0.0))
 
         def per_link(pairs: list, dtype: Any) -> np.ndarray:
             out = np.empty(len(pairs), dtype=dtype)
@@ -854,6 +866,11 @@ class _Sim:
             dur = [costs.transfer_s(x, y, k) for x, y, k in
                    zip(srcs.tolist(), dsts.tolist(), n.tolist(), strict=True)]
         count = len(a)
+        # activations and their gradients (sent while the ranks compute) whose receive may be
+        # posted late: (task, wait)
+        late = per_link(llate, np.float64)[inv]
+        for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
+            self.late_xfer.append((len(self.kind) + k, float(late[k])))
         self.kind.extend([XFER] * count)
         self.res.extend(res.tolist())
         self.dur.extend(dur)
@@ -870,7 +887,7 @@ class _Sim:
         self.end = [0.0] * T
         self.cause = [-1] * T  # the task whose end let this one start (critical path)
         self.order = []  # tasks in the order they start: a topological order
-        if self.forward_only:
+        if self.forward_only and not self.late_in:
             self._run_forward()
         else:
             self._run_general()
@@ -964,7 +981,15 @@ class _Sim:
                 now, t = e, u  # u's end is the next event
 
     def _run_general(self) -> None:
-        """The list schedule, for any task times (also negative ones)."""
+        """The list schedule, for any task times (also negative ones), and with receives
+        that arrive late.
+
+        A rank receives a transfer in the first task that needs it, posting the receive when
+        it gets to that task, the moment its previous task ends. Where the transfer's link has
+        a late-receive wait (``Link.late_receive_s``) and the transfer was sent before that
+        moment while its sender is computing then, the task starts no earlier than that moment
+        plus the wait.
+        """
         T = len(self.kind)
         res, dur, flat, ptr = self.res, self.dur, self.succ_flat, self.succ_ptr
         start, end, cause, order = self.start, self.end, self.cause, self.order
@@ -975,7 +1000,20 @@ class _Sim:
         R = len(self.resources)
         free_at = [0.0] * R
         last_on = [-1] * R
+        late_in = self.late_in
+        received: set[int] = set()
+        # per stage, the starts and ends of its tasks so far (they start in time order)
+        starts_on: list[list[float]] = [[] for _ in range(R)]
+        ends_on: list[list[float]] = [[] for _ in range(R)]
+
+        def computing(s: int, at: float) -> bool:
+            k = bisect.bisect_right(starts_on[s], at) - 1
+            return k >= 0 and ends_on[s][k] > at
+
         queues, busy, events = self._first_tasks(key)
+        for t in order:
+            starts_on[res[t]].append(start[t])
+            ends_on[res[t]].append(end[t])
         heappush, heappop = heapq.heappush, heapq.heappop
         while events:
             now, t = heappop(events)
@@ -997,10 +1035,22 @@ class _Sim:
                     continue
                 u = heappop(queues[ru]) % T
                 s = max(now, ready_at[u], free_at[ru])
+                c = ready_from[u] if ready_at[u] >= free_at[ru] else last_on[ru]
+                if u in late_in:  # the first of a transfer's consumers to start receives it
+                    posted = free_at[ru]
+                    for x, wait, s_send in late_in[u]:
+                        if x in received:
+                            continue
+                        received.add(x)
+                        if start[x] < posted and posted + wait > s \
+                                and computing(s_send, posted):
+                            s, c = posted + wait, x
                 start[u] = s
                 end[u] = s + dur[u]
+                starts_on[ru].append(s)
+                ends_on[ru].append(end[u])
                 order.append(u)
-                cause[u] = ready_from[u] if ready_at[u] >= free_at[ru] else last_on[ru]
+                cause[u] = c
                 busy[ru] = True
                 heappush(events, (end[u], u))
 

@@ -162,6 +162,76 @@ class TestPipeline:
         assert steps == pytest.approx([24.0, 18.0, 15.0])  # (M+1)/M x 12
 
 
+class TestLateReceive:
+    """A message sent before its receive is posted, while its sender computes, waits
+    ``Link.late_receive_s`` after the post (gloo between CPU ranks with no spare core)."""
+
+    @staticmethod
+    def _pipeline(wait: float, schedule: str = "gpipe", second_consumer: bool = False):
+        # per micro-batch (M=4) a takes 0.6 s forward and 1 s backward on d:0, b 1 s forward
+        # and 2 s backward on d:1; links are free. With a second consumer, c (no cost, on
+        # d:1 after b) reads a's output too: the one transfer of it, received by b.
+        from dataclasses import replace
+
+        spec = [("x", "input", [], 80), ("a", "op", ["x"], 80, 0, ["x", "a"]),
+                ("b", "op", ["a"], 80, 0, ["a"])]
+        if second_consumer:
+            spec += [("c", "op", ["a", "b"], 80), ("loss", "op", ["c"], 4)]
+        else:
+            spec += [("loss", "op", ["b"], 4)]
+        g = graph(spec)
+        cl = cluster(2)
+        cl = replace(cl, default_link=replace(cl.default_link, late_receive_s=wait))
+        placement = {"a": 0, "b": 1, "loss": 1} | ({"c": 1} if second_consumer else {})
+        plan = Plan.from_assignment(g, [("d:0",), ("d:1",)], placement, micro_batches=4,
+                                    schedule=schedule)
+        return g, plan, costs(g, cl, {"a": 2.4, "b": 4.0}, {"a": 4.0, "b": 8.0})
+
+    @staticmethod
+    def _starts(pred, device: str, kind: str) -> list[float]:
+        return [iv.start_s for iv in pred.timeline
+                if iv.device == device and iv.lane == "compute" and iv.kind == kind
+                and iv.label in ("a", "b")]
+
+    @pytest.mark.parametrize("second_consumer", [False, True])
+    def test_only_a_receive_posted_after_the_send_while_the_sender_computes_waits(
+            self, second_consumer):
+        # (c, where it reads a's output too, starts after b received it: no wait of its own)
+        from dataclasses import replace
+
+        g, plan, cm = self._pipeline(0.0, second_consumer=second_consumer)
+        pred = simulate(g, plan, cm)
+        # fa m at [0.6m, 0.6m + 0.6]; fb m at [0.6 + m, 1.6 + m]; then 4 x (2 + 1)
+        assert self._starts(pred, "d:1", "fwd") == pytest.approx([0.6, 1.6, 2.6, 3.6])
+        assert pred.step_s == pytest.approx(13.6)
+        g, plan, cm = self._pipeline(0.25, second_consumer=second_consumer)
+        pred = simulate(g, plan, cm)
+        # fb 0: d:1 was waiting when a's output was sent (at 0.6), so it arrives at once.
+        # fb 1: sent at 1.2, posted at 1.6 while fa 2 computes [1.2, 1.8]: waits to 1.85.
+        # fb 2: sent at 1.8, posted at 2.85, d:0 idle since 2.4 (waiting for gradients): no
+        # wait. The gradients go back to d:0, which waits for each: no wait either.
+        assert self._starts(pred, "d:1", "fwd") == pytest.approx([0.6, 1.85, 2.85, 3.85])
+        assert pred.step_s == pytest.approx(13.85)
+        assert pred.busy_s == pytest.approx(simulate(*self._pipeline(0.0)).busy_s)
+        # as if every rank had a core to spare: no wait
+        on_time = replace(cm, cluster=cm.cluster.without_late_receive())
+        assert simulate(g, plan, on_time).step_s == pytest.approx(13.6)
+        assert "send a[1]" in pred.critical_path
+
+    def test_the_runtime_follows_the_schedule_with_the_waits(self):
+        from explorer.simulate import execution_order
+
+        g, plan, cm = self._pipeline(0.25, "1f1b")
+        pred = simulate(g, plan, cm)
+        order = execution_order(g, plan, cm)
+        for s, dev in enumerate(("d:0", "d:1")):
+            ivs = sorted((iv for iv in pred.timeline if iv.device == dev
+                          and iv.lane == "compute" and iv.kind in ("fwd", "bwd")),
+                         key=lambda iv: (iv.start_s, iv.end_s))
+            assert [(iv.kind, iv.micro_batch, iv.label) for iv in ivs] == \
+                [(k, m, g.nodes[i].name) for k, m, i in order[s] if k != "optimizer"]
+
+
 class TestDataParallel:
     def test_allreduce_after_backward(self):
         g = graph([("x", "input", [], 64), ("w", "param", [], 1000),
