@@ -10,7 +10,10 @@ rank 1 waited, three ways:
 * ``receiver waiting``: rank 1 asks at 5 ms, before the send, and waits for it;
 * ``sent first``: rank 1 asks at 15 ms, 5 ms after the send, and posts its receive then
   (what the runtime does: a blocking receive when the task that needs it starts);
-* ``posted ahead``: the same, with the receive posted at the start of the iteration.
+* ``sent first, sender idle``: as ``sent first``, but rank 0 sleeps instead of computing
+  after its send (as a rank blocked on a receive of its own does);
+* ``posted ahead``: the same as ``sent first``, with the receive posted at the start of the
+  iteration.
 
 For ``receiver waiting`` the wait is the time until the send (about 5 ms) plus the transfer;
 for the other two the data was sent 5 ms before it was needed, so any wait is lateness.
@@ -32,7 +35,7 @@ import torch.multiprocessing as mp
 
 from explorer.cluster import _free_port
 
-CASES = ("receiver waiting", "sent first", "posted ahead")
+CASES = ("receiver waiting", "sent first", "sent first, sender idle", "posted ahead")
 
 
 def _compute(a: torch.Tensor, ms: float) -> None:
@@ -57,7 +60,10 @@ def _rank(rank: int, port: int, iters: int, sizes: list[int], out) -> None:
                     x = torch.ones(size // 4)
                     _compute(a, 10.0)
                     work = dist.isend(x, 1, tag=it)
-                    _compute(a, 20.0)
+                    if case == "sent first, sender idle":
+                        time.sleep(0.02)
+                    else:
+                        _compute(a, 20.0)
                     work.wait()
                     continue
                 y = torch.empty(size // 4)
