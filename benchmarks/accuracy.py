@@ -9,7 +9,10 @@ distinct plan is run once per pass. Each plan is predicted, then run for real wi
 ``--passes`` times, in turn over the model's plans; its measured step is the median over all
 its steps. The table gives predicted vs measured step time and peak memory with the error per
 plan, their mean and max, and Kendall's tau between predicted and measured step times across
-all plans. Three references beside it:
+all plans. Two columns give the same prediction without one effect each, to show what it
+adds: ``no-contention err`` without the ranks slowing each other, ``no-late err`` without
+the wait of receives posted after their message was sent (``Link.late_receive_s``). Three
+references beside it:
 
 * the measurement against itself: per plan, the median of the odd passes' steps against
   the median of the even passes' steps, summarized the same way (error mean and max, tau).
@@ -128,7 +131,7 @@ def main() -> None:
 
     # (predicted, measured) per plan for each summary; errors are (p - m) / m as in ex.compare
     rows, mem_err, pairs, flat_pairs, cal_pairs, self_pairs = [], [], [], [], [], []
-    again_pairs, profile_pairs = [], []
+    again_pairs, profile_pairs, on_time_pairs = [], [], []
     for r in runs:
         name, label, graph, costs, plan, pred, meas, got, same, pred2 = r
         per_pass = [m.step_s for m in got]
@@ -142,6 +145,11 @@ def main() -> None:
         flat = ex.simulate(graph, plan, costs.without_contention())
         e_flat = flat.step_s / meas.step_s - 1
         flat_pairs.append((flat.step_s, meas.step_s))
+        # ... and without the wait of receives posted after their message was sent
+        on_time = ex.simulate(graph, plan, dataclasses.replace(
+            costs, cluster=costs.cluster.without_late_receive()))
+        e_on_time = on_time.step_s / meas.step_s - 1
+        on_time_pairs.append((on_time.step_s, meas.step_s))
         e_step = rep.step_error
         e_mem = max(rep.memory_errors.values(), key=abs)
         mem_err.append(abs(e_mem))
@@ -152,6 +160,7 @@ def main() -> None:
             cal_pairs.append((cal.step_s, meas.step_s))
         rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
                      f"{e_step * 100:+.1f}%", f"{e_flat * 100:+.1f}%",
+                     f"{e_on_time * 100:+.1f}%",
                      f"{(pred2.step_s / meas.step_s - 1) * 100:+.1f}%",
                      f"{cal.step_s * 1e3:.2f}" if cal else "-",
                      f"{e_cal * 100:+.1f}%" if cal else "-",
@@ -160,12 +169,12 @@ def main() -> None:
                      f"{e_mem * 100:+.1f}%", f"{spread * 100:.1f}%",
                      "same plan from " + ", ".join(same) if same else ""))
     for name, label, note in skipped:
-        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+        rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                      note))
     print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
           f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
     print(_table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
-                  "2nd profile err", "calib ms", "calib err",
+                  "no-late err", "2nd profile err", "calib ms", "calib err",
                   "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note"),
                  rows))
 
@@ -180,6 +189,7 @@ def main() -> None:
               f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
         print(summary("as profiled", pairs))
         print(summary("as profiled, without contention", flat_pairs))
+        print(summary("as profiled, without late receives", on_time_pairs))
         print(summary("from a second profile after the runs", again_pairs))
         print(summary("profile against itself (second profile's prediction vs first's)",
                       profile_pairs))

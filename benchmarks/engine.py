@@ -37,12 +37,13 @@ def main() -> None:
         timing.append((name, s["ops"], f"{s['params_bytes'] / MiB:.1f}",
                        f"{s['gflops_per_step']:.2f}", f"{t_cap:.2f}", f"{t_prof:.2f}"))
         for k in counts:
-            for label, cl in ((f"cpu:{k}", ex.Cluster.cpu(k)),
+            for label, cl in ((f"cpu:{k}", ex.Cluster.cpu(k).without_late_receive()),
                               (f"{k}xH100", ex.Cluster.preset(f"{k}xH100"))):
                 costs = ex.profile(graph, cl, progress=False) if label.startswith("cpu") \
                     else ex.profile(graph, cl)
                 if label.startswith("cpu"):  # one rank's op times for k ranks, without the
-                    # contention measured between two ranks of this host (see quality.py)
+                    # contention and the late-receive wait measured between two ranks of
+                    # this host (see quality.py)
                     costs = ex.CostModel(graph.fingerprint, cl,
                                          costs_cpu.without_contention().per_type)
                 t0 = time.perf_counter()

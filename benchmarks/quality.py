@@ -208,10 +208,11 @@ def main() -> None:
         for kind in kinds:
             for k in counts:
                 if kind == "cpu":
-                    cluster = ex.Cluster.cpu(k)
                     # one rank's op times, shared by k identical ranks; without the
-                    # contention a cached two-rank profile may carry (measured for two ranks
-                    # of this host, it says nothing of k hypothetical ones)
+                    # contention a cached two-rank profile may carry and the link's
+                    # late-receive wait (measured for two ranks of this host, they say
+                    # nothing of k hypothetical ones)
+                    cluster = ex.Cluster.cpu(k).without_late_receive()
                     costs = (ex.CostModel(graph.fingerprint, cluster,
                                           cpu_costs.without_contention().per_type)
                              if cpu_costs is not None else roofline_costs(graph, cluster))
