@@ -1011,9 +1011,10 @@ class _Sim:
             return k >= 0 and ends_on[s][k] > at
 
         queues, busy, events = self._first_tasks(key)
-        for t in order:
-            starts_on[res[t]].append(start[t])
-            ends_on[res[t]].append(end[t])
+        if late_in:
+            for t in order:
+                starts_on[res[t]].append(start[t])
+                ends_on[res[t]].append(end[t])
         heappush, heappop = heapq.heappush, heapq.heappop
         while events:
             now, t = heappop(events)
@@ -1045,10 +1046,11 @@ class _Sim:
                         if start[x] < posted and posted + wait > s \
                                 and computing(s_send, posted):
                             s, c = posted + wait, x
+                if late_in:  # (what computing() looks up)
+                    starts_on[ru].append(s)
+                    ends_on[ru].append(s + dur[u])
                 start[u] = s
                 end[u] = s + dur[u]
-                starts_on[ru].append(s)
-                ends_on[ru].append(end[u])
                 order.append(u)
                 cause[u] = c
                 busy[ru] = True
