@@ -1035,8 +1035,8 @@ ar_small = allreduce(small, {_PING_REPS // 2})
 allreduce(big, 2)
 ar_big = allreduce(big, {_BULK_REPS})
 # late receive: both ranks compute (small matrix products); rank 1 sends {_LATE_AHEAD_S * 1e3:g} ms
-# before rank 0 posts the receive, and computes on for {_LATE_TAIL_S * 1e3:g} ms more; the data
-# was there, so rank 0's whole wait is lateness
+# before rank 0 posts the receive, and computes on until {_LATE_TAIL_S * 1e3:g} ms after it; the
+# data was there, so rank 0's whole wait is lateness
 a = torch.randn(256, 256)
 def compute(s):
     t_end = time.perf_counter() + s
