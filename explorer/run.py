@@ -56,6 +56,8 @@ class Measurement:
     steps: int
     warmup: int
     task_s: dict[str, float] = field(default_factory=dict, repr=False)
+    #: per device, its busy time in each measured step (``busy_s`` is their median)
+    busy_samples_s: dict[str, tuple[float, ...]] = field(default_factory=dict, repr=False)
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
@@ -273,7 +275,10 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         energy_j=sum(energies.values()) if len(energies) == len(results) else None,
         energy_by_device_j=energies if len(energies) == len(results) else None,
         algorithm=plan.algorithm, steps=steps, warmup=warmup,
-        task_s={k: v for r in results for k, v in r.get("task_s", {}).items()}, grads=grads,
+        task_s={k: v for r in results for k, v in r.get("task_s", {}).items()},
+        busy_samples_s={r["device"]: tuple(s["busy_s"] for s in m)
+                        for r, m in zip(results, measured, strict=True)},
+        grads=grads,
         plan=plan,
         graph=graph)
 

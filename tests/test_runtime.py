@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +108,10 @@ class TestMeasurement:
         assert meas.step_s > 0 and len(meas.step_samples_s) == 2
         assert set(meas.busy_s) == {"cpu:0", "cpu:1"}
         assert all(0 < b <= meas.step_s * 1.5 for b in meas.busy_s.values())
+        # busy time per measured step, of which busy_s is the median
+        assert set(meas.busy_samples_s) == {"cpu:0", "cpu:1"}
+        for d, samples in meas.busy_samples_s.items():
+            assert len(samples) == 2 and statistics.median(samples) == meas.busy_s[d]
         assert all(p > 0 for p in meas.peak_bytes.values())
         assert meas.memory_source == "tensor accounting"
         assert meas.energy_j is None  # no NVML on CPU ranks
