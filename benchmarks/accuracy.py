@@ -10,7 +10,8 @@ distinct plan is run once per pass. Each plan is predicted, then run for real wi
 its steps. The table gives predicted vs measured step time and peak memory with the error per
 plan, their mean and max, and Kendall's tau between predicted and measured step times across
 all plans. Two columns give the same prediction without one effect each, to show what it
-adds: ``no-contention err`` without the ranks slowing each other, ``no-late err`` without
+adds: ``no-contention err`` without what the profile measured of two ranks computing at
+once (their slowing each other, and their busy times wandering apart), ``no-late err`` without
 the wait of receives posted after their message was sent (``Link.late_receive_s``). Three
 references beside it:
 

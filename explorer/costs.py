@@ -46,6 +46,11 @@ class DeviceCosts:
     #: host ran the same work at the same time, e.g. 1.3; empty where not measured (GPUs,
     #: one rank). The simulator slows ops by it while other ranks of the host compute.
     contention: list[float] = field(default_factory=list)
+    #: measured with the contention (two ranks data-parallel): per step, how far the slower
+    #: replica's busy time ran past the two replicas' mean, as a fraction of that mean (their
+    #: compute wanders apart, and the gradient all-reduce waits for the slower one); 0 where
+    #: not measured
+    replica_spread: float = 0.0
 
     def at(self, times: list[float], table: list[list[float]], i: int, fraction: float,
            ) -> float:
@@ -150,9 +155,10 @@ class CostModel:
         return t * self.compute_scale + self.extra_op_s
 
     def without_contention(self) -> CostModel:
-        """These costs as if ranks sharing a host did not slow each other (one rank's op
-        times for ranks elsewhere, or to see what contention adds to a prediction)."""
-        return replace(self, per_type={k: replace(v, contention=[])
+        """These costs as if ranks sharing a host did not slow each other nor wander apart
+        (one rank's op times for ranks elsewhere, or to see what contention adds to a
+        prediction)."""
+        return replace(self, per_type={k: replace(v, contention=[], replica_spread=0.0)
                                        for k, v in self.per_type.items()})
 
     def source(self, i: int, device_id: str) -> str:

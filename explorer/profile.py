@@ -32,8 +32,8 @@ from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
-# to the median step
-PROFILE_VERSION = 4
+# to the median step; 5: the replicas' spread measured with the contention
+PROFILE_VERSION = 5
 #: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
 FRACTION_SPLITS = (2, 4)
 #: how many times each of those runs is made, in turn; an op's time is its mean over them.
@@ -81,8 +81,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
                 and graph.source == "export" and batch_splits(graph) \
                 and graph.batch_size % 2 == 0:
             try:
-                dc.contention = measure_contention(graph, ranks[:2], repeats, warmup,
-                                                   progress)
+                dc.contention, dc.replica_spread = measure_contention(
+                    graph, ranks[:2], repeats, warmup, progress)
                 fresh = True
             except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
                 warnings.warn(f"could not measure how CPU ranks of this host slow each other "
@@ -212,9 +212,12 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
 
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
-                       warmup: int = 2, progress: bool = True, rounds: int = 2) -> list[float]:
+                       warmup: int = 2, progress: bool = True, rounds: int = 2
+                       ) -> tuple[list[float], float]:
     """Per node: how much slower its forward + backward ran while another rank of this host
-    ran the same work at the same time, than alone (1.0: no slower).
+    ran the same work at the same time, than alone (1.0: no slower); and the replicas'
+    spread (``DeviceCosts.replica_spread``): the mean over the two-rank steps of how far the
+    busier rank's busy time was above the two ranks' mean, as a fraction of that mean.
 
     CPU ranks of one host share its memory bandwidth and caches, and (in a virtual machine)
     often more: on some hosts two ranks computing at once each run 20-50 % slower on
@@ -250,10 +253,13 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
     alone = [total(solos, i) for i in range(len(graph))]
     shared = [total(boths, i) for i in range(len(graph))]
     whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
+    spread = [max(step) / statistics.fmean(step) - 1.0 for m in boths
+              for step in zip(*m.busy_samples_s.values(), strict=True) if min(step) > 0]
     # a ratio of two medians of one small op is noisy: bound it, and use the whole
     # model's ratio where an op took no measurable time alone
-    return [min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else whole
-            for s, t in zip(shared, alone, strict=True)]
+    return ([min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else whole
+             for s, t in zip(shared, alone, strict=True)],
+            statistics.fmean(spread) if spread else 0.0)
 
 
 def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]

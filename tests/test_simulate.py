@@ -249,6 +249,33 @@ class TestDataParallel:
         assert pred.memory["d:0"].grads_bytes == 1000
         assert pred.memory["d:0"].optimizer_bytes == 2000  # Adam: two moments
 
+    @pytest.mark.parametrize("replicas, lag", [(2, 0.6), (4, 0.3 * 1.0294 / 0.5642)])
+    def test_the_all_reduce_waits_for_replicas_that_wander_apart(self, replicas, lag):
+        # as above, with each replica's busy time wandering 10 % past the replicas' mean on
+        # two ranks (DeviceCosts.replica_spread): the all-reduce also waits 10 % of the
+        # stage's busy time, scaled for more replicas as E[max of k normals] / E[max of 2]
+        # (0.5642 and 1.0294); the busy time itself is unchanged
+        from dataclasses import replace
+
+        g = graph([("x", "input", [], 64), ("w", "param", [], 1000),
+                   ("a", "op", ["x", "w"], 64), ("loss", "op", ["a"], 4)])
+        cl = cluster(replicas, latency_s=0.25, bandwidth=1000.0)
+        c = costs(g, cl, {"a": 4.0, "loss": 0.0}, {"a": 8.0, "loss": 0.0})
+        plan = Plan.from_assignment(g, [cl.ids], {"a": 0, "loss": 0})
+        flat = simulate(g, plan, c)
+        busy = 12.0 / replicas
+        assert flat.busy_s[cl.ids[0]] == pytest.approx(busy)
+        for dc in c.per_type.values():
+            dc.replica_spread = 0.1
+        pred = simulate(g, plan, c)
+        assert pred.step_s == pytest.approx(flat.step_s + lag)
+        assert pred.busy_s == flat.busy_s
+        assert simulate(g, plan, c.without_contention()).step_s == pytest.approx(flat.step_s)
+        # a stage on one device has nothing to wait for
+        single = replace(plan, stages=((cl.ids[0],),))
+        assert simulate(g, single, c).step_s == pytest.approx(simulate(
+            g, single, c.without_contention()).step_s)
+
     def test_fixed_overhead_does_not_shrink(self):
         g = graph([("x", "input", [], 64), ("a", "op", ["x"], 64)])
         cl = cluster(4)
