@@ -325,7 +325,8 @@ class TestRefusals:
 
 
 class TestContention:
-    """CPU ranks of one host slow each other while both compute (DeviceCosts.contention)."""
+    """Replicas on CPU ranks of one host slow each other, running the same ops at the same
+    moment (DeviceCosts.contention)."""
 
     @staticmethod
     def _contended(g, cl, ratio: float):
@@ -359,17 +360,27 @@ class TestContention:
         assert pred.step_s == pytest.approx(13.5)
         assert pred.busy_s == {"d:0": pytest.approx(13.5), "d:1": pytest.approx(13.5)}
 
-    def test_partial_overlap_slows_in_proportion(self):
-        # alone: fa [0,1] with fb [0,2]; fc [2,5]; bc [5,11]; then bb [11,15] with
-        # ba [11,13]. d:0 computes 3 s, all of it beside d:1: 1 other rank on average; d:1
-        # computes 15 s, 3 s of it beside d:0: 0.2. With contention 2: d:0's ops take 2 x,
-        # d:1's 1.2 x: fa 2, fb 2.4, fc 3.6, bc 7.2, bb 4.8, ba 4: step 2.4+3.6+7.2+4.8 = 18
+    def test_different_stages_computing_at_once_are_not_slowed(self):
+        # fa [0,1] with fb [0,2]; fc [2,5]; bc [5,11]; then bb [11,15] with ba [11,13]: the
+        # two ranks compute at once, but different ops, so contention 2 changes nothing
         g, plan = self._branches()
         cl = cluster(2)
         assert simulate(g, plan, costs(g, cl, FWD, BWD)).step_s == pytest.approx(15.0)
         pred = simulate(g, plan, self._contended(g, cl, 2.0))
+        assert pred.step_s == pytest.approx(15.0)
+        assert pred.busy_s == {"d:0": pytest.approx(3.0), "d:1": pytest.approx(15.0)}
+
+    def test_only_the_replicas_slow_each_other(self, chain3):
+        # a, b on two replicas (half the batch each), c on d:2. With contention 2 the
+        # replicas' ops take 2 x (fa 1, fb 2, bb 4, ba 2), c's do not (fc 3, bc 6): 18 s
+        cl = cluster(3)
+        plan = Plan.from_assignment(chain3, [("d:0", "d:1"), ("d:2",)],
+                                    {"a": 0, "b": 0, "c": 1})
+        assert simulate(chain3, plan, costs(chain3, cl, FWD, BWD)).step_s == pytest.approx(13.5)
+        pred = simulate(chain3, plan, self._contended(chain3, cl, 2.0))
         assert pred.step_s == pytest.approx(18.0)
-        assert pred.busy_s == {"d:0": pytest.approx(6.0), "d:1": pytest.approx(18.0)}
+        assert pred.busy_s == {"d:0": pytest.approx(9.0), "d:1": pytest.approx(9.0),
+                               "d:2": pytest.approx(9.0)}
 
     def test_the_lower_bound_ignores_it(self, chain3):
         cl = cluster(2)
