@@ -44,7 +44,8 @@ class DeviceCosts:
     bwd_at: list[list[float]] = field(default_factory=list)
     #: per node, how much slower (forward + backward) it ran while another rank of the same
     #: host ran the same work at the same time, e.g. 1.3; empty where not measured (GPUs,
-    #: one rank). The simulator slows ops by it while other ranks of the host compute.
+    #: one rank). The simulator slows a replicated stage's ops by it (replicas run the same
+    #: op at the same moment); different stages computing at once are not slowed.
     contention: list[float] = field(default_factory=list)
     #: measured with the contention (two ranks data-parallel): per step, how far the slower
     #: replica's busy time ran past the two replicas' mean, as a fraction of that mean (their

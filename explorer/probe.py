@@ -4,8 +4,8 @@ Profiling times each op on one rank; what a step on several ranks adds is the wo
 tensors between them: posting the send, matching and allocating the receive, and waking a rank
 that blocked waiting (on a virtual machine this grows with how long it slept). The probe runs
 the built-in tiny MLP split in two stages with four micro-batches on two real CPU ranks, and
-divides the busy time the ranks spent beyond the profile's prediction (which includes the
-ranks slowing each other, measured by the profile) by the messages they exchanged. The
+divides the busy time the ranks spent beyond the profile's prediction by the messages they
+exchanged (the two stages run different ops, which do not slow each other measurably). The
 result (``CostModel.message_s``) is measured once per host and torch version and cached
 beside the CPU rank profile; calibration refines it from your own runs.
 """
@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from explorer import cluster as _cl
 
-PROBE_KEY = "runtime message cost beyond contention"
+PROBE_KEY = "runtime message cost, stages not slowing each other"
 
 
 def cpu_message_s(cluster: _cl.Cluster) -> float:
