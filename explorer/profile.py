@@ -58,8 +58,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
     With two or more measured CPU ranks (and ``message``), the processor time each tensor
     sent between ranks costs is measured once per host (:mod:`explorer.probe`) and set as
     ``message_s``; and how much each op slows while another rank of the host runs it too, as
-    replicas do (:func:`measure_contention`, stored with the profile). Both are host measurements: not
-    taken for ``Cluster.cpu(n, measure=False)``.
+    replicas do (:func:`measure_contention`, stored with the profile). Both are host
+    measurements: not taken for ``Cluster.cpu(n, measure=False)``.
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
