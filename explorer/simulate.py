@@ -742,7 +742,7 @@ class _Sim:
                 has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
                 chan = self.resource(("allreduce", s, -1))
                 # the first bucket also waits for the slowest replica to catch up
-                lag = self._replica_lag(s, reps[s], types[s].values(), M, d_opt)
+                lag = self._replica_lag(s, reps[s], M, d_opt)
                 bucket: list[int] = []
                 size = 0
                 for k, p in enumerate([*params, None]):
@@ -812,8 +812,7 @@ class _Sim:
         self.forward_only = bool((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                                  and (np.asarray(self.dur[fb:], dtype=np.float64) >= 0.0).all())
 
-    def _replica_lag(self, s: int, devices: list[str], types: Any, M: int, opt_s: float
-                     ) -> float:
+    def _replica_lag(self, s: int, devices: list[str], M: int, opt_s: float) -> float:
         """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest
         replica beyond the replicas' common pace: where the profile measured how far two
         replicas' busy time wanders apart (``DeviceCosts.replica_spread``), that fraction of
