@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from explorer.cluster import pin_cpu_rank
 from explorer.errors import ExplorerError
 from explorer.plan import Plan
 
@@ -896,6 +897,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(local_rank)
+        # a CPU rank gets a core of its own, before gloo starts its threads (they inherit it)
+        core = pin_cpu_rank(local_rank) if not cuda else None
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         r = Rank(job, rank, world, local_rank)
@@ -923,7 +926,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
                       f"{res['step_s'] * 1e3:.1f} ms", flush=True)
             if rank == 0:
                 (out / "progress").write_text(str(k + 1))
-        record = {"rank": rank, "device": r.device_id, "steps": results,
+        record = {"rank": rank, "device": r.device_id, "core": core, "steps": results,
                   "task_s": {f"{k}:{i}": statistics.median(v[job.warmup * len(v)
                                                               // (job.warmup + job.steps):])
                              for (k, i), v in r.all_times.items()},

@@ -26,14 +26,15 @@ import torch
 from tqdm.auto import tqdm
 
 from explorer.capture import CaptureRuntime, batch_splits, keep_buffers, training_mode
-from explorer.cluster import Cluster, Device
+from explorer.cluster import Cluster, Device, pinning
 from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
-# to the median step; 5: the replicas' spread measured with the contention
-PROFILE_VERSION = 5
+# to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
+# pinned to cores
+PROFILE_VERSION = 6
 #: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
 FRACTION_SPLITS = (2, 4)
 #: how many times each of those runs is made, in turn; an op's time is its mean over them.
@@ -70,7 +71,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
         if not dev.present or graph.runtime is None:
             per_type[dev.type_key] = roofline(graph, dev)
             continue
-        path = cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}.json"
+        pin = "-pinned" if dev.kind == "cpu" and pinning() else ""
+        path = cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{pin}.json"
         dc = _load(path) if cache else None
         fresh = dc is None
         if dc is None:

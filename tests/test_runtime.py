@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -85,6 +86,23 @@ def test_losses_and_gradients_equal_one_device(name, path, cpu2):
 def test_single_device_run_equals_reference(cpu2):
     bm, graph = _case("mlp")
     _check(bm, graph, ex.Plan.single(graph, "cpu:0"))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins cores on Linux only")
+@pytest.mark.parametrize("pin", ["1", "0"])
+def test_cpu_ranks_are_pinned_to_their_own_cores(cpu2, pin, monkeypatch):
+    """Each CPU rank runs on a core of its own, the local rank's, round robin over the cores
+    this process may use (with EXPLORER_PIN=0 none is pinned), and it trains the same."""
+    monkeypatch.setenv("EXPLORER_PIN", pin)
+    _, graph = _case("mlp")
+    meas = ex.run(graph, plan=_plans(graph, cpu2)["gpipe"], steps=1, warmup=0,
+                  progress=False, timeout_s=120)
+    cores = sorted(os.sched_getaffinity(0))
+    if pin == "1":
+        assert meas.cores == {"cpu:0": cores[0], "cpu:1": cores[1 % len(cores)]}
+    else:
+        assert meas.cores == {"cpu:0": None, "cpu:1": None}
+    assert all(math.isfinite(x) for x in meas.losses)
 
 
 def test_replica_counts_that_differ_run(cpu2):
