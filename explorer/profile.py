@@ -35,6 +35,13 @@ from explorer.graph import OpGraph
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
 # pinned to cores
 PROFILE_VERSION = 6
+#: steps timed in each run of the profile (after the warm-up). A run costs 2-3 s to start
+#: its processes, and its steps only 40-90 ms each on the built-in models: on the 2-core
+#: machine this was measured on, 15 steps instead of 5 cut how far four profiles of the
+#: same model apart predict one step (their coefficient of variation) from 2.6-8.9 % to
+#: 0.8-5.0 % for 6-8 s more per profile (``python benchmarks/profile_repeat.py``,
+#: 2026-11-25), about what doubling ``ROUNDS`` did for 27-30 s more.
+REPEATS = 15
 #: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
 FRACTION_SPLITS = (2, 4)
 #: how many times each of those runs is made, in turn; an op's time is its mean over them.
@@ -42,6 +49,8 @@ FRACTION_SPLITS = (2, 4)
 #: measured on, averaging two runs a few seconds apart cut the spread of the whole-batch
 #: step total by a third to two-thirds (eight runs each of two models, averaged in pairs).
 ROUNDS = 2
+#: how many times the contention pair (one rank alone, two ranks at once) is run, in turn
+CONTENTION_ROUNDS = 2
 
 
 def cache_dir() -> Path:
@@ -49,7 +58,7 @@ def cache_dir() -> Path:
     return Path(base) / "partition-explorer" / "profiles"
 
 
-def profile(graph: OpGraph, cluster: Cluster, repeats: int = 5, warmup: int = 2,
+def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
             cache: bool = True, progress: bool = True, message: bool = True) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
@@ -158,7 +167,7 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
     return statistics.median(samples)
 
 
-def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
+def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
             progress: bool = True) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
@@ -213,8 +222,8 @@ def measure(graph: OpGraph, dev: Device, repeats: int = 5, warmup: int = 2,
                        fractions, fwd_at, bwd_at)
 
 
-def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
-                       warmup: int = 2, progress: bool = True, rounds: int = 2
+def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = REPEATS,
+                       warmup: int = 2, progress: bool = True, rounds: int | None = None
                        ) -> tuple[list[float], float]:
     """Per node: how much slower its forward + backward ran while another rank of this host
     ran the same work at the same time, than alone (1.0: no slower); and the replicas'
@@ -232,6 +241,7 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = 5,
     from explorer.plan import Plan
     from explorer.run import run
 
+    rounds = CONTENTION_ROUNDS if rounds is None else rounds
     a, b = ranks[0], ranks[1]
     override = {a.id: a.torch_device or "cpu", b.id: b.torch_device or "cpu"}
     single = Plan.single(graph, a.id, optimizer="adam", micro_batches=2)
