@@ -997,11 +997,12 @@ def pin_cpu_rank(local_rank: int) -> int | None:
     core of those this process may use: the ``local_rank``-th, round robin. Returns the core,
     or None where ranks are not pinned (:func:`pinning`) or the host refused.
 
-    Unpinned, two CPU ranks and their communication threads move between the cores: on the
-    2-core host this was measured on, micro-batched pipelines ran 11-17 % slower that way and
-    their step time wandered two to three times as much from run to run (GPT and ResNet,
-    GPipe and 1F1B in four micro-batches, five alternating runs each, 2026-11-25); one-rank
-    and data-parallel steps were the same either way.
+    Unpinned, two CPU ranks and their communication threads move between the cores. On the
+    2-core host this was measured on (``python benchmarks/pinning.py``, two runs on
+    2026-11-25), pinned micro-batched pipelines of GPT and ResNet (GPipe and 1F1B in four
+    micro-batches) ran 4-17 % faster than unpinned, and the wait of a message sent before its
+    receive was posted (``Link.late_receive_s``) fell from 1.7-3.6 ms to 0.4 ms; one-rank and
+    data-parallel steps were within the noise either way.
     """
     if not pinning():
         return None
