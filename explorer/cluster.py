@@ -992,10 +992,11 @@ def pinning() -> bool:
     return os.environ.get("EXPLORER_PIN", "1") != "0" and hasattr(os, "sched_setaffinity")
 
 
-def pin_cpu_rank(local_rank: int) -> int | None:
-    """Pin the calling thread, and the threads it starts later (gloo's among them), to one
-    core of those this process may use: the ``local_rank``-th, round robin. Returns the core,
-    or None where ranks are not pinned (:func:`pinning`) or the host refused.
+def pin_cpu_rank(local_rank: int, threads: int = 1) -> tuple[int, ...] | None:
+    """Pin the calling thread, and the threads it starts later (gloo's and torch's among
+    them), to cores of their own among those this process may use: ``threads`` of them
+    (one per compute thread), the ``local_rank``-th such block, round robin. Returns the
+    cores, or None where ranks are not pinned (:func:`pinning`) or the host refused.
 
     Unpinned, two CPU ranks and their communication threads move between the cores. On the
     2-core host this was measured on (``python benchmarks/pinning.py``, two runs on
@@ -1008,11 +1009,12 @@ def pin_cpu_rank(local_rank: int) -> int | None:
         return None
     try:
         cores = sorted(os.sched_getaffinity(0))
-        core = cores[local_rank % len(cores)]
-        os.sched_setaffinity(0, {core})
+        k = max(1, min(threads, len(cores)))
+        mine = sorted({cores[(local_rank * k + i) % len(cores)] for i in range(k)})
+        os.sched_setaffinity(0, mine)
     except (OSError, IndexError):
         return None
-    return core
+    return tuple(mine)
 
 
 _PING_REPS = 200

@@ -888,7 +888,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     out = Path(os.environ.get("EXPLORER_OUT", folder))
     _watch_parent()
     try:
-        torch.set_num_threads(int(os.environ.get("EXPLORER_THREADS", "1")))
+        threads = int(os.environ.get("EXPLORER_THREADS", "1"))
+        torch.set_num_threads(threads)
         job = read_job(folder)
         for k in ("steps", "warmup", "lr"):
             if getattr(args, k) is not None:
@@ -897,8 +898,9 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         backend = "nccl" if cuda else "gloo"
         if cuda:
             torch.cuda.set_device(local_rank)
-        # a CPU rank gets a core of its own, before gloo starts its threads (they inherit it)
-        core = pin_cpu_rank(local_rank) if not cuda else None
+        # a CPU rank gets a core of its own per compute thread, before gloo starts its
+        # threads (they inherit them)
+        cores = pin_cpu_rank(local_rank, threads) if not cuda else None
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         r = Rank(job, rank, world, local_rank)
@@ -926,7 +928,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
                       f"{res['step_s'] * 1e3:.1f} ms", flush=True)
             if rank == 0:
                 (out / "progress").write_text(str(k + 1))
-        record = {"rank": rank, "device": r.device_id, "core": core, "steps": results,
+        record = {"rank": rank, "device": r.device_id, "cores": cores, "steps": results,
                   "task_s": {f"{k}:{i}": statistics.median(v[job.warmup * len(v)
                                                               // (job.warmup + job.steps):])
                              for (k, i), v in r.all_times.items()},

@@ -59,9 +59,9 @@ class Measurement:
     #: per device, its busy time in each measured step (``busy_s`` is their median)
     busy_samples_s: dict[str, tuple[float, ...]] = field(default_factory=dict, repr=False)
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
-    #: per CPU rank, the core it was pinned to (:func:`explorer.cluster.pin_cpu_rank`); None
-    #: where it was not pinned
-    cores: dict[str, int | None] = field(default_factory=dict, repr=False)
+    #: per CPU rank, the cores it was pinned to (:func:`explorer.cluster.pin_cpu_rank`);
+    #: None where it was not pinned
+    cores: dict[str, tuple[int, ...] | None] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -282,7 +282,7 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         busy_samples_s={r["device"]: tuple(s["busy_s"] for s in m)
                         for r, m in zip(results, measured, strict=True)},
         grads=grads,
-        cores={r["device"]: r.get("core") for r in results},
+        cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
         plan=plan,
         graph=graph)
 

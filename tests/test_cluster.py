@@ -309,28 +309,30 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
 # ---- CPU ranks pinned to cores
 
 _PIN_CHILD = ("import os, sys; from explorer.cluster import pin_cpu_rank; "
-              "core = pin_cpu_rank(int(sys.argv[1])); "
-              "print(core, *sorted(os.sched_getaffinity(0)))")
+              "got = pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
+              "print(got and list(got), sorted(os.sched_getaffinity(0)), sep=';')")
 
 
-def _pin_in_child(local_rank: int, pin: str) -> tuple[str, list[int]]:
-    out = subprocess.run([sys.executable, "-c", _PIN_CHILD, str(local_rank)], check=True,
-                         capture_output=True, text=True, env=dict(os.environ, EXPLORER_PIN=pin),
-                         timeout=60).stdout.split()
-    return out[0], [int(c) for c in out[1:]]
+def _pin_in_child(local_rank: int, pin: str, threads: int = 1) -> tuple[str, str]:
+    out = subprocess.run([sys.executable, "-c", _PIN_CHILD, str(local_rank), str(threads)],
+                         check=True, capture_output=True, text=True,
+                         env=dict(os.environ, EXPLORER_PIN=pin), timeout=60).stdout
+    got, affinity = out.strip().split(";")
+    return got, affinity
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
-@pytest.mark.parametrize("local_rank", [0, 1, 5])
-def test_pin_cpu_rank_takes_one_allowed_core_round_robin(local_rank):
+@pytest.mark.parametrize(("local_rank", "threads"), [(0, 1), (1, 1), (5, 1), (1, 2), (0, 99)])
+def test_pin_cpu_rank_takes_its_block_of_allowed_cores_round_robin(local_rank, threads):
     cores = sorted(os.sched_getaffinity(0))
-    want = cores[local_rank % len(cores)]
-    assert _pin_in_child(local_rank, "1") == (str(want), [want])
+    k = min(threads, len(cores))  # never more cores than the process may use
+    want = sorted({cores[(local_rank * k + i) % len(cores)] for i in range(k)})
+    assert _pin_in_child(local_rank, "1", threads) == (str(want), str(want))
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
 def test_pinning_can_be_turned_off(monkeypatch):
-    assert _pin_in_child(1, "0") == ("None", sorted(os.sched_getaffinity(0)))
+    assert _pin_in_child(1, "0") == ("None", str(sorted(os.sched_getaffinity(0))))
     monkeypatch.setenv("EXPLORER_PIN", "0")
     assert not cl.pinning()
     unpinned = cl._cache_key()

@@ -99,7 +99,7 @@ def test_cpu_ranks_are_pinned_to_their_own_cores(cpu2, pin, monkeypatch):
                   progress=False, timeout_s=120)
     cores = sorted(os.sched_getaffinity(0))
     if pin == "1":
-        assert meas.cores == {"cpu:0": cores[0], "cpu:1": cores[1 % len(cores)]}
+        assert meas.cores == {"cpu:0": (cores[0],), "cpu:1": (cores[1 % len(cores)],)}
     else:
         assert meas.cores == {"cpu:0": None, "cpu:1": None}
     assert all(math.isfinite(x) for x in meas.losses)
