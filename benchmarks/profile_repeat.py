@@ -27,9 +27,9 @@ import explorer as ex
 from explorer.cli import _table
 
 PLANS = [
-    ("single", {}),
-    ("data-parallel", {}),
-    ("even-layers 1f1b x4", {"micro_batches": 4, "schedule": "1f1b"}),
+    ("single", "single", {}),
+    ("data-parallel", "data-parallel", {}),
+    ("even-layers 1f1b x4", "even-layers", {"micro_batches": 4, "schedule": "1f1b"}),
 ]
 
 
@@ -58,9 +58,8 @@ def main() -> None:
         bm = ex.builtin_model(name, args.size)
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
         first = ex.profile(graph, cluster, progress=False)  # only to make the plans
-        plans = [(label, ex.partition(graph, cluster, first,
-                                      "even-layers" if "even" in label else label, **opts))
-                 for label, opts in PLANS]
+        plans = [(label, ex.partition(graph, cluster, first, alg, **opts))
+                 for label, alg, opts in PLANS]
         got: dict[tuple[int, ...], list] = {s: [] for s in settings}
         walls: dict[tuple[int, ...], list[float]] = {s: [] for s in settings}
         for _ in range(args.times):
@@ -69,10 +68,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 costs = ex.profile(graph, cluster, repeats=st[2], progress=False, cache=False)
                 walls[st].append(time.perf_counter() - t0)
-                dc = next(iter(v for k, v in costs.per_type.items() if k.startswith("cpu")))
+                dc = next(v for k, v in costs.per_type.items() if k.startswith("cpu"))
                 got[st].append(([ex.simulate(graph, p, costs).step_s for _, p in plans],
-                                    statistics.fmean(dc.contention) if dc.contention else 1.0,
-                                    dc.replica_spread))
+                                statistics.fmean(dc.contention) if dc.contention else 1.0,
+                                dc.replica_spread))
         measured = [[] for _ in plans]
         for _ in range(args.passes):
             for i, (_, p) in enumerate(plans):

@@ -792,7 +792,6 @@ def _cache_key() -> str:
     return f"{socket.gethostname()}|torch {torch.__version__}{'|pinned' if pinning() else ''}"
 
 
-
 _PROFILE_KEYS = (
     "flops_per_s",
     "mem_bandwidth_bytes_per_s",
@@ -1034,9 +1033,8 @@ watchdog.start()
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-if os.environ.get("EXPLORER_PIN_CHILD") == "1":  # as the runtime pins its CPU ranks
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {{cores[rank % len(cores)]}})
+from explorer.cluster import pin_cpu_rank
+pin_cpu_rank(rank)  # as the runtime pins its CPU ranks
 dist.init_process_group(
     "gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2,
     timeout=datetime.timedelta(seconds=timeout_s),
@@ -1128,8 +1126,7 @@ def _measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
     The children are killed at ``timeout_s`` (and kill themselves shortly after it should the
     parent die); none outlives this call.
     """
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               EXPLORER_PIN_CHILD="1" if pinning() else "0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     lo = _loopback_ifname()
     if lo:
         env["GLOO_SOCKET_IFNAME"] = lo
