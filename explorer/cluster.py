@@ -788,8 +788,10 @@ def _cache_file() -> Path:
 def _cache_key() -> str:
     import torch
 
-    # pinned and unpinned ranks wait differently for each other's messages: measured apart
-    return f"{socket.gethostname()}|torch {torch.__version__}{'|pinned' if pinning() else ''}"
+    # ranks set up differently (pinned or not, freed memory held or not) wait and copy
+    # differently: measured apart
+    tag = rank_settings_tag().replace("-", "|")
+    return f"{socket.gethostname()}|torch {torch.__version__}{tag}"
 
 
 _PROFILE_KEYS = (
@@ -998,7 +1000,7 @@ def pin_cpu_rank(local_rank: int, threads: int = 1) -> tuple[int, ...] | None:
     cores, or None where ranks are not pinned (:func:`pinning`) or the host refused.
 
     Unpinned, two CPU ranks and their communication threads move between the cores. On the
-    2-core host this was measured on (``python benchmarks/pinning.py``, two runs on
+    2-core host this was measured on (``python benchmarks/rank_settings.py``, two runs on
     2026-11-25), pinned micro-batched pipelines of GPT and ResNet (GPipe and 1F1B in four
     micro-batches) ran 4-17 % faster than unpinned, and the wait of a message sent before its
     receive was posted (``Link.late_receive_s``) fell from 1.7-3.6 ms to 0.4 ms; one-rank and
@@ -1014,6 +1016,60 @@ def pin_cpu_rank(local_rank: int, threads: int = 1) -> tuple[int, ...] | None:
     except (OSError, IndexError):
         return None
     return tuple(mine)
+
+
+#: glibc's ``mallopt`` parameters (``malloc.h``)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: the largest mmap threshold glibc accepts on 64-bit hosts (4 MiB x ``sizeof(long)``)
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+#: free memory at the top of the heap kept rather than given back (``mallopt`` takes an int)
+TRIM_THRESHOLD_BYTES = 2**31 - 1
+
+
+def holding_memory() -> bool:
+    """Whether rank processes keep the memory they free for their next step
+    (:func:`hold_freed_memory`): on glibc hosts, unless ``EXPLORER_MALLOC`` is ``0``."""
+    import platform
+
+    return os.environ.get("EXPLORER_MALLOC", "1") != "0" and platform.libc_ver()[0] == "glibc"
+
+
+def hold_freed_memory() -> bool:
+    """Make glibc's allocator keep the memory this process frees, for the next step to reuse,
+    instead of handing it back to the kernel and faulting it in again page by page. Returns
+    whether it did (False where :func:`holding_memory` is off or the allocator refused).
+
+    A training step on CPU allocates and frees the same large tensors every step
+    (activations, gradients, the optimizer's temporaries). By default glibc serves blocks
+    from a few hundred KiB up with ``mmap`` (a threshold it raises as it sees them freed)
+    and trims the heap's free top beyond twice that threshold, so which of a step's tensors
+    come back as fresh pages depends on the order of the process's earlier allocations: the
+    same Adam step over the same 4 MiB of parameters took 5 ms in one process and 8 ms in
+    another, where its temporaries were new pages each step. Blocks up to 32 MiB
+    (:data:`MMAP_THRESHOLD_BYTES`, glibc's limit) now come from the heap, and the heap keeps
+    up to 2 GiB of free top: what a rank holds is its peak, as on a GPU with PyTorch's caching
+    allocator. Measured with ``python benchmarks/rank_settings.py --setting malloc`` (see
+    README, accuracy).
+    """
+    if not holding_memory():
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def rank_settings_tag() -> str:
+    """What the CPU ranks' process settings are (pinned, freed memory held), as a cache key
+    suffix: ranks set up differently run at different speeds, so they are measured apart."""
+    return ("-pinned" if pinning() else "") + ("-held" if holding_memory() else "")
 
 
 _PING_REPS = 200
@@ -1033,8 +1089,9 @@ watchdog.start()
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from explorer.cluster import pin_cpu_rank
-pin_cpu_rank(rank)  # as the runtime pins its CPU ranks
+from explorer.cluster import hold_freed_memory, pin_cpu_rank
+pin_cpu_rank(rank)  # as the runtime sets up its CPU ranks
+hold_freed_memory()
 dist.init_process_group(
     "gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2,
     timeout=datetime.timedelta(seconds=timeout_s),

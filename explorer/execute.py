@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from explorer.cluster import pin_cpu_rank
+from explorer.cluster import hold_freed_memory, pin_cpu_rank
 from explorer.errors import ExplorerError
 from explorer.plan import Plan
 
@@ -901,6 +901,9 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         # a CPU rank gets a core of its own per compute thread, before gloo starts its
         # threads (they inherit them)
         cores = pin_cpu_rank(local_rank, threads) if not cuda else None
+        # freed memory kept for the next step rather than faulted in again (any rank: host
+        # tensors of GPU ranks too)
+        held = hold_freed_memory()
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         r = Rank(job, rank, world, local_rank)
@@ -928,7 +931,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
                       f"{res['step_s'] * 1e3:.1f} ms", flush=True)
             if rank == 0:
                 (out / "progress").write_text(str(k + 1))
-        record = {"rank": rank, "device": r.device_id, "cores": cores, "steps": results,
+        record = {"rank": rank, "device": r.device_id, "cores": cores, "held": held,
+                  "steps": results,
                   "task_s": {f"{k}:{i}": statistics.median(v[job.warmup * len(v)
                                                               // (job.warmup + job.steps):])
                              for (k, i), v in r.all_times.items()},

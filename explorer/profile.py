@@ -26,15 +26,15 @@ import torch
 from tqdm.auto import tqdm
 
 from explorer.capture import CaptureRuntime, batch_splits, keep_buffers, training_mode
-from explorer.cluster import Cluster, Device, pinning
+from explorer.cluster import Cluster, Device, rank_settings_tag
 from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
 from explorer.errors import ExplorerError
 from explorer.graph import OpGraph
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
-# pinned to cores
-PROFILE_VERSION = 6
+# pinned to cores; 7: ranks keep the memory they free (glibc's allocator)
+PROFILE_VERSION = 7
 #: steps timed in each run of the profile (after the warm-up). A run costs 2-3 s to start
 #: its processes, and its steps only 40-90 ms each on the built-in models: on the 2-core
 #: machine this was measured on, 15 steps instead of 5 cut how far four profiles of the
@@ -80,7 +80,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         if not dev.present or graph.runtime is None:
             per_type[dev.type_key] = roofline(graph, dev)
             continue
-        pin = "-pinned" if dev.kind == "cpu" and pinning() else ""
+        pin = rank_settings_tag() if dev.kind == "cpu" else ""
         path = cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{pin}.json"
         dc = _load(path) if cache else None
         fresh = dc is None

@@ -62,6 +62,9 @@ class Measurement:
     #: per CPU rank, the cores it was pinned to (:func:`explorer.cluster.pin_cpu_rank`);
     #: None where it was not pinned
     cores: dict[str, tuple[int, ...] | None] = field(default_factory=dict, repr=False)
+    #: per rank, whether its process kept the memory it freed for the next step
+    #: (:func:`explorer.cluster.hold_freed_memory`)
+    memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -283,6 +286,7 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
                         for r, m in zip(results, measured, strict=True)},
         grads=grads,
         cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
+        memory_held={r["device"]: bool(r.get("held")) for r in results},
         plan=plan,
         graph=graph)
 

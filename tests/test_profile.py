@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import platform
 
 import pytest
 import torch
 
 import explorer as ex
-from explorer.cluster import Cluster, pinning
+from explorer.cluster import Cluster, rank_settings_tag
 from explorer.costs import DeviceCosts, roofline
 from explorer.errors import ExplorerError
 
@@ -177,8 +178,8 @@ class TestCache:
     def test_second_call_is_read_from_the_cache(self, gpt, measured, module_cache,
                                                 monkeypatch):
         files = [p.name for p in module_cache.iterdir()]
-        pin = "-pinned" if pinning() else ""
-        assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2{pin}.json"]
+        tag = rank_settings_tag()
+        assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2{tag}.json"]
         monkeypatch.setattr(prof, "measure", _no_measuring)
         again = ex.profile(gpt, Cluster.cpu(2, measure=False), **FAST)
         assert again == measured[0]
@@ -196,12 +197,13 @@ class TestCache:
         ex.profile(gpt, cl, **FAST)
         ex.profile(gpt, cl, repeats=3, warmup=0, progress=False)
         assert fake == [("cpu:0", 2), ("cpu:0", 3)]
-        pin = "-pinned" if pinning() else ""
+        tag = rank_settings_tag()
         assert sorted(p.name.rsplit("-r", 1)[1] for p in cache.iterdir()) == [
-            f"2{pin}.json", f"3{pin}.json"]
+            f"2{tag}.json", f"3{tag}.json"]
 
     @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
     def test_pinned_and_unpinned_ranks_are_profiled_apart(self, gpt, fake, cache, monkeypatch):
+        monkeypatch.setenv("EXPLORER_MALLOC", "0")
         cl = Cluster.cpu(1, measure=False)
         ex.profile(gpt, cl, **FAST)
         monkeypatch.setenv("EXPLORER_PIN", "0")
@@ -210,6 +212,19 @@ class TestCache:
         assert len(fake) == 2
         assert sorted(p.name.endswith("-r2-pinned.json") for p in cache.iterdir()) == [
             False, True]
+
+    @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+    def test_ranks_that_hold_freed_memory_are_profiled_apart(self, gpt, fake, cache,
+                                                             monkeypatch):
+        cl = Cluster.cpu(1, measure=False)
+        monkeypatch.setenv("EXPLORER_PIN", "0")
+        ex.profile(gpt, cl, **FAST)
+        monkeypatch.setenv("EXPLORER_MALLOC", "0")
+        ex.profile(gpt, cl, **FAST)
+        ex.profile(gpt, cl, **FAST)
+        assert len(fake) == 2
+        assert sorted(p.name.rsplit("-r", 1)[1] for p in cache.iterdir()) == [
+            "2-held.json", "2.json"]
 
     @pytest.mark.parametrize("damage", ["{not json", json.dumps({"version": 1}),
                                         json.dumps({"version": 999, "torch": "x"})])

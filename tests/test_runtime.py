@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -92,8 +93,10 @@ def test_single_device_run_equals_reference(cpu2):
 @pytest.mark.parametrize("pin", ["1", "0"])
 def test_cpu_ranks_are_pinned_to_their_own_cores(cpu2, pin, monkeypatch):
     """Each CPU rank runs on a core of its own, the local rank's, round robin over the cores
-    this process may use (with EXPLORER_PIN=0 none is pinned), and it trains the same."""
+    this process may use (with EXPLORER_PIN=0 none is pinned), and keeps the memory it
+    frees (not with EXPLORER_MALLOC=0); it trains the same either way."""
     monkeypatch.setenv("EXPLORER_PIN", pin)
+    monkeypatch.setenv("EXPLORER_MALLOC", pin)
     _, graph = _case("mlp")
     meas = ex.run(graph, plan=_plans(graph, cpu2)["gpipe"], steps=1, warmup=0,
                   progress=False, timeout_s=120)
@@ -102,6 +105,8 @@ def test_cpu_ranks_are_pinned_to_their_own_cores(cpu2, pin, monkeypatch):
         assert meas.cores == {"cpu:0": (cores[0],), "cpu:1": (cores[1 % len(cores)],)}
     else:
         assert meas.cores == {"cpu:0": None, "cpu:1": None}
+    held = pin == "1" and platform.libc_ver()[0] == "glibc"
+    assert meas.memory_held == {"cpu:0": held, "cpu:1": held}
     assert all(math.isfinite(x) for x in meas.losses)
 
 
