@@ -52,6 +52,10 @@ class DeviceCosts:
     #: compute wanders apart, and the gradient all-reduce waits for the slower one); 0 where
     #: not measured
     replica_spread: float = 0.0
+    #: measured with the contention: how much slower the optimizer step ran while another
+    #: rank of the host stepped the same parameters at the same time (two replicas), e.g.
+    #: 1.3; 1.0 where not measured. The simulator slows a replicated stage's step by it.
+    optimizer_contention: float = 1.0
 
     def at(self, times: list[float], table: list[list[float]], i: int, fraction: float,
            ) -> float:
@@ -159,7 +163,8 @@ class CostModel:
         """These costs as if ranks sharing a host did not slow each other nor wander apart
         (one rank's op times for ranks elsewhere, or to see what contention adds to a
         prediction)."""
-        return replace(self, per_type={k: replace(v, contention=[], replica_spread=0.0)
+        return replace(self, per_type={k: replace(v, contention=[], replica_spread=0.0,
+                                                  optimizer_contention=1.0)
                                        for k, v in self.per_type.items()})
 
     def source(self, i: int, device_id: str) -> str:

@@ -33,7 +33,8 @@ from explorer.graph import OpGraph
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
-# pinned to cores; 7: ranks keep the memory they free (glibc's allocator)
+# pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
+# step's contention is measured
 PROFILE_VERSION = 7
 #: steps timed in each run of the profile (after the warm-up). A run costs 2-3 s to start
 #: its processes, and its steps only 40-90 ms each on the built-in models: on the 2-core
@@ -92,8 +93,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 and graph.source == "export" and batch_splits(graph) \
                 and graph.batch_size % 2 == 0:
             try:
-                dc.contention, dc.replica_spread = measure_contention(
-                    graph, ranks[:2], repeats, warmup, progress)
+                dc.contention, dc.replica_spread, dc.optimizer_contention = \
+                    measure_contention(graph, ranks[:2], repeats, warmup, progress)
                 fresh = True
             except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
                 warnings.warn(f"could not measure how CPU ranks of this host slow each other "
@@ -224,11 +225,15 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = REPEATS,
                        warmup: int = 2, progress: bool = True, rounds: int | None = None
-                       ) -> tuple[list[float], float]:
+                       ) -> tuple[list[float], float, float]:
     """Per node: how much slower its forward + backward ran while another rank of this host
-    ran the same work at the same time, than alone (1.0: no slower); and the replicas'
+    ran the same work at the same time, than alone (1.0: no slower); the replicas'
     spread (``DeviceCosts.replica_spread``): the mean over the two-rank steps of how far the
-    busier rank's busy time was above the two ranks' mean, as a fraction of that mean.
+    busier rank's busy time was above the two ranks' mean, as a fraction of that mean; and
+    how much slower the optimizer step ran beside the other replica's than alone
+    (``DeviceCosts.optimizer_contention``: both step every parameter at the same moment;
+    on the 2-core host this was measured on, Adam is bound by memory bandwidth and slowed
+    20-40 %).
 
     CPU ranks of one host share its memory bandwidth and caches, and (in a virtual machine)
     often more: on some hosts two ranks computing at once each run 20-50 % slower on
@@ -267,11 +272,15 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = REPEA
     whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
     spread = [max(step) / statistics.fmean(step) - 1.0 for m in boths
               for step in zip(*m.busy_samples_s.values(), strict=True) if min(step) > 0]
+    opt_alone = sum(m.task_s.get("optimizer:-1", 0.0) for m in solos)
+    opt_shared = sum(m.task_s.get("optimizer:-1", 0.0) for m in boths)
+    opt_ratio = min(max(opt_shared / opt_alone, 0.5), 4.0) \
+        if opt_alone > 0 and opt_shared > 0 else 1.0
     # a ratio of two medians of one small op is noisy: bound it, and use the whole
     # model's ratio where an op took no measurable time alone
     return ([min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else whole
              for s, t in zip(shared, alone, strict=True)],
-            statistics.fmean(spread) if spread else 0.0)
+            statistics.fmean(spread) if spread else 0.0, opt_ratio)
 
 
 def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]

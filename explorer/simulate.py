@@ -737,7 +737,8 @@ class _Sim:
             params = pg[st[pg] == s][::-1].tolist()
             before_opt = [t for p in params for t in sent_home.get(p, ())]
             d_opt = max(costs.optimizer_s(dv, plan.optimizer, trainable_bytes[s],
-                                          trainable_count[s]) for dv in types[s].values())
+                                          trainable_count[s]) * self._opt_slowed(dv)
+                        for dv in types[s].values())
             if len(reps[s]) > 1 and params:
                 has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
                 chan = self.resource(("allreduce", s, -1))
@@ -811,6 +812,18 @@ class _Sim:
         # whether every task takes no negative time (then time only moves forward)
         self.forward_only = bool((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                                  and (np.asarray(self.dur[fb:], dtype=np.float64) >= 0.0).all())
+
+    def _opt_slowed(self, device: str) -> float:
+        """How much slower ``device``'s optimizer step runs beside its stage's other replicas
+        on its host (they step the same parameters at the same moment):
+        ``1 + (ratio - 1) x others``, with the profile's measured ratio
+        (``DeviceCosts.optimizer_contention``)."""
+        others = (self.others or {}).get(device, 0.0)
+        if not others:
+            return 1.0
+        ratio = self.costs.per_type[self.costs.cluster.device(device).type_key] \
+            .optimizer_contention
+        return 1.0 + (ratio - 1.0) * others
 
     def _replica_lag(self, s: int, devices: list[str], M: int, opt_s: float) -> float:
         """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest

@@ -282,10 +282,11 @@ class TestContention:
         bm = ex.builtin_model("mlp", "tiny")
         g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
         ranks = list(Cluster.cpu(2, measure=False).devices)
-        ratios, spread = prof.measure_contention(g, ranks, repeats=3, warmup=1,
-                                                 progress=False)
+        ratios, spread, opt = prof.measure_contention(g, ranks, repeats=3, warmup=1,
+                                                      progress=False)
         assert len(ratios) == len(g)
         assert all(0.5 <= r <= 4.0 for r in ratios)
+        assert 0.5 <= opt <= 4.0 and opt != 1.0  # measured, not the default
         # the busier of two ranks is above their mean, by less than the mean itself
         assert 0.0 < spread < 1.0
 
@@ -293,7 +294,7 @@ class TestContention:
         calls = []
         monkeypatch.setattr(prof, "measure_contention",
                             lambda g, ranks, *a: calls.append([d.id for d in ranks])
-                            or ([1.25] * len(g), 0.05))
+                            or ([1.25] * len(g), 0.05, 1.3))
         monkeypatch.setattr("explorer.probe.cpu_message_s", lambda cl: 0.0)
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
@@ -303,6 +304,7 @@ class TestContention:
         again = ex.profile(gpt, two, **FAST)  # read back from the cache with the profile
         assert again.per_type[CPU_KEY].contention == [1.25] * len(gpt)
         assert again.per_type[CPU_KEY].replica_spread == 0.05
+        assert again.per_type[CPU_KEY].optimizer_contention == 1.3
         assert len(calls) == 1 and len(fake) == 1
         # not for one rank, nor for nominal ranks (no host measurements)
         assert ex.profile(gpt, Cluster.cpu(1), cache=False, **FAST).per_type[
