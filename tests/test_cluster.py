@@ -246,8 +246,9 @@ def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
     assert not (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
 
 
+@pytest.mark.parametrize("missing", ["late_receive_s", "link_probes"])
 def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, missing):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cl, "_MEMO", {})
     monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
@@ -259,12 +260,40 @@ def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
         return 1e-4, 1e9, 2e-4, 5e8, 3e-3
 
     monkeypatch.setattr(cl, "_measure_gloo_link", link)
-    old = {k: 1.0 for k in cl._PROFILE_KEYS} | {"compute_source": "old", "link_source": "old"}
+    old = {k: 1.0 for k in cl._PROFILE_KEYS} | {"compute_source": "old", "link_source": "old",
+                                                "late_receive_s": 1e-3, "link_probes": 1}
+    del old[missing]  # from before the late-receive wait; from when one probe measured it
     cl._write_cache(cl._cache_file(), cl._cache_key(), old)
     c = Cluster.cpu(2)
-    assert calls == [1] and c.default_link.late_receive_s == 3e-3
+    assert calls == [1] * cl.LINK_PROBES and c.default_link.late_receive_s == 3e-3
     monkeypatch.setattr(cl, "_MEMO", {})  # the new entry is read back, not measured again
-    assert Cluster.cpu(2).default_link.late_receive_s == 3e-3 and calls == [1]
+    assert Cluster.cpu(2).default_link.late_receive_s == 3e-3
+    assert calls == [1] * cl.LINK_PROBES
+
+
+def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
+    """One unlucky probe (here the second: slow all-reduce, long late wait) does not set the
+    host's link for good; a failed probe is left out."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cl, "_MEMO", {})
+    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
+    monkeypatch.setattr(cl, "LINK_PROBES", 4)
+    probes = iter([(1e-4, 2e9, 2e-4, 1.0e9, 3e-4), (3e-4, 1e9, 9e-4, 0.5e9, 9e-3),
+                   None, (2e-4, 3e9, 1e-4, 1.1e9, 4e-4)])
+
+    def link():
+        got = next(probes)
+        if got is None:
+            raise cl._LinkMeasureError("boom")
+        return got
+
+    monkeypatch.setattr(cl, "_measure_gloo_link", link)
+    lk = Cluster.cpu(2).default_link
+    assert (lk.latency_s, lk.bandwidth_bytes_per_s) == (2e-4, 2e9)
+    assert (lk.allreduce_latency_s, lk.allreduce_bandwidth_bytes_per_s) == (2e-4, 1.0e9)
+    assert lk.late_receive_s == 4e-4
+    assert "median of 3 probes" in lk.source  # the three that ran
 
 
 def test_link_measurement_time_limit_kills_children():
@@ -296,7 +325,8 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
     assert lk.bandwidth_bytes_per_s > 10e6, numbers
     assert d.flops_per_s > 1e8 and d.mem_bandwidth_bytes_per_s > 1e8, numbers
     assert "measured" in d.source
-    assert took < 30, numbers  # ~3 s on 2 idle cores; the link step is killed at 15 s
+    # ~1 s for compute and 5 s per link probe on 2 idle cores; each probe is killed at 15 s
+    assert took < 45, numbers
     assert multiprocessing.active_children() == []
     assert _children() == []
     assert (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
@@ -374,12 +404,15 @@ def _hold_in_child(setting: str) -> tuple[bool, int]:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 def test_held_memory_is_reused_without_page_faults(monkeypatch):
-    """glibc's defaults hand 12 MiB freed at the heap's top back to the kernel, so every
-    round faults its 3,072 pages in again; held, the rounds reuse them."""
-    held, faults = _hold_in_child("1")
-    assert held and faults < 300, faults
-    off, faults_off = _hold_in_child("0")
-    assert not off and faults_off > 15 * 2000, faults_off
+    """Held, the rounds reuse the same pages. (With glibc's defaults, whether 12 MiB freed
+    at the heap's top goes back to the kernel, and every round faults its 3,072 pages in
+    again, depends on the process's earlier allocations: it did in two of six fresh
+    processes here, so the defaults are not asserted.)"""
+    for _ in range(3):
+        held, faults = _hold_in_child("1")
+        assert held and faults < 300, faults
+    off, _ = _hold_in_child("0")
+    assert not off
     monkeypatch.setenv("EXPLORER_PIN", "0")
     monkeypatch.setenv("EXPLORER_MALLOC", "0")
     assert not cl.holding_memory()
