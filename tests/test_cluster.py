@@ -364,14 +364,24 @@ def test_pin_cpu_rank_takes_its_block_of_allowed_cores_round_robin(local_rank, t
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
 def test_pinning_can_be_turned_off(monkeypatch):
     assert _pin_in_child(1, "0") == ("None", str(sorted(os.sched_getaffinity(0))))
-    monkeypatch.setenv("EXPLORER_MALLOC", "0")
     monkeypatch.setenv("EXPLORER_PIN", "0")
     assert not cl.pinning()
-    unpinned = cl._cache_key()
-    monkeypatch.setenv("EXPLORER_PIN", "1")
-    assert cl.pinning()
-    # the host's link is measured apart for each: pinned ranks wait less for a late receive
-    assert cl._cache_key() == unpinned + "|pinned"
+
+
+@pytest.mark.parametrize(("var", "check", "suffix"), [
+    pytest.param("EXPLORER_PIN", "pinning", "|pinned", marks=pytest.mark.skipif(
+        not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")),
+    pytest.param("EXPLORER_MALLOC", "holding_memory", "|held", marks=pytest.mark.skipif(
+        platform.libc_ver()[0] != "glibc", reason="glibc's allocator only"))])
+def test_each_rank_setting_measures_the_link_apart(monkeypatch, var, check, suffix):
+    """Ranks set up differently wait and copy differently (pinned ranks wait less for a late
+    receive): the host's link is cached per setting."""
+    monkeypatch.setenv("EXPLORER_PIN", "0")
+    monkeypatch.setenv("EXPLORER_MALLOC", "0")
+    plain = cl._cache_key()
+    monkeypatch.setenv(var, "1")
+    assert getattr(cl, check)()
+    assert cl._cache_key() == plain + suffix
 
 
 # ---- CPU ranks keep the memory they free
@@ -413,13 +423,8 @@ def test_held_memory_is_reused_without_page_faults(monkeypatch):
         assert held and faults < 300, faults
     off, _ = _hold_in_child("0")
     assert not off
-    monkeypatch.setenv("EXPLORER_PIN", "0")
     monkeypatch.setenv("EXPLORER_MALLOC", "0")
     assert not cl.holding_memory()
-    plain = cl._cache_key()
-    monkeypatch.setenv("EXPLORER_MALLOC", "1")
-    assert cl.holding_memory()
-    assert cl._cache_key() == plain + "|held"  # the host's link is measured apart for each
 
 
 # ---- discovery
