@@ -23,6 +23,8 @@ import importlib
 import statistics
 import time
 
+from _common import builtin_plans
+
 import explorer as ex
 from explorer.cli import _table
 
@@ -55,11 +57,7 @@ def main() -> None:
     rows = []
     t_all = time.perf_counter()
     for name in args.models.split(","):
-        bm = ex.builtin_model(name, args.size)
-        graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-        first = ex.profile(graph, cluster, progress=False)  # only to make the plans
-        plans = [(label, ex.partition(graph, cluster, first, alg, **opts))
-                 for label, alg, opts in PLANS]
+        graph, plans = builtin_plans(name, args.size, cluster, PLANS)
         got: dict[tuple[int, ...], list] = {s: [] for s in settings}
         walls: dict[tuple[int, ...], list[float]] = {s: [] for s in settings}
         for _ in range(args.times):

@@ -23,6 +23,8 @@ import argparse
 import os
 import statistics
 
+from _common import builtin_plans
+
 import explorer as ex
 from explorer.cli import _table
 
@@ -51,11 +53,7 @@ def main() -> None:
     before = os.environ.get(var)
     try:
         for name in args.models.split(","):
-            bm = ex.builtin_model(name, args.size)
-            graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-            costs = ex.profile(graph, cluster, progress=False)  # only to make the plans
-            plans = [(label, ex.partition(graph, cluster, costs, alg, **opts))
-                     for label, alg, opts in PLANS]
+            graph, plans = builtin_plans(name, args.size, cluster, PLANS)
             got: dict[tuple[str, str], list[float]] = {}
             busy: dict[tuple[str, str], list[float]] = {}
             for _ in range(args.passes):

@@ -272,15 +272,14 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = REPEA
     whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
     spread = [max(step) / statistics.fmean(step) - 1.0 for m in boths
               for step in zip(*m.busy_samples_s.values(), strict=True) if min(step) > 0]
-    opt_alone = sum(m.task_s.get("optimizer:-1", 0.0) for m in solos)
-    opt_shared = sum(m.task_s.get("optimizer:-1", 0.0) for m in boths)
-    opt_ratio = min(max(opt_shared / opt_alone, 0.5), 4.0) \
-        if opt_alone > 0 and opt_shared > 0 else 1.0
-    # a ratio of two medians of one small op is noisy: bound it, and use the whole
-    # model's ratio where an op took no measurable time alone
-    return ([min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else whole
-             for s, t in zip(shared, alone, strict=True)],
-            statistics.fmean(spread) if spread else 0.0, opt_ratio)
+    def ratio(s: float, t: float, otherwise: float) -> float:
+        # a ratio of two medians of one small op is noisy: bound it
+        return min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else otherwise
+
+    opt = [sum(m.task_s.get("optimizer:-1", 0.0) for m in ms) for ms in (boths, solos)]
+    # the whole model's ratio where an op took no measurable time alone
+    return ([ratio(s, t, whole) for s, t in zip(shared, alone, strict=True)],
+            statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
 
 
 def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]
