@@ -40,7 +40,7 @@ import time
 from scipy.stats import kendalltau
 
 import explorer as ex
-from explorer.cli import _table
+from explorer.core.units import table
 
 PLANS = [
     ("single", {}),
@@ -174,7 +174,7 @@ def main() -> None:
                      note))
     print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
           f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
-    print(_table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
+    print(table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
                   "no-late err", "2nd profile err", "calib ms", "calib err",
                   "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note"),
                  rows))

@@ -2,7 +2,7 @@
 
 Run: python benchmarks/editing.py [--sizes 500,2000,10000] [--edits 20] [--devices 4xH100]
 
-For each graph (random layered DAGs and tiled GPT blocks, ``explorer.synthetic``; roofline
+For each graph (random layered DAGs and tiled GPT blocks, ``explorer.models.synthetic``; roofline
 costs on a GPU preset, no profiling) it opens the explorer widget without a browser, shows every
 op as its own item where there are at most 2,000 (blocks beyond), and times ``--edits``
 assignments of one shown item to another device: the engine's estimate alone
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import explorer as ex
-from explorer.synthetic import layered_dag, replicated, roofline_costs
+from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets.app import Explorer
 
 

@@ -11,7 +11,8 @@ import argparse
 import time
 
 import explorer as ex
-from explorer.cli import _table, plan_rows
+from explorer.cli.main import plan_rows
+from explorer.core.units import table
 
 BASELINES = ["single", "data-parallel", "even-layers", "balanced-params"]
 MiB = 2**20
@@ -57,9 +58,9 @@ def main() -> None:
                                   f"{r.cross_device_bytes / MiB:.2f}",
                                   "yes" if r.fits else "no"))
     print(f"Capture and profile ({args.size} size; profile = CPU rank, 1 thread)")
-    print(_table(("model", "ops", "params MiB", "GFLOP/step", "capture s", "profile s"), timing))
+    print(table(("model", "ops", "params MiB", "GFLOP/step", "capture s", "profile s"), timing))
     print("\nSimulated baselines")
-    print(_table(("model", "devices", "plan", "step ms", "gap to bound", "max peak MiB",
+    print(table(("model", "devices", "plan", "step ms", "gap to bound", "max peak MiB",
                   "MiB across", "fits"), plans))
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from explorer.cluster import _free_port
+from explorer.devices.cluster import _free_port
 
 CASES = ("receiver waiting", "sent first", "sent first, sender idle", "posted ahead")
 
@@ -106,11 +106,11 @@ def main() -> None:
             w = sorted(got[case, size])
             rows.append((case, f"{size / 1024:g} KiB", f"{statistics.median(w) * 1e3:.2f}",
                          f"{w[int(0.9 * (len(w) - 1))] * 1e3:.2f}", f"{w[-1] * 1e3:.2f}"))
-    from explorer.cli import _table
+    from explorer.core.units import table
 
     print(f"2 gloo ranks on {os.cpu_count()} cores, {args.iters} iterations each "
           "(rank 1's wait on its receive, ms)")
-    print(_table(("receive", "message", "median", "p90", "max"), rows))
+    print(table(("receive", "message", "median", "p90", "max"), rows))
 
 
 if __name__ == "__main__":

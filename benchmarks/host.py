@@ -79,10 +79,10 @@ def main() -> None:
         a, b = statistics.median(alone), statistics.median(both)
         rows.append((kind, unit, f"{a * scale:.2f}", f"{b * scale:.2f}",
                      f"{(a / b - 1) * 100:+.0f}%"))
-    from explorer.cli import _table
+    from explorer.core.units import table
 
     print(f"cores {pair[0]} and {pair[1]}, {args.rounds} rounds of {args.seconds:g} s")
-    print(_table(("work", "unit", "one process", "each of two", "slower with two"), rows))
+    print(table(("work", "unit", "one process", "each of two", "slower with two"), rows))
 
 
 if __name__ == "__main__":

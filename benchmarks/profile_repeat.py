@@ -26,7 +26,7 @@ import time
 from _common import builtin_plans
 
 import explorer as ex
-from explorer.cli import _table
+from explorer.core.units import table
 
 PLANS = [
     ("single", "single", {}),
@@ -51,8 +51,7 @@ def main() -> None:
         settings = []
     if not settings or any(len(s) != 3 or min(s) < 1 for s in settings):
         ap.error("--settings: comma-separated ROUNDS/CONTENTION_ROUNDS/repeats, e.g. 2/2/5")
-    # the module, not the function explorer.profile that the package exports under that name
-    prof = importlib.import_module("explorer.profile")
+    prof = importlib.import_module("explorer.profiling.profiler")
     cluster = ex.Cluster.cpu(2)
     rows = []
     t_all = time.perf_counter()
@@ -94,7 +93,7 @@ def main() -> None:
                              f"{statistics.fmean(x[2] for x in profs) * 100:.1f}%",
                              f"{statistics.fmean(walls[st]):.1f}"))
     print(f"Profiled {args.times} times per setting on {cluster.name}; predictions of each plan")
-    print(_table(("model", "rounds/contention/repeats", "plan", "pred ms (mean)", "spread",
+    print(table(("model", "rounds/contention/repeats", "plan", "pred ms (mean)", "spread",
                   "cv", "meas ms", "mean |err|", "contention mean (range)", "replica spread",
                   "profile s"), rows))
     print(f"\nwall {time.perf_counter() - t_all:.0f} s")

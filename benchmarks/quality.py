@@ -5,7 +5,7 @@ Run: python benchmarks/quality.py [--size default] [--models all] [--devices 2,4
 
 For every built-in model and device count ``k`` it plans for ``k`` CPU ranks
 (``Cluster.cpu(k)``) and for the ``kxH100`` preset. CPU costs are measured by
-``explorer.profile`` on one CPU rank (one thread) and shared by the ``k`` identical ranks
+``explorer.profiling.profiler`` on one CPU rank (one thread) and shared by the ``k`` identical ranks
 (``--cpu-costs roofline`` estimates them from FLOPs and bytes instead); H100 costs are the
 roofline estimate (no GPU is needed). Every registered partitioner, the baselines included,
 plans; each plan is simulated once. One table per (cluster, model):
@@ -42,9 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import explorer as ex
-from explorer.cli import _table
-from explorer.errors import ExplorerError
-from explorer.synthetic import roofline_costs
+from explorer.core.errors import ExplorerError
+from explorer.core.units import table
+from explorer.models.synthetic import roofline_costs
 
 MiB = 2**20
 #: differences in step time below this fraction are ties
@@ -170,7 +170,7 @@ def group_table(rows: list[Row], n: int, width: int) -> str:
                     f"{max(p.peak_bytes.values()) / MiB:.1f}",
                     f"{p.cross_device_bytes / MiB:.2f} ({p.allreduce_bytes / MiB:.2f})",
                     str(len(pl.devices)), f"{idle_share(p, n):.0%}", f"{r.wall_s:.2f}", nt))
-    return _table(("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)",
+    return table(("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)",
                    "used", "idle", "plan s", "notes"), out)
 
 
@@ -244,7 +244,7 @@ def main() -> None:
                     f"{step['single'] / best:.2f}x" if "single" in step else "-",
                     f"{step['data-parallel'] / best:.2f}x" if "data-parallel" in step else "-"))
     print("\nBest plan per (model, cluster)")
-    print(_table(("model", "devices", "best (ties)", "step ms", "gap", "single / best",
+    print(table(("model", "devices", "best (ties)", "step ms", "gap", "single / best",
                   "data-parallel / best"), summary))
     print("\nPer algorithm, over the groups where its plan fits")
     agg = []
@@ -253,7 +253,7 @@ def main() -> None:
         gm = math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
         agg.append((a, str(len(xs)), str(wins.get(a, 0)), f"{gm:.3f}x",
                     f"{max(xs):.2f}x" if xs else "-"))
-    print(_table(("algorithm", "plans that fit", "best (ties)", "mean step / best",
+    print(table(("algorithm", "plans that fit", "best (ties)", "mean step / best",
                   "worst step / best"), agg))
     print(f"\nwall {time.perf_counter() - t_start:.0f} s; load average "
           + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))

@@ -5,10 +5,10 @@ Run: python benchmarks/rank_settings.py [--setting pin|malloc] [--models gpt,mlp
 
 The runtime sets up every CPU rank process in two ways, each with a switch to turn it off:
 
-* ``pin``: pinned to a core of its own (:func:`explorer.cluster.pin_cpu_rank`);
+* ``pin``: pinned to a core of its own (:func:`explorer.devices.cluster.pin_cpu_rank`);
   ``EXPLORER_PIN=0`` leaves the ranks to the OS;
 * ``malloc``: glibc's allocator keeps the memory the rank frees for its next step
-  (:func:`explorer.cluster.hold_freed_memory`); ``EXPLORER_MALLOC=0`` leaves the defaults.
+  (:func:`explorer.devices.cluster.hold_freed_memory`); ``EXPLORER_MALLOC=0`` leaves the defaults.
 
 For every model, four plans on 2 CPU ranks (one rank; two data-parallel replicas; even layers
 in four micro-batches, GPipe and 1F1B) run ``--passes`` times each way, on and off
@@ -26,7 +26,7 @@ import statistics
 from _common import builtin_plans
 
 import explorer as ex
-from explorer.cli import _table
+from explorer.core.units import table
 
 #: setting -> (the environment variable that turns it off with 0, what "on" means)
 SETTINGS = {"pin": ("EXPLORER_PIN", "pinned"), "malloc": ("EXPLORER_MALLOC", "freed memory held")}
@@ -81,7 +81,7 @@ def main() -> None:
             os.environ[var] = before
     print(f"CPU ranks {what} (on) vs not (off, {var}=0) on {cluster.name} ({args.passes} "
           f"alternating passes of {args.steps} steps each way; median step of each pass)")
-    print(_table(("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
+    print(table(("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
                   "on pass spread", "on busy ms", "on / off"), rows))
 
 

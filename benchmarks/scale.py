@@ -3,8 +3,9 @@
 Run: python benchmarks/scale.py [--sizes 1k,10k,100k] [--graphs layered,gpt]
          [--algorithms all] [--repeat 1] [--timeout 0] [--reference OLD_SIMULATE.py]
 
-Graphs: random layered DAGs (``explorer.synthetic.layered_dag``) and a captured tiny GPT whose
-transformer blocks are tiled to the size (``explorer.synthetic.replicated``), on the
+Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``) and a captured tiny GPT
+whose
+transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``), on the
 ``8xH100`` preset with roofline costs (no profiling). For every graph and size, each
 registered partitioner runs (those that refuse a graph, such as exact searches over their
 limits, are listed with their message; with ``--timeout`` each runs in a child process and is
@@ -30,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from explorer.cluster import Cluster
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from explorer.partition import algorithms, partition
-from explorer.synthetic import layered_dag, replicated, roofline_costs
 
-SIM = importlib.import_module("explorer.simulate")  # the module (explorer.simulate is the function)
+SIM = importlib.import_module("explorer.simulate.simulator")
 
 
 def parse_size(text: str) -> int:
@@ -77,8 +78,8 @@ def gpt_block():
     """The captured tiny GPT (captured once)."""
     global _GPT
     if _GPT is None:
-        from explorer.capture import capture
-        from explorer.models import build
+        from explorer.capture.tracing import capture
+        from explorer.models.builtin import build
 
         bm = build("gpt", "tiny")
         _GPT = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")

@@ -8,26 +8,26 @@
     pred = ex.simulate(graph, plan, costs)
 """
 
+from explorer.analysis import Report, calibrate, compare
 from explorer.capture import capture
-from explorer.cluster import Cluster, Device, Link
-from explorer.compare import Report, calibrate, compare
-from explorer.costs import CostModel
-from explorer.errors import (
+from explorer.core import (
     CaptureError,
     ExplorerError,
     InputMismatchError,
     MemoryExceededError,
+    OpGraph,
+    OpNode,
+    Plan,
     PlanError,
     UnknownNameError,
 )
-from explorer.export import export_script
-from explorer.graph import OpGraph, OpNode
+from explorer.costs import CostModel
+from explorer.devices import Cluster, Device, Link
 from explorer.models import build as builtin_model
 from explorer.models import model_names
 from explorer.partition import algorithm, algorithms, partition
-from explorer.plan import Plan
-from explorer.profile import profile
-from explorer.run import Measurement, RunFailed, reference, run
+from explorer.profiling import profile
+from explorer.runtime import Measurement, RunFailed, export_script, reference, run
 from explorer.simulate import Prediction, simulate
 
 __version__ = "0.1.0"

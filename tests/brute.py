@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.graph import OpGraph, OpNode
-from explorer.plan import Plan
-from explorer.simulate import Prediction, simulate
-from explorer.synthetic import roofline_costs
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import roofline_costs
+from explorer.simulate.simulator import Prediction, simulate
 
 
 def brute_force(graph: OpGraph, cluster: Cluster, costs: CostModel,

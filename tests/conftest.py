@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from explorer.cluster import Cluster, Device, Link
-from explorer.costs import CostModel, DeviceCosts
-from explorer.graph import OpGraph, OpNode
+from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.model import CostModel, DeviceCosts
+from explorer.devices.cluster import Cluster, Device, Link
 
 GiB = 2**30
 

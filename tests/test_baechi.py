@@ -16,9 +16,10 @@ from conftest import cluster, costs, graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from explorer.cluster import Cluster
-from explorer.errors import MemoryExceededError
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import MemoryExceededError
+from explorer.costs.memory import node_memory_bytes
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import algorithm, partition
 from explorer.partition.baechi import (
     _coarse_groups,
@@ -31,8 +32,7 @@ from explorer.partition.baechi import (
 )
 from explorer.partition.baselines import data_parallel, single
 from explorer.partition.pardnn import op_problem
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 ALGORITHMS = {"m-topo": m_topo, "m-etf": m_etf, "m-sct": m_sct}
 NAMES = list(ALGORITHMS)

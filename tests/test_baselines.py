@@ -9,7 +9,7 @@ from conftest import cluster, costs, graph
 from torch import nn
 
 import explorer as ex
-from explorer.errors import ExplorerError, PlanError, UnknownNameError
+from explorer.core.errors import ExplorerError, PlanError, UnknownNameError
 from explorer.partition import algorithm, algorithms, partition
 from explorer.partition.baselines import contiguous
 

@@ -25,7 +25,7 @@ OUT = Path(os.environ.get("PE_TEST_OUTPUT", Path(__file__).parent.parent / "test
 
 SETUP = """\
 import explorer as ex
-from explorer.synthetic import roofline_costs
+from explorer.models.synthetic import roofline_costs
 from widgets import Explorer
 bm = ex.builtin_model("gpt", "tiny")
 g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
@@ -118,7 +118,7 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
     from playwright.sync_api import sync_playwright
 
     import explorer as ex
-    from explorer.synthetic import roofline_costs
+    from explorer.models.synthetic import roofline_costs
     from widgets import Session
     from widgets.graphview import GraphView
 

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import explorer as ex
-from explorer.errors import CaptureError, ExplorerError, InputMismatchError
+from explorer.core.errors import CaptureError, ExplorerError, InputMismatchError
 
 NAMES = ex.model_names()
 MATMUL_OPS = {"aten.linear.default", "aten.conv2d.default", "aten.matmul.default",

@@ -11,9 +11,9 @@ import subprocess
 import pytest
 
 import explorer as ex
-import explorer.cluster as cl
-from explorer.cli import main
-from explorer.plan import Plan
+import explorer.devices.cluster as cl
+from explorer.cli.main import main
+from explorer.core.plan import Plan
 
 PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--quiet"]
 BASELINES = ["balanced-params", "data-parallel", "even-layers", "single"]

@@ -1,4 +1,4 @@
-"""Tests of explorer.cluster: presets, links, round trips, CLI specs, discovery and CPU ranks."""
+"""Tests of explorer.devices.cluster: presets, links, round trips, CLI specs, discovery."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import types
 
 import pytest
 
-from explorer import cluster as cl
-from explorer.cluster import Cluster, Device, Link, parse_devices
-from explorer.errors import ExplorerError, UnknownNameError
+from explorer.core.errors import ExplorerError, UnknownNameError
+from explorer.devices import cluster as cl
+from explorer.devices.cluster import Cluster, Device, Link, parse_devices
 
 GiB = 2**30
 
@@ -339,7 +339,7 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
 
 # ---- CPU ranks pinned to cores
 
-_PIN_CHILD = ("import os, sys; from explorer.cluster import pin_cpu_rank; "
+_PIN_CHILD = ("import os, sys; from explorer.devices.cluster import pin_cpu_rank; "
               "got = pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
               "print(got and list(got), sorted(os.sched_getaffinity(0)), sep=';')")
 
@@ -390,7 +390,7 @@ def test_each_rank_setting_measures_the_link_apart(monkeypatch, var, check, suff
 # page faults of the last fifteen rounds and whether the setting took.
 _HOLD_CHILD = """
 import resource, sys, torch
-from explorer.cluster import hold_freed_memory
+from explorer.devices.cluster import hold_freed_memory
 held = hold_freed_memory()
 def step():
     blocks = [torch.empty(2**20).fill_(1.0) for _ in range(3)]  # 3 x 4 MiB

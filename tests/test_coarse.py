@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import explorer as ex
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition.coarse import coarsen, groups_of
 from explorer.partition.wap import wap_sweep
-from explorer.synthetic import layered_dag, roofline_costs
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 import explorer as ex
-from explorer.compare import Report, Row
-from explorer.errors import ExplorerError
-from explorer.run import Measurement
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.analysis.compare import Report, Row
+from explorer.core.errors import ExplorerError
+from explorer.models.synthetic import layered_dag, roofline_costs
+from explorer.runtime.launch import Measurement
 
 
 def _fake_measurement(graph, plan, truth) -> Measurement:

@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import cluster, costs, device, graph
 
-from explorer.cluster import Cluster, Link
-from explorer.costs import ROOFLINE_EFFICIENCY, CostModel, DeviceCosts, roofline
-from explorer.errors import PlanError, UnknownNameError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import PlanError, UnknownNameError
+from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.model import ROOFLINE_EFFICIENCY, CostModel, DeviceCosts, roofline
+from explorer.devices.cluster import Cluster, Link
 
 
 def _one_op_costs(cl: Cluster, t: float, overhead_s: float, **scales) -> CostModel:

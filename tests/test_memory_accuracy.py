@@ -12,10 +12,10 @@ import pytest
 from conftest import cluster, costs
 
 import explorer as ex
-from explorer.graph import OpGraph, OpNode
-from explorer.plan import Plan
-from explorer.simulate import simulate
-from explorer.synthetic import roofline_costs
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
+from explorer.models.synthetic import roofline_costs
+from explorer.simulate.simulator import simulate
 
 TOLERANCE = 0.02
 

@@ -11,9 +11,10 @@ from conftest import cluster, costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph, OpNode
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import partition
 from explorer.partition.mincomm import (
     cut_seconds,
@@ -21,8 +22,7 @@ from explorer.partition.mincomm import (
     net_weights_s,
     node_weights_s,
 )
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 
 def stage_graph(g: OpGraph, stage_of) -> nx.DiGraph:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from explorer import models
-from explorer.errors import UnknownNameError
+from explorer.core.errors import UnknownNameError
+from explorer.models.builtin import builtin as models
 
 NAMES = models.model_names()
 

@@ -16,9 +16,10 @@ from conftest import cluster, costs, graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.costs.memory import node_memory_bytes
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import algorithm, partition
 from explorer.partition.baselines import data_parallel, single
 from explorer.partition.pardnn import (
@@ -29,8 +30,7 @@ from explorer.partition.pardnn import (
     repair_memory,
     schedule_s,
 )
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 TINY = [(seed, 5, "2xT4") for seed in range(6)] + [(seed, 4, "3xT4") for seed in range(6)] \
     + [(seed, 6, "2xT4") for seed in range(2)]

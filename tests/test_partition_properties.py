@@ -1,7 +1,7 @@
 """Every registered partitioner on random DAGs: valid plans, pins honoured, deterministic.
 
 One module over ``explorer.partition.algorithms()``, so a partitioner added later is checked
-too. Graphs are small random layered DAGs (``explorer.synthetic.layered_dag``) with random
+too. Graphs are small random layered DAGs (``explorer.models.synthetic.layered_dag``) with random
 pins on ops and weights.
 """
 
@@ -18,11 +18,11 @@ from conftest import cluster, costs, graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError
+from explorer.core.errors import ExplorerError
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import algorithms, partition
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 NAMES = algorithms()
 BASELINES = {"single", "data-parallel", "even-layers", "balanced-params"}
@@ -125,9 +125,9 @@ def test_returns_single_when_single_is_fastest(name):
 
 _SCRIPT = """
 import json
-from explorer.cluster import Cluster
+from explorer.devices.cluster import Cluster
 from explorer.partition import algorithms, partition
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.models.synthetic import layered_dag, roofline_costs
 out = {}
 for n, preset, pins in ((24, "3xT4", {"op5": "T4:2"}), (40, "4xH100", {})):
     g = layered_dag(n, width=3, seed=7)

@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import explorer as ex
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph, OpNode
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import roofline_costs
 from explorer.partition import partition
 from explorer.partition.pase import (
     TIE_S,
@@ -29,8 +30,7 @@ from explorer.partition.pase import (
     solve,
     split_factors,
 )
-from explorer.simulate import simulate
-from explorer.synthetic import roofline_costs
+from explorer.simulate.simulator import simulate
 
 MiB = 2**20
 SHAPES = ("chain", "fork-join", "diamond", "random")

@@ -13,9 +13,10 @@ from conftest import cluster, costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph, OpNode
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import partition
 from explorer.partition.pipeline import (
     StageCostTable,
@@ -24,8 +25,7 @@ from explorer.partition.pipeline import (
     _Tables,
     solve_stages,
 )
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 
 # -- random cost tables and an exhaustive search over them ---------------------------------

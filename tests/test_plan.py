@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import cluster, graph
 
-from explorer.errors import PlanError
-from explorer.plan import PLAN_VERSION, Plan
+from explorer.core.errors import PlanError
+from explorer.core.plan import PLAN_VERSION, Plan
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import explorer as ex
-from explorer import probe
+from explorer.profiling import message_probe as probe
 
 
 def test_measured_through_the_runtime_on_two_ranks():

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import explorer as ex
-from explorer.cluster import Cluster, rank_settings_tag
-from explorer.costs import DeviceCosts, roofline
-from explorer.errors import ExplorerError
+from explorer.core.errors import ExplorerError
+from explorer.costs.model import DeviceCosts, roofline
+from explorer.devices.cluster import Cluster, rank_settings_tag
 
-prof = importlib.import_module("explorer.profile")  # ``explorer.profile`` is the function
+prof = importlib.import_module("explorer.profiling.profiler")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -128,7 +128,7 @@ class TestMeasured:
 
     @pytest.mark.parametrize("micro_batches", [1, 2])
     def test_op_times_add_up_to_the_median_step(self, gpt, monkeypatch, micro_batches):
-        run_mod = importlib.import_module("explorer.run")  # ``explorer.run`` is the function
+        run_mod = importlib.import_module("explorer.runtime.launch")
         real, runs = run_mod.run, []
 
         def recording(*args, **kwargs):
@@ -295,7 +295,7 @@ class TestContention:
         monkeypatch.setattr(prof, "measure_contention",
                             lambda g, ranks, *a: calls.append([d.id for d in ranks])
                             or ([1.25] * len(g), 0.05, 1.3))
-        monkeypatch.setattr("explorer.probe.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.message_probe.cpu_message_s", lambda cl: 0.0)
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -315,13 +315,13 @@ class TestContention:
 
     def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
                                                                monkeypatch):
-        from explorer.run import RunFailed
+        from explorer.runtime.launch import RunFailed
 
         def broken(*args):
             raise RunFailed("rank 1 (cpu:1) was killed by SIGKILL")
 
         monkeypatch.setattr(prof, "measure_contention", broken)
-        monkeypatch.setattr("explorer.probe.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.message_probe.cpu_message_s", lambda cl: 0.0)
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import explorer as ex
-from explorer.errors import MemoryExceededError, PlanError
-from explorer.run import RunFailed, reference
+from explorer.core.errors import MemoryExceededError, PlanError
+from explorer.runtime.launch import RunFailed, reference
 
 STEPS, WARMUP = 2, 1
 
@@ -54,7 +54,7 @@ _COSTS: dict = {}
 def _costs(graph, cluster):
     key = graph.fingerprint
     if key not in _COSTS:
-        from explorer.synthetic import roofline_costs
+        from explorer.models.synthetic import roofline_costs
 
         _COSTS[key] = roofline_costs(graph, cluster)
     return _COSTS[key]
@@ -162,7 +162,7 @@ def _children() -> list[str]:
         except OSError:
             continue
         fields = stat.rsplit(") ", 1)[1].split()  # state, ppid, ...
-        if "explorer.rank" in cmd and fields[0] != "Z" and int(fields[1]) == me:
+        if "explorer.runtime.rank" in cmd and fields[0] != "Z" and int(fields[1]) == me:
             out.append(cmd)
     return out
 
@@ -208,7 +208,7 @@ class TestFailures:
         small = dataclasses.replace(small, devices=tuple(
             dataclasses.replace(d, memory_bytes=1000) for d in small.devices))
         costs = _costs(graph, small)
-        from explorer.synthetic import roofline_costs
+        from explorer.models.synthetic import roofline_costs
 
         costs = roofline_costs(graph, small)
         plan = ex.partition(graph, small, costs, "even-layers")
@@ -221,7 +221,7 @@ class TestFailures:
     def test_devices_that_are_not_here_are_refused(self, mlp):
         graph, _ = mlp
         cl = ex.Cluster.preset("2xH100")
-        from explorer.synthetic import roofline_costs
+        from explorer.models.synthetic import roofline_costs
 
         plan = ex.partition(graph, cl, roofline_costs(graph, cl), "even-layers")
         with pytest.raises(PlanError, match="H100:0, H100:1, which this machine does not"):

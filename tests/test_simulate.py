@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import cluster, costs, graph
 
-from explorer.errors import PlanError
-from explorer.plan import Plan
-from explorer.simulate import lower_bound_s, simulate
+from explorer.core.errors import PlanError
+from explorer.core.plan import Plan
+from explorer.simulate.simulator import lower_bound_s, simulate
 
 FWD = {"a": 1.0, "b": 2.0, "c": 3.0}
 BWD = {"a": 2.0, "b": 4.0, "c": 6.0}
@@ -63,7 +63,7 @@ class TestChain:
     def test_lower_bound_holds_when_a_split_batch_is_cheaper_per_sample(self, chain3):
         # measured: b takes 2 s at the whole batch, 0.8 s at half (1.6 s per batch), 0.7 s
         # at a quarter; data-parallel on 2 devices runs it at half, so the bound must use 1.6
-        from explorer.plan import Plan as _Plan
+        from explorer.core.plan import Plan as _Plan
 
         cl = cluster(2)
         cm = costs(chain3, cl, FWD, {}, overhead_s=0.5)
@@ -219,7 +219,7 @@ class TestLateReceive:
         assert "send a[1]" in pred.critical_path
 
     def test_the_runtime_follows_the_schedule_with_the_waits(self):
-        from explorer.simulate import execution_order
+        from explorer.simulate.simulator import execution_order
 
         g, plan, cm = self._pipeline(0.25, "1f1b")
         pred = simulate(g, plan, cm)
@@ -417,7 +417,7 @@ class TestContention:
 
     def test_the_runtime_follows_the_contended_schedule(self):
         # the ranks run the tasks in the order the prediction (and its memory) assumes
-        from explorer.simulate import execution_order
+        from explorer.simulate.simulator import execution_order
 
         g, plan = self._branches()
         cm = self._contended(g, cluster(2), 2.0)

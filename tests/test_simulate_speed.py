@@ -26,11 +26,12 @@ from pathlib import Path
 import pytest
 from brute import tiny_graph
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.graph import OpGraph, OpNode
-from explorer.plan import Plan
-from explorer.simulate import (
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import (
     Interval,
     Prediction,
     execution_order,
@@ -38,7 +39,6 @@ from explorer.simulate import (
     simulate,
     unit_costs,
 )
-from explorer.synthetic import layered_dag, roofline_costs
 
 DATA = Path(__file__).parent / "data" / "simulate_expected.json"
 REL = 1e-12
@@ -220,7 +220,7 @@ def summarize(pred: Prediction, order: list) -> dict:
 
 
 def run_case(case: dict, sim_module=None) -> dict:
-    sim = sim_module or sys.modules["explorer.simulate"]
+    sim = sim_module or sys.modules["explorer.simulate.simulator"]
     graph, plan, costs = make_case(case)
     pred = sim.simulate(graph, plan, costs)
     order = [[list(x) for x in s] for s in sim.execution_order(graph, plan, costs)]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from conftest import cluster
 
-from explorer.cluster import Cluster
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph, OpNode
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import partition
 from explorer.partition.wap import wap_sweep
-from explorer.simulate import simulate
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.simulate.simulator import simulate
 
 MiB = 2**20
 

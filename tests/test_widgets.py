@@ -8,8 +8,8 @@ import json
 import pytest
 
 import explorer as ex
-from explorer.errors import ExplorerError
-from explorer.synthetic import layered_dag, roofline_costs
+from explorer.core.errors import ExplorerError
+from explorer.models.synthetic import layered_dag, roofline_costs
 from widgets import Session
 from widgets.graphview import MAX_CHILDREN, GraphView
 

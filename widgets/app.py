@@ -33,10 +33,10 @@ from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
 import explorer as ex
-from explorer.costs import OPTIMIZER_STATE
-from explorer.errors import ExplorerError
-from explorer.graph import OpGraph
-from explorer.models import BuiltinModel
+from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE
+from explorer.models.builtin import BuiltinModel
 from explorer.partition import algorithm as get_algorithm
 from widgets.graphview import GraphView
 from widgets.session import Session
@@ -134,7 +134,7 @@ class Explorer(W.VBox):
                 **kw: Any) -> Explorer:
         """An explorer on a built-in model (see ``explorer models``) and devices ("cpu:2",
         "gpu", "4xH100", ...)."""
-        from explorer.cluster import parse_devices
+        from explorer.devices.cluster import parse_devices
 
         return cls(ex.builtin_model(name, size), cluster=parse_devices(devices), **kw)
 

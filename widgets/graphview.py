@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from explorer.graph import OpGraph
+from explorer.core.graph import OpGraph
 
 #: most items an expanded item shows before its children are grouped into blocks
 MAX_CHILDREN = 120

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
-from explorer.errors import ExplorerError
+from explorer.core.errors import ExplorerError
 from explorer.partition import algorithm as get_algorithm
 
 #: how many edits undo remembers
@@ -57,7 +57,7 @@ class Session:
     """A plan under edit for one graph on one cluster, with undo/redo, pins and estimates.
 
     >>> import explorer as ex
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g = layered_dag(40, seed=0)
     >>> cl = ex.Cluster.preset("2xH100")
     >>> s = Session(g, cl, roofline_costs(g, cl))

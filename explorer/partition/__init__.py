@@ -11,11 +11,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, unknown_name
-from explorer.graph import OpGraph
-from explorer.plan import Plan
+from explorer.core.errors import ExplorerError, unknown_name
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 
 
 @dataclass(frozen=True)

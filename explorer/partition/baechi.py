@@ -14,13 +14,13 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import linprog
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import register
 from explorer.partition.pardnn import MiB, OpProblem, bottom_levels, memory_error, search
-from explorer.plan import Plan
 
 # ---------------------------------------------------------------------------------------------
 # m-TOPO
@@ -326,7 +326,7 @@ def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020.
     Each device's share is the graph's total memory (additive estimate of
-    :func:`explorer.memory.node_memory_bytes`) split in proportion to the devices' memory;
+    :func:`explorer.costs.memory.node_memory_bytes`) split in proportion to the devices' memory;
     ops go to the current device until the next would pass its share, then to the next
     device. Pinned ops stay on their devices and count against their memory. Raises
     :class:`MemoryExceededError` naming a device when an op fits nowhere.
@@ -361,8 +361,8 @@ def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Examples
     --------
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g = layered_dag(100)
     >>> cl = Cluster.preset("2xT4")
     >>> m_topo(g, cl, roofline_costs(g, cl)).algorithm
@@ -419,8 +419,8 @@ def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Examples
     --------
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g = layered_dag(100)
     >>> cl = Cluster.preset("2xT4")
     >>> m_etf(g, cl, roofline_costs(g, cl)).algorithm
@@ -484,8 +484,8 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Examples
     --------
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g = layered_dag(100)
     >>> cl = Cluster.preset("2xT4")
     >>> m_sct(g, cl, roofline_costs(g, cl)).algorithm

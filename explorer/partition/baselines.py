@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError
-from explorer.graph import OpGraph
+from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import register
-from explorer.plan import Plan
 
 
 def _devices(cluster: Cluster, k: int | None) -> tuple[str, ...]:

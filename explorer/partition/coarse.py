@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from explorer.costs import CostModel, DeviceCosts
-from explorer.graph import OpGraph, OpNode
-from explorer.plan import Plan
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel, DeviceCosts
 
 #: fractions of the batch at which merged costs are tabulated (besides the whole batch)
 FRACTIONS = (0.5, 0.25, 0.125, 0.0625)

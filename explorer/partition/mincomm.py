@@ -38,11 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import SCHEDULES, Plan
+from explorer.costs.memory import node_memory_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import register
 from explorer.partition.baselines import contiguous
 from explorer.partition.pipeline import (
@@ -53,8 +54,7 @@ from explorer.partition.pipeline import (
     memory_error,
     simulate_if_small,
 )
-from explorer.plan import SCHEDULES, Plan
-from explorer.simulate import Prediction
+from explorer.simulate.simulator import Prediction
 
 #: stop coarsening at about this many nodes per part
 COARSEST_PER_PART = 24
@@ -750,15 +750,15 @@ def min_comm_parts(graph: OpGraph, cluster: Cluster, costs: CostModel, k: int | 
     """Split ``graph`` into ``k`` parts of balanced compute with the least communication,
     keeping the graph of parts acyclic (see the module docstring for the method).
 
-    Memory is the additive estimate of :func:`explorer.memory.node_memory_bytes` with the
+    Memory is the additive estimate of :func:`explorer.costs.memory.node_memory_bytes` with the
     micro-batches a part keeps in flight (``schedule``), against ``headroom`` x each device's
     memory; it is a hard limit. Balance is a soft one: when no split within ``tolerance``
     exists (an op heavier than a share, pins), the bounds are relaxed and ``balanced`` is
     False.
     Raises :class:`MemoryExceededError` when no split fits the memory.
 
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g, cl = layered_dag(500), Cluster.preset("4xH100")
     >>> res = min_comm_parts(g, cl, roofline_costs(g, cl))
     >>> res.balanced, res.devices

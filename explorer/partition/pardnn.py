@@ -5,7 +5,8 @@ here, Baechi's m-TOPO / m-ETF / m-SCT in :mod:`explorer.partition.baechi`):
 
 * :class:`OpProblem` -- the graph reduced to *units* (every op, with the parameters, buffers and
   inputs it owns folded into it) as flat numpy arrays: seconds per unit on each device type,
-  additive memory bytes per unit (:func:`explorer.memory.node_memory_bytes`), unit-to-unit edges
+  additive memory bytes per unit (:func:`explorer.costs.memory.node_memory_bytes`), unit-to-unit
+  edges
   with the bytes they carry forward and back, device capacities and the link model.
 * :func:`schedule_s` -- a fast list-scheduling estimate of a placement's step time (a forward
   pass in topological order, then the backward pass in reverse order, then the optimizer).
@@ -28,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from explorer.cluster import Cluster
-from explorer.costs import OPTIMIZER_STATE, CostModel
-from explorer.errors import ExplorerError, MemoryExceededError, unknown_name
-from explorer.graph import OpGraph
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import ExplorerError, MemoryExceededError, unknown_name
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.costs.memory import node_memory_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import register
 from explorer.partition.baselines import data_parallel, single
-from explorer.plan import Plan
-from explorer.simulate import Prediction, simulate
+from explorer.simulate.simulator import Prediction, simulate
 
 MiB = 2**20
 #: how many times a plan is re-placed with tighter memory when the simulator finds a device over
@@ -492,7 +493,7 @@ def search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place:
     """Run ``place`` and return the best plan among it and the baselines (see module docs).
 
     Graphs with at most ``simulate_max_nodes`` nodes: every candidate goes through
-    :func:`explorer.simulate.simulate`; a placement the simulator finds over memory is placed
+    :func:`explorer.simulate`; a placement the simulator finds over memory is placed
     again with that device's capacity reduced by the excess (up to
     ``SIMULATED_MEMORY_RETRIES`` times); with ``sweep_devices`` the algorithm also runs on the
     fastest 2, 4, ... devices. Larger graphs: the algorithm runs once on all devices and
@@ -907,7 +908,7 @@ def pardnn(graph: OpGraph, cluster: Cluster, costs: CostModel,
        loads cheap) leaves the least overlap, net of the cut edges it saves by joining it.
     3. Parameters, buffers and inputs are folded into their first consumer, so they stay with it.
     4. Memory repair: while a device exceeds its memory (additive estimate of
-       :func:`explorer.memory.node_memory_bytes`), the nodes whose move costs least per byte
+       :func:`explorer.costs.memory.node_memory_bytes`), the nodes whose move costs least per byte
        go to devices with room; if nothing can move, :class:`MemoryExceededError` names the
        device and how far over it is.
     5. Scoring: up to ``simulate_max_nodes`` nodes, the plan, the same algorithm on the fastest
@@ -941,8 +942,8 @@ def pardnn(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Examples
     --------
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g = layered_dag(200)
     >>> cl = Cluster.preset("4xH100")
     >>> plan = pardnn(g, cl, roofline_costs(g, cl))

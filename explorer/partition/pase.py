@@ -11,7 +11,7 @@ small, and a dynamic program over that order keeps one table entry per configura
 assignment of the dependent set; it is exact for the cost model and costs about
 ``K^(M+1)`` for ``K`` configurations per layer and a largest dependent set of ``M`` layers.
 
-The cost model (all seconds, from the :class:`~explorer.costs.CostModel`; ``p`` devices at
+The cost model (all seconds, from the :class:`~explorer.costs.model.CostModel`; ``p`` devices at
 positions ``0..p-1``; a configuration ``(b, f)`` uses positions ``0..b*f-1``, position
 ``d`` holding batch slice ``d // f`` of ``b`` and feature shard ``d % f`` of ``f``):
 
@@ -21,7 +21,7 @@ positions ``0..p-1``; a configuration ``(b, f)`` uses positions ``0..b*f-1``, po
   the slowest device type;
 * the ring all-reduce of the weight gradients (``grad_bytes / f`` per shard) across the ``b``
   replicas of each weight shard. Gradients are all-reduced in 25 MB buckets, as PyTorch DDP
-  and the simulator do (:data:`explorer.simulate.BUCKET_BYTES`), so a layer pays the
+  and the simulator do (:data:`explorer.simulate.simulator.BUCKET_BYTES`), so a layer pays the
   bandwidth term of its bytes and its bytes' share of a bucket's latency;
 * for ``f > 1``, the all-gather of the outputs across the ``f`` shards of each batch slice
   (``out_bytes / b``: half of a ring all-reduce) and, in the backward, the all-reduce of the
@@ -42,7 +42,7 @@ that save less than that are not made.
 
 Memory per device: a device at position ``d`` holds, for every layer with ``d < b*f``,
 ``(params + grads + optimizer state) / f + saved activations / b``
-(:func:`explorer.memory.node_memory_bytes`). Position 0 takes part in every layer, so it holds
+(:func:`explorer.costs.memory.node_memory_bytes`). Position 0 takes part in every layer, so it holds
 the most; that sum must fit the smallest device. When the cheapest strategy does not fit, a
 Lagrangian search (cost + lambda x memory, lambda bisected) finds a strategy that fits; it is
 then no longer guaranteed optimal (``PaseSolution.exact`` says so).
@@ -57,7 +57,7 @@ with a ``Linear`` module or a linear/addmm/mm/matmul op and weights, at ``(1, p)
 other layer data parallel) are points in the space, always kept among a layer's candidates,
 so the search is never worse than them under its own cost model.
 
-Plans: a :class:`~explorer.plan.Plan` can express batch splits (a stage with several devices
+Plans: a :class:`~explorer.core.plan.Plan` can express batch splits (a stage with several devices
 holds replicas) but not feature splits, and the runtime cannot execute them. The registered
 partitioner ``pase`` therefore returns the best strategy that a Plan can express (consecutive
 layers sharing a configuration form a stage on consecutive devices, every device in at most
@@ -76,11 +76,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.memory import node_memory_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import register
 from explorer.partition.pipeline import (
     HEADROOMS,
@@ -88,8 +89,7 @@ from explorer.partition.pipeline import (
     memory_error,
     simulate_if_small,
 )
-from explorer.plan import Plan
-from explorer.simulate import BUCKET_BYTES
+from explorer.simulate.simulator import BUCKET_BYTES
 
 #: configurations kept per layer (the DP costs about max_configs^(M+1))
 DEFAULT_MAX_CONFIGS = 8

@@ -25,14 +25,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph
-from explorer.memory import node_memory_bytes
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import SCHEDULES, Plan
+from explorer.costs.memory import node_memory_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import apply_pins, register
-from explorer.plan import SCHEDULES, Plan
-from explorer.simulate import Prediction, simulate
+from explorer.simulate.simulator import Prediction, simulate
 
 #: graphs with at most this many nodes are simulated against the ``single`` and
 #: ``data-parallel`` baselines, and the fastest plan that fits is returned
@@ -522,7 +522,7 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     """The :class:`StageCostTable` of ``graph``'s ``layers`` on devices ``ids``.
 
     Costs come from ``costs`` (a node's time at a batch fraction is linear in it), memory from
-    :func:`explorer.memory.node_memory_bytes`, device capacity times ``headroom``. Replica
+    :func:`explorer.costs.memory.node_memory_bytes`, device capacity times ``headroom``. Replica
     counts are limited to those that divide the batch into whole micro-batches.
     """
     cluster = costs.cluster

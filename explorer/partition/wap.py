@@ -17,15 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError
-from explorer.graph import OpGraph
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
 from explorer.partition import algorithm as lookup_algorithm
 from explorer.partition import partition, register
 from explorer.partition.coarse import coarsen
-from explorer.plan import Plan
-from explorer.simulate import simulate
+from explorer.simulate.simulator import simulate
 
 #: the partitioners a sweep tries at every device count (data-parallel is always added)
 DEFAULT_ALGORITHMS = ("data-parallel", "even-layers", "pipeline-dp", "min-comm")
@@ -152,8 +152,8 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Examples
     --------
-    >>> from explorer.cluster import Cluster
-    >>> from explorer.synthetic import layered_dag, roofline_costs
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
     >>> g, cl = layered_dag(100), Cluster.preset("2xH100")
     >>> res = wap_sweep(g, cl, roofline_costs(g, cl), algorithms=("data-parallel",))
     >>> [p.k for p in res.points], res.chosen_k in (1, 2)

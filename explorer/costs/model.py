@@ -14,12 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from explorer.cluster import Cluster, Device
-from explorer.errors import PlanError
-from explorer.graph import OpGraph
-
-#: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
-OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+from explorer.core.errors import PlanError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE
+from explorer.devices.cluster import Cluster, Device
 
 #: fraction of a device's peak reached by real kernels in the roofline estimate
 ROOFLINE_EFFICIENCY = 0.6

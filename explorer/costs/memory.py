@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from explorer.costs import OPTIMIZER_STATE
-from explorer.graph import OpGraph
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE
 
 
 def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 1,

@@ -7,10 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError
-from explorer.run import Measurement
-from explorer.simulate import Prediction, simulate
+from explorer.core.errors import ExplorerError
+from explorer.costs.model import CostModel
+from explorer.runtime.launch import Measurement
+from explorer.simulate.simulator import Prediction, simulate
 
 MiB = 2**20
 
@@ -59,7 +59,7 @@ class Report:
                          for r in self.rows]}
 
     def __str__(self) -> str:
-        from explorer.cli import _table
+        from explorer.core.units import table
 
         def fmt(r: Row, v: float) -> str:
             if r.unit == "s":
@@ -70,7 +70,7 @@ class Report:
 
         rows = [(r.what, r.device or "all", fmt(r, r.predicted), fmt(r, r.measured),
                  f"{r.error * 100:+.1f}%") for r in self.rows]
-        return _table(("figure", "device", "predicted", "measured", "error"), rows) + \
+        return table(("figure", "device", "predicted", "measured", "error"), rows) + \
             f"\n(memory measured by {self.memory_source})"
 
     def _repr_html_(self) -> str:  # a table in notebooks

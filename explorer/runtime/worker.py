@@ -13,7 +13,7 @@ longer needs them and only what autograd saves stays alive. Replicas of a stage 
 gradients in 25 MB buckets as soon as a bucket is complete, as DDP does.
 
 The same module is what an exported training script runs under ``torchrun``: launch it with
-``python -m explorer.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
+``python -m explorer.runtime.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT environment.
 """
 
@@ -39,9 +39,9 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from explorer.cluster import hold_freed_memory, pin_cpu_rank
-from explorer.errors import ExplorerError
-from explorer.plan import Plan
+from explorer.core.errors import ExplorerError
+from explorer.core.plan import Plan
+from explorer.devices.cluster import hold_freed_memory, pin_cpu_rank
 
 BUCKET_BYTES = 25 * 1024 * 1024
 _HEADER = 256  # int64 words of a message header
@@ -188,7 +188,7 @@ def program_calls(program: Any, n_inputs: int, requires_grad: dict[str, bool]
     """The exported program as a list of :class:`OpCall` plus its parameters and buffers."""
     from torch.utils._pytree import treespec_dumps
 
-    from explorer.capture import program_state, program_structure
+    from explorer.capture.tracing import program_state, program_structure
 
     fx_nodes, state_keys, trainable = program_structure(program, n_inputs)
     names = {fx: n for n, fx in fx_nodes.items()}
@@ -875,7 +875,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     """
     import argparse
 
-    ap = argparse.ArgumentParser(prog="explorer.execute")
+    ap = argparse.ArgumentParser(prog="explorer.runtime.worker")
     ap.add_argument("job")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--warmup", type=int)

@@ -34,7 +34,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from explorer.errors import ExplorerError, UnknownNameError, unknown_name
+from explorer.core.errors import ExplorerError, UnknownNameError, unknown_name
 
 #: device kinds
 KINDS = ("cpu", "cuda")
@@ -1094,7 +1094,7 @@ watchdog.start()
 import torch
 import torch.distributed as dist
 torch.set_num_threads(1)
-from explorer.cluster import hold_freed_memory, pin_cpu_rank
+from explorer.devices.cluster import hold_freed_memory, pin_cpu_rank
 pin_cpu_rank(rank)  # as the runtime sets up its CPU ranks
 hold_freed_memory()
 dist.init_process_group(

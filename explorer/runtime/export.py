@@ -8,17 +8,15 @@ cluster. Edit its ``batches`` function to feed real data.
 
 from __future__ import annotations
 
-import weakref
 from pathlib import Path
 
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError
-from explorer.execute import write_job
-from explorer.graph import OpGraph
-from explorer.plan import Plan
-from explorer.simulate import execution_order
-
-_GRAPHS: weakref.WeakValueDictionary[str, OpGraph] = weakref.WeakValueDictionary()
+from explorer.capture.tracing import captured_graph
+from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.runtime.worker import write_job
+from explorer.simulate.simulator import execution_order
 
 SCRIPT = '''#!/usr/bin/env python
 """Train {name} under plan "{algorithm}" on {n} devices ({devices}).
@@ -37,7 +35,7 @@ here needs editing except `batches`, which feeds each step's data.
 import sys
 from pathlib import Path
 
-from explorer.execute import main
+from explorer.runtime.worker import main
 
 JOB = Path(__file__).resolve().with_name("{job}")
 
@@ -53,11 +51,6 @@ if __name__ == "__main__":
 '''
 
 
-def remember(graph: OpGraph) -> None:
-    """Let :func:`export_script` find a captured graph from a plan's fingerprint."""
-    _GRAPHS[graph.fingerprint] = graph
-
-
 def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
                   costs: CostModel | None = None, steps: int = 10, warmup: int = 2,
                   lr: float = 1e-3) -> Path:
@@ -66,7 +59,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     ``graph`` defaults to the graph this plan was made for, if it was captured in this
     process. With ``costs`` the ranks follow that cost model's simulated schedule.
     """
-    graph = graph or _GRAPHS.get(plan.graph_fingerprint)
+    graph = graph or captured_graph(plan.graph_fingerprint)
     if graph is None:
         raise ExplorerError("export needs the captured model this plan was made for: pass "
                             "graph=ex.capture(model, example_inputs, ...)")

@@ -1,7 +1,7 @@
 """The profiler: measure each node's forward and backward seconds on the devices that are here.
 
 Graphs captured with torch.export run a few real training steps through the runtime
-(:mod:`explorer.execute`) on one rank, at the whole batch and at a half and a quarter of it,
+(:mod:`explorer.runtime.worker`) on one rank, at the whole batch and at a half and a quarter of it,
 and each op's forward and backward is timed there, after warm-up, as it runs in a real step.
 Hook-captured graphs time each leaf module in real forward and backward passes. CPU ranks
 are measured with one thread, as they run. Devices that are not present get a roofline
@@ -25,11 +25,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from explorer.capture import CaptureRuntime, batch_splits, keep_buffers, training_mode
-from explorer.cluster import Cluster, Device, rank_settings_tag
-from explorer.costs import OPTIMIZER_STATE, CostModel, DeviceCosts, roofline
-from explorer.errors import ExplorerError
-from explorer.graph import OpGraph
+from explorer.capture.tracing import CaptureRuntime, batch_splits, keep_buffers, training_mode
+from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE
+from explorer.costs.model import CostModel, DeviceCosts, roofline
+from explorer.devices.cluster import Cluster, Device, rank_settings_tag
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
@@ -67,7 +68,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     roofline estimate from their datasheet numbers. Results are cached per graph fingerprint and
     device type in ``~/.cache/partition-explorer/profiles``; ``cache=False`` measures afresh.
     With two or more measured CPU ranks (and ``message``), the processor time each tensor
-    sent between ranks costs is measured once per host (:mod:`explorer.probe`) and set as
+    sent between ranks costs is measured once per host
+    (:mod:`explorer.profiling.message_probe`) and set as
     ``message_s``; and how much each op slows while another rank of the host runs it too, as
     replicas do (:func:`measure_contention`, stored with the profile). Both are host
     measurements: not taken for ``Cluster.cpu(n, measure=False)``.
@@ -104,7 +106,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         per_type[dev.type_key] = dc
     message_s = 0.0
     if message and graph.runtime is not None:
-        from explorer.probe import cpu_message_s
+        from explorer.profiling.message_probe import cpu_message_s
 
         message_s = cpu_message_s(cluster)
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
@@ -172,7 +174,7 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
             progress: bool = True) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
-    Export-captured graphs run through the real runtime (:mod:`explorer.execute`) on one
+    Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
     rank, so each op's forward and backward are timed exactly as a real run executes them,
     bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
     whole batch, a half, a quarter) is made ``ROUNDS`` times in turn. Hook-captured graphs time
@@ -243,8 +245,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = REPEA
     op's time is the runtime's own per-op timing, waits excluded, so the all-reduce at the end
     of the backward does not count.
     """
-    from explorer.plan import Plan
-    from explorer.run import run
+    from explorer.core.plan import Plan
+    from explorer.runtime.launch import run
 
     rounds = CONTENTION_ROUNDS if rounds is None else rounds
     a, b = ranks[0], ranks[1]
@@ -301,8 +303,8 @@ def _measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
     """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
     each op's median over steps and micro-batches, scaled so that together they make the
     median step's busy time."""
-    from explorer.plan import Plan
-    from explorer.run import run
+    from explorer.core.plan import Plan
+    from explorer.runtime.launch import run
 
     plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
     meas = run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,

@@ -40,10 +40,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from explorer.costs import OPTIMIZER_STATE, CostModel
-from explorer.errors import PlanError
-from explorer.graph import OpGraph
-from explorer.plan import Plan
+from explorer.core.errors import PlanError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.costs.model import CostModel
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
@@ -1188,8 +1188,8 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
 
 def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
     """Every op 1 s forward and 2 s backward, free links: for schedules without a profile."""
-    from explorer.cluster import Cluster, Device, Link
-    from explorer.costs import DeviceCosts
+    from explorer.costs.model import DeviceCosts
+    from explorer.devices.cluster import Cluster, Device, Link
 
     devs = tuple(Device(d, "cpu", "unit", 2**62, 1.0, 1.0, 1.0, 0.0, 0.0, False, "", "unit")
                  for d in plan.devices)

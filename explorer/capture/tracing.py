@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import operator
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,8 @@ from torch import nn
 from torch.fx.node import map_aggregate
 from torch.utils.flop_counter import FlopCounterMode
 
-from explorer.errors import CaptureError, InputMismatchError
-from explorer.graph import OpGraph, OpNode
+from explorer.core.errors import CaptureError, InputMismatchError
+from explorer.core.graph import OpGraph, OpNode
 
 WRAPPED = "model"  # attribute name of the user's model inside the train-step wrapper
 
@@ -368,10 +369,18 @@ def _from_export(program: Any, step: TrainStep, inputs: tuple, targets: tuple,
     bs = int(inputs[0].shape[0])
     graph = OpGraph(name, nodes, bs, "export", ours[loss_fx])
     graph.runtime = runtime
-    from explorer.export import remember
-
-    remember(graph)
+    _CAPTURED[graph.fingerprint] = graph
     return graph
+
+
+#: graphs captured in this process, by fingerprint, while the user holds them (export finds a
+#: plan's graph here)
+_CAPTURED: weakref.WeakValueDictionary[str, OpGraph] = weakref.WeakValueDictionary()
+
+
+def captured_graph(fingerprint: str) -> OpGraph | None:
+    """The graph with this fingerprint, if it was captured in this process and is still held."""
+    return _CAPTURED.get(fingerprint)
 
 
 def _op_name(target: Any) -> str:

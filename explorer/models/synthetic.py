@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from explorer.cluster import Cluster
-from explorer.costs import CostModel, roofline
-from explorer.graph import OpGraph, OpNode
+from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.model import CostModel, roofline
+from explorer.devices.cluster import Cluster
 
 
 def layered_dag(n: int, width: int = 8, fan_in: int = 2, seed: int = 0,

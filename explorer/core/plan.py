@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from explorer.costs import OPTIMIZER_STATE
-from explorer.errors import PlanError
-from explorer.graph import OpGraph
+from explorer.core.errors import PlanError
+from explorer.core.graph import OpGraph
+
+#: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 PLAN_FORMAT = "partition-explorer-plan"
 PLAN_VERSION = 1

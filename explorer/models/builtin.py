@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from explorer.errors import unknown_name
+from explorer.core.errors import unknown_name
 
 SIZES = ("tiny", "small", "default", "large")
 DEFAULT_MODEL = "gpt"

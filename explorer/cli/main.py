@@ -10,22 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from explorer.errors import ExplorerError
-
-MiB = 2**20
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[k]) for r in cells) for k in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+from explorer.core.errors import ExplorerError
+from explorer.core.units import MiB, table
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from explorer.models import build, model_names
+    from explorer.models.builtin import build, model_names
 
     rows = []
     for name in model_names():
@@ -37,7 +27,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps([dict(zip(("name", "size", "params", "input", "description"), r,
                                    strict=True)) for r in rows], indent=1))
     else:
-        print(_table(("model", "size", "params", "input", "description"), rows))
+        print(table(("model", "size", "params", "input", "description"), rows))
     return 0
 
 
@@ -47,12 +37,12 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
     rows = [(n, algorithm(n).summary,
              ", ".join(f"{k}={v!r}" for k, v in algorithm(n).options.items()))
             for n in algorithms()]
-    print(_table(("algorithm", "what it does", "options"), rows))
+    print(table(("algorithm", "what it does", "options"), rows))
     return 0
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from explorer.cluster import Cluster, parse_devices
+    from explorer.devices.cluster import Cluster, parse_devices
 
     if args.presets:
         print("\n".join(Cluster.presets()))
@@ -64,7 +54,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
 def _prepare(args: argparse.Namespace):
     """Build the model, capture, choose the cluster and profile: shared by plan and friends."""
     import explorer as ex
-    from explorer.cluster import parse_devices
+    from explorer.devices.cluster import parse_devices
 
     cluster = parse_devices(args.devices)  # a bad device spec fails before any work
     t0 = time.perf_counter()
@@ -133,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      f"{r.cross_device_bytes / MiB:.2f}",
                      "yes" if r.fits else "NO: " + r.memory_report(),
                      note if len(note) <= 70 else note[:67] + "..."))
-    print(_table(("algorithm", "step ms", "lower bound ms", "gap to bound",
+    print(table(("algorithm", "step ms", "lower bound ms", "gap to bound",
                   "peak MiB per device", "MiB across devices", "fits", "notes"), rows))
     print("\nlower bound: total compute on the fastest device type / "
           f"{len(cluster)} devices; no plan can beat it")

@@ -1,6 +1,6 @@
 """Real training steps under a plan: launch one process per device, gather what they measured.
 
-The launcher starts ``python -m explorer.rank JOB`` once per device with the environment
+The launcher starts ``python -m explorer.runtime.rank JOB`` once per device with the environment
 torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), each in its own
 process group, watches them, and ends every one of them on failure, time-out or interrupt, so no
 process outlives a run. A failed rank becomes an :class:`RunFailed` naming the rank, its device
@@ -25,14 +25,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from explorer.capture import batch_splits, capture
-from explorer.cluster import _free_port
-from explorer.costs import CostModel
-from explorer.errors import ExplorerError, MemoryExceededError, PlanError
-from explorer.execute import write_job
-from explorer.graph import OpGraph
-from explorer.plan import Plan
-from explorer.simulate import execution_order, simulate, unit_costs
+from explorer.capture.tracing import batch_splits, capture
+from explorer.core.errors import ExplorerError, MemoryExceededError, PlanError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import _free_port
+from explorer.runtime.worker import write_job
+from explorer.simulate.simulator import execution_order, simulate, unit_costs
 
 
 class RunFailed(ExplorerError):
@@ -59,11 +59,11 @@ class Measurement:
     #: per device, its busy time in each measured step (``busy_s`` is their median)
     busy_samples_s: dict[str, tuple[float, ...]] = field(default_factory=dict, repr=False)
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
-    #: per CPU rank, the cores it was pinned to (:func:`explorer.cluster.pin_cpu_rank`);
+    #: per CPU rank, the cores it was pinned to (:func:`explorer.devices.cluster.pin_cpu_rank`);
     #: None where it was not pinned
     cores: dict[str, tuple[int, ...] | None] = field(default_factory=dict, repr=False)
     #: per rank, whether its process kept the memory it freed for the next step
-    #: (:func:`explorer.cluster.hold_freed_memory`)
+    #: (:func:`explorer.devices.cluster.hold_freed_memory`)
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
@@ -166,7 +166,7 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
             logs.append(log)
             env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "explorer.rank", str(folder)], env=env,
+                [sys.executable, "-m", "explorer.runtime.rank", str(folder)], env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         shown = 0
         while True:
@@ -309,7 +309,7 @@ def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
     (For models without batch statistics this equals the whole batch at once.) ``model`` may
     be a built-in model from ``ex.builtin_model``, which carries its batch and loss.
     """
-    from explorer.execute import make_optimizer
+    from explorer.runtime.worker import make_optimizer
 
     if hasattr(model, "module") and hasattr(model, "example_inputs"):
         module, example_inputs = model.module, model.example_inputs
@@ -320,7 +320,7 @@ def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
         else (example_inputs,)
     tgts = tuple(targets) if isinstance(targets, (tuple, list)) else \
         ((targets,) if targets is not None else ())
-    from explorer.capture import TrainStep
+    from explorer.capture.tracing import TrainStep
 
     step = TrainStep(module, loss_fn, len(inputs)).train()
     params = list(module.parameters())

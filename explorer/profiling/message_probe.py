@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from explorer import cluster as _cl
+from explorer.devices import cluster as _cl
 
 PROBE_KEY = "runtime message cost, stages not slowing each other"
 
@@ -53,12 +53,12 @@ _MEMO: dict[tuple[str, str], float] = {}
 
 def measure_message_s(steps: int = 8, warmup: int = 3) -> float:
     """Run the probe (a few seconds) and return seconds per message per end."""
-    from explorer.capture import capture
-    from explorer.models import build
+    from explorer.capture.tracing import capture
+    from explorer.models.builtin import build
     from explorer.partition import partition
-    from explorer.profile import profile
-    from explorer.run import run
-    from explorer.simulate import simulate
+    from explorer.profiling.profiler import profile
+    from explorer.runtime.launch import run
+    from explorer.simulate.simulator import simulate
 
     bm = build("mlp", "tiny")
     graph = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="probe")

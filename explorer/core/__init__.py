@@ -1,0 +1,15 @@
+"""Core types every stage of the flow shares: the op graph, the plan, errors and units."""
+
+from explorer.core.errors import (
+    CaptureError,
+    ExplorerError,
+    InputMismatchError,
+    MemoryExceededError,
+    PlanError,
+    UnknownNameError,
+)
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import OPTIMIZER_STATE, Plan
+
+__all__ = ["OPTIMIZER_STATE", "CaptureError", "ExplorerError", "InputMismatchError",
+           "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "UnknownNameError"]
