@@ -5,7 +5,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 import torch
-from conftest import cluster, costs, graph
+from builders import cluster, costs, graph
 from torch import nn
 
 import explorer as ex

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import cluster, costs, graph
+from builders import cluster, costs, graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import cluster, costs
+from builders import cluster, costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import cluster
+from builders import cluster
 
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph, OpNode

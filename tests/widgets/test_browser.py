@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-OUT = Path(os.environ.get("PE_TEST_OUTPUT", Path(__file__).parent.parent / "test-output"))
+OUT = Path(os.environ.get("PE_TEST_OUTPUT", Path(__file__).resolve().parents[2] / "test-output"))
 
 SETUP = """\
 import explorer as ex

@@ -1,6 +1,6 @@
 """The simulator's fast paths give the results of the straightforward implementation it replaced.
 
-``tests/data/simulate_expected.json`` holds what the original event-driven simulator (before the
+``data/simulate_expected.json`` holds what the original event-driven simulator (before the
 array-based rewrite) predicted for a broad set of cases: tiny and synthetic graphs with views,
 buffers, shared weights, saved tensors and non-trainable ops; one device, pipelines, op-level
 interleaved placements, replicated stages, stages without ops, parameters consumed on other

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import cluster, graph
+from builders import cluster, graph
 
 from explorer.core.errors import PlanError
 from explorer.core.plan import PLAN_VERSION, Plan

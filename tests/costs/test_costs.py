@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import cluster, costs, device, graph
+from builders import cluster, costs, device, graph
 
 from explorer.core.errors import PlanError, UnknownNameError
 from explorer.core.graph import OpGraph, OpNode

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from explorer.core.errors import UnknownNameError
-from explorer.models.builtin import builtin as models
+from explorer.models import builtin as models
 
 NAMES = models.model_names()
 

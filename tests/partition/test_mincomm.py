@@ -7,7 +7,7 @@ import random
 import networkx as nx
 import pytest
 from brute import tiny_case
-from conftest import cluster, costs
+from builders import cluster, costs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

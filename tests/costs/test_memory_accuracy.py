@@ -9,7 +9,7 @@ same peak per device: a few representative plans run for real and must agree wit
 from __future__ import annotations
 
 import pytest
-from conftest import cluster, costs
+from builders import cluster, costs
 
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode

@@ -12,7 +12,7 @@ from functools import cache
 import numpy as np
 import pytest
 from brute import brute_force, tiny_case
-from conftest import cluster, costs, graph
+from builders import cluster, costs, graph
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -11,7 +11,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 ALL = sorted(NOTEBOOKS.glob("*.ipynb"))
 LABS = [p for p in ALL if p.name.startswith("lab")]
 

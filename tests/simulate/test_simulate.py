@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import cluster, costs, graph
+from builders import cluster, costs, graph
 
 from explorer.core.errors import PlanError
 from explorer.core.plan import Plan

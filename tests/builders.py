@@ -1,0 +1,45 @@
+"""Builders for tests: hand-built graphs, clusters and cost tables with exact numbers."""
+
+from __future__ import annotations
+
+from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.model import CostModel, DeviceCosts
+from explorer.devices.cluster import Cluster, Device, Link
+
+GiB = 2**30
+
+
+def device(i: int, memory: int = GiB, kind: str = "cpu", name: str = "test dev") -> Device:
+    return Device(id=f"d:{i}", kind=kind, name=name, memory_bytes=memory, flops_per_s=1e9,
+                  half_flops_per_s=1e9, mem_bandwidth_bytes_per_s=1e9, power_w=100.0,
+                  idle_power_w=10.0, present=False, torch_device="", source="test")
+
+
+def cluster(n: int, latency_s: float = 0.0, bandwidth: float = float("inf"),
+            memory: int = GiB) -> Cluster:
+    return Cluster(name=f"test:{n}", devices=tuple(device(i, memory) for i in range(n)),
+                   default_link=Link(latency_s, bandwidth, "test"))
+
+
+def graph(spec: list[tuple], batch: int = 8, name: str = "g") -> OpGraph:
+    """spec rows: (name, kind, inputs, out_bytes[, param_bytes[, saves]])."""
+    nodes = []
+    for row in spec:
+        nm, kind, inputs, out = row[:4]
+        pb = row[4] if len(row) > 4 else (out if kind in ("param", "buffer") else 0)
+        saves = row[5] if len(row) > 5 else ()
+        nodes.append(OpNode(nm, kind, kind if kind != "op" else "test.op", inputs=tuple(inputs),
+                            out_bytes=out, param_bytes=pb,
+                            requires_grad=kind in ("op", "param"), saves=tuple(saves)))
+    return OpGraph(name, nodes, batch)
+
+
+def costs(g: OpGraph, cl: Cluster, fwd: dict[str, float], bwd: dict[str, float],
+          overhead_s: float = 0.0, opt_per_byte: float = 0.0) -> CostModel:
+    f = [fwd.get(n.name, 0.0) for n in g.nodes]
+    b = [bwd.get(n.name, 0.0) for n in g.nodes]
+    src = ["measured" if n.kind == "op" else "free" for n in g.nodes]
+    keys = {d.type_key for d in cl.devices}
+    per = {k: DeviceCosts(k, f, b, src, overhead_s, {"adam": opt_per_byte, "sgd": opt_per_byte},
+                          {"adam": 0.0, "sgd": 0.0}) for k in keys}
+    return CostModel(g.fingerprint, cl, per)
