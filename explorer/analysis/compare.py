@@ -8,11 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from explorer.core.errors import ExplorerError
+from explorer.core.units import MiB, table
 from explorer.costs.model import CostModel
 from explorer.runtime.launch import Measurement
 from explorer.simulate.simulator import Prediction, simulate
-
-MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,6 @@ class Report:
                          for r in self.rows]}
 
     def __str__(self) -> str:
-        from explorer.core.units import table
-
         def fmt(r: Row, v: float) -> str:
             if r.unit == "s":
                 return f"{v * 1e3:.2f} ms"
