@@ -51,3 +51,11 @@ Built = tuple[nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
                Callable[..., torch.Tensor], str]
 
 
+
+
+def image_classification(module: nn.Module, resolution_px: int, n_classes: int,
+                         batch_size: int, gen: torch.Generator, description: str) -> Built:
+    """A CNN's training step: random images (B, 3, px, px), class labels (B,), cross-entropy."""
+    x = random_images(gen, batch_size, resolution_px)
+    y = random_labels(gen, batch_size, n_classes)
+    return module, (x,), (y,), classification_loss, description

@@ -13,6 +13,7 @@ from explorer.models.common import (
     check_px,
     classification_loss,
     conv_out_px,
+    image_classification,
     random_images,
     random_labels,
     scaled,
@@ -93,12 +94,10 @@ ALEXNET_SIZES = {
 
 
 def build_alexnet(cfg: AlexNetConfig, batch_size: int, gen: torch.Generator) -> Built:
-    module = AlexNet(cfg)
-    x = random_images(gen, batch_size, cfg.resolution_px)
-    y = random_labels(gen, batch_size, cfg.n_classes)
-    desc = (f"AlexNet-shaped CNN: 5 conv, 3 max-pool, 3 FC; width x{cfg.width:g}, "
-            f"{cfg.resolution_px}px images, {cfg.n_classes} classes")
-    return module, (x,), (y,), classification_loss, desc
+    return image_classification(
+        AlexNet(cfg), cfg.resolution_px, cfg.n_classes, batch_size, gen,
+        (f"AlexNet-shaped CNN: 5 conv, 3 max-pool, 3 FC; width x{cfg.width:g}, "
+         f"{cfg.resolution_px}px images, {cfg.n_classes} classes"))
 
 
 # -- VGG-16 ----------------------------------------------------------------------------------
@@ -164,12 +163,10 @@ VGG_SIZES = {
 
 
 def build_vgg16(cfg: VGGConfig, batch_size: int, gen: torch.Generator) -> Built:
-    module = VGG16(cfg)
-    x = random_images(gen, batch_size, cfg.resolution_px)
-    y = random_labels(gen, batch_size, cfg.n_classes)
-    desc = (f"VGG-16-shaped CNN: 13 conv in 5 blocks, 3 FC; width x{cfg.width:g}, "
-            f"{cfg.resolution_px}px images, {cfg.n_classes} classes")
-    return module, (x,), (y,), classification_loss, desc
+    return image_classification(
+        VGG16(cfg), cfg.resolution_px, cfg.n_classes, batch_size, gen,
+        (f"VGG-16-shaped CNN: 13 conv in 5 blocks, 3 FC; width x{cfg.width:g}, "
+         f"{cfg.resolution_px}px images, {cfg.n_classes} classes"))
 
 
 # -- ResNet ----------------------------------------------------------------------------------
@@ -380,11 +377,9 @@ INCEPTION_SIZES = {
 
 
 def build_inception(cfg: InceptionConfig, batch_size: int, gen: torch.Generator) -> Built:
-    module = Inception(cfg)
-    x = random_images(gen, batch_size, cfg.resolution_px)
-    y = random_labels(gen, batch_size, cfg.n_classes)
-    desc = (f"Inception-like CNN: {cfg.n_modules} four-branch modules; width x{cfg.width:g}, "
-            f"{cfg.resolution_px}px images, {cfg.n_classes} classes")
-    return module, (x,), (y,), classification_loss, desc
+    return image_classification(
+        Inception(cfg), cfg.resolution_px, cfg.n_classes, batch_size, gen,
+        (f"Inception-like CNN: {cfg.n_modules} four-branch modules; width x{cfg.width:g}, "
+         f"{cfg.resolution_px}px images, {cfg.n_classes} classes"))
 
 
