@@ -157,6 +157,28 @@ def test_settings_save_load_and_export(session, tmp_path):
                          for p in plans)
 
 
+def test_selection_items_shown_and_messages_live_in_the_session(session):
+    seen = []
+    session.observe(lambda s, what: seen.append(what))
+    picked = session.select(["blocks.1"])  # inside the folded "blocks": opened to show it
+    assert [session.view.items[k].label for k in picked] == ["blocks.1"]
+    assert seen == ["view", "selection"] and session.selected == picked
+    assert set(block_ops(session.graph, "blocks.1")) <= set(session.selected_names)
+    session.expand()
+    assert session.selected == [] and "blocks.1" not in [it.label for it in session.view.items]
+    session.collapse()  # nothing selected: back to the top-level modules
+    assert "blocks" in [it.label for it in session.view.items]
+    with pytest.raises(ExplorerError, match="select a module to expand"):
+        session.expand()
+    session.guarded(session.undo)()
+    assert session.message == "nothing to undo" and session.message_is_error
+    session.guarded(lambda: 1 / 0)()
+    assert session.message.startswith("ZeroDivisionError") and "Traceback" in \
+        session.message_detail
+    session.guarded(lambda: None)()
+    assert session.message == "" and seen[-1] == "message"
+
+
 # -- the graph view ---------------------------------------------------------------------------
 
 def test_view_groups_by_module_and_expands_to_ops(gpt):
@@ -242,7 +264,7 @@ def test_widget_errors_become_messages(widget):
     w.plans.path.value = "/nonexistent/dir/plan.json"
     w.plans.load_file_button.click()
     assert w.message and "Traceback" not in w.message
-    w.runs.run_button.click()  # roofline H100s are not on this machine: a message, not a crash
+    w.runs.run_button.click()  # H100s this process does not have: a message, not a crash
     assert w.message
 
 
@@ -292,13 +314,8 @@ def test_explorer_needs_an_example_batch():
         Explorer(torch.nn.Linear(3, 3))
 
 
-def test_select_opens_folded_modules_and_names_what_is_unknown():
-    from widgets import Explorer
-
-    bm = ex.builtin_model("gpt", "tiny")
-    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
-    cl = ex.Cluster.preset("2xH100")
-    w = Explorer(g, roofline_costs(g, cl), progress=False)
+def test_select_opens_folded_modules_and_names_what_is_unknown(widget, gpt):
+    w, g = widget, gpt
     assert "blocks.1" not in [it.label for it in w.session.view.items]  # folded into "blocks"
     w.select(["blocks.1"])
     labels = [w.session.view.items[k].label for k in w.session.selected]
@@ -324,13 +341,8 @@ def test_select_opens_folded_modules_and_names_what_is_unknown():
     assert w.session.plan == before
 
 
-def test_assign_from_code_to_an_unknown_device_says_which_devices_exist():
-    from widgets import Explorer
-
-    bm = ex.builtin_model("gpt", "tiny")
-    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
-    cl = ex.Cluster.preset("2xH100")
-    w = Explorer(g, roofline_costs(g, cl), progress=False)
+def test_assign_from_code_to_an_unknown_device_says_which_devices_exist(widget):
+    w = widget
     w.select(["blocks"])
     before = w.session.plan
     w.session.guarded(lambda: w.assign("H100:7"))()
