@@ -247,11 +247,13 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     assert w.graph.nodes.data["color"][k] != w.graph.nodes.data["color"][0]
     assert "#d62728" in w.graph.edges.data["color"]  # edges across devices are marked
     assert any("across devices" in t for t in w.graph.edges.data["label"])
-    mem = dict(zip(w.memory.source.data["device"], w.memory.source.data["activations"], strict=True))
+    bars = w.memory.source.data
+    mem = dict(zip(bars["device"], bars["activations"], strict=True))
     assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**20)
     assert len(w.timeline.source.data["lane"]) > 0
     w.editing.undo_button.click()
-    assert w.graph.nodes.data["device"][k] == ids[0] and "#d62728" not in w.graph.edges.data["color"]
+    assert w.graph.nodes.data["device"][k] == ids[0]
+    assert "#d62728" not in w.graph.edges.data["color"]
 
 
 def test_widget_errors_become_messages(widget):
@@ -325,16 +327,19 @@ def test_select_opens_folded_modules_and_names_what_is_unknown(widget, gpt):
     op = next(n.name for n in g.nodes if n.kind == "op" and n.module_path.startswith("blocks.0."))
     w.session.collapse_all()
     w.select([op])
-    assert [[g.nodes[i].name for i in w.session.view.items[k].ops] for k in w.session.selected] == [[op]]
+    items = w.session.view.items
+    assert [[g.nodes[i].name for i in items[k].ops] for k in w.session.selected] == [[op]]
     # several at once, an item key among them: each is selected, the plot matches the view
     w.session.collapse_all()
     first = w.session.view.items[0]
     w.select([first.key, "blocks.1", op])
-    got = [[g.nodes[i].name for i in w.session.view.items[k].ops] for k in w.session.selected]
-    assert w.session.selected[0] == 0 and w.session.view.items[0].key == first.key
-    assert [op] in got and any(w.session.view.items[k].label == "blocks.1" for k in w.session.selected)
+    items, picked = w.session.view.items, w.session.selected
+    got = [[g.nodes[i].name for i in items[k].ops] for k in picked]
+    assert picked[0] == 0 and items[0].key == first.key
+    assert [op] in got and any(items[k].label == "blocks.1" for k in picked)
     assert len(got) == 3
     assert list(w.graph.nodes.data["key"]) == [it.key for it in w.session.view.items]
+    assert list(w.graph.nodes.selected.indices) == picked
     before = w.session.plan
     w.session.guarded(lambda: w.select(["no_such_layer"]))()
     assert "no node or module named 'no_such_layer'" in w.message
