@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import explorer as ex
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets.app import Explorer
+from widgets.session import Session
 
 
 def gpt_graph(n: int) -> ex.OpGraph:
@@ -41,26 +42,24 @@ def bench(graph: ex.OpGraph, devices: str, edits: int) -> dict:
     w = Explorer(graph, costs)
     open_s = time.perf_counter() - t0
     if len(graph.ops) <= 2000:
-        w.view.expand_all()
-        w._redraw_graph()
-    items = len(w.view.items)
+        w.session.expand_all()
+    view = w.session.view
+    items = len(view.items)
+    bare = Session(graph, cluster, costs)  # the same edits with no widget listening
     ids = cluster.ids
     engine, whole = [], []
     for k in range(edits):
-        it = w.view.items[(k * 7919) % items]
+        it = view.items[(k * 7919) % items]
         target = ids[(k % (len(ids) - 1)) + 1] if k % 2 == 0 else ids[0]
-        names = w.view.names([it.key])
+        names = view.names([it.key])
         t0 = time.perf_counter()
         w.session.assign(names, target)  # the widget redraws through its observer
         whole.append(time.perf_counter() - t0)
         w.session.undo()
-        # the engine alone: the same edit with no widget listening
-        listeners, w.session._listeners = w.session._listeners, []
-        t0 = time.perf_counter()
-        w.session.assign(names, target)
+        t0 = time.perf_counter()  # the engine alone
+        bare.assign(names, target)
         engine.append(time.perf_counter() - t0)
-        w.session.undo()
-        w.session._listeners = listeners
+        bare.undo()
     return {"ops": len(graph.ops), "items": items, "open_s": open_s,
             "engine_ms": statistics.median(engine) * 1e3, "engine_max_ms": max(engine) * 1e3,
             "widget_ms": statistics.median(whole) * 1e3, "widget_max_ms": max(whole) * 1e3}

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 
 #: most items an expanded item shows before its children are grouped into blocks
@@ -122,6 +123,31 @@ class GraphView:
             self.expanded.update(opened)
             self.refresh()
         return sorted({self.item_of[i] for i in want if i in self.item_of})
+
+    def find(self, names_or_keys: list[str]) -> list[int]:
+        """Positions of the items that are or show each node name, module path or item key,
+        expanding folded modules as far as needed (as clicking a search result does).
+
+        Raises :class:`explorer.ExplorerError` naming what the graph does not have (the view
+        may have opened modules for the names it did find)."""
+        want = list(dict.fromkeys(names_or_keys))
+        idx: set[int] = set()
+        unknown: list[str] = []
+        for _ in range(16):  # until a pass over every name opens nothing more
+            before = [it.key for it in self.items]
+            idx, unknown = set(), []
+            for w in want:
+                hits = self.matching(w) or self.reveal(w)
+                if not hits:
+                    unknown.append(w)
+                idx.update(hits)
+            if [it.key for it in self.items] == before:
+                break
+        if unknown:
+            raise ExplorerError(f"no node or module named {', '.join(map(repr, unknown))} "
+                                "in this graph (names as in the hover text, e.g. "
+                                "'blocks.0' or 'linear_1')")
+        return sorted(idx)
 
     def _find(self, key: str) -> Item | None:
         return next((it for it in self.items if it.key == key), None)

@@ -1,9 +1,11 @@
 """The explorer's state without any drawing: a plan being edited, its pins, history and estimate.
 
-A :class:`Session` holds one graph, cluster and cost model, and the plan the user is editing.
-Every edit makes a new :class:`explorer.Plan` (plans are immutable), pushes the previous one on
-the undo stack and asks :func:`explorer.simulate` for a fresh estimate. Nothing here computes a
-number of its own: step times, memory and bytes all come from ``explorer``.
+A :class:`Session` holds one graph, cluster and cost model, the plan the user is editing, the
+graph items shown and selected, and the message line. Every edit makes a new
+:class:`explorer.Plan` (plans are immutable), pushes the previous one on the undo stack and asks
+:func:`explorer.simulate` for a fresh estimate. Nothing here computes a number of its own: step
+times, memory and bytes all come from ``explorer``. The widget's panels call the session and
+redraw from it when it says what changed (:meth:`Session.observe`).
 
 Edits that cannot be made (an unknown node or device, a plan for another graph) raise
 :class:`explorer.ExplorerError` and leave the state as it was.
@@ -11,7 +13,9 @@ Edits that cannot be made (an unknown node or device, a plan for another graph) 
 
 from __future__ import annotations
 
+import functools
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,7 +23,12 @@ from typing import Any
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.core.units import MiB
+from explorer.models.builtin import BuiltinModel
 from explorer.partition import algorithm as get_algorithm
+from widgets.edits import count_label, first_device, placed_on, targets, with_owned
+from widgets.graphview import GraphView
 
 #: how many edits undo remembers
 HISTORY = 200
@@ -46,8 +55,8 @@ class PlanEntry:
     def row(self) -> dict[str, Any]:
         p = self.prediction
         return {"plan": self.name, "step_ms": p.step_s * 1e3,
-                "max_memory_mib": max(p.peak_bytes.values(), default=0) / 2**20,
-                "fits": p.fits, "cross_mib": p.cross_device_bytes / 2**20,
+                "max_memory_mib": max(p.peak_bytes.values(), default=0) / MiB,
+                "fits": p.fits, "cross_mib": p.cross_device_bytes / MiB,
                 "gap_pct": p.gap * 100, "lower_bound_ms": p.lower_bound_s * 1e3,
                 "solve_s": self.solve_s}
 
@@ -81,6 +90,14 @@ class Session:
     _listeners: list[Callable[[Session, str], None]] = field(default_factory=list, repr=False)
     prediction: ex.Prediction | None = field(default=None, repr=False)
     estimate_s: float = 0.0  # how long the last estimate took (simulation), seconds
+    #: the graph items shown (modules folded or expanded); built from ``graph``
+    view: GraphView = field(init=False, repr=False)
+    #: positions in ``view.items`` of the selected items
+    selected: list[int] = field(default_factory=list, init=False)
+    #: the message line: the last notice or error, as text
+    message: str = field(default="", init=False)
+    message_is_error: bool = field(default=False, init=False)
+    message_detail: str = field(default="", init=False, repr=False)  # an unexpected error's trace
 
     def __post_init__(self) -> None:
         self.costs.check(self.graph)
@@ -91,11 +108,37 @@ class Session:
         self.pins = {n: d for n, d in self.pins.items()}
         for n in self.plan.pinned:
             self.pins.setdefault(n, self.plan.devices_of(n)[0])
+        self.view = GraphView(self.graph)
         self._estimate()
+
+    @classmethod
+    def open(cls, model: Any, example_inputs: Any = None, cluster: ex.Cluster | None = None,
+             loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
+             plan: ex.Plan | None = None, progress: bool = True) -> Session:
+        """A session on a module (captured with its example batch), a built-in model, or an
+        already captured graph (``open(graph, costs)``); profiled on ``cluster`` (this
+        machine's devices by default) unless ``costs`` are given."""
+        if isinstance(model, OpGraph):
+            graph = model
+            if isinstance(example_inputs, ex.CostModel) and costs is None:
+                costs = example_inputs
+        elif isinstance(model, BuiltinModel):
+            graph = ex.capture(model.module, model.example_inputs, model.loss_fn, model.targets,
+                               name=model.name)
+        else:
+            if example_inputs is None:
+                raise ExplorerError("give the model's example batch: Explorer(model, "
+                                    "example_inputs), or Explorer(graph, costs)")
+            graph = ex.capture(model, example_inputs, loss_fn, targets)
+        if costs is None:
+            costs = ex.profile(graph, cluster or ex.Cluster.discover(), progress=progress)
+        return cls(graph, costs.cluster, costs, plan)
 
     # -- observers -----------------------------------------------------------------------
     def observe(self, fn: Callable[[Session, str], None]) -> None:
-        """Call ``fn(session, what)`` after every change ("plan", "plans", "run", "costs")."""
+        """Call ``fn(session, what)`` after every change: "plan" (plan or pins), "plans" (the
+        table), "run", "costs", "view" (items shown; clears the selection), "selection",
+        "message"."""
         self._listeners.append(fn)
 
     def _changed(self, what: str) -> None:
@@ -119,13 +162,82 @@ class Session:
     def targets(self) -> list[str]:
         """Where nodes can be assigned: every device, and each replicated stage as a whole
         (named by its devices joined with "+")."""
-        out = list(self.cluster.ids)
-        out += ["+".join(s) for s in self.plan.stages if len(s) > 1]
-        return out
+        return targets(self.plan, self.cluster)
 
     def device_label(self, name: str) -> str:
         """The device (or "+"-joined replicated stage) a node is placed on."""
         return "+".join(self.plan.devices_of(name))
+
+    # -- the items shown and selected ----------------------------------------------------
+    @property
+    def selected_names(self) -> list[str]:
+        """Graph node names of the selected items (ops and what they own)."""
+        return self.view.names(self.selected)
+
+    def select(self, names_or_keys: Iterable[str]) -> list[int]:
+        """Select items by node name, module path or item key (as clicking does); a node or
+        module inside a folded module is shown by expanding what it is in. Returns the
+        selected positions in ``view.items``."""
+        before = [it.key for it in self.view.items]
+        try:
+            idx = self.view.find(list(names_or_keys))
+        finally:
+            if [it.key for it in self.view.items] != before:
+                self.selected = []
+                self._changed("view")
+        return self.select_items(idx)
+
+    def select_items(self, positions: Iterable[int]) -> list[int]:
+        """Select shown items by position in ``view.items`` (what the graph reports)."""
+        self.selected = sorted(int(k) for k in positions if 0 <= int(k) < len(self.view.items))
+        self._changed("selection")
+        return self.selected
+
+    def expand(self, keys: Iterable[str] | None = None) -> None:
+        """Show the parts of the given items (by key; the selected ones when None)."""
+        keys = self._keys(keys)
+        if not keys:
+            raise ExplorerError("select a module to expand")
+        self._set_view(self.view.expand, keys)
+
+    def collapse(self, keys: Iterable[str] | None = None) -> None:
+        """Fold items back into the modules they are in (the selected ones when None; every
+        module when nothing is selected)."""
+        keys = self._keys(keys)
+        if keys:
+            self._set_view(self.view.collapse, keys)
+        else:
+            self.collapse_all()
+
+    def collapse_all(self) -> None:
+        """Show only the model's top-level modules."""
+        self._set_view(self.view.collapse_all)
+
+    def expand_all(self) -> None:
+        """Show every op as its own item (meant for small graphs)."""
+        self._set_view(self.view.expand_all)
+
+    # -- the message line ----------------------------------------------------------------
+    def say(self, text: str, error: bool = False, detail: str = "") -> None:
+        """Show ``text`` on the message line ("" clears it); ``detail`` is shown folded."""
+        self.message, self.message_is_error, self.message_detail = text, error, detail
+        self._changed("message")
+
+    def guarded(self, fn: Callable[..., Any]) -> Callable[..., None]:
+        """``fn`` wrapped as every control calls it: the message line is cleared first, and
+        an error becomes the message instead of an exception (the kernel and widget live on).
+        """
+        @functools.wraps(fn)
+        def call(*a: Any) -> None:
+            self.say("")
+            try:
+                fn(*a)
+            except ExplorerError as e:
+                self.say(str(e), error=True)
+            except Exception as e:  # keep the kernel and the widget alive, say what happened
+                self.say(f"{type(e).__name__}: {e}", error=True,
+                         detail=traceback.format_exc(limit=6))
+        return call
 
     # -- edits ---------------------------------------------------------------------------
     def assign(self, names: Iterable[str], target: str) -> None:
@@ -136,34 +248,34 @@ class Session:
         replicated stage becomes a stage of its own. Pinned nodes keep their pin, moved to the
         new device.
         """
-        names = self._expand(names)
+        names = with_owned(self.graph, names)
         if not names:
             raise ExplorerError("select one or more nodes first, then assign them")
-        plan = self._placed_on(self.plan, names, target)
+        plan = placed_on(self.plan, self.graph, self.cluster, names, target)
         moved = set(names)
-        pins = {n: (self._first_device(plan, n) if n in moved else d)
-                for n, d in self.pins.items()}
-        self._commit(plan, pins, f"assign {self._count(names)} to {target}")
+        pins = {n: (first_device(plan, n) if n in moved else d) for n, d in self.pins.items()}
+        self._commit(plan, pins, f"assign {count_label(self.graph, names)} to {target}")
 
     def pin(self, names: Iterable[str]) -> None:
         """Fix nodes to their current device: partitioners re-solved around pins keep them."""
-        names = self._expand(names, owned=False)
+        names = with_owned(self.graph, names, owned=False)
         if not names:
             raise ExplorerError("select the nodes to pin first")
         pins = dict(self.pins)
         for n in names:
-            pins[n] = self._first_device(self.plan, n)
+            pins[n] = first_device(self.plan, n)
         self._commit(self.plan.with_settings(pinned=frozenset(pins)), pins,
-                     f"pin {self._count(names)}")
+                     f"pin {count_label(self.graph, names)}")
 
     def unpin(self, names: Iterable[str] | None = None) -> None:
         """Release pins (all of them when ``names`` is None)."""
-        names = set(self.pins) if names is None else set(self._expand(names, owned=False))
+        names = (set(self.pins) if names is None
+                 else set(with_owned(self.graph, names, owned=False)))
         pins = {n: d for n, d in self.pins.items() if n not in names}
         if pins == self.pins:
             return
         self._commit(self.plan.with_settings(pinned=frozenset(pins)), pins,
-                     f"unpin {self._count(names)}")
+                     f"unpin {count_label(self.graph, names)}")
 
     def set_schedule(self, micro_batches: int | None = None, schedule: str | None = None,
                      optimizer: str | None = None) -> None:
@@ -181,7 +293,7 @@ class Session:
         if not isinstance(plan, ex.Plan):
             plan = ex.Plan.load(plan, self.graph, self.cluster)
         plan.validate(self.graph, self.cluster)
-        pins = {n: self._first_device(plan, n) for n in plan.pinned}
+        pins = {n: first_device(plan, n) for n in plan.pinned}
         self._commit(plan, pins, f"load {name or plan.algorithm}")
 
     def undo(self) -> None:
@@ -262,61 +374,15 @@ class Session:
         return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps)
 
     # -- internals -----------------------------------------------------------------------
-    def _expand(self, names: Iterable[str], owned: bool = True) -> list[str]:
-        """Check names; add the parameters, buffers and inputs owned by the given ops."""
-        names = list(dict.fromkeys(names))
-        bad = [n for n in names if n not in self.graph]
-        if bad:
-            raise ExplorerError(f"no node named {bad[0]!r} in graph {self.graph.name}")
-        if not owned:
-            return names
-        idx = self.graph.index
-        chosen = {idx[n] for n in names}
-        extra = [n.name for i, n in enumerate(self.graph.nodes)
-                 if n.kind != "op" and i not in chosen and self.graph.owner(i) in chosen]
-        return names + extra
+    def _keys(self, keys: Iterable[str] | None) -> list[str]:
+        if keys is None:
+            return [self.view.items[k].key for k in self.selected]
+        return list(keys)
 
-    def _placed_on(self, plan: ex.Plan, names: list[str], target: str) -> ex.Plan:
-        stages = [tuple(s) for s in plan.stages]
-        placement = dict(plan.placement)
-        if "+" in target:
-            devs = tuple(target.split("+"))
-            if devs not in stages:
-                raise ExplorerError(f"{target!r} is not a replicated stage of this plan; "
-                                    f"choose one of {', '.join(self.targets())}")
-            where = stages.index(devs)
-        else:
-            self.cluster.device(target)  # unknown devices raise, listing the known ones
-            where = next((k for k, s in enumerate(stages) if target in s), None)
-            if where is None:
-                stages.append((target,))
-                where = len(stages) - 1
-            elif len(stages[where]) > 1:  # take the device out of its replicated stage
-                stages[where] = tuple(d for d in stages[where] if d != target)
-                stages.append((target,))
-                where = len(stages) - 1
-        for n in names:
-            placement[n] = where
-        # drop stages left with nothing on them, renumbering the rest
-        used = sorted(set(placement.values()))
-        renum = {old: new for new, old in enumerate(used)}
-        placement = {n: renum[s] for n, s in placement.items()}
-        stages = [stages[s] for s in used]
-        edited = plan.algorithm == "manual" or plan.algorithm.endswith("+edits")
-        out = plan.with_settings(stages=tuple(stages), placement=placement,
-                                 algorithm=plan.algorithm if edited
-                                 else f"{plan.algorithm}+edits")
-        out.validate(self.graph, self.cluster)
-        return out
-
-    @staticmethod
-    def _first_device(plan: ex.Plan, name: str) -> str:
-        return plan.devices_of(name)[0]
-
-    def _count(self, names: Iterable[str]) -> str:
-        names = list(names)
-        ops = [n for n in names if self.graph[n].kind == "op"] or names
-        return ops[0] if len(ops) == 1 else f"{len(ops)} ops"
+    def _set_view(self, change: Callable[..., None], *args: Any) -> None:
+        change(*args)
+        self.selected = []
+        self._changed("view")
 
     def _unique(self, name: str) -> str:
         taken = {e.name for e in self.plans}

@@ -157,6 +157,28 @@ def test_settings_save_load_and_export(session, tmp_path):
                          for p in plans)
 
 
+def test_selection_items_shown_and_messages_live_in_the_session(session):
+    seen = []
+    session.observe(lambda s, what: seen.append(what))
+    picked = session.select(["blocks.1"])  # inside the folded "blocks": opened to show it
+    assert [session.view.items[k].label for k in picked] == ["blocks.1"]
+    assert seen == ["view", "selection"] and session.selected == picked
+    assert set(block_ops(session.graph, "blocks.1")) <= set(session.selected_names)
+    session.expand()
+    assert session.selected == [] and "blocks.1" not in [it.label for it in session.view.items]
+    session.collapse()  # nothing selected: back to the top-level modules
+    assert "blocks" in [it.label for it in session.view.items]
+    with pytest.raises(ExplorerError, match="select a module to expand"):
+        session.expand()
+    session.guarded(session.undo)()
+    assert session.message == "nothing to undo" and session.message_is_error
+    session.guarded(lambda: 1 / 0)()
+    assert session.message.startswith("ZeroDivisionError") and "Traceback" in \
+        session.message_detail
+    session.guarded(lambda: None)()
+    assert session.message == "" and seen[-1] == "message"
+
+
 # -- the graph view ---------------------------------------------------------------------------
 
 def test_view_groups_by_module_and_expands_to_ops(gpt):
@@ -207,7 +229,7 @@ def widget(gpt):
 def shown_step(w) -> float:
     import re
 
-    return float(re.search(r"class='pe-step' data-value='([^']+)'", w._estimate.value)[1])
+    return float(re.search(r"class='pe-step' data-value='([^']+)'", w.estimate.table.value)[1])
 
 
 def test_widget_edit_updates_numbers_colors_and_edges(widget):
@@ -215,56 +237,57 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     ids = w.session.cluster.ids
     assert shown_step(w) == w.session.prediction.step_s
     w.select(["blocks"])
-    assert "56 ops" in w._selection.value
+    assert "56 ops" in w.editing.selection.value
     w.assign(ids[1])
     assert w.message == ""
     pred = ex.simulate(w.session.graph, w.session.plan, w.session.costs)
     assert shown_step(w) == pred.step_s
-    k = [it.label for it in w.view.items].index("blocks")
-    assert w._nodes.data["device"][k] == ids[1]
-    assert w._nodes.data["color"][k] != w._nodes.data["color"][0]
-    assert "#d62728" in w._links.data["color"]  # edges across devices are marked
-    assert any("across devices" in t for t in w._links.data["label"])
-    mem = dict(zip(w._mem_src.data["device"], w._mem_src.data["activations"], strict=True))
+    k = [it.label for it in w.session.view.items].index("blocks")
+    assert w.graph.nodes.data["device"][k] == ids[1]
+    assert w.graph.nodes.data["color"][k] != w.graph.nodes.data["color"][0]
+    assert "#d62728" in w.graph.edges.data["color"]  # edges across devices are marked
+    assert any("across devices" in t for t in w.graph.edges.data["label"])
+    bars = w.memory.source.data
+    mem = dict(zip(bars["device"], bars["activations"], strict=True))
     assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**20)
-    assert len(w._gantt_src.data["lane"]) > 0
-    w._undo_btn.click()
-    assert w._nodes.data["device"][k] == ids[0] and "#d62728" not in w._links.data["color"]
+    assert len(w.timeline.source.data["lane"]) > 0
+    w.editing.undo_button.click()
+    assert w.graph.nodes.data["device"][k] == ids[0]
+    assert "#d62728" not in w.graph.edges.data["color"]
 
 
 def test_widget_errors_become_messages(widget):
     w = widget
-    w._assign_btn.click()  # nothing selected
+    w.editing.assign_button.click()  # nothing selected
     assert "select one or more nodes" in w.message
-    w._algo_opts.value = "{oops"
-    w._solve_btn.click()
+    w.plans.options.value = "{oops"
+    w.plans.solve_button.click()
     assert "options must be JSON" in w.message
-    w._plan_path.value = "/nonexistent/dir/plan.json"
-    w._do_load_file_guarded = w._guard(w._do_load_file)
-    w._do_load_file_guarded()
+    w.plans.path.value = "/nonexistent/dir/plan.json"
+    w.plans.load_file_button.click()
     assert w.message and "Traceback" not in w.message
-    w._run_btn.click()  # roofline H100s are not on this machine: a message, not a crash
+    w.runs.run_button.click()  # H100s this process does not have: a message, not a crash
     assert w.message
 
 
 def test_widget_partitioners_table_and_loading(widget, tmp_path):
     w = widget
-    w._algo.value = "even-layers"
-    w._solve_btn.click()
-    assert "even-layers" in w.message and "even-layers" in w._plans_html.value
-    w._keep_btn.click()
-    assert w._plan_pick.options[-1].startswith("even-layers")
-    w._plan_pick.value = w._plan_pick.options[0]
-    w._load_btn.click()
+    w.plans.algorithm.value = "even-layers"
+    w.plans.solve_button.click()
+    assert "even-layers" in w.message and "even-layers" in w.plans.table.value
+    w.plans.keep_button.click()
+    assert w.plans.pick.options[-1].startswith("even-layers")
+    w.plans.pick.value = w.plans.pick.options[0]
+    w.plans.load_button.click()
     assert w.session.plan == w.session.plans[0].plan
-    w._plan_path.value = str(tmp_path / "plan.json")
-    w._tabs.children[4].children[0].children[1].click()  # save plan
+    w.plans.path.value = str(tmp_path / "plan.json")
+    w.plans.save_button.click()
     assert (tmp_path / "plan.json").exists(), w.message
     w.select(["blocks"])
-    w._expand_btn.click()
-    assert "blocks.0" in [it.label for it in w.view.items]
-    w._collapse_btn.click()
-    assert "blocks" in [it.label for it in w.view.items]
+    w.graph.expand_button.click()
+    assert "blocks.0" in [it.label for it in w.session.view.items]
+    w.graph.collapse_button.click()
+    assert "blocks" in [it.label for it in w.session.view.items]
 
 
 def test_widget_runs_real_steps_on_cpu_ranks_and_compares():
@@ -273,13 +296,13 @@ def test_widget_runs_real_steps_on_cpu_ranks_and_compares():
 
     bm = ex.builtin_model("mlp", "tiny")
     w = Explorer(bm, cluster=ex.Cluster.cpu(2), progress=False)
-    w._algo.value = "even-layers"
-    w._solve_btn.click()
-    w._steps.value = 2
-    w._run_btn.click()
+    w.plans.algorithm.value = "even-layers"
+    w.plans.solve_button.click()
+    w.runs.steps.value = 2
+    w.runs.run_button.click()
     assert "step time error" in w.message, w.message
-    assert "busy time" in w._report.value and "peak memory" in w._report.value
-    w._calib_btn.click()
+    assert "busy time" in w.runs.report.value and "peak memory" in w.runs.report.value
+    w.runs.calibrate_button.click()
     assert "calibrated" in w.message
 
 
@@ -293,51 +316,42 @@ def test_explorer_needs_an_example_batch():
         Explorer(torch.nn.Linear(3, 3))
 
 
-def test_select_opens_folded_modules_and_names_what_is_unknown():
-    from widgets import Explorer
-
-    bm = ex.builtin_model("gpt", "tiny")
-    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
-    cl = ex.Cluster.preset("2xH100")
-    w = Explorer(g, roofline_costs(g, cl), progress=False)
-    assert "blocks.1" not in [it.label for it in w.view.items]  # folded into "blocks"
+def test_select_opens_folded_modules_and_names_what_is_unknown(widget, gpt):
+    w, g = widget, gpt
+    assert "blocks.1" not in [it.label for it in w.session.view.items]  # folded into "blocks"
     w.select(["blocks.1"])
-    labels = [w.view.items[k].label for k in w._selected]
+    labels = [w.session.view.items[k].label for k in w.session.selected]
     assert labels == ["blocks.1"]
-    assert "blocks.1" in w._selection.value
+    assert "blocks.1" in w.editing.selection.value
     # an op's name opens the modules it is in, down to an item that is just that op
     op = next(n.name for n in g.nodes if n.kind == "op" and n.module_path.startswith("blocks.0."))
-    w.view.collapse_all()
-    w._redraw_graph()
+    w.session.collapse_all()
     w.select([op])
-    assert [[g.nodes[i].name for i in w.view.items[k].ops] for k in w._selected] == [[op]]
+    items = w.session.view.items
+    assert [[g.nodes[i].name for i in items[k].ops] for k in w.session.selected] == [[op]]
     # several at once, an item key among them: each is selected, the plot matches the view
-    w.view.collapse_all()
-    w._redraw_graph()
-    first = w.view.items[0]
+    w.session.collapse_all()
+    first = w.session.view.items[0]
     w.select([first.key, "blocks.1", op])
-    got = [[g.nodes[i].name for i in w.view.items[k].ops] for k in w._selected]
-    assert w._selected[0] == 0 and w.view.items[0].key == first.key
-    assert [op] in got and any(w.view.items[k].label == "blocks.1" for k in w._selected)
+    items, picked = w.session.view.items, w.session.selected
+    got = [[g.nodes[i].name for i in items[k].ops] for k in picked]
+    assert picked[0] == 0 and items[0].key == first.key
+    assert [op] in got and any(items[k].label == "blocks.1" for k in picked)
     assert len(got) == 3
-    assert list(w._nodes.data["key"]) == [it.key for it in w.view.items]
+    assert list(w.graph.nodes.data["key"]) == [it.key for it in w.session.view.items]
+    assert list(w.graph.nodes.selected.indices) == picked
     before = w.session.plan
-    w._guard(lambda: w.select(["no_such_layer"]))()
+    w.session.guarded(lambda: w.select(["no_such_layer"]))()
     assert "no node or module named 'no_such_layer'" in w.message
     assert w.session.plan == before
 
 
-def test_assign_from_code_to_an_unknown_device_says_which_devices_exist():
-    from widgets import Explorer
-
-    bm = ex.builtin_model("gpt", "tiny")
-    g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
-    cl = ex.Cluster.preset("2xH100")
-    w = Explorer(g, roofline_costs(g, cl), progress=False)
+def test_assign_from_code_to_an_unknown_device_says_which_devices_exist(widget):
+    w = widget
     w.select(["blocks"])
     before = w.session.plan
-    w._guard(lambda: w.assign("H100:7"))()
+    w.session.guarded(lambda: w.assign("H100:7"))()
     assert "H100:7" in w.message and "H100:1" in w.message
     assert w.session.plan == before
     w.assign("H100:1")
-    assert w.session.plan != before and w._target.value == "H100:1"
+    assert w.session.plan != before and w.editing.target.value == "H100:1"

@@ -1,0 +1,92 @@
+"""Hand edits of the plan under edit: the selection, assign to a device, pins, undo/redo and the
+plan's settings (micro-batches, schedule, optimizer)."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+
+from explorer.core.plan import OPTIMIZER_STATE
+from widgets.panels.base import Panel, button
+from widgets.session import Session
+
+NOTHING_SELECTED = "<i>click, box- or lasso-select nodes in the graph</i>"
+
+
+class EditingPanel(Panel):
+    """``widget``: what is selected (``selection``), the ``target`` device with
+    ``assign_button``, and ``pin_button``, ``unpin_button``, ``undo_button``, ``redo_button``.
+    ``settings``: ``micro_batches``, ``schedule``, ``optimizer`` and ``apply_button``."""
+
+    topics = frozenset({"plan", "costs", "view", "selection"})
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session)
+        s = session
+        self.selection = W.HTML(NOTHING_SELECTED)
+        self.selection.add_class("pe-selection")
+        self.target = W.Dropdown(options=s.targets(), description="device",
+                                 layout=W.Layout(width="220px"))
+        self.target.add_class("pe-target")
+        self.assign_button = button(s, "assign", "move the selection to this device",
+                                    lambda *_: self.assign(self.target.value), "pe-assign",
+                                    "primary")
+        self.pin_button = button(s, "pin", "fix the selection to its device",
+                                 lambda *_: s.pin(s.selected_names), "pe-pin")
+        self.unpin_button = button(s, "unpin", "release the selection's pins",
+                                   lambda *_: s.unpin(s.selected_names or None), "pe-unpin")
+        self.undo_button = button(s, "undo", "take back the last edit", lambda *_: s.undo(),
+                                  "pe-undo")
+        self.redo_button = button(s, "redo", "redo the edit taken back", lambda *_: s.redo(),
+                                  "pe-redo")
+        self.widget = W.VBox([
+            self.selection, W.HBox([self.target, self.assign_button]),
+            W.HBox([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
+
+        self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
+                                              description="micro-batches")
+        self.schedule = W.Dropdown(options=["gpipe", "1f1b"], value=s.plan.schedule,
+                                   description="schedule")
+        self.optimizer = W.Dropdown(options=sorted(OPTIMIZER_STATE), value=s.plan.optimizer,
+                                    description="optimizer")
+        self.apply_button = button(
+            s, "apply", "change the plan's settings",
+            lambda *_: s.set_schedule(self.micro_batches.value, self.schedule.value,
+                                      self.optimizer.value), "pe-settings")
+        self.settings = W.VBox([W.HBox([self.micro_batches, self.schedule, self.optimizer]),
+                                self.apply_button])
+
+    def assign(self, target: str) -> None:
+        """Move the selection to ``target`` (a device, or ``"dev+dev"`` for a replicated
+        stage), as the assign button does; the session says what is wrong with a target."""
+        if target in self.target.options:
+            self.target.value = target
+        self.session.assign(self.session.selected_names, target)
+
+    def update(self, what: str) -> None:
+        s = self.session
+        if what in ("view", "selection", "all"):
+            self._show_selection()
+        if what in ("plan", "costs", "all"):
+            targets = s.targets()
+            if list(self.target.options) != targets:
+                keep = self.target.value
+                self.target.options = targets
+                if keep in targets:
+                    self.target.value = keep
+            self.undo_button.disabled = not s.can_undo
+            self.redo_button.disabled = not s.can_redo
+            self.micro_batches.value, self.schedule.value, self.optimizer.value = (
+                s.plan.micro_batches, s.plan.schedule, s.plan.optimizer)
+
+    def _show_selection(self) -> None:
+        items = [self.session.view.items[k] for k in self.session.selected]
+        if not items:
+            self.selection.value = NOTHING_SELECTED
+            return
+        n_ops = sum(len(it.ops) for it in items)
+        names = ", ".join(html.escape(it.label) for it in items[:4])
+        more = f" and {len(items) - 4} more" if len(items) > 4 else ""
+        self.selection.value = (f"selected <b>{len(items)}</b> item(s), {n_ops} ops: "
+                                f"{names}{more}")

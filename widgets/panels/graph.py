@@ -1,0 +1,273 @@
+"""The graph picture: items colored by device, edges across devices in red, selection tools.
+
+Nodes are the session's view items (modules, blocks or ops, see :mod:`widgets.graphview`),
+placed top-down by dependency level. Clicking, box- or lasso-selecting items selects them in
+the session; the expand/collapse buttons and the find box change which items are shown.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import ipywidgets as W
+import numpy as np
+from bokeh.models import (
+    BoxSelectTool,
+    ColumnDataSource,
+    HoverTool,
+    LabelSet,
+    LassoSelectTool,
+    Range1d,
+    TapTool,
+)
+from bokeh.palettes import Category10_10
+from bokeh.plotting import figure
+
+from explorer.core.units import format_bytes, format_seconds
+from widgets.graphview import Item
+from widgets.panels.base import Panel, bokeh_widget, button, swatch
+from widgets.session import Session
+
+MIXED = "#b0b0b0"
+CROSS = "#d62728"
+#: columns of the graph's items that depend on the placement
+DYNAMIC = ("device", "color", "text_color", "hatch", "time", "pinned", "line", "lw")
+#: items with labels drawn on the graph (beyond this, hover shows them)
+MAX_LABELS = 150
+
+
+def text_on(fill: str) -> str:
+    """Black or white, whichever reads better on a ``#rrggbb`` fill."""
+    r, g, b = (int(fill[k:k + 2], 16) for k in (1, 3, 5))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 90 else "white"
+
+
+def patch(source: ColumnDataSource, new: dict[str, list]) -> None:
+    """Send only the entries that changed (an edit usually touches a few items)."""
+    patches: dict[str, list] | None = {}
+    for col, vals in new.items():
+        old = source.data[col]
+        changed = [(i, v) for i, (o, v) in enumerate(zip(old, vals, strict=True)) if o != v]
+        if len(changed) > len(vals) // 2:
+            patches = None
+            break
+        if changed:
+            patches[col] = changed
+    if patches is None:
+        source.data.update(new)
+    elif patches:
+        source.patch(patches)
+
+
+class GraphPanel(Panel):
+    """The bokeh graph (``figure``; item columns in ``nodes``, edge columns in ``edges``), its
+    legend (``widget`` holds both) and the view controls (``controls``: ``expand_button``,
+    ``collapse_button``, ``find``)."""
+
+    topics = frozenset({"plan", "costs", "view", "selection"})
+
+    def __init__(self, session: Session, backend: str = "canvas", height: int = 560) -> None:
+        super().__init__(session)
+        self.colors = {d: Category10_10[k % 10] for k, d in enumerate(session.cluster.ids)}
+        self._relayout()
+        self.nodes = ColumnDataSource(self.node_columns())
+        self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
+        self.figure = self._draw(backend, height)
+        # fit before the plot goes to the browser: changes sent before it is shown can be lost
+        self._fit_ranges()
+        legend = W.HTML(
+            "nodes are colored by device (striped: replicated, data-parallel); "
+            f"<span style='color:{CROSS}'><b>red edges</b></span> cross devices; "
+            "a black outline marks pins. "
+            + " ".join(swatch(d, self.colors[d]) for d in session.cluster.ids)
+            + " " + swatch("mixed", MIXED, fg="black"))
+        self.widget = W.VBox([legend, bokeh_widget(self.figure, "pe-graph")],
+                             layout=W.Layout(flex="3 1 0%", min_width="420px"))
+
+        self.expand_button = button(session, "expand", "show the selected modules' parts",
+                                    lambda *_: session.expand(), "pe-expand")
+        self.collapse_button = button(session, "collapse",
+                                      "fold the selection back into its module",
+                                      lambda *_: session.collapse(), "pe-collapse")
+        self.find = W.Combobox(placeholder="find a node or module by name", options=[],
+                               ensure_option=False, layout=W.Layout(width="260px"))
+        self.find.add_class("pe-find")
+        self.find.observe(self._on_find, "value")
+        self.controls = W.VBox([W.HBox([self.expand_button, self.collapse_button]), self.find])
+
+    def _draw(self, backend: str, height: int) -> Any:
+        p = figure(height=height, sizing_mode="stretch_width", tools="pan,wheel_zoom,reset",
+                   toolbar_location="above", output_backend=backend,
+                   x_range=Range1d(-5, 5), y_range=Range1d(-5, 1), min_border=4)
+        p.axis.visible = False
+        p.grid.visible = False
+        p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
+        links = p.segment("x0", "y0", "x1", "y1", source=self.edges, line_color="color",
+                          line_width="width", line_alpha=0.7)
+        r = p.rect("x", "y", width=1.6, height=0.6, source=self.nodes, fill_color="color",
+                   line_color="line", line_width="lw", hatch_pattern="hatch",
+                   hatch_color="white", hatch_alpha=0.6)
+        r.nonselection_glyph.fill_alpha = 0.45
+        r.selection_glyph = None
+        p.add_layout(LabelSet(x="x", y="y", text="short", source=self.nodes,
+                              text_font_size="8pt", text_align="center",
+                              text_baseline="middle", text_color="text_color"))
+        p.add_tools(
+            HoverTool(renderers=[r], tooltips=[
+                ("", "@label"), ("device", "@device"), ("ops", "@n_ops"), ("op", "@op"),
+                ("output", "@shapes"), ("FLOPs fwd/bwd", "@flops"), ("time fwd/bwd", "@time"),
+                ("memory", "@memory"), ("pinned", "@pinned")]),
+            HoverTool(renderers=[links], tooltips=[("edge", "@label")], line_policy="interp"),
+            TapTool(renderers=[r]), BoxSelectTool(renderers=[r]),
+            LassoSelectTool(renderers=[r]))
+        self.nodes.selected.on_change("indices", self._on_select)
+        return p
+
+    # -- redrawing -----------------------------------------------------------------------
+    def update(self, what: str) -> None:
+        if what == "costs":
+            self._time_cache.clear()  # calibration changed the op times
+        if what in ("view", "all"):
+            self._relayout()
+            data = self.node_columns()
+            self.nodes.selected.indices = []
+            self.nodes.data = data
+            self.edges.data = self.edge_columns(data["device"])
+            self._fit_ranges()
+        elif what in ("plan", "costs"):
+            dynamic = self.dynamic_columns()
+            patch(self.nodes, dynamic)
+            patch(self.edges, self.edge_dynamic_columns(dynamic["device"]))
+        if list(self.nodes.selected.indices) != self.session.selected:
+            self.nodes.selected.indices = list(self.session.selected)
+
+    def _relayout(self) -> None:
+        """Recompute what depends on the items shown only: edges, positions, edge sizes."""
+        v = self.session.view
+        self._item_edges = v.edges()
+        self._xy = v.layout(self._item_edges)
+        self._edge_text = [format_bytes(b) for b in self._item_edges.values()]
+        self._time_cache: dict[tuple[int, str], str] = {}
+
+    def _fit_ranges(self) -> None:
+        xs = np.asarray(self.nodes.data["x"], dtype=float)
+        ys = np.asarray(self.nodes.data["y"], dtype=float)
+        if len(xs):
+            w = max(float(xs.max() - xs.min()), 4.0) + 3  # narrow graphs: centred, readable
+            mid = (float(xs.max()) + float(xs.min())) / 2
+            self.figure.x_range.start, self.figure.x_range.end = mid - w / 2, mid + w / 2
+            shown = min(-float(ys.min()) + 1, 30)  # deep graphs: the top, pan down for more
+            self.figure.y_range.start, self.figure.y_range.end = -shown, 0.8
+
+    # -- events --------------------------------------------------------------------------
+    def _on_select(self, attr, old, new) -> None:
+        new = sorted(int(i) for i in new)
+        if new != self.session.selected:  # the browser reports a selection twice
+            self.session.select_items(new)
+
+    def _on_find(self, change) -> None:
+        if change["new"]:
+            self.session.guarded(self.session.select)([change["new"]])
+
+    # -- columns -------------------------------------------------------------------------
+    def node_columns(self) -> dict[str, Any]:
+        """All columns of the shown items: the static ones (layout, names, FLOPs) and the
+        placement-dependent ones (:meth:`dynamic_columns`)."""
+        g = self.session.graph
+        items = self.session.view.items
+        cols: dict[str, list] = defaultdict(list)
+        few = len(items) <= MAX_LABELS
+        for it in items:
+            ff = sum(g.nodes[i].fwd_flops for i in it.ops)
+            bf = sum(g.nodes[i].bwd_flops for i in it.ops)
+            params = sum(g.nodes[i].param_bytes for i in it.nodes)
+            outb = sum(g.nodes[i].out_bytes for i in it.ops)
+            node = g.nodes[it.ops[0]]
+            cols["key"].append(it.key)
+            cols["label"].append(it.label + (" (select, then expand)" if it.expandable else ""))
+            cols["short"].append((it.label if len(it.label) <= 18 else it.label[:16] + "..")
+                                 if few else "")
+            cols["n_ops"].append(len(it.ops))
+            cols["op"].append(node.op if len(it.ops) == 1 else f"{len(it.ops)} ops")
+            cols["shapes"].append(" ".join(str(list(sh)) for sh in node.shapes[:3])
+                                  + f" {node.dtype}" if len(it.ops) == 1 else
+                                  f"{format_bytes(outb)} of outputs")
+            cols["flops"].append(f"{ff:,.3g} / {bf:,.3g}")
+            cols["memory"].append(f"params {format_bytes(params)}, outputs {format_bytes(outb)}")
+        out: dict[str, Any] = dict(cols)
+        out["x"] = np.array([p[0] for p in self._xy], dtype=float)
+        out["y"] = np.array([p[1] for p in self._xy], dtype=float)
+        out.update(self.dynamic_columns())
+        return out
+
+    def dynamic_columns(self) -> dict[str, list]:
+        """The item columns that change with the placement and the pins."""
+        s = self.session
+        g = s.graph
+        pins = s.pins
+        cols: dict[str, list] = {k: [] for k in DYNAMIC}
+        for k, it in enumerate(s.view.items):
+            dev, color, rep = self._item_device(it)
+            first = dev.split("+")[0] if not dev.startswith("mixed") else s.cluster.ids[0]
+            n_pinned = sum(1 for i in it.nodes if g.nodes[i].name in pins) if pins else 0
+            cols["device"].append(dev)
+            cols["color"].append(color)
+            cols["text_color"].append(text_on(color))
+            cols["hatch"].append("/" if rep else " ")
+            cols["time"].append(self._item_time(k, first))
+            cols["pinned"].append(f"{n_pinned} node(s)" if n_pinned else "no")
+            cols["line"].append("black" if n_pinned else "white")
+            cols["lw"].append(3.0 if n_pinned else 1.0)
+        return cols
+
+    def edge_columns(self, devices: list[str]) -> dict[str, Any]:
+        """One segment per pair of connected items; edges across devices are red and wide."""
+        pairs = list(self._item_edges)
+        xy = self._xy
+        x0 = np.array([xy[a][0] for a, _ in pairs], dtype=float)
+        y0 = np.array([xy[a][1] - 0.3 for a, _ in pairs], dtype=float)
+        x1 = np.array([xy[z][0] for _, z in pairs], dtype=float)
+        y1 = np.array([xy[z][1] + 0.3 for _, z in pairs], dtype=float)
+        return {"x0": x0, "y0": y0, "x1": x1, "y1": y1, **self.edge_dynamic_columns(devices)}
+
+    def edge_dynamic_columns(self, devices: list[str]) -> dict[str, list]:
+        """Color, width and hover text of the edges, given each item's device label."""
+        costs = self.session.costs
+        color, width, label = [], [], []
+        for ((a, z), b), txt in zip(self._item_edges.items(), self._edge_text, strict=True):
+            da, dz = devices[a], devices[z]
+            if (da != dz and b > 0 and not da.startswith("mixed")
+                    and not dz.startswith("mixed")):
+                t = costs.transfer_s(da.split("+")[0], dz.split("+")[0], b)
+                color.append(CROSS)
+                width.append(3.0)
+                label.append(f"{txt} across devices, {da} -> {dz}: {format_seconds(t)}")
+            else:
+                color.append("#999999")
+                width.append(1.0)
+                label.append(f"{txt} on {da}")
+        return {"color": color, "width": width, "label": label}
+
+    def _item_device(self, it: Item) -> tuple[str, str, bool]:
+        """(label, color, replicated) of an item from the plan's placement of its ops."""
+        plan = self.session.plan
+        stages = {plan.placement[self.session.graph.nodes[i].name] for i in it.ops}
+        if len(stages) > 1:
+            return ("mixed: " + ", ".join("+".join(plan.stages[s]) for s in sorted(stages)),
+                    MIXED, False)
+        devs = plan.stages[next(iter(stages))] if stages else plan.stages[0]
+        return "+".join(devs), self.colors.get(devs[0], MIXED), len(devs) > 1
+
+    def _item_time(self, k: int, dev: str) -> str:
+        costs = self.session.costs
+        key = (k, costs.cluster.device(dev).type_key)
+        t = self._time_cache.get(key)
+        if t is None:
+            ops = self.session.view.items[k].ops
+            fwd = sum(costs.fwd_s(i, dev) for i in ops)
+            bwd = sum(costs.bwd_s(i, dev) for i in ops)
+            srcs = sorted({costs.source(i, dev) for i in ops})
+            t = self._time_cache[key] = (f"{format_seconds(fwd)} / {format_seconds(bwd)} on "
+                                         f"{key[1]} ({', '.join(srcs)})")
+        return t

@@ -1,0 +1,132 @@
+"""Plans side by side: run partitioners, keep the plan under edit, pick one to edit; plan files
+and the exported training script."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import ipywidgets as W
+
+import explorer as ex
+from explorer.core.errors import ExplorerError
+from explorer.core.units import format_seconds
+from explorer.partition import algorithm as get_algorithm
+from widgets.panels.base import Panel, button, html_table
+from widgets.session import Session
+
+NO_PLANS = "<i>no plans yet: solve, or keep the current plan</i>"
+OPTIONS_EXAMPLE = "e.g. {\"micro_batches\": 4}"
+
+
+class PlansPanel(Panel):
+    """``solvers``: the ``algorithm`` with its ``options`` (JSON), ``around_pins``,
+    ``solve_button``, ``keep_button``, the plans ``table``, and ``pick`` with
+    ``load_button``. ``files``: ``path`` with ``save_button`` and ``load_file_button``,
+    ``script_path`` with ``export_button``."""
+
+    topics = frozenset({"plans", "costs"})
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session)
+        s = session
+        names = ex.algorithms()
+        self.algorithm = W.Dropdown(options=names,
+                                    value="pardnn" if "pardnn" in names else names[0],
+                                    description="algorithm")
+        self.algorithm.add_class("pe-algorithm")
+        self.help = W.HTML("")
+        self.options = W.Textarea(layout=W.Layout(width="100%", height="60px"))
+        self.algorithm.observe(lambda _: self._show_algorithm(), "value")
+        self.around_pins = W.Checkbox(value=True, description="re-solve around my pins")
+        self.solve_button = button(s, "solve", "run the partitioner", self._solve, "pe-solve",
+                                   "primary")
+        self.keep_button = button(s, "keep current", "add the plan under edit to the table",
+                                  self._keep, "pe-keep")
+        self.table = W.HTML(NO_PLANS)
+        self.table.add_class("pe-plans")
+        self.pick = W.Dropdown(options=[], description="plan")
+        self.load_button = button(s, "load into editor", "edit this plan", self._load_entry,
+                                  "pe-load-entry")
+        self._show_algorithm()
+        self.solvers = W.VBox([
+            W.HBox([self.algorithm, self.around_pins, self.solve_button, self.keep_button]),
+            self.help, self.options, self.table, W.HBox([self.pick, self.load_button])])
+
+        stem = s.graph.name or "model"
+        self.path = W.Text(value=f"{stem}_plan.json", description="plan file")
+        self.script_path = W.Text(value=f"train_{stem}.py", description="script")
+        self.save_button = button(s, "save plan", "write the plan JSON", self._save, "pe-save")
+        self.load_file_button = button(s, "load plan", "read a plan JSON", self._load_file,
+                                       "pe-load")
+        self.export_button = button(s, "export script", "write a torchrun training script",
+                                    self._export, "pe-export")
+        self.files = W.VBox([W.HBox([self.path, self.save_button, self.load_file_button]),
+                             W.HBox([self.script_path, self.export_button])])
+
+    def update(self, what: str) -> None:
+        entries = self.session.plans
+        if not entries:
+            return
+        fitting = [e.prediction.step_s for e in entries if e.prediction.fits]
+        best = min(fitting) if fitting else None
+        rows = []
+        for e in entries:
+            r = e.row()
+            mark = " *" if best is not None and e.prediction.step_s == best else ""
+            rows.append((html.escape(e.name) + mark, f"{r['step_ms']:,.2f} ms",
+                         f"{r['max_memory_mib']:,.1f} MiB", "yes" if r["fits"] else "NO",
+                         f"{r['cross_mib']:,.2f} MiB", f"{r['gap_pct']:+.0f} %",
+                         f"{r['solve_s']:.2f} s"))
+        self.table.value = html_table(
+            ("plan", "step", "max memory", "fits", "across devices", "gap to bound",
+             "solved in"), rows, "* fastest that fits")
+        self.pick.options = [e.name for e in entries]
+        self.pick.value = entries[-1].name
+
+    def _show_algorithm(self) -> None:
+        alg = get_algorithm(self.algorithm.value)
+        self.help.value = f"<i>{html.escape(alg.summary)}</i>"
+        self.options.value = json.dumps(dict(alg.options), default=str)
+
+    def _solve(self, *_) -> None:
+        s = self.session
+        try:
+            opts = json.loads(self.options.value or "{}")
+        except json.JSONDecodeError as e:
+            raise ExplorerError(f"the options must be JSON, {OPTIONS_EXAMPLE}: {e}") from None
+        if not isinstance(opts, dict):
+            raise ExplorerError(f"the options must be a JSON object, {OPTIONS_EXAMPLE}")
+        s.say(f"solving with {self.algorithm.value} ...")
+        self.solve_button.disabled = True
+        try:
+            e = s.solve(self.algorithm.value, around_pins=self.around_pins.value, **opts)
+        finally:
+            self.solve_button.disabled = False
+        s.say(f"{e.name}: {format_seconds(e.prediction.step_s)} per step, solved in "
+              f"{e.solve_s:.2f} s; loaded into the editor")
+
+    def _keep(self, *_) -> None:
+        e = self.session.keep()
+        self.session.say(f"kept the current plan as {e.name!r}")
+
+    def _load_entry(self, *_) -> None:
+        if not self.pick.value:
+            raise ExplorerError("no plan to load yet: solve or keep one first")
+        e = self.session.entry(self.pick.value)
+        self.session.load(e.plan, e.name)
+
+    def _save(self, *_) -> None:
+        p = self.session.save(self.path.value)
+        self.session.say(f"saved {p}")
+
+    def _load_file(self, *_) -> None:
+        path = Path(self.path.value)
+        self.session.load(path, path.name)
+        self.session.say(f"loaded {path}")
+
+    def _export(self, *_) -> None:
+        p = self.session.export(self.script_path.value)
+        self.session.say(f"wrote {p}: run it with torchrun --nproc_per_node "
+                         f"{len(self.session.plan.devices)} {p.name}")

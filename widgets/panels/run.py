@@ -1,0 +1,63 @@
+"""Real training steps under the plan under edit: predicted vs measured, and calibration."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+
+from explorer.core.units import format_bytes, format_seconds
+from widgets.panels.base import Panel, button, html_table
+from widgets.session import Session
+
+
+class RunPanel(Panel):
+    """``widget``: ``steps``, ``force``, ``run_button``, ``calibrate_button``, the ranks'
+    output (``output``) and the predicted vs measured ``report``."""
+
+    topics = frozenset({"run"})
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session)
+        s = session
+        self.steps = W.BoundedIntText(value=5, min=1, max=1000, description="steps")
+        self.force = W.Checkbox(value=False, description="run even if predicted not to fit")
+        self.run_button = button(s, "run for real", "train a few steps under the plan",
+                                 self._run, "pe-run", "warning")
+        self.calibrate_button = button(s, "calibrate", "fit the cost model to the run and "
+                                       "estimate again", self._calibrate, "pe-calibrate")
+        self.output = W.Output()
+        self.report = W.HTML("")
+        self.report.add_class("pe-report")
+        self.widget = W.VBox([
+            W.HBox([self.steps, self.force, self.run_button, self.calibrate_button]),
+            self.output, self.report])
+
+    def update(self, what: str) -> None:
+        rep = self.session.report
+        if rep is None:
+            return
+        rows = []
+        for r in rep.rows:
+            fmt = format_seconds if r.unit == "s" else format_bytes
+            rows.append((html.escape(r.what), html.escape(r.device), fmt(r.predicted),
+                         fmt(r.measured), f"{r.error:+.1%}"))
+        self.report.value = html_table(
+            ("", "device", "predicted", "measured", "error"), rows,
+            f"memory measured by {html.escape(rep.memory_source)}")
+
+    def _run(self, *_) -> None:
+        self.output.clear_output()
+        self.run_button.disabled = True
+        try:
+            with self.output:
+                report = self.session.run(self.steps.value, force=self.force.value)
+        finally:
+            self.run_button.disabled = False
+        self.session.say(f"ran {self.steps.value} steps: step time error "
+                         f"{report.step_error:+.1%}")
+
+    def _calibrate(self, *_) -> None:
+        pred = self.session.calibrate()
+        self.session.say(f"calibrated: the plan now predicts {format_seconds(pred.step_s)} "
+                         "per step")

@@ -1,0 +1,75 @@
+"""The simulated step as a timeline: one compute and one communication lane per device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as W
+import numpy as np
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool
+from bokeh.plotting import figure
+
+from widgets.panels.base import Panel, bokeh_widget, swatch
+from widgets.session import Session
+
+KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#c44e52",
+               "allreduce": "#8172b3", "optimizer": "#55a868"}
+#: most timeline bars drawn; longer timelines merge neighbouring bars of the same kind
+MAX_BARS = 1000
+
+
+class TimelinePanel(Panel):
+    """Bars of the session's predicted timeline, in ms into the step; ``source`` holds them."""
+
+    topics = frozenset({"plan", "costs"})
+
+    def __init__(self, session: Session, backend: str = "canvas") -> None:
+        super().__init__(session)
+        self.source = ColumnDataSource(self.columns())
+        lanes = [f"{d} {lane}" for d in session.cluster.ids
+                 for lane in ("compute", "comm")][::-1]
+        p = figure(height=80 + 26 * len(lanes), sizing_mode="stretch_width",
+                   y_range=FactorRange(*lanes), x_axis_label="ms into the step",
+                   title="simulated step per device", tools="xpan,xwheel_zoom,reset",
+                   output_backend=backend)
+        p.hbar(y="lane", left="start", right="end", height=0.8, color="color",
+               source=self.source)
+        p.add_tools(HoverTool(tooltips=[("", "@label"), ("from", "@start{0.000} ms"),
+                                        ("to", "@end{0.000} ms")]))
+        p.name = "pe-timeline-plot"
+        self.figure = p
+        legend = W.HTML(" ".join(swatch(k, c) for k, c in KIND_COLORS.items() if k != "recv"))
+        self.widget = W.VBox([legend, bokeh_widget(p)])
+
+    def update(self, what: str) -> None:
+        self.source.data = self.columns()
+
+    def columns(self) -> dict[str, Any]:
+        """One bar per interval (ms); beyond ``MAX_BARS``, neighbours of the same kind on a
+        lane closer than step/MAX_BARS are merged into one bar."""
+        pred = self.session.prediction
+        bars = sorted(pred.timeline, key=lambda iv: (iv.device, iv.lane, iv.start_s))
+        tol_ms = pred.step_s / MAX_BARS * 1e3 if len(bars) > MAX_BARS else 0.0
+        cols: dict[str, list] = {k: [] for k in ("lane", "start", "end", "color", "label")}
+        last, count, first_label = None, 0, ""
+        for iv in bars:
+            lane = f"{iv.device} {iv.lane}"
+            kind = iv.kind
+            if (last == kind and tol_ms and cols["lane"][-1] == lane
+                    and iv.start_s * 1e3 - cols["end"][-1] <= tol_ms):
+                count += 1
+                cols["end"][-1] = iv.end_s * 1e3
+                cols["label"][-1] = f"{kind} x{count}: {first_label} .. {iv.label}"
+                continue
+            count, first_label = 1, iv.label
+            cols["lane"].append(lane)
+            cols["start"].append(iv.start_s * 1e3)
+            cols["end"].append(iv.end_s * 1e3)
+            cols["color"].append(KIND_COLORS.get(kind, "#777777"))
+            mb = f" mb {iv.micro_batch}" if iv.micro_batch >= 0 else ""
+            cols["label"].append(f"{kind}{mb}: {iv.label}")
+            last = kind
+        out: dict[str, Any] = dict(cols)
+        out["start"] = np.array(cols["start"], dtype=float)
+        out["end"] = np.array(cols["end"], dtype=float)
+        return out
