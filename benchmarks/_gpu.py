@@ -200,12 +200,17 @@ class Results:
         """Run every case not already done, in order, saving after each; stop before one that
         the budget (seconds since this command started) may not cover. True when all are done.
 
-        A case that raises is recorded with its error (and not retried on resume; --fresh
-        does). The estimate for the next case is the longest case so far in this command."""
+        A case that raises, or whose command was killed inside it, is recorded with an error
+        and not retried on resume (--fresh does). The estimate for the next case is the
+        longest case so far in this command."""
         t_start = time.perf_counter()
         longest_s = FIRST_CASE_ESTIMATE_S
         timed = False
         for key, fn in cases:
+            if self.cases.get(key, {}).get("unfinished"):
+                self.cases[key] = {**self.cases[key], "unfinished": False, "error":
+                                   "did not finish in an earlier command (killed at its time "
+                                   "limit?); --fresh tries it again"}
             if key in self.cases:
                 self.run["skipped"].append(key)
                 continue
@@ -214,6 +219,10 @@ class Results:
                 self.run["not_reached"].append(key)
                 continue
             print(f"[{elapsed:6.0f} s] {key}", flush=True)
+            # marked before it runs: a command killed inside a case does not retry it forever
+            self.cases[key] = {"unfinished": True, "command": command_line(),
+                               "measured_at": _now()}
+            self.save()
             t0 = time.perf_counter()
             try:
                 entry = fn()
@@ -233,6 +242,13 @@ class Results:
             print(f"budget of {budget_s:.0f} s reached: {len(self.run['not_reached'])} case(s) "
                   f"left; run the same command again to resume ({self.path})")
         return not self.run["not_reached"]
+
+
+def failure(case: dict[str, Any]) -> str | None:
+    """Why a recorded case has no figures (its error, or that it is still running), or None."""
+    if case.get("unfinished"):
+        return "unfinished"
+    return case.get("error")
 
 
 def _now() -> str:

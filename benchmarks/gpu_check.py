@@ -39,6 +39,7 @@ from _gpu import (
     common_args,
     device_info,
     device_line,
+    failure,
     out_path,
 )
 
@@ -247,8 +248,8 @@ def report(data: dict[str, Any]) -> None:
     for key, c in data["cases"].items():
         if key == "pytest -m gpu":
             continue
-        if "error" in c:
-            rows.append((key, "error: " + c["error"][:70], *["-"] * 10))
+        if failure(c):
+            rows.append((key, "error: " + failure(c)[:70], *["-"] * 10))
             continue
         p, m, e = c["predicted"], c["measured"], c["eager"]
         rows.append((key, _ms(p["step_s"]), _ms(m["step_s"]), _err(p["step_s"], m["step_s"]),

@@ -38,7 +38,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _gpu import Results, common_args, device_info, device_line, median_time_s, out_path
+from _gpu import (
+    Results,
+    common_args,
+    device_info,
+    device_line,
+    failure,
+    median_time_s,
+    out_path,
+)
 from scipy.optimize import least_squares, nnls
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -281,7 +289,7 @@ def fit_all(cases: dict[str, Any], device_name: str) -> dict[str, Any]:
     """One fit per op kind and precision over the measured cases."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for c in cases.values():
-        if "error" not in c:
+        if not failure(c):
             groups.setdefault(f"{c['kind']}/{c['precision']}", []).append(c)
     fits = {}
     for key, rows in groups.items():
@@ -300,8 +308,8 @@ def report(data: dict[str, Any]) -> None:
              f"{c['predicted_s'] * 1e6:.1f}", f"{c['measured_s'] * 1e6:.1f}",
              f"{c['predicted_over_measured']:.2f}",
              f"{c['achieved_flops_per_s'] / 1e12:.3g}",
-             f"{c['achieved_bytes_per_s'] / 1e9:.3g}") if "error" not in c
-            else (key, "error: " + c["error"][:60], "", "", "", "", "", "")
+             f"{c['achieved_bytes_per_s'] / 1e9:.3g}") if not failure(c)
+            else (key, f"error: {failure(c)}"[:70], "", "", "", "", "", "")
             for key, c in data["cases"].items()]
     print(table(("case", "GFLOP", "MiB moved", "pred us", "meas us", "pred/meas", "TFLOP/s",
                  "GB/s"), rows))

@@ -100,6 +100,28 @@ def test_dry_run_never_writes_the_real_results(tmp_path):
     assert (real.read_bytes() if real.exists() else None) == before
 
 
+@pytest.mark.slow
+def test_a_case_killed_midway_is_not_retried_forever(tmp_path):
+    """A case marked as started but never finished (its command was killed) becomes an
+    error on the next run instead of being run again; --fresh runs everything again."""
+    out = tmp_path / "x.json"
+    quick = ("--dry-run", "--kinds", "add", "--precisions", "fp32", "--out", str(out))
+    _run("gpu_presets.py", *quick)
+    data = json.loads(out.read_text())
+    killed = next(iter(data["cases"]))
+    data["cases"][killed] = {"unfinished": True, "command": "python x", "measured_at": "x"}
+    out.write_text(json.dumps(data))
+    _run("gpu_presets.py", *quick)
+    again = json.loads(out.read_text())
+    assert again["runs"][-1]["done"] == []
+    assert "did not finish" in again["cases"][killed]["error"]
+    assert again["fits"]["add/fp32"]["points"] == len(again["cases"]) - 1
+    _run("gpu_presets.py", *quick, "--fresh")
+    fresh = json.loads(out.read_text())
+    assert len(fresh["runs"]) == 1 and killed in fresh["runs"][0]["done"]
+    assert "error" not in fresh["cases"][killed]
+
+
 @pytest.mark.gpu
 def test_presets_measure_on_the_gpu(tmp_path):
     """On a GPU: one op kind measured with CUDA events, the device named by NVML."""
