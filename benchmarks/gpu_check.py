@@ -1,0 +1,268 @@
+"""Check the whole flow on one lent GPU: the test suite's gpu tests, then every built-in model
+captured, profiled on the GPU, predicted on one device and run for real, prediction vs measured.
+
+Run:  python benchmarks/gpu_check.py [--sizes default,large] [--dtypes fp32,bf16]
+          [--models mlp,gpt,...] [--steps 20] [--budget-s 480] [--fresh] [--out PATH]
+      python benchmarks/gpu_check.py --dry-run [--out PATH]   # CPU, tiny, few steps
+
+Results go to benchmarks/results/gpu_check.json after every case; a later command skips the
+cases already there (so a run cut at the per-command limit resumes), ``--fresh`` starts over.
+Per model, size and dtype it records:
+
+* the prediction of the single-device plan (``ex.simulate``): step time, peak memory, energy;
+* the real run (``ex.run``, ``--steps`` steps): step time, peak memory the ranks measured
+  (torch.cuda.max_memory_allocated; the Measurement does not record reserved memory), energy
+  per step from NVML's counter where the GPU has one, and ``ex.compare``'s report;
+* an eager reference in this process (plain PyTorch + Adam, the same steps): step time,
+  torch.cuda.max_memory_allocated and max_memory_reserved, and NVML energy over all steps.
+
+The API has no dtype argument: bf16 cases cast the module and the float inputs with
+``.to(torch.bfloat16)`` before ``ex.capture``; a case the API refuses is recorded with the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _gpu import (
+    NOT_AVAILABLE,
+    EnergyCounter,
+    Results,
+    common_args,
+    device_info,
+    device_line,
+    failure,
+    out_path,
+)
+
+import explorer as ex
+from explorer.core.units import table
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PYTEST_GPU = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+PYTEST_TIMEOUT_S = 300.0
+MULTI_GPU_NOTE = (
+    "Two ranks on one GPU are not a multi-GPU run: NCCL refuses two ranks on one device, so "
+    "plans split across devices (data-parallel, pipelines) are not measured here; only the "
+    "single-device plan is run. Multi-GPU predictions stay unchecked until several GPUs are lent.")
+DTYPE_NOTE = ("ex.capture/ex.run take no dtype argument: bf16 cases cast the module and the "
+              "floating-point inputs with .to(torch.bfloat16) before capture; the cost model's "
+              "roofline uses the bf16 peak for such ops")
+RESERVED_NOTE = ("ex.Measurement records peak allocated bytes per rank "
+                 "(torch.cuda.max_memory_allocated in the rank); reserved bytes come from the "
+                 "eager reference in this process")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap, default_budget_s=480.0)
+    ap.add_argument("--models", default=None, help="comma-separated (default: all built-in; "
+                    "dry run: mlp)")
+    ap.add_argument("--sizes", default=None, help="default: default,large (dry run: tiny)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--steps", type=int, default=None, help="default 20 (dry run: 3)")
+    args = ap.parse_args()
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
+                 "use --dry-run to try the same code paths on CPU")
+    models = (args.models or ("mlp" if dry else ",".join(ex.model_names()))).split(",")
+    sizes = (args.sizes or ("tiny" if dry else "default,large")).split(",")
+    dtypes = args.dtypes.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            sys.exit(f"unknown dtype {d!r}: use {', '.join(DTYPES)}")
+    steps = args.steps or (3 if dry else 20)
+    out = out_path(args, "gpu_check")
+    cluster = one_device(dry)
+    res = Results(out, args.fresh, {
+        "what": "gpu_check: the flow on one device, predicted vs measured",
+        "dry_run": dry, "device": device_info(), "cluster": cluster.describe(),
+        "steps": steps, "notes": [MULTI_GPU_NOTE, DTYPE_NOTE, RESERVED_NOTE]})
+    energy = EnergyCounter()
+    res.data["energy_counter"] = energy.status
+    pytest_paths = ["tests/project/test_gpu_scripts.py"] if dry else ["tests"]
+    cases: list[tuple[str, Any]] = [("pytest -m gpu", lambda: pytest_gpu(pytest_paths))]
+    # cheapest and most telling first: the first size in both dtypes, then the next size
+    for size in sizes:
+        for dt in dtypes:
+            for name in models:
+                cases.append((f"{name}/{size}/{dt}",
+                              lambda n=name, s=size, d=dt: model_case(
+                                  n, s, d, cluster, steps, energy, dry)))
+    finished = res.work(cases, args.budget_s)
+    report(res.data)
+    print(f"results: {out}" + ("" if finished else " (not finished: run again to resume)"))
+
+
+def one_device(dry: bool) -> ex.Cluster:
+    """The one device the cases run on: GPU 0 as ``Cluster.discover`` sees it, or in a dry
+    run one nominal CPU rank."""
+    if dry:
+        return ex.Cluster.cpu(1, measure=False)
+    cluster = ex.Cluster.discover()
+    gpus = [d.id for d in cluster.devices if d.kind == "cuda" and d.present]
+    if not gpus:
+        sys.exit(f"Cluster.discover() found no usable GPU: {cluster.name}")
+    return cluster.subset([gpus[0]])
+
+
+def pytest_gpu(paths: list[str]) -> dict[str, Any]:
+    """The test suite's ``gpu`` tests: counts per outcome from pytest's summary line."""
+    cmd = [*PYTEST_GPU, *paths]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                           timeout=PYTEST_TIMEOUT_S)
+        code, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, text = None, f"timed out after {PYTEST_TIMEOUT_S:.0f} s: {exc}"
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    summary = lines[-1] if lines else ""
+    counts = {k: int(n) for n, k in re.findall(
+        r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)", summary)}
+    return {"figure_command": " ".join(["python", *cmd[1:]]),
+            "returncode": code, "summary": summary, "counts": counts,
+            "seconds": round(time.perf_counter() - t0, 2), "tail": "\n".join(lines[-15:])}
+
+
+def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
+               energy: EnergyCounter, dry: bool) -> dict[str, Any]:
+    """Capture, profile, predict, run and compare one built-in model on the cluster's device."""
+    dtype = DTYPES[dt]
+    bm = ex.builtin_model(name, size)
+    module = bm.module.to(dtype)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in bm.example_inputs)
+    out: dict[str, Any] = {"model": name, "size": size, "dtype": dt, "batch": bm.batch_size,
+                           "params": bm.n_params}
+    t0 = time.perf_counter()
+    graph = ex.capture(module, inputs, bm.loss_fn, bm.targets, name=f"{name}-{size}-{dt}")
+    out["capture_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    # a dry run reuses cached CPU profiles (it checks code paths); on the GPU, profile afresh
+    costs = ex.profile(graph, cluster, repeats=3 if dry else 15, cache=dry, progress=False)
+    out["profile_s"] = time.perf_counter() - t0
+    plan = ex.partition(graph, cluster, costs, "single")
+    pred = ex.simulate(graph, plan, costs)
+    dev = cluster.ids[0]
+    out["predicted"] = {"step_s": pred.step_s, "peak_bytes": pred.peak_bytes[dev],
+                        "energy_j": pred.energy_j, "fits": pred.fits}
+    t0 = time.perf_counter()
+    meas = ex.run(graph, plan=plan, steps=steps, warmup=2, costs=costs, cluster=cluster,
+                  progress=False, timeout_s=400.0)
+    out["run_s"] = time.perf_counter() - t0
+    out["measured"] = {"step_s": meas.step_s, "peak_allocated_bytes": meas.peak_bytes[dev],
+                       "peak_reserved_bytes": NOT_AVAILABLE + " (not in ex.Measurement)",
+                       "memory_source": meas.memory_source,
+                       "energy_j": meas.energy_j if meas.energy_j is not None
+                       else unmeasured_energy(energy, cluster.devices[0].kind == "cuda"),
+                       "losses_first_last": [meas.losses[0], meas.losses[-1]]}
+    out["compare"] = ex.compare(pred, meas).to_dict()
+    out["eager"] = eager_reference(bm, module, inputs, steps, energy,
+                                   cluster.devices[0].torch_device or "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the reference's copy is gone: give its memory back
+    return out
+
+
+def eager_reference(bm: Any, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
+                    steps: int, energy: EnergyCounter, device: str) -> dict[str, Any]:
+    """Plain PyTorch training steps (Adam) of a copy of the module on ``device``, in this
+    process: median step time, peak allocated and reserved memory, NVML energy per step."""
+    tdev = torch.device(device)
+    cuda = tdev.type == "cuda"
+    mod = copy.deepcopy(module).to(tdev).train()
+    xs = [x.to(tdev) for x in inputs]
+    ys = [y.to(tdev) for y in bm.targets]
+    opt = torch.optim.Adam(mod.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        bm.loss_fn(mod(*xs), *ys).backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(tdev)
+    e0 = energy.read_mj() if cuda else None
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    e1 = energy.read_mj() if cuda else None
+    out: dict[str, Any] = {"step_s": sorted(times)[len(times) // 2]}
+    if cuda:
+        out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(tdev)
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(tdev)
+    else:
+        out["peak_allocated_bytes"] = out["peak_reserved_bytes"] = f"{NOT_AVAILABLE} (CPU)"
+    out["energy_j_per_step"] = ((e1 - e0) / 1e3 / steps if e0 is not None and e1 is not None
+                                else unmeasured_energy(energy, cuda))
+    return out
+
+
+def unmeasured_energy(energy: EnergyCounter, cuda: bool) -> str:
+    """Why there is no energy figure: NVML's counter measures GPUs only, and may be absent."""
+    return f"{NOT_AVAILABLE} ({energy.status if cuda else 'CPU rank: NVML measures GPUs'})"
+
+
+def _ms(v: Any) -> str:
+    return f"{v * 1e3:.2f}" if isinstance(v, (int, float)) else "-"
+
+
+def _mib(v: Any) -> str:
+    return f"{v / 2**20:.1f}" if isinstance(v, (int, float)) else "-"
+
+
+def _j(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, (int, float)) else "-"
+
+
+def _err(p: Any, m: Any) -> str:
+    ok = isinstance(p, (int, float)) and isinstance(m, (int, float)) and m
+    return f"{(p - m) / m * 100:+.0f}%" if ok else "-"
+
+
+def report(data: dict[str, Any]) -> None:
+    """Print the pytest summary and one table of every model case in the results file."""
+    print("\n" + device_line(data["device"]))
+    py = data["cases"].get("pytest -m gpu")
+    if py:
+        print(f"{py.get('figure_command', 'pytest -m gpu')}: "
+              f"{py.get('summary') or py.get('error')} {py.get('counts', {})}")
+    rows = []
+    for key, c in data["cases"].items():
+        if key == "pytest -m gpu":
+            continue
+        if failure(c):
+            rows.append((key, "error: " + failure(c)[:70], *["-"] * 10))
+            continue
+        p, m, e = c["predicted"], c["measured"], c["eager"]
+        rows.append((key, _ms(p["step_s"]), _ms(m["step_s"]), _err(p["step_s"], m["step_s"]),
+                     _ms(e["step_s"]), _mib(p["peak_bytes"]), _mib(m["peak_allocated_bytes"]),
+                     _err(p["peak_bytes"], m["peak_allocated_bytes"]),
+                     _mib(e["peak_reserved_bytes"]), _j(p["energy_j"]), _j(m["energy_j"]),
+                     _j(e["energy_j_per_step"])))
+    if rows:
+        print(table(("case", "pred ms", "run ms", "err", "eager ms", "pred MiB", "run MiB",
+                     "err", "eager rsv MiB", "pred J", "run J", "eager J"), rows))
+    for note in data["notes"]:
+        print("note:", note)
+
+
+if __name__ == "__main__":
+    main()
