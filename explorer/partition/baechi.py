@@ -1,8 +1,9 @@
 """Baechi's memory-constrained placers m-TOPO, m-ETF and m-SCT (Jeon et al., SoCC 2020).
 
-All three work on the op-level problem of :mod:`explorer.partition.pardnn` (ops with the
-parameters, buffers and inputs they own folded in, additive memory per op) and share its
-driver, which compares each plan with the ``single`` and ``data-parallel`` baselines.
+All three work on the op-level problem of :mod:`explorer.partition.search.op_problem` (ops
+with the parameters, buffers and inputs they own folded in, additive memory per op) and run in
+the driver they share with ParDNN (:mod:`explorer.partition.search.driver`), which compares
+each plan with the ``single`` and ``data-parallel`` baselines.
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ from scipy.optimize import linprog
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.units import MiB
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition import register
-from explorer.partition.pardnn import MiB, OpProblem, bottom_levels, memory_error, search
+from explorer.partition.options import Options
+from explorer.partition.registry import register
+from explorer.partition.search.driver import search
+from explorer.partition.search.list_schedule import bottom_levels
+from explorer.partition.search.op_problem import OpProblem
+
+#: what a device holds when the nodes pinned to it alone overfill it
+_PINNED_ONLY = "the nodes pinned to it"
 
 # ---------------------------------------------------------------------------------------------
 # m-TOPO
@@ -61,7 +69,7 @@ def topo_placement(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
         used[d] += m
     for d in range(K):
         if used[d] > cap[d]:  # pinned nodes alone overfill it
-            raise memory_error("m-topo", p, d, used[d], ", with only the nodes pinned to it")
+            raise p.over_memory("m-topo", d, used[d], _PINNED_ONLY)
     return np.asarray(dev, dtype=np.int64), ()
 
 
@@ -116,7 +124,7 @@ def etf_placement(p: OpProblem, favourite_parent: Sequence[int] | None = None,
             used[pinned[u]] += mem[u]
     for d in range(K):
         if used[d] > cap[d]:
-            raise memory_error(algorithm, p, d, used[d], ", with only the nodes pinned to it")
+            raise p.over_memory(algorithm, d, used[d], _PINNED_ONLY)
     dev = [-1] * n
     fin = [0.0] * n
     free = [0.0] * K
@@ -200,7 +208,7 @@ def favourite_children(p: OpProblem, lp_max_nodes: int = 2000) -> tuple[list[int
         group = np.arange(n)
         note = f"m-sct: LP over {n} ops"
     else:
-        group = _coarse_groups(p, lp_max_nodes)
+        group = coarse_groups(p, lp_max_nodes)
         note = (f"m-sct: the graph has {n} ops, more than lp_max_nodes={lp_max_nodes}; the LP "
                 f"was solved on {int(group.max()) + 1} groups of consecutive ops")
     G = int(group.max()) + 1
@@ -280,7 +288,7 @@ def _sct_lp(G: int, w: np.ndarray, a: np.ndarray, b: np.ndarray,
     return res.x[G:G + E] < 0.5 - 1e-9, ""
 
 
-def _coarse_groups(p: OpProblem, limit: int) -> np.ndarray:
+def coarse_groups(p: OpProblem, limit: int) -> np.ndarray:
     """[u] group of each unit: runs of consecutive units of one module, at most ``limit``.
 
     Module paths are cut to fewer components until the runs number at most ``limit``; past
@@ -334,30 +342,16 @@ def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
     On graphs up to ``simulate_max_nodes`` nodes the plan, the same placer on the fastest 2,
     4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
     (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
-    are compared by a list-scheduling estimate (:func:`explorer.partition.pardnn.schedule_s`).
+    are compared by a list-scheduling estimate
+    (:func:`explorer.partition.search.list_schedule.schedule_s`).
 
     Parameters
     ----------
     pins : dict, optional
         Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
+    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
+        The options the op-level partitioners share: see
+        :class:`explorer.partition.options.Options`.
 
     Examples
     --------
@@ -368,12 +362,10 @@ def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
     >>> m_topo(g, cl, roofline_costs(g, cl)).algorithm
     'm-topo'
     """
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
                    baselines=baselines, sweep_devices=sweep_devices,
                    simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-topo", topo_placement, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-topo", topo_placement, pins, opts)
 
 
 @register("m-etf")
@@ -392,30 +384,15 @@ def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
     backward seconds on each device's type. Pinned ops stay on their devices. Raises
     :class:`MemoryExceededError` naming a device when an op fits nowhere.
 
-    Candidates and scoring as in :func:`m_topo`; options likewise.
+    Candidates, scoring, options and what it returns as in :func:`m_topo`.
 
     Parameters
     ----------
     pins : dict, optional
         Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
+    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
+        The options the op-level partitioners share: see
+        :class:`explorer.partition.options.Options`.
 
     Examples
     --------
@@ -426,12 +403,10 @@ def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
     >>> m_etf(g, cl, roofline_costs(g, cl)).algorithm
     'm-etf'
     """
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
                    baselines=baselines, sweep_devices=sweep_devices,
                    simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-etf", etf_placement, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-etf", etf_placement, pins, opts)
 
 
 @register("m-sct")
@@ -455,24 +430,15 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
     favourites then follow the heaviest edge inside a run and into the run the LP favoured.
     This keeps the solve well under a second at 100,000 ops.
 
-    Candidates and scoring as in :func:`m_topo`; options likewise.
+    Candidates, scoring, options and what it returns as in :func:`m_topo`.
 
     Parameters
     ----------
     pins : dict, optional
         Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
+    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
+        The options the op-level partitioners share: see
+        :class:`explorer.partition.options.Options`.
     lp_max_nodes : int
         Largest number of LP nodes; bigger graphs are coarsened to this many groups.
 
@@ -493,13 +459,16 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
     """
     if lp_max_nodes < 1:
         raise ExplorerError(f"lp_max_nodes must be at least 1, not {lp_max_nodes!r}")
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
                    baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes, lp_max_nodes=lp_max_nodes)
+                   simulate_max_nodes=simulate_max_nodes)
 
     def place(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
         return sct_placement(p, lp_max_nodes)
 
-    return search(graph, cluster, costs, "m-sct", place, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-sct", place, pins, opts,
+                  {"lp_max_nodes": lp_max_nodes})
+
+
+__all__ = ["coarse_groups", "etf_placement", "favourite_children", "m_etf", "m_sct", "m_topo",
+           "sct_placement", "topo_placement"]

@@ -22,9 +22,9 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition import algorithm as lookup_algorithm
-from explorer.partition import partition, register
 from explorer.partition.coarse import coarsen
+from explorer.partition.registry import algorithm as lookup_algorithm
+from explorer.partition.registry import partition, register
 from explorer.simulate.simulator import simulate
 
 #: the partitioners a sweep tries at every device count (data-parallel is always added)
