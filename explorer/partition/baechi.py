@@ -30,8 +30,72 @@ from explorer.partition.search.op_problem import OpProblem
 #: what a device holds when the nodes pinned to it alone overfill it
 _PINNED_ONLY = "the nodes pinned to it"
 
+
+def _no_room(algorithm: str, p: OpProblem, u: int, used: Sequence[int]) -> MemoryExceededError:
+    """The error for a unit that fits on no device, naming the device with the most room."""
+    d = max(range(p.k), key=lambda x: (int(p.cap[x]) - used[x], -x))
+    need = int(p.mem[u])
+    left = int(p.cap[d]) - int(used[d])
+    return MemoryExceededError(
+        f"{algorithm}: no device has room for node {p.unit_names[u]!r} of {p.graph_name} "
+        f"({need / MiB:,.1f} MiB with its parameters and optimizer state): device "
+        f"{p.device_ids[d]}, the one with the most room, has {left / MiB:,.1f} MiB left of "
+        f"{int(p.cap[d]) / MiB:,.1f} MiB (short by {(need - left) / MiB:,.1f} MiB). Use more "
+        "devices or devices with more memory, a lighter optimizer, or a smaller batch")
+
+
 # ---------------------------------------------------------------------------------------------
 # m-TOPO
+
+
+@register("m-topo")
+def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
+           pins: Mapping[str, str] | None = None, k: int | None = None,
+           optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
+           sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
+    """Baechi's m-TOPO: ops in topological order fill each device up to its memory share.
+
+    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020.
+    Each device's share is the graph's total memory (additive estimate of
+    :func:`explorer.costs.memory.node_memory_bytes`) split in proportion to the devices' memory;
+    ops go to the current device until the next would pass its share, then to the next
+    device. Pinned ops stay on their devices and count against their memory. Raises
+    :class:`MemoryExceededError` naming a device when an op fits nowhere.
+
+    On graphs up to ``simulate_max_nodes`` nodes the plan, the same placer on the fastest 2,
+    4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
+    (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
+    are compared by a list-scheduling estimate
+    (:func:`explorer.partition.search.list_schedule.schedule_s`).
+
+    Parameters
+    ----------
+    pins : dict, optional
+        Node name -> device id; pinned nodes never move.
+    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
+        The options the op-level partitioners share: see
+        :class:`explorer.partition.options.Options`.
+
+    Returns
+    -------
+    Plan
+        One stage per used device (or a baseline's stages when a baseline wins), with
+        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
+
+    Examples
+    --------
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
+    >>> g = layered_dag(100)
+    >>> cl = Cluster.preset("2xT4")
+    >>> c = roofline_costs(g, cl)
+    >>> [place(g, cl, c).algorithm for place in (m_topo, m_etf, m_sct)]
+    ['m-topo', 'm-etf', 'm-sct']
+    """
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+                   baselines=baselines, sweep_devices=sweep_devices,
+                   simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-topo", topo_placement, pins, opts)
 
 
 def topo_placement(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -73,21 +137,32 @@ def topo_placement(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
     return np.asarray(dev, dtype=np.int64), ()
 
 
-def _no_room(algorithm: str, p: OpProblem, u: int, used: Sequence[int]) -> MemoryExceededError:
-    """The error for a unit that fits on no device, naming the device with the most room."""
-    d = max(range(p.k), key=lambda x: (int(p.cap[x]) - used[x], -x))
-    need = int(p.mem[u])
-    left = int(p.cap[d]) - int(used[d])
-    return MemoryExceededError(
-        f"{algorithm}: no device has room for node {p.unit_names[u]!r} of {p.graph_name} "
-        f"({need / MiB:,.1f} MiB with its parameters and optimizer state): device "
-        f"{p.device_ids[d]}, the one with the most room, has {left / MiB:,.1f} MiB left of "
-        f"{int(p.cap[d]) / MiB:,.1f} MiB (short by {(need - left) / MiB:,.1f} MiB). Use more "
-        "devices or devices with more memory, a lighter optimizer, or a smaller batch")
-
-
 # ---------------------------------------------------------------------------------------------
 # m-ETF (and the list scheduler m-SCT reuses)
+
+
+@register("m-etf")
+def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
+          pins: Mapping[str, str] | None = None, k: int | None = None,
+          optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
+          sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
+    """Baechi's m-ETF: list scheduling, each op on the device where it can start earliest.
+
+    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020,
+    building on Hwang et al.'s earliest-task-first (ETF) scheduling (SIAM J. Comput. 1989).
+    Ready ops are taken in the order their inputs complete (larger bottom level first among
+    equals); each goes to the device, among those with memory left for it, where it can start
+    earliest, counting the transfer of its inputs from other devices (forward activation and
+    gradient back; latency + bytes / bandwidth of that link). Node times are forward +
+    backward seconds on each device's type. Pinned ops stay on their devices. Raises
+    :class:`MemoryExceededError` naming a device when an op fits nowhere.
+
+    Candidates, scoring, options and what it returns as in :func:`m_topo`.
+    """
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+                   baselines=baselines, sweep_devices=sweep_devices,
+                   simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-etf", etf_placement, pins, opts)
 
 
 def etf_placement(p: OpProblem, favourite_parent: Sequence[int] | None = None,
@@ -321,94 +396,6 @@ def sct_placement(p: OpProblem, lp_max_nodes: int = 2000) -> tuple[np.ndarray, t
     return dev, (note, *notes)
 
 
-# ---------------------------------------------------------------------------------------------
-# registered partitioners
-
-
-@register("m-topo")
-def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
-           pins: Mapping[str, str] | None = None, k: int | None = None,
-           optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
-           sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
-    """Baechi's m-TOPO: ops in topological order fill each device up to its memory share.
-
-    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020.
-    Each device's share is the graph's total memory (additive estimate of
-    :func:`explorer.costs.memory.node_memory_bytes`) split in proportion to the devices' memory;
-    ops go to the current device until the next would pass its share, then to the next
-    device. Pinned ops stay on their devices and count against their memory. Raises
-    :class:`MemoryExceededError` naming a device when an op fits nowhere.
-
-    On graphs up to ``simulate_max_nodes`` nodes the plan, the same placer on the fastest 2,
-    4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
-    (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
-    are compared by a list-scheduling estimate
-    (:func:`explorer.partition.search.list_schedule.schedule_s`).
-
-    Parameters
-    ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
-        The options the op-level partitioners share: see
-        :class:`explorer.partition.options.Options`.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_topo(g, cl, roofline_costs(g, cl)).algorithm
-    'm-topo'
-    """
-    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
-                   baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-topo", topo_placement, pins, opts)
-
-
-@register("m-etf")
-def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
-          pins: Mapping[str, str] | None = None, k: int | None = None,
-          optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
-          sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
-    """Baechi's m-ETF: list scheduling, each op on the device where it can start earliest.
-
-    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020,
-    building on Hwang et al.'s earliest-task-first (ETF) scheduling (SIAM J. Comput. 1989).
-    Ready ops are taken in the order their inputs complete (larger bottom level first among
-    equals); each goes to the device, among those with memory left for it, where it can start
-    earliest, counting the transfer of its inputs from other devices (forward activation and
-    gradient back; latency + bytes / bandwidth of that link). Node times are forward +
-    backward seconds on each device's type. Pinned ops stay on their devices. Raises
-    :class:`MemoryExceededError` naming a device when an op fits nowhere.
-
-    Candidates, scoring, options and what it returns as in :func:`m_topo`.
-
-    Parameters
-    ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
-        The options the op-level partitioners share: see
-        :class:`explorer.partition.options.Options`.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_etf(g, cl, roofline_costs(g, cl)).algorithm
-    'm-etf'
-    """
-    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
-                   baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-etf", etf_placement, pins, opts)
-
-
 @register("m-sct")
 def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
           pins: Mapping[str, str] | None = None, k: int | None = None,
@@ -430,32 +417,12 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
     favourites then follow the heaviest edge inside a run and into the run the LP favoured.
     This keeps the solve well under a second at 100,000 ops.
 
-    Candidates, scoring, options and what it returns as in :func:`m_topo`.
+    Candidates, scoring, pins, the shared options and what it returns as in :func:`m_topo`.
 
     Parameters
     ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
-        The options the op-level partitioners share: see
-        :class:`explorer.partition.options.Options`.
     lp_max_nodes : int
         Largest number of LP nodes; bigger graphs are coarsened to this many groups.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm="m-sct"`` and ``options`` the options used.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_sct(g, cl, roofline_costs(g, cl)).algorithm
-    'm-sct'
     """
     if lp_max_nodes < 1:
         raise ExplorerError(f"lp_max_nodes must be at least 1, not {lp_max_nodes!r}")

@@ -225,21 +225,19 @@ def pardnn(graph: OpGraph, cluster: Cluster, costs: CostModel,
     pins : dict, optional
         Node name -> device id. Pinned nodes never move; the clusters form around them.
     k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
-        The options the op-level partitioners share: see
-        :class:`explorer.partition.options.Options`.
+        See :class:`explorer.partition.options.Options`.
 
     Returns
     -------
     Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm="pardnn"``.
+        A stage for each device it uses, or the stages of the baseline that beat it; its
+        ``algorithm`` is ``"pardnn"``.
 
     Examples
     --------
     >>> from explorer.devices.cluster import Cluster
     >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(200)
-    >>> cl = Cluster.preset("4xH100")
+    >>> g, cl = layered_dag(200), Cluster.preset("4xH100")
     >>> plan = pardnn(g, cl, roofline_costs(g, cl))
     >>> plan.algorithm, len(plan.placement) == len(g)
     ('pardnn', True)

@@ -180,6 +180,7 @@ def solve(problem: PaseProblem, max_table: float = DEFAULT_MAX_TABLE,
     Two layers with two configurations each; the edge costs 5 when they differ:
 
     >>> import numpy as np
+    >>> from explorer.partition.pase.problem import Config
     >>> p = PaseProblem(((Config(1, 1), Config(2, 1)),) * 2,
     ...                 (np.array([4.0, 1.0]), np.array([1.0, 3.0])), (np.zeros(2),) * 2,
     ...                 ((0, 1, np.array([[0.0, 5.0], [5.0, 0.0]])),))

@@ -57,18 +57,20 @@ class OpProblem:
     param_tensors: np.ndarray  # [u] trainable tensors the unit owns
 
     # -- sizes and derived weights -------------------------------------------------------
-    @property
-    def n(self) -> int:
-        return len(self.rep)
-
-    @property
-    def k(self) -> int:
-        return len(self.device_ids)
-
     @cached_property
     def w_comb(self) -> np.ndarray:
         """[t, u] forward plus backward seconds."""
         return self.w_fwd + self.w_bwd
+
+    @property
+    def n(self) -> int:
+        """How many units."""
+        return len(self.rep)
+
+    @property
+    def k(self) -> int:
+        """How many devices."""
+        return len(self.device_ids)
 
     @cached_property
     def ref_type(self) -> int:
