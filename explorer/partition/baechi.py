@@ -1,8 +1,9 @@
 """Baechi's memory-constrained placers m-TOPO, m-ETF and m-SCT (Jeon et al., SoCC 2020).
 
-All three work on the op-level problem of :mod:`explorer.partition.pardnn` (ops with the
-parameters, buffers and inputs they own folded in, additive memory per op) and share its
-driver, which compares each plan with the ``single`` and ``data-parallel`` baselines.
+All three work on the op-level problem of :mod:`explorer.partition.search.op_problem` (ops
+with the parameters, buffers and inputs they own folded in, additive memory per op) and run in
+the driver they share with ParDNN (:mod:`explorer.partition.search.driver`), which compares
+each plan with the ``single`` and ``data-parallel`` baselines.
 """
 
 from __future__ import annotations
@@ -17,13 +18,84 @@ from scipy.optimize import linprog
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.units import MiB
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition import register
-from explorer.partition.pardnn import MiB, OpProblem, bottom_levels, memory_error, search
+from explorer.partition.options import Options
+from explorer.partition.registry import register
+from explorer.partition.search.driver import search
+from explorer.partition.search.list_schedule import bottom_levels
+from explorer.partition.search.op_problem import OpProblem
+
+#: what a device holds when the nodes pinned to it alone overfill it
+_PINNED_ONLY = "the nodes pinned to it"
+
+
+def _no_room(algorithm: str, p: OpProblem, u: int, used: Sequence[int]) -> MemoryExceededError:
+    """The error for a unit that fits on no device, naming the device with the most room."""
+    d = max(range(p.k), key=lambda x: (int(p.cap[x]) - used[x], -x))
+    need = int(p.mem[u])
+    left = int(p.cap[d]) - int(used[d])
+    return MemoryExceededError(
+        f"{algorithm}: no device has room for node {p.unit_names[u]!r} of {p.graph_name} "
+        f"({need / MiB:,.1f} MiB with its parameters and optimizer state): device "
+        f"{p.device_ids[d]}, the one with the most room, has {left / MiB:,.1f} MiB left of "
+        f"{int(p.cap[d]) / MiB:,.1f} MiB (short by {(need - left) / MiB:,.1f} MiB). Use more "
+        "devices or devices with more memory, a lighter optimizer, or a smaller batch")
+
 
 # ---------------------------------------------------------------------------------------------
 # m-TOPO
+
+
+@register("m-topo")
+def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
+           pins: Mapping[str, str] | None = None, k: int | None = None,
+           optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
+           sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
+    """Baechi's m-TOPO: ops in topological order fill each device up to its memory share.
+
+    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020.
+    Each device's share is the graph's total memory (additive estimate of
+    :func:`explorer.costs.memory.node_memory_bytes`) split in proportion to the devices' memory;
+    ops go to the current device until the next would pass its share, then to the next
+    device. Pinned ops stay on their devices and count against their memory. Raises
+    :class:`MemoryExceededError` naming a device when an op fits nowhere.
+
+    On graphs up to ``simulate_max_nodes`` nodes the plan, the same placer on the fastest 2,
+    4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
+    (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
+    are compared by a list-scheduling estimate
+    (:func:`explorer.partition.search.list_schedule.schedule_s`).
+
+    Parameters
+    ----------
+    pins : dict, optional
+        Node name -> device id; pinned nodes never move.
+    k, optimizer, memory_fraction, baselines, sweep_devices, simulate_max_nodes
+        The options the op-level partitioners share: see
+        :class:`explorer.partition.options.Options`.
+
+    Returns
+    -------
+    Plan
+        One stage per used device (or a baseline's stages when a baseline wins), with
+        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
+
+    Examples
+    --------
+    >>> from explorer.devices.cluster import Cluster
+    >>> from explorer.models.synthetic import layered_dag, roofline_costs
+    >>> g = layered_dag(100)
+    >>> cl = Cluster.preset("2xT4")
+    >>> c = roofline_costs(g, cl)
+    >>> [place(g, cl, c).algorithm for place in (m_topo, m_etf, m_sct)]
+    ['m-topo', 'm-etf', 'm-sct']
+    """
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+                   baselines=baselines, sweep_devices=sweep_devices,
+                   simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-topo", topo_placement, pins, opts)
 
 
 def topo_placement(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -61,25 +133,36 @@ def topo_placement(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
         used[d] += m
     for d in range(K):
         if used[d] > cap[d]:  # pinned nodes alone overfill it
-            raise memory_error("m-topo", p, d, used[d], ", with only the nodes pinned to it")
+            raise p.over_memory("m-topo", d, used[d], _PINNED_ONLY)
     return np.asarray(dev, dtype=np.int64), ()
-
-
-def _no_room(algorithm: str, p: OpProblem, u: int, used: Sequence[int]) -> MemoryExceededError:
-    """The error for a unit that fits on no device, naming the device with the most room."""
-    d = max(range(p.k), key=lambda x: (int(p.cap[x]) - used[x], -x))
-    need = int(p.mem[u])
-    left = int(p.cap[d]) - int(used[d])
-    return MemoryExceededError(
-        f"{algorithm}: no device has room for node {p.unit_names[u]!r} of {p.graph_name} "
-        f"({need / MiB:,.1f} MiB with its parameters and optimizer state): device "
-        f"{p.device_ids[d]}, the one with the most room, has {left / MiB:,.1f} MiB left of "
-        f"{int(p.cap[d]) / MiB:,.1f} MiB (short by {(need - left) / MiB:,.1f} MiB). Use more "
-        "devices or devices with more memory, a lighter optimizer, or a smaller batch")
 
 
 # ---------------------------------------------------------------------------------------------
 # m-ETF (and the list scheduler m-SCT reuses)
+
+
+@register("m-etf")
+def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
+          pins: Mapping[str, str] | None = None, k: int | None = None,
+          optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
+          sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
+    """Baechi's m-ETF: list scheduling, each op on the device where it can start earliest.
+
+    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020,
+    building on Hwang et al.'s earliest-task-first (ETF) scheduling (SIAM J. Comput. 1989).
+    Ready ops are taken in the order their inputs complete (larger bottom level first among
+    equals); each goes to the device, among those with memory left for it, where it can start
+    earliest, counting the transfer of its inputs from other devices (forward activation and
+    gradient back; latency + bytes / bandwidth of that link). Node times are forward +
+    backward seconds on each device's type. Pinned ops stay on their devices. Raises
+    :class:`MemoryExceededError` naming a device when an op fits nowhere.
+
+    Candidates, scoring, options and what it returns as in :func:`m_topo`.
+    """
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+                   baselines=baselines, sweep_devices=sweep_devices,
+                   simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-etf", etf_placement, pins, opts)
 
 
 def etf_placement(p: OpProblem, favourite_parent: Sequence[int] | None = None,
@@ -116,7 +199,7 @@ def etf_placement(p: OpProblem, favourite_parent: Sequence[int] | None = None,
             used[pinned[u]] += mem[u]
     for d in range(K):
         if used[d] > cap[d]:
-            raise memory_error(algorithm, p, d, used[d], ", with only the nodes pinned to it")
+            raise p.over_memory(algorithm, d, used[d], _PINNED_ONLY)
     dev = [-1] * n
     fin = [0.0] * n
     free = [0.0] * K
@@ -200,7 +283,7 @@ def favourite_children(p: OpProblem, lp_max_nodes: int = 2000) -> tuple[list[int
         group = np.arange(n)
         note = f"m-sct: LP over {n} ops"
     else:
-        group = _coarse_groups(p, lp_max_nodes)
+        group = coarse_groups(p, lp_max_nodes)
         note = (f"m-sct: the graph has {n} ops, more than lp_max_nodes={lp_max_nodes}; the LP "
                 f"was solved on {int(group.max()) + 1} groups of consecutive ops")
     G = int(group.max()) + 1
@@ -280,7 +363,7 @@ def _sct_lp(G: int, w: np.ndarray, a: np.ndarray, b: np.ndarray,
     return res.x[G:G + E] < 0.5 - 1e-9, ""
 
 
-def _coarse_groups(p: OpProblem, limit: int) -> np.ndarray:
+def coarse_groups(p: OpProblem, limit: int) -> np.ndarray:
     """[u] group of each unit: runs of consecutive units of one module, at most ``limit``.
 
     Module paths are cut to fewer components until the runs number at most ``limit``; past
@@ -313,127 +396,6 @@ def sct_placement(p: OpProblem, lp_max_nodes: int = 2000) -> tuple[np.ndarray, t
     return dev, (note, *notes)
 
 
-# ---------------------------------------------------------------------------------------------
-# registered partitioners
-
-
-@register("m-topo")
-def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
-           pins: Mapping[str, str] | None = None, k: int | None = None,
-           optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
-           sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
-    """Baechi's m-TOPO: ops in topological order fill each device up to its memory share.
-
-    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020.
-    Each device's share is the graph's total memory (additive estimate of
-    :func:`explorer.costs.memory.node_memory_bytes`) split in proportion to the devices' memory;
-    ops go to the current device until the next would pass its share, then to the next
-    device. Pinned ops stay on their devices and count against their memory. Raises
-    :class:`MemoryExceededError` naming a device when an op fits nowhere.
-
-    On graphs up to ``simulate_max_nodes`` nodes the plan, the same placer on the fastest 2,
-    4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
-    (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
-    are compared by a list-scheduling estimate (:func:`explorer.partition.pardnn.schedule_s`).
-
-    Parameters
-    ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_topo(g, cl, roofline_costs(g, cl)).algorithm
-    'm-topo'
-    """
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
-                   baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-topo", topo_placement, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
-
-
-@register("m-etf")
-def m_etf(graph: OpGraph, cluster: Cluster, costs: CostModel,
-          pins: Mapping[str, str] | None = None, k: int | None = None,
-          optimizer: str = "adam", memory_fraction: float = 1.0, baselines: bool = True,
-          sweep_devices: bool = True, simulate_max_nodes: int = 5000) -> Plan:
-    """Baechi's m-ETF: list scheduling, each op on the device where it can start earliest.
-
-    After Jeon et al., "Baechi: fast device placement of machine learning graphs", SoCC 2020,
-    building on Hwang et al.'s earliest-task-first (ETF) scheduling (SIAM J. Comput. 1989).
-    Ready ops are taken in the order their inputs complete (larger bottom level first among
-    equals); each goes to the device, among those with memory left for it, where it can start
-    earliest, counting the transfer of its inputs from other devices (forward activation and
-    gradient back; latency + bytes / bandwidth of that link). Node times are forward +
-    backward seconds on each device's type. Pinned ops stay on their devices. Raises
-    :class:`MemoryExceededError` naming a device when an op fits nowhere.
-
-    Candidates and scoring as in :func:`m_topo`; options likewise.
-
-    Parameters
-    ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm`` set to this partitioner's name and ``options`` to the options used.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_etf(g, cl, roofline_costs(g, cl)).algorithm
-    'm-etf'
-    """
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
-                   baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes)
-    return search(graph, cluster, costs, "m-etf", etf_placement, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
-
-
 @register("m-sct")
 def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
           pins: Mapping[str, str] | None = None, k: int | None = None,
@@ -455,51 +417,25 @@ def m_sct(graph: OpGraph, cluster: Cluster, costs: CostModel,
     favourites then follow the heaviest edge inside a run and into the run the LP favoured.
     This keeps the solve well under a second at 100,000 ops.
 
-    Candidates and scoring as in :func:`m_topo`; options likewise.
+    Candidates, scoring, pins, the shared options and what it returns as in :func:`m_topo`.
 
     Parameters
     ----------
-    pins : dict, optional
-        Node name -> device id; pinned nodes never move.
-    k : int, optional
-        Use the first ``k`` devices of the cluster (default: all).
-    optimizer : str
-        Optimizer whose state counts in memory.
-    memory_fraction : float
-        Fraction of each device's memory a plan may fill.
-    baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
-    sweep_devices : bool
-        On graphs scored by simulation, also try the fastest 2, 4, ... devices.
-    simulate_max_nodes : int
-        Largest graph whose candidates are compared with the simulator.
     lp_max_nodes : int
         Largest number of LP nodes; bigger graphs are coarsened to this many groups.
-
-    Returns
-    -------
-    Plan
-        One stage per used device (or a baseline's stages when a baseline wins), with
-        ``algorithm="m-sct"`` and ``options`` the options used.
-
-    Examples
-    --------
-    >>> from explorer.devices.cluster import Cluster
-    >>> from explorer.models.synthetic import layered_dag, roofline_costs
-    >>> g = layered_dag(100)
-    >>> cl = Cluster.preset("2xT4")
-    >>> m_sct(g, cl, roofline_costs(g, cl)).algorithm
-    'm-sct'
     """
     if lp_max_nodes < 1:
         raise ExplorerError(f"lp_max_nodes must be at least 1, not {lp_max_nodes!r}")
-    options = dict(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
+    opts = Options(k=k, optimizer=optimizer, memory_fraction=memory_fraction,
                    baselines=baselines, sweep_devices=sweep_devices,
-                   simulate_max_nodes=simulate_max_nodes, lp_max_nodes=lp_max_nodes)
+                   simulate_max_nodes=simulate_max_nodes)
 
     def place(p: OpProblem) -> tuple[np.ndarray, tuple[str, ...]]:
         return sct_placement(p, lp_max_nodes)
 
-    return search(graph, cluster, costs, "m-sct", place, pins, options, k=k,
-                  optimizer=optimizer, memory_fraction=memory_fraction, baselines=baselines,
-                  sweep_devices=sweep_devices, simulate_max_nodes=simulate_max_nodes)
+    return search(graph, cluster, costs, "m-sct", place, pins, opts,
+                  {"lp_max_nodes": lp_max_nodes})
+
+
+__all__ = ["coarse_groups", "etf_placement", "favourite_children", "m_etf", "m_sct", "m_topo",
+           "sct_placement", "topo_placement"]

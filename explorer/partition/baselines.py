@@ -8,19 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition import register
-
-
-def _devices(cluster: Cluster, k: int | None) -> tuple[str, ...]:
-    k = len(cluster) if k is None else k
-    if not 1 <= k <= len(cluster):
-        raise ExplorerError(f"k={k} devices asked for, but the cluster has {len(cluster)}")
-    return cluster.ids[:k]
+from explorer.partition.options import first_devices
+from explorer.partition.registry import register
+from explorer.partition.search.fallback import replicated
+from explorer.partition.search.layers import contiguous
 
 
 @register("single")
@@ -45,42 +40,14 @@ def data_parallel(graph: OpGraph, cluster: Cluster, costs: CostModel,
     Gradients are all-reduced with a ring (2(k-1)/k x gradient bytes over the slowest link) in
     buckets that overlap the backward pass, as PyTorch DDP does.
     """
-    devs = _devices(cluster, k)
-    return Plan.from_assignment(graph, [devs], {i: 0 for i in range(len(graph))},
-                                algorithm="data-parallel", optimizer=optimizer,
-                                options={"k": len(devs)})
-
-
-def contiguous(weights: list[float], k: int) -> list[int]:
-    """Cut a sequence of weighted layers into ``k`` contiguous runs of near-equal weight.
-
-    Returns the stage of each layer. A new stage starts when the middle of a layer passes the
-    next ``j/k`` share of the total; every stage gets at least one layer when there are enough.
-
-    >>> contiguous([1, 1, 1, 1], 2)
-    [0, 0, 1, 1]
-    >>> contiguous([3, 1, 1, 1], 2)
-    [0, 1, 1, 1]
-    """
-    n = len(weights)
-    k = max(1, min(k, n))
-    w = [float(x) for x in weights] if any(weights) else [1.0] * n
-    total = sum(w)
-    out: list[int] = []
-    acc, s = 0.0, 0
-    for j, x in enumerate(w):
-        if s < k - 1 and out and out[-1] == s:
-            must_move = n - j <= k - 1 - s  # later stages would otherwise stay empty
-            if must_move or acc + x / 2 > total * (s + 1) / k:
-                s += 1
-        out.append(s)
-        acc += x
-    return out
+    devs = first_devices(cluster, k)
+    return replicated(graph, devs, algorithm="data-parallel", optimizer=optimizer,
+                      options={"k": len(devs)})
 
 
 def _staged(graph: OpGraph, cluster: Cluster, k: int | None, depth: int | None,
             weigh, name: str, micro_batches: int, schedule: str, optimizer: str) -> Plan:
-    devs = _devices(cluster, k)
+    devs = first_devices(cluster, k)
     layers = graph.layers(depth)
     stage_of_layer = contiguous([weigh(layer) for layer in layers], len(devs))
     assign = {i: s for layer, s in zip(layers, stage_of_layer, strict=True) for i in layer}
@@ -119,3 +86,6 @@ def balanced_params(graph: OpGraph, cluster: Cluster, costs: CostModel,
                    lambda layer: float(sum(nodes[i].param_bytes for i in layer
                                            if nodes[i].kind != "buffer")),
                    "balanced-params", micro_batches, schedule, optimizer)
+
+
+__all__ = ["balanced_params", "data_parallel", "even_layers", "single"]

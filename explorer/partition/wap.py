@@ -22,9 +22,9 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition import algorithm as lookup_algorithm
-from explorer.partition import partition, register
 from explorer.partition.coarse import coarsen
+from explorer.partition.registry import algorithm as lookup_algorithm
+from explorer.partition.registry import partition, register
 from explorer.simulate.simulator import simulate
 
 #: the partitioners a sweep tries at every device count (data-parallel is always added)
@@ -136,9 +136,9 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
         same seconds per run at every batch fraction, same bytes leaving each run), then
         makes the chosen plan for the real graph and simulates it there: that point of the
         curve is exact, the others are the stand-in's (``WapPoint.simulated_on``). Merging
-        hides overlap inside a run, so the stand-in's step times are the same or slower:
-        within 3 % for the same plan on a 100k-op tiled GPT, up to 21 % slower for a
-        pipeline on a 125k-op random layered DAG. ``None`` sweeps the real graph always.
+        hides overlap inside a run, so the stand-in's step times are the same or slower
+        (close on regular models, further off for pipelines on irregular graphs, whose
+        runs overlap more). ``None`` sweeps the real graph always.
 
     Returns
     -------

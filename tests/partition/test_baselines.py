@@ -11,7 +11,7 @@ from torch import nn
 import explorer as ex
 from explorer.core.errors import ExplorerError, PlanError, UnknownNameError
 from explorer.partition import algorithm, algorithms, partition
-from explorer.partition.baselines import contiguous
+from explorer.partition.search.layers import contiguous
 
 BASELINES = ["single", "data-parallel", "even-layers", "balanced-params"]
 STAGED = ["even-layers", "balanced-params"]

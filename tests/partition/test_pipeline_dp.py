@@ -18,12 +18,12 @@ from explorer.core.graph import OpGraph, OpNode
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.partition import partition
-from explorer.partition.pipeline import (
+from explorer.partition.pipeline_dp import (
     StageCostTable,
     StageNet,
-    _stage_matrices,
-    _Tables,
+    StageTables,
     solve_stages,
+    stage_matrices,
 )
 from explorer.simulate.simulator import simulate
 
@@ -119,11 +119,11 @@ class TestSolveStages:
     def test_dense_tables_match_the_reference_cost_function(self):
         for seed in range(40):
             table = random_table(seed)
-            tb = _Tables(table)
+            tb = StageTables(table)
             n, n_dev = table.n_layers, table.n_devices
             for d in range(n_dev):
                 for r in range(1, n_dev - d + 1):
-                    time, _, _, _ = _stage_matrices(table, tb, d, r)
+                    time, _, _, _ = stage_matrices(table, tb, d, r)
                     for j0 in range(n):
                         for j1 in range(j0 + 1, n + 1):
                             want = table.stage_time_s(j0, j1, d, r)

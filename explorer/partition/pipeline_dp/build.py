@@ -1,0 +1,210 @@
+"""From a graph to a :class:`StageCostTable`: layers, costs, memory, links and pins.
+
+Also chooses the layers the stage DP cuts (the finest module depth it can handle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.costs.memory import node_memory_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
+from explorer.partition.pipeline_dp.solver import dp_cells
+from explorer.partition.pipeline_dp.table import StageCostTable, StageNet
+
+#: the DP refuses more layers than this: its tables are (layers + 1)^2 floats each
+MAX_LAYERS = 1500
+#: and more work than this many table cells (layers^2 x device ranges x (stages + 8))
+MAX_DP_CELLS = 4e9
+
+
+def _homogeneous(cluster: Cluster, ids: Sequence[str]) -> bool:
+    if len({cluster.device(i).type_key for i in ids}) > 1:
+        return False
+    links = {(lk.latency_s, lk.bandwidth_bytes_per_s)
+             for a_i, a in enumerate(ids) for b in ids[a_i + 1:]
+             for lk in [cluster.link(a, b)]}
+    return len(links) <= 1
+
+
+def _linear(fn: Callable[[float], float], x: float = float(2**20)) -> tuple[float, float]:
+    """(intercept, slope) of a cost that is linear in its byte count for positive counts."""
+    y1, y2 = fn(x), fn(2 * x)
+    slope = (y2 - y1) / x
+    return y1 - slope * x, slope
+
+
+def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
+                     layers: Sequence[Sequence[int]], micro_batches: int, schedule: str,
+                     optimizer: str, replicate: bool = True,
+                     pins: Mapping[str, str] | None = None, headroom: float = 1.0
+                     ) -> StageCostTable:
+    """The :class:`StageCostTable` of ``graph``'s ``layers`` on devices ``ids``.
+
+    Costs come from ``costs`` (a node's time at a batch fraction is linear in it), memory from
+    :func:`explorer.costs.memory.node_memory_bytes`, device capacity times ``headroom``. Replica
+    counts are limited to those that divide the batch into whole micro-batches.
+    """
+    cluster = costs.cluster
+    nodes = graph.nodes
+    n = len(layers)
+    layer_of = [0] * len(nodes)
+    for j, layer in enumerate(layers):
+        for i in layer:
+            layer_of[i] = j
+    type_keys: list[str] = []
+    rep: list[str] = []
+    for dev in ids:
+        key = cluster.device(dev).type_key
+        if key not in type_keys:
+            type_keys.append(key)
+            rep.append(dev)
+    device_type = tuple(type_keys.index(cluster.device(dev).type_key) for dev in ids)
+    fixed = np.zeros((len(rep), n))
+    var = np.zeros((len(rep), n))
+    opt = np.zeros((len(rep), n))
+    for k, dev in enumerate(rep):
+        for i, nd in enumerate(nodes):
+            if nd.kind != "op":
+                continue
+            f0, f1 = costs.fwd_s(i, dev, 0.0), costs.fwd_s(i, dev, 1.0)
+            b0 = b1 = 0.0
+            if nd.requires_grad:
+                b0, b1 = costs.bwd_s(i, dev, 0.0), costs.bwd_s(i, dev, 1.0)
+            fixed[k, layer_of[i]] += f0 + b0
+            var[k, layer_of[i]] += (f1 - f0) + (b1 - b0)
+    tensor_bytes = np.zeros(n)
+    tensor_count = np.zeros(n)
+    grad_bytes = np.zeros(n)
+    for i, nd in enumerate(nodes):
+        if nd.param_bytes and nd.kind != "buffer":  # what the simulator's optimizer steps
+            tensor_bytes[layer_of[i]] += nd.param_bytes
+            tensor_count[layer_of[i]] += 1
+        if nd.kind == "param" and nd.requires_grad:  # what it all-reduces
+            grad_bytes[layer_of[i]] += nd.out_bytes
+    for k, dev in enumerate(rep):  # optimizer_s is linear in bytes and tensors, zero at zero
+        per_byte = costs.optimizer_s(dev, optimizer, 1, 0)
+        per_tensor = costs.optimizer_s(dev, optimizer, 0, 1)
+        opt[k] = tensor_bytes * per_byte + tensor_count * per_tensor
+    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0)
+    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0)
+    param_bytes = np.zeros(n)
+    act_bytes = np.zeros(n)
+    for i in range(len(nodes)):
+        param_bytes[layer_of[i]] += fixed_mem[i]
+        act_bytes[layer_of[i]] += full_mem[i] - fixed_mem[i]
+    nets = []
+    for p, nd in enumerate(nodes):
+        if nd.kind == "input" or nd.out_bytes <= 0:
+            continue  # every rank loads its own copy of the batch
+        a = layer_of[p]
+        cons = sorted({layer_of[c] for c in graph.succs[p]} - {a})
+        if not cons:
+            continue
+        grad = nd.requires_grad and any(nodes[c].requires_grad for c in graph.succs[p])
+        nets.append(StageNet(a, tuple(cons), nd.out_bytes, nd.kind == "op", grad))
+    n_dev = len(ids)
+    lat, spb = [], []
+    for d in range(n_dev - 1):  # as CostModel.transfer_s: latency + bytes / bandwidth x scale
+        link = cluster.link(ids[d], ids[d + 1])
+        lat.append(link.latency_s)
+        spb.append(costs.link_scale / link.bandwidth_bytes_per_s)
+    ar_lat = np.zeros((n_dev, n_dev + 1))
+    ar_spb = np.zeros((n_dev, n_dev + 1))
+    for d in range(n_dev):
+        for r in range(2, n_dev - d + 1):
+            group = tuple(ids[d:d + r])
+            ar_lat[d, r], ar_spb[d, r] = _linear(lambda x, g=group: costs.allreduce_s(g, int(x)))
+    reps = allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate)
+    by_position = not _homogeneous(cluster, ids)
+    layer_pins: tuple[frozenset[int], ...] = ()
+    if pins:
+        key_of = {dev: j for j, dev in enumerate(ids)}  # positions, or labels
+        per_layer: list[set[int]] = [set() for _ in range(n)]
+        for name, dev in pins.items():
+            if dev not in key_of:
+                raise ExplorerError(f"node {name!r} is pinned to {dev}, which is not among the "
+                                    f"devices this plan may use ({', '.join(ids)})")
+            per_layer[layer_of[graph.index[name]]].add(key_of[dev])
+        layer_pins = tuple(frozenset(s) for s in per_layer)
+    return StageCostTable(
+        fixed_s=fixed, var_s=var, optimizer_s=opt, param_bytes=param_bytes,
+        act_bytes=act_bytes, grad_bytes=grad_bytes, nets=tuple(nets),
+        device_type=device_type,
+        capacity_bytes=tuple(cluster.device(dev).memory_bytes * headroom for dev in ids),
+        link_latency_s=tuple(lat), link_s_per_byte=tuple(spb), allreduce_latency_s=ar_lat,
+        allreduce_s_per_byte=ar_spb, micro_batches=micro_batches, schedule=schedule,
+        replicas=reps, layer_pins=layer_pins, pins_by_position=by_position)
+
+
+def allowed_replicas(batch_size: int, n_devices: int, micro_batches: int,
+                     replicate: bool) -> tuple[int, ...]:
+    """Replica counts r whose r x micro_batches divides the batch (1 always)."""
+    reps = tuple(r for r in (range(1, n_devices + 1) if replicate else (1,))
+                 if batch_size <= 0 or batch_size % (r * micro_batches) == 0)
+    return reps or (1,)
+
+
+def choose_layers(graph: OpGraph, depth: int | None, max_layers: int, n_devices: int,
+                  replicate: bool) -> tuple[list[list[int]], int | None]:
+    """The layers the DP cuts: at ``depth``, or with ``depth=None`` the finest module depth
+    whose layer count the DP can handle. Raises :class:`ExplorerError` when none can."""
+    def fits(layers: list[list[int]]) -> bool:
+        return (len(layers) <= max_layers
+                and dp_cells(len(layers), n_devices, replicate) <= MAX_DP_CELLS)
+
+    if depth is not None:
+        layers = graph.layers(depth)
+        if not fits(layers):
+            raise ExplorerError(
+                f"pipeline-dp: {len(layers):,} layers at depth={depth} are too many for the "
+                f"stage DP (at most {_layer_limit(max_layers, n_devices, replicate):,} on "
+                f"{n_devices} devices; its work grows as layers^2 x devices^3); pass a smaller "
+                "depth to cut at coarser modules, or use min-comm for op-level placement")
+        return layers, depth
+    tried = []
+    counts = _layer_counts(graph)
+    for dp in [None, *range(graph.module_depth() - 1, 0, -1)]:
+        tried.append(f"{counts[dp]:,} at depth {dp}")
+        if counts[dp] <= max_layers and dp_cells(counts[dp], n_devices,
+                                                 replicate) <= MAX_DP_CELLS:
+            layers = graph.layers(dp)
+            if fits(layers):
+                return layers, dp
+    raise ExplorerError(
+        f"pipeline-dp: the graph has too many layers for the stage DP at every module depth "
+        f"({'; '.join(tried)}; the limit is {_layer_limit(max_layers, n_devices, replicate):,} "
+        f"on {n_devices} devices); use min-comm, which places ops directly")
+
+
+def _layer_counts(graph: OpGraph) -> dict[int | None, int]:
+    """len(graph.layers(depth)) for every depth at once: runs of equal module prefixes."""
+    top = graph.module_depth()
+    counts: dict[int | None, int] = dict.fromkeys([None, *range(1, top + 1)], 0)
+    last: dict[int | None, object] = dict.fromkeys(counts, object())
+    for n in graph.nodes:
+        if n.kind != "op":
+            continue
+        parts = n.module_path.split(".") if n.module_path else []
+        for dp in counts:
+            key = n.module_path if dp is None else ".".join(parts[:dp])
+            if key != last[dp]:
+                counts[dp] += 1
+                last[dp] = key
+    return {dp: max(c, 1) for dp, c in counts.items()}
+
+
+def _layer_limit(max_layers: int, n_devices: int, replicate: bool) -> int:
+    lim = max_layers
+    while lim > 1 and dp_cells(lim, n_devices, replicate) > MAX_DP_CELLS:
+        lim = int(lim * 0.9)
+    return lim
+
+
+__all__ = ["MAX_DP_CELLS", "MAX_LAYERS", "allowed_replicas", "choose_layers",
+           "stage_cost_table"]

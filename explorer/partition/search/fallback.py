@@ -1,0 +1,155 @@
+"""Guards every partitioner shares: never slower than the baselines, memory headroom, errors.
+
+:func:`best_of_baselines` keeps a partitioner from returning a plan slower than the
+``single`` and ``data-parallel`` baselines on graphs small enough to simulate;
+:func:`fit_headrooms` makes a plan again with less memory when the simulator finds it over
+the additive estimate; :func:`memory_error` is the one error for a device that cannot hold
+what a plan puts on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from explorer.core.errors import MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.core.units import format_bytes
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
+from explorer.partition.options import Options
+from explorer.partition.registry import apply_pins
+from explorer.simulate.simulator import Prediction, simulate
+
+#: graphs with at most this many nodes are simulated against the ``single`` and
+#: ``data-parallel`` baselines, and the fastest plan that fits is returned
+COMPARE_MAX_NODES = 5000
+#: memory headroom factors tried in turn when the simulator finds a plan over memory that the
+#: additive estimate said would fit (graphs up to COMPARE_MAX_NODES only)
+HEADROOMS = (1.0, 0.85, 0.7)
+
+
+def memory_error(algorithm: str, what: str, device: str, need_bytes: float,
+                 capacity_bytes: float, hint: str = "") -> MemoryExceededError:
+    """A :class:`MemoryExceededError` naming the device, what it would hold and the excess."""
+    over = need_bytes - capacity_bytes
+    msg = (f"{algorithm}: device {device} cannot hold {what}: it needs "
+           f"{format_bytes(need_bytes)} but has {format_bytes(capacity_bytes)} (over by "
+           f"{format_bytes(over)})")
+    return MemoryExceededError(msg + (f"; {hint}" if hint else ""))
+
+
+def default_micro_batches(graph: OpGraph) -> int:
+    """4 micro-batches when the batch divides into 4, else 1."""
+    return 4 if graph.batch_size >= 4 and graph.batch_size % 4 == 0 else 1
+
+
+def replicated(graph: OpGraph, ids: Sequence[str], **settings: Any) -> Plan:
+    """The whole model on every device of ``ids``, the batch split among them (data parallel)."""
+    return Plan.from_assignment(graph, [tuple(ids)], {i: 0 for i in range(len(graph))},
+                                **settings)
+
+
+def simulate_if_small(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction | None:
+    """The simulator's prediction for graphs up to :data:`COMPARE_MAX_NODES` nodes, else None."""
+    return simulate(graph, plan, costs) if len(graph) <= COMPARE_MAX_NODES else None
+
+
+def fit_headrooms(graph: OpGraph, costs: CostModel, make: Callable[[float], Plan], what: str,
+                  simulate_plans: bool) -> tuple[Plan | None, Prediction | None, list[str]]:
+    """Make a plan with each of :data:`HEADROOMS` in turn until the simulator finds it fits.
+
+    ``make(headroom)`` plans with ``headroom`` x each device's memory, raising
+    :class:`MemoryExceededError` when nothing fits; that ends the tries. With
+    ``simulate_plans`` (and a graph small enough), each plan is simulated and a plan over
+    memory is made again with the next headroom. Returns the last plan made (None when
+    none was), its prediction (None when not simulated) and why each try failed, in order;
+    ``what`` names the plan in those messages (``"pase: its plan"``).
+    """
+    plan = pred = None
+    failures: list[str] = []
+    for headroom in HEADROOMS:
+        try:
+            plan = make(headroom)
+        except MemoryExceededError as exc:
+            failures.append(str(exc))
+            break
+        pred = simulate_if_small(graph, plan, costs) if simulate_plans else None
+        if pred is None or pred.fits:
+            break
+        failures.append(f"{what} does not fit the simulator's memory accounting "
+                        f"({pred.memory_report()})")
+    return plan, pred, failures
+
+
+def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: Plan | None,
+                      pins: Mapping[str, str] | None, optimizer: str, name: str,
+                      ids: Sequence[str] | None = None, failure: str = "",
+                      own_prediction: Prediction | None = None) -> Plan:
+    """``plan``, unless ``single`` or ``data-parallel`` is faster per the simulator.
+
+    For graphs up to :data:`COMPARE_MAX_NODES` nodes, simulates ``plan`` (``None``: the
+    algorithm found nothing that fits), everything on the first device and the whole model
+    replicated on ``ids`` (default: all devices), pins applied to each, and returns the fastest
+    that fits, relabelled as ``name`` with a note saying which baseline it is. Raises
+    :class:`MemoryExceededError` with the simulator's memory report when nothing fits.
+    Larger graphs: returns ``plan`` unchecked (or raises with ``failure`` when it is None).
+    """
+    if len(graph) > COMPARE_MAX_NODES:
+        if plan is None:
+            raise MemoryExceededError(failure or f"{name}: no plan fits the devices' memory")
+        return plan
+    ids = tuple(ids or cluster.ids)
+    pins = dict(pins or {})
+    base = dict(algorithm=name, optimizer=optimizer)
+    cands: list[tuple[str, Plan]] = []
+    if plan is not None:
+        cands.append(("own", plan))
+    first = Plan.single(graph, ids[0], **base)
+    cands.append(("single", apply_pins(graph, first, pins)))
+    if len(ids) > 1:
+        cands.append(("data-parallel", apply_pins(graph, replicated(graph, ids, **base), pins)))
+    best = None
+    reports = []
+    for label, cand in cands:
+        pred = own_prediction if label == "own" and own_prediction is not None else simulate(
+            graph, cand, costs)
+        if not pred.fits:
+            reports.append(f"{label}: {pred.memory_report()}")
+            continue
+        if best is None or pred.step_s < best[2] * (1 - 1e-9):
+            best = (label, cand, pred.step_s)
+    if best is None:
+        raise MemoryExceededError(
+            (failure + "; " if failure else f"{name}: no plan fits the devices' memory; ")
+            + "the simulator finds " + "; ".join(reports)
+            + "; use more or larger devices, a smaller batch, or SGD")
+    label, chosen, step_s = best
+    if label == "own":
+        return chosen
+    note = (f"{label} is faster than {name}'s own plan ({step_s:.4g} s per step), so this is "
+            f"the {label} plan" if plan is not None else
+            f"{name} found no split that fits ({failure}); this is the {label} plan")
+    return chosen.with_settings(
+        algorithm=name, notes=(*chosen.notes, note),
+        options={**(dict(plan.options) if plan is not None else {}), "fallback": label},
+        pinned=frozenset(pins))
+
+
+def settle(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, plan: Plan | None,
+           prediction: Prediction | None, failure: str, pins: Mapping[str, str],
+           opts: Options) -> Plan:
+    """A partitioner's answer: ``plan`` as it is without ``opts.compare_baselines`` (raising
+    :class:`MemoryExceededError` with ``failure`` when it is None), else
+    :func:`best_of_baselines` on ``opts``' devices."""
+    if not opts.compare_baselines:
+        if plan is None:
+            raise MemoryExceededError(failure)
+        return plan
+    return best_of_baselines(graph, cluster, costs, plan, pins, opts.optimizer, name,
+                             opts.devices(cluster), failure, prediction)
+
+
+__all__ = ["COMPARE_MAX_NODES", "HEADROOMS", "best_of_baselines", "default_micro_batches",
+           "fit_headrooms", "memory_error", "replicated", "settle", "simulate_if_small"]
