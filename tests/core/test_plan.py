@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from builders import cluster, graph
 
 from explorer.core.errors import PlanError
-from explorer.core.plan import PLAN_VERSION, Plan
+from explorer.core.plan import MAX_DEVICES, MAX_MICRO_BATCHES, PLAN_VERSION, Plan
 
 
 @pytest.fixture
@@ -178,18 +179,25 @@ class TestLoadRefuses:
         d["placement"]["zz"] = 0
         self._refused(d, path, chain3, r"places 1 nodes the graph does not have, e\.g\. \['zz'\]")
 
-    @pytest.mark.parametrize("stage", [2, -1, 1.0, "1"])
-    def test_stage_out_of_range(self, chain3, saved, stage):
+    def test_stage_out_of_range(self, chain3, saved):
+        d, path = saved
+        d["placement"]["b"] = 2
+        self._refused(d, path, chain3, r"node 'b' is on stage 2, but stages run from 0 to 1")
+
+    @pytest.mark.parametrize("stage", [-1, 1.0, "1", True, 10**30])
+    def test_stage_not_a_stage_number(self, chain3, saved, stage):
         d, path = saved
         d["placement"]["b"] = stage
-        self._refused(d, path, chain3, rf"node 'b' is on stage {stage!r}, but stages run from "
-                                       r"0 to 1")
+        self._refused(d, path, chain3,
+                      rf"plan field placement\['b'\] must be a whole number >= 0 and <= "
+                      rf"{MAX_DEVICES - 1}, not {re.escape(repr(stage))}")
 
-    @pytest.mark.parametrize("mb", [0, -2, 1.5, "2"])
+    @pytest.mark.parametrize("mb", [0, -2, 1.5, "2", None, 10**6, 10**30])
     def test_bad_micro_batches(self, chain3, saved, mb):
         d, path = saved
         self._refused({**d, "micro_batches": mb}, path, chain3,
-                      rf"micro_batches must be a whole number >= 1, not {mb!r}")
+                      rf"plan field micro_batches must be a whole number >= 1 and <= "
+                      rf"{MAX_MICRO_BATCHES}, not {re.escape(repr(mb))}")
 
     def test_unknown_schedule(self, chain3, saved):
         d, path = saved
@@ -208,7 +216,8 @@ class TestLoadRefuses:
 
     def test_empty_stage(self, chain3, saved):
         d, path = saved
-        self._refused({**d, "stages": [["d:0"], []]}, path, chain3, "stage 1 has no device")
+        self._refused({**d, "stages": [["d:0"], []]}, path, chain3,
+                      r"plan field stages\[1\] must be a list of 1 to \d+ items, not \[\]")
 
     def test_unknown_pinned_node(self, chain3, saved):
         d, path = saved
