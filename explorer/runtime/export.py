@@ -25,11 +25,13 @@ from explorer.runtime.worker import write_job
 from explorer.simulate.simulator import execution_order
 
 SCRIPT = '''#!/usr/bin/env python
-"""Train a model under a partition plan, on %(n)d processes (written by `explorer export`).
+"""Train a model under a partition plan: one process per device, %(n)d in all.
+
+Written by `explorer export`.
 
 Launch on one machine:
     torchrun --standalone --nproc_per_node %(n)d THIS_SCRIPT.py
-On a cluster (%(n)d processes in all), e.g. two nodes:
+On a cluster, e.g. two nodes of %(half)d processes each:
     torchrun --nnodes 2 --nproc_per_node %(half)d --rdzv-backend c10d \\\\
         --rdzv-endpoint HOST:29500 THIS_SCRIPT.py
 
