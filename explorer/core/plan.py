@@ -13,6 +13,7 @@ or hostile file fails with a :class:`PlanError` and never reaches the rest of th
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -83,7 +84,7 @@ def one_of(choices: Iterable[str]) -> Check:
     return check
 
 
-def text(v: Any, where: str) -> str:
+def string(v: Any, where: str) -> str:
     if not isinstance(v, str) or len(v) > MAX_TEXT_CHARS:
         raise _refuse(where, f"a string of at most {MAX_TEXT_CHARS} characters", v)
     return v
@@ -96,7 +97,7 @@ def json_value(v: Any, where: str, depth: int = 0) -> Any:
     if isinstance(v, list):
         return [json_value(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
     if isinstance(v, dict):
-        return {text(k, f"key of {where}"): json_value(x, f"{where}[{k!r}]", depth + 1)
+        return {string(k, f"key of {where}"): json_value(x, f"{where}[{k!r}]", depth + 1)
                 for k, x in v.items()}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
@@ -115,7 +116,7 @@ def map_of(item: Check) -> Check:
     def check(v: Any, where: str) -> dict:
         if not isinstance(v, dict):
             raise _refuse(where, "an object", v)
-        return {text(k, f"a key of {where}"): item(x, f"{where}[{k!r}]") for k, x in v.items()}
+        return {string(k, f"a key of {where}"): item(x, f"{where}[{k!r}]") for k, x in v.items()}
     return check
 
 
@@ -133,7 +134,7 @@ def obj(fields: Mapping[str, tuple[Check, Any]]) -> Check:
                 raise PlanError(f"the plan is damaged: field {inner!r} is missing; export the "
                                 "plan again")
             else:
-                out[name] = default
+                out[name] = copy.deepcopy(default)  # never one shared {} or []
         return out
     return check
 
@@ -152,8 +153,8 @@ PLAN_SCHEMA = obj({
     "optimizer": (one_of(OPTIMIZER_STATE), "adam"),
     "algorithm": (_name, "manual"),
     "options": (map_of(json_value), {}),
-    "pinned": (list_of(text, 0, 2**31), []),
-    "notes": (list_of(text, 0, 2**31), []),
+    "pinned": (list_of(string, 0, 2**31), []),
+    "notes": (list_of(string, 0, 2**31), []),
 })
 
 
