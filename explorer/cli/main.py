@@ -166,16 +166,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import explorer as ex
 
-    try:
-        meta = json.loads(Path(args.plan).read_text())
-        default_model = meta.get("graph", {}).get("name") or "gpt"
-    except (OSError, ValueError):
-        default_model = "gpt"  # Plan.load below explains what is wrong with the file
-    model = args.model or default_model
+    plan = ex.Plan.load(args.plan)  # checked before anything else reads it
+    model = args.model or plan.graph_name or "gpt"
     bm = ex.builtin_model(model, args.size, args.batch_size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
-    plan = ex.Plan.load(args.plan, graph)
-    script = ex.export_script(plan, args.out, graph=graph, steps=args.steps)
+    plan.validate(graph)
+    script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
+                              overwrite=args.force)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
@@ -192,14 +189,23 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "micro_batches": plan.micro_batches, "schedule": plan.schedule}
 
 
-def _positive_int(text: str) -> int:
+def _whole_from(lo: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+        value = lo - 1
+    if not lo <= value <= 10**9:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= {lo} (at most 10**9), "
+                                         f"not {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_from(1, text)
+
+
+def _whole(text: str) -> int:
+    return _whole_from(0, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices", default="cpu:2",
                     help="cpu:N (CPU ranks), gpu (this machine's GPUs) or a preset like 4xH100")
     pl.add_argument("--algorithm", default="all", help="a partitioner name, or all")
-    pl.add_argument("--micro-batches", type=int, default=None)
+    pl.add_argument("--micro-batches", type=_positive_int, default=None)
     pl.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -240,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--algorithm", default="even-layers", help="a partitioner name")
     r.add_argument("--plan", help="run this plan JSON instead of partitioning")
     r.add_argument("--steps", type=_positive_int, default=5)
-    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--warmup", type=_whole, default=2)
     r.add_argument("--micro-batches", type=_positive_int, default=None)
     r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
@@ -257,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--size", default="default", help="tiny, small, default or large")
     e.add_argument("--batch-size", type=_positive_int, default=None)
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
+    e.add_argument("--force", action="store_true",
+                   help="overwrite an existing script and job folder")
     e.set_defaults(fn=cmd_export)
     return p
 

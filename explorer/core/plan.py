@@ -5,12 +5,18 @@ stage with one device is plain model parallelism; a stage with several devices h
 that split the batch and all-reduce their gradients (data parallelism). One stage holding every
 device is pure data parallelism; one stage per device is an op- or layer-level placement.
 Micro-batches and a schedule (GPipe or 1F1B) say how the batch flows through the stages.
+
+A plan file is untrusted input: before anything else reads it, it is checked against one
+declarative schema (``PLAN_SCHEMA``: types, ranges and what a name may be made of), so a damaged
+or hostile file fails with a :class:`PlanError` and never reaches the rest of the explorer.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,132 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 PLAN_FORMAT = "partition-explorer-plan"
 PLAN_VERSION = 1
 SCHEDULES = ("gpipe", "1f1b")
+
+#: device ids, the algorithm and the graph fingerprint: names, never text
+NAME_PATTERN = r"[A-Za-z0-9_.:+/-]{1,128}"
+#: the graph's name is a label ("layered-1200 (24 groups)"), possibly empty: one line of
+#: printable text, never control characters
+GRAPH_NAME_PATTERN = r"[^\x00-\x1f\x7f-\x9f]{0,256}"
+MAX_DEVICES = 4096
+MAX_MICRO_BATCHES = 1024
+MAX_TEXT_CHARS = 100_000  # a node name, pin or note
+MAX_JSON_DEPTH = 32  # nesting of the algorithm's options
+MAX_PLAN_BYTES = 256 * 2**20
+
+# -- the schema: each check takes (value, where) and returns the value or raises PlanError ----
+Check = Callable[[Any, str], Any]
+REQUIRED = object()
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _refuse(where: str, what: str, value: Any) -> PlanError:
+    return PlanError(f"plan field {where} must be {what}, not {_shown(value)}")
+
+
+def whole(lo: int, hi: int) -> Check:
+    def check(v: Any, where: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise _refuse(where, f"a whole number >= {lo} and <= {hi}", v)
+        return v
+    return check
+
+
+def matching(pattern: str, what: str) -> Check:
+    rx = re.compile(pattern)
+
+    def check(v: Any, where: str) -> str:
+        if not isinstance(v, str) or not rx.fullmatch(v):
+            raise _refuse(where, what, v)
+        return v
+    return check
+
+
+def one_of(choices: Iterable[str]) -> Check:
+    choices = tuple(choices)
+
+    def check(v: Any, where: str) -> str:
+        if not isinstance(v, str) or v not in choices:
+            raise PlanError(f"unknown {where} {_shown(v)}; choose one of {', '.join(choices)}")
+        return v
+    return check
+
+
+def string(v: Any, where: str) -> str:
+    if not isinstance(v, str) or len(v) > MAX_TEXT_CHARS:
+        raise _refuse(where, f"a string of at most {MAX_TEXT_CHARS} characters", v)
+    return v
+
+
+def json_value(v: Any, where: str, depth: int = 0) -> Any:
+    """Any JSON value nested at most ``MAX_JSON_DEPTH`` deep (the algorithm's options)."""
+    if depth > MAX_JSON_DEPTH:
+        raise _refuse(where, f"nested at most {MAX_JSON_DEPTH} deep", "...")
+    if isinstance(v, list):
+        return [json_value(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        return {string(k, f"key of {where}"): json_value(x, f"{where}[{k!r}]", depth + 1)
+                for k, x in v.items()}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise _refuse(where, "a JSON value", v)
+
+
+def list_of(item: Check, lo: int, hi: int) -> Check:
+    def check(v: Any, where: str) -> list:
+        if not isinstance(v, list) or not lo <= len(v) <= hi:
+            raise _refuse(where, f"a list of {lo} to {hi} items", v)
+        return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    return check
+
+
+def map_of(item: Check) -> Check:
+    def check(v: Any, where: str) -> dict:
+        if not isinstance(v, dict):
+            raise _refuse(where, "an object", v)
+        return {string(k, f"a key of {where}"): item(x, f"{where}[{k!r}]") for k, x in v.items()}
+    return check
+
+
+def obj(fields: Mapping[str, tuple[Check, Any]]) -> Check:
+    """An object with these fields (check, default or ``REQUIRED``); others are ignored."""
+    def check(v: Any, where: str) -> dict:
+        if not isinstance(v, dict):
+            raise _refuse(where, "an object", v)
+        out = {}
+        for name, (item, default) in fields.items():
+            inner = f"{where}.{name}" if where else name
+            if name in v:
+                out[name] = item(v[name], inner)
+            elif default is REQUIRED:
+                raise PlanError(f"the plan is damaged: field {inner!r} is missing; export the "
+                                "plan again")
+            else:
+                out[name] = copy.deepcopy(default)  # never one shared {} or []
+        return out
+    return check
+
+
+_name = matching(NAME_PATTERN, "a name of 1 to 128 letters, digits or _ . : + / -")
+
+#: every field of a plan file (format and version are checked first, by ``from_dict``)
+PLAN_SCHEMA = obj({
+    "graph": (obj({"fingerprint": (_name, REQUIRED),
+                   "name": (matching(GRAPH_NAME_PATTERN, "one line of at most 256 printable "
+                                     "characters"), "")}), REQUIRED),
+    "stages": (list_of(list_of(_name, 1, MAX_DEVICES), 1, MAX_DEVICES), REQUIRED),
+    "placement": (map_of(whole(0, MAX_DEVICES - 1)), REQUIRED),
+    "micro_batches": (whole(1, MAX_MICRO_BATCHES), 1),
+    "schedule": (one_of(SCHEDULES), "gpipe"),
+    "optimizer": (one_of(OPTIMIZER_STATE), "adam"),
+    "algorithm": (_name, "manual"),
+    "options": (map_of(json_value), {}),
+    "pinned": (list_of(string, 0, 2**31), []),
+    "notes": (list_of(string, 0, 2**31), []),
+})
 
 
 @dataclass(frozen=True)
@@ -118,7 +250,12 @@ class Plan:
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, graph: OpGraph, cluster: Any = None) -> None:
-        """Raise :class:`PlanError` saying what is wrong, if anything."""
+        """Raise :class:`PlanError` saying what is wrong, if anything.
+
+        The plan must pass ``PLAN_SCHEMA`` (so what validates also saves and loads back) and
+        every number in it must be within what ``graph`` (and ``cluster``) allow.
+        """
+        PLAN_SCHEMA(self.to_dict(), "")
         if self.graph_fingerprint != graph.fingerprint:
             raise PlanError(
                 f"this plan was made for graph {self.graph_name or '?'} "
@@ -156,24 +293,34 @@ class Plan:
         if bad:
             raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run from "
                             f"0 to {len(self.stages) - 1}")
-        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) \
-                or self.micro_batches < 1:
-            raise PlanError(f"micro_batches must be a whole number >= 1, not "
-                            f"{self.micro_batches!r}")
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}; choose one of "
-                            f"{', '.join(SCHEDULES)}")
-        if self.optimizer not in OPTIMIZER_STATE:
-            raise PlanError(f"unknown optimizer {self.optimizer!r}; choose one of "
-                            f"{', '.join(OPTIMIZER_STATE)}")
+        self.check_sizes(graph.batch_size, len(graph.nodes))
         unknown_pins = [p for p in self.pinned if p not in names]
         if unknown_pins:
             raise PlanError(f"pinned nodes {unknown_pins[:3]} are not in the graph")
+
+    def check_sizes(self, batch_size: int, n_nodes: int) -> None:
+        """Numbers within what the graph allows: no more stages than nodes, and no more
+        replicas in a stage than the batch has samples (when the batch size is known).
+
+        Micro-batches smaller than a sample are a what-if the simulator can answer (up to
+        ``MAX_MICRO_BATCHES``); :meth:`check_batch` refuses them for real runs."""
+        if len(self.stages) > max(n_nodes, 1):
+            raise PlanError(f"the plan has {len(self.stages)} stages for a graph of {n_nodes} "
+                            "nodes; a stage with nothing on it cannot run")
+        for s, devs in enumerate(self.stages):
+            if 0 < batch_size < len(devs):
+                raise PlanError(f"stage {s} has {len(devs)} replicas for a batch of "
+                                f"{batch_size} samples; use at most {batch_size} devices")
 
     def check_batch(self, batch_size: int) -> None:
         """A real run splits the batch over replicas and micro-batches: it must divide."""
         for s, devs in enumerate(self.stages):
             parts = len(devs) * self.micro_batches
+            if parts > batch_size:
+                raise PlanError(f"stage {s} splits the batch of {batch_size} into {len(devs)} "
+                                f"replicas x {self.micro_batches} micro-batches = {parts} "
+                                "parts, more than it has samples; use fewer micro-batches or "
+                                "replicas")
             if batch_size % parts:
                 raise PlanError(f"stage {s} splits the batch of {batch_size} into {len(devs)} "
                                 f"replicas x {self.micro_batches} micro-batches = {parts} parts, "
@@ -194,29 +341,24 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Any, graph: OpGraph | None = None, cluster: Any = None) -> Plan:
+        """A plan from its JSON form, checked against ``PLAN_SCHEMA`` before anything else."""
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise PlanError("this is not a Partition Explorer plan (no "
                             f"\"format\": \"{PLAN_FORMAT}\" field)")
         version = d.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PlanError(f"the plan has no valid format version ({version!r}); the file is "
-                            "damaged, export the plan again")
+            raise PlanError(f"the plan has no valid format version ({_shown(version)}); the "
+                            "file is damaged, export the plan again")
         if version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this explorer "
                             f"understands ({PLAN_VERSION}); upgrade partition-explorer")
-        try:
-            plan = cls(
-                graph_fingerprint=str(d["graph"]["fingerprint"]),
-                graph_name=str(d["graph"].get("name", "")),
-                stages=tuple(tuple(str(x) for x in s) for s in d["stages"]),
-                placement={str(k): v for k, v in dict(d["placement"]).items()},
-                micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule", "gpipe"),
-                optimizer=d.get("optimizer", "adam"), algorithm=d.get("algorithm", "manual"),
-                options=dict(d.get("options", {})), pinned=frozenset(d.get("pinned", [])),
-                notes=tuple(d.get("notes", [])))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PlanError(f"the plan is damaged: field {exc} is missing or has the wrong "
-                            "type; export the plan again") from exc
+        f = PLAN_SCHEMA(d, "")  # version 1 is the current form: nothing to upgrade yet
+        plan = cls(
+            graph_fingerprint=f["graph"]["fingerprint"], graph_name=f["graph"]["name"],
+            stages=tuple(tuple(s) for s in f["stages"]), placement=f["placement"],
+            micro_batches=f["micro_batches"], schedule=f["schedule"],
+            optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
+            pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]))
         if graph is not None:
             plan.validate(graph, cluster)
         return plan
@@ -237,14 +379,27 @@ class Plan:
         """Read a plan; with ``graph`` (and ``cluster``), refuse one that does not fit them."""
         path = Path(path)
         try:
-            text = path.read_text()
+            with path.open("rb") as f:
+                data = f.read(MAX_PLAN_BYTES + 1)
         except OSError as exc:
             raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from exc
+        if len(data) > MAX_PLAN_BYTES:
+            raise PlanError(f"{path} is larger than {MAX_PLAN_BYTES // 2**20} MiB: not a plan")
+        return cls.from_json(data, graph, cluster, source=str(path))
+
+    @classmethod
+    def from_json(cls, data: str | bytes, graph: OpGraph | None = None, cluster: Any = None,
+                  source: str = "the plan") -> Plan:
+        """A plan from the text of a plan file (UTF-8 JSON)."""
         try:
-            d = json.loads(text)
+            d = json.loads(data)
         except json.JSONDecodeError as exc:
-            raise PlanError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                            f"{exc.msg}); the file is damaged, export the plan again") from exc
+            raise PlanError(f"{source} is not valid JSON (line {exc.lineno}, column "
+                            f"{exc.colno}: {exc.msg}); the file is damaged, export the plan "
+                            "again") from exc
+        except (UnicodeDecodeError, RecursionError, ValueError) as exc:
+            raise PlanError(f"{source} is not UTF-8 JSON of reasonable depth ({exc}); the "
+                            "file is damaged, export the plan again") from exc
         return cls.from_dict(d, graph, cluster)
 
 

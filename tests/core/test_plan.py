@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from builders import cluster, graph
 
 from explorer.core.errors import PlanError
-from explorer.core.plan import PLAN_VERSION, Plan
+from explorer.core.plan import MAX_DEVICES, MAX_MICRO_BATCHES, PLAN_VERSION, Plan
 
 
 @pytest.fixture
@@ -178,18 +179,25 @@ class TestLoadRefuses:
         d["placement"]["zz"] = 0
         self._refused(d, path, chain3, r"places 1 nodes the graph does not have, e\.g\. \['zz'\]")
 
-    @pytest.mark.parametrize("stage", [2, -1, 1.0, "1"])
-    def test_stage_out_of_range(self, chain3, saved, stage):
+    def test_stage_out_of_range(self, chain3, saved):
+        d, path = saved
+        d["placement"]["b"] = 2
+        self._refused(d, path, chain3, r"node 'b' is on stage 2, but stages run from 0 to 1")
+
+    @pytest.mark.parametrize("stage", [-1, 1.0, "1", True, 10**30])
+    def test_stage_not_a_stage_number(self, chain3, saved, stage):
         d, path = saved
         d["placement"]["b"] = stage
-        self._refused(d, path, chain3, rf"node 'b' is on stage {stage!r}, but stages run from "
-                                       r"0 to 1")
+        self._refused(d, path, chain3,
+                      rf"plan field placement\['b'\] must be a whole number >= 0 and <= "
+                      rf"{MAX_DEVICES - 1}, not {re.escape(repr(stage))}")
 
-    @pytest.mark.parametrize("mb", [0, -2, 1.5, "2"])
+    @pytest.mark.parametrize("mb", [0, -2, 1.5, "2", None, 10**6, 10**30])
     def test_bad_micro_batches(self, chain3, saved, mb):
         d, path = saved
         self._refused({**d, "micro_batches": mb}, path, chain3,
-                      rf"micro_batches must be a whole number >= 1, not {mb!r}")
+                      rf"plan field micro_batches must be a whole number >= 1 and <= "
+                      rf"{MAX_MICRO_BATCHES}, not {re.escape(repr(mb))}")
 
     def test_unknown_schedule(self, chain3, saved):
         d, path = saved
@@ -208,8 +216,145 @@ class TestLoadRefuses:
 
     def test_empty_stage(self, chain3, saved):
         d, path = saved
-        self._refused({**d, "stages": [["d:0"], []]}, path, chain3, "stage 1 has no device")
+        self._refused({**d, "stages": [["d:0"], []]}, path, chain3,
+                      r"plan field stages\[1\] must be a list of 1 to \d+ items, not \[\]")
 
     def test_unknown_pinned_node(self, chain3, saved):
         d, path = saved
         self._refused({**d, "pinned": ["zz"]}, path, chain3, r"pinned nodes \['zz'\] are not")
+
+
+class TestSchema:
+    """Every field of a plan file is checked (type, range, what a name is) before use."""
+
+    @pytest.fixture
+    def saved(self, two_stage, tmp_path):
+        return two_stage.to_dict(), tmp_path / "plan.json"
+
+    def _refused(self, d, path, match, g=None):
+        _write(path, d)
+        with pytest.raises(PlanError, match=match):
+            Plan.load(path, g)
+
+    @pytest.mark.parametrize("algorithm", ['x"""\nopen("/tmp/PWN","w")\n"""', "a b", "",
+                                           "x" * 129, "é", 3, None, ["a"]])
+    def test_algorithm_must_be_a_name(self, saved, algorithm):
+        d, path = saved
+        self._refused({**d, "algorithm": algorithm}, path,
+                      r"plan field algorithm must be a name of 1 to 128 letters, digits or "
+                      r"_ \. : \+ / -, not ")
+
+    @pytest.mark.parametrize("device", ["d:0\n", "d 0", "'; import os", "d:0\x1b[2J", 7])
+    def test_device_ids_must_be_names(self, saved, device):
+        d, path = saved
+        self._refused({**d, "stages": [["d:0"], ["d:1", device]]}, path,
+                      r"plan field stages\[1\]\[1\] must be a name of 1 to 128")
+
+    @pytest.mark.parametrize("name", ["a\nb", "a\x1b[31m", 5])
+    def test_graph_name_is_one_printable_line(self, saved, name):
+        d, path = saved
+        self._refused({**d, "graph": {**d["graph"], "name": name}}, path,
+                      r"plan field graph\.name must be one line of at most 256 printable")
+
+    def test_graph_name_may_be_a_label(self, saved):
+        d, path = saved
+        _write(path, {**d, "graph": {**d["graph"], "name": "layered-1200 (24 groups)"}})
+        assert Plan.load(path).graph_name == "layered-1200 (24 groups)"
+
+    @pytest.mark.parametrize("optimizer", [["adam"], {"adam": 1}, 2, None])
+    def test_optimizer_of_another_type(self, chain3, saved, optimizer):
+        d, path = saved
+        self._refused({**d, "optimizer": optimizer}, path,
+                      r"unknown optimizer .*; choose one of sgd, momentum, adam, adamw", chain3)
+
+    @pytest.mark.parametrize("field, value, match", [
+        ("graph", [], r"plan field graph must be an object, not \[\]"),
+        ("graph", "g", r"plan field graph must be an object"),
+        ("stages", "d:0", r"plan field stages must be a list of 1 to \d+ items, not 'd:0'"),
+        ("stages", [], r"plan field stages must be a list of 1 to \d+ items, not \[\]"),
+        ("stages", ["d:0"], r"plan field stages\[0\] must be a list"),
+        ("placement", [1, 2], r"plan field placement must be an object"),
+        ("options", [], r"plan field options must be an object"),
+        ("options", {"k": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+         r"must be nested at most 32 deep"),
+        ("pinned", "a", r"plan field pinned must be a list"),
+        ("pinned", [1], r"plan field pinned\[0\] must be a string"),
+        ("notes", [None], r"plan field notes\[0\] must be a string"),
+        ("schedule", ["gpipe"], r"unknown schedule \['gpipe'\]; choose one of gpipe, 1f1b"),
+    ])
+    def test_wrong_types(self, saved, field, value, match):
+        d, path = saved
+        self._refused({**d, field: value}, path, match)
+
+    def test_missing_fingerprint(self, saved):
+        d, path = saved
+        self._refused({**d, "graph": {"name": "g"}}, path,
+                      r"the plan is damaged: field 'graph\.fingerprint' is missing")
+
+    def test_not_utf8(self, tmp_path):
+        path = tmp_path / "plan.json"
+        path.write_bytes(b'{"format": "partition-explorer-plan", "algorithm": "\xff\xfe"}')
+        with pytest.raises(PlanError, match=r"plan\.json is not UTF-8 JSON"):
+            Plan.load(path)
+
+    def test_too_deep_for_the_parser(self):
+        with pytest.raises(PlanError, match=r"not (valid|UTF-8) JSON"):
+            Plan.from_json("[" * 200_000 + "]" * 200_000)
+
+    def test_from_json_round_trip(self, two_stage):
+        assert Plan.from_json(json.dumps(two_stage.to_dict())) == two_stage
+
+    def test_a_plan_without_the_optional_fields_loads(self, chain3, tmp_path):
+        """The smallest version-1 plan: defaults fill in what it does not say."""
+        path = tmp_path / "plan.json"
+        _write(path, {"format": "partition-explorer-plan", "version": 1,
+                      "graph": {"fingerprint": chain3.fingerprint}, "stages": [["d:0"]],
+                      "placement": {"x": 0, "a": 0, "b": 0, "c": 0}})
+        plan = Plan.load(path, chain3)
+        assert (plan.micro_batches, plan.schedule, plan.optimizer, plan.algorithm,
+                plan.graph_name, plan.pinned, plan.notes) == (1, "gpipe", "adam", "manual", "",
+                                                              frozenset(), ())
+
+    def test_unknown_fields_are_ignored(self, saved):
+        d, path = saved
+        _write(path, {**d, "comment": {"any": ["thing"]}})
+        assert Plan.load(path).algorithm == "even-layers"
+
+    def test_a_plan_built_in_memory_is_checked_the_same_way(self, chain3, two_stage):
+        """What validates also saves and loads back: a hostile name made through the API is
+        refused by ``validate`` too."""
+        from dataclasses import replace
+
+        with pytest.raises(PlanError, match="plan field algorithm must be a name"):
+            replace(two_stage, algorithm='x"""\nimport os\n"""').validate(chain3)
+        with pytest.raises(PlanError, match=r"plan field stages\[0\]\[0\] must be a name"):
+            Plan.single(chain3, "gpu 0")
+
+
+class TestBounds:
+    """Numbers are bounded by what the graph allows."""
+
+    def test_more_replicas_than_samples(self):
+        g = graph([("x", "input", [], 100), ("a", "op", ["x"], 100)], batch=2)
+        with pytest.raises(PlanError, match="stage 0 has 3 replicas for a batch of 2 samples; "
+                                            "use at most 2 devices"):
+            Plan.from_assignment(g, [("d:0", "d:1", "d:2")], {"a": 0})
+
+    def test_more_stages_than_nodes(self, chain3):
+        with pytest.raises(PlanError, match="the plan has 5 stages for a graph of 4 nodes"):
+            Plan.from_assignment(chain3, [(f"d:{i}",) for i in range(5)], {"a": 0, "b": 1,
+                                                                             "c": 2})
+
+    def test_more_devices_than_the_cluster_has(self, chain3, two_stage):
+        with pytest.raises(PlanError, match="does not have"):
+            two_stage.validate(chain3, cluster(2))
+
+    def test_micro_batches_beyond_the_batch_refused_for_runs(self, chain3):
+        plan = Plan.single(chain3, "d:0", micro_batches=16)  # a what-if the simulator answers
+        with pytest.raises(PlanError, match="= 16 parts, more than it has samples"):
+            plan.check_batch(8)
+
+    @pytest.mark.parametrize("mb", [10**6, 10**30])
+    def test_huge_micro_batches_refused_in_memory(self, chain3, mb):
+        with pytest.raises(PlanError, match="micro_batches must be a whole number >= 1 and"):
+            Plan.single(chain3, "d:0", micro_batches=mb)

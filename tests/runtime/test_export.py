@@ -1,0 +1,174 @@
+"""Exported scripts: fixed text that carries no plan strings, refusals to overwrite or write
+where it cannot, and (slow) a script named with hostile text runs its plan and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import explorer as ex
+import explorer.runtime.export as export
+from explorer.cli.main import main as cli
+from explorer.core.errors import ExplorerError, PlanError
+from explorer.runtime.export import export_script, script_text
+
+HOSTILE_ALGORITHM = 'x"""\nopen("PWN","w")\n"""'
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    bm = ex.builtin_model("mlp", "tiny")
+    return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+
+
+@pytest.fixture(scope="module")
+def cpu2():
+    return ex.Cluster.cpu(2, measure=False)
+
+
+class TestScriptText:
+    def test_the_same_for_every_plan_but_the_process_count(self, mlp, cpu2, tmp_path):
+        from explorer.models.synthetic import roofline_costs
+
+        costs = roofline_costs(mlp, cpu2)
+        one = export_script(ex.Plan.single(mlp, "cpu:1"), tmp_path / "alpha_script.py",
+                            graph=mlp)
+        two = export_script(ex.partition(mlp, cpu2, costs, "even-layers"),
+                            tmp_path / "beta_script.py", graph=mlp, costs=costs)
+        assert one.read_text() == script_text(1)
+        assert two.read_text() == script_text(2)
+        assert re.sub(r"\d+", "N", script_text(1)) == re.sub(r"\d+", "N", script_text(7))
+        for text in (one.read_text(), two.read_text()):
+            for s in ("cpu:0", "cpu:1", "even-layers", "single", "alpha", "beta", "mlp"):
+                assert s not in text
+        assert os.access(one, os.X_OK)
+
+    def test_process_count_is_a_number(self):
+        with pytest.raises(ValueError):
+            script_text('1"""\nimport os\n"""')  # type: ignore[arg-type]
+
+    def test_a_plan_with_a_hostile_name_is_not_exported(self, mlp, tmp_path):
+        from dataclasses import replace
+
+        plan = replace(ex.Plan.single(mlp, "cpu:0"), algorithm=HOSTILE_ALGORITHM)
+        with pytest.raises(PlanError, match="plan field algorithm must be a name"):
+            export_script(plan, tmp_path / "train.py", graph=mlp)
+        assert list(tmp_path.iterdir()) == []
+
+
+class TestWhereItWrites:
+    def test_refuses_to_overwrite(self, mlp, tmp_path):
+        plan = ex.Plan.single(mlp, "cpu:0")
+        path = export_script(plan, tmp_path / "train.py", graph=mlp)
+        with pytest.raises(ExplorerError, match=r"train\.py already exists; choose another name "
+                                                r"or overwrite it"):
+            export_script(plan, path, graph=mlp)
+        assert export_script(plan, path, graph=mlp, overwrite=True) == path
+
+    def test_refuses_an_existing_job_folder(self, mlp, tmp_path):
+        (tmp_path / "train_job").mkdir()
+        with pytest.raises(ExplorerError, match=r"train_job already exists"):
+            export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp)
+
+    def test_a_job_folder_that_is_a_file(self, mlp, tmp_path):
+        (tmp_path / "train_job").write_text("")
+        with pytest.raises(ExplorerError, match=r"cannot write .*train\.py and train_job/: "):
+            export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp,
+                          overwrite=True)
+
+    def test_unwritable_folder(self, mlp, tmp_path, monkeypatch):
+        def denied(folder, *args):
+            raise PermissionError(13, "Permission denied", str(folder))
+
+        monkeypatch.setattr(export, "write_job", denied)
+        with pytest.raises(ExplorerError, match=r"cannot write .*: Permission denied; choose a "
+                                                r"folder you can write to"):
+            export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp)
+
+
+class TestCommandLine:
+    @pytest.fixture
+    def plan_file(self, mlp, tmp_path):
+        return ex.Plan.single(mlp, "cpu:0").save(tmp_path / "plan.json")
+
+    def _export(self, capsys, *args):
+        rc = cli(["export", "--size", "tiny", *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    def test_exports_and_refuses_to_overwrite_without_force(self, capsys, plan_file, tmp_path):
+        out = str(tmp_path / "train.py")
+        rc, text, _ = self._export(capsys, "--plan", str(plan_file), "--out", out)
+        assert rc == 0 and "launch: torchrun --standalone --nproc_per_node 1" in text
+        rc, _, err = self._export(capsys, "--plan", str(plan_file), "--out", out)
+        assert rc == 2 and "train.py already exists" in err and "--force" in err
+        rc, _, _ = self._export(capsys, "--plan", str(plan_file), "--out", out, "--force")
+        assert rc == 0
+
+    @pytest.mark.parametrize("content, match", [
+        (b"[1, 2]", "not a Partition Explorer plan"),
+        (b'{"format": "partition-explorer-plan", "version": 1, "graph": "mlp"}',
+         "plan field graph must be an object"),
+        (b'{"format": "partition-explorer-plan", "version": 1, "graph": {"name": "\xff"}}',
+         "is not UTF-8 JSON"),
+        (b'{"format": "partition-explorer-plan", "version": 1, "graph": {"fingerprint": "f"}, '
+         b'"stages": [["cpu:0"]], "placement": {}, "algorithm": 3}',
+         "plan field algorithm must be a name"),
+    ])
+    def test_damaged_plans_are_explained(self, capsys, tmp_path, content, match):
+        path = tmp_path / "plan.json"
+        path.write_bytes(content)
+        rc, _, err = self._export(capsys, "--plan", str(path), "--out",
+                                  str(tmp_path / "t.py"))
+        assert rc == 2 and err.startswith("error: ") and match in err
+        assert "Traceback" not in err
+        assert not (tmp_path / "t.py").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_script(script, cwd):
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(script), "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+@pytest.mark.slow
+def test_a_hostile_script_name_runs_the_plan_and_nothing_else(mlp, tmp_path):
+    """Quotes and code in the script's file name stay a name: the script trains one step of
+    its plan and creates nothing else."""
+    name = 'a"""+open("PWN","w").name+"""\'\'\'; import os #.py'
+    script = export_script(ex.Plan.single(mlp, "cpu:0", algorithm="single"), tmp_path / name,
+                           graph=mlp)
+    before = {p.name for p in tmp_path.iterdir()}
+    proc = _run_script(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "plan single for graph mlp on 1 devices (cpu:0)" in proc.stdout
+    assert "step 1/1: loss " in proc.stdout
+    assert {p.name for p in tmp_path.iterdir()} == before  # no PWN, nothing new
+    assert not os.path.exists("PWN")
+
+
+@pytest.mark.slow
+def test_a_hostile_plan_in_the_job_folder_is_refused_at_start(mlp, tmp_path):
+    """A plan.json edited after export is checked when the script starts."""
+    script = export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp)
+    plan_json = tmp_path / "train_job" / "plan.json"
+    plan_json.write_text(json.dumps({**json.loads(plan_json.read_text()),
+                                     "algorithm": HOSTILE_ALGORITHM}))
+    proc = _run_script(script, tmp_path)
+    assert proc.returncode == 2
+    assert "error: plan field algorithm must be a name" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "PWN").exists()
