@@ -369,9 +369,11 @@ class Session:
     def save(self, path: str | Path) -> Path:
         return self.plan.save(path)
 
-    def export(self, path: str | Path, steps: int = 10) -> Path:
-        """Write the torchrun script (and its plan JSON and job folder) for the plan under edit."""
-        return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps)
+    def export(self, path: str | Path, steps: int = 10, overwrite: bool = False) -> Path:
+        """Write the torchrun script (and its plan JSON and job folder) for the plan under edit;
+        an existing script is replaced only with ``overwrite``."""
+        return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps,
+                                overwrite=overwrite)
 
     # -- internals -----------------------------------------------------------------------
     def _keys(self, keys: Iterable[str] | None) -> list[str]:

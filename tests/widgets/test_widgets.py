@@ -155,6 +155,9 @@ def test_settings_save_load_and_export(session, tmp_path):
     plans = list(job.glob("*.json"))
     assert plans and any(json.loads(p.read_text()).get("placement") == dict(session.plan.placement)
                          for p in plans)
+    with pytest.raises(ExplorerError, match="exists"):  # a second export asks first
+        session.export(tmp_path / "train.py")
+    assert session.export(tmp_path / "train.py", overwrite=True) == script
 
 
 def test_selection_items_shown_and_messages_live_in_the_session(session):

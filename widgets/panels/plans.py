@@ -24,7 +24,7 @@ class PlansPanel(Panel):
     """``solvers``: the ``algorithm`` with its ``options`` (JSON), ``around_pins``,
     ``solve_button``, ``keep_button``, the plans ``table``, and ``pick`` with
     ``load_button``. ``files``: ``path`` with ``save_button`` and ``load_file_button``,
-    ``script_path`` with ``export_button``."""
+    ``script_path`` with ``export_button`` (``overwrite`` replaces an existing script)."""
 
     topics = frozenset({"plans", "costs"})
 
@@ -57,13 +57,14 @@ class PlansPanel(Panel):
         stem = s.graph.name or "model"
         self.path = W.Text(value=f"{stem}_plan.json", description="plan file")
         self.script_path = W.Text(value=f"train_{stem}.py", description="script")
+        self.overwrite = W.Checkbox(value=False, description="overwrite")
         self.save_button = button(s, "save plan", "write the plan JSON", self._save, "pe-save")
         self.load_file_button = button(s, "load plan", "read a plan JSON", self._load_file,
                                        "pe-load")
         self.export_button = button(s, "export script", "write a torchrun training script",
                                     self._export, "pe-export")
         self.files = W.VBox([W.HBox([self.path, self.save_button, self.load_file_button]),
-                             W.HBox([self.script_path, self.export_button])])
+                             W.HBox([self.script_path, self.overwrite, self.export_button])])
 
     def update(self, what: str) -> None:
         entries = self.session.plans
@@ -127,6 +128,6 @@ class PlansPanel(Panel):
         self.session.say(f"loaded {path}")
 
     def _export(self, *_) -> None:
-        p = self.session.export(self.script_path.value)
+        p = self.session.export(self.script_path.value, overwrite=self.overwrite.value)
         self.session.say(f"wrote {p}: run it with torchrun --nproc_per_node "
                          f"{len(self.session.plan.devices)} {p.name}")
