@@ -23,7 +23,7 @@ import argparse
 import os
 import statistics
 
-from _common import builtin_plans
+from _common import add_results_option, builtin_plans, write_result
 
 import explorer as ex
 from explorer.core.units import table
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="pin")
+    add_results_option(ap)
     args = ap.parse_args()
     var, what = SETTINGS[args.setting]
     cluster = ex.Cluster.cpu(2)
@@ -79,10 +80,14 @@ def main() -> None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = before
-    print(f"CPU ranks {what} (on) vs not (off, {var}=0) on {cluster.name} ({args.passes} "
-          f"alternating passes of {args.steps} steps each way; median step of each pass)")
-    print(table(("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
-                  "on pass spread", "on busy ms", "on / off"), rows))
+    title = (f"CPU ranks {what} (on) vs not (off, {var}=0) on {cluster.name} ({args.passes} "
+             f"alternating passes of {args.steps} steps each way; median step of each pass)")
+    head = ("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
+            "on pass spread", "on busy ms", "on / off")
+    print(title)
+    print(table(head, rows))
+    write_result(f"rank-settings-{args.setting}", rows, columns=head, title=title,
+                 folder=args.results)
 
 
 if __name__ == "__main__":
