@@ -28,6 +28,9 @@ references beside it:
   plan is predicted by a fit that saw it.
 
 Run it on a quiet machine: the ranks share its cores.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ assignments of one shown item to another device: the engine's estimate alone
 graph, cross-device edges, memory bars, timeline and numbers: what the user waits for before
 the screen can change). The browser's own drawing is not included. Target: under 100 ms at
 2,000 ops. Times are medians (and the slowest) over the edits, in milliseconds.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 Run: python benchmarks/engine.py [--size default] [--models gpt,mlp] [--devices 2,4,8]
 Prints one table of capture/profile times and one table of simulated plans per device count,
 on CPU ranks (profiled here, one thread each) and on an H100 preset (roofline).
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

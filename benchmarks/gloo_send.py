@@ -20,6 +20,9 @@ for the other two the data was sent 5 ms before it was needed, so any wait is la
 Gloo moves a message only once its receive is posted: a send made before that completes
 only when the receiver's request reaches the sender's communication thread, which, while
 both ranks compute on a host with no spare core, waits for the scheduler.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ array (beyond the caches) shows whether they share memory bandwidth. The second 
 host where it slows, ops that stream memory (element-wise ops, small layers) slow while
 another rank computes and large matrix products do not: the profile measures that per op
 (``measure_contention``) and the simulator applies it.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

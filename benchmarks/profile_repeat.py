@@ -14,6 +14,9 @@ even layers over two ranks in four micro-batches (1F1B). Then it runs those plan
 gives, per setting and plan, the predictions' mean, their spread (max / min - 1) and their
 coefficient of variation, the mean error against the measured step, and the profile's wall
 time. Settings compare side by side in one run, since the host is noisy.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

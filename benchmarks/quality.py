@@ -26,6 +26,9 @@ plans; each plan is simulated once. One table per (cluster, model):
 A summary table follows: per (cluster, model) the best plan and how much faster it is than
 ``single`` and ``data-parallel``, then per algorithm the number of groups it wins (ties
 included) and its mean step time over the best (geometric mean).
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

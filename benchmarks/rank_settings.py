@@ -15,6 +15,9 @@ in four micro-batches, GPipe and 1F1B) run ``--passes`` times each way, on and o
 alternating, so a slow spell of the host lands on both. The table gives each way's median
 step over the passes, how far its passes were apart (largest over smallest pass median), the
 median busy time of each way's busiest rank, and on / off.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ that file on the same plan (for example the previous version:
 predict the same. Every simulation is timed cold (the simulator's per-graph arrays are dropped
 first). Times are the best of ``--repeat`` runs, in seconds, from ``time.perf_counter``; the
 machine's load average (1, 5, 15 min) is printed with every row, since it may be shared.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
