@@ -1,11 +1,27 @@
-"""What several benchmarks share. Imported by the scripts beside it (``python benchmarks/X.py``
-puts this folder on the import path)."""
+"""What several benchmarks share: the built-in model's labelled plans, and the JSON record of a
+result under ``benchmarks/results/`` that ``python benchmarks/report.py`` renders into docs/.
+Imported by the scripts beside it (``python benchmarks/X.py`` puts this folder on the import
+path)."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
 import explorer as ex
+
+#: where the benchmarks write their records and where ``report.py`` reads them
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def builtin_plans(name: str, size: str, cluster: ex.Cluster,
@@ -19,3 +35,45 @@ def builtin_plans(name: str, size: str, cluster: ex.Cluster,
     costs = ex.profile(graph, cluster, progress=False)
     return graph, [(label, ex.partition(graph, cluster, costs, alg, **opts))
                    for label, alg, opts in plans]
+
+
+def add_results_option(ap: argparse.ArgumentParser) -> None:
+    """``--results DIR``: where :func:`write_result` writes (``none``: nowhere)."""
+    ap.add_argument("--results", default=str(RESULTS),
+                    help="folder for the JSON records (default benchmarks/results; 'none' "
+                         "writes none); python benchmarks/report.py renders them into docs/")
+
+
+def machine() -> str:
+    """This machine in words, without its name: cores, processor, torch, GPU."""
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()}-core CPU machine ({cpu}, {platform.system()}), "
+            f"torch {torch.__version__}, {gpu}")
+
+
+def write_result(name: str, rows: Sequence[Mapping[str, Any] | Sequence[Any]], *,
+                 columns: Sequence[str] | None = None, command: str | None = None,
+                 title: str = "", notes: str = "", folder: str | Path = RESULTS
+                 ) -> Path | None:
+    """Write ``rows`` (mappings, or sequences named by ``columns``) as the record
+    ``folder/name.json`` with today's date, this machine and the command line; nothing when
+    ``folder`` is ``'none'``. Returns the path written."""
+    if str(folder).lower() == "none":
+        return None
+    if columns is not None:
+        rows = [dict(zip(columns, r, strict=True)) for r in rows]
+    record = {
+        "title": title,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": command or "python " + shlex.join(
+            [os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "notes": notes,
+        "rows": [dict(r) for r in rows],
+    }
+    path = Path(folder) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return path

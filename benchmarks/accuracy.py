@@ -28,6 +28,9 @@ references beside it:
   plan is predicted by a fit that saw it.
 
 Run it on a quiet machine: the ranks share its cores.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import dataclasses
 import statistics
 import time
 
+from _common import add_results_option, write_result
 from scipy.stats import kendalltau
 
 import explorer as ex
@@ -68,6 +72,7 @@ def main() -> None:
     ap.add_argument("--cached", action="store_true",
                     help="use cached profiles (default: profile afresh just before the runs, "
                          "as a user profiles and then runs in one session)")
+    add_results_option(ap)
     args = ap.parse_args()
     baselines = {a for a, _ in PLANS}
     if args.partitioners == "all":
@@ -116,6 +121,7 @@ def main() -> None:
                          _pooled(got), got, same, ex.simulate(graph, plan, again)))
     # calibrated: fitted on the runs of the *other* models only, then predicting this one
     calibrated = {}
+    fits = []
     models = sorted({r[0] for r in runs})
     for name in models:
         mine = [r for r in runs if r[0] == name]
@@ -126,9 +132,10 @@ def main() -> None:
         fitted = ex.calibrate(mine[0][3], [r[6] for r in rest], others=others.values())
         for r in mine:
             calibrated[id(r)] = ex.simulate(r[2], r[4], fitted)
-        print(f"calibrated for {name} on the other models: compute x{fitted.compute_scale:.2f}, "
-              f"{fitted.extra_op_s * 1e6:.1f} us per op, {fitted.message_s * 1e6:.1f} us per "
-              f"message, link x{fitted.link_scale:.2f}")
+        fits.append(f"calibrated for {name} on the other models: compute "
+                    f"x{fitted.compute_scale:.2f}, {fitted.extra_op_s * 1e6:.1f} us per op, "
+                    f"{fitted.message_s * 1e6:.1f} us per message, link x{fitted.link_scale:.2f}")
+        print(fits[-1])
 
     # (predicted, measured) per plan for each summary; errors are (p - m) / m as in ex.compare
     rows, mem_err, pairs, flat_pairs, cal_pairs, self_pairs = [], [], [], [], [], []
@@ -172,33 +179,45 @@ def main() -> None:
     for name, label, note in skipped:
         rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                      note))
-    print(f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
-          f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
-    print(table(("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
-                  "no-late err", "2nd profile err", "calib ms", "calib err",
-                  "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note"),
-                 rows))
+    title = (f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
+             f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
+    header = ("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
+              "no-late err", "2nd profile err", "calib ms", "calib err",
+              "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note")
+    print(title)
+    print(table(header, rows))
+    write_result("accuracy", rows, columns=header, title=title, notes=" ".join(fits),
+                 folder=args.results)
 
-    def summary(what: str, prs: list[tuple[float, float]]) -> str:
+    summaries = []
+
+    def summary(what: str, prs: list[tuple[float, float]]) -> None:
         errs = [abs(p / m - 1) for p, m in prs]
         tau = kendalltau([p for p, _ in prs], [m for _, m in prs]).statistic
-        return (f"{what}: step-time error mean {statistics.mean(errs) * 100:.1f}%, max "
-                f"{max(errs) * 100:.1f}%, Kendall tau {tau:.2f}")
+        summaries.append((what, f"{statistics.mean(errs) * 100:.1f}%",
+                          f"{max(errs) * 100:.1f}%", f"{tau:.2f}"))
+        print(f"{what}: step-time error mean {summaries[-1][1]}, max {summaries[-1][2]}, "
+              f"Kendall tau {summaries[-1][3]}")
 
+    totals = ""
     if pairs:
-        print(f"\nplans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
-              f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
-        print(summary("as profiled", pairs))
-        print(summary("as profiled, without contention", flat_pairs))
-        print(summary("as profiled, without late receives", on_time_pairs))
-        print(summary("from a second profile after the runs", again_pairs))
-        print(summary("profile against itself (second profile's prediction vs first's)",
-                      profile_pairs))
+        totals = (f"plans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
+                  f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
+        print("\n" + totals)
+        summary("as profiled", pairs)
+        summary("as profiled, without contention", flat_pairs)
+        summary("as profiled, without late receives", on_time_pairs)
+        summary("from a second profile after the runs", again_pairs)
+        summary("profile against itself (second profile's prediction vs first's)",
+                profile_pairs)
     if self_pairs:
-        print(summary("measured against itself (odd passes vs even passes; the measurement's "
-                      "own error is about half)", self_pairs))
+        summary("measured against itself (odd passes vs even passes; the measurement's "
+                "own error is about half)", self_pairs)
     if cal_pairs:
-        print(summary("calibrated on the other models' runs", cal_pairs))
+        summary("calibrated on the other models' runs", cal_pairs)
+    write_result("accuracy-summary", summaries,
+                 columns=("prediction", "error mean", "error max", "Kendall tau"),
+                 title="Step-time error over all plans", notes=totals, folder=args.results)
 
 
 def _signature(plan: ex.Plan) -> tuple:

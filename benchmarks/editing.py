@@ -10,6 +10,9 @@ assignments of one shown item to another device: the engine's estimate alone
 graph, cross-device edges, memory bars, timeline and numbers: what the user waits for before
 the screen can change). The browser's own drawing is not included. Target: under 100 ms at
 2,000 ops. Times are medians (and the slowest) over the edits, in milliseconds.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import add_results_option, write_result
+
 import explorer as ex
+from explorer.core.units import table
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets.app import Explorer
 from widgets.session import Session
@@ -70,6 +76,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="500,2000,10000")
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--devices", default="4xH100")
+    add_results_option(ap)
     args = ap.parse_args()
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
@@ -77,21 +84,19 @@ def main() -> None:
             r = bench(make(n), args.devices, args.edits)
             rows.append((kind, r))
             print(f"  {kind} {n}: done", file=sys.stderr)
-    print(f"edit -> updated numbers on {args.devices} (ms, median / slowest of {args.edits}); "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    title = (f"Edit to updated numbers in the explorer widget ({args.devices} preset, roofline "
+             f"costs; ms, median / slowest of {args.edits} edits)")
+    load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    print(f"{title}; {load}")
     head = ("graph", "ops", "items shown", "open (s)", "engine ms", "engine max",
             "widget ms", "widget max", "< 100 ms")
-    table = [head]
-    for kind, r in rows:
-        table.append((kind, f"{r['ops']:,}", f"{r['items']:,}", f"{r['open_s']:.2f}",
-                      f"{r['engine_ms']:.1f}", f"{r['engine_max_ms']:.1f}",
-                      f"{r['widget_ms']:.1f}", f"{r['widget_max_ms']:.1f}",
-                      "yes" if r["widget_ms"] < 100 else "NO"))
-    widths = [max(len(str(row[c])) for row in table) for c in range(len(head))]
-    for k, row in enumerate(table):
-        print("  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
+    out = [(kind, f"{r['ops']:,}", f"{r['items']:,}", f"{r['open_s']:.2f}",
+            f"{r['engine_ms']:.1f}", f"{r['engine_max_ms']:.1f}",
+            f"{r['widget_ms']:.1f}", f"{r['widget_max_ms']:.1f}",
+            "yes" if r["widget_ms"] < 100 else "NO") for kind, r in rows]
+    print(table(head, out))
+    write_result("editing", out, columns=head, title=title, notes=load + ".",
+                 folder=args.results)
 
 
 if __name__ == "__main__":

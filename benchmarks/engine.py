@@ -3,12 +3,17 @@
 Run: python benchmarks/engine.py [--size default] [--models gpt,mlp] [--devices 2,4,8]
 Prints one table of capture/profile times and one table of simulated plans per device count,
 on CPU ranks (profiled here, one thread each) and on an H100 preset (roofline).
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+
+from _common import add_results_option, write_result
 
 import explorer as ex
 from explorer.cli.main import plan_rows
@@ -23,6 +28,7 @@ def main() -> None:
     ap.add_argument("--size", default="default")
     ap.add_argument("--models", default=",".join(ex.model_names()))
     ap.add_argument("--devices", default="2,4,8")
+    add_results_option(ap)
     args = ap.parse_args()
     counts = [int(k) for k in args.devices.split(",")]
     timing, plans = [], []
@@ -57,11 +63,17 @@ def main() -> None:
                                   f"{max(r.peak_bytes.values()) / MiB:.1f}",
                                   f"{r.cross_device_bytes / MiB:.2f}",
                                   "yes" if r.fits else "no"))
-    print(f"Capture and profile ({args.size} size; profile = CPU rank, 1 thread)")
-    print(table(("model", "ops", "params MiB", "GFLOP/step", "capture s", "profile s"), timing))
-    print("\nSimulated baselines")
-    print(table(("model", "devices", "plan", "step ms", "gap to bound", "max peak MiB",
-                  "MiB across", "fits"), plans))
+    title = f"Capture and profile time of the built-in models ({args.size} size)"
+    head = ("model", "ops", "params MiB", "GFLOP/step", "capture s", "profile s")
+    print(f"{title}; profile = CPU rank, 1 thread")
+    print(table(head, timing))
+    write_result("engine", timing, columns=head, title=title, folder=args.results)
+    title = f"Simulated baselines on {args.devices} devices"
+    head = ("model", "devices", "plan", "step ms", "gap to bound", "max peak MiB", "MiB across",
+            "fits")
+    print(f"\n{title}")
+    print(table(head, plans))
+    write_result("engine-plans", plans, columns=head, title=title, folder=args.results)
 
 
 if __name__ == "__main__":

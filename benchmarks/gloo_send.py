@@ -20,22 +20,34 @@ for the other two the data was sent 5 ms before it was needed, so any wait is la
 Gloo moves a message only once its receive is posted: a send made before that completes
 only when the receiver's request reaches the sender's communication thread, which, while
 both ranks compute on a host with no spare core, waits for the scheduler.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import add_results_option, write_result
 
-from explorer.devices.cluster import _free_port
+from explorer.core.units import table
 
 CASES = ("receiver waiting", "sent first", "sent first, sender idle", "posted ahead")
+
+
+def _free_port() -> int:
+    """A TCP port on loopback that is free now, for the ranks' rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _compute(a: torch.Tensor, ms: float) -> None:
@@ -87,6 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sizes", default="4096,1048576", help="message sizes in bytes")
+    add_results_option(ap)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -106,11 +119,12 @@ def main() -> None:
             w = sorted(got[case, size])
             rows.append((case, f"{size / 1024:g} KiB", f"{statistics.median(w) * 1e3:.2f}",
                          f"{w[int(0.9 * (len(w) - 1))] * 1e3:.2f}", f"{w[-1] * 1e3:.2f}"))
-    from explorer.core.units import table
-
-    print(f"2 gloo ranks on {os.cpu_count()} cores, {args.iters} iterations each "
-          "(rank 1's wait on its receive, ms)")
-    print(table(("receive", "message", "median", "p90", "max"), rows))
+    title = (f"2 gloo ranks on {os.cpu_count()} cores, {args.iters} iterations each "
+             "(rank 1's wait on its receive, ms)")
+    head = ("receive", "message", "median", "p90", "max")
+    print(title)
+    print(table(head, rows))
+    write_result("gloo-send", rows, columns=head, title=title, folder=args.results)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ Run: python benchmarks/host.py [--seconds 2] [--rounds 2]
 Each kind of work runs in one process pinned to the first core this process may use, then in
 two processes pinned to the first two at the same time, ``--rounds`` times in turn; the table
 gives the work done per second per process. Arithmetic on registers shows whether the two
-cores are truly separate (hyper-threads of one core slow each other here); copying a 16 MiB
+cores are truly separate (hyper-threads of one core slow each other); copying a 16 MiB
 array (beyond the caches) shows whether they share memory bandwidth. The second is why, on a
 host where it slows, ops that stream memory (element-wise ops, small layers) slow while
 another rank computes and large matrix products do not: the profile measures that per op
 (``measure_contention``) and the simulator applies it.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import statistics
 import time
 
 import numpy as np
+from _common import add_results_option, write_result
+
+from explorer.core.units import table
 
 
 def _arith(seconds: float) -> float:
@@ -64,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
+    add_results_option(ap)
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -79,10 +86,12 @@ def main() -> None:
         a, b = statistics.median(alone), statistics.median(both)
         rows.append((kind, unit, f"{a * scale:.2f}", f"{b * scale:.2f}",
                      f"{(a / b - 1) * 100:+.0f}%"))
-    from explorer.core.units import table
-
-    print(f"cores {pair[0]} and {pair[1]}, {args.rounds} rounds of {args.seconds:g} s")
-    print(table(("work", "unit", "one process", "each of two", "slower with two"), rows))
+    title = f"Two pinned processes against one: cores {pair[0]} and {pair[1]}, " \
+            f"{args.rounds} rounds of {args.seconds:g} s"
+    head = ("work", "unit", "one process", "each of two", "slower with two")
+    print(title)
+    print(table(head, rows))
+    write_result("host", rows, columns=head, title=title, folder=args.results)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Run: python benchmarks/profile_repeat.py [--models mlp,gpt] [--times 4]
        [--settings 2/2/5,2/2/15] [--passes 3]
 
-A prediction is only as steady as the profile under it: on a shared host an op's time wanders
-by several percent over seconds, and a profile taken a minute later predicts another step.
+A prediction is only as steady as the profile under it: where the host's speed wanders, a
+profile taken a minute later predicts another step.
 For every model and every setting (``ROUNDS`` runs of each share of the batch /
 ``CONTENTION_ROUNDS`` runs of the contention pair / ``repeats`` steps per run), it profiles
 afresh ``--times`` times, the settings in turn so a slow spell of the host lands on all of
@@ -14,6 +14,9 @@ even layers over two ranks in four micro-batches (1F1B). Then it runs those plan
 gives, per setting and plan, the predictions' mean, their spread (max / min - 1) and their
 coefficient of variation, the mean error against the measured step, and the profile's wall
 time. Settings compare side by side in one run, since the host is noisy.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import importlib
 import statistics
 import time
 
-from _common import builtin_plans
+from _common import add_results_option, builtin_plans, write_result
 
 import explorer as ex
 from explorer.core.units import table
@@ -44,6 +47,7 @@ def main() -> None:
                     help="settings to compare, each ROUNDS/CONTENTION_ROUNDS/repeats")
     ap.add_argument("--passes", type=int, default=3, help="real runs of each plan (0: none)")
     ap.add_argument("--steps", type=int, default=5)
+    add_results_option(ap)
     args = ap.parse_args()
     try:
         settings = [tuple(int(x) for x in s.split("/")) for s in args.settings.split(",")]
@@ -92,11 +96,15 @@ def main() -> None:
                              f"({min(x[1] for x in profs):.2f}-{max(x[1] for x in profs):.2f})",
                              f"{statistics.fmean(x[2] for x in profs) * 100:.1f}%",
                              f"{statistics.fmean(walls[st]):.1f}"))
-    print(f"Profiled {args.times} times per setting on {cluster.name}; predictions of each plan")
-    print(table(("model", "rounds/contention/repeats", "plan", "pred ms (mean)", "spread",
-                  "cv", "meas ms", "mean |err|", "contention mean (range)", "replica spread",
-                  "profile s"), rows))
-    print(f"\nwall {time.perf_counter() - t_all:.0f} s")
+    title = f"Profiled {args.times} times per setting on {cluster.name}; predictions of each plan"
+    head = ("model", "rounds/contention/repeats", "plan", "pred ms (mean)", "spread", "cv",
+            "meas ms", "mean |err|", "contention mean (range)", "replica spread", "profile s")
+    print(title)
+    print(table(head, rows))
+    wall = f"wall {time.perf_counter() - t_all:.0f} s"
+    print("\n" + wall)
+    write_result("profile-repeat", rows, columns=head, title=title, notes=wall + ".",
+                 folder=args.results)
 
 
 if __name__ == "__main__":

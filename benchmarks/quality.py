@@ -26,6 +26,9 @@ plans; each plan is simulated once. One table per (cluster, model):
 A summary table follows: per (cluster, model) the best plan and how much faster it is than
 ``single`` and ``data-parallel``, then per algorithm the number of groups it wins (ties
 included) and its mean step time over the best (geometric mean).
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import add_results_option, write_result
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
@@ -154,7 +159,12 @@ def run_group(graph, cluster, costs, names: list[str]) -> list[Row]:
     return rows
 
 
-def group_table(rows: list[Row], n: int, width: int) -> str:
+GROUP_HEADER = ("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)", "used",
+                "idle", "plan s", "notes")
+
+
+def group_rows(rows: list[Row], n: int, width: int) -> list[tuple]:
+    """One (model, cluster)'s table rows, as :data:`GROUP_HEADER` names them."""
     best = min((r.pred.step_s for r in rows if r.fits), default=math.inf)
     dp = next((r for r in rows if r.algorithm == "data-parallel"), None)
     out = []
@@ -170,8 +180,7 @@ def group_table(rows: list[Row], n: int, width: int) -> str:
                     f"{max(p.peak_bytes.values()) / MiB:.1f}",
                     f"{p.cross_device_bytes / MiB:.2f} ({p.allreduce_bytes / MiB:.2f})",
                     str(len(pl.devices)), f"{idle_share(p, n):.0%}", f"{r.wall_s:.2f}", nt))
-    return table(("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)",
-                   "used", "idle", "plan s", "notes"), out)
+    return out
 
 
 def main() -> None:
@@ -184,6 +193,7 @@ def main() -> None:
     ap.add_argument("--cpu-costs", default="profiled", choices=("profiled", "roofline"))
     ap.add_argument("--no-cache", action="store_true", help="profile afresh")
     ap.add_argument("--width", type=int, default=400, help="longest note printed")
+    add_results_option(ap)
     args = ap.parse_args()
     models = ex.model_names() if args.models == "all" else args.models.split(",")
     names = ex.algorithms() if args.algorithms == "all" else args.algorithms.split(",")
@@ -195,7 +205,7 @@ def main() -> None:
              if args.cpu_costs == "profiled" else "roofline costs")
           + "; GPU presets: roofline costs; load average "
           + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
-    summary, ratio = [], defaultdict(list)
+    summary, groups, ratio = [], [], defaultdict(list)
     wins: dict[str, int] = defaultdict(int)
     for model in models:
         bm = ex.builtin_model(model, args.size)
@@ -226,7 +236,9 @@ def main() -> None:
                 print(f"\n{model} ({args.size}: {s['ops']} ops, "
                       f"{s['params_bytes'] / MiB:.1f} MiB params, batch {s['batch_size']}) on "
                       f"{label}: lower bound {bound * 1e3:.3f} ms (total compute / {k} devices)")
-                print(group_table(rows, k, args.width), flush=True)
+                out = group_rows(rows, k, args.width)
+                print(table(GROUP_HEADER, out), flush=True)
+                groups += [(model, label, *r) for r in out]
                 fit = [r for r in rows if r.fits]
                 if not fit:
                     summary.append((model, label, "-", "-", "-", "-", "-"))
@@ -243,20 +255,29 @@ def main() -> None:
                     f"{best / bound - 1:.0%}" if bound > 0 else "-",
                     f"{step['single'] / best:.2f}x" if "single" in step else "-",
                     f"{step['data-parallel'] / best:.2f}x" if "data-parallel" in step else "-"))
+    head = ("model", "devices", "best (ties)", "step ms", "gap", "single / best",
+            "data-parallel / best")
     print("\nBest plan per (model, cluster)")
-    print(table(("model", "devices", "best (ties)", "step ms", "gap", "single / best",
-                  "data-parallel / best"), summary))
-    print("\nPer algorithm, over the groups where its plan fits")
+    print(table(head, summary))
     agg = []
     for a in names:
         xs = ratio.get(a, [])
         gm = math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
         agg.append((a, str(len(xs)), str(wins.get(a, 0)), f"{gm:.3f}x",
                     f"{max(xs):.2f}x" if xs else "-"))
-    print(table(("algorithm", "plans that fit", "best (ties)", "mean step / best",
-                  "worst step / best"), agg))
-    print(f"\nwall {time.perf_counter() - t_start:.0f} s; load average "
-          + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    agg_head = ("algorithm", "plans that fit", "best (ties)", "mean step / best",
+                "worst step / best")
+    print("\nPer algorithm, over the groups where its plan fits")
+    print(table(agg_head, agg))
+    wall = (f"wall {time.perf_counter() - t_start:.0f} s; load average "
+            + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print("\n" + wall)
+    write_result("quality", summary, columns=head, title="Best plan per (model, cluster)",
+                 notes=wall + ".", folder=args.results)
+    write_result("quality-algorithms", agg, columns=agg_head,
+                 title="Per algorithm, over the groups where its plan fits", folder=args.results)
+    write_result("quality-groups", groups, columns=("model", "devices", *GROUP_HEADER),
+                 title="Every partitioner on one (model, cluster)", folder=args.results)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ in four micro-batches, GPipe and 1F1B) run ``--passes`` times each way, on and o
 alternating, so a slow spell of the host lands on both. The table gives each way's median
 step over the passes, how far its passes were apart (largest over smallest pass median), the
 median busy time of each way's busiest rank, and on / off.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import argparse
 import os
 import statistics
 
-from _common import builtin_plans
+from _common import add_results_option, builtin_plans, write_result
 
 import explorer as ex
 from explorer.core.units import table
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="pin")
+    add_results_option(ap)
     args = ap.parse_args()
     var, what = SETTINGS[args.setting]
     cluster = ex.Cluster.cpu(2)
@@ -79,10 +83,14 @@ def main() -> None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = before
-    print(f"CPU ranks {what} (on) vs not (off, {var}=0) on {cluster.name} ({args.passes} "
-          f"alternating passes of {args.steps} steps each way; median step of each pass)")
-    print(table(("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
-                  "on pass spread", "on busy ms", "on / off"), rows))
+    title = (f"CPU ranks {what} (on) vs not (off, {var}=0) on {cluster.name} ({args.passes} "
+             f"alternating passes of {args.steps} steps each way; median step of each pass)")
+    head = ("model", "plan", "off ms", "off pass spread", "off busy ms", "on ms",
+            "on pass spread", "on busy ms", "on / off")
+    print(title)
+    print(table(head, rows))
+    write_result(f"rank-settings-{args.setting}", rows, columns=head, title=title,
+                 folder=args.results)
 
 
 if __name__ == "__main__":

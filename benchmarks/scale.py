@@ -4,18 +4,20 @@ Run: python benchmarks/scale.py [--sizes 1k,10k,100k] [--graphs layered,gpt]
          [--algorithms all] [--repeat 1] [--timeout 0] [--reference OLD_SIMULATE.py]
 
 Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``) and a captured tiny GPT
-whose
-transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``), on the
-``8xH100`` preset with roofline costs (no profiling). For every graph and size, each
-registered partitioner runs (those that refuse a graph, such as exact searches over their
-limits, are listed with their message; with ``--timeout`` each runs in a child process and is
-given up after that many seconds) and the plan it returns is simulated once. The ``simulate``
-row times one simulation of the ``even-layers`` plan; with ``--reference`` it also times the
-simulator in that file on the same plan (for example the previous version:
-``git show HEAD:explorer/simulate.py > /tmp/simulate_old.py``) and checks that both predict
-the same. Every simulation is timed cold (the simulator's per-graph arrays are dropped
+whose transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``), on the
+``8xH100`` preset with roofline costs (no profiling). For every graph and size, each registered
+partitioner runs (those that refuse a graph, such as exact searches over their limits, are
+listed with their message; with ``--timeout`` each runs in a child process and is given up
+after that many seconds) and the plan it returns is simulated once. The ``simulate`` row times
+one simulation of the ``even-layers`` plan; with ``--reference`` it also times the simulator in
+that file on the same plan (for example the previous version:
+``git show HEAD:explorer/simulate/simulator.py > /tmp/simulate_old.py``) and checks that both
+predict the same. Every simulation is timed cold (the simulator's per-graph arrays are dropped
 first). Times are the best of ``--repeat`` runs, in seconds, from ``time.perf_counter``; the
 machine's load average (1, 5, 15 min) is printed with every row, since it may be shared.
+
+Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _common import add_results_option, write_result
+
+from explorer.core.units import table
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from explorer.partition import algorithms, partition
@@ -102,15 +107,6 @@ def load_reference(path: str):
     return mod
 
 
-def table(header: tuple[str, ...], rows: list[tuple]) -> str:
-    cols = list(zip(header, *rows, strict=True))
-    widths = [max(len(str(x)) for x in c) for c in cols]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*map(str, r)) for r in rows]
-    return "\n".join(lines)
-
-
 def partition_and_simulate(graph, cluster, costs, alg: str, repeat: int) -> tuple:
     """("ok", partition s, simulate s, step s), or ("error", what was raised)."""
     try:
@@ -164,6 +160,7 @@ def main() -> None:
                          "run in a child process (0: no limit, in this process)")
     ap.add_argument("--reference", default=None,
                     help="a simulate.py to time against (e.g. the previous version)")
+    add_results_option(ap)
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     algs = algorithms() if args.algorithms == "all" else args.algorithms.split(",")
@@ -209,10 +206,16 @@ def main() -> None:
                  load(), note))
     print()
     print(table(header, rows))
+    title = (f"Wall time of every partitioner and of one simulation on large graphs "
+             f"({cluster.name} preset, roofline costs, best of {args.repeat})")
+    write_result("scale", rows, columns=header, title=title, folder=args.results)
     if speedups:
+        head = ("graph", "nodes", "reference s", "now s", "speed-up", "same prediction", "load")
         print("\nsimulate(): reference vs this version, same run, same plan")
-        print(table(("graph", "nodes", "reference s", "now s", "speed-up", "same prediction",
-                     "load"), speedups))
+        print(table(head, speedups))
+        write_result("scale-reference", speedups, columns=head,
+                     title="simulate(): a reference version against this one, same plan",
+                     folder=args.results)
     print(f"\nload average at end {load()}")
 
 
