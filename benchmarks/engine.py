@@ -16,7 +16,7 @@ import time
 from _common import add_results_option, write_result
 
 import explorer as ex
-from explorer.cli.main import plan_rows
+from explorer.cli.commands import plan_rows
 from explorer.core.units import table
 
 BASELINES = ["single", "data-parallel", "even-layers", "balanced-params"]

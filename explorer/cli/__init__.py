@@ -1,5 +1,5 @@
 """The ``explorer`` command line."""
 
-from explorer.cli.main import main
+from explorer.cli.commands import main
 
 __all__ = ["main"]

@@ -2,6 +2,6 @@
 
 import sys
 
-from explorer.cli.main import main
+from explorer.cli.commands import main
 
 sys.exit(main())

@@ -12,7 +12,8 @@ import pytest
 
 import explorer as ex
 import explorer.devices.cluster as cl
-from explorer.cli.main import main
+from explorer.cli import commands
+from explorer.cli.commands import main
 from explorer.core.plan import Plan
 
 PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--quiet"]
@@ -141,14 +142,14 @@ class TestPlan:
         assert Plan.load(path, _mlp_graph()).stages == (("T4:0",),)
 
     def test_plan_that_does_not_fit(self, capsys, monkeypatch):
-        real = cl.parse_devices
+        real = commands.parse_devices
 
         def no_memory(spec):
             c = real(spec)
             return dataclasses.replace(c, devices=tuple(
                 dataclasses.replace(d, memory_bytes=0) for d in c.devices))
 
-        monkeypatch.setattr(cl, "parse_devices", no_memory)
+        monkeypatch.setattr(commands, "parse_devices", no_memory)
         rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single")
         assert rc == 0
         line = next(line for line in out.splitlines() if line.startswith("single"))
@@ -157,8 +158,8 @@ class TestPlan:
         assert "fastest plan that fits" not in out
 
     def test_nothing_fits_so_nothing_is_saved(self, capsys, monkeypatch, tmp_path):
-        real = cl.parse_devices
-        monkeypatch.setattr(cl, "parse_devices", lambda spec: dataclasses.replace(
+        real = commands.parse_devices
+        monkeypatch.setattr(commands, "parse_devices", lambda spec: dataclasses.replace(
             real(spec), devices=tuple(dataclasses.replace(d, memory_bytes=0)
                                       for d in real(spec).devices)))
         rc, _, err = _run(capsys, *PLAN, "--devices", "T4", "--algorithm", "single",

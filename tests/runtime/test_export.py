@@ -14,7 +14,7 @@ import pytest
 
 import explorer as ex
 import explorer.runtime.export as export
-from explorer.cli.main import main as cli
+from explorer.cli.commands import main as cli
 from explorer.core.errors import ExplorerError, PlanError
 from explorer.runtime.export import export_script, script_text
 

@@ -10,13 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.units import MiB, table
+from explorer.devices.cluster import Cluster, parse_devices
+from explorer.models.builtin import build, model_names
+from explorer.partition import algorithm, algorithms
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from explorer.models.builtin import build, model_names
-
     rows = []
     for name in model_names():
         m = build(name, args.size)
@@ -32,8 +34,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_algorithms(args: argparse.Namespace) -> int:
-    from explorer.partition import algorithm, algorithms
-
     rows = [(n, algorithm(n).summary,
              ", ".join(f"{k}={v!r}" for k, v in algorithm(n).options.items()))
             for n in algorithms()]
@@ -42,8 +42,6 @@ def cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from explorer.devices.cluster import Cluster, parse_devices
-
     if args.presets:
         print("\n".join(Cluster.presets()))
         return 0
@@ -53,9 +51,6 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace):
     """Build the model, capture, choose the cluster and profile: shared by plan and friends."""
-    import explorer as ex
-    from explorer.devices.cluster import parse_devices
-
     cluster = parse_devices(args.devices)  # a bad device spec fails before any work
     t0 = time.perf_counter()
     bm = ex.builtin_model(args.model, args.size, args.batch_size)
@@ -69,8 +64,6 @@ def _prepare(args: argparse.Namespace):
 
 def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any]):
     """Run each algorithm and simulate its plan; (name, plan, prediction or error text)."""
-    import explorer as ex
-
     out = []
     for name in names:
         alg = ex.algorithm(name)
@@ -84,8 +77,6 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import explorer as ex
-
     names = ex.algorithms() if args.algorithm == "all" else [args.algorithm]
     for n in names:
         ex.algorithm(n)  # unknown names fail before any work is done
@@ -134,8 +125,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import explorer as ex
-
     if args.plan is None:
         ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
     bm, graph, cluster, costs, _, _ = _prepare(args)
@@ -164,8 +153,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import explorer as ex
-
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
     model = args.model or plan.graph_name or "gpt"
     bm = ex.builtin_model(model, args.size, args.batch_size)
