@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from explorer.devices.cluster import _free_port
+from explorer.platforms.net import free_port
 
 CASES = ("receiver waiting", "sent first", "sent first, sender idle", "posted ahead")
 
@@ -92,7 +92,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, args.iters, sizes, out))
              for r in range(2)]
     for p in procs:

@@ -30,7 +30,6 @@ its predictions for many cases); a 100k-node graph simulates in well under a sec
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import weakref
 from dataclasses import dataclass
@@ -43,7 +42,8 @@ import numpy as np
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
-from explorer.costs.model import CostModel
+from explorer.costs.model import CostModel, DeviceCosts
+from explorer.devices.cluster import Cluster, Device, Link
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
@@ -240,9 +240,9 @@ def _plain(costs: CostModel) -> bool:
 class _Seconds:
     """Node seconds as ``costs.fwd_s`` / ``costs.bwd_s`` give them, for many nodes at once.
 
-    ``others`` (device -> how many other ranks of its host compute the same ops beside it:
-    its stage's other replicas) slows each op by its measured contention:
-    ``t x (1 + (ratio - 1) x others)``.
+    ``others`` (device -> how many other replicas of its stage compute the same ops beside
+    it) slows each op as the device's platform says from its measured contention
+    (:meth:`explorer.platforms.Platform.op_slowdown`).
     """
 
     def __init__(self, costs: CostModel, others: dict[str, float] | None = None) -> None:
@@ -260,7 +260,9 @@ class _Seconds:
         t = dc.at_many(which, idx, fraction)  # DeviceCosts.at, elementwise
         busy_others = self.others.get(device, 0.0)
         if busy_others and dc.contention:
-            t = t * (1.0 + (dc._array("contention")[idx] - 1.0) * busy_others)
+            slow = costs.platform(device).op_slowdown(dc.array("contention")[idx], busy_others)
+            if slow is not None:
+                t = t * slow
         s = t * costs.compute_scale + costs.extra_op_s  # CostModel._scaled, elementwise
         return np.where(t <= 0.0, 0.0, s)
 
@@ -589,8 +591,11 @@ class _Sim:
                 fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
                 idx = idx[has_b[idx]]
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
-        if costs.message_s:
-            _message_time(A, st, S, fwd_d, bwd_d, costs.message_s)
+        # the processor time per message, per stage (the slowest replica's platform)
+        msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
+                        for s in range(S)], dtype=np.float64)
+        if msg.any():
+            _message_time(A, st, S, fwd_d, bwd_d, msg)
         tpl_node_l = tpl_node.tolist()
         self.kind = np.array([F, B], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
@@ -815,29 +820,23 @@ class _Sim:
 
     def _opt_slowed(self, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas
-        on its host (they step the same parameters at the same moment):
-        ``1 + (ratio - 1) x others``, with the profile's measured ratio
-        (``DeviceCosts.optimizer_contention``)."""
+        (they step the same parameters at the same moment), as its platform says from the
+        profile's ``DeviceCosts.optimizer_contention``."""
         others = (self.others or {}).get(device, 0.0)
-        if not others:
-            return 1.0
-        ratio = self.costs.per_type[self.costs.cluster.device(device).type_key] \
-            .optimizer_contention
-        return 1.0 + (ratio - 1.0) * others
+        ratio = self.costs.device_costs(device).optimizer_contention
+        return self.costs.platform(device).optimizer_slowdown(ratio, others)
 
     def _replica_lag(self, s: int, devices: list[str], M: int, opt_s: float) -> float:
         """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest
-        replica beyond the replicas' common pace: where the profile measured how far two
-        replicas' busy time wanders apart (``DeviceCosts.replica_spread``), that fraction of
-        the stage's busy time, scaled from two replicas to ``len(devices)`` as the expected
-        largest of that many normal samples is to the largest of two."""
+        replica beyond the replicas' common pace, as the platform of the replica that wanders
+        most (``DeviceCosts.replica_spread``) says from the stage's busy time."""
         costs = self.costs
-        spread = max(costs.per_type[dv.type_key].replica_spread
-                     for dv in (costs.cluster.device(d) for d in devices))
+        widest = max(devices, key=lambda d: costs.device_costs(d).replica_spread)
+        spread = costs.device_costs(widest).replica_spread
         if spread <= 0.0:
             return 0.0
         busy = M * float(self.fb_dur[self.fb_stage == s].sum()) + opt_s
-        return spread * busy * _expected_max_normal(len(devices)) / _expected_max_normal(2)
+        return costs.platform(widest).replica_lag_s(spread, busy, len(devices))
 
     def _first_seen(self, keys: np.ndarray, sizes: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -879,7 +878,8 @@ class _Sim:
             lwidth.append((k, min(len(stages[sa]), len(stages[sb_]))))
             llat.append((k, lk.latency_s if src != dst else 0.0))
             lbw.append((k, lk.bandwidth_bytes_per_s if src != dst else np.inf))
-            llate.append((k, lk.late_receive_s if src != dst else 0.0))
+            llate.append((k, costs.platform(src).late_receive_s(lk.late_receive_s)
+                          if src != dst else 0.0))
 
         def per_link(pairs: list, dtype: Any) -> np.ndarray:
             out = np.empty(len(pairs), dtype=dtype)
@@ -900,7 +900,7 @@ class _Sim:
                    zip(srcs.tolist(), dsts.tolist(), n.tolist(), strict=True)]
         count = len(a)
         # activations and their gradients (sent while the ranks compute) whose receive may be
-        # posted late: (task, wait)
+        # posted late, where the sender's platform has such a wait: (task, wait)
         late = per_link(llate, np.float64)[inv]
         for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
             self.late_xfer.append((len(self.kind) + k, float(late[k])))
@@ -1090,22 +1090,12 @@ class _Sim:
                 heappush(events, (end[u], u))
 
 
-@functools.cache
-def _expected_max_normal(k: int) -> float:
-    """E[max of k independent standard normal samples] (0.564 for 2, 1.029 for 4, 1.424 for
-    8): the integral of x k phi(x) Phi(x)^(k-1) over x."""
-    from scipy.special import ndtr
-
-    x = np.linspace(-10.0, 10.0, 20001)
-    density = k * np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi) * ndtr(x) ** (k - 1)
-    return float(np.sum(x * density) * (x[1] - x[0]))
-
-
 def _message_time(A: _GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
-                  bwd_d: np.ndarray, message_s: float) -> None:
-    """Charge each device's processor for the activations and gradients it sends and
-    receives, where the runtime does it: an op's output goes once to each other stage that
-    uses it (at the end of its forward) and is received by its first consumer there; the
+                  bwd_d: np.ndarray, message_s: np.ndarray) -> None:
+    """Charge each device's processor (``message_s`` per stage) for the activations and
+    gradients it sends and receives, where the runtime does it: an op's output goes once to
+    each other stage that uses it (at the end of its forward) and is received by its first
+    consumer there; the
     gradient comes back once per such stage, sent by the backward of the earliest consumer
     there (the last to run) and received by the producer's backward."""
     e_p, e_c = A.e_p, A.e_c
@@ -1118,8 +1108,8 @@ def _message_time(A: _GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
         # edges come by consumer in node order: a key's first edge has its first consumer
         _, first = np.unique(p * S + st[c], return_index=True)
         d = bwd_d if is_b else fwd_d
-        np.add.at(d, p[first], message_s)
-        np.add.at(d, c[first], message_s)
+        np.add.at(d, p[first], message_s[st[p[first]]])
+        np.add.at(d, c[first], message_s[st[c[first]]])
 
 
 def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
@@ -1135,8 +1125,8 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
 
 
 def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> _Sim:
-    """The step's tasks, list-scheduled; where replicas of a stage share a host (measured
-    contention), their ops slowed by it."""
+    """The step's tasks, list-scheduled; where replicas of a stage slow each other (measured
+    contention), their ops slowed as their platform says."""
     sim = _Sim(graph, plan, costs, _contended(plan, costs))
     sim.build()
     sim.run()
@@ -1144,14 +1134,10 @@ def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> _Sim:
 
 
 def _contended(plan: Plan, costs: CostModel) -> dict[str, float]:
-    """Per device of a replicated stage whose profile measured contention (CPU ranks of one
-    host): how many of the stage's other replicas compute beside it, which is all of them,
-    all the time.
-
-    Replicas run the same op at the same moment, the case the profile measures. Different
-    stages computing at once run different ops, and are not slowed by it: in GPipe and
-    two-stage plans of all four built-in models, each rank's measured busy time matched one
-    rank's op times (see README, accuracy).
+    """Per device of a replicated stage whose profile measured contention: how many of the
+    stage's other replicas compute beside it, which is all of them, all the time (replicas run
+    the same op at the same moment). What that does to each op is the device's platform's to
+    say; different stages computing at once are not counted.
     """
     if not _plain(costs):
         return {}
@@ -1188,9 +1174,6 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
 
 def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
     """Every op 1 s forward and 2 s backward, free links: for schedules without a profile."""
-    from explorer.costs.model import DeviceCosts
-    from explorer.devices.cluster import Cluster, Device, Link
-
     devs = tuple(Device(d, "cpu", "unit", 2**62, 1.0, 1.0, 1.0, 0.0, 0.0, False, "", "unit")
                  for d in plan.devices)
     cl = Cluster("unit", devs, Link(0.0, float("inf"), "unit"))
