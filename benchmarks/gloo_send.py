@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -39,15 +38,11 @@ import torch.multiprocessing as mp
 from _common import add_results_option, write_result
 
 from explorer.core.units import table
+from explorer.platforms.net import free_port
 
 CASES = ("receiver waiting", "sent first", "sent first, sender idle", "posted ahead")
 
 
-def _free_port() -> int:
-    """A TCP port on loopback that is free now, for the ranks' rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _compute(a: torch.Tensor, ms: float) -> None:
@@ -105,7 +100,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, args.iters, sizes, out))
              for r in range(2)]
     for p in procs:

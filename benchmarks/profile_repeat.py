@@ -55,7 +55,8 @@ def main() -> None:
         settings = []
     if not settings or any(len(s) != 3 or min(s) < 1 for s in settings):
         ap.error("--settings: comma-separated ROUNDS/CONTENTION_ROUNDS/repeats, e.g. 2/2/5")
-    prof = importlib.import_module("explorer.profiling.profiler")
+    ops = importlib.import_module("explorer.profiling.ops")
+    host = importlib.import_module("explorer.profiling.host")
     cluster = ex.Cluster.cpu(2)
     rows = []
     t_all = time.perf_counter()
@@ -65,7 +66,7 @@ def main() -> None:
         walls: dict[tuple[int, ...], list[float]] = {s: [] for s in settings}
         for _ in range(args.times):
             for st in settings:  # in turn
-                prof.ROUNDS, prof.CONTENTION_ROUNDS = st[0], st[1]
+                ops.ROUNDS, host.CONTENTION_ROUNDS = st[0], st[1]
                 t0 = time.perf_counter()
                 costs = ex.profile(graph, cluster, repeats=st[2], progress=False, cache=False)
                 walls[st].append(time.perf_counter() - t0)

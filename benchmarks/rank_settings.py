@@ -5,10 +5,10 @@ Run: python benchmarks/rank_settings.py [--setting pin|malloc] [--models gpt,mlp
 
 The runtime sets up every CPU rank process in two ways, each with a switch to turn it off:
 
-* ``pin``: pinned to a core of its own (:func:`explorer.devices.cluster.pin_cpu_rank`);
+* ``pin``: pinned to a core of its own (:func:`explorer.platforms.cpu.pin_cpu_rank`);
   ``EXPLORER_PIN=0`` leaves the ranks to the OS;
 * ``malloc``: glibc's allocator keeps the memory the rank frees for its next step
-  (:func:`explorer.devices.cluster.hold_freed_memory`); ``EXPLORER_MALLOC=0`` leaves the defaults.
+  (:func:`explorer.platforms.cpu.hold_freed_memory`); ``EXPLORER_MALLOC=0`` leaves the defaults.
 
 For every model, four plans on 2 CPU ranks (one rank; two data-parallel replicas; even layers
 in four micro-batches, GPipe and 1F1B) run ``--passes`` times each way, on and off

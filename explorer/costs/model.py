@@ -18,6 +18,8 @@ from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE
 from explorer.devices.cluster import Cluster, Device
+from explorer.platforms import Platform, platform_of
+from explorer.platforms.cpu import ReplicaEffects
 
 #: fraction of a device's peak reached by real kernels in the roofline estimate
 ROOFLINE_EFFICIENCY = 0.6
@@ -42,8 +44,8 @@ class DeviceCosts:
     bwd_at: list[list[float]] = field(default_factory=list)
     #: per node, how much slower (forward + backward) it ran while another rank of the same
     #: host ran the same work at the same time, e.g. 1.3; empty where not measured (GPUs,
-    #: one rank). The simulator slows a replicated stage's ops by it (replicas run the same
-    #: op at the same moment); different stages computing at once are not slowed.
+    #: one rank). The device's platform says how it slows a replicated stage's ops
+    #: (:meth:`explorer.platforms.Platform.op_slowdown`).
     contention: list[float] = field(default_factory=list)
     #: measured with the contention (two ranks data-parallel): per step, how far the slower
     #: replica's busy time ran past the two replicas' mean, as a fraction of that mean (their
@@ -52,8 +54,14 @@ class DeviceCosts:
     replica_spread: float = 0.0
     #: measured with the contention: how much slower the optimizer step ran while another
     #: rank of the host stepped the same parameters at the same time (two replicas), e.g.
-    #: 1.3; 1.0 where not measured. The simulator slows a replicated stage's step by it.
+    #: 1.3; 1.0 where not measured. The device's platform says how it slows a replicated
+    #: stage's step (:meth:`explorer.platforms.Platform.optimizer_slowdown`).
     optimizer_contention: float = 1.0
+
+    @property
+    def replica_effects(self) -> ReplicaEffects:
+        """The three measurements of replicas sharing a host, as one record."""
+        return ReplicaEffects(self.contention, self.replica_spread, self.optimizer_contention)
 
     def at(self, times: list[float], table: list[list[float]], i: int, fraction: float,
            ) -> float:
@@ -80,7 +88,7 @@ class DeviceCosts:
 
     def at_many(self, which: str, idx: np.ndarray, fraction: float) -> np.ndarray:
         """:meth:`at` for the nodes ``idx`` at once (``which`` is "fwd_s" or "bwd_s")."""
-        times = self._array(which)[idx]
+        times = self.array(which)[idx]
         if fraction >= 1.0:
             return np.maximum(times, 0.0)
         if not self.fractions:
@@ -100,7 +108,8 @@ class DeviceCosts:
                                  np.minimum(self.overhead_s, ys[-1]))
         return np.where(times <= 0.0, 0.0, out)
 
-    def _array(self, which: str) -> np.ndarray:
+    def array(self, which: str) -> np.ndarray:
+        """The list field ``which`` ("fwd_s", "bwd_s", "contention") as a float array."""
         # kept per list object: replace the lists rather than editing them in place
         src = getattr(self, which)
         key = ("_arr", which, id(src), len(src))
@@ -142,6 +151,14 @@ class CostModel:
 
     def _dc(self, device_id: str) -> DeviceCosts:
         return self.per_type[self.cluster.device(device_id).type_key]
+
+    def device_costs(self, device_id: str) -> DeviceCosts:
+        """The costs of ``device_id``'s type."""
+        return self._dc(device_id)
+
+    def platform(self, device_id: str) -> Platform:
+        """What ``device_id``'s kind of host adds to these costs (:mod:`explorer.platforms`)."""
+        return platform_of(self.cluster.device(device_id).kind)
 
     def fwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
         dc = self._dc(device_id)

@@ -30,7 +30,7 @@ from explorer.core.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
-from explorer.devices.cluster import _free_port
+from explorer.platforms.net import free_port as _free_port
 from explorer.runtime.worker import write_job
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
-from explorer.devices.cluster import hold_freed_memory, pin_cpu_rank
+from explorer.platforms.cpu import hold_freed_memory, pin_cpu_rank
 
 BUCKET_BYTES = 25 * 1024 * 1024
 _HEADER = 256  # int64 words of a message header

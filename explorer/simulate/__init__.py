@@ -1,5 +1,13 @@
 """The simulator: one training step of a plan, scheduled on a cost model, as a Prediction."""
 
-from explorer.simulate.simulator import Prediction, execution_order, lower_bound_s, simulate
+from explorer.simulate.simulator import (
+    BUCKET_BYTES,
+    Prediction,
+    execution_order,
+    lower_bound_s,
+    simulate,
+    unit_costs,
+)
 
-__all__ = ["Prediction", "execution_order", "lower_bound_s", "simulate"]
+__all__ = ["BUCKET_BYTES", "Prediction", "execution_order", "lower_bound_s", "simulate",
+           "unit_costs"]

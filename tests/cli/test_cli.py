@@ -15,6 +15,7 @@ import explorer.devices.cluster as cl
 from explorer.cli import commands
 from explorer.cli.commands import main
 from explorer.core.plan import Plan
+from explorer.platforms.cpu import host as cpu_host
 
 PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--quiet"]
 BASELINES = ["balanced-params", "data-parallel", "even-layers", "single"]
@@ -30,7 +31,7 @@ def module_cache(tmp_path_factory):
 def isolated(module_cache, monkeypatch):
     """The module's profile cache, and nominal CPU-rank numbers instead of measuring them."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(module_cache))
-    monkeypatch.setattr(cl, "_cpu_profile", lambda measure: cl._nominal_profile())
+    monkeypatch.setattr(cpu_host, "host_profile", lambda measure: cpu_host.nominal_profile())
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

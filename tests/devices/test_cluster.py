@@ -6,8 +6,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
-import subprocess
 import sys
 import time
 import types
@@ -15,8 +13,10 @@ import types
 import pytest
 
 from explorer.core.errors import ExplorerError, UnknownNameError
-from explorer.devices import cluster as cl
+from explorer.devices import discovery
 from explorer.devices.cluster import Cluster, Device, Link, parse_devices
+from explorer.platforms.cpu import host as cpu_host
+from explorer.platforms.cpu import host_cache
 
 GiB = 2**30
 
@@ -24,7 +24,7 @@ GiB = 2**30
 @pytest.fixture
 def nominal_cpu(monkeypatch):
     """Make every ``Cluster.cpu`` call use nominal numbers, so nothing is measured."""
-    monkeypatch.setattr(cl, "_cpu_profile", lambda measure: cl._nominal_profile())
+    monkeypatch.setattr(cpu_host, "host_profile", lambda measure: cpu_host.nominal_profile())
 
 
 def _children() -> list[int]:
@@ -221,7 +221,8 @@ def test_cpu_nominal_is_instant():
         assert d.memory_bytes > 0
         assert "nominal" in d.source and "W per busy core" in d.source
     assert "nominal" in c.default_link.source
-    assert Cluster.cpu(4, measure=False).devices[0].memory_bytes * 4 <= cl._total_memory_bytes()
+    ram = discovery.total_memory_bytes()
+    assert Cluster.cpu(4, measure=False).devices[0].memory_bytes * 4 <= ram
 
 
 @pytest.mark.parametrize("n", [0, -3])
@@ -232,14 +233,14 @@ def test_cpu_needs_at_least_one_rank(n):
 
 def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cl, "_MEMO", {})
-    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
-    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
+    cpu_host.forget_measurements()
+    monkeypatch.setattr(cpu_host, "measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cpu_host, "measure_copy_bandwidth", lambda: 2e9)
 
     def broken():
-        raise cl._LinkMeasureError("boom")
+        raise cpu_host.LinkMeasureError("boom")
 
-    monkeypatch.setattr(cl, "_measure_gloo_link", broken)
+    monkeypatch.setattr(cpu_host, "measure_gloo_link", broken)
     c = Cluster.cpu(2)
     assert c.devices[0].flops_per_s == 1e10 and "measured" in c.devices[0].source
     assert "nominal" in c.default_link.source and "boom" in c.default_link.source
@@ -250,45 +251,45 @@ def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
 def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
         monkeypatch, tmp_path, missing):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cl, "_MEMO", {})
-    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
-    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
+    cpu_host.forget_measurements()
+    monkeypatch.setattr(cpu_host, "measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cpu_host, "measure_copy_bandwidth", lambda: 2e9)
     calls = []
 
     def link():
         calls.append(1)
         return 1e-4, 1e9, 2e-4, 5e8, 3e-3
 
-    monkeypatch.setattr(cl, "_measure_gloo_link", link)
-    old = {k: 1.0 for k in cl._PROFILE_KEYS} | {"compute_source": "old", "link_source": "old",
+    monkeypatch.setattr(cpu_host, "measure_gloo_link", link)
+    old = {k: 1.0 for k in cpu_host.PROFILE_KEYS} | {"compute_source": "old", "link_source": "old",
                                                 "late_receive_s": 1e-3, "link_probes": 1}
     del old[missing]  # from before the late-receive wait; from when one probe measured it
-    cl._write_cache(cl._cache_file(), cl._cache_key(), old)
+    host_cache.write_cache(host_cache.cache_file(), host_cache.cache_key(), old)
     c = Cluster.cpu(2)
-    assert calls == [1] * cl.LINK_PROBES and c.default_link.late_receive_s == 3e-3
-    monkeypatch.setattr(cl, "_MEMO", {})  # the new entry is read back, not measured again
+    assert calls == [1] * cpu_host.LINK_PROBES and c.default_link.late_receive_s == 3e-3
+    cpu_host.forget_measurements()  # the new entry is read back, not measured again
     assert Cluster.cpu(2).default_link.late_receive_s == 3e-3
-    assert calls == [1] * cl.LINK_PROBES
+    assert calls == [1] * cpu_host.LINK_PROBES
 
 
 def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
     """One unlucky probe (here the second: slow all-reduce, long late wait) does not set the
     host's link for good; a failed probe is left out."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cl, "_MEMO", {})
-    monkeypatch.setattr(cl, "_measure_matmul_flops", lambda: 1e10)
-    monkeypatch.setattr(cl, "_measure_copy_bandwidth", lambda: 2e9)
-    monkeypatch.setattr(cl, "LINK_PROBES", 4)
+    cpu_host.forget_measurements()
+    monkeypatch.setattr(cpu_host, "measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cpu_host, "measure_copy_bandwidth", lambda: 2e9)
+    monkeypatch.setattr(cpu_host, "LINK_PROBES", 4)
     probes = iter([(1e-4, 2e9, 2e-4, 1.0e9, 3e-4), (3e-4, 1e9, 9e-4, 0.5e9, 9e-3),
                    None, (2e-4, 3e9, 1e-4, 1.1e9, 4e-4)])
 
     def link():
         got = next(probes)
         if got is None:
-            raise cl._LinkMeasureError("boom")
+            raise cpu_host.LinkMeasureError("boom")
         return got
 
-    monkeypatch.setattr(cl, "_measure_gloo_link", link)
+    monkeypatch.setattr(cpu_host, "measure_gloo_link", link)
     lk = Cluster.cpu(2).default_link
     assert (lk.latency_s, lk.bandwidth_bytes_per_s) == (2e-4, 2e9)
     assert (lk.allreduce_latency_s, lk.allreduce_bandwidth_bytes_per_s) == (2e-4, 1.0e9)
@@ -298,8 +299,8 @@ def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
 
 def test_link_measurement_time_limit_kills_children():
     t0 = time.perf_counter()
-    with pytest.raises(cl._LinkMeasureError, match="within"):
-        cl._measure_gloo_link(timeout_s=0.3)
+    with pytest.raises(cpu_host.LinkMeasureError, match="within"):
+        cpu_host.measure_gloo_link(timeout_s=0.3)
     assert time.perf_counter() - t0 < 5
     assert multiprocessing.active_children() == []
     assert _children() == []
@@ -308,7 +309,7 @@ def test_link_measurement_time_limit_kills_children():
 @pytest.mark.slow
 def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cl, "_MEMO", {})
+    cpu_host.forget_measurements()
     t0 = time.perf_counter()
     c = Cluster.cpu(2)
     took = time.perf_counter() - t0
@@ -330,101 +331,11 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
     assert multiprocessing.active_children() == []
     assert _children() == []
     assert (tmp_path / "partition-explorer" / "cpu-profile.json").exists()
-    monkeypatch.setattr(cl, "_MEMO", {})  # read back from the disk cache: instant and equal
+    cpu_host.forget_measurements()  # read back from the disk cache: instant and equal
     t0 = time.perf_counter()
     again = Cluster.cpu(2)
     assert time.perf_counter() - t0 < 0.5
     assert again == c
-
-
-# ---- CPU ranks pinned to cores
-
-_PIN_CHILD = ("import os, sys; from explorer.devices.cluster import pin_cpu_rank; "
-              "got = pin_cpu_rank(int(sys.argv[1]), int(sys.argv[2])); "
-              "print(got and list(got), sorted(os.sched_getaffinity(0)), sep=';')")
-
-
-def _pin_in_child(local_rank: int, pin: str, threads: int = 1) -> tuple[str, str]:
-    out = subprocess.run([sys.executable, "-c", _PIN_CHILD, str(local_rank), str(threads)],
-                         check=True, capture_output=True, text=True,
-                         env=dict(os.environ, EXPLORER_PIN=pin), timeout=60).stdout
-    got, affinity = out.strip().split(";")
-    return got, affinity
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
-@pytest.mark.parametrize(("local_rank", "threads"), [(0, 1), (1, 1), (5, 1), (1, 2), (0, 99)])
-def test_pin_cpu_rank_takes_its_block_of_allowed_cores_round_robin(local_rank, threads):
-    cores = sorted(os.sched_getaffinity(0))
-    k = min(threads, len(cores))  # never more cores than the process may use
-    want = sorted({cores[(local_rank * k + i) % len(cores)] for i in range(k)})
-    assert _pin_in_child(local_rank, "1", threads) == (str(want), str(want))
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
-def test_pinning_can_be_turned_off(monkeypatch):
-    assert _pin_in_child(1, "0") == ("None", str(sorted(os.sched_getaffinity(0))))
-    monkeypatch.setenv("EXPLORER_PIN", "0")
-    assert not cl.pinning()
-
-
-@pytest.mark.parametrize(("var", "check", "suffix"), [
-    pytest.param("EXPLORER_PIN", "pinning", "|pinned", marks=pytest.mark.skipif(
-        not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")),
-    pytest.param("EXPLORER_MALLOC", "holding_memory", "|held", marks=pytest.mark.skipif(
-        platform.libc_ver()[0] != "glibc", reason="glibc's allocator only"))])
-def test_each_rank_setting_measures_the_link_apart(monkeypatch, var, check, suffix):
-    """Ranks set up differently wait and copy differently (pinned ranks wait less for a late
-    receive): the host's link is cached per setting."""
-    monkeypatch.setenv("EXPLORER_PIN", "0")
-    monkeypatch.setenv("EXPLORER_MALLOC", "0")
-    plain = cl._cache_key()
-    monkeypatch.setenv(var, "1")
-    assert getattr(cl, check)()
-    assert cl._cache_key() == plain + suffix
-
-
-# ---- CPU ranks keep the memory they free
-
-# A step's worth of large blocks, allocated, written and freed twenty times; prints the minor
-# page faults of the last fifteen rounds and whether the setting took.
-_HOLD_CHILD = """
-import resource, sys, torch
-from explorer.devices.cluster import hold_freed_memory
-held = hold_freed_memory()
-def step():
-    blocks = [torch.empty(2**20).fill_(1.0) for _ in range(3)]  # 3 x 4 MiB
-    del blocks
-for _ in range(5):
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(15):
-    step()
-print(held, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def _hold_in_child(setting: str) -> tuple[bool, int]:
-    out = subprocess.run([sys.executable, "-c", _HOLD_CHILD], check=True, capture_output=True,
-                         text=True, env=dict(os.environ, EXPLORER_MALLOC=setting),
-                         timeout=60).stdout
-    held, faults = out.split()
-    return held == "True", int(faults)
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
-def test_held_memory_is_reused_without_page_faults(monkeypatch):
-    """Held, the rounds reuse the same pages. (With glibc's defaults, whether 12 MiB freed
-    at the heap's top goes back to the kernel, and every round faults its 3,072 pages in
-    again, depends on the process's earlier allocations: it did in two of six fresh
-    processes here, so the defaults are not asserted.)"""
-    for _ in range(3):
-        held, faults = _hold_in_child("1")
-        assert held and faults < 300, faults
-    off, _ = _hold_in_child("0")
-    assert not off
-    monkeypatch.setenv("EXPLORER_MALLOC", "0")
-    assert not cl.holding_memory()
 
 
 # ---- discovery
@@ -506,7 +417,7 @@ def test_discover_maps_nvml_gpus_to_presets(monkeypatch, nominal_cpu):
     assert d.half_flops_per_s == pytest.approx(989e12) and d.power_w == 700
     assert d.source.startswith("nvml") and "datasheet" in d.source
     assert c.link("cuda:0", "cuda:1").bandwidth_bytes_per_s == 450e9
-    torch_cuda = cl._torch_cuda_count() >= 2
+    torch_cuda = discovery.torch_cuda_count() >= 2
     assert d.present == torch_cuda and d.torch_device == ("cuda:0" if torch_cuda else "")
 
 

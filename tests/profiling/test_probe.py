@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import explorer as ex
-from explorer.profiling import message_probe as probe
+from explorer.profiling import host as probe
 
 
 def test_measured_through_the_runtime_on_two_ranks():
@@ -14,14 +14,14 @@ def test_measured_through_the_runtime_on_two_ranks():
 
 def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(probe, "_MEMO", {})
+    probe.forget_message_s()
     calls = []
     monkeypatch.setattr(probe, "measure_message_s", lambda: calls.append(1) or 1.25e-4)
     bm = ex.builtin_model("mlp", "tiny")
     g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
     cl = ex.Cluster.cpu(2)
     assert ex.profile(g, cl, progress=False).message_s == 1.25e-4
-    monkeypatch.setattr(probe, "_MEMO", {})  # a new process reads the cache file
+    probe.forget_message_s()  # a new process reads the cache file
     assert ex.profile(g, cl, progress=False).message_s == 1.25e-4
     assert calls == [1]
     # no probe for nominal ranks, one rank, presets, or when asked not to
@@ -33,7 +33,7 @@ def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
 
 def test_a_probe_that_fails_leaves_the_cost_at_zero(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(probe, "_MEMO", {})
+    probe.forget_message_s()
 
     def broken():
         raise RuntimeError("no ranks today")

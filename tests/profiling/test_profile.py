@@ -18,9 +18,11 @@ import torch
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.costs.model import DeviceCosts, roofline
-from explorer.devices.cluster import Cluster, rank_settings_tag
+from explorer.devices.cluster import Cluster
+from explorer.platforms.cpu import rank_settings_tag
 
-prof = importlib.import_module("explorer.profiling.profiler")
+ops = importlib.import_module("explorer.profiling.ops")
+host = importlib.import_module("explorer.profiling.host")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -70,7 +72,7 @@ def fake(monkeypatch):
         return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
                            ["measured" if o else "free" for o in ops], 1e-6)
 
-    monkeypatch.setattr(prof, "measure", measure)
+    monkeypatch.setattr(ops, "measure", measure)
     return calls
 
 
@@ -119,7 +121,7 @@ class TestMeasured:
         torch.set_num_threads(2)
         try:
             with pytest.raises(RuntimeError, match="boom"), \
-                    prof.device_threads(Cluster.cpu(1, measure=False).devices[0]):
+                    ops.device_threads(Cluster.cpu(1, measure=False).devices[0]):
                 assert torch.get_num_threads() == 1
                 raise RuntimeError("boom")
             assert torch.get_num_threads() == 2
@@ -137,7 +139,7 @@ class TestMeasured:
 
         monkeypatch.setattr(run_mod, "run", recording)
         dev = Cluster.cpu(1, measure=False).devices[0]
-        fwd, bwd, opt = prof._measure_in_runtime(gpt, dev, 3, 1, False, micro_batches)
+        fwd, bwd, opt = ops.measure_in_runtime(gpt, dev, 3, 1, False, micro_batches)
         (meas,) = runs
         busy = meas.busy_s[dev.id]
         assert micro_batches * (sum(fwd) + sum(bwd)) + opt == pytest.approx(busy, rel=1e-9)
@@ -157,9 +159,9 @@ class TestMeasured:
             ops = [slow * (n.kind == "op") * 1e-3 / micro_batches for n in graph.nodes]
             return ops, [2 * t for t in ops], slow * 1e-3
 
-        monkeypatch.setattr(prof, "_measure_in_runtime", fake_run)
-        monkeypatch.setattr(prof, "ROUNDS", 2)
-        dc = prof.measure(gpt, Cluster.cpu(1, measure=False).devices[0], 2, 0, False)
+        monkeypatch.setattr(ops, "measure_in_runtime", fake_run)
+        monkeypatch.setattr(ops, "ROUNDS", 2)
+        dc = ops.measure(gpt, Cluster.cpu(1, measure=False).devices[0], 2, 0, False)
         assert calls == [1, 2, 4, 1, 2, 4]  # in turn: a slow spell lands on every split
         i = gpt.index[gpt.loss]
         assert dc.fwd_s[i] == pytest.approx(1.25e-3) and dc.bwd_s[i] == pytest.approx(2.5e-3)
@@ -180,7 +182,7 @@ class TestCache:
         files = [p.name for p in module_cache.iterdir()]
         tag = rank_settings_tag()
         assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2{tag}.json"]
-        monkeypatch.setattr(prof, "measure", _no_measuring)
+        monkeypatch.setattr(ops, "measure", _no_measuring)
         again = ex.profile(gpt, Cluster.cpu(2, measure=False), **FAST)
         assert again == measured[0]
 
@@ -236,7 +238,7 @@ class TestCache:
         costs = ex.profile(gpt, cl, **FAST)
         assert len(fake) == 2
         assert costs.fwd_s(gpt.index[gpt.loss], "cpu:0") == pytest.approx(1e-3)
-        assert json.loads(entry.read_text())["version"] == prof.PROFILE_VERSION
+        assert json.loads(entry.read_text())["version"] == ops.PROFILE_VERSION
         assert [p.name for p in cache.iterdir()] == [entry.name]  # no .tmp left behind
 
     def test_unwritable_cache_does_not_stop_profiling(self, gpt, fake, tmp_path, monkeypatch):
@@ -249,7 +251,7 @@ class TestCache:
 
 class TestRoofline:
     def test_preset_cluster_gets_estimates(self, gpt, cache, monkeypatch):
-        monkeypatch.setattr(prof, "measure", _no_measuring)
+        monkeypatch.setattr(ops, "measure", _no_measuring)
         cl = Cluster.preset("2xT4")
         costs = ex.profile(gpt, cl, progress=False)
         t4 = cl.devices[0]
@@ -259,12 +261,12 @@ class TestRoofline:
         assert not cache.exists()  # estimates are not cached
 
     def test_graph_without_runtime_is_estimated(self, chain3, cache, monkeypatch):
-        monkeypatch.setattr(prof, "measure", _no_measuring)
+        monkeypatch.setattr(ops, "measure", _no_measuring)
         costs = ex.profile(chain3, Cluster.cpu(1, measure=False), progress=False)
         assert costs.source(1, "cpu:0") == "roofline"
 
     def test_mixed_cluster(self, gpt, measured, monkeypatch):
-        monkeypatch.setattr(prof, "measure", _no_measuring)  # the CPU part is in the cache
+        monkeypatch.setattr(ops, "measure", _no_measuring)  # the CPU part is in the cache
         cpu = Cluster.cpu(1, measure=False)
         t4 = Cluster.preset("T4")
         cl = Cluster("cpu+T4", (*cpu.devices, *t4.devices), t4.default_link)
@@ -282,7 +284,7 @@ class TestContention:
         bm = ex.builtin_model("mlp", "tiny")
         g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
         ranks = list(Cluster.cpu(2, measure=False).devices)
-        ratios, spread, opt = prof.measure_contention(g, ranks, repeats=3, warmup=1,
+        ratios, spread, opt = host.measure_contention(g, ranks, repeats=3, warmup=1,
                                                       progress=False)
         assert len(ratios) == len(g)
         assert all(0.5 <= r <= 4.0 for r in ratios)
@@ -292,10 +294,10 @@ class TestContention:
 
     def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch):
         calls = []
-        monkeypatch.setattr(prof, "measure_contention",
+        monkeypatch.setattr(host, "measure_contention",
                             lambda g, ranks, *a: calls.append([d.id for d in ranks])
                             or ([1.25] * len(g), 0.05, 1.3))
-        monkeypatch.setattr("explorer.profiling.message_probe.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -320,8 +322,8 @@ class TestContention:
         def broken(*args):
             raise RunFailed("rank 1 (cpu:1) was killed by SIGKILL")
 
-        monkeypatch.setattr(prof, "measure_contention", broken)
-        monkeypatch.setattr("explorer.profiling.message_probe.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr(host, "measure_contention", broken)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []

@@ -1,0 +1,227 @@
+"""GPU presets: datasheet numbers of NVIDIA GPUs, preset names, and the links between GPUs.
+
+Numbers are dense (without structured-sparsity speedups). Bandwidths from datasheets are decimal
+(1 GB/s = 1e9 bytes/s); memory sizes are the datasheet figure taken as GiB, a little more than
+what the driver lets a program use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from explorer.core.errors import ExplorerError, unknown_name
+from explorer.devices.records import Device, GiB, Link
+from explorer.platforms.gpu import NCCL_LATENCY_NOTE, NCCL_NOMINAL_LATENCY_S
+
+_GB = 1e9
+_T = 1e12
+#: idle power of a GPU preset, as a fraction of its TDP (nominal: datasheets do not give it)
+GPU_IDLE_FRACTION = 0.15
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU's datasheet numbers and links."""
+
+    key: str
+    device_name: str  # as NVML reports it
+    memory_bytes: int
+    flops_per_s: float
+    half_flops_per_s: float
+    mem_bandwidth_bytes_per_s: float
+    tdp_w: float
+    citation: str
+    link: Link  # GPU to GPU inside one server
+    host_link: Link  # PCIe to the host (and between GPUs without NVLink)
+
+    def device(self, device_id: str) -> Device:
+        return Device(
+            id=device_id,
+            kind="cuda",
+            name=self.device_name,
+            memory_bytes=self.memory_bytes,
+            flops_per_s=self.flops_per_s,
+            half_flops_per_s=self.half_flops_per_s,
+            mem_bandwidth_bytes_per_s=self.mem_bandwidth_bytes_per_s,
+            power_w=self.tdp_w,
+            idle_power_w=GPU_IDLE_FRACTION * self.tdp_w,
+            present=False,
+            torch_device="",
+            source=(
+                f"datasheet {self.citation}; idle power nominal {GPU_IDLE_FRACTION:.0%} of TDP"
+            ),
+        )
+
+
+
+
+_LAT = NCCL_NOMINAL_LATENCY_S
+_LAT_NOTE = NCCL_LATENCY_NOTE
+
+
+def _nvlink(gen: int, gb_per_s: float) -> Link:
+    return Link(
+        _LAT,
+        gb_per_s * _GB,
+        f"datasheet NVLink {gen}: {gb_per_s:g} GB/s per GPU per direction "
+        f"({2 * gb_per_s:g} GB/s bidirectional), an upper bound reached with NVSwitch; "
+        + _LAT_NOTE,
+    )
+
+
+def _pcie(gen: int, note: str = "") -> Link:
+    gb = {3: 16, 4: 32, 5: 64}[gen]
+    return Link(
+        _LAT,
+        gb * _GB,
+        f"PCIe {gen}.0 x16: {gb} GB/s per direction ({2 * gb} GB/s bidirectional){note}; "
+        + _LAT_NOTE,
+    )
+
+
+_NVLINK2, _NVLINK3, _NVLINK4 = _nvlink(2, 150), _nvlink(3, 300), _nvlink(4, 450)
+_PCIE3, _PCIE4, _PCIE5 = _pcie(3), _pcie(4), _pcie(5)
+_A100_DS = (
+    "NVIDIA A100 Tensor Core GPU datasheet, SXM column, "
+    "https://www.nvidia.com/en-us/data-center/a100/"
+)
+
+GPU_SPECS: dict[str, GpuSpec] = {
+    s.key: s
+    for s in (
+        GpuSpec(
+            "V100", "Tesla V100-SXM2-32GB", 32 * GiB, 15.7 * _T, 125 * _T, 900 * _GB, 300,
+            "NVIDIA Tesla V100 GPU datasheet, SXM2 column (fp16 tensor; V100 has no bf16), "
+            "https://www.nvidia.com/en-us/data-center/v100/",
+            _NVLINK2, _PCIE3,
+        ),
+        GpuSpec(
+            "A100-40GB", "NVIDIA A100-SXM4-40GB", 40 * GiB, 19.5 * _T, 312 * _T, 1555 * _GB,
+            400, _A100_DS + " (40GB HBM2)", _NVLINK3, _PCIE4,
+        ),
+        GpuSpec(
+            "A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 19.5 * _T, 312 * _T, 2039 * _GB,
+            400, _A100_DS + " (80GB HBM2e)", _NVLINK3, _PCIE4,
+        ),
+        GpuSpec(
+            "H100", "NVIDIA H100 80GB HBM3", 80 * GiB, 67 * _T, 989 * _T, 3350 * _GB, 700,
+            "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (bf16 1,979 TFLOPS is with "
+            "sparsity; dense is half), https://www.nvidia.com/en-us/data-center/h100/",
+            _NVLINK4, _PCIE5,
+        ),
+        GpuSpec(
+            "H200", "NVIDIA H200", 141 * GiB, 67 * _T, 989 * _T, 4800 * _GB, 700,
+            "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (bf16 1,979 TFLOPS is with "
+            "sparsity; dense is half), https://www.nvidia.com/en-us/data-center/h200/",
+            _NVLINK4, _PCIE5,
+        ),
+        GpuSpec(
+            "T4", "Tesla T4", 16 * GiB, 8.1 * _T, 65 * _T, 320 * _GB, 70,
+            "NVIDIA T4 Tensor Core GPU datasheet (fp16 mixed precision; T4 has no bf16), "
+            "https://www.nvidia.com/en-us/data-center/tesla-t4/",
+            _PCIE3, _PCIE3,
+        ),
+        GpuSpec(
+            "L4", "NVIDIA L4", 24 * GiB, 30.3 * _T, 121 * _T, 300 * _GB, 72,
+            "NVIDIA L4 Tensor Core GPU datasheet (bf16 242 TFLOPS is with sparsity; dense is "
+            "half), https://www.nvidia.com/en-us/data-center/l4/",
+            _PCIE4, _PCIE4,
+        ),
+        GpuSpec(
+            "A10G", "NVIDIA A10G", 24 * GiB, 31.52 * _T, 70 * _T, 600 * _GB, 300,
+            "no NVIDIA datasheet exists for AWS's A10G; figures from Baseten's A10 vs A10G "
+            "comparison, https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/"
+            " (power: the 300 W limit AWS g5 instances report)",
+            _PCIE4, _PCIE4,
+        ),
+        GpuSpec(
+            "RTX4090", "NVIDIA GeForce RTX 4090", 24 * GiB, 82.6 * _T, 165.2 * _T, 1008 * _GB,
+            450,
+            "NVIDIA Ada Lovelace GPU architecture whitepaper, RTX 4090 column (fp16/bf16 tensor "
+            "with fp32 accumulate, dense), "
+            "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
+            "nvidia-ada-gpu-architecture.pdf",
+            _pcie(4, ", no peer-to-peer: traffic goes through host memory"),
+            _pcie(4, ", no peer-to-peer: traffic goes through host memory"),
+        ),
+    )
+}
+
+_SPEC_LOOKUP = {re.sub(r"[-_ ]", "", k.upper()): s for k, s in GPU_SPECS.items()}
+
+
+def parse_preset_spec(spec: str) -> list[tuple[int, GpuSpec]]:
+    if not isinstance(spec, str) or not spec.strip():
+        raise unknown_name("GPU preset", str(spec), GPU_SPECS)
+    out = []
+    for part in spec.split("+"):
+        m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z][\w\- ]*?)\s*", part)
+        if not m:
+            raise unknown_name("GPU preset", part.strip(), GPU_SPECS)
+        count = int(m.group(1)) if m.group(1) is not None else 1
+        if count < 1:
+            raise ExplorerError(f"preset {spec!r}: the GPU count must be >= 1, not {count}")
+        gpu = _SPEC_LOOKUP.get(re.sub(r"[-_ ]", "", m.group(2).upper()))
+        if gpu is None:
+            raise unknown_name("GPU preset", m.group(2), GPU_SPECS)
+        out.append((count, gpu))
+    return out
+
+
+def gpu_links(
+    groups: list[tuple[str, list[str], bool]],
+) -> tuple[Link, tuple[tuple[str, str, Link], ...]]:
+    """Default link and overrides for GPU groups ``(preset key, ids, has NVLink)``.
+
+    One group: its own link. Several: different GPU types meet over PCIe, so the default is the
+    slowest PCIe link among them, and pairs inside a group get that group's link.
+    """
+    def own(key: str, nvlink: bool) -> Link:
+        return GPU_SPECS[key].link if nvlink else GPU_SPECS[key].host_link
+
+    if len(groups) == 1:
+        key, _, nvlink = groups[0]
+        return own(key, nvlink), ()
+    hosts = [GPU_SPECS[key].host_link for key, _, _ in groups]
+    slow = min(hosts, key=lambda lk: (lk.bandwidth_bytes_per_s, -lk.latency_s))
+    default = Link(
+        max(lk.latency_s for lk in hosts),
+        slow.bandwidth_bytes_per_s,
+        f"different GPU types meet over PCIe, the slowest of them: {slow.source}",
+    )
+    links = []
+    for key, ids, nvlink in groups:
+        lk = own(key, nvlink)
+        if (lk.latency_s, lk.bandwidth_bytes_per_s) != (
+            default.latency_s,
+            default.bandwidth_bytes_per_s,
+        ):
+            links += [(a, b, lk) for i, a in enumerate(ids) for b in ids[i + 1 :]]
+    return default, tuple(links)
+
+
+
+_NAME_PATTERNS = (
+    (r"\bH200\b", "H200"),
+    (r"\bH100\b", "H100"),
+    (r"\bA100\b", "A100"),
+    (r"\bV100\b", "V100"),
+    (r"\bT4\b", "T4"),
+    (r"\bL4\b", "L4"),
+    (r"\bA10G?\b", "A10G"),
+    (r"\b4090\b", "RTX4090"),
+)
+
+
+def nearest_spec(name: str, memory_bytes: int) -> tuple[GpuSpec, str]:
+    """The preset for an NVML GPU name, and how it was chosen."""
+    upper = name.upper()
+    for pattern, key in _NAME_PATTERNS:
+        if re.search(pattern, upper):
+            if key == "A100":
+                key = "A100-80GB" if memory_bytes > 48 * GiB else "A100-40GB"
+            return GPU_SPECS[key], "matched by name"
+    spec = min(GPU_SPECS.values(), key=lambda s: abs(s.memory_bytes - memory_bytes))
+    return spec, f"no preset for {name!r}; borrowed from the preset of closest memory size"
+

@@ -1,0 +1,161 @@
+"""Host probes that run real training steps: how CPU ranks of this host slow each other, and what
+a message between them costs their processors.
+
+They run steps through the runtime, which sits above the platforms package, so they live here;
+what they return is the CPU platform's effects data (:class:`explorer.platforms.cpu.
+ReplicaEffects`, ``CostModel.message_s``), which :class:`explorer.platforms.cpu.CpuPlatform`
+applies. The profiler calls them for measured CPU ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from explorer.capture.tracing import capture
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster, Device
+from explorer.models.builtin import build
+from explorer.partition import partition
+from explorer.platforms.cpu import ReplicaEffects
+from explorer.platforms.cpu.host_cache import cache_file, cache_key, read_cache, write_cache
+from explorer.profiling import ops
+from explorer.runtime import launch
+from explorer.simulate.simulator import simulate
+
+#: how many times the contention pair (one rank alone, two ranks at once) is run, in turn
+CONTENTION_ROUNDS = 2
+#: the message probe's entry in the host measurement cache
+PROBE_KEY = "runtime message cost, stages not slowing each other"
+
+
+def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.REPEATS,
+                       warmup: int = 2, progress: bool = True, rounds: int | None = None
+                       ) -> ReplicaEffects:
+    """How two replicas of ``graph`` on CPU ranks of this host slow each other.
+
+    Per node: how much slower its forward + backward ran while another rank of this host
+    ran the same work at the same time, than alone (1.0: no slower); the replicas'
+    spread: the mean over the two-rank steps of how far the busier rank's busy time was
+    above the two ranks' mean, as a fraction of that mean; and how much slower the optimizer
+    step ran beside the other replica's than alone (both step every parameter at the same
+    moment, and a step like Adam's is bound by memory bandwidth).
+
+    CPU ranks of one host share its memory bandwidth and caches, and (in a virtual machine)
+    often more: two ranks computing at once may each run tens of percent slower on small-op
+    work than one alone, while large matrix products hardly slow. Measured back to back, on
+    half the batch each, ``rounds`` times in turn: one rank alone with the batch in two
+    micro-batches, then two ranks data-parallel; per op, the summed times. Each op's time is
+    the runtime's own per-op timing, waits excluded, so the all-reduce at the end of the
+    backward does not count.
+    """
+    rounds = CONTENTION_ROUNDS if rounds is None else rounds
+    a, b = ranks[0], ranks[1]
+    override = {a.id: a.torch_device or "cpu", b.id: b.torch_device or "cpu"}
+    single = Plan.single(graph, a.id, optimizer="adam", micro_batches=2)
+    pair = Plan.from_assignment(graph, [[a.id, b.id]], dict.fromkeys(range(len(graph)), 0),
+                                algorithm="data-parallel", optimizer="adam")
+    solos, boths = [], []
+    bar = tqdm(total=2 * rounds, desc=f"contention of {graph.name} on {a.id}+{b.id}",
+               unit="run", disable=not progress, leave=False)
+    for _ in range(rounds):  # in turn, so a burst of load on the host hits both sides
+        solos.append(launch.run(graph, plan=single, steps=repeats, warmup=warmup,
+                                progress=False, timeout_s=600.0,
+                                device_override={a.id: override[a.id]}))
+        bar.update()
+        boths.append(launch.run(graph, plan=pair, steps=repeats, warmup=warmup,
+                                progress=False, timeout_s=600.0, device_override=override))
+        bar.update()
+    bar.close()
+
+    def total(ms: list[Any], i: int) -> float:
+        return sum(m.task_s.get(f"fwd:{i}", 0.0) + m.task_s.get(f"bwd:{i}", 0.0) for m in ms)
+
+    alone = [total(solos, i) for i in range(len(graph))]
+    shared = [total(boths, i) for i in range(len(graph))]
+    whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
+    spread = [max(step) / statistics.fmean(step) - 1.0 for m in boths
+              for step in zip(*m.busy_samples_s.values(), strict=True) if min(step) > 0]
+
+    def ratio(s: float, t: float, otherwise: float) -> float:
+        # a ratio of two medians of one small op is noisy: bound it
+        return min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else otherwise
+
+    opt = [sum(m.task_s.get("optimizer:-1", 0.0) for m in ms) for ms in (boths, solos)]
+    # the whole model's ratio where an op took no measurable time alone
+    return ReplicaEffects([ratio(s, t, whole) for s, t in zip(shared, alone, strict=True)],
+                          statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
+
+
+def cpu_message_s(cluster: Cluster) -> float:
+    """Seconds of processor time per message at each end between CPU ranks of this host
+    (0.0 when ``cluster`` has fewer than two measured CPU ranks, or the probe fails).
+
+    Profiling times each op on one rank; what a step on several ranks adds is the work of
+    moving tensors between them: posting the send, matching and allocating the receive, and
+    waking a rank that blocked waiting (on a virtual machine this grows with how long it
+    slept). Measured once per host and torch version (:func:`measure_message_s`) and kept in
+    the host measurement cache; calibration refines it from your own runs.
+    """
+    cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
+    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
+        return 0.0
+    path, key = cache_file(), f"{cache_key()}|{PROBE_KEY}"
+    memo = _MEMO.get((str(path), key))
+    if memo is not None:
+        return memo
+    cached = read_cache(path).get(key)
+    if isinstance(cached, dict) and isinstance(cached.get("message_s"), (int, float)) \
+            and cached["message_s"] >= 0:
+        _MEMO[(str(path), key)] = float(cached["message_s"])
+        return float(cached["message_s"])
+    try:
+        value = measure_message_s()
+    except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error
+        _MEMO[(str(path), key)] = 0.0
+        return 0.0
+    _MEMO[(str(path), key)] = value
+    write_cache(path, key, {"message_s": value,
+                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            "how": "tiny MLP, 2 stages x 4 micro-batches on 2 CPU ranks, "
+                                   "busy time beyond the profile / messages"})
+    return value
+
+
+_MEMO: dict[tuple[str, str], float] = {}
+
+
+def forget_message_s() -> None:
+    """Forget the per-message costs this process found, so the next :func:`cpu_message_s`
+    reads the cache file again (or measures)."""
+    _MEMO.clear()
+
+
+def measure_message_s(steps: int = 8, warmup: int = 3) -> float:
+    """Run the probe (a few seconds) and return seconds per message per end.
+
+    The built-in tiny MLP split in two stages with four micro-batches runs on two real CPU
+    ranks; the busy time the ranks spent beyond the profile's prediction, divided by the
+    messages they exchanged, is the cost (the two stages run different ops, which do not slow
+    each other measurably).
+    """
+    bm = build("mlp", "tiny")
+    graph = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="probe")
+    two = Cluster.cpu(2)
+    dev = two.devices[0]
+    costs = CostModel(graph.fingerprint, two,
+                      {dev.type_key: ops.measured(graph, dev, progress=False)})
+    plan = partition(graph, two, costs, "even-layers", micro_batches=4)
+    meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
+                      progress=False)
+    base = simulate(graph, plan, costs).busy_s
+    probe = simulate(graph, plan, replace(costs, message_s=1e-3)).busy_s
+    messages = sum((probe[d] - base[d]) / 1e-3 for d in base)
+    extra = sum(meas.busy_s[d] - base[d] for d in base)
+    return max(0.0, extra / messages) if messages > 0 else 0.0

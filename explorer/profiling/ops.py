@@ -1,0 +1,337 @@
+"""Op timing: each node's forward and backward seconds on one device that is here, cached.
+
+Graphs captured with torch.export run a few real training steps through the runtime
+(:mod:`explorer.runtime.worker`) on one rank, at the whole batch and at a half and a quarter of it,
+and each op's forward and backward is timed there, after warm-up, as it runs in a real step.
+Hook-captured graphs time each leaf module in real forward and backward passes. CPU ranks
+are measured with one thread, as they run. Results are cached per graph fingerprint, device
+type and rank settings (:func:`measured`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from explorer.capture.tracing import CaptureRuntime, batch_splits, keep_buffers, training_mode
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.costs.model import DeviceCosts
+from explorer.devices.cluster import Device
+from explorer.platforms import platform_of
+from explorer.runtime import launch
+
+# 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
+# to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
+# pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
+# step's contention is measured
+PROFILE_VERSION = 7
+#: steps timed in each run of the profile (after the warm-up). A run costs seconds to start
+#: its processes and its steps only tens of milliseconds each on the built-in models, so more
+#: steps per run are cheap; 15 rather than 5 make repeated profiles of one model agree
+#: several times more closely (``python benchmarks/profile_repeat.py`` measures it), about
+#: what doubling ``ROUNDS`` does for several times the cost.
+REPEATS = 15
+#: micro-batch counts profiled besides the whole batch (times at 1/2 and 1/4 of the batch)
+FRACTION_SPLITS = (2, 4)
+#: how many times each of those runs is made, in turn; an op's time is its mean over them.
+#: A shared host's speed wanders by 5-10 % over seconds, and averaging runs made a few
+#: seconds apart narrows the spread of the whole-batch step total.
+ROUNDS = 2
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached (under ``$XDG_CACHE_HOME`` or ~/.cache)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "partition-explorer" / "profiles"
+
+
+
+def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
+    """The cache file of ``graph``'s profile on ``dev``'s type, measured with ``repeats``."""
+    tag = platform_of(dev.kind).rank_settings_tag()
+    return cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{tag}.json"
+
+
+def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
+             cache: bool = True, progress: bool = True) -> DeviceCosts:
+    """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
+    measured (:func:`measure`) and cached; ``cache=False`` measures afresh."""
+    path = cache_path(graph, dev, repeats)
+    dc = load(path) if cache else None
+    if dc is None:
+        dc = measure(graph, dev, repeats, warmup, progress)
+        if cache:
+            store(path, dc)
+    return dc
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80]
+
+
+
+def load(path: Path) -> DeviceCosts | None:
+    try:
+        d = json.loads(path.read_text())
+        if d.pop("version", None) != PROFILE_VERSION or d.pop("torch") != torch.__version__:
+            return None
+        return DeviceCosts(**d)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # a missing or damaged cache entry is simply measured again
+
+
+def store(path: Path, dc: DeviceCosts) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": PROFILE_VERSION, "torch": torch.__version__,
+                                   **asdict(dc)}))  # the fields, not cached arrays
+        tmp.replace(path)
+    except OSError:
+        pass  # caching is a convenience; a read-only home must not stop profiling
+
+
+
+@contextmanager
+def device_threads(dev: Device):
+    """CPU ranks run with one thread each: measure them the same way."""
+    if dev.kind != "cpu":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _sync(dev: Device) -> Callable[[], None]:
+    if dev.kind == "cuda":
+        return lambda: torch.cuda.synchronize(dev.torch_device)
+    return lambda: None
+
+
+def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
+            progress: bool = True) -> DeviceCosts:
+    """Time every op of ``graph`` on ``dev`` (which must be present).
+
+    Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
+    rank, so each op's forward and backward are timed exactly as a real run executes them,
+    bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
+    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn. Hook-captured graphs time
+    each leaf-module call in real forward and backward passes.
+    """
+    sync = _sync(dev)
+    with device_threads(dev), torch.random.fork_rng(devices=[]):
+        per_byte, per_tensor = _measure_optimizers(dev, sync)
+        tiny = torch.zeros(1, device=dev.torch_device)
+        floor = _time(lambda: torch.add(tiny, 1.0), sync, max(repeats, 20), warmup)
+        if graph.source == "hooks":
+            fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
+        else:
+            # the whole batch, then the same ops on a half and a quarter of it (micro-batches
+            # and replicas run there, and small ops do not shrink in proportion)
+            splits = [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
+                            and graph.batch_size % m == 0]
+            bar = tqdm(total=ROUNDS * len(splits), unit="run", disable=not progress,
+                       desc=f"profiling {graph.name} on {dev.id}", leave=False)
+            got: dict[int, list[tuple[list[float], list[float], float]]] = {}
+            for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
+                for m in splits:
+                    got.setdefault(m, []).append(measure_in_runtime(
+                        graph, dev, repeats, warmup, False, micro_batches=m))
+                    bar.update()
+            bar.close()
+            fwd, bwd, opt_s = _mean_of_rounds(got[1])
+            fractions, fwd_at, bwd_at = [], [], []
+            for m in splits[1:]:
+                f, b, _ = _mean_of_rounds(got[m])
+                fractions.append(1.0 / m)
+                fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
+                bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
+            # scale the optimizer micro-benchmark to what the real step measured
+            pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
+            ntens = sum(1 for n in graph.nodes if n.kind == "param")
+            model = per_byte["adam"] * pbytes + per_tensor["adam"] * ntens
+            if model > 0 and opt_s > 0:
+                k = opt_s / model
+                per_byte = {o: v * k for o, v in per_byte.items()}
+                per_tensor = {o: v * k for o, v in per_tensor.items()}
+    op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
+    overhead = max(floor, op_times[0]) if op_times else floor
+    src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
+    if graph.source == "hooks":
+        return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
+    return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
+                       fractions, fwd_at, bwd_at)
+
+
+
+def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]
+                    ) -> tuple[list[float], list[float], float]:
+    """Per op, the mean over the rounds (each op's times from one run)."""
+    fwd = [statistics.fmean(x) for x in zip(*(r[0] for r in rounds), strict=True)]
+    bwd = [statistics.fmean(x) for x in zip(*(r[1] for r in rounds), strict=True)]
+    return fwd, bwd, statistics.fmean(r[2] for r in rounds)
+
+
+def _at_most(times: list[float], bigger: list[float]) -> list[float]:
+    """A smaller share of the batch never takes longer: clip timing noise to that."""
+    return [min(t, b) if b > 0 else t for t, b in zip(times, bigger, strict=True)]
+
+
+
+def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
+                        progress: bool, micro_batches: int = 1
+                        ) -> tuple[list[float], list[float], float]:
+    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
+    each op's median over steps and micro-batches, scaled so that together they make the
+    median step's busy time."""
+    plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
+    meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
+               device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0)
+    task = meas.task_s
+    fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
+    bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]
+    opt = task.get("optimizer:-1", 0.0)
+    # An op's median leaves out its occasional slow repeat (the processor taken away for a
+    # moment, an interrupt), but every step pays for the ones that land in it: the medians
+    # add up to a little less than a median step's busy time. Scale them to add up to it,
+    # so a prediction of this very plan has the busy time it measured.
+    total = micro_batches * (sum(fwd) + sum(bwd)) + opt
+    busy = meas.busy_s.get(dev.id, 0.0)
+    if total > 0.0 and busy > 0.0:
+        k = busy / total
+        fwd, bwd, opt = [t * k for t in fwd], [t * k for t in bwd], opt * k
+    return fwd, bwd, opt
+
+
+def _measure_modules(graph: OpGraph, dev: Device, repeats: int,
+                     warmup: int) -> tuple[list[float], list[float]]:
+    """Hook-captured graphs: time each leaf-module call in real forward and backward passes."""
+    rt: CaptureRuntime = graph.runtime
+    params = list(rt.step.parameters())
+    home = params[0].device if params else torch.device("cpu")
+    grads = [q.grad for q in params]  # the user's, given back untouched after timing
+    step = rt.step.to(dev.torch_device)
+    args = [t.to(dev.torch_device) for t in rt.args]
+    order = [n.name for n in graph.nodes if n.kind == "op"]
+    samples_f: dict[str, list[float]] = {k: [] for k in order}
+    samples_b: dict[str, list[float]] = {k: [] for k in order}
+    sync = _sync(dev)
+    calls: list[str] = []
+    starts: dict[Any, float] = {}
+    bstarts: dict[Any, float] = {}
+    hooks = []
+    leaves = [m for _, m in step.model.named_modules() if not list(m.children())]
+    record = {"on": False}
+
+    def pre(mod, _args):
+        sync()
+        starts[mod] = time.perf_counter()
+
+    def post(mod, _args, _out):
+        sync()
+        nm = order[len(calls)] if len(calls) < len(order) else None
+        calls.append(nm)
+        if record["on"] and nm:
+            samples_f[nm].append(time.perf_counter() - starts[mod])
+        names_of.setdefault(mod, []).append(nm)
+
+    def bpre(mod, _g):
+        sync()
+        bstarts[mod] = time.perf_counter()
+
+    def bpost(mod, _gi, _go):
+        sync()
+        nm = names_of.get(mod, [None]).pop() if names_of.get(mod) else None
+        if record["on"] and nm:
+            samples_b[nm].append(time.perf_counter() - bstarts[mod])
+
+    names_of: dict[Any, list[str]] = {}
+    for m in leaves:
+        hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
+                  m.register_full_backward_pre_hook(bpre), m.register_full_backward_hook(bpost)]
+    # a training step (the user's model may be in eval mode), BatchNorm statistics and modes
+    # as they were after capture
+    with training_mode(step), keep_buffers(step.model):
+        try:
+            for q in params:  # the timed backwards accumulate into fresh tensors
+                q.grad = None
+            for k in range(warmup + repeats):
+                record["on"] = k >= warmup
+                calls.clear()
+                names_of.clear()
+                loss = step(*args)
+                with warnings.catch_warnings():  # first module's inputs need no gradient:
+                    warnings.simplefilter("ignore", UserWarning)  # expected, not news
+                    loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
+            rt.step.to(home)
+            for q, g in zip(params, grads, strict=True):
+                q.grad = g
+    med = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+    fwd = [med(samples_f.get(n.name, [])) for n in graph.nodes]
+    bwd = [med(samples_b.get(n.name, [])) for n in graph.nodes]
+    return fwd, bwd
+
+
+def _measure_optimizers(dev: Device, sync) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per parameter byte and per parameter tensor of one optimizer step."""
+    per_byte, per_tensor = {}, {}
+    for opt in OPTIMIZER_STATE:
+        big = [torch.zeros(1 << 18, device=dev.torch_device, requires_grad=True)]
+        many = [torch.zeros(256, device=dev.torch_device, requires_grad=True)
+                for _ in range(32)]
+        times = []
+        for ps in (big, many):
+            for p in ps:
+                p.grad = torch.ones_like(p)
+            o = _optimizer(opt, ps)
+            times.append(_time(o.step, sync, 5, 2))
+        b_big, b_many = 4 * (1 << 18), 4 * 256 * 32
+        # times[0] = a * b_big + c ; times[1] = a * b_many + 32 c
+        a = max((32 * times[0] - times[1]) / (32 * b_big - b_many), 0.0)
+        c = max(times[0] - a * b_big, 0.0)
+        per_byte[opt], per_tensor[opt] = a, c
+    return per_byte, per_tensor
+
+
+def _optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch optimizer behind each name in OPTIMIZER_STATE (lr is irrelevant to cost)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3)

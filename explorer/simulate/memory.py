@@ -1,0 +1,330 @@
+"""Memory per device at its peak: weights, gradients, optimizer state, buffers, and activations by
+liveness along the simulated timeline."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
+from explorer.simulate.prediction import MemoryBreakdown
+from explorer.simulate.tasks import ALLREDUCE, OPT, TaskGraph
+
+
+def memory_at_peaks(graph: OpGraph, plan: Plan, sim: TaskGraph, end_a: np.ndarray
+            ) -> dict[str, MemoryBreakdown]:
+    A = sim.arrays
+    stage, st, M = sim.stage, sim.st, plan.micro_batches
+    N, S, per_m = A.n, len(plan.stages), sim.per_m
+    is_op, has_b, kcode = A.is_op, A.has_b, A.kcode
+    off_f, off_b = sim.off_f, sim.off_b
+    e_p, e_c = A.e_p, A.e_c
+    start, end = sim.start, sim.end
+    start_a = np.asarray(start)
+    frac = np.asarray(sim.frac)
+    out_b = A.out_b
+    state_per_byte = OPTIMIZER_STATE[plan.optimizer]
+    params = [0] * S
+    bufs = [0] * S
+    opt = [0] * S
+    kinds, rg, param_bytes = A.kinds, A.rg, A.param_bytes
+    for i in np.flatnonzero(A.pbytes).tolist():
+        s = stage[i]
+        if kinds[i] == "buffer":
+            bufs[s] += param_bytes[i]
+        else:
+            params[s] += param_bytes[i]
+            if rg[i] or kinds[i] == "op":
+                opt[s] += param_bytes[i] * state_per_byte
+    # a copy of each weight or buffer on every other stage that reads it
+    sel = ((kcode[e_p] == KIND_PARAM) | (kcode[e_p] == KIND_BUFFER)) & (st[e_c] != st[e_p])
+    for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
+        params[s] += A.out_bytes[p]
+    root = A.root_a
+    # saved-for-backward: (producer root, node whose backward keeps it)
+    sv_p_a, sv_v_a = A.saved
+
+    # activation memory events: stage, time and bytes (an allocation positive, a free negative)
+    ev_s: list[np.ndarray] = []
+    ev_t: list[np.ndarray] = []
+    ev_b: list[np.ndarray] = []
+
+    def live(s: np.ndarray, t0: np.ndarray, t1: np.ndarray, nbytes: np.ndarray) -> None:
+        keep = nbytes > 0
+        if not keep.all():
+            s, t0, t1, nbytes = s[keep], t0[keep], t1[keep], nbytes[keep]
+        ev_s.extend((s, s))
+        ev_t.extend((t0, np.maximum(t1, t0)))
+        ev_b.extend((nbytes, -nbytes))
+
+    def size_on(nbytes: np.ndarray, s: np.ndarray) -> np.ndarray:
+        return (nbytes * frac[s]).astype(np.int64)
+
+    # activations of ops that own their memory: from the forward's start until the last
+    # forward consumer (through views), saving backward or the loss's backward. An output sent
+    # to another stage is handed to the send when its forward ends (the runtime's accounting).
+    rops = np.flatnonzero(is_op & (root == np.arange(N)))
+    if len(rops):
+        rs = st[rops]
+        size = size_on(out_b[rops], rs)
+        pos = np.full(N, -1, dtype=np.int64)  # root op -> its place in rops
+        pos[rops] = np.arange(len(rops))
+        owner = root[e_p]
+        sel = pos[owner] >= 0
+        own, con = owner[sel], e_c[sel]
+        fsel = (st[own] == st[con]) & is_op[con]
+        # (owner, base, step): a task besides the owner's forward that may end the
+        # activation's life; micro-batch m's is base + m * step
+        parts = [(own[fsel], off_f[con[fsel]], per_m)]
+        loss = graph.index.get(graph.loss, -1) if graph.loss else -1
+        if loss >= 0 and pos[loss] >= 0 and has_b[loss]:
+            parts.append((np.array([loss]), off_b[[loss]], per_m))
+        sel = (pos[sv_p_a] >= 0) & (st[sv_v_a] == st[sv_p_a]) & has_b[sv_v_a]
+        parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
+        at_all = pos[np.concatenate([p[0] for p in parts])]
+        base_all = np.concatenate([p[1] for p in parts])
+        step_all = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
+        for m in range(M):
+            t1 = end_a[off_f[rops] + m * per_m]
+            np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
+            live(rs, start_a[off_f[rops] + m * per_m], t1, size)
+    # extra tensors saved for the backward (masks, statistics): made by the forward, kept
+    # until the backward
+    extra = A.extra
+    xs_ = np.flatnonzero(has_b & (extra != 0))
+    if len(xs_):
+        for m in range(M):
+            live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
+                 size_on(extra[xs_], st[xs_]))
+    # activation gradients, as autograd and the runtime hold them. A consumer's backward
+    # makes the gradient of each op it reads: a new tensor, or the consumer's own incoming
+    # gradient handed on (views, getitem, same-size add, cat: see GraphArrays.hands_on). Per
+    # op and stage, the first gradient made (in schedule order) is kept until the op's own
+    # backward (for an op on another stage: until it is sent, after the backward of its last
+    # consumer here); later ones are added into it and live for their backward only; a
+    # handed-on gradient keeps its buffer alive until the receiving op's backward.
+    sel = has_b[e_p] & has_b[e_c]
+    local_grad = np.zeros(N, dtype=bool)  # ops whose gradient is made on their own stage
+    if sel.any():
+        hand_a, piece_a = A.hands_on
+        gp, gc = e_p[sel], e_c[sel]
+        hand, piece = hand_a[sel], piece_a[sel]
+        new = ~hand
+        gs = st[gc]  # the stage that makes (and holds) the gradient
+        local = st[gp] == gs
+        local_grad[gp[local]] = True
+        _, ginv = np.unique(gp * S + gs, return_inverse=True)
+        n_g = int(ginv.max()) + 1
+        shared = np.flatnonzero(np.bincount(ginv, minlength=n_g)[ginv] > 1)
+        sh_g = ginv[shared]
+        far = np.flatnonzero(~local)
+        p_size = size_on(out_b[gp], gs)
+        hi = np.flatnonzero(hand)
+        uc, h_inv = np.unique(gc[hi], return_inverse=True)
+        uc_s, uc_size = st[uc], size_on(out_b[uc], st[uc])
+        for m in range(M):
+            tb = off_b[gc] + m * per_m
+            b0, b1 = start_a[tb], end_a[tb]
+            # the first of several consumers' backwards (a zero-length one before a longer one
+            # that starts at the same time: it ran first)
+            first = np.ones(len(gp), dtype=bool)
+            if len(shared):
+                o = np.lexsort((b1[shared], b0[shared], sh_g))
+                head = np.ones(len(o), dtype=bool)
+                head[1:] = sh_g[o][1:] != sh_g[o][:-1]
+                first[shared] = False
+                first[shared[o[head]]] = True
+                first |= piece
+            t_end = end_a[off_b[gp] + m * per_m]
+            if len(far):  # sent home after the backward of the last consumer here
+                sent = np.full(n_g, -np.inf)
+                np.maximum.at(sent, ginv[far], b1[far])
+                t_end[far] = sent[ginv[far]]
+            k = new & first
+            live(gs[k], b0[k], t_end[k], p_size[k])
+            k = new & ~first
+            live(gs[k], b0[k], b1[k], p_size[k])
+            if len(hi):
+                t1 = np.full(len(uc), -np.inf)
+                f = first[hi]
+                np.maximum.at(t1, h_inv[f], t_end[hi[f]])
+                k = np.isfinite(t1)
+                live(uc_s[k], end_a[off_b[uc[k]] + m * per_m], t1[k], uc_size[k])
+    # graph inputs: from their first consumer's forward until their last use on each stage
+    saved_by: dict[int, list[int]] = {}
+    sel = kcode[sv_p_a] == KIND_INPUT
+    for p, v in zip(sv_p_a[sel].tolist(), sv_v_a[sel].tolist(), strict=True):
+        saved_by.setdefault(p, []).append(v)
+    off_f_l, off_b_l, has_b_l = off_f.tolist(), off_b.tolist(), has_b.tolist()
+    py_s: list[int] = []
+    py_t0: list[float] = []
+    py_t1: list[float] = []
+    py_b: list[int] = []
+    succs = graph.succs
+    for i in np.flatnonzero(kcode == KIND_INPUT).tolist():
+        users_by_stage: dict[int, list[int]] = {}
+        for c in succs[i]:
+            users_by_stage.setdefault(stage[c], []).append(c)
+        for m in range(M):
+            mo = m * per_m
+            for s, users in users_by_stage.items():
+                t1 = max(end[off_f_l[c] + mo] for c in users)
+                for v in saved_by.get(i, ()):
+                    if stage[v] == s and has_b_l[v]:
+                        t1 = max(t1, end[off_b_l[v] + mo])
+                t0 = min(start[off_f_l[c] + mo] for c in users)
+                py_s.append(s)
+                py_t0.append(t0)
+                py_t1.append(t1)
+                py_b.append(int(A.out_bytes[i] * sim.frac[s]))
+    if py_s:
+        live(np.asarray(py_s, dtype=np.int64), np.asarray(py_t0), np.asarray(py_t1),
+             np.asarray(py_b, dtype=np.int64))
+    # received activations and activation gradients: from the first task that needs them on
+    # the receiving stage (it receives them) until their last use there: the tasks waiting
+    # for them and, for activations, the backwards of the nodes that saved the tensor. A
+    # gradient for an op that also gets gradients on its own stage is added into those (one
+    # buffer), and of several received for one op and micro-batch the first is kept
+    x_id, x_dst, x_node, x_m, x_fwd, x_nbytes = sim.xf
+    if len(x_id):
+        t1 = end_a[x_id]
+        t0 = np.full(len(x_id), np.inf)
+        lo, hi = sim.succ_ptr_a[x_id], sim.succ_ptr_a[x_id + 1]
+        k, idx = _ranges(lo, hi)
+        np.maximum.at(t1, k, end_a[sim.succ_flat_a[idx]])
+        np.minimum.at(t0, k, start_a[sim.succ_flat_a[idx]])
+        t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
+        sv_p_any, sv_v_any = A.saved_any
+        sv_order = np.argsort(sv_p_any, kind="stable")
+        sv_p_s, sv_v_s = sv_p_any[sv_order], sv_v_any[sv_order]
+        xr = root[x_node]
+        lo = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="left"), 0)
+        hi = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="right"), 0)
+        k, idx = _ranges(lo, hi)
+        v = sv_v_s[idx]
+        ok = (st[v] == x_dst[k]) & has_b[v]
+        k, v = k[ok], v[ok]
+        np.maximum.at(t1, k, end_a[off_b[v] + x_m[k] * per_m])
+        keep = x_fwd | ~local_grad[x_node]
+        gk = np.flatnonzero(~x_fwd & keep)
+        if len(gk):  # one received gradient per op and micro-batch
+            _, at = np.unique(x_node[gk] * M + x_m[gk], return_index=True)
+            keep[gk] = False
+            keep[gk[at]] = True
+        live(x_dst[keep], t0[keep], t1[keep],
+             (x_nbytes[keep] * M * frac[x_dst[keep]]).astype(np.int64))
+    # parameter gradients: from the first backward that reaches a weight until the optimizer
+    # step has used it (torch frees them with zero_grad(set_to_none=True))
+    opt_end = [max(end, default=0.0)] * S
+    for t in range(len(sim.kind) - 1, -1, -1):
+        if sim.kind[t] == OPT:
+            opt_end[sim.res[t]] = end[t]
+        elif sim.kind[t] != ALLREDUCE:
+            break  # the optimizer steps are the last tasks (with the all-reduces)
+    pbytes = A.pbytes
+    holds = (pbytes != 0) & (kcode != KIND_BUFFER) & (rg | is_op)
+    own_ops = np.flatnonzero(holds & is_op)
+    sel = holds[e_p] & ~is_op[e_p]
+    g_node = np.concatenate([own_ops, e_p[sel]])
+    g_user = np.concatenate([own_ops, e_c[sel]])
+    sel = has_b[g_user]
+    g_node, g_user = g_node[sel], g_user[sel]
+    g_s_ = st[g_user]
+    g_ev_s = g_ev_t = g_ev_b = np.zeros(0, dtype=np.int64)
+    if len(g_node):
+        first_b = start_a[off_b[g_user]]
+        for m in range(1, M):
+            first_b = np.minimum(first_b, start_a[off_b[g_user] + m * per_m])
+        gk, inv = np.unique(g_node * S + g_s_, return_inverse=True)
+        g0 = np.full(len(gk), np.inf)
+        np.minimum.at(g0, inv, first_b)
+        gs, gsize = gk % S, pbytes[gk // S]
+        g_ev_s = np.concatenate([gs, gs])
+        g_ev_t = np.concatenate([g0, np.asarray(opt_end)[gs]])
+        g_ev_b = np.concatenate([gsize, -gsize])
+    # each stage's peak of activations plus gradients, and what fills it
+    es = np.concatenate([*ev_s, g_ev_s]).astype(np.int64)
+    et = np.concatenate([*ev_t, g_ev_t]).astype(np.float64)
+    eb = np.concatenate([*ev_b, g_ev_b]).astype(np.int64)
+    cat = np.concatenate([np.zeros(len(es) - len(g_ev_s), dtype=np.int64),
+                          np.ones(len(g_ev_s), dtype=np.int64)])
+    # each event sorts by (time, order, bytes, category) within its stage, order 0 for frees
+    # and 1 for allocations; the peak is the first maximum of the running total
+    if len(g_ev_s) and (g_ev_b[: len(g_ev_b) // 2] <= 0).any():
+        order = np.concatenate([eb[: len(es) - len(g_ev_s)] > 0,  # (activations: bytes > 0)
+                                np.arange(len(g_ev_s)) < len(g_ev_s) // 2])
+        peaks = _peaks_in_order(S, es, et, eb, cat, order.astype(np.int64))
+    else:
+        peaks = _peaks(S, es, et, eb, cat)
+    out = {}
+    for s in range(S):
+        act, grads = peaks[s]
+        mb = MemoryBreakdown(params[s], grads, opt[s], bufs[s], act)
+        for d in plan.stages[s]:
+            out[d] = mb
+    return out
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
+    counts = hi - lo
+    k = np.repeat(np.arange(len(lo)), counts)
+    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
+    return k, idx
+
+
+def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray
+           ) -> list[tuple[int, int]]:
+    """Per stage, (activation bytes, gradient bytes) live at the first peak of their total.
+
+    Events (stage, time, bytes, category) with every allocation positive and every free
+    negative. Sorted by (time, frees first, bytes, category) within a stage, the running total
+    falls through one time's frees and then rises through its allocations, so its first maximum
+    is at the last event of some time, where what is live does not depend on how that time's
+    events are ordered: sorting by time alone gives the same peak.
+    """
+    o = np.argsort(et)
+    o = o[np.argsort(es[o].astype(np.int16 if S < 2**15 else np.int64), kind="stable")]
+    es, et, eb, cat = es[o], et[o], eb[o], cat[o]
+    c0 = np.cumsum(np.where(cat == 0, eb, 0))
+    c1 = np.cumsum(np.where(cat == 0, 0, eb))
+    last = np.ones(len(es), dtype=bool)  # the last event of each (stage, time)
+    last[:-1] = (es[1:] != es[:-1]) | (et[1:] != et[:-1])
+    bounds = np.searchsorted(es, np.arange(S + 1))
+    out = []
+    for s in range(S):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        act = grads = 0
+        if hi > lo:
+            ends = lo + np.flatnonzero(last[lo:hi])
+            b0 = c0[lo - 1] if lo else 0
+            b1 = c1[lo - 1] if lo else 0
+            tot = (c0[ends] - b0) + (c1[ends] - b1)
+            k = int(np.argmax(tot))
+            if tot[k] > 0:
+                act, grads = int(c0[ends[k]] - b0), int(c1[ends[k]] - b1)
+        out.append((act, grads))
+    return out
+
+
+def _peaks_in_order(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray,
+                    order: np.ndarray) -> list[tuple[int, int]]:
+    """:func:`_peaks` for any signs of bytes: events in their full sort order."""
+    o = np.lexsort((cat, eb, order, et, es))
+    es, eb, cat = es[o], eb[o], cat[o]
+    bounds = np.searchsorted(es, np.arange(S + 1))
+    out = []
+    for s in range(S):
+        lo, hi = bounds[s], bounds[s + 1]
+        act = grads = 0
+        if hi > lo:
+            b, c = eb[lo:hi], cat[lo:hi]
+            c0 = np.cumsum(np.where(c == 0, b, 0))
+            c1 = np.cumsum(np.where(c == 1, b, 0))
+            tot = c0 + c1
+            k = int(np.argmax(tot))
+            if tot[k] > 0:
+                act, grads = int(c0[k]), int(c1[k])
+        out.append((act, grads))
+    return out

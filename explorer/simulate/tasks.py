@@ -1,0 +1,476 @@
+"""The task graph of one step: forwards, backwards, transfers, all-reduces, optimizer steps.
+
+Tasks live in flat lists indexed by task id (the forwards and backwards of a micro-batch are one
+block laid out from a per-op template), durations come from the cost tables as arrays,
+dependencies are built from the graph's edge arrays; a priority is one integer, so the
+schedule's per-resource queues are heaps of ints (:mod:`explorer.simulate.schedule`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.seconds import Seconds, plain_costs
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
+
+F, B, XFER, ALLREDUCE, OPT = "fwd", "bwd", "send", "allreduce", "optimizer"
+_LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
+
+
+class TaskGraph:
+    """Builds the task graph of one step and list-schedules it."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel,
+                 others: dict[str, float] | None = None) -> None:
+        self.g, self.plan, self.costs = graph, plan, costs
+        self.others = others
+        # per task
+        self.kind: list[str] = []
+        self.res: list[int] = []
+        self.dur: list[float] = []
+        self.enc: list[int] = []  # the schedule priority (a tuple once) as one order-keeping int
+        self.label: list[str] = []
+        self.mb: list[int] = []
+        self.nbytes: list[int] = []
+        self.node: list[int] = []  # the op of a forward or backward, the producer of a transfer
+        self.resources: list[tuple[str, int, int]] = []  # ("stage", s, -1) / ("link", a, b)
+        self._res_index: dict[tuple, int] = {}
+
+    def resource(self, key: tuple) -> int:
+        r = self._res_index.get(key)
+        if r is None:
+            r = self._res_index[key] = len(self.resources)
+            self.resources.append(key)
+        return r
+
+    def task(self, kind: str, res: int, dur: float, enc: int, label: str, mb: int = -1,
+             nbytes: int = 0, node: int = -1) -> int:
+        t = len(self.kind)
+        self.kind.append(kind)
+        self.res.append(res)
+        self.dur.append(dur)
+        self.enc.append(enc)
+        self.label.append(label)
+        self.mb.append(mb)
+        self.nbytes.append(nbytes)
+        self.node.append(node)
+        return t
+
+    def prio(self, slot: int, x: int | None = None) -> int:
+        """The priority tuple ``(slot,)`` or ``(slot, x)`` as an int that orders the same."""
+        return slot * self.W if x is None else slot * self.W + x + self.N + 1
+
+    # -- building ------------------------------------------------------------------------
+    def build(self) -> None:
+        g, plan, costs = self.g, self.plan, self.costs
+        A = self.arrays = GraphArrays.of(g)
+        N = self.N = A.n
+        self.W = W = 2 * N + 2  # (slot, x) with -N < x < N  ->  slot * W + x + N + 1
+        names, out_b = A.names, A.out_bytes
+        succs = g.succs
+        if type(plan).assignment is Plan.assignment:  # the same list, faster
+            stage = list(map(plan.placement.__getitem__, names))
+        else:
+            stage = plan.assignment(g)
+        self.stage = stage
+        st = self.st = np.asarray(stage, dtype=np.int64)
+        S, M = len(plan.stages), plan.micro_batches
+        reps = [plan.stages[s] for s in range(S)]
+        frac = [1.0 / (len(reps[s]) * M) for s in range(S)]
+        self.frac = frac
+        # the slowest replica sets a stage's pace
+        types = [{costs.cluster.device(d).type_key: d for d in reps[s]} for s in range(S)]
+        is_op, has_b = A.is_op, A.has_b
+        ops_arr = np.flatnonzero(is_op)
+        st_ops = st[ops_arr]
+        ops_by_stage = [ops_arr[st_ops == s] for s in range(S)]
+        first_op = [int(o[0]) if len(o) else N for o in ops_by_stage]
+        order = sorted(range(S), key=lambda s: first_op[s])
+        active = [s for s in order if first_op[s] < N]
+        rank = {s: k for k, s in enumerate(active)}
+        warm = {s: min(len(active) - rank[s], M) for s in active}
+        self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
+        if plan.schedule == "gpipe":
+            slot_f = [list(range(M)) for _ in range(S)]
+            slot_b = [[M + m for m in range(M)] for _ in range(S)]
+        else:
+            slot_f, slot_b = [], []
+            for s in range(S):
+                w = warm.get(s, 1)
+                slot_f.append([m if m < w else w + 2 * (m - w) + 1 for m in range(M)])
+                slot_b.append([w + 2 * m for m in range(M)])
+
+        # forwards and backwards: per micro-batch, every op's forward then its backward
+        nb = has_b[ops_arr]
+        width = 1 + nb.astype(np.int64)
+        off_ops = np.cumsum(width) - width
+        per_m = self.per_m = int(width.sum())
+        off_f = np.full(N, -1, dtype=np.int64)
+        off_f[ops_arr] = off_ops
+        off_b = np.full(N, -1, dtype=np.int64)
+        off_b[ops_arr[nb]] = off_ops[nb] + 1
+        self.off_f, self.off_b = off_f, off_b
+        tpl_node = np.empty(per_m, dtype=np.int64)
+        tpl_node[off_ops] = ops_arr
+        tpl_node[off_ops[nb] + 1] = ops_arr[nb]
+        tpl_isb = np.zeros(per_m, dtype=bool)
+        tpl_isb[off_ops[nb] + 1] = True
+        tpl_stage = st[tpl_node]
+        sec = self.seconds = Seconds(costs, self.others)
+        fwd_d = np.zeros(N)
+        bwd_d = np.zeros(N)
+        for s in range(S):
+            idx = ops_by_stage[s]
+            if len(idx):
+                fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
+                idx = idx[has_b[idx]]
+                bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
+        # the processor time per message, per stage (the slowest replica's platform)
+        msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
+                        for s in range(S)], dtype=np.float64)
+        if msg.any():
+            _message_time(A, st, S, fwd_d, bwd_d, msg)
+        tpl_node_l = tpl_node.tolist()
+        self.kind = np.array([F, B], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
+        self.res = tpl_stage.tolist() * M
+        self.fb_stage = tpl_stage
+        self.fb_dur = np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node])
+        self.dur = self.fb_dur.tolist() * M
+        self.label = A.names_obj[tpl_node].tolist() * M
+        self.node = tpl_node_l * M
+        self.mb = np.repeat(np.arange(M), per_m).tolist()
+        self.nbytes = [0] * (per_m * M)
+        x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
+        sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
+        enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
+                                 for m in range(M)])
+        self.enc = [0] * len(enc_fb)  # (kept as enc_fb; the tasks below append theirs)
+
+        # dependencies: blocks of (src, dst) arrays, and pairs collected one by one
+        src_parts: list[np.ndarray] = []
+        dst_parts: list[np.ndarray] = []
+        py_src: list[int] = []
+        py_dst: list[int] = []
+
+        def edges(src: np.ndarray, dst: np.ndarray, m_src: int = 0, m_dst: int = 0) -> None:
+            src_parts.append(src + m_src * per_m if m_src else src)
+            dst_parts.append(dst + m_dst * per_m if m_dst else dst)
+
+        self.transfer_bytes = 0
+        self.late_xfer: list[tuple[int, float]] = []
+        self._links: dict[int, tuple] = {}
+        e_p, e_c = A.e_p, A.e_c
+        same = st[e_p] == st[e_c]
+        op_c = is_op[e_c]
+        # forward edges and activation transfers (one per tensor, micro-batch, destination)
+        sel = op_c & is_op[e_p] & same
+        fs, fd = off_f[e_p[sel]], off_f[e_c[sel]]
+        for m in range(M):
+            edges(fs, fd, m, m)
+        # a weight or buffer used on another stage is sent there once; an activation once per
+        # micro-batch. Transfers are made in the order their first consumer (by node, then
+        # input) meets them.
+        sel = op_c & (A.kcode[e_p] != KIND_INPUT) & ~same
+        cp, ci = e_p[sel], e_c[sel]
+        xf_parts = []  # received activations, for memory
+        if len(cp):
+            keys = cp * S + st[ci]
+            uk, k_edge, sizes, base = self._first_seen(keys, np.where(is_op[cp], M, 1))
+            up, us = uk // S, uk % S
+            u_act = is_op[up]
+            k_task = np.repeat(np.arange(len(uk)), sizes)
+            m_task = np.arange(len(k_task)) - np.repeat(base - base[0], sizes)
+            tp, ts, t_act = up[k_task], us[k_task], u_act[k_task]
+            enc = np.where(t_act, sf[ts, m_task], 0) * W + tp + (N + 1)
+            labels = A.names_obj[tp]
+            for j in np.flatnonzero(~t_act).tolist():
+                labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
+            ob = A.out_b[tp]
+            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
+                            np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
+            # edges: producer's forward -> transfer -> consumer's forward (a weight's one
+            # transfer feeds every micro-batch)
+            e_base, e_act = base[k_edge], u_act[k_edge]
+            fi = off_f[ci]
+            ab = base[u_act]
+            for m in range(M):
+                edges(np.where(e_act, e_base + m, e_base), fi, 0, m)
+                edges(off_f[up[u_act]], ab + m, m)
+            xa = np.flatnonzero(t_act)
+            xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
+                             ~A.grad_named[tp[xa]], A.out_b[tp[xa]] // M))
+        # backward edges: a node's backward waits for its consumers' backwards
+        bops = ops_arr[nb]
+        for m in range(M):
+            edges(off_f[bops], off_b[bops], m, m)
+        both = has_b[e_p] & has_b[e_c]
+        sel = both & same
+        bs, bd = off_b[e_c[sel]], off_b[e_p[sel]]
+        for m in range(M):
+            edges(bs, bd, m, m)
+        # activation gradients sent back, once per micro-batch, made in the order of (node,
+        # consumer)
+        sel = both & ~same
+        bi_, bc_ = e_p[sel], e_c[sel]
+        if len(bi_):
+            o = np.lexsort((bc_, bi_))
+            bi_, bc_ = bi_[o], bc_[o]
+            keys = bi_ * S + st[bc_]
+            uk, k_edge, sizes, base = self._first_seen(keys, np.full(len(keys), M))
+            ui, us = uk // S, uk % S
+            k_task = np.repeat(np.arange(len(uk)), M)
+            m_task = np.tile(np.arange(M), len(uk))
+            tp, ts = ui[k_task], us[k_task]
+            enc = sb[ts, m_task] * W - tp + (N + 1)
+            labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
+                               M).tolist()
+            self._transfers(ts, st[tp], A.out_b[tp] // M, enc, labels, m_task, tp)
+            for m in range(M):
+                edges(base + m, off_b[ui], 0, m)
+                edges(off_b[bc_], base[k_edge] + m, m)
+            xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
+                             np.zeros(len(tp), dtype=bool), A.out_b[tp] // M))
+        self.xf = tuple(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
+                        np.zeros(0, dtype=np.int64) for k in range(6))
+        # 1F1B: at most `warm` micro-batches in flight on a stage
+        if plan.schedule == "1f1b" and M > 1:
+            for s in active:
+                w = warm[s]
+                fo = off_f[ops_by_stage[s]]
+                bo = off_b[ops_by_stage[s][has_b[ops_by_stage[s]]]]
+                if not len(bo):
+                    continue
+                for m in range(w, M):
+                    gate = self.task("gate", self.resource(("gate", s, m - w)), 0.0,
+                                     self.prio(0), "", m - w)
+                    edges(bo, np.full(len(bo), gate), m - w)
+                    edges(np.full(len(fo), gate), fo, 0, m)
+        # gradients: params consumed on other stages send their gradient home; replicated
+        # stages all-reduce in buckets; then each stage steps its optimizer
+        is_pg = np.zeros(N, dtype=bool)
+        is_pg[A.pg] = True
+        sent_home: dict[int, list[int]] = {}  # param -> its gradients sent from other stages
+        sel = is_pg[e_p] & has_b[e_c] & ~same
+        gp_, gc_ = e_p[sel], e_c[sel]
+        if len(gp_):
+            o = np.lexsort((gc_, gp_))
+            gp_, gc_ = gp_[o], gc_[o]
+            keys = gp_ * S + st[gc_]
+            uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
+            up, us = uk // S, uk % S
+            self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
+                            [f"grad {names[p]}" for p in up.tolist()],
+                            np.full(len(up), -1), up)
+            for m in range(M):
+                edges(off_b[gc_], base[k_edge], m)
+            for p, t in zip(up.tolist(), base.tolist(), strict=True):
+                sent_home.setdefault(p, []).append(t)
+        self.allreduce_bytes = 0
+        pg = A.pg
+        trainable_bytes = [0] * S
+        trainable_count = [0] * S
+        for i in A.trainable:
+            trainable_bytes[stage[i]] += A.param_bytes[i]
+            trainable_count[stage[i]] += 1
+        for s in range(S):
+            params = pg[st[pg] == s][::-1].tolist()
+            before_opt = [t for p in params for t in sent_home.get(p, ())]
+            d_opt = max(costs.optimizer_s(dv, plan.optimizer, trainable_bytes[s],
+                                          trainable_count[s]) * self._opt_slowed(dv)
+                        for dv in types[s].values())
+            if len(reps[s]) > 1 and params:
+                has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
+                chan = self.resource(("allreduce", s, -1))
+                # the first bucket also waits for the slowest replica to catch up
+                lag = self._replica_lag(s, reps[s], M, d_opt)
+                bucket: list[int] = []
+                size = 0
+                for k, p in enumerate([*params, None]):
+                    if p is not None:
+                        bucket.append(p)
+                        size += out_b[p]
+                    if bucket and (p is None or size >= BUCKET_BYTES):
+                        d = costs.allreduce_s(reps[s], size) + lag
+                        lag = 0.0
+                        k_ = len(reps[s])
+                        self.allreduce_bytes += int(2 * (k_ - 1) * size)
+                        t = self.task(ALLREDUCE, chan, d, self.prio(k), f"all-reduce {size} B",
+                                      -1, size)
+                        for q in bucket:
+                            for c in succs[q]:
+                                if has_b_l[c] and stage[c] == s:
+                                    bc = off_b_l[c]
+                                    for m in range(M):
+                                        py_src.append(bc + m * per_m)
+                                        py_dst.append(t)
+                            for x_ in sent_home.get(q, ()):
+                                py_src.append(x_)
+                                py_dst.append(t)
+                        before_opt.append(t)
+                        bucket, size = [], 0
+            if not trainable_count[s]:
+                continue
+            t = self.task(OPT, self.stage_res[s], d_opt, self.prio(_LAST),
+                          f"{plan.optimizer} step")
+            py_src.extend(before_opt)
+            py_dst.extend([t] * len(before_opt))
+            last = np.where(off_b[ops_by_stage[s]] >= 0, off_b[ops_by_stage[s]],
+                            off_f[ops_by_stage[s]])
+            for m in range(M):
+                edges(last, np.full(len(last), t), m)
+        # successor lists and dependency counts
+        T = len(self.kind)
+        src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])
+        dst = np.concatenate([*dst_parts, np.asarray(py_dst, dtype=np.int64)])
+        # grouped by task (a stable sort is quick here: the blocks come mostly in order; the
+        # order among a task's successors does not matter)
+        self.succ_flat_a = dst[np.argsort(src, kind="stable")]
+        self.succ_ptr_a = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=T))])
+        # successors of t: succ_flat[succ_ptr[t]:succ_ptr[t + 1]]
+        self.succ_flat, self.succ_ptr = self.succ_flat_a.tolist(), self.succ_ptr_a.tolist()
+        # per forward/backward task, the transfers it receives that can arrive late:
+        # [(transfer, wait, sending stage)]
+        self.late_in: dict[int, list[tuple[int, float, int]]] = {}
+        n_fb = per_m * M
+        for x, wait in self.late_xfer:
+            s_send = self.resources[self.res[x]][1]
+            for u in self.succ_flat[self.succ_ptr[x]:self.succ_ptr[x + 1]]:
+                if u < n_fb:
+                    self.late_in.setdefault(u, []).append((x, wait, s_send))
+        ndeps = np.bincount(dst, minlength=T)
+        self.ndeps = ndeps.tolist()
+        self.first = np.flatnonzero(ndeps == 0).tolist()  # tasks ready at the start
+        # the queues order tasks by (priority, task id): one int, priority * T + id
+        fb = len(enc_fb)
+        if fb and int(enc_fb.max()) < 2**62 // T:
+            self.key = (enc_fb * T + np.arange(fb)).tolist()
+        else:
+            self.key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
+        self.key += [e * T + t for t, e in enumerate(self.enc[fb:], fb)]
+        del self.enc
+        # whether every task takes no negative time (then time only moves forward)
+        self.forward_only = bool((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
+                                 and (np.asarray(self.dur[fb:], dtype=np.float64) >= 0.0).all())
+
+    def _opt_slowed(self, device: str) -> float:
+        """How much slower ``device``'s optimizer step runs beside its stage's other replicas
+        (they step the same parameters at the same moment), as its platform says from the
+        profile's ``DeviceCosts.optimizer_contention``."""
+        others = (self.others or {}).get(device, 0.0)
+        ratio = self.costs.device_costs(device).optimizer_contention
+        return self.costs.platform(device).optimizer_slowdown(ratio, others)
+
+    def _replica_lag(self, s: int, devices: list[str], M: int, opt_s: float) -> float:
+        """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest
+        replica beyond the replicas' common pace, as the platform of the replica that wanders
+        most (``DeviceCosts.replica_spread``) says from the stage's busy time."""
+        costs = self.costs
+        widest = max(devices, key=lambda d: costs.device_costs(d).replica_spread)
+        spread = costs.device_costs(widest).replica_spread
+        if spread <= 0.0:
+            return 0.0
+        busy = M * float(self.fb_dur[self.fb_stage == s].sum()) + opt_s
+        return costs.platform(widest).replica_lag_s(spread, busy, len(devices))
+
+    def _first_seen(self, keys: np.ndarray, sizes: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Distinct ``keys`` in the order they first occur, each making ``sizes`` tasks (the
+        size at its first occurrence) from the next free task id on.
+
+        Returns the keys in that order, each key's place in it per occurrence, the sizes, and
+        each key's first task id.
+        """
+        uniq, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        o = np.argsort(first)
+        rank = np.empty(len(o), dtype=np.int64)
+        rank[o] = np.arange(len(o))
+        size = sizes[first[o]]
+        return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
+
+    def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
+                   label: list[str], mb: np.ndarray, node: np.ndarray) -> None:
+        """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
+
+        Each ordered pair of stages is one link (a resource, made at its first transfer).
+        Replicated stages send their shards side by side: a transfer takes as long as
+        ``costs.transfer_s`` between the first devices for its bytes over the narrower side.
+        """
+        S = len(self.plan.stages)
+        stages, costs = self.plan.stages, self.costs
+        self.transfer_bytes += int(nbytes.sum())
+        link = a * S + b
+        uniq, first, inv = np.unique(link, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        lres, lsrc, ldst, lwidth, llat, lbw, llate = [], [], [], [], [], [], []
+        for k in np.argsort(first).tolist():  # (resources in order of first use)
+            sa, sb_ = divmod(int(uniq[k]), S)
+            src, dst = stages[sa][0], stages[sb_][0]
+            lk = costs.cluster.link(src, dst)
+            lres.append((k, self.resource(("link", sa, sb_))))
+            lsrc.append((k, src))
+            ldst.append((k, dst))
+            lwidth.append((k, min(len(stages[sa]), len(stages[sb_]))))
+            llat.append((k, lk.latency_s if src != dst else 0.0))
+            lbw.append((k, lk.bandwidth_bytes_per_s if src != dst else np.inf))
+            llate.append((k, costs.platform(src).late_receive_s(lk.late_receive_s)
+                          if src != dst else 0.0))
+
+        def per_link(pairs: list, dtype: Any) -> np.ndarray:
+            out = np.empty(len(pairs), dtype=dtype)
+            for k, v in pairs:
+                out[k] = v
+            return out
+
+        res = per_link(lres, np.int64)[inv]
+        n = np.maximum(nbytes // per_link(lwidth, np.int64)[inv], 1)
+        if plain_costs(costs):  # CostModel.transfer_s: latency + bytes / bandwidth x link_scale
+            src_is_dst = (per_link(lsrc, object) == per_link(ldst, object))[inv]
+            dur = per_link(llat, np.float64)[inv] + n / per_link(lbw, np.float64)[inv] \
+                * costs.link_scale
+            dur = np.where(src_is_dst, 0.0, dur).tolist()
+        else:
+            srcs, dsts = per_link(lsrc, object)[inv], per_link(ldst, object)[inv]
+            dur = [costs.transfer_s(x, y, k) for x, y, k in
+                   zip(srcs.tolist(), dsts.tolist(), n.tolist(), strict=True)]
+        count = len(a)
+        # activations and their gradients (sent while the ranks compute) whose receive may be
+        # posted late, where the sender's platform has such a wait: (task, wait)
+        late = per_link(llate, np.float64)[inv]
+        for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
+            self.late_xfer.append((len(self.kind) + k, float(late[k])))
+        self.kind.extend([XFER] * count)
+        self.res.extend(res.tolist())
+        self.dur.extend(dur)
+        self.enc.extend(np.asarray(enc).tolist())
+        self.label.extend(label)
+        self.mb.extend(np.asarray(mb).tolist())
+        self.nbytes.extend(np.asarray(nbytes).tolist())
+        self.node.extend(np.asarray(node).tolist())
+
+
+def _message_time(A: GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
+                  bwd_d: np.ndarray, message_s: np.ndarray) -> None:
+    """Charge each device's processor (``message_s`` per stage) for the activations and
+    gradients it sends and receives, where the runtime does it: an op's output goes once to
+    each other stage that uses it (at the end of its forward) and is received by its first
+    consumer there; the gradient comes back once per such stage, sent by the backward of the
+    earliest consumer there (the last to run) and received by the producer's backward."""
+    e_p, e_c = A.e_p, A.e_c
+    for is_b in (False, True):
+        sel = st[e_p] != st[e_c]
+        sel &= (A.has_b[e_p] & A.has_b[e_c]) if is_b else (A.is_op[e_p] & A.is_op[e_c])
+        p, c = e_p[sel], e_c[sel]
+        if not len(p):
+            continue
+        # edges come by consumer in node order: a key's first edge has its first consumer
+        _, first = np.unique(p * S + st[c], return_index=True)
+        d = bwd_d if is_b else fwd_d
+        np.add.at(d, p[first], message_s[st[p[first]]])
+        np.add.at(d, c[first], message_s[st[c[first]]])
