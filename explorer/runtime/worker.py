@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from explorer.devices.cluster import hold_freed_memory, pin_cpu_rank
-from explorer.runtime.jobfiles import read_job
+from explorer.runtime.jobfiles import Job, read_job
 from explorer.runtime.stage import StageRunner
 
 
@@ -84,34 +84,9 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         r = StageRunner(job, rank, world, local_rank)
-        all_times: dict[tuple[str, int], list[float]] = defaultdict(list)
-        energy = _Energy(r.layout.tdev)
-        results = []
-        fault = _fault(rank)
-        for k in range(job.warmup + job.steps):
-            if fault and k == fault[1]:
-                _inject(fault[0])
-            fed = batches(k) if batches is not None else None
-            if fed is not None:
-                r.feed(*fed)
-            e0 = energy.read()
-            res = r.step()
-            e1 = energy.read()
-            for key, v in r.task_times.items():
-                all_times[key].extend(v)
-            res["energy_j"] = (e1 - e0) if e0 is not None and e1 is not None else None
-            res["measured"] = k >= job.warmup
-            results.append(res)
-            if verbose and res["loss"] is not None and r.layout.j == 0:
-                print(f"step {k + 1}/{job.warmup + job.steps}: loss {res['loss']:.6f}, "
-                      f"{res['step_s'] * 1e3:.1f} ms", flush=True)
-            if rank == 0:
-                (out / "progress").write_text(str(k + 1))
+        results, task_s = _run_steps(r, job, rank, out, batches, verbose)
         record = {"rank": rank, "device": r.layout.device_id, "cores": cores, "held": held,
-                  "steps": results,
-                  "task_s": {f"{k}:{i}": statistics.median(v[job.warmup * len(v)
-                                                              // (job.warmup + job.steps):])
-                             for (k, i), v in all_times.items()},
+                  "steps": results, "task_s": task_s,
                   "memory_source": "cuda allocator (max_memory_allocated)"
                   if r.layout.tdev.type == "cuda" else "tensor accounting"}
         if job.record and r.weights.first_grads is not None:
@@ -127,6 +102,39 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         (out / f"error-{rank}.txt").write_text(
             f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
         os._exit(1)
+
+
+def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, verbose: bool
+               ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Run the job's steps: what each step measured, and each task's median seconds over the
+    measured steps (keyed "kind:node")."""
+    all_times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    energy = _Energy(r.layout.tdev)
+    results = []
+    fault = _fault(rank)
+    total = job.warmup + job.steps
+    for k in range(total):
+        if fault and k == fault[1]:
+            _inject(fault[0])
+        fed = batches(k) if batches is not None else None
+        if fed is not None:
+            r.feed(*fed)
+        e0 = energy.read()
+        res = r.step()
+        e1 = energy.read()
+        for key, v in r.task_times.items():
+            all_times[key].extend(v)
+        res["energy_j"] = (e1 - e0) if e0 is not None and e1 is not None else None
+        res["measured"] = k >= job.warmup
+        results.append(res)
+        if verbose and res["loss"] is not None and r.layout.j == 0:
+            print(f"step {k + 1}/{total}: loss {res['loss']:.6f}, "
+                  f"{res['step_s'] * 1e3:.1f} ms", flush=True)
+        if rank == 0:
+            (out / "progress").write_text(str(k + 1))
+    task_s = {f"{kind}:{i}": statistics.median(v[job.warmup * len(v) // total:])
+              for (kind, i), v in all_times.items()}
+    return results, task_s
 
 
 def _fault(rank: int) -> tuple[str, int] | None:
