@@ -20,8 +20,8 @@ from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
+from explorer.runtime.jobfiles import write_job
 from explorer.runtime.worker import main as worker_main
-from explorer.runtime.worker import write_job
 from explorer.simulate.simulator import execution_order
 
 SCRIPT = '''#!/usr/bin/env python

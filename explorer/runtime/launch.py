@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from explorer.capture.tracing import batch_splits, capture
+from explorer.capture.tracing import TrainStep, batch_splits, capture
 from explorer.core.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
-from explorer.platforms.net import free_port as _free_port
-from explorer.runtime.worker import write_job
+from explorer.platforms.net import free_port
+from explorer.runtime.jobfiles import write_job
+from explorer.runtime.params import make_optimizer
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
 
 
@@ -59,11 +60,11 @@ class Measurement:
     #: per device, its busy time in each measured step (``busy_s`` is their median)
     busy_samples_s: dict[str, tuple[float, ...]] = field(default_factory=dict, repr=False)
     grads: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
-    #: per CPU rank, the cores it was pinned to (:func:`explorer.devices.cluster.pin_cpu_rank`);
+    #: per CPU rank, the cores it was pinned to (:meth:`explorer.platforms.Platform.pin_rank`);
     #: None where it was not pinned
     cores: dict[str, tuple[int, ...] | None] = field(default_factory=dict, repr=False)
     #: per rank, whether its process kept the memory it freed for the next step
-    #: (:func:`explorer.devices.cluster.hold_freed_memory`)
+    #: (:meth:`explorer.platforms.Platform.hold_freed_memory`)
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
@@ -126,22 +127,20 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
                         f"{graph.notes[0] if graph.notes else ''}")
     dmap = device_override or device_map(plan, cluster)
     scored = costs if costs is not None else unit_costs(graph, plan)
-    if cluster is not None and not force:
-        model_costs = costs if costs is not None else None
-        if model_costs is not None:
-            pred = simulate(graph, plan, model_costs)
-            if not pred.fits:
-                raise MemoryExceededError(
-                    f"the prediction says this plan does not fit: {pred.memory_report()}; "
-                    "run it anyway with force=True, or choose a plan that fits")
-    order = execution_order(graph, plan, scored)
+    if cluster is not None and costs is not None and not force:
+        pred = simulate(graph, plan, costs)
+        if not pred.fits:
+            raise MemoryExceededError(
+                f"the prediction says this plan does not fit: {pred.memory_report()}; "
+                "run it anyway with force=True, or choose a plan that fits")
+    schedule = execution_order(graph, plan, scored)
     rt = graph.runtime
     with contextlib.ExitStack() as stack:
         if keep is None:
             folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="explorer-")))
         else:
             folder = Path(keep)
-        write_job(folder, rt.program, plan, order, rt.inputs, rt.targets, steps, warmup, lr,
+        write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
                   record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss)
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan)
@@ -151,7 +150,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,
            plan: Plan) -> tuple[list[dict], dict[str, torch.Tensor] | None]:
     """Start ``world`` ranks on the job in ``folder`` and wait for them; never leave one."""
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     logs = []
     env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -309,8 +308,6 @@ def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
     (For models without batch statistics this equals the whole batch at once.) ``model`` may
     be a built-in model from ``ex.builtin_model``, which carries its batch and loss.
     """
-    from explorer.runtime.worker import make_optimizer
-
     if hasattr(model, "module") and hasattr(model, "example_inputs"):
         module, example_inputs = model.module, model.example_inputs
         targets, loss_fn = model.targets, model.loss_fn
@@ -320,8 +317,6 @@ def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
         else (example_inputs,)
     tgts = tuple(targets) if isinstance(targets, (tuple, list)) else \
         ((targets,) if targets is not None else ())
-    from explorer.capture.tracing import TrainStep
-
     step = TrainStep(module, loss_fn, len(inputs)).train()
     params = list(module.parameters())
     opt = make_optimizer(optimizer, params, lr)

@@ -34,6 +34,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate import schedule
@@ -84,25 +85,25 @@ def _contended(plan: Plan, costs: CostModel) -> dict[str, float]:
     return out
 
 
-def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None
-                    ) -> list[list[tuple[str, int, int]]]:
-    """Per stage, the compute tasks in the order the simulated schedule starts them.
+def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) -> Schedule:
+    """Per stage, the compute tasks as :class:`Action` s in the order the simulated schedule
+    starts them.
 
-    Each task is (kind, micro-batch, node index) with kind "fwd", "bwd" or "optimizer" (node
-    -1). All stages' lists are subsequences of one topological order of the step's tasks, so
-    ranks that follow them with blocking receives (and non-blocking sends) cannot deadlock,
-    whatever the placement. Without ``costs`` every op counts as one unit of time.
+    Each action is a "fwd", "bwd" or "optimizer" (micro-batch and node -1) task. All stages'
+    lists are subsequences of one topological order of the step's tasks, so ranks that follow
+    them with blocking receives (and non-blocking sends) cannot deadlock, whatever the
+    placement. Without ``costs`` every op counts as one unit of time.
     """
     if costs is None:
         costs = unit_costs(graph, plan)
     sim = _schedule(graph, plan, costs)  # the order the prediction assumes, contention too
     S = len(plan.stages)
-    out: list[list[tuple[str, int, int]]] = [[] for _ in plan.stages]
+    out: Schedule = [[] for _ in plan.stages]
     kind, res, mb, node = sim.kind, sim.res, sim.mb, sim.node
     for t in sim.order:
         r = res[t]
         if r < S:  # the stages are resources 0 .. S-1
-            out[r].append((kind[t], mb[t], node[t]))
+            out[r].append(Action(kind[t], mb[t], node[t]))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -15,6 +16,7 @@ import torch
 
 import explorer as ex
 from explorer.core.errors import MemoryExceededError, PlanError
+from explorer.models.synthetic import roofline_costs
 from explorer.runtime.launch import RunFailed, reference
 
 STEPS, WARMUP = 2, 1
@@ -54,8 +56,6 @@ _COSTS: dict = {}
 def _costs(graph, cluster):
     key = graph.fingerprint
     if key not in _COSTS:
-        from explorer.models.synthetic import roofline_costs
-
         _COSTS[key] = roofline_costs(graph, cluster)
     return _COSTS[key]
 
@@ -202,14 +202,9 @@ class TestFailures:
 
     def test_a_plan_that_does_not_fit_needs_force(self, mlp):
         graph, _ = mlp
-        import dataclasses
-
         small = ex.Cluster.cpu(2, measure=False)
         small = dataclasses.replace(small, devices=tuple(
             dataclasses.replace(d, memory_bytes=1000) for d in small.devices))
-        costs = _costs(graph, small)
-        from explorer.models.synthetic import roofline_costs
-
         costs = roofline_costs(graph, small)
         plan = ex.partition(graph, small, costs, "even-layers")
         with pytest.raises(MemoryExceededError, match=r"cpu:0 needs .* force=True"):
@@ -221,8 +216,6 @@ class TestFailures:
     def test_devices_that_are_not_here_are_refused(self, mlp):
         graph, _ = mlp
         cl = ex.Cluster.preset("2xH100")
-        from explorer.models.synthetic import roofline_costs
-
         plan = ex.partition(graph, cl, roofline_costs(graph, cl), "even-layers")
         with pytest.raises(PlanError, match="H100:0, H100:1, which this machine does not"):
             ex.run(graph, plan=plan, steps=1, progress=False)

@@ -1,0 +1,107 @@
+"""Where one rank stands in a plan: its stage, replica and shards, the graph's structure, and
+which ranks it exchanges tensors with. Static for the whole run."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import treespec_loads
+
+from explorer.core.errors import ExplorerError
+from explorer.runtime.comm import message_tag
+from explorer.runtime.jobfiles import Job, resolve_target
+
+
+class RankLayout:
+    """The facts every step of one rank needs, checked against the job once.
+
+    Nodes are indices into the job's program. A stage with ``r`` replicas splits each
+    micro-batch into ``shards`` (the largest replica count) shards, ``shards / r`` per replica:
+    ``units`` are this rank's shards, ``rows`` the rows of one shard.
+    """
+
+    def __init__(self, job: Job, rank: int, world: int, local_rank: int) -> None:
+        plan = job.plan
+        self.plan = plan
+        if world != len(plan.devices):
+            raise ExplorerError(f"the plan uses {len(plan.devices)} devices but "
+                                f"{world} processes were started: launch "
+                                f"--nproc_per_node {len(plan.devices)}")
+        self.rank = rank
+        self.device_id = plan.devices[rank]
+        tdev = job.device_map.get(self.device_id, "")
+        if tdev.startswith("cuda"):
+            tdev = f"cuda:{local_rank}" if tdev == "cuda" else tdev
+            torch.cuda.set_device(tdev)
+        self.tdev = torch.device(tdev or "cpu")
+        # the graph
+        calls = job.calls
+        self.calls = calls
+        self.names = [c.name for c in calls]
+        index = {n: i for i, n in enumerate(self.names)}
+        self.targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
+        missing = [n for n in self.names if n not in plan.placement]
+        if missing:
+            raise ExplorerError(f"the plan does not place nodes {missing[:3]}: it was made for "
+                                "another model")
+        if len(job.requires_grad) != len(self.names):
+            raise ExplorerError("the job's graph does not match the exported program")
+        self.requires_grad = list(job.requires_grad)
+        self.loss_name = job.loss
+        self.kind = [c.kind for c in calls]
+        self.stage = [plan.placement[n] for n in self.names]
+        self.preds = [[index[p] for p in c.inputs] for c in calls]
+        self.succs: list[list[int]] = [[] for _ in self.names]
+        for i, ps in enumerate(self.preds):
+            for p in ps:
+                self.succs[p].append(i)
+        self.spec = [treespec_loads(c.spec) if c.spec else None for c in calls]
+        self.nflat = [c.nflat for c in calls]
+        # this rank's stage, replica and shards
+        self.s = plan.stage_of_device(self.device_id)
+        reps = [len(st) for st in plan.stages]
+        self.shards = max(reps)
+        for k, r in enumerate(reps):
+            if self.shards % r:
+                raise ExplorerError(f"stage {k} has {r} replicas, which does not divide the "
+                                    f"largest replica count {self.shards}; use replica counts "
+                                    "that divide each other (1, 2, 4, 8)")
+        self.j = plan.stages[self.s].index(self.device_id)  # replica index in the stage
+        per = self.shards // reps[self.s]
+        self.units = list(range(self.j * per, (self.j + 1) * per))
+        self.micro_batches = plan.micro_batches
+        batch = int(job.inputs[0].shape[0])
+        plan.check_batch(batch)
+        if batch % (self.micro_batches * self.shards):
+            raise ExplorerError(f"batch {batch} does not split into {self.micro_batches} "
+                                f"micro-batches x {self.shards} shards; change the batch size "
+                                "or the plan")
+        self.rows = batch // (self.micro_batches * self.shards)
+
+    def tag(self, kind: int, micro_batch: int, shard: int, node: int) -> int:
+        """The tag of a message about ``node`` (see :func:`message_tag`)."""
+        return message_tag(kind, micro_batch, shard, node, self.shards, len(self.names))
+
+    def peer(self, stage: int, shard: int) -> int:
+        """The rank of ``stage`` that holds shard ``shard``."""
+        st = self.plan.stages[stage]
+        return self.plan.devices.index(st[shard // (self.shards // len(st))])
+
+    def local_consumers(self, i: int) -> int:
+        """How many consumers of node ``i`` are on this rank's stage."""
+        return sum(1 for c in self.succs[i] if self.stage[c] == self.s)
+
+    def remote_stages(self, i: int) -> list[int]:
+        """The other stages with a consumer of node ``i``, in order."""
+        return sorted({self.stage[c] for c in self.succs[i]} - {self.s})
+
+    def weight_home(self, i: int) -> int:
+        """The rank that owns weight ``i`` (of another stage) for this replica."""
+        st = self.plan.stages[self.stage[i]]
+        return self.plan.devices.index(st[self.j % len(st)])
+
+    def weight_users(self, i: int) -> list[tuple[int, int]]:
+        """(replica index, rank) of every rank of another stage that uses this rank's copy of
+        weight ``i``."""
+        mine = len(self.plan.stages[self.s])
+        return [(jt, self.plan.devices.index(dev)) for t in self.remote_stages(i)
+                for jt, dev in enumerate(self.plan.stages[t]) if jt % mine == self.j]

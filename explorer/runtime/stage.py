@@ -1,0 +1,313 @@
+"""One rank running its stage's actions: the forward and backward of each op placed on its
+stage, for each micro-batch and shard, in the order the schedule gives.
+
+As every stage's action list is a piece of one global topological order, blocking receives and
+non-blocking sends cannot deadlock whatever the placement. Backward runs op by op: each op's
+inputs enter through a small autograd function that hands their gradient to a slot (saving
+nothing), and each op's backward starts from the gradient edge of its output, so outputs are
+freed as soon as the forward no longer needs them and only what autograd saves stays alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from explorer.core.errors import ExplorerError
+from explorer.core.schedule import FWD, OPTIMIZER
+from explorer.runtime.accounting import MemTracker
+from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
+from explorer.runtime.jobfiles import Job, fill_refs
+from explorer.runtime.layout import RankLayout
+from explorer.runtime.params import Weights
+
+
+class _Entry(torch.autograd.Function):
+    """Identity on a tensor entering an op; its gradient goes to ``slot`` (nothing is saved)."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, slot):  # type: ignore[override]
+        ctx.slot = slot
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ctx.slot.append(g)
+        return None, None, None
+
+
+class _ReleasedType:
+    """Marks a received tensor whose last local use is done."""
+
+
+_Released = _ReleasedType()
+
+# (micro-batch, shard, node): the key of a value or gradient within a step
+Key = tuple[int, int, int]
+
+
+class StageRunner:
+    """One device's share of the plan: its stage's actions, one training step at a time."""
+
+    def __init__(self, job: Job, rank: int, world: int, local_rank: int) -> None:
+        self.job = job
+        L = self.layout = RankLayout(job, rank, world, local_rank)
+        self.tracker = MemTracker()
+        self.messenger = Messenger(L.tdev)
+        self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker,
+                               replica_group(L.plan, L.s), job.record)
+        self.actions = job.schedule[L.s]
+        self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
+        self.slots: dict[Key, list] = {}
+        self.task_times: dict[tuple[str, int], list[float]] = defaultdict(list)
+
+    def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Use this batch from the next step on (same shapes as the example batch)."""
+        for new, old in zip([*inputs, *targets], [*self.job.inputs, *self.job.targets],
+                            strict=True):
+            if new.shape != old.shape:
+                raise ExplorerError(f"batches() gave a tensor of shape {tuple(new.shape)} "
+                                    f"where the plan expects {tuple(old.shape)}")
+        self.job.inputs, self.job.targets = list(inputs), list(targets)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """Run one training step; its time, busy time, peak memory and loss."""
+        L = self.layout
+        self.messenger.start_step()
+        self.task_times = defaultdict(list)
+        self.env: dict[tuple[int, int], dict[int, Any]] = defaultdict(dict)
+        self.fwd_left: dict[Key, int] = {}
+        self.grad: dict[Key, list] = {}
+        self.bwd_left: dict[Key, int] = {}
+        self.edges: dict[Key, list] = {}
+        self.received: dict[Key, Any] = {}
+        self.losses: list[float] = []
+        busy = 0.0
+        self.tracker.reset_peak()
+        if L.tdev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(L.tdev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.weights.start_step()
+        times = self.task_times
+        for a in self.actions:
+            if a.kind == OPTIMIZER:
+                dt = self._timed(self.weights.finish)
+                busy += dt
+                times[OPTIMIZER, -1].append(dt)
+                continue
+            run = self._forward if a.kind == FWD else self._backward
+            for u in L.units:
+                dt = self._timed(run, a.micro_batch, u, a.node)
+                busy += dt
+                times[a.kind, a.node].append(dt)
+        if not any(a.kind == OPTIMIZER for a in self.actions):
+            busy += self._timed(self.weights.finish)
+        self.messenger.flush()
+        self._sync()
+        t1 = time.perf_counter()
+        peak = (torch.cuda.max_memory_allocated(L.tdev) if L.tdev.type == "cuda"
+                else self.tracker.peak)
+        loss = sum(self.losses) / len(self.losses) if self.losses else None
+        self.env.clear()
+        return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss}
+
+    def _timed(self, fn: Callable[..., None], *args: int) -> float:
+        """Seconds ``fn(*args)`` took, the device synchronized, waits for messages excluded."""
+        w0, t_start = self.messenger.waited, time.perf_counter()
+        fn(*args)
+        self._sync()
+        return time.perf_counter() - t_start - (self.messenger.waited - w0)
+
+    def _sync(self) -> None:
+        if self.layout.tdev.type == "cuda":
+            torch.cuda.synchronize(self.layout.tdev)
+
+    # -- forward -------------------------------------------------------------------------
+    def _arg(self, m: int, u: int, p: int, slots: list) -> Any:
+        L = self.layout
+        kind = L.kind[p]
+        if kind == "input":  # this stage's copy of its micro-batch's rows, until its last use
+            env = self.env[(m, u)]
+            if p not in env:
+                env[p] = self._batch(m, u, p)
+                self.tracker.add(env[p])
+                self.fwd_left[(m, u, p)] = L.local_consumers(p)
+            return env[p]
+        if kind in ("param", "buffer"):
+            return self.weights.value[p]
+        if L.stage[p] == L.s:
+            val = self.env[(m, u)][p]
+        else:
+            rk = (m, u, p)
+            if rk not in self.received:
+                flat = self.messenger.recv(L.peer(L.stage[p], u), L.tag(ACTIVATION, m, u, p))
+                spec = L.spec[p]
+                val = tree_unflatten(flat, spec) if spec is not None else flat[0]
+                for t in flat:
+                    if isinstance(t, torch.Tensor):
+                        self.tracker.add(t)
+                self.received[rk] = val
+                self.fwd_left[rk] = L.local_consumers(p)
+            val = self.received[rk]
+        flat, spec = tree_flatten(val)
+        wrapped = []
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and L.requires_grad[p]:
+                slot: list = []
+                slots.append((p, len(wrapped), slot))
+                wrapped.append(_Entry.apply(self.anchor, t.detach(), slot))
+            else:
+                wrapped.append(t)
+        return tree_unflatten(wrapped, spec)
+
+    def _batch(self, m: int, u: int, p: int) -> torch.Tensor:
+        """The rows of input ``p`` for micro-batch ``m``, shard ``u``, as a tensor of their own
+        on the device (a copy on CPU too, as on a GPU: the batch itself is host data)."""
+        L = self.layout
+        k = int(L.names[p].split("_")[1])
+        src = self.job.inputs[k] if L.names[p].startswith("input_") else self.job.targets[k]
+        start = (m * L.shards + u) * L.rows
+        return src[start: start + L.rows].to(L.tdev, copy=True)
+
+    def _forward(self, m: int, u: int, i: int) -> None:
+        """Run op ``i`` forward on micro-batch ``m``, shard ``u``."""
+        L = self.layout
+        call = L.calls[i]
+        slots: list = []
+        lookup = {L.names[p]: self._arg(m, u, p, slots) for p in L.preds[i]}
+        args = fill_refs(call.args, lookup)
+        kwargs = fill_refs(call.kwargs, lookup)
+        tracker = self.tracker
+        with tracker.saving():
+            out = L.targets[i](*args, **kwargs)
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                tracker.add(t)
+        self.env[(m, u)][i] = out
+        self.edges[(m, u, i)] = [get_gradient_edge(t) if isinstance(t, torch.Tensor)
+                                 and t.requires_grad else None for t in flat]
+        self.slots[(m, u, i)] = slots
+        self.fwd_left[(m, u, i)] = L.local_consumers(i)
+        for t in L.remote_stages(i):
+            self.messenger.send(out, L.peer(t, u), L.tag(ACTIVATION, m, u, i))
+        if L.names[i] == L.loss_name:
+            self.losses.append(float(out.detach()))
+        # inputs whose last local forward use this was can go
+        for p in L.preds[i]:
+            k = (m, u, p)
+            if k in self.fwd_left:
+                self.fwd_left[k] -= 1
+                if self.fwd_left[k] == 0:
+                    self._release_output(m, u, p)
+        if self.fwd_left[(m, u, i)] == 0 and L.names[i] != L.loss_name:
+            self._release_output(m, u, i)
+
+    def _release_output(self, m: int, u: int, p: int) -> None:
+        L = self.layout
+        here = L.stage[p] == L.s or L.kind[p] == "input"  # (each stage has its rows)
+        val = self.env[(m, u)].pop(p, None) if here else self.received.get((m, u, p))
+        if val is None:
+            return
+        for t in tree_flatten(val)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tracker.drop(t)
+        if not here:
+            self.received[(m, u, p)] = _Released
+
+    # -- backward ------------------------------------------------------------------------
+    def _backward(self, m: int, u: int, i: int) -> None:
+        """Run op ``i`` backward on micro-batch ``m``, shard ``u``."""
+        L = self.layout
+        key = (m, u, i)
+        edges = self.edges.pop(key, None) or []
+        slots = self.slots.pop(key, [])
+        # gradients from consumers on other stages
+        for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
+            self._store_grad(key, self.messenger.recv(L.peer(t, u), L.tag(GRADIENT, m, u, i)))
+        grads = self.grad.pop(key, None)
+        if L.names[i] == L.loss_name:
+            grads = [torch.full_like(self.env[(m, u)][i], 1.0 / (L.micro_batches * L.shards))]
+            self._release_output(m, u, i)
+        pairs = [(e, g) for e, g in zip(edges, grads or [], strict=False)
+                 if e is not None and g is not None]
+        # autograd frees what the op saved (and its output's gradient) only after computing
+        # the gradients of its inputs: count those first (on CPU; a GPU's allocator measures
+        # itself, and holding the freed tensors a little longer would only raise its peak)
+        with (self.tracker.deferred() if L.tdev.type != "cuda" else contextlib.nullcontext()):
+            if pairs:
+                torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+            made = [g for _, _, slot in slots for g in slot]
+            for g in made:
+                self.tracker.add(g)
+            for g in grads or []:
+                if g is not None:
+                    self.tracker.drop(g)
+        self._route_input_grads(m, u, i, slots)
+        for g in made:
+            self.tracker.drop(g)
+
+    def _route_input_grads(self, m: int, u: int, i: int, slots: list) -> None:
+        """Hand the gradients of op ``i``'s inputs on: to parameters, to the producer on this
+        stage, or (after its last local consumer) to the producer's stage; even when none
+        flowed, so every counter moves."""
+        L = self.layout
+        per_pred: dict[int, list] = {}
+        for p, pos, slot in slots:
+            if slot:
+                lst = per_pred.setdefault(p, [None] * L.nflat[p])
+                lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
+        for p in L.preds[i]:
+            if L.kind[p] == "param":
+                self.weights.used(p)
+                continue
+            if L.kind[p] != "op" or not L.requires_grad[p]:
+                continue
+            gk = (m, u, p)
+            if p in per_pred:
+                self._store_grad(gk, per_pred[p])
+            if L.stage[p] != L.s:
+                left = self.bwd_left.get(gk)
+                if left is None:
+                    left = sum(1 for c in L.succs[p]
+                               if L.stage[c] == L.s and L.requires_grad[c])
+                self.bwd_left[gk] = left - 1
+                if left - 1 == 0:
+                    g = self.grad.pop(gk, None) or [None] * L.nflat[p]
+                    self.messenger.send([x if x is not None else NO_GRADIENT for x in g],
+                                        L.peer(L.stage[p], u), L.tag(GRADIENT, m, u, p))
+                    for x in g:
+                        if x is not None:
+                            self.tracker.drop(x)
+
+    def _store_grad(self, key: Key, new: list) -> None:
+        """Add gradients to what is held for ``key``, keeping the memory accounting exact."""
+        old = self.grad.get(key)
+        total = _add(old, new, self.layout.nflat[key[2]])
+        for x in old or []:
+            if x is not None:
+                self.tracker.drop(x)
+        for x in total:
+            if x is not None:
+                self.tracker.add(x)
+        self.grad[key] = total
+
+
+def _add(acc: list | None, new: list, n: int) -> list:
+    """Element-wise sum of two gradient lists; None (or an empty tensor) is no gradient."""
+    new = [None if x is None or (x.dim() == 1 and x.numel() == 0) else x for x in new]
+    new = new + [None] * (n - len(new))
+    if acc is None:
+        return new
+    return [a if b is None else (b if a is None else a + b) for a, b in zip(acc, new,
+                                                                         strict=True)]
