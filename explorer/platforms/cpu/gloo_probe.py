@@ -18,6 +18,11 @@ import sys
 import threading
 import time
 
+import torch
+import torch.distributed as dist
+
+from explorer.platforms.cpu.ranks import hold_freed_memory, pin_cpu_rank
+
 PING_REPS = 200
 BULK_REPS = 10
 BULK_BYTES = 8 * 2**20
@@ -31,12 +36,6 @@ def main(argv: list[str]) -> None:
     watchdog = threading.Timer(timeout_s, os._exit, (3,))
     watchdog.daemon = True
     watchdog.start()
-    # imported here, not at the top: the measuring side imports this module for its sizes
-    import torch
-    import torch.distributed as dist
-
-    from explorer.platforms.cpu.ranks import hold_freed_memory, pin_cpu_rank
-
     torch.set_num_threads(1)
     pin_cpu_rank(rank)  # as the runtime sets up its CPU ranks
     hold_freed_memory()
