@@ -48,7 +48,9 @@ from explorer.core.units import table
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PYTEST_GPU = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+# the project's pytest options (notebooks, doctests) are left out: a GPU machine may lack nbmake
+PYTEST_GPU = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+              "-o", "addopts="]
 PYTEST_TIMEOUT_S = 300.0
 MULTI_GPU_NOTE = (
     "Two ranks on one GPU are not a multi-GPU run: NCCL refuses two ranks on one device, so "
@@ -90,7 +92,7 @@ def main() -> None:
         "steps": steps, "notes": [MULTI_GPU_NOTE, DTYPE_NOTE, RESERVED_NOTE]})
     energy = EnergyCounter()
     res.data["energy_counter"] = energy.status
-    pytest_paths = ["tests/project/test_gpu_scripts.py"] if dry else ["tests"]
+    pytest_paths = ["tests/project/test_gpu_scripts.py"] if dry else ["tests/gpu"]
     cases: list[tuple[str, Any]] = [("pytest -m gpu", lambda: pytest_gpu(pytest_paths))]
     # cheapest and most telling first: the first size in both dtypes, then the next size
     for size in sizes:
