@@ -99,9 +99,9 @@ def test_energy_from_nvml_when_the_gpu_counts_it(mlp, gpu):
     assert meas.energy_j is not None and meas.energy_j > 0
 
 
-def test_two_ranks_on_one_gpu_are_refused_clearly(mlp, gpu):
-    """NCCL cannot run two ranks on one device: a two-device plan over one GPU is an error
-    the user understands, not a hang."""
+def test_a_plan_for_more_gpus_than_are_here_is_refused_clearly(mlp, gpu):
+    """One GPU cannot stand in for two (NCCL refuses two ranks on one device): a two-GPU plan
+    is an error the user understands, not a hang."""
     _, graph = mlp
     two = ex.Cluster.preset("2xH100")
     costs = ex.profile(graph, two, progress=False)
