@@ -226,7 +226,7 @@ def widget(gpt):
     from widgets import Explorer
 
     cl = ex.Cluster.preset("2xH100")
-    return Explorer(gpt, roofline_costs(gpt, cl))
+    return Explorer(gpt, roofline_costs(gpt, cl), ex.Plan.single(gpt, cl.ids[0]))
 
 
 def shown_step(w) -> float:
@@ -249,10 +249,12 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     assert w.graph.nodes.data["device"][k] == ids[1]
     assert w.graph.nodes.data["color"][k] != w.graph.nodes.data["color"][0]
     assert "#d62728" in w.graph.edges.data["color"]  # edges across devices are marked
+    assert "dashed" in w.graph.edges.data["dash"]
     assert any("across devices" in t for t in w.graph.edges.data["label"])
     bars = w.memory.source.data
     mem = dict(zip(bars["device"], bars["activations"], strict=True))
-    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**20)
+    assert w.memory.unit == "GiB"
+    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**30)
     assert len(w.timeline.source.data["lane"]) > 0
     w.editing.undo_button.click()
     assert w.graph.nodes.data["device"][k] == ids[0]
