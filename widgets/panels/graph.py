@@ -32,11 +32,13 @@ from widgets.session import Session
 
 MIXED = "#b0b0b0"
 CROSS = "#d62728"
-#: device colors: Okabe-Ito's colour-blind safe set (without its red and black) then Paul
-#: Tol's; none is the cross-device edge red or the "mixed" grey. Beyond 16 devices they repeat.
+#: device colors: the first eight (Okabe-Ito's colour-blind safe set without its red and black,
+#: then Tol's indigo and wine) stay apart for red-green colour blindness too; the next eight
+#: (Tol's and IBM's) are chosen to be as far from those as possible. None is the cross-device
+#: edge red or the "mixed" grey; beyond 16 devices they repeat.
 DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#332288",
-                 "#44AA99", "#999933", "#AA4499", "#117733", "#DDCC77", "#882255", "#88CCEE",
-                 "#BBCC33", "#FFAABB")
+                 "#882255", "#DDCC77", "#1A85FF", "#117733", "#99DDFF", "#004488", "#EE8866",
+                 "#BBCC33", "#AA4499")
 #: columns of the graph's items that depend on the placement
 DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross")
 #: most names the find box suggests (modules first, then ops)
