@@ -253,8 +253,8 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     assert any("across devices" in t for t in w.graph.edges.data["label"])
     bars = w.memory.source.data
     mem = dict(zip(bars["device"], bars["activations"], strict=True))
-    assert w.memory.unit == "GiB"
-    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**30)
+    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes
+                                        / w.memory.unit_bytes)
     assert len(w.timeline.source.data["lane"]) > 0
     w.editing.undo_button.click()
     assert w.graph.nodes.data["device"][k] == ids[0]
@@ -500,8 +500,14 @@ def test_graph_hover_counts_edges_without_an_edge_tooltip(widget):
 
 
 def test_memory_bars_read_at_80_gib_and_the_timeline_has_the_used_lanes(widget):
+    from widgets.panels.memory import memory_unit, scale_end
+
+    assert memory_unit(84 * 2**30)[0] == "GiB" and memory_unit(30 * 2**20)[0] == "MiB"
+    assert scale_end([60.0, 10.0], [80.0, 80.0]) == (84.0, False)  # capacity in view
+    assert scale_end([1.0, 0.0], [80.0, 80.0]) == (1.35, True)  # zoomed to what is used
     w = widget
-    assert w.memory.unit == "GiB" and "GiB" in w.memory.figure.title.text
+    assert w.memory.unit in ("KiB", "MiB")  # a tiny model: not 0.0002 GiB ticks
+    assert w.memory.unit in w.memory.figure.title.text
     d = w.memory.source.data
     used = max(sum(d[c][k] for c in ("params", "grads", "optimizer", "buffers",
                                      "activations")) for k in range(len(d["device"])))

@@ -21,7 +21,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 from bokeh.transform import dodge
 
-from explorer.core.units import GiB, MiB, format_bytes
+from explorer.core.units import GiB, KiB, MiB, format_bytes
 from widgets.panels.base import Panel, bokeh_widget
 from widgets.session import Session
 
@@ -33,9 +33,13 @@ CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868")
 ZOOM_BELOW = 0.1
 
 
-def memory_unit(capacities_bytes: list[float]) -> tuple[str, int]:
-    """GiB for devices of 4 GiB and more, else MiB."""
-    return ("GiB", GiB) if max(capacities_bytes, default=0) >= 4 * GiB else ("MiB", MiB)
+def memory_unit(axis_end_bytes: float) -> tuple[str, int]:
+    """The unit of a memory axis that ends at ``axis_end_bytes``: GiB from 4 GiB on, then
+    MiB, then KiB (so its ticks read 20, 40, 60, not 2.000e-4)."""
+    for unit, k in (("GiB", GiB), ("MiB", MiB)):
+        if axis_end_bytes >= 4 * k:
+            return unit, k
+    return "KiB", KiB
 
 
 def scale_end(totals: list[float], capacities: list[float]) -> tuple[float, bool]:
@@ -57,8 +61,7 @@ class MemoryPanel(Panel):
     def __init__(self, session: Session, backend: str = "canvas") -> None:
         super().__init__(session)
         devices = list(session.cluster.ids)
-        self.unit, self.unit_bytes = memory_unit(
-            [session.cluster.device(d).memory_bytes for d in devices])
+        self.unit, self.unit_bytes = "GiB", GiB
         self.source = ColumnDataSource(self.columns())
         p = figure(height=110 + 44 * len(devices), sizing_mode="stretch_width",
                    y_range=FactorRange(*devices[::-1]), x_range=Range1d(0, 1),
@@ -80,20 +83,20 @@ class MemoryPanel(Panel):
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
                                         ("params/grads/opt", "@detail")]))
-        p.xaxis.axis_label = self.unit
         self.figure = p
-        self._rescale()
+        self.update("all")
         self.widget = bokeh_widget(p, "pe-memory")
 
     def update(self, what: str) -> None:
-        self.source.data = self.columns()
-        self._rescale()
-
-    def _rescale(self) -> None:
-        d = self.source.data
+        """New bars, in the unit that suits the new axis (see :func:`memory_unit`)."""
+        self.unit, self.unit_bytes = "B", 1
+        d = self.columns()
         totals = [sum(d[c][k] for c in CATEGORIES) for k in range(len(d["device"]))]
         end, zoomed = scale_end(totals, d["capacity"])
-        self.figure.x_range.start, self.figure.x_range.end = 0, end
+        self.unit, self.unit_bytes = memory_unit(end)
+        self.source.data = self.columns()
+        self.figure.x_range.start, self.figure.x_range.end = 0, end / self.unit_bytes
+        self.figure.xaxis.axis_label = self.unit
         self.figure.title.text = (
             f"memory at the peak, {self.unit}; "
             + ("capacity beyond the right edge (said in words)" if zoomed
