@@ -12,10 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import ipywidgets as W
+from IPython.display import publish_display_data
 
 import explorer as ex
 from explorer.devices.cluster import parse_devices
-from widgets.panels.base import Panel, load_bokehjs
+from widgets.panels.base import Panel, bokehjs_bundle
 from widgets.panels.editing import EditingPanel
 from widgets.panels.estimate import EstimatePanel
 from widgets.panels.graph import GraphPanel
@@ -33,21 +34,21 @@ class Explorer(W.VBox):
     """The explorer widget.
 
     ``Explorer(model, example_inputs, cluster=..., loss_fn=..., targets=...)`` captures and
-    profiles the model; ``Explorer(graph, costs, plan=None)`` opens an already captured graph;
-    ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a built-in model.
+    profiles the model; ``Explorer(graph, costs, plan)`` (the plan optional) opens an already
+    captured graph; ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a
+    built-in model. Without a plan it opens with the fastest quick baseline that fits.
 
     The state is ``session`` (a :class:`Session`: drive it from code and the widget follows);
     the panels are ``status``, ``graph``, ``estimate``, ``memory``, ``editing``, ``timeline``,
     ``plans`` and ``runs``, each documenting the controls it shows.
     """
 
-    def __init__(self, model: Any, example_inputs: Any = None, cluster: ex.Cluster | None = None,
+    def __init__(self, model: Any, example_inputs: Any = None, cluster: Any = None,
                  loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
                  plan: ex.Plan | None = None, backend: str = "canvas", height: int = 560,
                  progress: bool = True) -> None:
         self.session = s = Session.open(model, example_inputs, cluster, loss_fn, targets, costs,
                                         plan, progress)
-        load_bokehjs()
         self.status = StatusPanel(s)
         self.graph = GraphPanel(s, backend, height)
         self.estimate = EstimatePanel(s)
@@ -58,18 +59,31 @@ class Explorer(W.VBox):
         self.runs = RunPanel(s)
         self.panels: tuple[Panel, ...] = (self.status, self.graph, self.estimate, self.memory,
                                           self.editing, self.timeline, self.plans, self.runs)
+        line = self.status.line
+        # the graph and the side column share a row while both fit, else the side wraps under
         side = W.VBox([self.estimate.table, self.memory.widget, self.editing.widget,
-                       self.graph.controls], layout=W.Layout(flex="2 1 0%", min_width="380px"))
-        self.tabs = W.Tab([self.timeline.widget, self.plans.solvers, self.editing.settings,
-                           self.runs.widget, self.plans.files])
+                       self.graph.controls, line("side")],
+                      layout=W.Layout(flex="2 1 300px", min_width="0", max_width="100%"))
+        self.tabs = W.Tab([self.timeline.widget,
+                           W.VBox([self.plans.solvers, line("partitioners")]),
+                           W.VBox([self.editing.settings, line("settings")]),
+                           W.VBox([self.runs.widget, line("run")]),
+                           W.VBox([self.plans.files, line("export")])])
         for k, title in enumerate(TABS):
             self.tabs.set_title(k, title)
         super().__init__([self.status.header, self.status.message,
-                          W.HBox([self.graph.widget, side]), self.tabs],
-                         layout=W.Layout(width="100%"))
+                          W.HBox([self.graph.widget, side],
+                                 layout=W.Layout(flex_flow="row wrap", width="100%")),
+                          self.tabs],
+                         layout=W.Layout(width="100%", overflow="hidden"))
         self.add_class("pe-explorer")
         s.observe(lambda _session, what: self.update(what))
         self.update()
+
+    def _ipython_display_(self) -> None:
+        # BokehJS with every display: a reloaded page has lost the copy loaded before
+        publish_display_data(bokehjs_bundle())
+        publish_display_data(self._repr_mimebundle_())
 
     @classmethod
     def builtin(cls, name: str = "gpt", size: str = "small", devices: str = "cpu:2",

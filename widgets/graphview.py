@@ -12,6 +12,7 @@ more than the deepest item it depends on) and spread out side by side within a l
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -90,6 +91,60 @@ class GraphView:
                 break
             self.expanded |= more
             self.refresh()
+
+    def expand_to(self, depth: int) -> None:
+        """Show modules down to ``depth`` parts of their path (and no deeper)."""
+        self.expanded.clear()
+        self.refresh()
+        for _ in range(64):
+            more = {it.key for it in self.items
+                    if it.expandable and it.depth + 1 < depth} - self.expanded
+            if not more:
+                break
+            self.expanded |= more
+            self.refresh()
+
+    def names_to_find(self) -> list[str]:
+        """Every module path (and its parents) and op name of the graph, modules first: what
+        the find box suggests."""
+        return list(self._kinds())
+
+    def _kinds(self) -> dict[str, str]:
+        """Name -> what it is (a module's class, an op's operator), modules first."""
+        g = self.graph
+        types: dict[str, str] = {}
+        for i, p in self._paths.items():
+            for k in range(1, len(p) + 1):
+                types.setdefault(".".join(p[:k]), "")
+            if p:
+                types[".".join(p)] = types[".".join(p)] or g.nodes[i].module_type
+        out = dict(sorted(types.items()))
+        out.update((g.nodes[i].name, g.nodes[i].op) for i in self._ops)
+        return out
+
+    def search(self, query: str, limit: int = 64) -> list[str]:
+        """Module paths and op names that ``query`` names, best kind of match first: the
+        exact name; names with ``query`` as whole path parts ("h.3" in "m.h.3.attn", not
+        "m.h.30"); names, module classes or operators containing it ("attention" finds
+        the CausalSelfAttention modules); names holding its characters in order. Of the
+        modules matched, only the outermost (not those inside another match) are kept."""
+        q = query.strip().lower()
+        if not q:
+            return []
+        kinds = self._kinds()
+        if query.strip() in kinds:
+            return [query.strip()]
+        whole = re.compile(rf"(^|[._/]){re.escape(q)}($|[._/])")
+        fuzzy = re.compile(".*?".join(map(re.escape, q)))
+        for test in (lambda n, _k: whole.search(n), lambda n, k: q in n or q in k,
+                     lambda n, _k: fuzzy.search(n)):
+            hits = [n for n, k in kinds.items() if test(n.lower(), k.lower())]
+            hit = set(hits)
+            outer = [n for n in hits if not any(
+                ".".join(n.split(".")[:k]) in hit for k in range(1, n.count(".") + 1))]
+            if outer:
+                return outer[:limit]
+        return []
 
     def label_of(self, k: int) -> str:
         """Item ``k``'s name without the module class ("blocks.0", not "blocks.0 (Block)")."""

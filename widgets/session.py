@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
+from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.units import MiB
@@ -32,6 +33,10 @@ from widgets.graphview import GraphView
 
 #: how many edits undo remembers
 HISTORY = 200
+#: partitioners tried when a session opens without a plan (each takes well under a second)
+#: most ops "expand all" draws one by one
+EXPAND_ALL_OPS = 3000
+QUICK_BASELINES = ("single", "data-parallel", "even-layers", "balanced-params")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,49 @@ class PlanEntry:
                 "fits": p.fits, "cross_mib": p.cross_device_bytes / MiB,
                 "gap_pct": p.gap * 100, "lower_bound_ms": p.lower_bound_s * 1e3,
                 "solve_s": self.solve_s}
+
+
+def check_type(value: Any, kind: type, what: str, example: str) -> None:
+    """Raise a clear error when an argument is not None and not of the expected type."""
+    if value is not None and not isinstance(value, kind):
+        raise ExplorerError(f"{what} must be a {kind.__name__} (e.g. {example}), not a "
+                            f"{type(value).__name__}")
+
+
+def auto_plan(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel
+              ) -> tuple[ex.Plan | None, str]:
+    """The fastest quick baseline (``QUICK_BASELINES``) that fits and can run, with a line
+    saying which it is; (None, "") on one device (everything goes on it)."""
+    if len(cluster.ids) < 2:
+        return None, ""
+    scored = []
+    for name in QUICK_BASELINES:
+        try:
+            plan = ex.partition(graph, cluster, costs, name)
+        except ExplorerError:
+            continue
+        pred = ex.simulate(graph, plan, costs)
+        scored.append((not pred.fits, bool(run_problem(graph, plan)), pred.step_s, name, plan))
+    if not scored:
+        return None, ""
+    *_, name, plan = min(scored, key=lambda t: t[:3])
+    return plan, (f"opened with the {name} plan, the fastest of the quick baselines "
+                  f"({', '.join(QUICK_BASELINES)}); solve for better ones under partitioners")
+
+
+def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:
+    """Why real steps of ``plan`` cannot run ("" when they can): the batch must split evenly
+    over replicas x micro-batches, and only into parts when the graph's batch is dynamic."""
+    try:
+        plan.check_batch(graph.batch_size)
+    except ExplorerError as e:
+        return str(e)
+    splits = max(len(st) for st in plan.stages) * plan.micro_batches
+    exported = graph.runtime is not None and graph.runtime.program is not None
+    if splits > 1 and exported and not batch_splits(graph):
+        return ("this model was exported with a fixed batch size, so a plan that splits the "
+                "batch (replicas or micro-batches) cannot run")
+    return ""
 
 
 @dataclass
@@ -98,6 +146,9 @@ class Session:
     message: str = field(default="", init=False)
     message_is_error: bool = field(default=False, init=False)
     message_detail: str = field(default="", init=False, repr=False)  # an unexpected error's trace
+    #: where the message belongs: the area of the control that caused it ("": the top line)
+    message_where: str = field(default="", init=False)
+    _where: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.costs.check(self.graph)
@@ -112,16 +163,23 @@ class Session:
         self._estimate()
 
     @classmethod
-    def open(cls, model: Any, example_inputs: Any = None, cluster: ex.Cluster | None = None,
+    def open(cls, model: Any, example_inputs: Any = None, cluster: Any = None,
              loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
              plan: ex.Plan | None = None, progress: bool = True) -> Session:
         """A session on a module (captured with its example batch), a built-in model, or an
-        already captured graph (``open(graph, costs)``); profiled on ``cluster`` (this
-        machine's devices by default) unless ``costs`` are given."""
+        already captured graph (``open(graph, costs, plan)``); profiled on ``cluster`` (this
+        machine's devices by default) unless ``costs`` are given. Without a plan, the session
+        opens with the fastest of the quick baselines that fits (:func:`auto_plan`)."""
         if isinstance(model, OpGraph):
             graph = model
             if isinstance(example_inputs, ex.CostModel) and costs is None:
-                costs = example_inputs
+                costs, example_inputs = example_inputs, None
+            if isinstance(cluster, ex.Plan) and plan is None:  # open(graph, costs, plan)
+                cluster, plan = None, cluster
+            if example_inputs is not None:
+                raise ExplorerError(f"a captured graph needs no example batch; the second "
+                                    f"argument is a {type(example_inputs).__name__}: give the "
+                                    "cost model, Explorer(graph, costs, plan)")
         elif isinstance(model, BuiltinModel):
             graph = ex.capture(model.module, model.example_inputs, model.loss_fn, model.targets,
                                name=model.name)
@@ -130,9 +188,18 @@ class Session:
                 raise ExplorerError("give the model's example batch: Explorer(model, "
                                     "example_inputs), or Explorer(graph, costs)")
             graph = ex.capture(model, example_inputs, loss_fn, targets)
+        check_type(cluster, ex.Cluster, "cluster", "ex.Cluster.cpu(2), ex.Cluster.preset(...)")
+        check_type(costs, ex.CostModel, "costs", "ex.profile(graph, cluster)")
+        check_type(plan, ex.Plan, "plan", "ex.partition(...) or ex.Plan.load(...)")
         if costs is None:
             costs = ex.profile(graph, cluster or ex.Cluster.discover(), progress=progress)
-        return cls(graph, costs.cluster, costs, plan)
+        note = ""
+        if plan is None:
+            plan, note = auto_plan(graph, costs.cluster, costs)
+        session = cls(graph, costs.cluster, costs, plan)
+        if note:
+            session.say(note)
+        return session
 
     # -- observers -----------------------------------------------------------------------
     def observe(self, fn: Callable[[Session, str], None]) -> None:
@@ -163,6 +230,11 @@ class Session:
         """Where nodes can be assigned: every device, and each replicated stage as a whole
         (named by its devices joined with "+")."""
         return targets(self.plan, self.cluster)
+
+    @property
+    def run_problem(self) -> str:
+        """Why the plan under edit cannot run real steps ("" when it can)."""
+        return run_problem(self.graph, self.plan)
 
     def device_label(self, name: str) -> str:
         """The device (or "+"-joined replicated stage) a node is placed on."""
@@ -214,29 +286,58 @@ class Session:
         self._set_view(self.view.collapse_all)
 
     def expand_all(self) -> None:
-        """Show every op as its own item (meant for small graphs)."""
+        """Show every op as its own item (for graphs of up to ``EXPAND_ALL_OPS`` ops)."""
+        if len(self.graph.ops) > EXPAND_ALL_OPS:
+            raise ExplorerError(f"{len(self.graph.ops):,} ops are too many to draw one by one "
+                                f"(at most {EXPAND_ALL_OPS:,}); expand to a depth, or expand "
+                                "the modules you are interested in")
         self._set_view(self.view.expand_all)
+
+    def expand_to(self, depth: int) -> None:
+        """Show modules down to ``depth`` parts of their path ("blocks.0" is depth 2)."""
+        if depth < 1:
+            raise ExplorerError("the depth to expand to is 1 or more (1: top-level modules)")
+        self._set_view(self.view.expand_to, depth)
+
+    def find(self, query: str) -> list[int]:
+        """Select what ``query`` names: a node or module by exact name, else the modules and
+        ops whose names contain it ("h.3", "attention"), closest matches first. Returns the
+        selected positions; says how many matched."""
+        names = self.view.search(query)
+        if not names:
+            raise ExplorerError(f"nothing in {self.graph.name} matches {query!r}; type part of "
+                                "a module path or op name (the find box suggests them)")
+        picked = self.select(names)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        self.say(f"found {len(names)} match(es) for {query!r}: {shown}")
+        return picked
 
     # -- the message line ----------------------------------------------------------------
     def say(self, text: str, error: bool = False, detail: str = "") -> None:
-        """Show ``text`` on the message line ("" clears it); ``detail`` is shown folded."""
+        """Show ``text`` on the message line ("" clears it); ``detail`` is shown folded. The
+        message goes next to the control being used (see :meth:`guarded`)."""
         self.message, self.message_is_error, self.message_detail = text, error, detail
+        self.message_where = self._where
         self._changed("message")
 
-    def guarded(self, fn: Callable[..., Any]) -> Callable[..., None]:
+    def guarded(self, fn: Callable[..., Any], where: str = "") -> Callable[..., None]:
         """``fn`` wrapped as every control calls it: the message line is cleared first, and
         an error becomes the message instead of an exception (the kernel and widget live on).
+        Messages said during the call belong to area ``where`` (shown next to the control).
         """
         @functools.wraps(fn)
         def call(*a: Any) -> None:
-            self.say("")
+            self._where = where
             try:
+                self.say("")
                 fn(*a)
             except ExplorerError as e:
                 self.say(str(e), error=True)
             except Exception as e:  # keep the kernel and the widget alive, say what happened
                 self.say(f"{type(e).__name__}: {e}", error=True,
                          detail=traceback.format_exc(limit=6))
+            finally:
+                self._where = ""
         return call
 
     # -- edits ---------------------------------------------------------------------------

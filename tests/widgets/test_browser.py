@@ -30,7 +30,7 @@ from widgets import Explorer
 bm = ex.builtin_model("gpt", "tiny")
 g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
 cl = ex.Cluster.preset("2xH100")
-w = Explorer(g, roofline_costs(g, cl), height=420)
+w = Explorer(g, roofline_costs(g, cl), ex.Plan.single(g, cl.ids[0]), height=420)
 w"""
 
 KERNEL_IDLE = """() => {
@@ -53,6 +53,25 @@ ITEM_XY = """(key) => {
   const box = v.canvas_view.el.getBoundingClientRect();
   return [box.left + sx, box.top + sy];
 }"""
+
+
+def launch(playwright):
+    """Debian's Chromium, headless, offline."""
+    return playwright.chromium.launch(
+        executable_path=CHROMIUM, headless=True,
+        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync"])
+
+
+def open_and_run(page, url: str) -> None:
+    """Open the test notebook in JupyterLab and run its cells."""
+    page.set_default_timeout(120_000)
+    page.goto(f"{url}/lab/tree/explorer_test.ipynb?reset")
+    page.wait_for_function(KERNEL_IDLE)
+    no_news = page.get_by_role("button", name="No")  # JupyterLab's news question
+    if no_news.count():
+        no_news.first.click()
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
 
 def _browser_ready() -> str:
@@ -137,19 +156,10 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
 
     OUT.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"])
+        browser = launch(p)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1800})
-            page.set_default_timeout(120_000)
-            page.goto(f"{url}/lab/tree/explorer_test.ipynb?reset")
-            page.wait_for_function(KERNEL_IDLE)
-            no_news = page.get_by_role("button", name="No")  # JupyterLab's news question
-            if no_news.count():
-                no_news.first.click()
-            page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+            open_and_run(page, url)
             step = page.locator(".pe-estimate .pe-step")
             step.wait_for()
             assert float(step.get_attribute("data-value")) == before.step_s
@@ -177,7 +187,7 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
                 assert int(shown.get_attribute("data-value")) == after.peak_bytes[d]
             cross = page.locator(".pe-estimate .pe-cross")
             assert int(cross.get_attribute("data-value")) == after.cross_device_bytes > 0
-            assert page.locator(".pe-message").inner_text().strip() == ""
+            assert page.locator(".pe-message-top").inner_text().strip() == ""
 
             # the selected module opens into its parts, drawn where the engine's view puts them
             view.expand([item.key])
@@ -190,7 +200,7 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
 
             # a request that cannot be met shows a message in the widget; the kernel stays alive
             page.locator("button.pe-expand").click()  # nothing is selected after expanding
-            page.locator(".pe-message", has_text="select a module").wait_for()
+            page.locator(".pe-message-side", has_text="select a module").wait_for()
             page.locator("button.pe-undo").click()
             page.wait_for_function(
                 "(v) => document.querySelector('.pe-estimate .pe-step').dataset.value === v",
@@ -208,5 +218,68 @@ def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
             page.mouse.up()
             page.locator(".pe-selection", has_text="selected 2 item(s)").wait_for()
             page.wait_for_function(KERNEL_IDLE)
+        finally:
+            browser.close()
+
+
+#: elements of the explorer that stick out on the right of it, and checkbox labels cut short
+CUT_OFF = """() => {
+  const root = document.querySelector('.pe-explorer');
+  const right = root.getBoundingClientRect().right;
+  const out = [];
+  for (const el of root.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (r.width > 0 && r.height > 0 && r.right > right + 1)
+      out.push((el.className || el.tagName) + ' ends at ' + r.right + ' > ' + right);
+  }
+  for (const el of root.querySelectorAll('.widget-checkbox label, .widget-checkbox span'))
+    if (el.scrollWidth > el.clientWidth + 1) out.push('cut label: ' + el.textContent);
+  return out;
+}"""
+
+
+def test_reloaded_page_narrow_window_find_and_messages_next_to_controls(lab):
+    """After a browser reload (the kernel still running) a new explorer draws (BokehJS comes
+    with it); in a 1,000 px window with the file browser open nothing is cut off; the find
+    box finds "attention" and says so next to it; run errors show under the run button."""
+    from playwright.sync_api import sync_playwright
+
+    url, _root = lab
+    OUT.mkdir(parents=True, exist_ok=True)
+    graph_drawn = ("() => typeof Bokeh !== 'undefined' && [...Bokeh.index.all_views()].some("
+                   "v => v.model && v.model.name === 'pe-graph-plot')")
+    with sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 1400})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            open_and_run(page, url)  # the kernel may have drawn explorers in earlier pages
+            page.wait_for_function(graph_drawn)
+            page.reload()
+            open_and_run(page, url)
+            page.locator(".pe-estimate .pe-step").wait_for()
+            page.wait_for_function(graph_drawn)
+            page.wait_for_function(KERNEL_IDLE)
+            assert page.get_by_text("Click to show javascript error").count() == 0
+            assert not [e for e in errors if "require" in e], errors
+
+            page.evaluate("window.jupyterapp.shell.activateById('filebrowser')")
+            page.wait_for_timeout(800)
+            page.get_by_role("tab", name="run for real").click()
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(OUT / "explorer-1000px-sidebar.png"), full_page=True)
+            assert page.evaluate(CUT_OFF) == []
+
+            find = page.locator(".pe-find input")
+            find.fill("attention")
+            find.press("Enter")
+            page.locator(".pe-message-side", has_text="found 2 match(es)").wait_for()
+            assert page.locator(".pe-message-top").inner_text().strip() == ""
+            page.locator("button.pe-run").click()  # H100s this machine does not have
+            page.locator(".pe-message-run").filter(has_text=" ").wait_for()
+            assert "UnboundLocalError" not in page.locator(".pe-message-run").inner_text()
+            page.wait_for_function(KERNEL_IDLE)
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-narrow.png"))
         finally:
             browser.close()

@@ -226,7 +226,7 @@ def widget(gpt):
     from widgets import Explorer
 
     cl = ex.Cluster.preset("2xH100")
-    return Explorer(gpt, roofline_costs(gpt, cl))
+    return Explorer(gpt, roofline_costs(gpt, cl), ex.Plan.single(gpt, cl.ids[0]))
 
 
 def shown_step(w) -> float:
@@ -249,10 +249,12 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     assert w.graph.nodes.data["device"][k] == ids[1]
     assert w.graph.nodes.data["color"][k] != w.graph.nodes.data["color"][0]
     assert "#d62728" in w.graph.edges.data["color"]  # edges across devices are marked
+    assert "dashed" in w.graph.edges.data["dash"]
     assert any("across devices" in t for t in w.graph.edges.data["label"])
     bars = w.memory.source.data
     mem = dict(zip(bars["device"], bars["activations"], strict=True))
-    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes / 2**20)
+    assert mem[ids[1]] == pytest.approx(pred.memory[ids[1]].activations_bytes
+                                        / w.memory.unit_bytes)
     assert len(w.timeline.source.data["lane"]) > 0
     w.editing.undo_button.click()
     assert w.graph.nodes.data["device"][k] == ids[0]
@@ -358,3 +360,194 @@ def test_assign_from_code_to_an_unknown_device_says_which_devices_exist(widget):
     assert w.session.plan == before
     w.assign("H100:1")
     assert w.session.plan != before and w.editing.target.value == "H100:1"
+
+
+# -- opening, finding, labels, colors, memory, runs (the issue's list) -----------------------
+
+def test_explorer_takes_a_plan_positionally_and_names_wrong_types(gpt):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+
+    cl = ex.Cluster.preset("2xH100")
+    costs = roofline_costs(gpt, cl)
+    plan = ex.partition(gpt, cl, costs, "even-layers")
+    assert Explorer(gpt, costs, plan).session.plan == plan  # as the README writes it
+    with pytest.raises(ExplorerError, match="plan must be a Plan"):
+        Explorer(gpt, costs, plan="even-layers")
+    with pytest.raises(ExplorerError, match="cluster must be a Cluster"):
+        Explorer(gpt, costs, "2xH100")
+    with pytest.raises(ExplorerError, match="cost model"):
+        Explorer(gpt, "costs.json")
+
+
+def test_opening_without_a_plan_takes_the_best_quick_baseline(gpt):
+    cl = ex.Cluster.preset("4xH100")
+    costs = roofline_costs(gpt, cl)
+    s = Session.open(gpt, costs)
+    preds = {a: ex.simulate(gpt, ex.partition(gpt, cl, costs, a), costs)
+             for a in ("single", "data-parallel", "even-layers", "balanced-params")}
+    best = min(p.step_s for p in preds.values() if p.fits)
+    assert s.prediction.step_s == best and len(s.plan.devices) > 1
+    assert "fastest of the quick baselines" in s.message
+    one = ex.Cluster.preset("H100")
+    assert Session.open(gpt, roofline_costs(gpt, one)).plan.devices == one.ids
+
+
+def test_find_by_part_of_a_name_and_expand_to_a_depth(session, gpt):
+    v = session.view
+    assert v.search("blocks.1") == ["blocks.1"]
+    assert v.search("0.attn") == ["blocks.0.attn"]  # whole path parts
+    assert v.search("attention") == ["blocks.0.attn", "blocks.1.attn"]  # by module class
+    assert v.search("zzz") == []
+    names = v.names_to_find()
+    assert "blocks.0.attn.qkv" in names and gpt.ops[0].name in names
+    assert all(n in gpt or any(m.module_path == n or m.module_path.startswith(n + ".")
+                               for m in gpt.ops) for n in names)  # this model's names only
+    picked = session.find("attention")
+    assert sorted(session.view.label_of(k) for k in picked) == ["blocks.0.attn",
+                                                                "blocks.1.attn"]
+    assert "found 2 match(es)" in session.message
+    with pytest.raises(ExplorerError, match="nothing in gpt matches"):
+        session.find("zzz")
+    session.expand_to(2)
+    labels = [session.view.label_of(k) for k in range(len(session.view.items))]
+    assert "blocks.0" in labels and "blocks" not in labels and "blocks.0.attn" not in labels
+    session.expand_all()
+    assert len(session.view.items) == len(gpt.ops)
+    session.collapse_all()
+    assert "blocks" in [it.label for it in session.view.items]
+
+
+def test_labels_keep_the_distinguishing_end_and_the_largest_items():
+    pytest.importorskip("jupyter_bokeh")
+    from widgets.graphview import Item
+    from widgets.panels.graph import MAX_LABELS, labelled, short_label
+
+    parts = [short_label(f"m.transformer.h.0.{p} (X)") for p in ("attn", "mlp", "ln_1")]
+    assert parts == ["h.0.attn", "h.0.mlp", "h.0.ln_1"]  # not "m.transformer.h..." thrice
+    assert short_label("model.transformer.h.11") == "transformer.h.11"
+    assert short_label("a_very_long_module_name_here") == "..module_name_here"
+    assert short_label("23 ops: add .. mul") == "23 ops"
+    items = [Item(str(k), str(k), (), tuple(range(k % 7 + 1)), 0, False, "op")
+             for k in range(400)]
+    chosen = labelled(items)
+    assert len(chosen) == MAX_LABELS
+    assert min(len(items[k].ops) for k in chosen) >= max(
+        len(items[k].ops) for k in set(range(400)) - chosen)
+
+
+#: Machado et al. (2009) simulations of deuteranopia and protanopia, on linear RGB
+CVD = {"normal": ((1, 0, 0), (0, 1, 0), (0, 0, 1)),
+       "deuteranopia": ((0.367322, 0.860646, -0.227968), (0.280085, 0.672501, 0.047413),
+                        (-0.011820, 0.042940, 0.968881)),
+       "protanopia": ((0.152286, 1.052583, -0.204868), (0.114503, 0.786281, 0.099216),
+                      (-0.003882, -0.048116, 1.051998))}
+
+
+def seen_lab(color, matrix):
+    """CIE Lab of a ``#rrggbb`` color as seen with a colour vision (one of ``CVD``)."""
+    lin = [(c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4)
+           for c in (int(color[k:k + 2], 16) / 255 for k in (1, 3, 5))]
+    r, g, b = (min(1, max(0, sum(m * v for m, v in zip(row, lin, strict=True)))) for row in matrix)
+    xyz = (0.4124 * r + 0.3576 * g + 0.1805 * b, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           0.0193 * r + 0.1192 * g + 0.9505 * b)
+    fx, fy, fz = (t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116
+                  for t in (xyz[0] / 0.9505, xyz[1], xyz[2] / 1.089))
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def delta_e(a, b):
+    """The smallest CIE76 distance between two colors over normal and red-green vision."""
+    return min(sum((x - y) ** 2 for x, y in zip(seen_lab(a, m), seen_lab(b, m), strict=True))
+                   ** 0.5
+               for m in CVD.values())
+
+
+def test_device_colors_are_distinct_and_never_the_edge_red_or_mixed_grey():
+    pytest.importorskip("jupyter_bokeh")
+    from itertools import combinations
+
+    from widgets.panels.graph import CROSS, DEVICE_COLORS, MIXED
+
+    assert len(set(DEVICE_COLORS)) == len(DEVICE_COLORS) == 16
+    assert min(delta_e(a, b) for a, b in combinations(DEVICE_COLORS[:8], 2)) > 15
+    assert min(delta_e(a, b) for a, b in combinations(DEVICE_COLORS, 2)) > 7
+    assert min(delta_e(c, o) for c in DEVICE_COLORS for o in (CROSS, MIXED)) > 10
+
+
+def test_graph_hover_counts_edges_without_an_edge_tooltip(widget):
+    from bokeh.models import HoverTool
+
+    w = widget
+    hovers = [t for t in w.graph.figure.tools if isinstance(t, HoverTool)]
+    assert len(hovers) == 1  # the nodes' only: no edge rows over a node's text
+    rows = [r[0] for r in hovers[0].tooltips]
+    assert rows.count("op") == 1 and "ops" not in rows and "edges" in rows
+    k = [it.label for it in w.session.view.items].index("blocks")
+    assert "MFLOP" in w.graph.nodes.data["flops"][k]
+    assert " in (" in w.graph.nodes.data["links"][k]
+    w.select(["blocks"])
+    w.assign(w.session.cluster.ids[1])
+    assert w.graph.nodes.data["cross"][k] != "none"
+    w.graph.expand_all_button.click()
+    assert len(w.session.view.items) == len(w.session.graph.ops)
+    w.graph.collapse_all_button.click()
+    w.graph.depth.value = 2
+    w.graph.depth_button.click()
+    assert "blocks.1" in [w.session.view.label_of(k) for k in range(len(w.session.view.items))]
+    w.graph.find.value = "attention"
+    assert "found 2" in w.status.lines["side"].value and w.status.message.value == ""
+
+
+def test_memory_bars_read_at_80_gib_and_the_timeline_has_the_used_lanes(widget):
+    from widgets.panels.memory import memory_unit, scale_end
+
+    assert memory_unit(84 * 2**30)[0] == "GiB" and memory_unit(30 * 2**20)[0] == "MiB"
+    assert scale_end([60.0, 10.0], [80.0, 80.0]) == (84.0, False)  # capacity in view
+    assert scale_end([1.0, 0.0], [80.0, 80.0]) == (1.35, True)  # zoomed to what is used
+    w = widget
+    assert w.memory.unit in ("KiB", "MiB")  # a tiny model: not 0.0002 GiB ticks
+    assert w.memory.unit in w.memory.figure.title.text
+    d = w.memory.source.data
+    used = max(sum(d[c][k] for c in ("params", "grads", "optimizer", "buffers",
+                                     "activations")) for k in range(len(d["device"])))
+    end = w.memory.figure.x_range.end
+    assert used / end > 0.5  # a bar, not a sliver of an 80 GiB axis
+    assert all("of 80.0 GiB" in t or "unused" in t for t in d["summary"])
+    assert w.memory.figure.sizing_mode == "stretch_width"
+    lanes = list(w.timeline.figure.y_range.factors)
+    assert lanes == [f"{w.session.cluster.ids[0]} compute"]  # one device used
+    w.select(["blocks"])
+    w.assign(w.session.cluster.ids[1])
+    assert len(w.timeline.figure.y_range.factors) == 4  # two devices that talk
+
+
+def test_run_errors_are_the_real_cause_next_to_the_run_button(gpt, monkeypatch):
+    pytest.importorskip("jupyter_bokeh")
+    import ipywidgets.widgets.widget_output as wo
+
+    from widgets import Explorer
+
+    class Shell:  # as in a notebook: the output area shows and swallows errors
+        def showtraceback(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(wo, "get_ipython", lambda: Shell())
+    cl = ex.Cluster.preset("8xH100")
+    costs = roofline_costs(gpt, cl)
+    plan = ex.partition(gpt, cl, costs, "data-parallel", k=7)  # 7 replicas, batch of 8
+    w = Explorer(gpt, costs, plan)
+    assert "does not divide" in w.runs.runnable.value
+    assert "pe-cannot-run" in w.estimate.table.value
+    w.runs.run_button.click()
+    assert "does not divide" in w.message and "UnboundLocalError" not in w.message
+    assert w.status.lines["run"].value and w.status.message.value == ""
+    w.editing.micro_batches.value = 3  # flagged while editing, before applying
+    assert "7 replicas x 3 micro-batches" in w.editing.runnable.value
+
+
+def test_bokehjs_goes_with_every_display(widget):
+    from widgets.panels.base import bokehjs_bundle
+
+    js = bokehjs_bundle()["application/javascript"]
+    assert js.startswith("if (typeof window.Bokeh === 'undefined'") and len(js) > 1e6

@@ -6,9 +6,9 @@ import html
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import bokeh
 import ipywidgets as W
-from bokeh.io import output_notebook
-from bokeh.io.state import curstate
+from bokeh.io.notebook import LOAD_MIME_TYPE
 from bokeh.resources import INLINE
 from jupyter_bokeh.widgets import BokehModel
 
@@ -32,13 +32,34 @@ class Panel:
 
 
 def button(session: Session, text: str, tip: str, fn: Callable[..., Any], css: str,
-           style: str = "") -> W.Button:
-    """A button that calls ``fn`` guarded by the session (errors become its message)."""
+           style: str = "", where: str = "") -> W.Button:
+    """A button that calls ``fn`` guarded by the session: errors become its message, shown
+    in area ``where`` (next to the button; see :meth:`Session.guarded`)."""
     b = W.Button(description=text, tooltip=tip, button_style=style,
-                 layout=W.Layout(width="auto"))
+                 layout=W.Layout(width="auto", min_width="fit-content"))
     b.add_class(css)
-    b.on_click(session.guarded(fn))
+    b.on_click(session.guarded(fn, where))
     return b
+
+
+def checkbox(description: str, value: bool = False) -> W.Checkbox:
+    """A checkbox whose label is shown whole (not cut to the description width)."""
+    return W.Checkbox(value=value, description=description, indent=False,
+                      layout=W.Layout(width="auto"))
+
+
+def wrapping(children: list[W.Widget]) -> W.HBox:
+    """A row of controls that wraps onto more lines when the notebook is narrow."""
+    return W.HBox(children, layout=W.Layout(flex_flow="row wrap", align_items="center"))
+
+
+def format_flops(x: float) -> str:
+    """``5.45e7`` -> ``'54.5 MFLOP'``: the largest decimal unit that keeps the number >= 1."""
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
+                    ("kFLOP", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:,.1f} {unit}"
+    return f"{x:,.0f} FLOP"
 
 
 def bokeh_widget(model: Any, css: str = "") -> W.Widget:
@@ -49,11 +70,17 @@ def bokeh_widget(model: Any, css: str = "") -> W.Widget:
     return w
 
 
-def load_bokehjs() -> None:
-    """BokehJS must be in the page before the first bokeh widget: load it offline, once per
-    kernel (bokeh remembers that it did)."""
-    if not curstate().notebook:
-        output_notebook(resources=INLINE, hide_banner=True)
+def bokehjs_bundle() -> dict[str, str]:
+    """The display data that loads BokehJS (offline, inline) into a page that lacks it.
+
+    A page loads BokehJS once, but a kernel outlives its pages: after a browser reload the
+    kernel's widgets are drawn in a page without it. So every explorer shown carries this
+    bundle; the check makes it a no-op in a page that has BokehJS already (loading it twice
+    would break the plots drawn with the first copy)."""
+    code = "\n".join(f"(function() {{\n{js}\n}}).call(window);" for js in INLINE.js_raw)
+    guarded = ("if (typeof window.Bokeh === 'undefined' || "
+               f"window.Bokeh.version !== {bokeh.__version__!r}) {{\n{code}\n}}")
+    return {"application/javascript": guarded, LOAD_MIME_TYPE: guarded}
 
 
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[str]], note: str = "") -> str:

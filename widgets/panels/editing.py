@@ -8,8 +8,8 @@ import html
 import ipywidgets as W
 
 from explorer.core.plan import OPTIMIZER_STATE
-from widgets.panels.base import Panel, button
-from widgets.session import Session
+from widgets.panels.base import Panel, button, wrapping
+from widgets.session import Session, run_problem
 
 NOTHING_SELECTED = "<i>click, box- or lasso-select nodes in the graph</i>"
 
@@ -31,18 +31,19 @@ class EditingPanel(Panel):
         self.target.add_class("pe-target")
         self.assign_button = button(s, "assign", "move the selection to this device",
                                     lambda *_: self.assign(self.target.value), "pe-assign",
-                                    "primary")
+                                    "primary", where="side")
         self.pin_button = button(s, "pin", "fix the selection to its device",
-                                 lambda *_: s.pin(s.selected_names), "pe-pin")
+                                 lambda *_: s.pin(s.selected_names), "pe-pin", where="side")
         self.unpin_button = button(s, "unpin", "release the selection's pins",
-                                   lambda *_: s.unpin(s.selected_names or None), "pe-unpin")
+                                   lambda *_: s.unpin(s.selected_names or None), "pe-unpin",
+                                   where="side")
         self.undo_button = button(s, "undo", "take back the last edit", lambda *_: s.undo(),
-                                  "pe-undo")
+                                  "pe-undo", where="side")
         self.redo_button = button(s, "redo", "redo the edit taken back", lambda *_: s.redo(),
-                                  "pe-redo")
+                                  "pe-redo", where="side")
         self.widget = W.VBox([
-            self.selection, W.HBox([self.target, self.assign_button]),
-            W.HBox([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
+            self.selection, wrapping([self.target, self.assign_button]),
+            wrapping([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
 
         self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
                                               description="micro-batches")
@@ -53,9 +54,13 @@ class EditingPanel(Panel):
         self.apply_button = button(
             s, "apply", "change the plan's settings",
             lambda *_: s.set_schedule(self.micro_batches.value, self.schedule.value,
-                                      self.optimizer.value), "pe-settings")
-        self.settings = W.VBox([W.HBox([self.micro_batches, self.schedule, self.optimizer]),
-                                self.apply_button])
+                                      self.optimizer.value), "pe-settings", where="settings")
+        # says while editing when the plan could not run real steps (the batch must split)
+        self.runnable = W.HTML("")
+        self.runnable.add_class("pe-runnable")
+        self.micro_batches.observe(lambda _: self._check_runnable(), "value")
+        self.settings = W.VBox([wrapping([self.micro_batches, self.schedule, self.optimizer]),
+                                self.runnable, self.apply_button])
 
     def assign(self, target: str) -> None:
         """Move the selection to ``target`` (a device, or ``"dev+dev"`` for a replicated
@@ -79,6 +84,14 @@ class EditingPanel(Panel):
             self.redo_button.disabled = not s.can_redo
             self.micro_batches.value, self.schedule.value, self.optimizer.value = (
                 s.plan.micro_batches, s.plan.schedule, s.plan.optimizer)
+            self._check_runnable()
+
+    def _check_runnable(self) -> None:
+        s = self.session
+        plan = s.plan.with_settings(micro_batches=self.micro_batches.value)
+        why = run_problem(s.graph, plan)
+        self.runnable.value = (f"<span style='color:#b00020'>cannot run for real: "
+                               f"{html.escape(why)}</span>" if why else "")
 
     def _show_selection(self) -> None:
         items = [self.session.view.items[k] for k in self.session.selected]

@@ -45,11 +45,15 @@ class EstimatePanel(Panel):
         peak = " ".join(f"<span class='pe-mem' data-device='{d}' data-value='{b}'>"
                         f"{d} {format_bytes(b)}</span>" for d, b in p.peak_bytes.items())
         rows.append(("peak memory", peak))
+        why = s.run_problem
+        if why:
+            rows.append(("real run", f"<span class='pe-cannot-run' style='color:#b00020'>"
+                                     f"cannot run: {html.escape(why)}</span>"))
         if over:
             rows.append(("does not fit", f"<span style='color:#d62728'>{html.escape(over)}"
                                          "</span>"))
         self.table.value = (
-            "<table style='font-size:13px'>" + "".join(
+            "<table style='font-size:13px;table-layout:auto;width:100%'>" + "".join(
                 f"<tr><td style='padding-right:8px;color:#555'>{k}</td><td>{v}</td></tr>"
                 for k, v in rows) + "</table>"
             f"<div style='color:#888;font-size:11px'>estimated in {s.estimate_s * 1e3:.0f} ms"

@@ -2,7 +2,9 @@
 
 Nodes are the session's view items (modules, blocks or ops, see :mod:`widgets.graphview`),
 placed top-down by dependency level. Clicking, box- or lasso-selecting items selects them in
-the session; the expand/collapse buttons and the find box change which items are shown.
+the session; the expand/collapse buttons, the depth box and the find box change which items
+are shown. Only nodes have a hover text (edges are summed up in it): a hover over a node
+never opens the texts of the edges that end at it.
 """
 
 from __future__ import annotations
@@ -21,26 +23,65 @@ from bokeh.models import (
     Range1d,
     TapTool,
 )
-from bokeh.palettes import Category10_10
 from bokeh.plotting import figure
 
 from explorer.core.units import format_bytes, format_seconds
 from widgets.graphview import Item
-from widgets.panels.base import Panel, bokeh_widget, button, swatch
+from widgets.panels.base import Panel, bokeh_widget, button, format_flops, swatch
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
 CROSS = "#d62728"
+#: device colors: the first eight (Okabe-Ito's colour-blind safe set without its red and black,
+#: then Tol's indigo and wine) stay apart for red-green colour blindness too; the next eight
+#: (Tol's and IBM's) are chosen to be as far from those as possible. None is the cross-device
+#: edge red or the "mixed" grey; beyond 16 devices they repeat.
+DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#332288",
+                 "#882255", "#DDCC77", "#1A85FF", "#117733", "#99DDFF", "#004488", "#EE8866",
+                 "#BBCC33", "#AA4499")
 #: columns of the graph's items that depend on the placement
-DYNAMIC = ("device", "color", "text_color", "hatch", "time", "pinned", "line", "lw")
-#: items with labels drawn on the graph (beyond this, hover shows them)
+DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross")
+#: most names the find box suggests (modules first, then ops)
+FIND_OPTIONS = 5000
+#: most items with a label drawn on the graph: the ones with the most ops (hover shows all)
 MAX_LABELS = 150
+#: characters of a label drawn on the graph
+LABEL_CHARS = 18
+
+
+def short_label(label: str, width: int = LABEL_CHARS) -> str:
+    """The distinguishing end of an item's name: as many of its last path parts as fit
+    ("transformer.h.0.attn", not "m.transformer.h..."); "56 ops" for a run of loose ops."""
+    name = label.split(" (")[0]
+    if " ops: " in name:
+        return name.split(":")[0]
+    parts = name.split(".")
+    out = parts[-1]
+    for k in range(2, len(parts) + 1):
+        more = ".".join(parts[-k:])
+        if len(more) > width:
+            break
+        out = more
+    return out if len(out) <= width else ".." + out[-(width - 2):]
+
+
+def labelled(items: list[Item], limit: int = MAX_LABELS) -> set[int]:
+    """Positions of the items that get a label: all of them, or the ``limit`` largest."""
+    if len(items) <= limit:
+        return set(range(len(items)))
+    return set(sorted(range(len(items)), key=lambda k: -len(items[k].ops))[:limit])
 
 
 def text_on(fill: str) -> str:
     """Black or white, whichever reads better on a ``#rrggbb`` fill."""
     r, g, b = (int(fill[k:k + 2], 16) for k in (1, 3, 5))
-    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 90 else "white"
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "white"
+
+
+def crosses(device_a: str, device_b: str, nbytes: int) -> bool:
+    """Whether an edge between items on these devices (labels) carries bytes across devices."""
+    return (device_a != device_b and nbytes > 0 and not device_a.startswith("mixed")
+            and not device_b.startswith("mixed"))
 
 
 def patch(source: ColumnDataSource, new: dict[str, list]) -> None:
@@ -69,7 +110,8 @@ class GraphPanel(Panel):
 
     def __init__(self, session: Session, backend: str = "canvas", height: int = 560) -> None:
         super().__init__(session)
-        self.colors = {d: Category10_10[k % 10] for k, d in enumerate(session.cluster.ids)}
+        self.colors = {d: DEVICE_COLORS[k % len(DEVICE_COLORS)]
+                       for k, d in enumerate(session.cluster.ids)}
         self._relayout()
         self.nodes = ColumnDataSource(self.node_columns())
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
@@ -78,23 +120,43 @@ class GraphPanel(Panel):
         self._fit_ranges()
         legend = W.HTML(
             "nodes are colored by device (striped: replicated, data-parallel); "
-            f"<span style='color:{CROSS}'><b>red edges</b></span> cross devices; "
+            f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
             "a black outline marks pins. "
-            + " ".join(swatch(d, self.colors[d]) for d in session.cluster.ids)
+            + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d]))
+                       for d in session.cluster.ids)
             + " " + swatch("mixed", MIXED, fg="black"))
         self.widget = W.VBox([legend, bokeh_widget(self.figure, "pe-graph")],
-                             layout=W.Layout(flex="3 1 0%", min_width="420px"))
+                             layout=W.Layout(flex="3 1 320px", min_width="0"))
 
-        self.expand_button = button(session, "expand", "show the selected modules' parts",
-                                    lambda *_: session.expand(), "pe-expand")
-        self.collapse_button = button(session, "collapse",
-                                      "fold the selection back into its module",
-                                      lambda *_: session.collapse(), "pe-collapse")
-        self.find = W.Combobox(placeholder="find a node or module by name", options=[],
-                               ensure_option=False, layout=W.Layout(width="260px"))
+        s = session
+        self.expand_button = button(s, "expand", "show the selected modules' parts",
+                                    lambda *_: s.expand(), "pe-expand", where="side")
+        self.collapse_button = button(s, "collapse", "fold the selection back into its module",
+                                      lambda *_: s.collapse(), "pe-collapse", where="side")
+        self.expand_all_button = button(s, "expand all", "show every op",
+                                        lambda *_: s.expand_all(), "pe-expand-all",
+                                        where="side")
+        self.collapse_all_button = button(s, "collapse all", "show the top-level modules only",
+                                          lambda *_: s.collapse_all(), "pe-collapse-all",
+                                          where="side")
+        self.depth = W.BoundedIntText(value=2, min=1, max=64, description="depth",
+                                      style={"description_width": "initial"},
+                                      layout=W.Layout(width="110px"))
+        self.depth_button = button(s, "expand to depth", "show modules down to this depth "
+                                   "(1: top level, 2: blocks.0, ...)",
+                                   lambda *_: s.expand_to(self.depth.value), "pe-expand-to",
+                                   where="side")
+        self.find = W.Combobox(placeholder="find: a name or part of one (h.3, attention)",
+                               options=s.view.names_to_find()[:FIND_OPTIONS],
+                               ensure_option=False, continuous_update=False,
+                               layout=W.Layout(width="100%", max_width="360px"))
         self.find.add_class("pe-find")
         self.find.observe(self._on_find, "value")
-        self.controls = W.VBox([W.HBox([self.expand_button, self.collapse_button]), self.find])
+        wrap = W.Layout(flex_flow="row wrap")
+        self.controls = W.VBox([
+            W.HBox([self.expand_button, self.collapse_button, self.expand_all_button,
+                    self.collapse_all_button], layout=wrap),
+            W.HBox([self.depth, self.depth_button], layout=wrap), self.find])
 
     def _draw(self, backend: str, height: int) -> Any:
         p = figure(height=height, sizing_mode="stretch_width", tools="pan,wheel_zoom,reset",
@@ -103,22 +165,24 @@ class GraphPanel(Panel):
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
-        links = p.segment("x0", "y0", "x1", "y1", source=self.edges, line_color="color",
-                          line_width="width", line_alpha=0.7)
+        p.segment("x0", "y0", "x1", "y1", source=self.edges, line_color="color",
+                  line_width="width", line_dash="dash", line_alpha=0.75)
         r = p.rect("x", "y", width=1.6, height=0.6, source=self.nodes, fill_color="color",
                    line_color="line", line_width="lw", hatch_pattern="hatch",
                    hatch_color="white", hatch_alpha=0.6)
         r.nonselection_glyph.fill_alpha = 0.45
         r.selection_glyph = None
+        # black on a white box: legible on every device color and on the stripes
         p.add_layout(LabelSet(x="x", y="y", text="short", source=self.nodes,
                               text_font_size="8pt", text_align="center",
-                              text_baseline="middle", text_color="text_color"))
+                              text_baseline="middle", text_color="black",
+                              background_fill_color="white", background_fill_alpha=0.8))
         p.add_tools(
             HoverTool(renderers=[r], tooltips=[
-                ("", "@label"), ("device", "@device"), ("ops", "@n_ops"), ("op", "@op"),
-                ("output", "@shapes"), ("FLOPs fwd/bwd", "@flops"), ("time fwd/bwd", "@time"),
-                ("memory", "@memory"), ("pinned", "@pinned")]),
-            HoverTool(renderers=[links], tooltips=[("edge", "@label")], line_policy="interp"),
+                ("", "@label"), ("device", "@device"), ("op", "@op"), ("output", "@shapes"),
+                ("FLOPs fwd / bwd", "@flops"), ("time fwd / bwd", "@time"),
+                ("memory", "@memory"), ("edges", "@links"), ("across devices", "@cross"),
+                ("pinned", "@pinned")]),
             TapTool(renderers=[r]), BoxSelectTool(renderers=[r]),
             LassoSelectTool(renderers=[r]))
         self.nodes.selected.on_change("indices", self._on_select)
@@ -168,7 +232,7 @@ class GraphPanel(Panel):
 
     def _on_find(self, change) -> None:
         if change["new"]:
-            self.session.guarded(self.session.select)([change["new"]])
+            self.session.guarded(self.session.find, "side")(change["new"])
 
     # -- columns -------------------------------------------------------------------------
     def node_columns(self) -> dict[str, Any]:
@@ -177,8 +241,9 @@ class GraphPanel(Panel):
         g = self.session.graph
         items = self.session.view.items
         cols: dict[str, list] = defaultdict(list)
-        few = len(items) <= MAX_LABELS
-        for it in items:
+        shown = labelled(items)
+        ins, outs = self._edge_totals()
+        for k, it in enumerate(items):
             ff = sum(g.nodes[i].fwd_flops for i in it.ops)
             bf = sum(g.nodes[i].bwd_flops for i in it.ops)
             params = sum(g.nodes[i].param_bytes for i in it.nodes)
@@ -186,20 +251,33 @@ class GraphPanel(Panel):
             node = g.nodes[it.ops[0]]
             cols["key"].append(it.key)
             cols["label"].append(it.label + (" (select, then expand)" if it.expandable else ""))
-            cols["short"].append((it.label if len(it.label) <= 18 else it.label[:16] + "..")
-                                 if few else "")
+            cols["short"].append(short_label(it.label) if k in shown else "")
             cols["n_ops"].append(len(it.ops))
             cols["op"].append(node.op if len(it.ops) == 1 else f"{len(it.ops)} ops")
             cols["shapes"].append(" ".join(str(list(sh)) for sh in node.shapes[:3])
                                   + f" {node.dtype}" if len(it.ops) == 1 else
                                   f"{format_bytes(outb)} of outputs")
-            cols["flops"].append(f"{ff:,.3g} / {bf:,.3g}")
+            cols["flops"].append(f"{format_flops(ff)} / {format_flops(bf)}")
             cols["memory"].append(f"params {format_bytes(params)}, outputs {format_bytes(outb)}")
+            (n_in, b_in), (n_out, b_out) = ins.get(k, (0, 0)), outs.get(k, (0, 0))
+            cols["links"].append(f"{n_in} in ({format_bytes(b_in)}), "
+                                 f"{n_out} out ({format_bytes(b_out)})")
         out: dict[str, Any] = dict(cols)
         out["x"] = np.array([p[0] for p in self._xy], dtype=float)
         out["y"] = np.array([p[1] for p in self._xy], dtype=float)
         out.update(self.dynamic_columns())
         return out
+
+    def _edge_totals(self) -> tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+        """(count, bytes) of the edges into and out of each shown item."""
+        ins: dict[int, tuple[int, int]] = {}
+        outs: dict[int, tuple[int, int]] = {}
+        for (a, z), b in self._item_edges.items():
+            n, t = outs.get(a, (0, 0))
+            outs[a] = (n + 1, t + b)
+            n, t = ins.get(z, (0, 0))
+            ins[z] = (n + 1, t + b)
+        return ins, outs
 
     def dynamic_columns(self) -> dict[str, list]:
         """The item columns that change with the placement and the pins."""
@@ -213,12 +291,18 @@ class GraphPanel(Panel):
             n_pinned = sum(1 for i in it.nodes if g.nodes[i].name in pins) if pins else 0
             cols["device"].append(dev)
             cols["color"].append(color)
-            cols["text_color"].append(text_on(color))
             cols["hatch"].append("/" if rep else " ")
             cols["time"].append(self._item_time(k, first))
             cols["pinned"].append(f"{n_pinned} node(s)" if n_pinned else "no")
             cols["line"].append("black" if n_pinned else "white")
             cols["lw"].append(3.0 if n_pinned else 1.0)
+        cross = defaultdict(int)
+        for (a, z), b in self._item_edges.items():
+            if crosses(cols["device"][a], cols["device"][z], b):
+                cross[a] += b
+                cross[z] += b
+        cols["cross"] = [format_bytes(cross[k]) if cross[k] else "none"
+                         for k in range(len(s.view.items))]
         return cols
 
     def edge_columns(self, devices: list[str]) -> dict[str, Any]:
@@ -234,20 +318,21 @@ class GraphPanel(Panel):
     def edge_dynamic_columns(self, devices: list[str]) -> dict[str, list]:
         """Color, width and hover text of the edges, given each item's device label."""
         costs = self.session.costs
-        color, width, label = [], [], []
+        color, width, dash, label = [], [], [], []
         for ((a, z), b), txt in zip(self._item_edges.items(), self._edge_text, strict=True):
             da, dz = devices[a], devices[z]
-            if (da != dz and b > 0 and not da.startswith("mixed")
-                    and not dz.startswith("mixed")):
+            if crosses(da, dz, b):
                 t = costs.transfer_s(da.split("+")[0], dz.split("+")[0], b)
                 color.append(CROSS)
                 width.append(3.0)
+                dash.append("dashed")
                 label.append(f"{txt} across devices, {da} -> {dz}: {format_seconds(t)}")
             else:
                 color.append("#999999")
                 width.append(1.0)
+                dash.append("solid")
                 label.append(f"{txt} on {da}")
-        return {"color": color, "width": width, "label": label}
+        return {"color": color, "width": width, "dash": dash, "label": label}
 
     def _item_device(self, it: Item) -> tuple[str, str, bool]:
         """(label, color, replicated) of an item from the plan's placement of its ops."""

@@ -1,13 +1,27 @@
-"""Per-device memory at the simulated peak, by category, against each device's capacity."""
+"""Per-device memory at the simulated peak, by category, against each device's capacity.
+
+The scale follows what is used, so bars stay readable at any capacity: in GiB when devices
+are large, zoomed to the usage (the capacity said in words) when a plan uses a small part of
+it, and as wide as the notebook.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, LabelSet, Legend, LegendItem
+from bokeh.models import (
+    ColumnDataSource,
+    FactorRange,
+    HoverTool,
+    LabelSet,
+    Legend,
+    LegendItem,
+    Range1d,
+)
 from bokeh.plotting import figure
+from bokeh.transform import dodge
 
-from explorer.core.units import MiB, format_bytes
+from explorer.core.units import GiB, KiB, MiB, format_bytes
 from widgets.panels.base import Panel, bokeh_widget
 from widgets.session import Session
 
@@ -15,63 +29,101 @@ CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations")
 CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868")
 
 
+#: below this share of the largest capacity, the scale zooms to the memory used
+ZOOM_BELOW = 0.1
+
+
+def memory_unit(axis_end_bytes: float) -> tuple[str, int]:
+    """The unit of a memory axis that ends at ``axis_end_bytes``: GiB from 4 GiB on, then
+    MiB, then KiB (so its ticks read 20, 40, 60, not 2.000e-4)."""
+    for unit, k in (("GiB", GiB), ("MiB", MiB)):
+        if axis_end_bytes >= 4 * k:
+            return unit, k
+    return "KiB", KiB
+
+
+def scale_end(totals: list[float], capacities: list[float]) -> tuple[float, bool]:
+    """Where the memory axis ends (in the units of the arguments), and whether that is short
+    of the capacities (zoomed to the usage)."""
+    used, cap = max(totals, default=0.0), max(capacities, default=0.0)
+    if used <= 0 or used >= ZOOM_BELOW * cap:
+        return max(used, cap) * 1.05 or 1.0, False
+    return used * 1.35, True
+
+
 class MemoryPanel(Panel):
-    """Stacked bars per device (MiB) with the capacity as a dashed box, red when over;
-    ``source`` holds the columns drawn (one row per device)."""
+    """Stacked bars per device with the capacity as a dashed box (red when over) and the
+    numbers in words above each bar; ``source`` holds the columns drawn (one row per device,
+    in ``unit``), ``figure.x_range`` follows :func:`scale_end`."""
 
     topics = frozenset({"plan", "costs"})
 
     def __init__(self, session: Session, backend: str = "canvas") -> None:
         super().__init__(session)
-        self.source = ColumnDataSource(self.columns())
         devices = list(session.cluster.ids)
-        p = figure(height=100 + 34 * len(devices), width=380,
-                   y_range=FactorRange(*devices[::-1]),
-                   title="memory at the peak vs capacity (dashed box), MiB",
-                   toolbar_location=None, output_backend=backend)
-        stack = p.hbar_stack(list(CATEGORIES), y="device", height=0.6, source=self.source,
+        self.unit, self.unit_bytes = "GiB", GiB
+        self.source = ColumnDataSource(self.columns())
+        p = figure(height=110 + 44 * len(devices), sizing_mode="stretch_width",
+                   y_range=FactorRange(*devices[::-1]), x_range=Range1d(0, 1),
+                   toolbar_location=None, output_backend=backend, min_border_right=12)
+        bar_y = dodge("device", -0.12, range=p.y_range)
+        stack = p.hbar_stack(list(CATEGORIES), y=bar_y, height=0.45, source=self.source,
                              color=list(CATEGORY_COLORS))
-        p.hbar(y="device", right="capacity", height=0.8, source=self.source, fill_alpha=0,
+        p.hbar(y=bar_y, right="capacity", height=0.55, source=self.source, fill_alpha=0,
                line_color="cap_color", line_width="cap_width", line_dash="dashed")
-        # bars far below capacity are invisible: say the numbers in words on each bar
-        p.add_layout(LabelSet(x=0, y="device", text="summary", source=self.source,
-                              x_offset=4, y_offset=-6, text_font_size="8pt",
-                              text_color="cap_color"))
+        # the numbers in words, on their own row above each bar (bars may be short)
+        p.add_layout(LabelSet(x=0, y=dodge("device", 0.3, range=p.y_range), text="summary",
+                              source=self.source, x_offset=2, text_font_size="8pt",
+                              text_baseline="middle", text_color="cap_color"))
         legend = Legend(items=[LegendItem(label=c, renderers=[r])
                                for c, r in zip(CATEGORIES, stack, strict=True)],
-                        orientation="horizontal", label_text_font_size="7pt",
-                        glyph_width=10, spacing=4, padding=2, margin=2)
+                        orientation="horizontal", label_text_font_size="8pt",
+                        glyph_width=10, spacing=6, padding=2, margin=2)
         p.add_layout(legend, "below")
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
                                         ("params/grads/opt", "@detail")]))
         self.figure = p
+        self.update("all")
         self.widget = bokeh_widget(p, "pe-memory")
 
     def update(self, what: str) -> None:
+        """New bars, in the unit that suits the new axis (see :func:`memory_unit`)."""
+        self.unit, self.unit_bytes = "B", 1
+        d = self.columns()
+        totals = [sum(d[c][k] for c in CATEGORIES) for k in range(len(d["device"]))]
+        end, zoomed = scale_end(totals, d["capacity"])
+        self.unit, self.unit_bytes = memory_unit(end)
         self.source.data = self.columns()
+        self.figure.x_range.start, self.figure.x_range.end = 0, end / self.unit_bytes
+        self.figure.xaxis.axis_label = self.unit
+        self.figure.title.text = (
+            f"memory at the peak, {self.unit}; "
+            + ("capacity beyond the right edge (said in words)" if zoomed
+               else "capacity: dashed box"))
 
     def columns(self) -> dict[str, list]:
-        """The bars' columns from the session's prediction (MiB, and the numbers in words)."""
+        """The bars' columns from the session's prediction (in ``unit``, and in words)."""
         pred = self.session.prediction
+        unit = self.unit_bytes
         cols = defaultdict(list)
         for d in self.session.cluster.ids:
             m = pred.memory.get(d)
             vals = (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.buffers_bytes,
                     m.activations_bytes) if m else (0,) * 5
             for c, v in zip(CATEGORIES, vals, strict=True):
-                cols[c].append(v / MiB)
+                cols[c].append(v / unit)
             total = sum(vals)
             cap = pred.capacity_bytes.get(d, self.session.cluster.device(d).memory_bytes)
             over = total > cap
             cols["device"].append(d)
-            cols["capacity"].append(cap / MiB)
+            cols["capacity"].append(cap / unit)
             cols["total_text"].append(format_bytes(total) + (" (unused)" if not m else ""))
             cols["capacity_text"].append(format_bytes(cap) + (" OVER" if over else ""))
             cols["cap_color"].append("#d62728" if over else "#333333")
             cols["cap_width"].append(3.0 if over else 1.0)
             cols["detail"].append(" / ".join(format_bytes(v) for v in vals[:3]))
-            share = f" ({total / cap:.0%})" if cap > 0 else ""
-            cols["summary"].append(f"{format_bytes(total)} of {format_bytes(cap)}{share}"
-                                   + (" OVER" if over else "") if m else "unused")
+            share = f" ({total / cap:.1%})" if cap > 0 else ""
+            cols["summary"].append(f"{d}: {format_bytes(total)} of {format_bytes(cap)}{share}"
+                                   + (" OVER" if over else "") if m else f"{d}: unused")
         return dict(cols)

@@ -13,7 +13,7 @@ import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.units import format_seconds
 from explorer.partition import algorithm as get_algorithm
-from widgets.panels.base import Panel, button, html_table
+from widgets.panels.base import Panel, button, checkbox, html_table, wrapping
 from widgets.session import Session
 
 NO_PLANS = "<i>no plans yet: solve, or keep the current plan</i>"
@@ -39,32 +39,34 @@ class PlansPanel(Panel):
         self.help = W.HTML("")
         self.options = W.Textarea(layout=W.Layout(width="100%", height="60px"))
         self.algorithm.observe(lambda _: self._show_algorithm(), "value")
-        self.around_pins = W.Checkbox(value=True, description="re-solve around my pins")
+        self.around_pins = checkbox("re-solve around my pins", True)
         self.solve_button = button(s, "solve", "run the partitioner", self._solve, "pe-solve",
-                                   "primary")
+                                   "primary",
+                                   where="partitioners")
         self.keep_button = button(s, "keep current", "add the plan under edit to the table",
-                                  self._keep, "pe-keep")
+                                  self._keep, "pe-keep", where="partitioners")
         self.table = W.HTML(NO_PLANS)
         self.table.add_class("pe-plans")
         self.pick = W.Dropdown(options=[], description="plan")
         self.load_button = button(s, "load into editor", "edit this plan", self._load_entry,
-                                  "pe-load-entry")
+                                  "pe-load-entry", where="partitioners")
         self._show_algorithm()
         self.solvers = W.VBox([
-            W.HBox([self.algorithm, self.around_pins, self.solve_button, self.keep_button]),
-            self.help, self.options, self.table, W.HBox([self.pick, self.load_button])])
+            wrapping([self.algorithm, self.around_pins, self.solve_button, self.keep_button]),
+            self.help, self.options, self.table, wrapping([self.pick, self.load_button])])
 
         stem = s.graph.name or "model"
         self.path = W.Text(value=f"{stem}_plan.json", description="plan file")
         self.script_path = W.Text(value=f"train_{stem}.py", description="script")
-        self.overwrite = W.Checkbox(value=False, description="overwrite")
-        self.save_button = button(s, "save plan", "write the plan JSON", self._save, "pe-save")
+        self.overwrite = checkbox("overwrite")
+        self.save_button = button(s, "save plan", "write the plan JSON", self._save, "pe-save",
+                                  where="export")
         self.load_file_button = button(s, "load plan", "read a plan JSON", self._load_file,
-                                       "pe-load")
+                                       "pe-load", where="export")
         self.export_button = button(s, "export script", "write a torchrun training script",
-                                    self._export, "pe-export")
-        self.files = W.VBox([W.HBox([self.path, self.save_button, self.load_file_button]),
-                             W.HBox([self.script_path, self.overwrite, self.export_button])])
+                                    self._export, "pe-export", where="export")
+        self.files = W.VBox([wrapping([self.path, self.save_button, self.load_file_button]),
+                             wrapping([self.script_path, self.overwrite, self.export_button])])
 
     def update(self, what: str) -> None:
         entries = self.session.plans

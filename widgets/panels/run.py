@@ -7,7 +7,7 @@ import html
 import ipywidgets as W
 
 from explorer.core.units import format_bytes, format_seconds
-from widgets.panels.base import Panel, button, html_table
+from widgets.panels.base import Panel, button, checkbox, html_table, wrapping
 from widgets.session import Session
 
 
@@ -15,27 +15,33 @@ class RunPanel(Panel):
     """``widget``: ``steps``, ``force``, ``run_button``, ``calibrate_button``, the ranks'
     output (``output``) and the predicted vs measured ``report``."""
 
-    topics = frozenset({"run"})
+    topics = frozenset({"run", "plan"})
 
     def __init__(self, session: Session) -> None:
         super().__init__(session)
         s = session
         self.steps = W.BoundedIntText(value=5, min=1, max=1000, description="steps")
-        self.force = W.Checkbox(value=False, description="run even if predicted not to fit")
+        self.force = checkbox("run even if predicted not to fit")
         self.run_button = button(s, "run for real", "train a few steps under the plan",
-                                 self._run, "pe-run", "warning")
+                                 self._run, "pe-run", "warning", where="run")
         self.calibrate_button = button(s, "calibrate", "fit the cost model to the run and "
-                                       "estimate again", self._calibrate, "pe-calibrate")
+                                       "estimate again", self._calibrate, "pe-calibrate",
+                                       where="run")
+        self.runnable = W.HTML("")
+        self.runnable.add_class("pe-runnable")
         self.output = W.Output()
         self.report = W.HTML("")
         self.report.add_class("pe-report")
         self.widget = W.VBox([
-            W.HBox([self.steps, self.force, self.run_button, self.calibrate_button]),
-            self.output, self.report])
+            wrapping([self.steps, self.force, self.run_button, self.calibrate_button]),
+            self.runnable, self.output, self.report])
 
     def update(self, what: str) -> None:
+        why = self.session.run_problem
+        self.runnable.value = (f"<span style='color:#b00020'>this plan cannot run for real: "
+                               f"{html.escape(why)}</span>" if why else "")
         rep = self.session.report
-        if rep is None:
+        if rep is None or what == "plan":
             return
         rows = []
         for r in rep.rows:
@@ -49,11 +55,18 @@ class RunPanel(Panel):
     def _run(self, *_) -> None:
         self.output.clear_output()
         self.run_button.disabled = True
-        try:
-            with self.output:
+        failed: Exception | None = None
+        # the ranks' output goes to the output area, an error must not: in a notebook the
+        # output area would show it as a traceback and swallow it, leaving no report
+        with self.output:
+            try:
                 report = self.session.run(self.steps.value, force=self.force.value)
-        finally:
-            self.run_button.disabled = False
+            except Exception as e:
+                failed = e
+            finally:
+                self.run_button.disabled = False
+        if failed is not None:
+            raise failed
         self.session.say(f"ran {self.steps.value} steps: step time error "
                          f"{report.step_error:+.1%}")
 

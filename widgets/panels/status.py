@@ -1,4 +1,5 @@
-"""The explorer's first lines: what graph on what cluster, and the message line."""
+"""The explorer's first line (what graph on what cluster) and its message lines: one at the top
+for what code does, and one under each group of controls for what those controls say."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from widgets.session import Session
 
 
 class StatusPanel(Panel):
-    """``header`` names the graph and the cluster; ``message`` shows the session's message
-    (notices in green, errors in red, an unexpected error's trace folded under "details")."""
+    """``header`` names the graph and the cluster; ``message`` (the top line) and the lines
+    made by :meth:`line` show the session's message (notices in green, errors in red, an
+    unexpected error's trace folded under "details"): the message appears on the line of the
+    area whose control caused it (:attr:`Session.message_where`), or on the top line."""
 
     topics = frozenset({"message"})
 
@@ -25,16 +28,30 @@ class StatusPanel(Panel):
             f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
             f"{html.escape(cl.name)} ({', '.join(cl.ids)})"
             + (f" <i>({html.escape('; '.join(g.notes))})</i>" if g.notes else ""))
-        self.message = W.HTML("")
-        self.message.add_class("pe-message")
+        self.lines: dict[str, W.HTML] = {}
+        self.message = self.line("")
+
+    def line(self, where: str) -> W.HTML:
+        """The message line of area ``where`` (made once; put it under that area's controls).
+        """
+        if where not in self.lines:
+            w = self.lines[where] = W.HTML("", layout=W.Layout(width="100%"))
+            w.add_class("pe-message")
+            w.add_class(f"pe-message-{where or 'top'}")
+        return self.lines[where]
 
     def update(self, what: str) -> None:
         s = self.session
-        if not s.message:
-            self.message.value = ""
-            return
+        here = s.message_where if s.message_where in self.lines else ""
+        for where, w in self.lines.items():
+            w.value = self.render() if where == here and s.message else ""
+
+    def render(self) -> str:
+        """The session's message as HTML."""
+        s = self.session
         color = "#b00020" if s.message_is_error else "#1a5e20"
         extra = (f"<details><summary>details</summary><pre>{html.escape(s.message_detail)}"
                  "</pre></details>" if s.message_detail else "")
-        self.message.value = (f"<div style='color:{color};padding:4px;border:1px solid {color};"
-                              f"border-radius:4px'>{html.escape(s.message)}{extra}</div>")
+        return (f"<div style='color:{color};padding:4px;border:1px solid {color};"
+                f"border-radius:4px;white-space:normal;overflow-wrap:anywhere'>"
+                f"{html.escape(s.message)}{extra}</div>")

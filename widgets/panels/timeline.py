@@ -1,4 +1,5 @@
-"""The simulated step as a timeline: one compute and one communication lane per device."""
+"""The simulated step as a timeline: a compute lane per device the plan uses, and a
+communication lane for each that communicates."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#
 MAX_BARS = 1000
 
 
+def lanes_height(n_lanes: int) -> int:
+    """Pixels of a timeline with ``n_lanes`` lanes."""
+    return 90 + 26 * n_lanes
+
+
 class TimelinePanel(Panel):
     """Bars of the session's predicted timeline, in ms into the step; ``source`` holds them."""
 
@@ -26,9 +32,8 @@ class TimelinePanel(Panel):
     def __init__(self, session: Session, backend: str = "canvas") -> None:
         super().__init__(session)
         self.source = ColumnDataSource(self.columns())
-        lanes = [f"{d} {lane}" for d in session.cluster.ids
-                 for lane in ("compute", "comm")][::-1]
-        p = figure(height=80 + 26 * len(lanes), sizing_mode="stretch_width",
+        lanes = self.lanes()
+        p = figure(height=lanes_height(len(lanes)), sizing_mode="stretch_width",
                    y_range=FactorRange(*lanes), x_axis_label="ms into the step",
                    title="simulated step per device", tools="xpan,xwheel_zoom,reset",
                    output_backend=backend)
@@ -43,6 +48,18 @@ class TimelinePanel(Panel):
 
     def update(self, what: str) -> None:
         self.source.data = self.columns()
+        lanes = self.lanes()
+        if list(self.figure.y_range.factors) != lanes:
+            self.figure.y_range.factors = lanes
+            self.figure.height = lanes_height(len(lanes))
+
+    def lanes(self) -> list[str]:
+        """The lanes drawn, top first: each used device's compute lane, and its comm lane
+        when it communicates."""
+        used = self.session.plan.devices
+        talks = {iv.device for iv in self.session.prediction.timeline if iv.lane != "compute"}
+        return [f"{d} {lane}" for d in used for lane in ("compute", "comm")
+                if lane == "compute" or d in talks][::-1]
 
     def columns(self) -> dict[str, Any]:
         """One bar per interval (ms); beyond ``MAX_BARS``, neighbours of the same kind on a
