@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from explorer.core.errors import PlanError
-from explorer.simulate.tasks import TaskGraph
+from explorer.simulate.taskgraph import TaskGraph
 
 
-def run(sim: TaskGraph) -> None:
+@dataclass(frozen=True)
+class Timing:
+    """When each task of a :class:`TaskGraph` runs in the list schedule, and why then."""
+
+    start: list[float]  # [task] seconds from the step's start
+    end: list[float]  # [task] seconds from the step's start
+    cause: list[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
+    order: list[int]  # task ids in the order they start: a topological order
+
+    @cached_property
+    def start_a(self) -> np.ndarray:
+        return np.asarray(self.start, dtype=np.float64)
+
+    @cached_property
+    def end_a(self) -> np.ndarray:
+        return np.asarray(self.end, dtype=np.float64)
+
+
+def run(tasks: TaskGraph) -> Timing:
     """List-schedule the task graph: every task's start, end, cause and the start order.
 
     Events are task ends, taken in time order (then by task id). At the end of task ``t`` its
@@ -34,21 +56,20 @@ def run(sim: TaskGraph) -> None:
     moment while its sender is computing then, the task starts no earlier than that moment
     plus the wait.
     """
-    T = len(sim.kind)
-    res, dur, flat, ptr, key = sim.res, sim.dur, sim.succ_flat, sim.succ_ptr, sim.key
-    start = sim.start = [0.0] * T
-    end = sim.end = [0.0] * T
-    cause = sim.cause = [-1] * T  # the task whose end let this one start (critical path)
-    order: list[int] = []  # tasks in the order they start: a topological order
-    sim.order = order
-    deps = list(sim.ndeps)
+    T = len(tasks.kind)
+    res, dur, flat, ptr, key = tasks.res, tasks.dur, tasks.succ_flat, tasks.succ_ptr, tasks.key
+    start = [0.0] * T
+    end = [0.0] * T
+    cause = [-1] * T
+    order: list[int] = []
+    deps = list(tasks.ndeps)
     ready_at = [0.0] * T  # the latest end among a task's dependencies seen so far
     ready_from = [-1] * T  # the dependency that ended then
-    R = len(sim.resources)
+    R = len(tasks.resources)
     free_at = [0.0] * R  # when an idle resource became free
     last_on = [-1] * R  # and the task that freed it
-    backward = not sim.forward_only  # whether an event may come before an earlier one
-    late_in = sim.late_in
+    backward = tasks.negative_times  # whether an event may come before an earlier one
+    late_in = tasks.late_in
     late = bool(late_in)
     received: set[int] = set()
     # per resource, the starts and ends of its tasks so far (they start in time order)
@@ -69,7 +90,7 @@ def run(sim: TaskGraph) -> None:
 
     # the tasks without dependencies, one started on each resource at time 0
     queues: list[list[int]] = [[] for _ in range(R)]
-    for t in sim.first:
+    for t in tasks.first:
         queues[res[t]].append(key[t])
     busy = [False] * R
     events: list[tuple[float, int]] = []
@@ -166,3 +187,4 @@ def run(sim: TaskGraph) -> None:
     if len(order) != T:
         raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
                         "bug in the plan or simulator, please report it with the plan JSON")
+    return Timing(start, end, cause, order)
