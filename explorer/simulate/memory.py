@@ -23,7 +23,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     off_f, off_b = tasks.fb.fwd, tasks.fb.bwd
     e_p, e_c = A.e_p, A.e_c
     start, end = timing.start, timing.end
-    start_a, end_a = timing.start_a, timing.end_a
+    start_a, end_a = timing.arrays
     frac = np.asarray(tasks.batch_fraction)
     out_b = A.out_b
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]

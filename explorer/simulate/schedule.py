@@ -28,12 +28,9 @@ class Timing:
     order: list[int]  # task ids in the order they start: a topological order
 
     @cached_property
-    def start_a(self) -> np.ndarray:
-        return np.asarray(self.start, dtype=np.float64)
-
-    @cached_property
-    def end_a(self) -> np.ndarray:
-        return np.asarray(self.end, dtype=np.float64)
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) as float64 arrays."""
+        return np.asarray(self.start, dtype=np.float64), np.asarray(self.end, dtype=np.float64)
 
 
 def run(tasks: TaskGraph) -> Timing:
@@ -76,9 +73,10 @@ def run(tasks: TaskGraph) -> Timing:
     starts_on: list[list[float]] = [[] for _ in range(R)]
     ends_on: list[list[float]] = [[] for _ in range(R)]
 
-    def late_start(u: int, posted: float, s: float, c: int) -> tuple[float, int]:
-        """When and why task ``u`` starts, given its receives posted at ``posted``."""
-        for x, wait, s_send in late_in[u]:
+    def late_start(u: int, r: int, posted: float, s: float, c: int) -> tuple[float, int]:
+        """When and why task ``u`` starts on resource ``r`` (``s`` and ``c`` but for late
+        receives), given its receives posted at ``posted``; notes its run on ``r``."""
+        for x, wait, s_send in late_in.get(u, ()):
             if x in received:
                 continue
             received.add(x)  # the first of a transfer's consumers to start receives it
@@ -86,6 +84,8 @@ def run(tasks: TaskGraph) -> Timing:
                 k = bisect.bisect_right(starts_on[s_send], posted) - 1
                 if k >= 0 and ends_on[s_send][k] > posted:  # the sender computes then
                     s, c = posted + wait, x
+        starts_on[r].append(s)
+        ends_on[r].append(s + dur[u])
         return s, c
 
     # the tasks without dependencies, one started on each resource at time 0
@@ -98,13 +98,12 @@ def run(tasks: TaskGraph) -> Timing:
         if q:
             heapq.heapify(q)
             t = heapq.heappop(q) % T
+            if late:
+                late_start(t, r, 0.0, 0.0, -1)
             end[t] = e = dur[t]
             order.append(t)
             busy[r] = True
             heapq.heappush(events, (e, t))
-            if late:
-                starts_on[r].append(0.0)
-                ends_on[r].append(e)
 
     heappush, heappop = heapq.heappush, heapq.heappop
     while events:
@@ -142,10 +141,7 @@ def run(tasks: TaskGraph) -> Timing:
                 else:
                     s, c = now, t
                 if late:
-                    if u in late_in:
-                        s, c = late_start(u, now, s, c)
-                    starts_on[r].append(s)
-                    ends_on[r].append(s + dur[u])
+                    s, c = late_start(u, r, now, s, c)
                 start[u] = s
                 end[u] = e = s + dur[u]
                 order.append(u)
@@ -166,10 +162,7 @@ def run(tasks: TaskGraph) -> Timing:
                     else:
                         s, c = free_at[ru], last_on[ru]
                     if late:
-                        if v in late_in:
-                            s, c = late_start(v, free_at[ru], s, c)
-                        starts_on[ru].append(s)
-                        ends_on[ru].append(s + dur[v])
+                        s, c = late_start(v, ru, free_at[ru], s, c)
                     start[v] = s
                     end[v] = ev = s + dur[v]
                     order.append(v)

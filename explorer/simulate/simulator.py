@@ -128,7 +128,7 @@ def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
 def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, timing: Timing
              ) -> Prediction:
     S, M = len(plan.stages), plan.micro_batches
-    end_a = timing.end_a
+    end_a = timing.arrays[1]
     step_s = max(timing.end, default=0.0)
     # busy time: each stage's task times summed in task order (the forward/backward block,
     # laid out per micro-batch, then the rest)
