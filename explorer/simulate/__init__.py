@@ -3,11 +3,12 @@
 from explorer.simulate.simulator import (
     BUCKET_BYTES,
     Prediction,
+    clear_caches,
     execution_order,
     lower_bound_s,
     simulate,
     unit_costs,
 )
 
-__all__ = ["BUCKET_BYTES", "Prediction", "execution_order", "lower_bound_s", "simulate",
-           "unit_costs"]
+__all__ = ["BUCKET_BYTES", "Prediction", "clear_caches", "execution_order", "lower_bound_s",
+           "simulate", "unit_costs"]

@@ -61,6 +61,11 @@ class GraphArrays:
             del cache[next(iter(cache))]
         return arrays
 
+    @classmethod
+    def clear_cache(cls) -> None:
+        """Forget the arrays kept for the graphs simulated last."""
+        cls._cache.clear()
+
     def __init__(self, g: OpGraph) -> None:
         nodes = g.nodes
         self.n = N = len(nodes)

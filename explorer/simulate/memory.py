@@ -9,20 +9,22 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
 from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
 from explorer.simulate.prediction import MemoryBreakdown
-from explorer.simulate.tasks import ALLREDUCE, OPT, TaskGraph
+from explorer.simulate.schedule import Timing
+from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
 
 
-def memory_at_peaks(graph: OpGraph, plan: Plan, sim: TaskGraph, end_a: np.ndarray
-            ) -> dict[str, MemoryBreakdown]:
-    A = sim.arrays
-    stage, st, M = sim.stage, sim.st, plan.micro_batches
-    N, S, per_m = A.n, len(plan.stages), sim.per_m
+def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
+                    ) -> dict[str, MemoryBreakdown]:
+    """Per device, its memory at the moment the scheduled step needs most."""
+    A = tasks.arrays
+    stage, st, M = tasks.stage, tasks.stage_a, plan.micro_batches
+    N, S, per_m = A.n, len(plan.stages), tasks.fb.per_mb
     is_op, has_b, kcode = A.is_op, A.has_b, A.kcode
-    off_f, off_b = sim.off_f, sim.off_b
+    off_f, off_b = tasks.fb.fwd, tasks.fb.bwd
     e_p, e_c = A.e_p, A.e_c
-    start, end = sim.start, sim.end
-    start_a = np.asarray(start)
-    frac = np.asarray(sim.frac)
+    start, end = timing.start, timing.end
+    start_a, end_a = timing.arrays
+    frac = np.asarray(tasks.batch_fraction)
     out_b = A.out_b
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
@@ -177,7 +179,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, sim: TaskGraph, end_a: np.ndarra
                 py_s.append(s)
                 py_t0.append(t0)
                 py_t1.append(t1)
-                py_b.append(int(A.out_bytes[i] * sim.frac[s]))
+                py_b.append(int(A.out_bytes[i] * tasks.batch_fraction[s]))
     if py_s:
         live(np.asarray(py_s, dtype=np.int64), np.asarray(py_t0), np.asarray(py_t1),
              np.asarray(py_b, dtype=np.int64))
@@ -186,14 +188,16 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, sim: TaskGraph, end_a: np.ndarra
     # for them and, for activations, the backwards of the nodes that saved the tensor. A
     # gradient for an op that also gets gradients on its own stage is added into those (one
     # buffer), and of several received for one op and micro-batch the first is kept
-    x_id, x_dst, x_node, x_m, x_fwd, x_nbytes = sim.xf
+    rc = tasks.receives
+    x_id, x_dst, x_node, x_m, x_fwd, x_nbytes = (rc.task, rc.stage, rc.node, rc.mb,
+                                                 rc.activation, rc.nbytes)
     if len(x_id):
         t1 = end_a[x_id]
         t0 = np.full(len(x_id), np.inf)
-        lo, hi = sim.succ_ptr_a[x_id], sim.succ_ptr_a[x_id + 1]
+        lo, hi = tasks.succ_ptr_a[x_id], tasks.succ_ptr_a[x_id + 1]
         k, idx = _ranges(lo, hi)
-        np.maximum.at(t1, k, end_a[sim.succ_flat_a[idx]])
-        np.minimum.at(t0, k, start_a[sim.succ_flat_a[idx]])
+        np.maximum.at(t1, k, end_a[tasks.succ_flat_a[idx]])
+        np.minimum.at(t0, k, start_a[tasks.succ_flat_a[idx]])
         t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
         sv_p_any, sv_v_any = A.saved_any
         sv_order = np.argsort(sv_p_any, kind="stable")
@@ -217,10 +221,10 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, sim: TaskGraph, end_a: np.ndarra
     # parameter gradients: from the first backward that reaches a weight until the optimizer
     # step has used it (torch frees them with zero_grad(set_to_none=True))
     opt_end = [max(end, default=0.0)] * S
-    for t in range(len(sim.kind) - 1, -1, -1):
-        if sim.kind[t] == OPT:
-            opt_end[sim.res[t]] = end[t]
-        elif sim.kind[t] != ALLREDUCE:
+    for t in range(len(tasks.kind) - 1, -1, -1):
+        if tasks.kind[t] == OPTIMIZER:
+            opt_end[tasks.res[t]] = end[t]
+        elif tasks.kind[t] != ALLREDUCE:
             break  # the optimizer steps are the last tasks (with the all-reduces)
     pbytes = A.pbytes
     holds = (pbytes != 0) & (kcode != KIND_BUFFER) & (rg | is_op)

@@ -1,88 +1,129 @@
 """The list schedule of a task graph: each resource runs its first ready task whenever it is free.
 
 Whenever a resource (a stage's device, a link, an all-reduce channel) is free it starts, among
-its ready tasks, the one that comes first in the schedule (by priority, then task id). Two
-event loops give the same results: one for task times that only move time forward, and a
-general one for negative task times and receives that arrive late.
+its ready tasks, the one that comes first in the schedule (by priority, then task id). One event
+loop does it for any task times, negative ones too, and for receives that arrive late.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from explorer.core.errors import PlanError
-from explorer.simulate.tasks import TaskGraph
+from explorer.simulate.taskgraph import TaskGraph
 
 
-def run(sim: TaskGraph) -> None:
-    """List-schedule the task graph: every task's start, end, cause and the start order."""
-    T = len(sim.kind)
-    sim.start = [0.0] * T
-    sim.end = [0.0] * T
-    sim.cause = [-1] * T  # the task whose end let this one start (critical path)
-    sim.order = []  # tasks in the order they start: a topological order
-    if sim.forward_only and not sim.late_in:
-        _run_forward(sim)
-    else:
-        _run_general(sim)
-    if len(sim.order) != T:
-        raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
-                        "bug in the plan or simulator, please report it with the plan JSON")
+@dataclass(frozen=True)
+class Timing:
+    """When each task of a :class:`TaskGraph` runs in the list schedule, and why then."""
+
+    start: list[float]  # [task] seconds from the step's start
+    end: list[float]  # [task] seconds from the step's start
+    cause: list[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
+    order: list[int]  # task ids in the order they start: a topological order
+
+    @cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) as float64 arrays."""
+        return np.asarray(self.start, dtype=np.float64), np.asarray(self.end, dtype=np.float64)
 
 
-def _first_tasks(sim: TaskGraph, key: list[int]) -> tuple[list[list[int]], list[bool],
-                                                 list[tuple[float, int]]]:
-    """Queue the tasks without dependencies and start one on each resource at time 0."""
-    T = len(sim.kind)
-    res, dur = sim.res, sim.dur
-    queues: list[list[int]] = [[] for _ in sim.resources]
-    for t in sim.first:
+def run(tasks: TaskGraph) -> Timing:
+    """List-schedule the task graph: every task's start, end, cause and the start order.
+
+    Events are task ends, taken in time order (then by task id). At the end of task ``t`` its
+    resource is free: it starts its first queued task. Tasks ``t`` made ready start at once on
+    their resources where those are idle. A task starts at the latest of: now, when it became
+    ready (the latest end among its dependencies) and when its resource became free; its cause
+    (for the critical path) is the task that ended last of those.
+
+    When no task takes negative time, time only moves forward, so a ready task's last
+    dependency to end is the last one seen and the task starts now; with negative times an
+    event may come before an earlier one, and every dependency's end is weighed. A resource's
+    next task is handled without the event heap when its end is the earliest event anyway.
+
+    A rank receives a transfer in the first task that needs it, posting the receive when it
+    gets to that task, the moment its resource became free for it. Where the transfer's link
+    has a late-receive wait (``Link.late_receive_s``) and the transfer was sent before that
+    moment while its sender is computing then, the task starts no earlier than that moment
+    plus the wait.
+    """
+    T = len(tasks.kind)
+    res, dur, flat, ptr, key = tasks.res, tasks.dur, tasks.succ_flat, tasks.succ_ptr, tasks.key
+    start = [0.0] * T
+    end = [0.0] * T
+    cause = [-1] * T
+    order: list[int] = []
+    deps = list(tasks.ndeps)
+    ready_at = [0.0] * T  # the latest end among a task's dependencies seen so far
+    ready_from = [-1] * T  # the dependency that ended then
+    R = len(tasks.resources)
+    free_at = [0.0] * R  # when an idle resource became free
+    last_on = [-1] * R  # and the task that freed it
+    backward = tasks.negative_times  # whether an event may come before an earlier one
+    late_in = tasks.late_in
+    late = bool(late_in)
+    received: set[int] = set()
+    # per resource, the starts and ends of its tasks so far (they start in time order)
+    starts_on: list[list[float]] = [[] for _ in range(R)]
+    ends_on: list[list[float]] = [[] for _ in range(R)]
+
+    def late_start(u: int, r: int, posted: float, s: float, c: int) -> tuple[float, int]:
+        """When and why task ``u`` starts on resource ``r`` (``s`` and ``c`` but for late
+        receives), given its receives posted at ``posted``; notes its run on ``r``."""
+        for x, wait, s_send in late_in.get(u, ()):
+            if x in received:
+                continue
+            received.add(x)  # the first of a transfer's consumers to start receives it
+            if start[x] < posted and posted + wait > s:
+                k = bisect.bisect_right(starts_on[s_send], posted) - 1
+                if k >= 0 and ends_on[s_send][k] > posted:  # the sender computes then
+                    s, c = posted + wait, x
+        starts_on[r].append(s)
+        ends_on[r].append(s + dur[u])
+        return s, c
+
+    # the tasks without dependencies, one started on each resource at time 0
+    queues: list[list[int]] = [[] for _ in range(R)]
+    for t in tasks.first:
         queues[res[t]].append(key[t])
-    busy = [False] * len(queues)
+    busy = [False] * R
     events: list[tuple[float, int]] = []
     for r, q in enumerate(queues):
         if q:
             heapq.heapify(q)
             t = heapq.heappop(q) % T
-            sim.end[t] = e = 0.0 + dur[t]
-            sim.order.append(t)
+            if late:
+                late_start(t, r, 0.0, 0.0, -1)
+            end[t] = e = dur[t]
+            order.append(t)
             busy[r] = True
             heapq.heappush(events, (e, t))
-    return queues, busy, events
 
-
-def _run_forward(sim: TaskGraph) -> None:
-    """The list schedule when no task takes negative time, so time only moves forward.
-
-    Whenever a resource is free it starts its first ready task (by priority, then task
-    id). With time moving forward a task starts the moment it becomes ready or its
-    resource frees, so the general loop's bookkeeping reduces to: a task that becomes ready
-    on an idle resource starts now, caused by the task that readied it; a freed resource
-    starts its first queued task now, caused by whichever came last of its readiness and
-    the task that freed the resource. A resource's next task is handled without the event
-    heap when its end is the earliest event anyway.
-    """
-    T = len(sim.kind)
-    res, dur, flat, ptr = sim.res, sim.dur, sim.succ_flat, sim.succ_ptr
-    start, end, cause, order = sim.start, sim.end, sim.cause, sim.order
-    deps = list(sim.ndeps)
-    key = sim.key
-    ready_at = [0.0] * T
-    ready_from = [-1] * T
-    queues, busy, events = _first_tasks(sim, key)
     heappush, heappop = heapq.heappush, heapq.heappop
     while events:
         now, t = heappop(events)
         while True:  # the event: task t ends at time `now`
             r = res[t]
+            succ = flat[ptr[t]:ptr[t + 1]]
+            if backward:  # a dependency that ended later, seen before, still counts
+                for u in succ:
+                    if now >= ready_at[u]:
+                        ready_at[u] = now
+                        ready_from[u] = t
             touched = None
-            for u in flat[ptr[t]:ptr[t + 1]]:
+            for u in succ:
                 d = deps[u] - 1
                 deps[u] = d
                 if not d:
-                    ready_at[u] = now
-                    ready_from[u] = t
+                    if now >= ready_at[u]:
+                        ready_at[u] = now
+                        ready_from[u] = t
                     ru = res[u]
                     heappush(queues[ru], key[u])
                     if ru != r:
@@ -90,106 +131,53 @@ def _run_forward(sim: TaskGraph) -> None:
                             touched = [ru]
                         else:
                             touched.append(ru)
+            # the freed resource starts its first queued task, posting its receives now
+            q = queues[r]
+            if q:
+                u = heappop(q) % T
+                s = ready_at[u]
+                if s >= now:
+                    c = ready_from[u]
+                else:
+                    s, c = now, t
+                if late:
+                    s, c = late_start(u, r, now, s, c)
+                start[u] = s
+                end[u] = e = s + dur[u]
+                order.append(u)
+                cause[u] = c
+            else:
+                busy[r] = False
+                free_at[r] = now
+                last_on[r] = t
+                u = -1
             if touched is not None:  # idle resources whose queue was empty until now
                 for ru in touched:
                     if busy[ru]:
                         continue
-                    u = heappop(queues[ru]) % T
-                    start[u] = now
-                    end[u] = e = now + dur[u]
-                    order.append(u)
-                    cause[u] = t
+                    v = heappop(queues[ru]) % T
+                    s = ready_at[v]  # (not before now: v became ready at this event)
+                    if s >= free_at[ru]:
+                        c = ready_from[v]
+                    else:
+                        s, c = free_at[ru], last_on[ru]
+                    if late:
+                        s, c = late_start(v, ru, free_at[ru], s, c)
+                    start[v] = s
+                    end[v] = ev = s + dur[v]
+                    order.append(v)
+                    cause[v] = c
                     busy[ru] = True
-                    heappush(events, (e, u))
-            q = queues[r]
-            if not q:
-                busy[r] = False
+                    heappush(events, (ev, v))
+            if u < 0:
                 break
-            u = heappop(q) % T
-            start[u] = now
-            end[u] = e = now + dur[u]
-            order.append(u)
-            cause[u] = ready_from[u] if ready_at[u] >= now else t
             if events:
                 h = events[0]
                 if e > h[0] or (e == h[0] and u > h[1]):
                     heappush(events, (e, u))
                     break
             now, t = e, u  # u's end is the next event
-
-
-def _run_general(sim: TaskGraph) -> None:
-    """The list schedule, for any task times (also negative ones), and with receives
-    that arrive late.
-
-    A rank receives a transfer in the first task that needs it, posting the receive when
-    it gets to that task, the moment its previous task ends. Where the transfer's link has
-    a late-receive wait (``Link.late_receive_s``) and the transfer was sent before that
-    moment while its sender is computing then, the task starts no earlier than that moment
-    plus the wait.
-    """
-    T = len(sim.kind)
-    res, dur, flat, ptr = sim.res, sim.dur, sim.succ_flat, sim.succ_ptr
-    start, end, cause, order = sim.start, sim.end, sim.cause, sim.order
-    deps = list(sim.ndeps)
-    key = sim.key
-    ready_at = [0.0] * T
-    ready_from = [-1] * T
-    R = len(sim.resources)
-    free_at = [0.0] * R
-    last_on = [-1] * R
-    late_in = sim.late_in
-    received: set[int] = set()
-    # per stage, the starts and ends of its tasks so far (they start in time order)
-    starts_on: list[list[float]] = [[] for _ in range(R)]
-    ends_on: list[list[float]] = [[] for _ in range(R)]
-
-    def computing(s: int, at: float) -> bool:
-        k = bisect.bisect_right(starts_on[s], at) - 1
-        return k >= 0 and ends_on[s][k] > at
-
-    queues, busy, events = _first_tasks(sim, key)
-    if late_in:
-        for t in order:
-            starts_on[res[t]].append(start[t])
-            ends_on[res[t]].append(end[t])
-    heappush, heappop = heapq.heappush, heapq.heappop
-    while events:
-        now, t = heappop(events)
-        r = res[t]
-        busy[r] = False
-        free_at[r] = now
-        last_on[r] = t
-        touched = [r]
-        for u in flat[ptr[t]:ptr[t + 1]]:
-            if now >= ready_at[u]:
-                ready_at[u], ready_from[u] = now, t
-            deps[u] -= 1
-            if deps[u] == 0:
-                ru = res[u]
-                heappush(queues[ru], key[u])
-                touched.append(ru)
-        for ru in touched:
-            if busy[ru] or not queues[ru]:
-                continue
-            u = heappop(queues[ru]) % T
-            s = max(now, ready_at[u], free_at[ru])
-            c = ready_from[u] if ready_at[u] >= free_at[ru] else last_on[ru]
-            if u in late_in:  # the first of a transfer's consumers to start receives it
-                posted = free_at[ru]
-                for x, wait, s_send in late_in[u]:
-                    if x in received:
-                        continue
-                    received.add(x)
-                    if start[x] < posted and posted + wait > s \
-                            and computing(s_send, posted):
-                        s, c = posted + wait, x
-            if late_in:  # (what computing() looks up)
-                starts_on[ru].append(s)
-                ends_on[ru].append(s + dur[u])
-            start[u] = s
-            end[u] = s + dur[u]
-            order.append(u)
-            cause[u] = c
-            busy[ru] = True
-            heappush(events, (end[u], u))
+    if len(order) != T:
+        raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
+                        "bug in the plan or simulator, please report it with the plan JSON")
+    return Timing(start, end, cause, order)

@@ -20,12 +20,13 @@ keeps the first gradient it gets until its own backward (or until it is sent), a
 are added into it.
 
 Implementation: the graph as arrays (:mod:`~explorer.simulate.arrays`), node seconds from the
-cost tables (:mod:`~explorer.simulate.seconds`), the task graph (:mod:`~explorer.simulate.tasks`),
+cost tables (:mod:`~explorer.simulate.seconds`), the task graph as data
+(:mod:`~explorer.simulate.taskgraph`) and how it is built (:mod:`~explorer.simulate.tasks`),
 its list schedule (:mod:`~explorer.simulate.schedule`), memory liveness by array reductions
 (:mod:`~explorer.simulate.memory`) and the :class:`Prediction` record
 (:mod:`~explorer.simulate.prediction`); this module puts them together.
-The results are those of the straightforward version (``tests/test_simulate_speed.py`` holds
-its predictions for many cases); a 100k-node graph simulates in well under a second.
+The results are those of the straightforward version (``tests/simulate/test_simulate_speed.py``
+holds its predictions for many cases); a 100k-node graph simulates in well under a second.
 """
 
 from __future__ import annotations
@@ -37,14 +38,16 @@ from explorer.core.plan import Plan
 from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
-from explorer.simulate import schedule
+from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.memory import memory_at_peaks
 from explorer.simulate.prediction import Deferred, Interval, MemoryBreakdown, Prediction
+from explorer.simulate.schedule import Timing, run
 from explorer.simulate.seconds import Seconds, arrays_lower_bound_s, lower_bound_s, plain_costs
-from explorer.simulate.tasks import BUCKET_BYTES, TaskGraph
+from explorer.simulate.taskgraph import GATE, TaskGraph
+from explorer.simulate.tasks import BUCKET_BYTES, build_tasks
 
-__all__ = ["BUCKET_BYTES", "Interval", "MemoryBreakdown", "Prediction", "execution_order",
-           "lower_bound_s", "simulate", "unit_costs"]
+__all__ = ["BUCKET_BYTES", "Interval", "MemoryBreakdown", "Prediction", "clear_caches",
+           "execution_order", "lower_bound_s", "simulate", "unit_costs"]
 
 
 def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
@@ -56,16 +59,20 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     """
     costs.check(graph)
     plan.validate(graph, costs.cluster)
-    return _predict(graph, plan, costs, _schedule(graph, plan, costs))
+    return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
 
 
-def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> TaskGraph:
+def clear_caches() -> None:
+    """Forget what the simulator keeps between calls (the arrays of the graphs it simulated
+    last), so that the next simulation starts cold: for timing it."""
+    GraphArrays.clear_cache()
+
+
+def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> tuple[TaskGraph, Timing]:
     """The step's tasks, list-scheduled; where replicas of a stage slow each other (measured
     contention), their ops slowed as their platform says."""
-    sim = TaskGraph(graph, plan, costs, _contended(plan, costs))
-    sim.build()
-    schedule.run(sim)
-    return sim
+    tasks = build_tasks(graph, plan, costs, _contended(plan, costs))
+    return tasks, run(tasks)
 
 
 def _contended(plan: Plan, costs: CostModel) -> dict[str, float]:
@@ -96,11 +103,11 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
     """
     if costs is None:
         costs = unit_costs(graph, plan)
-    sim = _schedule(graph, plan, costs)  # the order the prediction assumes, contention too
+    tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     S = len(plan.stages)
     out: Schedule = [[] for _ in plan.stages]
-    kind, res, mb, node = sim.kind, sim.res, sim.mb, sim.node
-    for t in sim.order:
+    kind, res, mb, node = tasks.kind, tasks.res, tasks.mb, tasks.node
+    for t in timing.order:
         r = res[t]
         if r < S:  # the stages are resources 0 .. S-1
             out[r].append(Action(kind[t], mb[t], node[t]))
@@ -118,21 +125,23 @@ def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:
     return CostModel(graph.fingerprint, cl, {"cpu:unit": dc})
 
 
-def _predict(graph: OpGraph, plan: Plan, costs: CostModel, sim: TaskGraph) -> Prediction:
+def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, timing: Timing
+             ) -> Prediction:
     S, M = len(plan.stages), plan.micro_batches
-    end_a = np.asarray(sim.end)
-    step_s = max(sim.end, default=0.0)
+    end_a = timing.arrays[1]
+    step_s = max(timing.end, default=0.0)
     # busy time: each stage's task times summed in task order (the forward/backward block,
     # laid out per micro-batch, then the rest)
-    busy_stage = np.bincount(np.tile(sim.fb_stage, M), weights=np.tile(sim.fb_dur, M),
+    fb = tasks.fb
+    busy_stage = np.bincount(np.tile(fb.stage, M), weights=np.tile(fb.dur_s, M),
                              minlength=S).astype(np.float64).tolist()  # (floats when empty too)
-    res, dur = sim.res, sim.dur
-    for t in range(len(sim.fb_stage) * M, len(res)):
+    res, dur = tasks.res, tasks.dur
+    for t in range(fb.per_mb * M, len(res)):
         if res[t] < S:
             busy_stage[res[t]] += dur[t]
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
     cluster = costs.cluster
-    memory = memory_at_peaks(graph, plan, sim, end_a)
+    memory = memory_at_peaks(graph, plan, tasks, timing)
     energy = {}
     for d, b in busy.items():
         dev = cluster.device(d)
@@ -140,14 +149,14 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, sim: TaskGraph) -> Pr
     bottleneck = max(busy, key=lambda d: (busy[d], -plan.devices.index(d)))
     last = int(np.argmax(end_a)) if len(end_a) else -1  # the first task to end last
     return Prediction(
-        step_s=step_s, busy_s=busy, timeline=_Timeline(sim),  # type: ignore[arg-type]
+        step_s=step_s, busy_s=busy, timeline=_Timeline(tasks, timing),  # type: ignore[arg-type]
         memory=memory,
         capacity_bytes={d: cluster.device(d).memory_bytes for d in plan.devices},
-        transfer_bytes=sim.transfer_bytes, allreduce_bytes=sim.allreduce_bytes,
+        transfer_bytes=tasks.transfer_bytes, allreduce_bytes=tasks.allreduce_bytes,
         energy_j=sum(energy.values()), energy_by_device_j=energy,
-        critical_path=_CriticalPath(sim, last),  # type: ignore[arg-type]
+        critical_path=_CriticalPath(tasks, timing, last),  # type: ignore[arg-type]
         bottleneck=bottleneck,
-        lower_bound_s=arrays_lower_bound_s(sim.arrays, costs, Seconds(costs)),
+        lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs)),
         algorithm=plan.algorithm)
 
 
@@ -158,17 +167,18 @@ class _Timeline(Deferred):
     the timeline, so a :class:`Prediction` keeps this and builds its intervals on first read.
     """
 
-    def __init__(self, sim: TaskGraph) -> None:
-        self.kind, self.res, self.resources = sim.kind, sim.res, sim.resources
-        self.start, self.end, self.label, self.mb = sim.start, sim.end, sim.label, sim.mb
-        self.stages = sim.plan.stages
+    def __init__(self, tasks: TaskGraph, timing: Timing) -> None:
+        # (only what it needs: a prediction kept need not hold the whole task graph)
+        self.kind, self.res, self.resources = tasks.kind, tasks.res, tasks.resources
+        self.start, self.end, self.label, self.mb = timing.start, timing.end, tasks.label, tasks.mb
+        self.stages = tasks.plan.stages
 
     def build(self) -> tuple[Interval, ...]:
         out: list[Interval] = []
         stages, resources, res = self.stages, self.resources, self.res
         start, end, label, mb = self.start, self.end, self.label, self.mb
         for t, kind in enumerate(self.kind):
-            if kind == "gate":
+            if kind == GATE:
                 continue
             key = resources[res[t]]
             if key[0] == "stage":
@@ -187,9 +197,9 @@ class _Timeline(Deferred):
 class _CriticalPath(Deferred):
     """The chain of tasks that ended last and what made each one start, as labels."""
 
-    def __init__(self, sim: TaskGraph, last: int) -> None:
-        self.kind, self.label, self.mb, self.cause = sim.kind, sim.label, sim.mb, sim.cause
-        self.last, self.many = last, sim.plan.micro_batches > 1
+    def __init__(self, tasks: TaskGraph, timing: Timing, last: int) -> None:
+        self.kind, self.label, self.mb, self.cause = tasks.kind, tasks.label, tasks.mb, timing.cause
+        self.last, self.many = last, tasks.plan.micro_batches > 1
 
     def build(self) -> tuple[str, ...]:
         t, cause = self.last, self.cause
@@ -201,5 +211,5 @@ class _CriticalPath(Deferred):
         kind, label, mb = self.kind, self.label, self.mb
         if self.many:
             return tuple(f"{kind[t]} {label[t]}[{mb[t]}]" if mb[t] >= 0 else
-                         f"{kind[t]} {label[t]}" for t in path if kind[t] != "gate")
+                         f"{kind[t]} {label[t]}" for t in path if kind[t] != GATE)
         return tuple([kind[t] + " " + label[t] for t in path])  # (gates need micro-batches)

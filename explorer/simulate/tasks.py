@@ -1,9 +1,10 @@
-"""The task graph of one step: forwards, backwards, transfers, all-reduces, optimizer steps.
+"""Builds the task graph of one step: forwards, backwards, transfers, all-reduces, optimizer steps.
 
-Tasks live in flat lists indexed by task id (the forwards and backwards of a micro-batch are one
-block laid out from a per-op template), durations come from the cost tables as arrays,
-dependencies are built from the graph's edge arrays; a priority is one integer, so the
-schedule's per-resource queues are heaps of ints (:mod:`explorer.simulate.schedule`).
+The result is a :class:`~explorer.simulate.taskgraph.TaskGraph`. The forwards and backwards of
+a micro-batch are one block laid out from a per-op template, durations come from the cost
+tables as arrays, dependencies are built from the graph's edge arrays; a priority is one
+integer, so the schedule's per-resource queues are heaps of ints
+(:mod:`explorer.simulate.schedule`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,33 @@ from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
 from explorer.simulate.seconds import Seconds, plain_costs
+from explorer.simulate.taskgraph import (
+    ALLREDUCE,
+    BWD,
+    FWD,
+    GATE,
+    OPTIMIZER,
+    SEND,
+    FwdBwdLayout,
+    Receives,
+    Resource,
+    TaskGraph,
+)
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
-F, B, XFER, ALLREDUCE, OPT = "fwd", "bwd", "send", "allreduce", "optimizer"
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
 
-class TaskGraph:
-    """Builds the task graph of one step and list-schedules it."""
+def build_tasks(graph: OpGraph, plan: Plan, costs: CostModel,
+                others: dict[str, float] | None = None) -> TaskGraph:
+    """The task graph of one step of ``graph`` under ``plan``; ``others`` (device -> how many
+    other replicas of its stage compute beside it) slows ops where contention was measured."""
+    return _Builder(graph, plan, costs, others).build()
+
+
+class _Builder:
+    """Collects the tasks one kind after another, then makes the :class:`TaskGraph`."""
 
     def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel,
                  others: dict[str, float] | None = None) -> None:
@@ -40,13 +59,15 @@ class TaskGraph:
         self.mb: list[int] = []
         self.nbytes: list[int] = []
         self.node: list[int] = []  # the op of a forward or backward, the producer of a transfer
-        self.resources: list[tuple[str, int, int]] = []  # ("stage", s, -1) / ("link", a, b)
-        self._res_index: dict[tuple, int] = {}
+        self.resources: list[Resource] = []
+        self.res_index: dict[Resource, int] = {}
+        self.late_xfer: list[tuple[int, float]] = []  # (transfer, late-receive wait s)
+        self.transfer_bytes = 0
 
-    def resource(self, key: tuple) -> int:
-        r = self._res_index.get(key)
+    def resource(self, key: Resource) -> int:
+        r = self.res_index.get(key)
         if r is None:
-            r = self._res_index[key] = len(self.resources)
+            r = self.res_index[key] = len(self.resources)
             self.resources.append(key)
         return r
 
@@ -63,15 +84,15 @@ class TaskGraph:
         self.node.append(node)
         return t
 
-    def prio(self, slot: int, x: int | None = None) -> int:
-        """The priority tuple ``(slot,)`` or ``(slot, x)`` as an int that orders the same."""
-        return slot * self.W if x is None else slot * self.W + x + self.N + 1
+    def prio(self, slot: int) -> int:
+        """The priority tuple ``(slot,)`` as an int that orders like the ``(slot, x)`` ones."""
+        return slot * self.W
 
     # -- building ------------------------------------------------------------------------
-    def build(self) -> None:
+    def build(self) -> TaskGraph:
         g, plan, costs = self.g, self.plan, self.costs
-        A = self.arrays = GraphArrays.of(g)
-        N = self.N = A.n
+        A = GraphArrays.of(g)
+        N = A.n
         self.W = W = 2 * N + 2  # (slot, x) with -N < x < N  ->  slot * W + x + N + 1
         names, out_b = A.names, A.out_bytes
         succs = g.succs
@@ -79,12 +100,10 @@ class TaskGraph:
             stage = list(map(plan.placement.__getitem__, names))
         else:
             stage = plan.assignment(g)
-        self.stage = stage
-        st = self.st = np.asarray(stage, dtype=np.int64)
+        st = np.asarray(stage, dtype=np.int64)
         S, M = len(plan.stages), plan.micro_batches
         reps = [plan.stages[s] for s in range(S)]
         frac = [1.0 / (len(reps[s]) * M) for s in range(S)]
-        self.frac = frac
         # the slowest replica sets a stage's pace
         types = [{costs.cluster.device(d).type_key: d for d in reps[s]} for s in range(S)]
         is_op, has_b = A.is_op, A.has_b
@@ -96,7 +115,7 @@ class TaskGraph:
         active = [s for s in order if first_op[s] < N]
         rank = {s: k for k, s in enumerate(active)}
         warm = {s: min(len(active) - rank[s], M) for s in active}
-        self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
+        stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
         if plan.schedule == "gpipe":
             slot_f = [list(range(M)) for _ in range(S)]
             slot_b = [[M + m for m in range(M)] for _ in range(S)]
@@ -111,19 +130,18 @@ class TaskGraph:
         nb = has_b[ops_arr]
         width = 1 + nb.astype(np.int64)
         off_ops = np.cumsum(width) - width
-        per_m = self.per_m = int(width.sum())
+        per_m = int(width.sum())
         off_f = np.full(N, -1, dtype=np.int64)
         off_f[ops_arr] = off_ops
         off_b = np.full(N, -1, dtype=np.int64)
         off_b[ops_arr[nb]] = off_ops[nb] + 1
-        self.off_f, self.off_b = off_f, off_b
         tpl_node = np.empty(per_m, dtype=np.int64)
         tpl_node[off_ops] = ops_arr
         tpl_node[off_ops[nb] + 1] = ops_arr[nb]
         tpl_isb = np.zeros(per_m, dtype=bool)
         tpl_isb[off_ops[nb] + 1] = True
         tpl_stage = st[tpl_node]
-        sec = self.seconds = Seconds(costs, self.others)
+        sec = Seconds(costs, self.others)
         fwd_d = np.zeros(N)
         bwd_d = np.zeros(N)
         for s in range(S):
@@ -138,11 +156,11 @@ class TaskGraph:
         if msg.any():
             _message_time(A, st, S, fwd_d, bwd_d, msg)
         tpl_node_l = tpl_node.tolist()
-        self.kind = np.array([F, B], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
+        self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
-        self.fb_stage = tpl_stage
-        self.fb_dur = np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node])
-        self.dur = self.fb_dur.tolist() * M
+        fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
+                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]))
+        self.dur = fb.dur_s.tolist() * M
         self.label = A.names_obj[tpl_node].tolist() * M
         self.node = tpl_node_l * M
         self.mb = np.repeat(np.arange(M), per_m).tolist()
@@ -163,9 +181,6 @@ class TaskGraph:
             src_parts.append(src + m_src * per_m if m_src else src)
             dst_parts.append(dst + m_dst * per_m if m_dst else dst)
 
-        self.transfer_bytes = 0
-        self.late_xfer: list[tuple[int, float]] = []
-        self._links: dict[int, tuple] = {}
         e_p, e_c = A.e_p, A.e_c
         same = st[e_p] == st[e_c]
         op_c = is_op[e_c]
@@ -237,8 +252,9 @@ class TaskGraph:
                 edges(off_b[bc_], base[k_edge] + m, m)
             xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
                              np.zeros(len(tp), dtype=bool), A.out_b[tp] // M))
-        self.xf = tuple(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
-                        np.zeros(0, dtype=np.int64) for k in range(6))
+        receives = Receives(*(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
+                              np.zeros(0, dtype=bool if k == 4 else np.int64)
+                              for k in range(6)))
         # 1F1B: at most `warm` micro-batches in flight on a stage
         if plan.schedule == "1f1b" and M > 1:
             for s in active:
@@ -248,7 +264,7 @@ class TaskGraph:
                 if not len(bo):
                     continue
                 for m in range(w, M):
-                    gate = self.task("gate", self.resource(("gate", s, m - w)), 0.0,
+                    gate = self.task(GATE, self.resource(("gate", s, m - w)), 0.0,
                                      self.prio(0), "", m - w)
                     edges(bo, np.full(len(bo), gate), m - w)
                     edges(np.full(len(fo), gate), fo, 0, m)
@@ -272,7 +288,7 @@ class TaskGraph:
                 edges(off_b[gc_], base[k_edge], m)
             for p, t in zip(up.tolist(), base.tolist(), strict=True):
                 sent_home.setdefault(p, []).append(t)
-        self.allreduce_bytes = 0
+        allreduce_bytes = 0
         pg = A.pg
         trainable_bytes = [0] * S
         trainable_count = [0] * S
@@ -289,7 +305,7 @@ class TaskGraph:
                 has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
                 chan = self.resource(("allreduce", s, -1))
                 # the first bucket also waits for the slowest replica to catch up
-                lag = self._replica_lag(s, reps[s], M, d_opt)
+                lag = self._replica_lag(fb, s, reps[s], M, d_opt)
                 bucket: list[int] = []
                 size = 0
                 for k, p in enumerate([*params, None]):
@@ -300,7 +316,7 @@ class TaskGraph:
                         d = costs.allreduce_s(reps[s], size) + lag
                         lag = 0.0
                         k_ = len(reps[s])
-                        self.allreduce_bytes += int(2 * (k_ - 1) * size)
+                        allreduce_bytes += int(2 * (k_ - 1) * size)
                         t = self.task(ALLREDUCE, chan, d, self.prio(k), f"all-reduce {size} B",
                                       -1, size)
                         for q in bucket:
@@ -317,7 +333,7 @@ class TaskGraph:
                         bucket, size = [], 0
             if not trainable_count[s]:
                 continue
-            t = self.task(OPT, self.stage_res[s], d_opt, self.prio(_LAST),
+            t = self.task(OPTIMIZER, stage_res[s], d_opt, self.prio(_LAST),
                           f"{plan.optimizer} step")
             py_src.extend(before_opt)
             py_dst.extend([t] * len(before_opt))
@@ -331,33 +347,36 @@ class TaskGraph:
         dst = np.concatenate([*dst_parts, np.asarray(py_dst, dtype=np.int64)])
         # grouped by task (a stable sort is quick here: the blocks come mostly in order; the
         # order among a task's successors does not matter)
-        self.succ_flat_a = dst[np.argsort(src, kind="stable")]
-        self.succ_ptr_a = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=T))])
-        # successors of t: succ_flat[succ_ptr[t]:succ_ptr[t + 1]]
-        self.succ_flat, self.succ_ptr = self.succ_flat_a.tolist(), self.succ_ptr_a.tolist()
-        # per forward/backward task, the transfers it receives that can arrive late:
-        # [(transfer, wait, sending stage)]
-        self.late_in: dict[int, list[tuple[int, float, int]]] = {}
+        succ_flat_a = dst[np.argsort(src, kind="stable")]
+        succ_ptr_a = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=T))])
+        succ_flat, succ_ptr = succ_flat_a.tolist(), succ_ptr_a.tolist()
+        # per forward/backward task, the transfers it receives that can arrive late
+        late_in: dict[int, list[tuple[int, float, int]]] = {}
         n_fb = per_m * M
         for x, wait in self.late_xfer:
             s_send = self.resources[self.res[x]][1]
-            for u in self.succ_flat[self.succ_ptr[x]:self.succ_ptr[x + 1]]:
+            for u in succ_flat[succ_ptr[x]:succ_ptr[x + 1]]:
                 if u < n_fb:
-                    self.late_in.setdefault(u, []).append((x, wait, s_send))
+                    late_in.setdefault(u, []).append((x, wait, s_send))
         ndeps = np.bincount(dst, minlength=T)
-        self.ndeps = ndeps.tolist()
-        self.first = np.flatnonzero(ndeps == 0).tolist()  # tasks ready at the start
         # the queues order tasks by (priority, task id): one int, priority * T + id
-        fb = len(enc_fb)
-        if fb and int(enc_fb.max()) < 2**62 // T:
-            self.key = (enc_fb * T + np.arange(fb)).tolist()
+        n_enc = len(enc_fb)
+        if n_enc and int(enc_fb.max()) < 2**62 // T:
+            key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
-            self.key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        self.key += [e * T + t for t, e in enumerate(self.enc[fb:], fb)]
-        del self.enc
-        # whether every task takes no negative time (then time only moves forward)
-        self.forward_only = bool((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
-                                 and (np.asarray(self.dur[fb:], dtype=np.float64) >= 0.0).all())
+            key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
+        key += [e * T + t for t, e in enumerate(self.enc[n_enc:], n_enc)]
+        negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
+                        and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
+        return TaskGraph(
+            kind=self.kind, res=self.res, dur=self.dur, label=self.label, mb=self.mb,
+            nbytes=self.nbytes, node=self.node, key=key, resources=self.resources,
+            succ_flat=succ_flat, succ_ptr=succ_ptr, succ_flat_a=succ_flat_a,
+            succ_ptr_a=succ_ptr_a, ndeps=ndeps.tolist(),
+            first=np.flatnonzero(ndeps == 0).tolist(), late_in=late_in,
+            negative_times=bool(negative), plan=plan, arrays=A, stage=stage, stage_a=st,
+            batch_fraction=frac, fb=fb, receives=receives,
+            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes)
 
     def _opt_slowed(self, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas
@@ -367,7 +386,8 @@ class TaskGraph:
         ratio = self.costs.device_costs(device).optimizer_contention
         return self.costs.platform(device).optimizer_slowdown(ratio, others)
 
-    def _replica_lag(self, s: int, devices: list[str], M: int, opt_s: float) -> float:
+    def _replica_lag(self, fb: FwdBwdLayout, s: int, devices: list[str], M: int,
+                     opt_s: float) -> float:
         """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest
         replica beyond the replicas' common pace, as the platform of the replica that wanders
         most (``DeviceCosts.replica_spread``) says from the stage's busy time."""
@@ -376,7 +396,7 @@ class TaskGraph:
         spread = costs.device_costs(widest).replica_spread
         if spread <= 0.0:
             return 0.0
-        busy = M * float(self.fb_dur[self.fb_stage == s].sum()) + opt_s
+        busy = M * float(fb.dur_s[fb.stage == s].sum()) + opt_s
         return costs.platform(widest).replica_lag_s(spread, busy, len(devices))
 
     def _first_seen(self, keys: np.ndarray, sizes: np.ndarray
@@ -445,7 +465,7 @@ class TaskGraph:
         late = per_link(llate, np.float64)[inv]
         for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
             self.late_xfer.append((len(self.kind) + k, float(late[k])))
-        self.kind.extend([XFER] * count)
+        self.kind.extend([SEND] * count)
         self.res.extend(res.tolist())
         self.dur.extend(dur)
         self.enc.extend(np.asarray(enc).tolist())

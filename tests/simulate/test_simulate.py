@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from builders import cluster, costs, graph
 
 from explorer.core.errors import PlanError
 from explorer.core.plan import Plan
-from explorer.simulate.simulator import lower_bound_s, simulate
+from explorer.simulate.simulator import execution_order, lower_bound_s, simulate
 
 FWD = {"a": 1.0, "b": 2.0, "c": 3.0}
 BWD = {"a": 2.0, "b": 4.0, "c": 6.0}
@@ -44,8 +46,6 @@ class TestChain:
     def test_each_message_costs_both_ends_processor_time(self, chain3):
         # as above, with 0.25 s of processor time per tensor at each end: a's forward sends,
         # b's forward receives; b's backward sends the gradient, a's backward receives it
-        from dataclasses import replace
-
         cl = cluster(2, latency_s=0.5, bandwidth=100.0)
         plan = Plan.from_assignment(chain3, [("d:0",), ("d:1",)], {"a": 0, "b": 1, "c": 1})
         pred = simulate(chain3, plan, replace(costs(chain3, cl, FWD, BWD), message_s=0.25))
@@ -63,8 +63,6 @@ class TestChain:
     def test_lower_bound_holds_when_a_split_batch_is_cheaper_per_sample(self, chain3):
         # measured: b takes 2 s at the whole batch, 0.8 s at half (1.6 s per batch), 0.7 s
         # at a quarter; data-parallel on 2 devices runs it at half, so the bound must use 1.6
-        from explorer.core.plan import Plan as _Plan
-
         cl = cluster(2)
         cm = costs(chain3, cl, FWD, {}, overhead_s=0.5)
         dc = next(iter(cm.per_type.values()))
@@ -76,7 +74,7 @@ class TestChain:
         # per batch: a min(1, 1, 1) = 1; b min(2, 1.6, 2.8) = 1.6 (below a quarter its time
         # falls 0.4 s per batch, never to the 0.5 s floor: more per sample); c min(3, 3, 3)
         assert lower_bound_s(chain3, cm) == pytest.approx((1 + 1.6 + 3) / 2)
-        plan = _Plan.from_assignment(chain3, [tuple(cl.ids)], {"a": 0, "b": 0, "c": 0})
+        plan = Plan.from_assignment(chain3, [tuple(cl.ids)], {"a": 0, "b": 0, "c": 0})
         pred = simulate(chain3, plan, cm)
         assert pred.step_s >= pred.lower_bound_s
 
@@ -171,8 +169,6 @@ class TestLateReceive:
         # per micro-batch (M=4) a takes 0.6 s forward and 1 s backward on d:0, b 1 s forward
         # and 2 s backward on d:1; links are free. With a second consumer, c (no cost, on
         # d:1 after b) reads a's output too: the one transfer of it, received by b.
-        from dataclasses import replace
-
         spec = [("x", "input", [], 80), ("a", "op", ["x"], 80, 0, ["x", "a"]),
                 ("b", "op", ["a"], 80, 0, ["a"])]
         if second_consumer:
@@ -197,8 +193,6 @@ class TestLateReceive:
     def test_only_a_receive_posted_after_the_send_while_the_sender_computes_waits(
             self, second_consumer):
         # (c, where it reads a's output too, starts after b received it: no wait of its own)
-        from dataclasses import replace
-
         g, plan, cm = self._pipeline(0.0, second_consumer=second_consumer)
         pred = simulate(g, plan, cm)
         # fa m at [0.6m, 0.6m + 0.6]; fb m at [0.6 + m, 1.6 + m]; then 4 x (2 + 1)
@@ -219,8 +213,6 @@ class TestLateReceive:
         assert "send a[1]" in pred.critical_path
 
     def test_the_runtime_follows_the_schedule_with_the_waits(self):
-        from explorer.simulate.simulator import execution_order
-
         g, plan, cm = self._pipeline(0.25, "1f1b")
         pred = simulate(g, plan, cm)
         order = execution_order(g, plan, cm)
@@ -255,8 +247,6 @@ class TestDataParallel:
         # two ranks (DeviceCosts.replica_spread): the all-reduce also waits 10 % of the
         # stage's busy time, scaled for more replicas as E[max of k normals] / E[max of 2]
         # (0.5642 and 1.0294); the busy time itself is unchanged
-        from dataclasses import replace
-
         g = graph([("x", "input", [], 64), ("w", "param", [], 1000),
                    ("a", "op", ["x", "w"], 64), ("loss", "op", ["a"], 4)])
         cl = cluster(replicas, latency_s=0.25, bandwidth=1000.0)
@@ -386,8 +376,6 @@ class TestContention:
         # a on x with weight w (1000 bytes, Adam 0.004 s per byte: a 4 s step). Two replicas
         # step every parameter at the same moment: measured 1.25 x slower beside each
         # other, their steps take 5 s; one device alone, or two stages, step as measured
-        from dataclasses import replace
-
         g = graph([("x", "input", [], 64), ("w", "param", [], 1000),
                    ("a", "op", ["x", "w"], 64), ("loss", "op", ["a"], 4)])
         cl = cluster(2)
@@ -417,8 +405,6 @@ class TestContention:
 
     def test_the_runtime_follows_the_contended_schedule(self):
         # the ranks run the tasks in the order the prediction (and its memory) assumes
-        from explorer.simulate.simulator import execution_order
-
         g, plan = self._branches()
         cm = self._contended(g, cluster(2), 2.0)
         pred = simulate(g, plan, cm)

@@ -1,0 +1,102 @@
+"""The task graph of one step as data: its tasks, their resources and dependencies.
+
+:func:`explorer.simulate.tasks.build_tasks` makes a :class:`TaskGraph`,
+:func:`explorer.simulate.schedule.run` schedules it. Tasks are numbered from 0; a task's
+attributes are flat lists indexed by task id (``# [task]`` below), which the event loop reads
+quickly, rather than one object per task. Task ids are laid out as: the forwards and backwards
+of micro-batch 0, of micro-batch 1, ... (one block per micro-batch, made from a per-op
+template: :class:`FwdBwdLayout`), then transfers, 1F1B gates, all-reduces and optimizer steps
+in the order they were made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from explorer.core.plan import Plan
+from explorer.simulate.arrays import GraphArrays
+
+#: task kinds (``TaskGraph.kind``); a "gate" is a zero-time task that holds a 1F1B stage's
+#: forward of a micro-batch until the backward ``warm`` micro-batches earlier is done
+FWD, BWD, SEND, ALLREDUCE, OPTIMIZER, GATE = "fwd", "bwd", "send", "allreduce", "optimizer", \
+    "gate"
+
+#: a resource: ("stage", s, -1) a stage's devices (resources 0 .. S-1 are the stages, in
+#: order); ("link", a, b) the link from stage a to stage b; ("allreduce", s, -1) stage s's
+#: gradient all-reduce channel; ("gate", s, m) the gate of stage s's micro-batch m
+Resource = tuple[str, int, int]
+
+
+@dataclass(frozen=True)
+class FwdBwdLayout:
+    """Where the forwards and backwards sit among the task ids.
+
+    Each micro-batch has one block of ``per_mb`` tasks, laid out alike: every op's forward,
+    each followed by its backward where it has one (a template slot per task). Micro-batch
+    ``m``'s task of slot ``k`` is task ``k + m * per_mb``.
+    """
+
+    per_mb: int  # tasks per micro-batch block
+    fwd: np.ndarray  # [node] int64: slot of the node's forward, -1 for inputs and weights
+    bwd: np.ndarray  # [node] int64: slot of the node's backward, -1 where it has none
+    stage: np.ndarray  # [slot] int64: the stage that runs it
+    dur_s: np.ndarray  # [slot] float64: seconds it takes (the same for every micro-batch)
+
+
+@dataclass(frozen=True)
+class Receives:
+    """The activations and activation gradients transfers carry to other stages, one entry
+    per transfer and micro-batch (weights sent once are not among them)."""
+
+    task: np.ndarray  # [k] int64: the transfer task
+    stage: np.ndarray  # [k] int64: the receiving stage
+    node: np.ndarray  # [k] int64: the op whose output (or output's gradient) it carries
+    mb: np.ndarray  # [k] int64: the micro-batch
+    # [k] bool: kept for the backwards that saved it, as activations are (an activation of
+    # an op named "grad ..." is not, as the simulator always counted it)
+    activation: np.ndarray
+    nbytes: np.ndarray  # [k] int64: bytes of the whole tensor per micro-batch
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """The tasks of one step, their resources, durations, schedule priorities and
+    dependencies, and what memory accounting needs to find them again."""
+
+    # per task
+    kind: list[str]  # [task] FWD, BWD, SEND, ALLREDUCE, OPTIMIZER or GATE
+    res: list[int]  # [task] index into ``resources``: where it runs, one task at a time
+    dur: list[float]  # [task] seconds (may be negative where calibration fits so)
+    label: list[str]  # [task] the op's name, or what the transfer / all-reduce / step is
+    mb: list[int]  # [task] micro-batch, -1 for tasks of the whole step
+    nbytes: list[int]  # [task] bytes moved (transfers, all-reduces), else 0
+    node: list[int]  # [task] the op of a forward or backward, the producer of a transfer, -1
+    # [task] the ready queues' order: priority * len(kind) + task id, smallest first (the
+    # priority is the schedule slot: GPipe all forwards then all backwards, 1F1B warm-up
+    # forwards then one backward per forward, transfers with their consumers)
+    key: list[int]
+    resources: list[Resource]  # [resource]
+    # dependencies: task t's successors are succ_flat[succ_ptr[t]:succ_ptr[t + 1]]
+    succ_flat: list[int]  # [edge] task ids, grouped by predecessor
+    succ_ptr: list[int]  # [task + 1] offsets into succ_flat
+    succ_flat_a: np.ndarray  # succ_flat as int64
+    succ_ptr_a: np.ndarray  # succ_ptr as int64
+    ndeps: list[int]  # [task] how many tasks it waits for
+    first: list[int]  # tasks ready at the start (no dependencies), in id order
+    # forward/backward task -> the transfers it receives whose receive may be posted late:
+    # [(transfer task, wait seconds, sending stage)] (Link.late_receive_s, as the sender's
+    # platform says); empty where no link has such a wait
+    late_in: dict[int, list[tuple[int, float, int]]]
+    negative_times: bool  # whether some task takes negative time
+    # the step
+    plan: Plan
+    arrays: GraphArrays  # the graph as arrays
+    stage: list[int]  # [node] the stage that runs it (the plan's placement)
+    stage_a: np.ndarray  # stage as int64
+    batch_fraction: list[float]  # [stage] of the batch each of its devices computes per task
+    fb: FwdBwdLayout
+    receives: Receives
+    transfer_bytes: int  # bytes sent between stages in the step
+    allreduce_bytes: int  # bytes the gradient all-reduces move (ring: 2 (k - 1) x size)

@@ -1,0 +1,89 @@
+"""The task graph as data and the one event loop that schedules it: what they promise."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from builders import cluster, costs, graph
+
+from explorer.core.plan import Plan
+from explorer.simulate import clear_caches
+from explorer.simulate.schedule import run
+from explorer.simulate.simulator import simulate
+from explorer.simulate.taskgraph import BWD, FWD
+from explorer.simulate.tasks import build_tasks
+
+
+def _pipeline(extra_op_s: float = 0.0, late_receive_s: float = 0.2):
+    """A chain on three CPU stages, 1F1B with three micro-batches, links that make a receive
+    posted late wait; a negative ``extra_op_s`` makes the cheap ops take negative time."""
+    g = graph([("x", "input", [], 80), ("a", "op", ["x"], 80, 0, ["x"]),
+               ("b", "op", ["a"], 80, 0, ["a"]), ("c", "op", ["b"], 80, 0, ["b"]),
+               ("d", "op", ["c"], 80), ("loss", "op", ["d"], 4, 0, ["d"])])
+    cl = cluster(3)
+    cl = replace(cl, default_link=replace(cl.default_link, late_receive_s=late_receive_s))
+    plan = Plan.from_assignment(g, [("d:0",), ("d:1",), ("d:2",)],
+                                {"a": 0, "b": 1, "c": 1, "d": 2, "loss": 2},
+                                micro_batches=3, schedule="1f1b")
+    cm = costs(g, cl, {"a": 0.3, "b": 0.02, "c": 0.5, "d": 0.01, "loss": 0.1},
+               {"a": 0.6, "b": 0.04, "c": 1.0, "d": 0.02, "loss": 0.2})
+    return g, plan, replace(cm, extra_op_s=extra_op_s)
+
+
+def test_the_forward_backward_layout_finds_every_op_s_tasks():
+    g, plan, cm = _pipeline()
+    tasks = build_tasks(g, plan, cm)
+    fb = tasks.fb
+    for i, node in enumerate(g.nodes):
+        for m in range(plan.micro_batches):
+            if node.kind != "op":
+                assert fb.fwd[i] == fb.bwd[i] == -1
+                continue
+            for kind, slot in ((FWD, fb.fwd[i]), (BWD, fb.bwd[i])):
+                t = int(slot) + m * fb.per_mb
+                assert (tasks.kind[t], tasks.node[t], tasks.mb[t]) == (kind, i, m)
+                assert tasks.res[t] == tasks.stage[i] == fb.stage[slot]
+                assert tasks.dur[t] == fb.dur_s[slot]
+
+
+@pytest.mark.parametrize("extra_op_s", [0.0, -0.05])
+def test_every_task_waits_for_its_dependencies_and_its_resource(extra_op_s):
+    g, plan, cm = _pipeline(extra_op_s)
+    tasks = build_tasks(g, plan, cm)
+    assert tasks.late_in and tasks.negative_times == (extra_op_s < 0)
+    timing = run(tasks)
+    T = len(tasks.kind)
+    assert sorted(timing.order) == list(range(T))
+    place = {t: k for k, t in enumerate(timing.order)}
+    preds: dict[int, set[int]] = {u: set() for u in range(T)}
+    for t in range(T):
+        for u in tasks.succ_flat[tasks.succ_ptr[t]:tasks.succ_ptr[t + 1]]:
+            preds[u].add(t)
+            assert place[t] < place[u]  # the start order is a topological order
+            assert timing.start[u] >= timing.end[t]
+        assert timing.end[t] == timing.start[t] + tasks.dur[t]
+    last_on: dict[int, int] = {}
+    for u in timing.order:  # one task at a time on each resource
+        r = tasks.res[u]
+        if r in last_on:
+            assert timing.start[u] >= timing.end[last_on[r]]
+        c = timing.cause[u]
+        # what let it start: a dependency, its resource's previous task, or a late receive
+        assert c == -1 or c in preds[u] or c == last_on.get(r)
+        last_on[r] = u
+
+
+def test_a_late_receive_waits_and_is_the_cause():
+    g, plan, cm = _pipeline()
+    on_time = simulate(g, plan, replace(cm, cluster=cm.cluster.without_late_receive()))
+    late = simulate(g, plan, cm)
+    assert late.step_s > on_time.step_s
+    assert any(step.startswith("send ") for step in late.critical_path)
+
+
+def test_clear_caches_gives_the_same_prediction_cold():
+    g, plan, cm = _pipeline(-0.05)
+    warm = simulate(g, plan, cm)
+    clear_caches()
+    assert simulate(g, plan, cm) == warm
