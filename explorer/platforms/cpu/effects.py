@@ -53,7 +53,7 @@ class CpuPlatform(Platform):
     each op is slowed by ``1 + (ratio - 1) x others`` for ``others`` replicas beside it, and
     so is the optimizer step. Different stages computing at once run different ops, and are
     not slowed (each rank's measured busy time in pipelines matched one rank's op times; see
-    README, accuracy). The gradient all-reduce waits for the slowest replica: the measured
+    docs/accuracy.md). The gradient all-reduce waits for the slowest replica: the measured
     spread of two replicas' busy time, scaled to ``k`` replicas as the expected largest of
     ``k`` normal samples is to the largest of two. gloo moves a message only once its receive
     is posted, and then needs the sender's communication thread to get a core: a receive

@@ -28,7 +28,7 @@ def pin_cpu_rank(local_rank: int, threads: int = 1) -> tuple[int, ...] | None:
     evict each other's caches, and a message sent before its receive was posted
     (``Link.late_receive_s``) waits longer for the receiving communication thread to be
     scheduled; micro-batched pipelines gain most (``python benchmarks/rank_settings.py``
-    measures it; see README, accuracy).
+    measures it; see docs/accuracy.md).
     """
     if not pinning():
         return None
@@ -71,7 +71,7 @@ def hold_freed_memory() -> bool:
     up to 32 MiB (:data:`MMAP_THRESHOLD_BYTES`, glibc's limit) now come from the heap, and the
     heap keeps up to 2 GiB of free top: what a rank holds is its peak, as on a GPU with
     PyTorch's caching allocator. ``python benchmarks/rank_settings.py --setting malloc``
-    measures the effect (see README, accuracy).
+    measures the effect (see docs/accuracy.md).
     """
     if not holding_memory():
         return False
