@@ -94,7 +94,11 @@ def needs_real_data(exc: BaseException) -> CaptureError | None:
     if e is None or not isinstance(e, kinds):
         return None
     op = getattr(e, "func", None)
-    what = f"op {op}" if op is not None else "a Python branch on a tensor's value"
+    if op is not None:
+        what = f"op {op}"
+    else:
+        lines = str(e).strip().splitlines()
+        what = f"a Python branch on a tensor's value ({lines[0][:120] if lines else ''})"
     where = _user_frame(e)
     return CaptureError(
         f"the model needs real data to trace: {what}{where} reads a tensor's value, which "

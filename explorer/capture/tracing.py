@@ -148,7 +148,8 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
         graph = _from_export(program, runtime, name,
                              lambda fx, v, g: cache.replay(fx, runtime, v, g))
     graph.notes = (FAKE_NOTE, *_batch_notes(program))
-    return graph  # no runtime: a fake graph has no values to run or measure
+    graph.runtime = None  # a fake graph has no values to run or measure
+    return graph
 
 
 def _batch_notes(program: Any) -> tuple[str, ...]:
