@@ -178,8 +178,11 @@ def _quiet_torch():
 
 def _export(step: TrainStep, args: tuple) -> Any:
     """Export with dim 0 of every input dynamic, so shards of the batch run the same program;
-    a model that forces a fixed batch is exported with static shapes instead."""
+    a model that forces a fixed batch is exported with static shapes instead. A batch of one
+    is always static (export specialises sizes 0 and 1), so it is not tried dynamic."""
     batch = torch.export.Dim("batch")
+    if any(t.dim() and t.shape[0] == 1 for t in args):
+        return torch.export.export(step, args)
     try:
         return torch.export.export(step, args, dynamic_shapes=(tuple({0: batch} for _ in args),))
     except Exception:
