@@ -11,8 +11,8 @@ from explorer.models.common import (
     Built,
     ModelConfigError,
     classification_loss,
-    next_token_loss,
     next_token_batch,
+    next_token_loss,
     random_labels,
 )
 

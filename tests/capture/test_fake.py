@@ -114,7 +114,8 @@ def test_data_dependent_branch_names_the_op_and_the_line():
                 return self.fc(x)
             return self.fc(-x)
 
-    with pytest.raises(CaptureError, match=r"needs real data.*branch on a tensor's value.*test_fake.py:"):
+    with pytest.raises(CaptureError,
+                       match=r"needs real data.*branch on a tensor's value.*test_fake.py:"):
         ex.capture(Branchy(), torch.randn(2, 4), fake=True)
 
 

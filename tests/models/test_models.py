@@ -50,7 +50,8 @@ class TestRegistry:
             assert models.model_config(name, size).batch_size % 8 == 0
 
     def test_unknown_name(self):
-        with pytest.raises(UnknownNameError, match="choose one of: alexnet, gpt, gpt3-1.3b.*llama-13b"):
+        with pytest.raises(UnknownNameError,
+                           match=r"choose one of: alexnet, gpt, gpt3-1\.3b.*llama-13b"):
             models.build("lenet")
         with pytest.raises(KeyError):  # an UnknownNameError is also a KeyError
             models.build("lenet")
