@@ -14,17 +14,18 @@ import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
-from explorer.models.builtin import build, model_names
+from explorer.models.builtin import build, model_names, shape_names
 from explorer.partition import algorithm, algorithms
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     rows = []
-    for name in model_names():
-        m = build(name, args.size)
+    names = shape_names() if args.shapes else model_names()
+    for name in names:
+        m = build(name, "default" if args.shapes else args.size)
         n_params = sum(p.numel() for p in m.module.parameters())
         shapes = " ".join("x".join(map(str, t.shape)) for t in m.example_inputs)
-        rows.append((name, args.size, f"{n_params / 1e6:.2f}M", shapes, m.description))
+        rows.append((name, m.size, f"{n_params / 1e6:.2f}M", shapes, m.description))
     if args.json:
         print(json.dumps([dict(zip(("name", "size", "params", "input", "description"), r,
                                    strict=True)) for r in rows], indent=1))
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("models", help="list the built-in models")
     m.add_argument("--size", default="default", help="tiny, small, default or large")
+    m.add_argument("--shapes", action="store_true",
+                   help="list the published large shapes instead (llama-7b, gpt3-175b ...): "
+                        "planned from shapes alone, never run")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_models)
     a = sub.add_parser("algorithms", help="list the partitioners and their options")
@@ -210,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--presets", action="store_true", help="list the GPU presets")
     d.set_defaults(fn=cmd_devices)
     pl = sub.add_parser("plan", help="capture a built-in model, profile it, partition, simulate")
-    pl.add_argument("--model", default="gpt", help="a built-in model (see `explorer models`)")
+    pl.add_argument("--model", default="gpt",
+                    help="a built-in model (see `explorer models`) or a published shape "
+                         "such as llama-70b (`explorer models --shapes`), captured without "
+                         "running")
     pl.add_argument("--size", default="default", help="tiny, small, default or large")
     pl.add_argument("--batch-size", type=_positive_int, default=None)
     pl.add_argument("--devices", default="cpu:2",

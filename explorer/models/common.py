@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from explorer.core.errors import ExplorerError
+
 
 # -- losses ----------------------------------------------------------------------------------
 def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -51,11 +53,24 @@ Built = tuple[nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
                Callable[..., torch.Tensor], str]
 
 
-
-
 def image_classification(module: nn.Module, resolution_px: int, n_classes: int,
                          batch_size: int, gen: torch.Generator, description: str) -> Built:
     """A CNN's training step: random images (B, 3, px, px), class labels (B,), cross-entropy."""
     x = random_images(gen, batch_size, resolution_px)
     y = random_labels(gen, batch_size, n_classes)
     return module, (x,), (y,), classification_loss, description
+
+
+class ModelConfigError(ExplorerError, ValueError):
+    """A model configuration whose numbers do not fit together (heads not dividing hidden)."""
+
+
+def next_token_batch(gen: torch.Generator | None, batch_size: int, seq_len: int,
+                     vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (B, T) and each position's following token (B, T); on the meta device (no
+    values, nothing allocated) when ``gen`` is None."""
+    if gen is None:
+        empty = torch.empty((batch_size, seq_len), dtype=torch.int64, device="meta")
+        return empty, torch.empty_like(empty)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

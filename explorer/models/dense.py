@@ -9,7 +9,9 @@ from torch import nn
 
 from explorer.models.common import (
     Built,
+    ModelConfigError,
     classification_loss,
+    next_token_batch,
     next_token_loss,
     random_labels,
 )
@@ -81,7 +83,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_heads:
-            raise ValueError("gpt: d_model must be divisible by n_heads")
+            raise ModelConfigError(f"gpt: d_model {cfg.d_model} is not divisible by n_heads "
+                                   f"{cfg.n_heads}; choose heads that divide the hidden size")
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.scale = self.head_dim ** -0.5
@@ -168,11 +171,11 @@ GPT_SIZES = {
 }
 
 
-def build_gpt(cfg: GPTConfig, batch_size: int, gen: torch.Generator) -> Built:
-    module = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=gen)
-    inputs = tokens[:, :-1].contiguous()  # (B, T)
-    next_tokens = tokens[:, 1:].contiguous()  # (B, T): each position's following token
+def build_gpt(cfg: GPTConfig, batch_size: int, gen: torch.Generator | None) -> Built:
+    """GPT and a next-token batch; on the meta device (no weights) when ``gen`` is None."""
+    with torch.device("meta" if gen is None else "cpu"):
+        module = GPT(cfg)
+    inputs, next_tokens = next_token_batch(gen, batch_size, cfg.seq_len, cfg.vocab_size)
     desc = (f"GPT-style decoder: {cfg.n_layers} layers, d_model {cfg.d_model}, "
             f"{cfg.n_heads} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}")
     return module, (inputs,), (next_tokens,), next_token_loss, desc

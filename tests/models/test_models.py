@@ -31,7 +31,7 @@ def _step_args(bm: models.BuiltinModel) -> tuple[torch.Tensor, ...]:
 
 def _expected_output_shape(bm: models.BuiltinModel) -> tuple[int, ...]:
     cfg = models.model_config(bm.name, bm.size)
-    if bm.name == "gpt":
+    if bm.name in ("gpt", "llama"):
         return (bm.batch_size, cfg.seq_len, cfg.vocab_size)
     return (bm.batch_size, cfg.n_classes)
 
@@ -39,7 +39,8 @@ def _expected_output_shape(bm: models.BuiltinModel) -> tuple[int, ...]:
 class TestRegistry:
     def test_names(self):
         assert NAMES == sorted(NAMES)
-        assert set(NAMES) == {"mlp", "alexnet", "vgg16", "resnet", "gpt", "inception"}
+        assert set(NAMES) == {"mlp", "alexnet", "vgg16", "resnet", "gpt", "llama",
+                              "inception"}
         assert models.DEFAULT_MODEL in NAMES
         assert models.SIZES == ("tiny", "small", "default", "large")
 
@@ -49,7 +50,8 @@ class TestRegistry:
             assert models.model_config(name, size).batch_size % 8 == 0
 
     def test_unknown_name(self):
-        with pytest.raises(UnknownNameError, match="choose one of: alexnet, gpt, inception"):
+        with pytest.raises(UnknownNameError,
+                           match=r"choose one of: alexnet, gpt, gpt3-1\.3b.*llama-13b"):
             models.build("lenet")
         with pytest.raises(KeyError):  # an UnknownNameError is also a KeyError
             models.build("lenet")

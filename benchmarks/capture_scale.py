@@ -1,0 +1,156 @@
+"""Capture time and peak memory for models this machine cannot run: capture without running.
+
+Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small]
+       [--out benchmarks/results/capture_scale.json]
+
+Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, torch included):
+
+- ``llama-7b``, ``llama-70b``, ... (any published shape): built on the meta device, one
+  micro-batch of one sequence, captured on fake tensors. Checks the parameter, gradient and
+  Adam-state bytes of the graph against 16 bytes per fp32 parameter.
+- ``gpt2-small``: GPT-2 small with real random weights (Hugging Face ``GPT2LMHeadModel`` from
+  its default config when transformers is installed, else the built-in GPT ``large``, the
+  same shape), batch 8 x 256 tokens, captured by running it and on fake tensors side by side:
+  the speed-up and whether the two graphs are identical (every node and the fingerprint).
+
+Prints a table and writes JSON with the date, machine and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import explorer as ex
+from explorer.core.units import GiB, table
+from explorer.costs.memory import node_memory_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results" / "capture_scale.json"
+LIMITS = {"llama-7b": (10.0, 2.0), "llama-70b": (30.0, 3.0)}  # seconds, GiB peak RSS
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+
+
+def _shape_case(name: str) -> dict:
+    t0 = time.perf_counter()
+    bm = ex.builtin_model(name)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+    capture_s = time.perf_counter() - t0
+    per_node = node_memory_bytes(graph, "adam")
+    state_bytes = sum(b for b, n in zip(per_node, graph.nodes, strict=True) if n.kind == "param")
+    return {"case": name, "mode": "fake (meta build)", "capture_s": capture_s,
+            "peak_rss_gib": _peak_rss_gib(), "nodes": len(graph), "params": bm.n_params,
+            "tflop_per_step": graph.total_flops / 1e12,
+            "param_grad_adam_bytes": state_bytes, "formula_bytes": 16 * bm.n_params,
+            "formula_ok": state_bytes == 16 * bm.n_params, "fingerprint": graph.fingerprint}
+
+
+def _gpt2_small() -> tuple[torch.nn.Module, tuple, tuple, object, str]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 50257, (8, 257), generator=gen)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    try:
+        import transformers
+    except ImportError:
+        bm = ex.builtin_model("gpt", "large")
+        return bm.module, (x,), (y,), bm.loss_fn, "built-in gpt large"
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+
+    def loss(out, labels):
+        return torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size),
+                                                 labels.reshape(-1))
+
+    return model, (x,), (y,), loss, "HF GPT2LMHeadModel"
+
+
+def _gpt2_case(fake: bool) -> dict:
+    model, x, y, loss, what = _gpt2_small()
+    t0 = time.perf_counter()
+    graph = ex.capture(model, x, loss, y, name="gpt2-small", fake=fake)
+    capture_s = time.perf_counter() - t0
+    return {"case": "gpt2-small", "mode": "fake" if fake else "real run", "model": what,
+            "capture_s": capture_s, "peak_rss_gib": _peak_rss_gib(), "nodes": len(graph),
+            "params": sum(p.numel() for p in model.parameters()),
+            "tflop_per_step": graph.total_flops / 1e12, "fingerprint": graph.fingerprint,
+            "node_digest": hash(tuple(graph.nodes))}
+
+
+def _child(case: str, fake: bool) -> dict:
+    cmd = [sys.executable, __file__, "--child", case] + (["--fake"] if fake else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env={**os.environ, "PYTHONHASHSEED": "0"})
+    if out.returncode:
+        raise SystemExit(f"{case} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        row = _gpt2_case(args.fake) if args.child == "gpt2-small" else _shape_case(args.child)
+        print(json.dumps(row))
+        return
+    rows = []
+    for case in args.cases.split(","):
+        if case == "gpt2-small":
+            real, fake = _child(case, False), _child(case, True)
+            same = (real["fingerprint"], real["node_digest"]) == (fake["fingerprint"],
+                                                                  fake["node_digest"])
+            for r in (real, fake):
+                r["identical_graphs"] = same
+            fake["speedup_vs_real"] = real["capture_s"] / fake["capture_s"]
+            rows += [real, fake]
+        else:
+            row = _child(case, True)
+            limit_s, limit_gib = LIMITS.get(case, (None, None))
+            row["within_target"] = (limit_s is None or (row["capture_s"] <= limit_s
+                                                        and row["peak_rss_gib"] <= limit_gib))
+            rows.append(row)
+    print(table(("case", "mode", "capture s", "peak RSS GiB", "nodes", "params", "TFLOP/step",
+                 "check"),
+                [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
+                  r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
+                  _check(r)) for r in rows]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpu_count": os.cpu_count(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "rows": rows}, indent=1) + "\n")
+    print(f"results: {out}")
+
+
+def _check(r: dict) -> str:
+    if "formula_ok" in r:
+        bytes_ok = "16 B/param ok" if r["formula_ok"] else "16 B/param WRONG"
+        return f"{bytes_ok}; {'within' if r['within_target'] else 'OVER'} target"
+    if "speedup_vs_real" in r:
+        return (f"{r['speedup_vs_real']:.1f}x faster; graphs "
+                f"{'identical' if r['identical_graphs'] else 'DIFFER'}")
+    return "graphs identical" if r["identical_graphs"] else "graphs DIFFER"
+
+
+if __name__ == "__main__":
+    main()
