@@ -14,7 +14,14 @@ import pytest
 
 from explorer.core.errors import ExplorerError, UnknownNameError
 from explorer.devices import discovery
-from explorer.devices.cluster import Cluster, Device, Link, parse_devices
+from explorer.devices.cluster import (
+    MAX_CPU_RANKS_PER_CORE,
+    Cluster,
+    Device,
+    Link,
+    max_cpu_ranks,
+    parse_devices,
+)
 from explorer.platforms.cpu import host as cpu_host
 from explorer.platforms.cpu import host_cache
 
@@ -229,6 +236,24 @@ def test_cpu_nominal_is_instant():
 def test_cpu_needs_at_least_one_rank(n):
     with pytest.raises(ExplorerError, match=">= 1"):
         Cluster.cpu(n, measure=False)
+
+
+@pytest.mark.parametrize("spec", ["cpu:100000000", "cpu:" + "9" * 5000])
+def test_more_cpu_ranks_than_the_machine_can_run_are_refused(spec):
+    limit, why = max_cpu_ranks()
+    assert 1 <= limit <= MAX_CPU_RANKS_PER_CORE * (os.cpu_count() or 1)
+    with pytest.raises(ExplorerError, match=f"more than this machine can run: at most {limit} "
+                                            rf"\({why}\)"):
+        parse_devices(spec)
+    assert len(Cluster.cpu(limit, measure=False).devices) == limit
+    with pytest.raises(ExplorerError, match=f"at most {limit}"):
+        Cluster.cpu(limit + 1, measure=False)
+
+
+@pytest.mark.parametrize("spec", ["100000000xH100", "65536xH100+1xT4", "9" * 5000 + "xH100"])
+def test_presets_with_too_many_gpus_are_refused(spec):
+    with pytest.raises(ExplorerError, match="more than the 65,536 a cluster may have"):
+        Cluster.preset(spec)
 
 
 def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
