@@ -10,6 +10,7 @@ type and rank settings (:func:`measured`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -143,7 +144,8 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
                                                       for o, x in v.items())))
     fractions = d.get("fractions", [])
     checks.append(("fractions", isinstance(fractions, list)
-                   and all(finite_number(f) and 0 < f <= 1 for f in fractions)))
+                   and all(finite_number(f) and 0 < f < 1 for f in fractions)
+                   and all(a > b for a, b in itertools.pairwise(fractions))))
     for k in ("fwd_at", "bwd_at"):
         v = d.get(k, [])
         checks.append((k, isinstance(v, list) and isinstance(fractions, list)
@@ -165,7 +167,7 @@ _WHAT = {"source": "a list of texts, one per node",
          "optimizer_contention": "a finite number > 0",
          "optimizer_s_per_byte": "a table of finite numbers >= 0",
          "optimizer_s_per_tensor": "a table of finite numbers >= 0",
-         "fractions": "a list of fractions of the batch in (0, 1]",
+         "fractions": "a decreasing list of fractions of the batch in (0, 1)",
          "fwd_at": "one list of times per node for each fraction",
          "bwd_at": "one list of times per node for each fraction"}
 

@@ -3,7 +3,8 @@
 Every rank reads the job folder (:mod:`explorer.runtime.jobfiles`), joins the process group
 (gloo on CPU, NCCL on GPU) and runs its stage's actions step after step
 (:class:`explorer.runtime.stage.StageRunner`), then writes what it measured (or why it failed)
-back to the folder for the launcher.
+back to the folder for the launcher. Started by ``ex.run``, it also beats
+(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive.
 
 The same function is what an exported training script runs under ``torchrun``: launch it with
 ``python -m explorer.runtime.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /

@@ -201,7 +201,7 @@ class TestPlan:
         plan = Plan.load(path)
         assert plan.model == {"builtin": "mlp", "size": "tiny", "batch_size": 4}
         assert json.loads(path.read_text())["model"] == plan.model
-        rc, out, err = _run(capsys, "export", "--plan", str(path), "--out",
+        rc, _, err = _run(capsys, "export", "--plan", str(path), "--out",
                             str(tmp_path / "train.py"))
         assert rc == 0, err
         assert (tmp_path / "train.py").exists()

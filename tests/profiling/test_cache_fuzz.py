@@ -16,6 +16,7 @@ import random
 import warnings
 from dataclasses import asdict, replace
 
+import numpy as np
 import pytest
 from builders import graph
 
@@ -124,7 +125,8 @@ def _profile_cases(n: int, seed: int) -> None:
             assert not caught
         costs = CostModel(G.fingerprint, CL, {DEV.type_key: dc})
         for plan in plans:
-            pred = ex.simulate(G, plan, costs)
+            with np.errstate(all="raise"):  # no division by zero, no NaN on the way
+                pred = ex.simulate(G, plan, costs)
             assert math.isfinite(pred.step_s) and pred.step_s >= 0
     assert remeasured > n // 2  # the mutator mostly damages
 
@@ -142,6 +144,7 @@ def test_the_valid_entry_is_used(cache_home, monkeypatch):
     ({"bwd_s": ["1e-3"] * 5}, r"bwd_s is not a list of 5"),
     ({"overhead_s": float("nan")}, r"overhead_s is not a finite number >= 0"),
     ({"fwd_at": [[float("inf")] * 5]}, r"fwd_at is not one list of times per node"),
+    ({"fractions": [1.0]}, r"fractions is not a decreasing list"),
     ({"type_key": "T4"}, r"it is for 'T4'"),
 ])
 def test_a_wrong_entry_is_measured_again_with_a_warning(cache_home, monkeypatch, damage, why):
