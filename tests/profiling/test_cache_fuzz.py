@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
+import torch
 from builders import graph
 
 import explorer as ex
@@ -101,7 +102,7 @@ def _fresh(graph_, dev, repeats, warmup, progress):
 
 
 def _valid_entry() -> dict:
-    return {"version": ops.PROFILE_VERSION, "torch": ops.torch.__version__,
+    return {"version": ops.PROFILE_VERSION, "torch": torch.__version__,
             **asdict(replace(_fresh(G, DEV, 1, 0, False), fwd_s=[2e-3] * len(G)))}
 
 
