@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,17 +88,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     results = plan_rows(graph, cluster, costs, names, settings)
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
-    if args.out:
+    if args.out and ok:
         if best is None:
             raise ExplorerError("no plan fits the devices' memory; nothing was saved")
-        best[1].save(args.out)
+        replace(best[1], model=_built(bm)).save(args.out)
     if args.json:
         print(json.dumps({
             "model": bm.name, "size": bm.size, "graph": graph.summary(),
             "cluster": cluster.name, "capture_s": t_cap, "profile_s": t_prof,
             "plans": [_plan_json(n, p, r) for n, p, r in results],
-            "best": best[0] if best else None, "saved": args.out}, indent=1))
-        return 0
+            "best": best[0] if best else None, "saved": args.out if ok else None}, indent=1))
+        return _all_failed(results)
     s = graph.summary()
     print(f"{bm.name} ({bm.size}): {s['ops']} ops, {s['params_bytes'] / MiB:.1f} MiB params, "
           f"{s['gflops_per_step']:.2f} GFLOP/step, batch {s['batch_size']}, captured in "
@@ -122,12 +123,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if best:
         print(f"\n* fastest plan that fits: {best[0]}"
               + (f" (saved to {args.out})" if args.out else ""))
-    return 0
+    return _all_failed(results)
+
+
+def _all_failed(results: list) -> int:
+    """1, with the errors on stderr, when no algorithm made a plan; else 0."""
+    if any(p is not None for _, p, _ in results):
+        return 0
+    print("error: no algorithm made a plan:\n" + "\n".join(f"  {n}: {r}" for n, _, r in results),
+          file=sys.stderr)
+    return 1
+
+
+def _built(bm) -> dict[str, Any]:
+    """How a built-in model was built, as a plan records it."""
+    return {"builtin": bm.name, "size": bm.size, "batch_size": bm.batch_size}
+
+
+def _model_from_plan(args: argparse.Namespace, plan) -> None:
+    """Fill the model options the user left out from what the plan recorded (else the
+    defaults): the plan's model is rebuilt as it was planned."""
+    rec = plan.model or {}
+    if args.model is None:
+        args.model = rec.get("builtin") or plan.graph_name or "gpt"
+    same = rec.get("builtin") == args.model
+    if args.size is None:
+        args.size = rec["size"] if same else "default"
+    if args.batch_size is None and same and args.size == rec["size"]:
+        args.batch_size = rec["batch_size"]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     if args.plan is None:
         ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
+        args.model, args.size = args.model or "gpt", args.size or "default"
+    else:
+        _model_from_plan(args, ex.Plan.load(args.plan))  # checked before any work is done
     bm, graph, cluster, costs, _, _ = _prepare(args)
     if args.plan:
         plan = ex.Plan.load(args.plan, graph, cluster)
@@ -155,8 +186,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
-    model = args.model or plan.graph_name or "gpt"
-    bm = ex.builtin_model(model, args.size, args.batch_size)
+    _model_from_plan(args, plan)
+    bm = ex.builtin_model(args.model, args.size, args.batch_size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
     plan.validate(graph)
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
@@ -233,8 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="run real steps of a plan on this machine's devices and "
                                    "compare with the prediction")
-    r.add_argument("--model", default="gpt", help="a built-in model (see `explorer models`)")
-    r.add_argument("--size", default="default", help="tiny, small, default or large")
+    r.add_argument("--model", default=None,
+                   help="a built-in model (see `explorer models`; default: the plan's, or gpt)")
+    r.add_argument("--size", default=None,
+                   help="tiny, small, default or large (default: the plan's, or default)")
     r.add_argument("--batch-size", type=_positive_int, default=None)
     r.add_argument("--devices", default="cpu:2", help="cpu:N (CPU ranks) or gpu")
     r.add_argument("--algorithm", default="even-layers", help="a partitioner name")
@@ -254,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plan", required=True, help="a plan JSON (from `explorer plan --out`)")
     e.add_argument("--out", required=True, help="the script to write, e.g. train_plan.py")
     e.add_argument("--model", help="the built-in model the plan is for (default: the plan's)")
-    e.add_argument("--size", default="default", help="tiny, small, default or large")
+    e.add_argument("--size", default=None,
+                   help="tiny, small, default or large (default: the plan's, or default)")
     e.add_argument("--batch-size", type=_positive_int, default=None)
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
     e.add_argument("--force", action="store_true",

@@ -155,6 +155,9 @@ PLAN_SCHEMA = obj({
     "options": (map_of(json_value), {}),
     "pinned": (list_of(string, 0, 2**31), []),
     "notes": (list_of(string, 0, 2**31), []),
+    # how the graph's model was built, where a built-in model was (``explorer plan``)
+    "model": (obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
+                   "batch_size": (whole(1, 2**31), REQUIRED)}), None),
 })
 
 
@@ -173,6 +176,9 @@ class Plan:
     pinned: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
     graph_name: str = ""
+    #: how the graph's model was built when it is a built-in one: ``{"builtin": "gpt",
+    #: "size": "tiny", "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild)
+    model: Mapping[str, Any] | None = None
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -337,6 +343,7 @@ class Plan:
             "optimizer": self.optimizer, "algorithm": self.algorithm,
             "options": _jsonable(self.options), "pinned": sorted(self.pinned),
             "notes": list(self.notes),
+            **({"model": dict(self.model)} if self.model is not None else {}),
         }
 
     @classmethod
@@ -358,7 +365,7 @@ class Plan:
             stages=tuple(tuple(s) for s in f["stages"]), placement=f["placement"],
             micro_batches=f["micro_batches"], schedule=f["schedule"],
             optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
-            pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]))
+            pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"])
         if graph is not None:
             plan.validate(graph, cluster)
         return plan

@@ -32,8 +32,13 @@ from explorer.platforms.cpu import host as cpu_host
 
 #: ``discover`` falls back to at most this many CPU ranks
 MAX_FALLBACK_CPU_RANKS = 8
+#: CPU ranks are processes of this machine: at most this many per core it may use ...
+MAX_CPU_RANKS_PER_CORE = 8
+#: ... and each needs at least this much memory (a process with torch loaded)
+MIN_CPU_RANK_MEMORY_BYTES = 256 * 2**20
 
-__all__ = ["MAX_FALLBACK_CPU_RANKS", "Cluster", "Device", "Link", "parse_devices"]
+__all__ = ["MAX_FALLBACK_CPU_RANKS", "Cluster", "Device", "Link", "max_cpu_ranks",
+           "parse_devices"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,11 @@ class Cluster:
             raise ExplorerError(f"the number of CPU ranks must be an integer, not {n!r}")
         if n < 1:
             raise ExplorerError(f"the number of CPU ranks n must be >= 1, not {n}")
+        limit, why = max_cpu_ranks()
+        if n > limit:
+            raise ExplorerError(f"{n} CPU ranks are more than this machine can run: at most "
+                                f"{limit} ({why}); ask for fewer, or plan for GPUs with a "
+                                "preset such as '8xH100'")
         prof = cpu_host.host_profile(measure)
         memory = discovery.total_memory_bytes() // n
         devices = tuple(
@@ -294,6 +304,19 @@ class Cluster:
         return list(presets.GPU_SPECS)
 
 
+def max_cpu_ranks() -> tuple[int, str]:
+    """How many CPU ranks this machine can run, and what bounds it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    memory = discovery.total_memory_bytes()
+    by_cores = MAX_CPU_RANKS_PER_CORE * cores
+    by_memory = max(1, memory // MIN_CPU_RANK_MEMORY_BYTES)
+    why = (f"{MAX_CPU_RANKS_PER_CORE} per core on {cores} cores" if by_cores <= by_memory
+           else f"{MIN_CPU_RANK_MEMORY_BYTES // 2**20} MiB each of {memory / GiB:.1f} GiB of "
+                "memory")
+    return min(by_cores, by_memory), why
+
+
 def parse_devices(spec: str) -> Cluster:
     """The cluster a command-line ``--devices`` value names.
 
@@ -313,7 +336,7 @@ def parse_devices(spec: str) -> Cluster:
         n = s[4:].strip()
         if not n.isdigit():
             raise ExplorerError(f"bad device spec {spec!r}: in 'cpu:N', N must be an integer >= 1")
-        return Cluster.cpu(int(n))
+        return Cluster.cpu(int(n) if len(n) <= 9 else 10**9)  # (refused there: too many)
     if s in ("gpu", "gpus", "auto"):
         return Cluster.discover()
     try:

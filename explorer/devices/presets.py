@@ -151,6 +151,10 @@ GPU_SPECS: dict[str, GpuSpec] = {
 _SPEC_LOOKUP = {re.sub(r"[-_ ]", "", k.upper()): s for k, s in GPU_SPECS.items()}
 
 
+#: the most GPUs a preset cluster may have (a bound on what is built and simulated)
+MAX_PRESET_GPUS = 65_536
+
+
 def parse_preset_spec(spec: str) -> list[tuple[int, GpuSpec]]:
     if not isinstance(spec, str) or not spec.strip():
         raise unknown_name("GPU preset", str(spec), GPU_SPECS)
@@ -159,13 +163,18 @@ def parse_preset_spec(spec: str) -> list[tuple[int, GpuSpec]]:
         m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z][\w\- ]*?)\s*", part)
         if not m:
             raise unknown_name("GPU preset", part.strip(), GPU_SPECS)
-        count = int(m.group(1)) if m.group(1) is not None else 1
+        digits = m.group(1) or "1"
+        count = int(digits) if len(digits) <= 9 else MAX_PRESET_GPUS + 1  # (no huge ints)
         if count < 1:
             raise ExplorerError(f"preset {spec!r}: the GPU count must be >= 1, not {count}")
         gpu = _SPEC_LOOKUP.get(re.sub(r"[-_ ]", "", m.group(2).upper()))
         if gpu is None:
             raise unknown_name("GPU preset", m.group(2), GPU_SPECS)
         out.append((count, gpu))
+    total = sum(c for c, _ in out)
+    if total > MAX_PRESET_GPUS:
+        raise ExplorerError(f"preset {spec!r} has {total} GPUs, more than the "
+                            f"{MAX_PRESET_GPUS:,} a cluster may have; ask for fewer")
     return out
 
 

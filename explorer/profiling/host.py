@@ -24,7 +24,14 @@ from explorer.devices.cluster import Cluster, Device
 from explorer.models.builtin import build
 from explorer.partition import partition
 from explorer.platforms.cpu import ReplicaEffects
-from explorer.platforms.cpu.host_cache import cache_file, cache_key, read_cache, write_cache
+from explorer.platforms.cpu.host_cache import (
+    cache_file,
+    cache_key,
+    finite_number,
+    read_cache,
+    warn_damaged,
+    write_cache,
+)
 from explorer.profiling import ops
 from explorer.runtime import launch
 from explorer.simulate.simulator import simulate
@@ -111,10 +118,11 @@ def cpu_message_s(cluster: Cluster) -> float:
     if memo is not None:
         return memo
     cached = read_cache(path).get(key)
-    if isinstance(cached, dict) and isinstance(cached.get("message_s"), (int, float)) \
-            and cached["message_s"] >= 0:
+    if isinstance(cached, dict) and finite_number(cached.get("message_s")):
         _MEMO[(str(path), key)] = float(cached["message_s"])
         return float(cached["message_s"])
+    if cached is not None:
+        warn_damaged(path, key, "message_s is not a finite number >= 0")
     try:
         value = measure_message_s()
     except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error

@@ -10,6 +10,7 @@ type and rank settings (:func:`measured`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from explorer.core.plan import OPTIMIZER_STATE, Plan
 from explorer.costs.model import DeviceCosts
 from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
+from explorer.platforms.cpu.host_cache import finite_number
 from explorer.runtime import launch
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
@@ -68,9 +70,10 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
              cache: bool = True, progress: bool = True) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
-    measured (:func:`measure`) and cached; ``cache=False`` measures afresh."""
+    measured (:func:`measure`) and cached; ``cache=False`` measures afresh. A cache entry that
+    does not fit ``graph`` or holds no usable times is measured again and replaced."""
     path = cache_path(graph, dev, repeats)
-    dc = load(path) if cache else None
+    dc = load(path, len(graph), dev.type_key) if cache else None
     if dc is None:
         dc = measure(graph, dev, repeats, warmup, progress)
         if cache:
@@ -83,14 +86,94 @@ def _slug(text: str) -> str:
 
 
 
-def load(path: Path) -> DeviceCosts | None:
+def load(path: Path, nodes: int | None = None, type_key: str | None = None
+         ) -> DeviceCosts | None:
+    """The profile cached at ``path`` for a graph of ``nodes`` nodes on devices of
+    ``type_key`` (None: any); None when there is none,
+    it is of another format or torch, or it is damaged (then with a warning: the caller
+    measures again and replaces it)."""
     try:
-        d = json.loads(path.read_text())
-        if d.pop("version", None) != PROFILE_VERSION or d.pop("torch") != torch.__version__:
-            return None
-        return DeviceCosts(**d)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None  # a missing or damaged cache entry is simply measured again
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return _damaged(path, "it is not JSON")
+    if not isinstance(d, dict):
+        return _damaged(path, "it is not a JSON object")
+    if d.get("version") != PROFILE_VERSION or d.get("torch") != torch.__version__:
+        return None  # an older format or another torch: measured again, nothing is wrong
+    d = {k: v for k, v in d.items() if k not in ("version", "torch")}
+    problem = costs_problem(d, nodes)
+    if not problem and type_key is not None and d["type_key"] != type_key:
+        problem = f"it is for {d['type_key']!r}, not {type_key!r}"
+    if problem:
+        return _damaged(path, problem)
+    return DeviceCosts(**d)
+
+
+def _damaged(path: Path, why: str) -> None:
+    warnings.warn(f"the profile cache entry {path} is damaged ({why}); measuring again and "
+                  "replacing it", stacklevel=3)
+    return None
+
+
+_REQUIRED = ("type_key", "fwd_s", "bwd_s", "source", "overhead_s")
+
+
+def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
+    """What is wrong with the fields of a cached :class:`DeviceCosts` for a graph of ``nodes``
+    nodes (types, lengths, finite times >= 0), or None when nothing is."""
+    known = {f.name for f in fields(DeviceCosts)}
+    if set(d) - known:
+        return f"unknown fields {sorted(set(d) - known)[:3]}"
+    if missing := [k for k in _REQUIRED if k not in d]:
+        return f"no {missing[0]}"
+    n = nodes if nodes is not None else (len(d["fwd_s"]) if isinstance(d["fwd_s"], list)
+                                         else -1)
+    if not isinstance(d["type_key"], str):
+        return "type_key is not text"
+    checks = [("fwd_s", _times(d["fwd_s"], n)), ("bwd_s", _times(d["bwd_s"], n)),
+              ("source", isinstance(d["source"], list) and len(d["source"]) == n
+               and all(isinstance(x, str) for x in d["source"])),
+              ("overhead_s", finite_number(d["overhead_s"]))]
+    for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor"):
+        v = d.get(k, {})
+        checks.append((k, isinstance(v, dict) and all(isinstance(o, str) and finite_number(x)
+                                                      for o, x in v.items())))
+    fractions = d.get("fractions", [])
+    checks.append(("fractions", isinstance(fractions, list)
+                   and all(finite_number(f) and 0 < f < 1 for f in fractions)
+                   and all(a > b for a, b in itertools.pairwise(fractions))))
+    for k in ("fwd_at", "bwd_at"):
+        v = d.get(k, [])
+        checks.append((k, isinstance(v, list) and isinstance(fractions, list)
+                       and len(v) == len(fractions) and all(_times(t, n) for t in v)))
+    contention = d.get("contention", [])
+    checks.append(("contention", contention == [] or (
+        _times(contention, n) and all(x > 0 for x in contention))))
+    checks.append(("replica_spread", finite_number(d.get("replica_spread", 0.0))))
+    opt = d.get("optimizer_contention", 1.0)
+    checks.append(("optimizer_contention", finite_number(opt) and opt > 0))
+    for k, ok in checks:
+        if not ok:
+            return f"{k} is not {_WHAT.get(k, f'a list of {n} finite numbers >= 0, one per node')}"
+    return None
+
+
+_WHAT = {"source": "a list of texts, one per node",
+         "overhead_s": "a finite number >= 0", "replica_spread": "a finite number >= 0",
+         "optimizer_contention": "a finite number > 0",
+         "optimizer_s_per_byte": "a table of finite numbers >= 0",
+         "optimizer_s_per_tensor": "a table of finite numbers >= 0",
+         "fractions": "a decreasing list of fractions of the batch in (0, 1)",
+         "fwd_at": "one list of times per node for each fraction",
+         "bwd_at": "one list of times per node for each fraction"}
+
+
+def _times(xs: Any, n: int) -> bool:
+    return isinstance(xs, list) and len(xs) == n and all(finite_number(x) for x in xs)
 
 
 def store(path: Path, dc: DeviceCosts) -> None:

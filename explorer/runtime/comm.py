@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
+from explorer.runtime.heartbeat import EVERYONE
 
 BUCKET_BYTES = 25 * 1024 * 1024
 HEADER_WORDS = 256  # int64 words of a message header
@@ -43,10 +45,12 @@ class Messenger:
 
     def __init__(self, tdev: torch.device) -> None:
         self.tdev = tdev
-        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.pending: list[tuple[Any, torch.Tensor, int]] = []
         self.headers_sent: set[tuple[int, int]] = set()
         self.headers_seen: dict[tuple[int, int], list[int]] = {}
         self.waited = 0.0  # seconds blocked in receives and all-reduce waits this step
+        #: the rank this one is blocked on now (:data:`EVERYONE`: a collective), else None
+        self.waiting_for: int | None = None
 
     def start_step(self) -> None:
         self.waited = 0.0
@@ -71,21 +75,32 @@ class Messenger:
             pad = torch.zeros(HEADER_WORDS, dtype=torch.int64)
             pad[: len(header) + 1] = torch.tensor([len(header), *header], dtype=torch.int64)
             pad = pad.to(self.tdev)
-            self.pending.append((dist.isend(pad, dst, tag=tag), pad))
+            self.pending.append((dist.isend(pad, dst, tag=tag), pad, dst))
             numbers = []
         else:  # Python numbers travelled in the header; now they follow the tensors
             numbers = [torch.tensor([int(x)], dtype=torch.int64, device=self.tdev)
                        for x in flat if not isinstance(x, torch.Tensor)]
         for t in [*(t.detach().to(self.tdev).contiguous() for t in tensors), *numbers]:
-            self.pending.append((dist.isend(t, dst, tag=tag), t))
+            self.pending.append((dist.isend(t, dst, tag=tag), t, dst))
 
     def recv(self, src: int, tag: int) -> list[Any]:
         """The parts of the message ``src`` sent with ``tag`` (blocks until it is here)."""
         t0 = time.perf_counter()
+        self.waiting_for = src
         try:
             return self._recv(src, tag)
         finally:
+            self.waiting_for = None
             self.waited += time.perf_counter() - t0
+
+    @contextmanager
+    def waiting(self, peer: int = EVERYONE) -> Iterator[None]:
+        """Mark a blocking wait on ``peer`` (default: a collective) for the heartbeat."""
+        self.waiting_for = peer
+        try:
+            yield
+        finally:
+            self.waiting_for = None
 
     def _recv(self, src: int, tag: int) -> list[Any]:
         h = self.headers_seen.get((src, tag))
@@ -117,8 +132,9 @@ class Messenger:
 
     def flush(self) -> None:
         """Wait until every send has gone."""
-        for work, _ in self.pending:
-            work.wait()
+        for work, _, dst in self.pending:
+            with self.waiting(dst):
+                work.wait()
         self.pending.clear()
 
 
@@ -194,7 +210,8 @@ class GradBuckets:
                 self._reduce(bucket)
         for work, flat, bucket in self.started:
             t0 = time.perf_counter()
-            work.wait()
+            with messenger.waiting():
+                work.wait()
             messenger.waited += time.perf_counter() - t0
             pos = 0
             for i in bucket:

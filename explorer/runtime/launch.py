@@ -16,9 +16,8 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,8 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.platforms.net import free_port
+from explorer.runtime import heartbeat
+from explorer.runtime.folders import job_folder
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.params import make_optimizer
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -66,6 +67,8 @@ class Measurement:
     #: per rank, whether its process kept the memory it freed for the next step
     #: (:meth:`explorer.platforms.Platform.hold_freed_memory`)
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
+    #: the seed random ops (dropout) drew from: the same seed gives the same losses
+    seed: int = 0
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -99,7 +102,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         warmup: int = 2, loss_fn: Any = None, targets: Any = None, costs: CostModel | None = None,
         cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
         progress: bool = True, record: bool = False, keep: str | Path | None = None,
-        device_override: dict[str, str] | None = None) -> Measurement:
+        device_override: dict[str, str] | None = None, seed: int = 0) -> Measurement:
     """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
 
     ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
@@ -107,6 +110,9 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     schedule of that cost model (and ``cluster`` defaults to its cluster); without, the schedule
     is simulated with unit costs. A plan predicted not to fit in memory needs ``force=True``.
     ``record=True`` keeps the gradients of the first step (for checking against one device).
+    Random ops (dropout) draw from ``seed``: the same seed gives the same losses, and what
+    they draw depends on the rows and the op, not on the plan
+    (:func:`explorer.runtime.stage.draw_seed`).
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -117,6 +123,8 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
                             f"from {graph.source}: {'; '.join(graph.notes)}")
     if steps < 1 or warmup < 0:
         raise ExplorerError("steps must be >= 1 and warmup >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
@@ -136,15 +144,13 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     schedule = execution_order(graph, plan, scored)
     rt = graph.runtime
     with contextlib.ExitStack() as stack:
-        if keep is None:
-            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="explorer-")))
-        else:
-            folder = Path(keep)
+        folder = job_folder(stack) if keep is None else Path(keep)
         write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
-                  record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss)
+                  record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
+                  seed)
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan)
-    return _measurement(results, grads, plan, graph, steps, warmup)
+    return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,
@@ -155,7 +161,7 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
     logs = []
     env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", heartbeat.ENV: "1"}
     bar = tqdm(total=total_steps, desc="running steps", unit="step", disable=not progress,
                leave=False)
     deadline = time.monotonic() + timeout_s
@@ -167,6 +173,7 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "explorer.runtime.rank", str(folder)], env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        started = next_check = time.time()
         shown = 0
         while True:
             codes = [p.poll() for p in procs]
@@ -177,13 +184,20 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
                 raise RunFailed(_failure(folder, _first_failure(folder, codes), codes, plan))
             if all(c == 0 for c in codes):
                 break
+            running = [r for r, c in enumerate(codes) if c is None]
+            if time.time() >= next_check:  # (beats come each second: look as often)
+                next_check = time.time() + heartbeat.PERIOD_S
+                silent = heartbeat.silent_ranks(folder, running, started, time.time())
+                if silent:
+                    raise RunFailed(_silent(folder, silent, procs, plan))
             if time.monotonic() > deadline:
-                running = [r for r, c in enumerate(codes) if c is None]
+                where = "; ".join(f"rank {r} ({plan.devices[r]}) "
+                                  f"{heartbeat.describe(folder, r)}" for r in running)
                 raise RunFailed(
-                    f"the run did not finish within {timeout_s:.0f} s; ranks "
-                    f"{', '.join(f'{r} ({plan.devices[r]})' for r in running)} were still "
-                    "running and have been stopped. Give more time with timeout_s=..., or "
-                    "fewer steps")
+                    f"the run did not finish within {timeout_s:.0f} s ({where}); all ranks "
+                    "have been stopped. A rank computing while the others wait for it is "
+                    "where it hung; otherwise give more time with timeout_s=..., or fewer "
+                    "steps")
             done = _progress(folder)
             if done > shown:
                 bar.update(done - shown)
@@ -246,6 +260,28 @@ def _failure(folder: Path, rank: int, codes: list[int | None], plan: Plan) -> st
     tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
     return (f"rank {rank} ({dev}) exited with code {code}: {' | '.join(tail) or 'no output'}; "
             "all ranks have been stopped")
+
+
+def _silent(folder: Path, ranks: list[int], procs: list[subprocess.Popen], plan: Plan
+            ) -> str:
+    """The message for ranks whose heartbeat stopped while their process lives."""
+    parts = []
+    for r in ranks:
+        state = _process_state(procs[r].pid)
+        how = " (its process is stopped: SIGSTOP or a debugger)" if state == "T" else ""
+        parts.append(f"rank {r} ({plan.devices[r]}) stopped responding{how}, last "
+                     f"{heartbeat.describe(folder, r)}")
+    return (f"{'; '.join(parts)}: no sign of life for {heartbeat.SILENT_S:.0f} s; all ranks "
+            "have been stopped. A stopped, frozen or swapped-out process does this; check "
+            "the machine's load and memory")
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of a process (Linux: R, S, T, ...; "" where unknown)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

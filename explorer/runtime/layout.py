@@ -39,6 +39,9 @@ class RankLayout:
         self.names = [c.name for c in calls]
         index = {n: i for i, n in enumerate(self.names)}
         self.targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
+        #: per node, whether it draws random numbers (dropout, ...): seeded before each call
+        self.random = [isinstance(t, torch._ops.OpOverload)
+                       and torch.Tag.nondeterministic_seeded in t.tags for t in self.targets]
         missing = [n for n in self.names if n not in plan.placement]
         if missing:
             raise ExplorerError(f"the plan does not place nodes {missing[:3]}: it was made for "

@@ -11,6 +11,7 @@ freed as soon as the forward no longer needs them and only what autograd saves s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -44,6 +45,19 @@ class _Entry(torch.autograd.Function):
         return None, None, None
 
 
+def draw_seed(seed: int, step: int, block: int, node: int) -> int:
+    """The seed random op ``node`` (dropout, ...) draws from at ``step`` on ``block`` of the
+    batch (micro-batch x shards + shard: which rows).
+
+    A function of the run's seed and of what is computed, never of where: the replicas of a
+    data-parallel stage draw different masks (their rows differ), the stages of a pipeline
+    draw what one device would, and a plan draws as any other plan cutting the batch into as
+    many blocks, so seeded runs repeat bit for bit and plans stay comparable.
+    """
+    digest = hashlib.blake2b(f"{seed}:{step}:{block}:{node}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class _ReleasedType:
     """Marks a received tensor whose last local use is done."""
 
@@ -68,6 +82,9 @@ class StageRunner:
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
         self.slots: dict[Key, list] = {}
         self.task_times: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.steps_done = 0  # steps run so far, warm-up included (random ops' draws use it)
+        self.generator = (torch.cuda.default_generators[L.tdev.index or 0]
+                          if L.tdev.type == "cuda" else torch.default_generator)
 
     def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Use this batch from the next step on (same shapes as the example batch)."""
@@ -95,7 +112,8 @@ class StageRunner:
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(L.tdev)
-        dist.barrier()
+        with self.messenger.waiting():
+            dist.barrier()
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
@@ -119,6 +137,7 @@ class StageRunner:
                 else self.tracker.peak)
         loss = sum(self.losses) / len(self.losses) if self.losses else None
         self.env.clear()
+        self.steps_done += 1
         return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss}
 
     def _timed(self, fn: Callable[..., None], *args: int) -> float:
@@ -188,6 +207,9 @@ class StageRunner:
         args = fill_refs(call.args, lookup)
         kwargs = fill_refs(call.kwargs, lookup)
         tracker = self.tracker
+        if L.random[i]:
+            self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
+                                                 m * L.shards + u, i))
         with tracker.saving():
             out = L.targets[i](*args, **kwargs)
         flat, _ = tree_flatten(out)

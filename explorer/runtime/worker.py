@@ -3,7 +3,8 @@
 Every rank reads the job folder (:mod:`explorer.runtime.jobfiles`), joins the process group
 (gloo on CPU, NCCL on GPU) and runs its stage's actions step after step
 (:class:`explorer.runtime.stage.StageRunner`), then writes what it measured (or why it failed)
-back to the folder for the launcher.
+back to the folder for the launcher. Started by ``ex.run``, it also beats
+(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive.
 
 The same function is what an exported training script runs under ``torchrun``: launch it with
 ``python -m explorer.runtime.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
@@ -16,6 +17,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -29,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from explorer.platforms import platform_of
+from explorer.runtime import heartbeat
+from explorer.runtime.heartbeat import Heartbeat
 from explorer.runtime.jobfiles import Job, read_job
 from explorer.runtime.stage import StageRunner
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     out = Path(os.environ.get("EXPLORER_OUT", folder))
     _watch_parent()
+    pulse = Heartbeat(out, rank).start() if heartbeat.wanted() else None
     try:
         threads = int(os.environ.get("EXPLORER_THREADS", "1"))
         torch.set_num_threads(threads)
@@ -84,7 +89,9 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=job.timeout_s))
         r = StageRunner(job, rank, world, local_rank)
-        results, task_s = _run_steps(r, job, rank, out, batches, verbose)
+        if pulse is not None:
+            pulse.messenger = r.messenger
+        results, task_s = _run_steps(r, job, rank, out, batches, verbose, pulse)
         record = {"rank": rank, "device": r.layout.device_id, "cores": cores, "held": held,
                   "steps": results, "task_s": task_s,
                   "memory_source": "cuda allocator (max_memory_allocated)"
@@ -104,7 +111,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         os._exit(1)
 
 
-def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, verbose: bool
+def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, verbose: bool,
+               pulse: Heartbeat | None = None
                ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Run the job's steps: what each step measured, and each task's median seconds over the
     measured steps (keyed "kind:node")."""
@@ -114,6 +122,8 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
     fault = _fault(rank)
     total = job.warmup + job.steps
     for k in range(total):
+        if pulse is not None:
+            pulse.step = k
         if fault and k == fault[1]:
             _inject(fault[0])
         fed = batches(k) if batches is not None else None
@@ -139,7 +149,7 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
 
 def _fault(rank: int) -> tuple[str, int] | None:
     """Test hook: EXPLORER_FAULT="RANK:KIND[:STEP]" makes that rank fail (raise, oom, hang,
-    kill) at that step, so the launcher's clean-up can be tested for real."""
+    kill, stop: SIGSTOP) at that step, so the launcher's clean-up can be tested for real."""
     spec = os.environ.get("EXPLORER_FAULT", "")
     if not spec:
         return None
@@ -157,7 +167,9 @@ def _inject(kind: str) -> None:
     if kind == "hang":
         time.sleep(3600)
     if kind == "kill":
-        os.kill(os.getpid(), 9)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class _Energy:

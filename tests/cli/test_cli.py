@@ -176,13 +176,39 @@ class TestPlan:
         (p,) = json.loads(out)["plans"]
         assert (p["micro_batches"], p["schedule"]) == (2, "1f1b")
 
-    def test_bad_setting_is_an_error_row(self, capsys):
-        rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
-                          "--optimizer", "lion")
-        assert rc == 0
+    def test_bad_setting_is_an_error_row(self, capsys, tmp_path):
+        """Every row an error: exit 1, the errors on stderr, nothing saved."""
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                            "--optimizer", "lion", "--out", str(tmp_path / "p.json"))
+        assert rc == 1
         line = next(line for line in out.splitlines() if line.startswith("single"))
         assert line.endswith("error: unknown optimizer 'lion'; choose one of sgd, momentum, "
                              "adam, adamw")
+        assert err == ("error: no algorithm made a plan:\n  single: unknown optimizer 'lion'; "
+                       "choose one of sgd, momentum, adam, adamw\n")
+        assert not (tmp_path / "p.json").exists()
+        rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                          "--optimizer", "lion", "--json")
+        assert rc == 1 and json.loads(out)["plans"][0]["error"].startswith("unknown optimizer")
+
+    def test_the_plan_records_how_its_model_was_built(self, capsys, tmp_path):
+        """A saved plan says which built-in model, size and batch it is for; export rebuilds
+        that model without being told again, unless told otherwise."""
+        path = tmp_path / "plan.json"
+        rc, _, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "even-layers",
+                          "--batch-size", "4", "--out", str(path))
+        assert rc == 0, err
+        plan = Plan.load(path)
+        assert plan.model == {"builtin": "mlp", "size": "tiny", "batch_size": 4}
+        assert json.loads(path.read_text())["model"] == plan.model
+        rc, _, err = _run(capsys, "export", "--plan", str(path), "--out",
+                            str(tmp_path / "train.py"))
+        assert rc == 0, err
+        assert (tmp_path / "train.py").exists()
+        # another size than the plan's is another graph: refused, as before
+        rc, _, err = _run(capsys, "export", "--plan", str(path), "--out",
+                          str(tmp_path / "other.py"), "--size", "small")
+        assert rc == 2 and "made for graph" in err
 
 
 class TestErrors:
@@ -204,6 +230,15 @@ class TestErrors:
         assert err.startswith(message)
         assert "Traceback" not in err
         assert out == ""
+
+    @pytest.mark.parametrize("spec,message", [
+        ("cpu:100000000", "100000000 CPU ranks are more than this machine can run: at most "),
+        ("100000000xH100", "preset '100000000xH100' has 100000000 GPUs, more than the 65,536"),
+    ])
+    def test_devices_beyond_the_limits(self, capsys, spec, message):
+        rc, out, err = _run(capsys, "devices", "--devices", spec)
+        assert rc == 2 and out == ""
+        assert err.startswith(f"error: {message}")
 
     def test_unknown_device_spec_for_devices(self, capsys):
         rc, _, err = _run(capsys, "devices", "--devices", "bogus")

@@ -14,7 +14,14 @@ import pytest
 
 from explorer.core.errors import ExplorerError, UnknownNameError
 from explorer.devices import discovery
-from explorer.devices.cluster import Cluster, Device, Link, parse_devices
+from explorer.devices.cluster import (
+    MAX_CPU_RANKS_PER_CORE,
+    Cluster,
+    Device,
+    Link,
+    max_cpu_ranks,
+    parse_devices,
+)
 from explorer.platforms.cpu import host as cpu_host
 from explorer.platforms.cpu import host_cache
 
@@ -231,6 +238,24 @@ def test_cpu_needs_at_least_one_rank(n):
         Cluster.cpu(n, measure=False)
 
 
+@pytest.mark.parametrize("spec", ["cpu:100000000", "cpu:" + "9" * 5000])
+def test_more_cpu_ranks_than_the_machine_can_run_are_refused(spec):
+    limit, why = max_cpu_ranks()
+    assert 1 <= limit <= MAX_CPU_RANKS_PER_CORE * (os.cpu_count() or 1)
+    with pytest.raises(ExplorerError, match=f"more than this machine can run: at most {limit} "
+                                            rf"\({why}\)"):
+        parse_devices(spec)
+    assert len(Cluster.cpu(limit, measure=False).devices) == limit
+    with pytest.raises(ExplorerError, match=f"at most {limit}"):
+        Cluster.cpu(limit + 1, measure=False)
+
+
+@pytest.mark.parametrize("spec", ["100000000xH100", "65536xH100+1xT4", "9" * 5000 + "xH100"])
+def test_presets_with_too_many_gpus_are_refused(spec):
+    with pytest.raises(ExplorerError, match="more than the 65,536 a cluster may have"):
+        Cluster.preset(spec)
+
+
 def test_failed_link_measurement_falls_back_to_nominal(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu_host.forget_measurements()
@@ -265,7 +290,8 @@ def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
                                                 "late_receive_s": 1e-3, "link_probes": 1}
     del old[missing]  # from before the late-receive wait; from when one probe measured it
     host_cache.write_cache(host_cache.cache_file(), host_cache.cache_key(), old)
-    c = Cluster.cpu(2)
+    with pytest.warns(UserWarning, match=f"damaged or incomplete \\({missing} is not"):
+        c = Cluster.cpu(2)
     assert calls == [1] * cpu_host.LINK_PROBES and c.default_link.late_receive_s == 3e-3
     cpu_host.forget_measurements()  # the new entry is read back, not measured again
     assert Cluster.cpu(2).default_link.late_receive_s == 3e-3

@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,10 +187,25 @@ class TestFailures:
         assert _children() == []
 
     def test_a_hanging_rank_times_out(self, mlp, monkeypatch):
+        """A rank that hangs while still alive is found by the time limit; its heartbeat says
+        it was computing while the other waited."""
         graph, plan = mlp
         monkeypatch.setenv("EXPLORER_FAULT", "0:hang:0")
-        with pytest.raises(RunFailed, match=r"did not finish within 8 s; ranks 0 \(cpu:0\)"):
-            ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, timeout_s=8)
+        with pytest.raises(RunFailed, match=r"did not finish within 30 s \(rank 0 \(cpu:0\) "
+                           r"at step 1, computing; rank 1 \(cpu:1\) at step 1, waiting"):
+            ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, timeout_s=30)
+        assert _children() == []
+
+    @pytest.mark.slow
+    def test_a_stopped_rank_is_named_within_a_minute(self, mlp, monkeypatch):
+        """A rank stopped with SIGSTOP stops beating: named long before the time limit."""
+        graph, plan = mlp
+        monkeypatch.setenv("EXPLORER_FAULT", "1:stop:1")
+        t0 = time.monotonic()
+        with pytest.raises(RunFailed, match=r"rank 1 \(cpu:1\) stopped responding \(its "
+                           r"process is stopped: SIGSTOP"):
+            ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, timeout_s=600)
+        assert time.monotonic() - t0 < 60
         assert _children() == []
 
     def test_the_caller_survives_and_runs_again(self, mlp, monkeypatch):

@@ -19,7 +19,14 @@ import time
 from typing import Any
 
 from explorer.platforms.cpu import gloo_probe
-from explorer.platforms.cpu.host_cache import cache_file, cache_key, read_cache, write_cache
+from explorer.platforms.cpu.host_cache import (
+    cache_file,
+    cache_key,
+    finite_number,
+    read_cache,
+    warn_damaged,
+    write_cache,
+)
 from explorer.platforms.net import free_port, loopback_ifname
 
 #: nominal power of one busy / idle CPU core running one rank (no portable way to measure it)
@@ -106,6 +113,8 @@ def host_profile(measure: bool) -> dict[str, Any]:
     if valid_profile(cached):
         _MEMO[(str(path), key)] = cached
         return cached
+    if cached is not None:
+        warn_damaged(path, key, profile_problem(cached) or "")
     prof = measure_host_profile()
     prof["compute_source"] += f" (cached in {path})"
     _MEMO[(str(path), key)] = prof
@@ -117,20 +126,25 @@ def host_profile(measure: bool) -> dict[str, Any]:
 
 def valid_profile(p: Any) -> bool:
     """Whether a cached entry is a complete host profile of the current format."""
+    return profile_problem(p) is None
+
+
+def profile_problem(p: Any) -> str | None:
+    """What makes a cached entry no complete host profile of the current format, or None."""
     if not isinstance(p, dict):
-        return False
+        return "not a JSON object"
     if not all(isinstance(p.get(k), str) for k in ("compute_source", "link_source")):
-        return False
+        return "no text for compute_source or link_source"
     probes = p.get("link_probes")  # entries from before the link was probed several times
-    if not (isinstance(probes, int) and probes >= 1):  # are measured again
-        return False
-    late = p.get("late_receive_s")  # (0 is a measurement: no wait on this host)
-    if not (isinstance(late, (int, float)) and math.isfinite(late) and late >= 0):
-        return False
-    return all(
-        isinstance(p.get(k), (int, float)) and math.isfinite(p[k]) and p[k] > 0
-        for k in PROFILE_KEYS
-    )
+    if not (finite_number(probes) and isinstance(probes, int) and probes >= 1):  # measured again
+        return "link_probes is not a whole number >= 1"
+    if not finite_number(p.get("late_receive_s")):  # (0 is a measurement: no wait on this host)
+        return "late_receive_s is not a finite number >= 0"
+    for k in PROFILE_KEYS:
+        if not (finite_number(p.get(k)) and p[k] > 0):
+            return f"{k} is not a finite number > 0"
+    return None
+
 
 
 def measure_host_profile() -> dict[str, Any]:

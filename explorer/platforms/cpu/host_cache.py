@@ -8,9 +8,11 @@ means measuring again.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +36,39 @@ def cache_key() -> str:
 
 
 def read_cache(path: Path) -> dict[str, Any]:
-    """Every entry of the cache file at ``path`` ({} when there is none or it is unreadable)."""
+    """Every entry of the cache file at ``path`` ({} when there is none or it is unreadable:
+    then with a warning, as what it held is measured again). Each entry is checked by its
+    reader."""
+    data = _read(path)
+    if data is None:
+        warnings.warn(f"the host measurement cache {path} is damaged (not a JSON object); "
+                      "measuring again and replacing it", stacklevel=2)
+    return data or {}
+
+
+def finite_number(x: Any) -> bool:
+    """Whether ``x`` is a finite number >= 0 (not a bool): what a cached measurement holds."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
+        and x >= 0
+
+
+def warn_damaged(path: Path, key: str, why: str) -> None:
+    """Say that the entry ``key`` of the cache at ``path`` is unusable and measured again."""
+    warnings.warn(f"the host measurement cache entry {key!r} in {path} is damaged or "
+                  f"incomplete ({why}); measuring again and replacing it", stacklevel=3)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """The cache file's entries: {} when there is no file, None when it is damaged."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return {}
-    return data if isinstance(data, dict) else {}
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
@@ -47,7 +76,7 @@ def write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
     cache only costs a re-measurement next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = read_cache(path)
+        data = _read(path) or {}
         data[key] = entry
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu-profile-", suffix=".json")
         with os.fdopen(fd, "w") as f:

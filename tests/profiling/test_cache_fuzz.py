@@ -1,0 +1,227 @@
+"""Fuzzing the measurement caches: an entry that parses but is wrong (short lists, text where a
+number belongs, NaN or Infinity) is measured again and replaced, never used and never a crash.
+
+A seeded mutator damages valid entries of the profile cache (:mod:`explorer.profiling.ops`),
+the host profile and the message cost in the host measurement cache; the measuring functions
+are cheap fakes, so no process starts. Every case either uses the entry (it is valid: the
+prediction from it is finite) or measures again, with a warning, and replaces the entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import warnings
+from dataclasses import asdict, replace
+
+import numpy as np
+import pytest
+import torch
+from builders import graph
+
+import explorer as ex
+from explorer.costs.model import CostModel, DeviceCosts
+from explorer.devices.cluster import Cluster
+from explorer.platforms.cpu import host as cpu_host
+from explorer.platforms.cpu.host_cache import cache_file, cache_key
+
+ops = importlib.import_module("explorer.profiling.ops")
+probe = importlib.import_module("explorer.profiling.host")
+
+CASES = 300
+SLOW_CASES = 10_000
+BAD = [None, True, False, "1e-3", "", [], {}, float("nan"), float("inf"), -float("inf"), -1.0,
+       -1, 0, 0.0, 1e308, 2**70, [1.0], {"a": 1}, "NaN"]
+
+
+def mutate(value, rng: random.Random):
+    """A damaged copy of a JSON value: a key dropped, added or changed, a list cut short,
+    lengthened or with an element changed, or the value replaced."""
+    if isinstance(value, dict) and value and rng.random() < 0.7:
+        v = dict(value)
+        k = rng.choice(sorted(v))
+        op = rng.randrange(4)
+        if op == 0:
+            del v[k]
+        elif op == 1:
+            v[k] = mutate(v[k], rng)
+        elif op == 2:
+            v[rng.choice(["extra", k + "_", "fwd"])] = rng.choice(BAD)
+        else:
+            v[k] = rng.choice(BAD)
+        return v
+    if isinstance(value, list) and value and rng.random() < 0.7:
+        v = list(value)
+        op = rng.randrange(4)
+        if op == 0:
+            del v[rng.randrange(len(v))]
+        elif op == 1:
+            v.append(rng.choice([*BAD, v[0]]))
+        elif op == 2:
+            i = rng.randrange(len(v))
+            v[i] = mutate(v[i], rng)
+        else:
+            v = v[: rng.randrange(len(v))]
+        return v
+    return rng.choice(BAD)
+
+
+def damaged_text(entry, rng: random.Random) -> str:
+    """The text of a damaged cache file: mutated one to three times, sometimes cut off."""
+    for _ in range(rng.randint(1, 3)):
+        entry = mutate(entry, rng)
+    text = json.dumps(entry)
+    if rng.random() < 0.05:
+        text = text[: rng.randrange(len(text) + 1)]
+    return text
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    yield tmp_path
+    cpu_host.forget_measurements()  # nothing of the fakes stays in this process's memos
+    probe.forget_message_s()
+
+
+# ---- the profile cache
+
+G = graph([("x", "input", [], 100), ("w", "param", [], 400), ("a", "op", ["x", "w"], 100),
+           ("b", "op", ["a"], 100), ("c", "op", ["b"], 4)], batch=8)
+CL = Cluster.cpu(1, measure=False)
+DEV = CL.devices[0]
+
+
+def _fresh(graph_, dev, repeats, warmup, progress):
+    n = len(graph_)
+    return DeviceCosts(dev.type_key, [1e-3] * n, [2e-3] * n, ["measured"] * n, 1e-6,
+                       {"adam": 1e-9}, {"adam": 1e-6}, [0.5], [[5e-4] * n], [[1e-3] * n],
+                       [1.2] * n, 0.05, 1.3)
+
+
+def _valid_entry() -> dict:
+    return {"version": ops.PROFILE_VERSION, "torch": torch.__version__,
+            **asdict(replace(_fresh(G, DEV, 1, 0, False), fwd_s=[2e-3] * len(G)))}
+
+
+def _profile_cases(n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plans = [ex.Plan.single(G, DEV.id), ex.Plan.single(G, DEV.id, micro_batches=2)]
+    used = remeasured = 0
+    for _ in range(n):
+        path.write_text(damaged_text(_valid_entry(), rng))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dc = ops.measured(G, DEV, progress=False)
+        if dc == _fresh(G, DEV, 1, 0, False):
+            remeasured += 1
+            # replaced by the fresh measurement, which reads back as it was stored
+            assert ops.load(path, len(G), DEV.type_key) == dc
+        else:
+            used += 1
+            assert not caught
+        costs = CostModel(G.fingerprint, CL, {DEV.type_key: dc})
+        for plan in plans:
+            with np.errstate(all="raise"):  # no division by zero, no NaN on the way
+                pred = ex.simulate(G, plan, costs)
+            assert math.isfinite(pred.step_s) and pred.step_s >= 0
+    assert remeasured > n // 2  # the mutator mostly damages
+
+
+def test_the_valid_entry_is_used(cache_home, monkeypatch):
+    monkeypatch.setattr(ops, "measure", _fresh)
+    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_valid_entry()))
+    assert ops.measured(G, DEV).fwd_s == [2e-3] * len(G)
+
+
+@pytest.mark.parametrize("damage,why", [
+    ({"fwd_s": [1e-3]}, r"fwd_s is not a list of 5 finite numbers >= 0"),
+    ({"bwd_s": ["1e-3"] * 5}, r"bwd_s is not a list of 5"),
+    ({"overhead_s": float("nan")}, r"overhead_s is not a finite number >= 0"),
+    ({"fwd_at": [[float("inf")] * 5]}, r"fwd_at is not one list of times per node"),
+    ({"fractions": [1.0]}, r"fractions is not a decreasing list"),
+    ({"type_key": "T4"}, r"it is for 'T4'"),
+])
+def test_a_wrong_entry_is_measured_again_with_a_warning(cache_home, monkeypatch, damage, why):
+    monkeypatch.setattr(ops, "measure", _fresh)
+    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**_valid_entry(), **damage}))
+    with pytest.warns(UserWarning, match=f"profile cache entry .* is damaged \\({why}"):
+        assert ops.measured(G, DEV) == _fresh(G, DEV, 1, 0, False)
+    assert json.loads(path.read_text())["fwd_s"] == [1e-3] * len(G)
+
+
+def test_profile_cache_fuzz(cache_home, monkeypatch):
+    monkeypatch.setattr(ops, "measure", _fresh)
+    _profile_cases(CASES, seed=0)
+
+
+@pytest.mark.slow
+def test_profile_cache_fuzz_long(cache_home, monkeypatch):
+    monkeypatch.setattr(ops, "measure", _fresh)
+    _profile_cases(SLOW_CASES, seed=1)
+
+
+# ---- the host measurement cache: the host profile and the message cost
+
+def _host_measured() -> dict:
+    return {**cpu_host.nominal_profile(), "compute_source": "measured (fake)",
+            "link_source": "measured (fake)", "link_probes": 3, "link_measured": True,
+            "late_receive_s": 1e-4, "allreduce_latency_s": 1e-4,
+            "allreduce_bandwidth_bytes_per_s": 1e9}
+
+
+def _host_cases(n: int, seed: int, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
+    monkeypatch.setattr(probe, "measure_message_s", lambda: 2e-5)
+    rng = random.Random(seed)
+    path, key = cache_file(), cache_key()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    two = Cluster.cpu(2, measure=False)
+    two = replace(two, default_link=replace(two.default_link, source="measured (fake)"))
+    good = {k: v for k, v in _host_measured().items() if k != "link_measured"}
+    message_key = f"{key}|{probe.PROBE_KEY}"
+    for _ in range(n):
+        whole = {key: good, message_key: {"message_s": 1e-5, "how": "fake"}}
+        path.write_text(damaged_text(whole, rng))
+        cpu_host.forget_measurements()
+        probe.forget_message_s()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            prof = cpu_host.host_profile(True)
+            message_s = probe.cpu_message_s(two)
+        assert cpu_host.valid_profile(prof)
+        assert math.isfinite(message_s) and message_s >= 0
+        cl = Cluster.cpu(2)  # builds from the (memoised) profile
+        assert all(d.flops_per_s > 0 for d in cl.devices)
+        # what is on disk now is valid for both
+        stored = json.loads(path.read_text())
+        assert cpu_host.valid_profile(stored[key])
+        assert probe.cpu_message_s(two) == message_s
+
+
+def test_host_cache_fuzz(cache_home, monkeypatch):
+    _host_cases(CASES, 2, monkeypatch)
+
+
+@pytest.mark.slow
+def test_host_cache_fuzz_long(cache_home, monkeypatch):
+    _host_cases(SLOW_CASES, 3, monkeypatch)
+
+
+def test_a_wrong_host_entry_is_measured_again_with_a_warning(cache_home, monkeypatch):
+    monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
+    path, key = cache_file(), cache_key()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({key: {**_host_measured(), "flops_per_s": float("inf")}}))
+    cpu_host.forget_measurements()
+    with pytest.warns(UserWarning, match=r"damaged or incomplete \(flops_per_s is not a finite"):
+        assert cpu_host.host_profile(True)["compute_source"].startswith("measured (fake)")
+    assert json.loads(path.read_text())[key]["flops_per_s"] > 0
