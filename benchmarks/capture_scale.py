@@ -1,7 +1,7 @@
 """Capture time and peak memory for models this machine cannot run: capture without running.
 
 Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small]
-       [--out benchmarks/results/capture_scale.json]
+       [--results DIR]
 
 Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, torch included):
 
@@ -19,23 +19,20 @@ Prints a table and writes JSON with the date, machine and command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import add_results_option, write_result
 
 import explorer as ex
 from explorer.core.units import GiB, table
 from explorer.costs.memory import node_memory_bytes
 
-RESULTS = Path(__file__).resolve().parent / "results" / "capture_scale.json"
 LIMITS = {"llama-7b": (10.0, 2.0), "llama-70b": (30.0, 3.0)}  # seconds, GiB peak RSS
 
 
@@ -102,7 +99,7 @@ def _child(case: str, fake: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small")
-    ap.add_argument("--out", default=str(RESULTS))
+    add_results_option(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,15 +128,9 @@ def main() -> None:
                 [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
                   r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
                   _check(r)) for r in rows]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__},
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "rows": rows}, indent=1) + "\n")
-    print(f"results: {out}")
+    rows = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    write_result("capture_scale", rows, folder=args.results,
+                 title="Capture without running: time and peak memory by model shape")
 
 
 def _check(r: dict) -> str:

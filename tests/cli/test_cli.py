@@ -98,6 +98,7 @@ class TestListings:
 
 
 class TestPlan:
+    @pytest.mark.slow
     def test_a_row_per_algorithm_with_step_ms(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "cpu:2", "--algorithm", "all")
         assert rc == 0, err
@@ -255,6 +256,7 @@ class TestErrors:
         assert "Traceback" not in err
 
 
+@pytest.mark.slow
 class TestEntryPoint:
     def test_installed_command(self, tmp_path):
         exe = shutil.which("explorer")

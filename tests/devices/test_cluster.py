@@ -323,6 +323,7 @@ def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
     assert "median of 3 probes" in lk.source  # the three that ran
 
 
+@pytest.mark.slow
 def test_link_measurement_time_limit_kills_children():
     t0 = time.perf_counter()
     with pytest.raises(cpu_host.LinkMeasureError, match="within"):

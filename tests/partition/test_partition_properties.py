@@ -143,6 +143,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_same_plans_in_processes_with_other_string_hashes():
     """No partitioner depends on set or dict order of strings, which differs per process."""
     runs = []

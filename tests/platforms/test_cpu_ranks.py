@@ -12,6 +12,9 @@ import pytest
 from explorer.platforms import cpu
 from explorer.platforms.cpu import host_cache
 
+# most of these start child processes (pinning and held memory are per process)
+pytestmark = pytest.mark.slow
+
 # ---- CPU ranks pinned to cores
 
 _PIN_CHILD = ("import os, sys; from explorer.platforms.cpu import pin_cpu_rank; "

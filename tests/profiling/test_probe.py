@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import explorer as ex
 from explorer.profiling import host as probe
+
+# the probe runs real steps on two CPU ranks
+pytestmark = pytest.mark.slow
 
 
 def test_measured_through_the_runtime_on_two_ranks():

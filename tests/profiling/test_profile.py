@@ -80,6 +80,7 @@ def _no_measuring(*args, **kwargs):
     raise AssertionError("measured again instead of reading the cache")
 
 
+@pytest.mark.slow
 class TestMeasured:
     def test_every_op_measured(self, gpt, measured):
         costs, _ = measured
@@ -177,6 +178,7 @@ class TestMeasured:
 
 
 class TestCache:
+    @pytest.mark.slow
     def test_second_call_is_read_from_the_cache(self, gpt, measured, module_cache,
                                                 monkeypatch):
         files = [p.name for p in module_cache.iterdir()]
@@ -265,6 +267,7 @@ class TestRoofline:
         costs = ex.profile(chain3, Cluster.cpu(1, measure=False), progress=False)
         assert costs.source(1, "cpu:0") == "roofline"
 
+    @pytest.mark.slow
     def test_mixed_cluster(self, gpt, measured, monkeypatch):
         monkeypatch.setattr(ops, "measure", _no_measuring)  # the CPU part is in the cache
         cpu = Cluster.cpu(1, measure=False)
@@ -279,6 +282,7 @@ class TestRoofline:
         assert sorted(costs.per_type) == sorted([CPU_KEY, t4.devices[0].type_key])
 
 
+@pytest.mark.slow
 class TestContention:
     def test_measured_on_two_real_ranks(self):
         bm = ex.builtin_model("mlp", "tiny")

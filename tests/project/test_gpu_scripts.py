@@ -87,6 +87,7 @@ def test_gpu_presets_dry_run_writes_results_and_resumes(tmp_path):
         assert fit["overhead_s"] >= 0
 
 
+@pytest.mark.slow
 def test_dry_run_never_writes_the_real_results(tmp_path):
     """Without --out a dry run writes a temporary file, not benchmarks/results/."""
     real = BENCH / "results" / "gpu_presets.json"

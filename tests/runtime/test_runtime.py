@@ -20,6 +20,9 @@ from explorer.core.errors import MemoryExceededError, PlanError
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime.launch import RunFailed, reference
 
+# every test here starts rank processes
+pytestmark = pytest.mark.slow
+
 STEPS, WARMUP = 2, 1
 
 

@@ -295,6 +295,7 @@ def test_widget_partitioners_table_and_loading(widget, tmp_path):
     assert "blocks" in [it.label for it in w.session.view.items]
 
 
+@pytest.mark.slow
 def test_widget_runs_real_steps_on_cpu_ranks_and_compares():
     pytest.importorskip("jupyter_bokeh")
     from widgets import Explorer
