@@ -25,9 +25,9 @@ from bokeh.models import (
 )
 from bokeh.plotting import figure
 
-from explorer.core.units import format_bytes, format_seconds
+from explorer.core.units import format_bytes, format_flops, format_seconds
 from widgets.graphview import Item
-from widgets.panels.base import Panel, bokeh_widget, button, format_flops, swatch
+from widgets.panels.base import Panel, bokeh_widget, button, swatch
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
