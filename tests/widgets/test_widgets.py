@@ -595,3 +595,44 @@ def test_bokehjs_goes_with_every_display(widget):
 
     js = bokehjs_bundle()["application/javascript"]
     assert js.startswith("if (typeof window.Bokeh === 'undefined'") and len(js) > 1e6
+
+
+def test_reset_returns_to_the_current_view_zoom_to_selection_and_module_labels(gpt):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+
+    g = replicated(gpt, 1000)  # ~660 ops in ten copies of the model
+    cl = ex.Cluster.preset("4xH100")
+    w = Explorer(g, roofline_costs(g, cl))
+    fig = w.graph.figure
+
+    def ranges():
+        return (fig.x_range.start, fig.x_range.end, fig.y_range.start, fig.y_range.end)
+
+    def resets():
+        return (fig.x_range.reset_start, fig.x_range.reset_end, fig.y_range.reset_start,
+                fig.y_range.reset_end)
+
+    assert ranges() == resets()
+    w.session.expand_all()
+    assert len(w.session.view.items) > 600
+    assert ranges() == resets()  # re-fitted after expanding: reset comes back here
+    ys = w.graph.nodes.data["y"]
+    assert fig.y_range.end > max(ys) and fig.y_range.start > min(ys)  # the top rows
+    fitted = ranges()
+    w.graph.zoom_button.click()  # nothing selected: says what to do
+    assert "select the items to zoom to" in w.message
+    w.select(["copy5.blocks.1.mlp"])
+    w.graph.zoom_button.click()
+    x0, x1, y0, y1 = ranges()
+    for k in w.session.selected:
+        assert x0 < w.graph.nodes.data["x"][k] < x1 and y0 < ys[k] < y1
+    assert y1 - y0 < 10 and resets() == fitted
+    # every copy's frame is labelled, though only 150 items are
+    frames = w.graph.frames.data
+    labelled = {t for t in frames["label"] if t}
+    assert {f"copy{c}" for c in range(10)} <= labelled
+    assert sum(1 for t in w.graph.nodes.data["short"] if t) == 150
+    long = [a for a, s in zip(w.graph.edges.data["alpha"], w.graph.edges.data["xs"],
+                              strict=True) if len(s) > 4]
+    assert long and min(long) < 0.5  # edges down many rows are faint
