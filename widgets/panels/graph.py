@@ -52,7 +52,7 @@ LABEL_CHARS = 18
 #: edges going down more rows than this are drawn faint (masks, views read far below)
 LONG_SPAN = 4
 #: most frames labelled when they are many (the outer ones are always labelled)
-MAX_FRAME_LABELS = 60
+MAX_FRAME_LABELS = 150
 #: rows shown when the view is fitted (deeper graphs: the top rows, pan or zoom out for more)
 FIT_ROWS = 30
 
@@ -180,9 +180,9 @@ class GraphPanel(Panel):
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
         p.quad(left="left", right="right", top="top", bottom="bottom", source=self.frames,
                fill_color="#4c6a92", fill_alpha=0.05, line_color="#8da0b8", line_width=1)
-        p.add_layout(LabelSet(x="left", y="top", text="label", source=self.frames,
+        p.add_layout(LabelSet(x="left", y="ly", text="label", source=self.frames,
                               text_font_size="size", text_font_style="bold",
-                              text_color="#3b5070", text_baseline="bottom", x_offset=2))
+                              text_color="#3b5070", text_baseline={"field": "anchor"}, x_offset=2))
         p.multi_line("xs", "ys", source=self.edges, line_color="color", line_width="width",
                      line_dash="dash", line_alpha="alpha")
         r = p.rect("x", "y", width=1.6, height=0.6, source=self.nodes, fill_color="color",
@@ -243,7 +243,8 @@ class GraphPanel(Panel):
         if len(xs):
             w = max(float(xs.max() - xs.min()), 4.0) + 3  # narrow graphs: centred, readable
             mid = (float(xs.max()) + float(xs.min())) / 2
-            top = float(ys.max()) + 0.8
+            tops = self.frames.data["top"]  # room for the outermost frame's label
+            top = max([float(ys.max()) + 0.8, *(t + 0.6 for t in tops)])
             self._set_ranges(mid - w / 2, mid + w / 2, top - min(top - float(ys.min()) + 1,
                                                                FIT_ROWS), top, reset=True)
 
@@ -356,10 +357,11 @@ class GraphPanel(Panel):
 
     def frame_columns(self) -> dict[str, list]:
         """A rectangle around the items of each expanded module, labelled with its name (the
-        outermost always; all of them when there are at most ``MAX_FRAME_LABELS``)."""
+        outermost always; all of them when there are at most ``MAX_FRAME_LABELS``) over its
+        top or under its bottom left corner."""
         frames = self._frames
         cols: dict[str, list] = {k: [] for k in ("left", "right", "top", "bottom", "label",
-                                                 "size")}
+                                                 "size", "ly", "anchor")}
         inner = frame_depths(frames)
         for f, below in zip(frames, inner, strict=True):
             xs = [self._xy[k][0] for k in f.members]
@@ -372,6 +374,11 @@ class GraphPanel(Panel):
             shown = f.nest == 0 or len(frames) <= MAX_FRAME_LABELS
             cols["label"].append(f.label if shown else "")
             cols["size"].append("10pt" if f.nest == 0 else "8pt")
+            # a frame and the first frame in it start at the same corner: their labels go
+            # over the top and under the bottom in turn
+            top = f.nest % 2 == 0
+            cols["ly"].append(cols["top"][-1] if top else cols["bottom"][-1])
+            cols["anchor"].append("bottom" if top else "top")
         return cols
 
     def edge_dynamic_columns(self, devices: list[str]) -> dict[str, list]:
