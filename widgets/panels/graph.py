@@ -1,10 +1,12 @@
 """The graph picture: items colored by device, edges across devices in red, selection tools.
 
 Nodes are the session's view items (modules, blocks or ops, see :mod:`widgets.graphview`),
-placed top-down by dependency level. Clicking, box- or lasso-selecting items selects them in
-the session; the expand/collapse buttons, the depth box and the find box change which items
-are shown. Only nodes have a hover text (edges are summed up in it): a hover over a node
-never opens the texts of the edges that end at it.
+placed in rows top-down by dependency, with edges routed between the items of the rows they
+skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lasso-selecting
+items selects them in the session; the expand/collapse buttons, the depth box and the find
+box change which items are shown, and each change re-fits the view (the reset tool comes
+back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
+up in it): a hover over a node never opens the texts of the edges that end at it.
 """
 
 from __future__ import annotations
