@@ -6,8 +6,8 @@ bottom its ops. Items with too many children are shown in blocks, so even a 100,
 draws a few hundred items at a time. Parameters, buffers and inputs travel with the op that
 first uses them (:meth:`explorer.OpGraph.owner`).
 
-Items are laid out top to bottom by dependency level (y = -level, where an item's level is one
-more than the deepest item it depends on) and spread out side by side within a level.
+Items are laid out top to bottom in rows by dependency, with edges routed between them
+(:mod:`widgets.layout`); the expanded modules are drawn as frames around their items.
 """
 
 from __future__ import annotations
@@ -18,9 +18,20 @@ from dataclasses import dataclass
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
+from widgets.layout import Layout, layered_layout
 
 #: most items an expanded item shows before its children are grouped into blocks
 MAX_CHILDREN = 120
+
+
+@dataclass(frozen=True)
+class Frame:
+    """An expanded module (or block) drawn around the items it shows."""
+
+    key: str
+    label: str
+    nest: int  # how many frames it is in
+    members: tuple[int, ...]  # positions of its items
 
 
 @dataclass(frozen=True)
@@ -303,24 +314,43 @@ class GraphView:
                 out[a, z] += b
         return dict(out)
 
-    def layout(self, edges: dict[tuple[int, int], int] | None = None
-               ) -> list[tuple[float, float]]:
-        """(x, y) of every item: y = -dependency level, x spread within the level."""
-        edges = self.edges() if edges is None else edges
-        preds: dict[int, list[int]] = defaultdict(list)
-        for a, z in edges:
-            preds[z].append(a)
-        level = [0] * len(self.items)
-        for k in range(len(self.items)):  # items are in topological order
-            ps = [level[a] for a in preds.get(k, ()) if a < k]
-            level[k] = max(ps) + 1 if ps else 0
-        width: dict[int, int] = defaultdict(int)
-        for lv in level:
-            width[lv] += 1
-        seen: dict[int, int] = defaultdict(int)
+    def layout(self, edges: dict[tuple[int, int], int] | None = None) -> Layout:
+        """Where the items and edges go: rows by dependency, edges routed between the items
+        (:func:`widgets.layout.layered_layout`)."""
+        return layered_layout(len(self.items), self.edges() if edges is None else edges)
+
+    def frames(self) -> list[Frame]:
+        """The expanded modules and blocks that have items shown: each is drawn as a frame
+        around its items, outermost first (runs of ops outside any module get none)."""
+        members: dict[str, list[int]] = defaultdict(list)
+        for k, it in enumerate(self.items):
+            cut = it.key.find("/", 1)
+            while cut > 0:
+                members[it.key[:cut]].append(k)
+                cut = it.key.find("/", cut + 1)
         out = []
-        for lv in level:
-            x = seen[lv] - (width[lv] - 1) / 2
-            seen[lv] += 1
-            out.append((x * 2.0, -float(lv)))
+        for key in sorted(members, key=lambda k: (k.count("/"), members[k][0])):
+            last = key.rsplit("/", 1)[-1]
+            if last.startswith("m:ops@"):
+                continue
+            if last.startswith("m:"):
+                label = last[2:].rsplit("@", 1)[0]
+            else:  # a block of consecutive items: its first and last op
+                first, end = (self.graph.nodes[int(i)].name for i in last[2:].split("-"))
+                label = f"{first} .. {end}"
+            out.append(Frame(key, label, key.count("/") - 1, tuple(members[key])))
         return out
+
+
+def frame_depths(frames: list[Frame]) -> list[int]:
+    """How many levels of frames each frame holds (0: none inside it), so outer frames get
+    a wider margin than the ones they hold."""
+    below = [0] * len(frames)
+    where = {f.key: k for k, f in enumerate(frames)}
+    for k in range(len(frames) - 1, -1, -1):  # innermost first (frames: outermost first)
+        up = frames[k].key.rsplit("/", 1)[0]
+        while up and up not in where:  # the nearest frame around it
+            up = up.rsplit("/", 1)[0]
+        if up:
+            below[where[up]] = max(below[where[up]], below[k] + 1)
+    return below

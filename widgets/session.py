@@ -28,15 +28,14 @@ from explorer.core.graph import OpGraph
 from explorer.core.units import MiB
 from explorer.models.builtin import BuiltinModel
 from explorer.partition import algorithm as get_algorithm
+from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
 from widgets.edits import count_label, first_device, placed_on, targets, with_owned
 from widgets.graphview import GraphView
 
 #: how many edits undo remembers
 HISTORY = 200
-#: partitioners tried when a session opens without a plan (each takes well under a second)
 #: most ops "expand all" draws one by one
 EXPAND_ALL_OPS = 3000
-QUICK_BASELINES = ("single", "data-parallel", "even-layers", "balanced-params")
 
 
 @dataclass(frozen=True)
@@ -75,23 +74,17 @@ def check_type(value: Any, kind: type, what: str, example: str) -> None:
 
 def auto_plan(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel
               ) -> tuple[ex.Plan | None, str]:
-    """The fastest quick baseline (``QUICK_BASELINES``) that fits and can run, with a line
-    saying which it is; (None, "") on one device (everything goes on it)."""
+    """The fastest quick baseline that fits and can run
+    (:func:`explorer.partition.quick.fastest_quick_baseline`), with a line saying which it
+    is; (None, "") on one device (everything goes on it)."""
     if len(cluster.ids) < 2:
         return None, ""
-    scored = []
-    for name in QUICK_BASELINES:
-        try:
-            plan = ex.partition(graph, cluster, costs, name)
-        except ExplorerError:
-            continue
-        pred = ex.simulate(graph, plan, costs)
-        scored.append((not pred.fits, bool(run_problem(graph, plan)), pred.step_s, name, plan))
-    if not scored:
+    best = fastest_quick_baseline(graph, cluster, costs, lambda p: run_problem(graph, p))
+    if best is None:
         return None, ""
-    *_, name, plan = min(scored, key=lambda t: t[:3])
-    return plan, (f"opened with the {name} plan, the fastest of the quick baselines "
-                  f"({', '.join(QUICK_BASELINES)}); solve for better ones under partitioners")
+    return best.plan, (f"opened with the {best.name} plan, the fastest of the quick baselines "
+                       f"({', '.join(QUICK_BASELINES)}); solve for better ones under "
+                       "partitioners")
 
 
 def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:

@@ -39,6 +39,21 @@ def format_seconds(s: float) -> str:
     return f"{s * 1e6:,.1f} us"
 
 
+def format_flops(x: float) -> str:
+    """A FLOP count in the largest decimal unit that keeps the number >= 1.
+
+    >>> format_flops(5.45e7)
+    '54.5 MFLOP'
+    >>> format_flops(512)
+    '512 FLOP'
+    """
+    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
+                    ("kFLOP", 1e3)):
+        if abs(x) >= k:
+            return f"{x / k:,.1f} {unit}"
+    return f"{x:,.0f} FLOP"
+
+
 def format_flops_rate(x: float) -> str:
     """``2e12`` -> ``'2.0 TFLOP/s'``."""
     return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"

@@ -33,6 +33,19 @@ cl = ex.Cluster.preset("2xH100")
 w = Explorer(g, roofline_costs(g, cl), ex.Plan.single(g, cl.ids[0]), height=420)
 w"""
 
+#: a 660-op model (ten copies of the tiny GPT, module paths kept) on four H100s, opened with
+#: the plan the explorer picks
+LARGE = """\
+import explorer as ex
+from explorer.models.synthetic import replicated, roofline_costs
+from widgets import Explorer
+bm = ex.builtin_model("gpt", "tiny")
+g = replicated(ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt"),
+               1000)
+cl = ex.Cluster.preset("4xH100")
+w = Explorer(g, roofline_costs(g, cl), height=640)
+w"""
+
 KERNEL_IDLE = """() => {
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session
@@ -55,6 +68,15 @@ ITEM_XY = """(key) => {
 }"""
 
 
+#: a column of the graph's items as BokehJS has it (what the picture draws)
+ITEM_COLUMN = """(col) => {
+  const v = [...Bokeh.index.all_views()].find(v => v.model && v.model.name === 'pe-graph-plot');
+  if (!v) return null;
+  const src = v.model.renderers.map(r => r.data_source).find(s => s && s.data.key);
+  return [...src.data[col]];
+}"""
+
+
 def launch(playwright):
     """Debian's Chromium, headless, offline."""
     return playwright.chromium.launch(
@@ -63,10 +85,10 @@ def launch(playwright):
               "--disable-component-update", "--disable-sync"])
 
 
-def open_and_run(page, url: str) -> None:
-    """Open the test notebook in JupyterLab and run its cells."""
+def open_and_run(page, url: str, notebook: str = "explorer_test.ipynb") -> None:
+    """Open a test notebook in JupyterLab and run its cells."""
     page.set_default_timeout(120_000)
-    page.goto(f"{url}/lab/tree/explorer_test.ipynb?reset")
+    page.goto(f"{url}/lab/tree/{notebook}?reset")
     page.wait_for_function(KERNEL_IDLE)
     no_news = page.get_by_role("button", name="No")  # JupyterLab's news question
     if no_news.count():
@@ -94,11 +116,12 @@ def lab(tmp_path_factory):
     import nbformat
 
     root = tmp_path_factory.mktemp("lab")
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(SETUP)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, root / "explorer_test.ipynb")
+    for name, code in (("explorer_test.ipynb", SETUP), ("explorer_large.ipynb", LARGE)):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(code)]
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nbformat.write(nb, root / name)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -281,5 +304,84 @@ def test_reloaded_page_narrow_window_find_and_messages_next_to_controls(lab):
             assert "UnboundLocalError" not in page.locator(".pe-message-run").inner_text()
             page.wait_for_function(KERNEL_IDLE)
             page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-narrow.png"))
+        finally:
+            browser.close()
+
+
+def test_a_660_op_model_opens_expands_all_and_an_assignment_recolours_it(lab):
+    """Ten copies of the tiny GPT (660 ops) on four H100s: the explorer opens with its
+    automatic plan, every op is drawn after "expand all", and moving a module to another
+    device recolours it in the page. explorer-large-all.png is the README's screenshot
+(docs/explorer.png)."""
+    from playwright.sync_api import sync_playwright
+
+    import explorer as ex
+    from explorer.models.synthetic import replicated, roofline_costs
+    from widgets import Session
+    from widgets.graphview import GraphView
+
+    url, _root = lab
+    bm = ex.builtin_model("gpt", "tiny")
+    g = replicated(ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
+                              name="gpt"), 1000)
+    cl = ex.Cluster.preset("4xH100")
+    expected = Session.open(g, roofline_costs(g, cl))
+    assert len(g.ops) > 500 and len(expected.plan.stages) > 1
+    module = "copy0.blocks.1.mlp"
+    target = next(d for d in cl.ids
+                  if d != expected.device_label(expected.view.names(expected.select([module]))[0]))
+    expected.assign(expected.selected_names, target)
+    every_op = GraphView(g)  # what the page shows after "expand all"
+    every_op.expand_all()
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1500})
+            open_and_run(page, url, "explorer_large.ipynb")
+            page.locator(".pe-estimate .pe-step").wait_for()
+            page.wait_for_function("() => typeof Bokeh !== 'undefined' && "
+                                   "[...Bokeh.index.all_views()].some(v => v.model && "
+                                   "v.model.name === 'pe-graph-plot')")
+            page.locator(".pe-message-top", has_text="opened with the").wait_for()
+            page.locator("button.pe-expand-all").click()
+            page.wait_for_function(f"() => (({ITEM_COLUMN})('key') || []).length === "
+                                   f"{len(g.ops)}")
+            page.wait_for_function(KERNEL_IDLE)
+            frames = page.evaluate("""() => {
+              const v = [...Bokeh.index.all_views()].find(
+                v => v.model && v.model.name === 'pe-graph-plot');
+              const src = v.model.renderers.map(r => r.data_source).find(
+                s => s && s.data.label && s.data.left);
+              return [...src.data.label].filter(t => t);
+            }""")
+            assert {f"copy{c}" for c in range(10)} <= set(frames)
+            page.wait_for_timeout(500)
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-large-all.png"))
+
+            find = page.locator(".pe-find input")
+            find.fill(module)
+            find.press("Enter")
+            page.locator(".pe-message-side", has_text="found 1 match").wait_for()
+            page.locator(".pe-selection", has_text="3 ops").wait_for()
+            page.locator("button.pe-zoom").click()
+            page.locator(".pe-target select").select_option(target)
+            page.locator("button.pe-assign").click()
+            page.wait_for_function(
+                "(v) => { const e = document.querySelector('.pe-estimate .pe-step');"
+                " return e && e.dataset.value === v; }", arg=repr(expected.prediction.step_s))
+            keys = page.evaluate(ITEM_COLUMN, "key")
+            devices = page.evaluate(ITEM_COLUMN, "device")
+            moved = [devices[keys.index(it.key)] for it in every_op.items
+                     if g.nodes[it.ops[0]].module_path.startswith(module)]
+            assert len(moved) == 3 and set(moved) == {target}
+            page.wait_for_timeout(500)
+            page.locator(".pe-graph").screenshot(path=str(OUT / "explorer-large-zoomed.png"))
+            page.wait_for_function(KERNEL_IDLE)
+            page.locator("button.pe-expand-to").click()  # depth 2: the copies' blocks
+            page.wait_for_function(f"() => (({ITEM_COLUMN})('key') || []).length < 200")
+            page.wait_for_timeout(800)
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-large-depth2.png"))
         finally:
             browser.close()

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import time
 
 import pytest
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
-from explorer.models.synthetic import layered_dag, roofline_costs
+from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets import Session
-from widgets.graphview import MAX_CHILDREN, GraphView
+from widgets.graphview import MAX_CHILDREN, GraphView, frame_depths
+from widgets.layout import ITEM_H, ITEM_W, layered_layout
 
 
 @pytest.fixture(scope="module")
@@ -200,10 +203,51 @@ def test_view_groups_by_module_and_expands_to_ops(gpt):
     assert len(v.items) < len(gpt.ops)
     v.collapse_all()
     assert [it.label for it in v.items] == top
-    xy = v.layout()
-    assert xy[0][1] == 0 and all(y <= 0 for _, y in xy)
+    xy = v.layout().xy
+    assert max(y for _, y in xy) == 0 and all(y <= 0 for _, y in xy)
     for (a, z) in v.edges():  # every edge points down the page
         assert xy[z][1] < xy[a][1]
+
+
+def overlaps(x: float, y0: float, y1: float, xy, skip) -> list[int]:
+    """Items whose box a vertical line at x from y0 down to y1 passes through."""
+    return [k for k, (cx, cy) in enumerate(xy) if k not in skip
+            and abs(x - cx) < ITEM_W / 2 and cy - ITEM_H / 2 < y0 and y1 < cy + ITEM_H / 2]
+
+
+def test_layout_rows_route_long_edges_between_items_and_frame_modules(gpt):
+    g = replicated(layered_dag(60, seed=1), 700)  # ~600 ops, edges skipping many rows
+    v = GraphView(g)
+    v.expand_all()
+    edges = v.edges()
+    lay = layered_layout(len(v.items), edges)
+    xy = lay.xy
+    for r in {y for _, y in xy}:  # no two items of a row overlap
+        xs = sorted(x for x, y in xy if y == r)
+        assert all(b - a >= ITEM_W for a, b in itertools.pairwise(xs))
+    long = [e for e in edges if lay.span[e] > 1]
+    assert len(long) > 50
+    for a, z in edges:
+        xs, ys = lay.routes[a, z]
+        assert (xs[0], ys[0]) == (xy[a][0], xy[a][1] - ITEM_H / 2)  # from the bottom of a
+        assert (xs[-1], ys[-1]) == (xy[z][0], xy[z][1] + ITEM_H / 2)  # to the top of z
+        assert all(y1 <= y0 for y0, y1 in itertools.pairwise(ys))  # always down the page
+        # through each row it skips, it runs between that row's items, not under one
+        for k in range(1, len(xs) - 1, 2):
+            assert xs[k] == xs[k + 1] and not overlaps(xs[k], ys[k], ys[k + 1], xy, {a, z})
+    # the expanded modules are frames around their items, outermost first
+    frames = v.frames()
+    assert frames[0].nest == 0 and frames[0].label == "copy0"
+    assert {f.label for f in frames if f.nest == 0} >= {"copy0", "copy1"}
+    v = GraphView(gpt)
+    v.expand_all()
+    frames = {f.label: f for f in v.frames()}
+    assert frames["blocks"].nest == 0 and frames["blocks.0"].nest == 1
+    assert set(frames["blocks.0.attn"].members) < set(frames["blocks.0"].members)
+    assert frame_depths(list(frames.values()))[0] == 2  # blocks > blocks.0 > blocks.0.attn
+    t0 = time.perf_counter()
+    layered_layout(len(lay.xy), edges)
+    assert time.perf_counter() - t0 < 1.0  # ~50 ms; benchmarks/editing.py measures it
 
 
 def test_large_graphs_are_drawn_in_blocks():
@@ -552,3 +596,44 @@ def test_bokehjs_goes_with_every_display(widget):
 
     js = bokehjs_bundle()["application/javascript"]
     assert js.startswith("if (typeof window.Bokeh === 'undefined'") and len(js) > 1e6
+
+
+def test_reset_returns_to_the_current_view_zoom_to_selection_and_module_labels(gpt):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+
+    g = replicated(gpt, 1000)  # ~660 ops in ten copies of the model
+    cl = ex.Cluster.preset("4xH100")
+    w = Explorer(g, roofline_costs(g, cl))
+    fig = w.graph.figure
+
+    def ranges():
+        return (fig.x_range.start, fig.x_range.end, fig.y_range.start, fig.y_range.end)
+
+    def resets():
+        return (fig.x_range.reset_start, fig.x_range.reset_end, fig.y_range.reset_start,
+                fig.y_range.reset_end)
+
+    assert ranges() == resets()
+    w.session.expand_all()
+    assert len(w.session.view.items) > 600
+    assert ranges() == resets()  # re-fitted after expanding: reset comes back here
+    ys = w.graph.nodes.data["y"]
+    assert fig.y_range.end > max(ys) and fig.y_range.start > min(ys)  # the top rows
+    fitted = ranges()
+    w.graph.zoom_button.click()  # nothing selected: says what to do
+    assert "select the items to zoom to" in w.message
+    w.select(["copy5.blocks.1.mlp"])
+    w.graph.zoom_button.click()
+    x0, x1, y0, y1 = ranges()
+    for k in w.session.selected:
+        assert x0 < w.graph.nodes.data["x"][k] < x1 and y0 < ys[k] < y1
+    assert y1 - y0 < 10 and resets() == fitted
+    # every copy's frame is labelled, though only 150 items are
+    frames = w.graph.frames.data
+    labelled = {t for t in frames["label"] if t}
+    assert {f"copy{c}" for c in range(10)} <= labelled
+    assert sum(1 for t in w.graph.nodes.data["short"] if t) == 150
+    long = [a for a, s in zip(w.graph.edges.data["alpha"], w.graph.edges.data["xs"],
+                              strict=True) if len(s) > 4]
+    assert long and min(long) < 0.5  # edges down many rows are faint

@@ -53,15 +53,6 @@ def wrapping(children: list[W.Widget]) -> W.HBox:
     return W.HBox(children, layout=W.Layout(flex_flow="row wrap", align_items="center"))
 
 
-def format_flops(x: float) -> str:
-    """``5.45e7`` -> ``'54.5 MFLOP'``: the largest decimal unit that keeps the number >= 1."""
-    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
-                    ("kFLOP", 1e3)):
-        if abs(x) >= k:
-            return f"{x / k:,.1f} {unit}"
-    return f"{x:,.0f} FLOP"
-
-
 def bokeh_widget(model: Any, css: str = "") -> W.Widget:
     """A bokeh model as an ipywidget (jupyter_bokeh), with a CSS class to find it by."""
     w = BokehModel(model)

@@ -1,10 +1,12 @@
 """The graph picture: items colored by device, edges across devices in red, selection tools.
 
 Nodes are the session's view items (modules, blocks or ops, see :mod:`widgets.graphview`),
-placed top-down by dependency level. Clicking, box- or lasso-selecting items selects them in
-the session; the expand/collapse buttons, the depth box and the find box change which items
-are shown. Only nodes have a hover text (edges are summed up in it): a hover over a node
-never opens the texts of the edges that end at it.
+placed in rows top-down by dependency, with edges routed between the items of the rows they
+skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lasso-selecting
+items selects them in the session; the expand/collapse buttons, the depth box and the find
+box change which items are shown, and each change re-fits the view (the reset tool comes
+back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
+up in it): a hover over a node never opens the texts of the edges that end at it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from bokeh.models import (
 )
 from bokeh.plotting import figure
 
-from explorer.core.units import format_bytes, format_seconds
-from widgets.graphview import Item
-from widgets.panels.base import Panel, bokeh_widget, button, format_flops, swatch
+from explorer.core.errors import ExplorerError
+from explorer.core.units import format_bytes, format_flops, format_seconds
+from widgets.graphview import Item, frame_depths
+from widgets.layout import ITEM_H, ITEM_W
+from widgets.panels.base import Panel, bokeh_widget, button, swatch
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
@@ -47,6 +51,12 @@ FIND_OPTIONS = 5000
 MAX_LABELS = 150
 #: characters of a label drawn on the graph
 LABEL_CHARS = 18
+#: edges going down more rows than this are drawn faint (masks, views read far below)
+LONG_SPAN = 4
+#: most frames labelled when they are many (the outer ones are always labelled)
+MAX_FRAME_LABELS = 150
+#: rows shown when the view is fitted (deeper graphs: the top rows, pan or zoom out for more)
+FIT_ROWS = 30
 
 
 def short_label(label: str, width: int = LABEL_CHARS) -> str:
@@ -115,6 +125,7 @@ class GraphPanel(Panel):
         self._relayout()
         self.nodes = ColumnDataSource(self.node_columns())
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
+        self.frames = ColumnDataSource(self.frame_columns())
         self.figure = self._draw(backend, height)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
@@ -139,6 +150,10 @@ class GraphPanel(Panel):
         self.collapse_all_button = button(s, "collapse all", "show the top-level modules only",
                                           lambda *_: s.collapse_all(), "pe-collapse-all",
                                           where="side")
+        self.zoom_button = button(s, "zoom to selection", "show the selected items close up "
+                                  "(the reset tool goes back to the whole view)",
+                                  lambda *_: self.zoom_to_selection(), "pe-zoom",
+                                  where="side")
         self.depth = W.BoundedIntText(value=2, min=1, max=64, description="depth",
                                       style={"description_width": "initial"},
                                       layout=W.Layout(width="110px"))
@@ -155,7 +170,7 @@ class GraphPanel(Panel):
         wrap = W.Layout(flex_flow="row wrap")
         self.controls = W.VBox([
             W.HBox([self.expand_button, self.collapse_button, self.expand_all_button,
-                    self.collapse_all_button], layout=wrap),
+                    self.collapse_all_button, self.zoom_button], layout=wrap),
             W.HBox([self.depth, self.depth_button], layout=wrap), self.find])
 
     def _draw(self, backend: str, height: int) -> Any:
@@ -165,8 +180,13 @@ class GraphPanel(Panel):
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
-        p.segment("x0", "y0", "x1", "y1", source=self.edges, line_color="color",
-                  line_width="width", line_dash="dash", line_alpha=0.75)
+        p.quad(left="left", right="right", top="top", bottom="bottom", source=self.frames,
+               fill_color="#4c6a92", fill_alpha=0.05, line_color="#8da0b8", line_width=1)
+        p.add_layout(LabelSet(x="left", y="ly", text="label", source=self.frames,
+                              text_font_size="size", text_font_style="bold",
+                              text_color="#3b5070", text_baseline={"field": "anchor"}, x_offset=2))
+        p.multi_line("xs", "ys", source=self.edges, line_color="color", line_width="width",
+                     line_dash="dash", line_alpha="alpha")
         r = p.rect("x", "y", width=1.6, height=0.6, source=self.nodes, fill_color="color",
                    line_color="line", line_width="lw", hatch_pattern="hatch",
                    hatch_color="white", hatch_alpha=0.6)
@@ -198,6 +218,7 @@ class GraphPanel(Panel):
             self.nodes.selected.indices = []
             self.nodes.data = data
             self.edges.data = self.edge_columns(data["device"])
+            self.frames.data = self.frame_columns()
             self._fit_ranges()
         elif what in ("plan", "costs"):
             dynamic = self.dynamic_columns()
@@ -210,19 +231,42 @@ class GraphPanel(Panel):
         """Recompute what depends on the items shown only: edges, positions, edge sizes."""
         v = self.session.view
         self._item_edges = v.edges()
-        self._xy = v.layout(self._item_edges)
+        self._layout = v.layout(self._item_edges)
+        self._xy = self._layout.xy
+        self._frames = v.frames()
         self._edge_text = [format_bytes(b) for b in self._item_edges.values()]
         self._time_cache: dict[tuple[int, str], str] = {}
 
     def _fit_ranges(self) -> None:
+        """Fit the view to the items shown (the top ``FIT_ROWS`` rows of a deep graph); the
+        reset tool comes back to this view."""
         xs = np.asarray(self.nodes.data["x"], dtype=float)
         ys = np.asarray(self.nodes.data["y"], dtype=float)
         if len(xs):
             w = max(float(xs.max() - xs.min()), 4.0) + 3  # narrow graphs: centred, readable
             mid = (float(xs.max()) + float(xs.min())) / 2
-            self.figure.x_range.start, self.figure.x_range.end = mid - w / 2, mid + w / 2
-            shown = min(-float(ys.min()) + 1, 30)  # deep graphs: the top, pan down for more
-            self.figure.y_range.start, self.figure.y_range.end = -shown, 0.8
+            tops = self.frames.data["top"]  # room for the outermost frame's label
+            top = max([float(ys.max()) + 0.8, *(t + 0.6 for t in tops)])
+            self._set_ranges(mid - w / 2, mid + w / 2, top - min(top - float(ys.min()) + 1,
+                                                               FIT_ROWS), top, reset=True)
+
+    def _set_ranges(self, x0: float, x1: float, y0: float, y1: float, reset: bool) -> None:
+        xr, yr = self.figure.x_range, self.figure.y_range
+        xr.start, xr.end, yr.start, yr.end = x0, x1, y0, y1
+        if reset:
+            xr.reset_start, xr.reset_end, yr.reset_start, yr.reset_end = x0, x1, y0, y1
+
+    def zoom_to_selection(self) -> None:
+        """Show the selected items close up; the reset tool returns to the fitted view."""
+        sel = self.session.selected
+        if not sel:
+            raise ExplorerError("select the items to zoom to first (click, box or lasso)")
+        xs = [self._xy[k][0] for k in sel]
+        ys = [self._xy[k][1] for k in sel]
+        w = max(max(xs) - min(xs) + ITEM_W + 2, 6.0)
+        h = max(max(ys) - min(ys) + ITEM_H + 1.5, 4.0)
+        cx, cy = (max(xs) + min(xs)) / 2, (max(ys) + min(ys)) / 2
+        self._set_ranges(cx - w / 2, cx + w / 2, cy - h / 2, cy + h / 2, reset=False)
 
     # -- events --------------------------------------------------------------------------
     def _on_select(self, attr, old, new) -> None:
@@ -306,33 +350,60 @@ class GraphPanel(Panel):
         return cols
 
     def edge_columns(self, devices: list[str]) -> dict[str, Any]:
-        """One segment per pair of connected items; edges across devices are red and wide."""
-        pairs = list(self._item_edges)
-        xy = self._xy
-        x0 = np.array([xy[a][0] for a, _ in pairs], dtype=float)
-        y0 = np.array([xy[a][1] - 0.3 for a, _ in pairs], dtype=float)
-        x1 = np.array([xy[z][0] for _, z in pairs], dtype=float)
-        y1 = np.array([xy[z][1] + 0.3 for _, z in pairs], dtype=float)
-        return {"x0": x0, "y0": y0, "x1": x1, "y1": y1, **self.edge_dynamic_columns(devices)}
+        """One polyline per pair of connected items, routed between the rows' items
+        (:mod:`widgets.layout`); edges across devices are red and wide, long ones faint."""
+        routes = self._layout.routes
+        return {"xs": [routes[e][0] for e in self._item_edges],
+                "ys": [routes[e][1] for e in self._item_edges],
+                **self.edge_dynamic_columns(devices)}
+
+    def frame_columns(self) -> dict[str, list]:
+        """A rectangle around the items of each expanded module, labelled with its name (the
+        outermost always; all of them when there are at most ``MAX_FRAME_LABELS``) over its
+        top or under its bottom left corner."""
+        frames = self._frames
+        cols: dict[str, list] = {k: [] for k in ("left", "right", "top", "bottom", "label",
+                                                 "size", "ly", "anchor")}
+        inner = frame_depths(frames)
+        for f, below in zip(frames, inner, strict=True):
+            xs = [self._xy[k][0] for k in f.members]
+            ys = [self._xy[k][1] for k in f.members]
+            pad = 0.12 * (1 + below)
+            cols["left"].append(min(xs) - ITEM_W / 2 - pad)
+            cols["right"].append(max(xs) + ITEM_W / 2 + pad)
+            cols["top"].append(max(ys) + ITEM_H / 2 + pad)
+            cols["bottom"].append(min(ys) - ITEM_H / 2 - pad)
+            shown = f.nest == 0 or len(frames) <= MAX_FRAME_LABELS
+            cols["label"].append(f.label if shown else "")
+            cols["size"].append("10pt" if f.nest == 0 else "8pt")
+            # a frame and the first frame in it start at the same corner: their labels go
+            # over the top and under the bottom in turn
+            top = f.nest % 2 == 0
+            cols["ly"].append(cols["top"][-1] if top else cols["bottom"][-1])
+            cols["anchor"].append("bottom" if top else "top")
+        return cols
 
     def edge_dynamic_columns(self, devices: list[str]) -> dict[str, list]:
         """Color, width and hover text of the edges, given each item's device label."""
         costs = self.session.costs
-        color, width, dash, label = [], [], [], []
+        span = self._layout.span
+        color, width, dash, alpha, label = [], [], [], [], []
         for ((a, z), b), txt in zip(self._item_edges.items(), self._edge_text, strict=True):
             da, dz = devices[a], devices[z]
             if crosses(da, dz, b):
                 t = costs.transfer_s(da.split("+")[0], dz.split("+")[0], b)
                 color.append(CROSS)
-                width.append(3.0)
+                width.append(2.5)
                 dash.append("dashed")
+                alpha.append(0.9)
                 label.append(f"{txt} across devices, {da} -> {dz}: {format_seconds(t)}")
             else:
-                color.append("#999999")
+                color.append("#888888")
                 width.append(1.0)
                 dash.append("solid")
+                alpha.append(0.25 if span[a, z] > LONG_SPAN else 0.7)
                 label.append(f"{txt} on {da}")
-        return {"color": color, "width": width, "dash": dash, "label": label}
+        return {"color": color, "width": width, "dash": dash, "alpha": alpha, "label": label}
 
     def _item_device(self, it: Item) -> tuple[str, str, bool]:
         """(label, color, replicated) of an item from the plan's placement of its ops."""
