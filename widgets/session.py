@@ -90,15 +90,11 @@ def auto_plan(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel
 def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:
     """Why real steps of ``plan`` cannot run ("" when they can): the batch must split evenly
     over replicas x micro-batches, and only into parts when the graph's batch is dynamic."""
+    exported = graph.runtime is not None and graph.runtime.program is not None
     try:
-        plan.check_batch(graph.batch_size)
+        plan.check_runnable(graph.batch_size, batch_splits(graph) if exported else None)
     except ExplorerError as e:
         return str(e)
-    splits = max(len(st) for st in plan.stages) * plan.micro_batches
-    exported = graph.runtime is not None and graph.runtime.program is not None
-    if splits > 1 and exported and not batch_splits(graph):
-        return ("this model was exported with a fixed batch size, so a plan that splits the "
-                "batch (replicas or micro-batches) cannot run")
     return ""
 
 

@@ -332,6 +332,16 @@ class Plan:
                                 f"replicas x {self.micro_batches} micro-batches = {parts} parts, "
                                 "which does not divide it; change the batch size or the plan")
 
+    def check_runnable(self, batch_size: int, batch_splits: bool | None) -> None:
+        """What a real run needs of the batch: it divides over replicas x micro-batches
+        (:meth:`check_batch`), and it is split at all only where the graph's batch dimension
+        is dynamic (``batch_splits``; None when unknown, as for a graph not exported)."""
+        self.check_batch(batch_size)
+        splits = max(len(st) for st in self.stages) * self.micro_batches
+        if splits > 1 and batch_splits is False:
+            raise PlanError("this model was exported with a fixed batch size, so a plan that "
+                            "splits the batch (replicas or micro-batches) cannot run")
+
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

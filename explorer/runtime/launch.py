@@ -127,12 +127,10 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
-    plan.check_batch(graph.batch_size)
-    splits = max(len(st) for st in plan.stages) * plan.micro_batches
-    if splits > 1 and not batch_splits(graph):
-        raise PlanError("this model was exported with a fixed batch size, so a plan that "
-                        "splits the batch (replicas or micro-batches) cannot run; "
-                        f"{graph.notes[0] if graph.notes else ''}")
+    try:
+        plan.check_runnable(graph.batch_size, batch_splits(graph))
+    except PlanError as e:
+        raise PlanError("; ".join([str(e), *graph.notes[:1]])) from None
     dmap = device_override or device_map(plan, cluster)
     scored = costs if costs is not None else unit_costs(graph, plan)
     if cluster is not None and costs is not None and not force:

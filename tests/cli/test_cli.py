@@ -112,6 +112,7 @@ class TestPlan:
         (best,) = [line.split()[0] for line in out.splitlines() if " * " in line]
         assert out.endswith(f"\n* fastest plan that fits: {best}\n")
 
+    @pytest.mark.slow
     def test_json_with_a_plan_per_algorithm_and_out(self, capsys, tmp_path):
         path = tmp_path / "plan.json"
         rc, out, err = _run(capsys, *PLAN, "--devices", "cpu:2", "--algorithm", "all", "--json",

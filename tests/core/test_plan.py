@@ -87,6 +87,15 @@ class TestCheckBatch:
         two_stage.check_batch(8)
         two_stage.check_batch(4)
 
+    def test_a_fixed_batch_cannot_be_split_at_all(self, chain3, two_stage):
+        with pytest.raises(PlanError, match="exported with a fixed batch size"):
+            two_stage.check_runnable(8, batch_splits=False)
+        two_stage.check_runnable(8, batch_splits=True)
+        two_stage.check_runnable(8, batch_splits=None)  # unknown: the divisibility alone
+        with pytest.raises(PlanError, match="does not divide"):
+            two_stage.check_runnable(6, batch_splits=None)
+        Plan.single(chain3, "d:0").check_runnable(8, batch_splits=False)  # nothing to split
+
 
 class TestSaveLoad:
     def test_round_trip(self, chain3, two_stage, tmp_path):

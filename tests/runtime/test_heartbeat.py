@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from explorer.runtime import folders, heartbeat
 
 
@@ -48,6 +50,7 @@ def test_a_heartbeat_thread_beats(tmp_path):
     assert heartbeat.describe(tmp_path, 5) == "at step 8, waiting for rank 2"
 
 
+@pytest.mark.slow
 def test_job_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(folders.tempfile, "gettempdir", lambda: str(tmp_path))
     root = folders.jobs_root()
