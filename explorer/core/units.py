@@ -18,10 +18,7 @@ def format_bytes(nbytes: float) -> str:
     >>> format_bytes(12)
     '12 B'
     """
-    for unit, k in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(nbytes) >= k:
-            return f"{nbytes / k:,.1f} {unit}"
-    return f"{nbytes:,.0f} B"
+    return _in_largest_unit(nbytes, (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)), "B")
 
 
 def format_seconds(s: float) -> str:
@@ -47,11 +44,16 @@ def format_flops(x: float) -> str:
     >>> format_flops(512)
     '512 FLOP'
     """
-    for unit, k in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6),
-                    ("kFLOP", 1e3)):
+    return _in_largest_unit(x, (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9),
+                                ("MFLOP", 1e6), ("kFLOP", 1e3)), "FLOP")
+
+
+def _in_largest_unit(x: float, units: tuple[tuple[str, float], ...], base: str) -> str:
+    """``x`` in the first of ``units`` (largest first) it reaches, else whole ``base`` units."""
+    for unit, k in units:
         if abs(x) >= k:
             return f"{x / k:,.1f} {unit}"
-    return f"{x:,.0f} FLOP"
+    return f"{x:,.0f} {base}"
 
 
 def format_flops_rate(x: float) -> str:
