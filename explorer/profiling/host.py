@@ -146,12 +146,20 @@ def forget_message_s() -> None:
 
 
 def measure_message_s(steps: int = 8, warmup: int = 3) -> float:
-    """Run the probe (a few seconds) and return seconds per message per end.
+    """Run the probe (a few seconds) and return seconds per message per end: the extra busy
+    time of :func:`message_probe` per message, at least 0."""
+    messages, extra_busy_s = message_probe(steps, warmup)
+    return max(0.0, extra_busy_s / messages) if messages > 0 else 0.0
+
+
+def message_probe(steps: int = 8, warmup: int = 3) -> tuple[float, float]:
+    """The probe's two figures: how many message ends the plan has, and how much busy time
+    the ranks spent beyond the profile's prediction (seconds, summed over the ranks; noise can
+    make it negative).
 
     The built-in tiny MLP split in two stages with four micro-batches runs on two real CPU
-    ranks; the busy time the ranks spent beyond the profile's prediction, divided by the
-    messages they exchanged, is the cost (the two stages run different ops, which do not slow
-    each other measurably).
+    ranks; the two stages run different ops, which do not slow each other measurably, so the
+    extra busy time is the work of moving tensors.
     """
     bm = build("mlp", "tiny")
     graph = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="probe")
@@ -166,4 +174,4 @@ def measure_message_s(steps: int = 8, warmup: int = 3) -> float:
     probe = simulate(graph, plan, replace(costs, message_s=1e-3)).busy_s
     messages = sum((probe[d] - base[d]) / 1e-3 for d in base)
     extra = sum(meas.busy_s[d] - base[d] for d in base)
-    return max(0.0, extra / messages) if messages > 0 else 0.0
+    return messages, extra
