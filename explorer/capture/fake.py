@@ -32,7 +32,8 @@ FAKE_NOTE = ("captured without running the model (fake tensors: shapes, dtypes a
              "values): it can be planned and simulated but not run or measured; to run it, "
              "build it with real weights and capture with fake=False")
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
+#: frames in these folders are torch's or capture's own, never the model's code
+_NOT_USER = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
 
 
 def is_fake_graph(notes: tuple[str, ...]) -> bool:
@@ -99,7 +100,7 @@ def needs_real_data(exc: BaseException) -> CaptureError | None:
     else:
         lines = str(e).strip().splitlines()
         what = f"a Python branch on a tensor's value ({lines[0][:120] if lines else ''})"
-    where = _user_frame(e)
+    where = user_frame(e)
     return CaptureError(
         f"the model needs real data to trace: {what}{where} reads a tensor's value, which "
         f"fake tensors do not have ({type(e).__name__}). Capture it with real weights "
@@ -107,9 +108,11 @@ def needs_real_data(exc: BaseException) -> CaptureError | None:
         "torch._check(...) to state what a value satisfies, or torch.cond for a branch")
 
 
-def _user_frame(exc: BaseException) -> str:
+def user_frame(exc: BaseException) -> str:
+    """" at file.py:LINE (code)" of the innermost frame of the model's (or loss's) own code in
+    the traceback of ``exc``; "" when it passed through torch's and capture's code only."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR)]
+              if not f.filename.startswith(_NOT_USER)]
     if not frames:
         return ""
     f = frames[-1]

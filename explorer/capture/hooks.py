@@ -16,6 +16,7 @@ from explorer.capture.step import (
     WRAPPED,
     CaptureRuntime,
     TrainStep,
+    copies,
     dtype_name,
     nbytes,
     strip_wrapper,
@@ -59,16 +60,17 @@ def capture_hooks(step: TrainStep, inputs: tuple, targets: tuple, name: str) -> 
                       "param_bytes": sum(nbytes(p) for p in mod.parameters(recurse=False)),
                       "module": mod, "keep": outs})
 
-    input_ids = {id(t) for t in inputs}
+    run = copies((*inputs, *targets))  # a model may change its inputs in place: run on copies
+    input_ids = {id(t) for t in run[:len(inputs)]}
     for m in leaves:
         hooks.append(m.register_forward_hook(hook))
     try:
         with FlopCounterMode(display=False) as both:  # backward is attributed to modules
-            loss = step(*inputs, *targets)            # only when forward ran in the same mode
+            loss = step(*run)                         # only when forward ran in the same mode
             loss.backward()
         hooks_off = [h.remove() for h in hooks]
         with torch.no_grad(), FlopCounterMode(display=False) as fwd:
-            step(*inputs, *targets)
+            step(*copies((*inputs, *targets)))
     finally:
         for h in hooks:
             h.remove()

@@ -50,6 +50,12 @@ def tensors_of(x: Any) -> list[torch.Tensor]:
     return out
 
 
+def copies(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Detached copies (same requires_grad) of a batch: a model that changes its inputs in
+    place (``x.mul_(3)``) changes these, never the caller's tensors or the recorded batch."""
+    return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

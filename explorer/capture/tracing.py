@@ -37,6 +37,7 @@ from explorer.capture.replay import ReplayCache, replay
 from explorer.capture.step import (
     CaptureRuntime,
     TrainStep,
+    copies,
     dtype_name,
     keep_buffers,
     nbytes,
@@ -45,6 +46,7 @@ from explorer.capture.step import (
     tensors_of,
     training_mode,
 )
+from explorer.capture.trial import check_runs, first_line
 from explorer.core.errors import CaptureError, InputMismatchError
 from explorer.core.graph import OpGraph, OpNode
 
@@ -91,27 +93,28 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         if fake or meta:
             return _capture_fake(step, model, inputs, tgts, name)
         check_fits(model)
-        return _capture(step, model, inputs, tgts, name)
+        # the example batch kept with the graph is a copy: the caller's tensors stay theirs
+        return _capture(step, model, copies(inputs), copies(tgts), name)
 
 
 def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
              name: str) -> OpGraph:
-    with keep_buffers(model):
-        _check_runs(step, inputs, tgts)
+    with keep_buffers(model):  # runs on copies: the recorded batch keeps its values
+        check_runs(step, copies(inputs), copies(tgts))
     notes: tuple[str, ...] = ()
     try:
         with _quiet_torch():
-            program = _export(step, (*inputs, *tgts))
+            program = _export(step, copies((*inputs, *tgts)))
         notes = _batch_notes(program)
     except Exception as exc:
-        reason = _first_line(exc)
+        reason = first_line(exc)
         try:
             with keep_buffers(model):
                 graph = capture_hooks(step, inputs, tgts, name)
         except Exception as exc2:
             raise CaptureError(
                 f"could not capture {name}: torch.export failed ({reason}) and the module-level "
-                f"fallback failed too ({_first_line(exc2)}). Make the forward pass traceable "
+                f"fallback failed too ({first_line(exc2)}). Make the forward pass traceable "
                 "(no data-dependent Python control flow) or wrap the untraceable part in a "
                 "submodule.") from exc2
         graph.notes = (f"torch.export failed ({reason}); captured one node per leaf-module "
@@ -131,15 +134,15 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
     f_inputs = tuple(world.tensor(t) for t in inputs)
     f_tgts = tuple(world.tensor(t) for t in tgts)
     with world.swapped(model):
-        with world.mode:
-            _check_runs(step, f_inputs, f_tgts)
+        with world.mode, _quiet_torch():  # fake kernels log the errors they raise
+            check_runs(step, f_inputs, f_tgts)
         try:
             with _quiet_torch():
                 program = _export(step, (*f_inputs, *f_tgts))
         except Exception as exc:
             raise needs_real_data(exc) or CaptureError(
                 f"could not capture {name} without running it: torch.export failed "
-                f"({_first_line(exc)}); make the forward pass traceable (no data-dependent "
+                f"({first_line(exc)}); make the forward pass traceable (no data-dependent "
                 "Python control flow), or capture it with real weights (fake=False), which "
                 "can fall back to one node per module") from exc
     runtime = CaptureRuntime(step, f_inputs, f_tgts)
@@ -212,31 +215,6 @@ def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
                                      "pass tensors (dim 0 the batch)")
     return items
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-
-def _check_runs(step: TrainStep, inputs: tuple, targets: tuple) -> None:
-    shapes = ", ".join(str(tuple(t.shape)) for t in (*inputs, *targets))
-    try:
-        with torch.no_grad():
-            loss = step(*inputs, *targets)
-    except CaptureError:
-        raise
-    except Exception as exc:
-        data = needs_real_data(exc)
-        if data is not None:
-            raise data from exc
-        raise InputMismatchError(
-            f"the example inputs do not fit the model: {_first_line(exc)} "
-            f"(inputs and targets had shapes {shapes}; dim 0 must be the batch)") from exc
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise InputMismatchError("the loss must be a single number; loss_fn returned "
-                                 f"{type(loss).__name__} of shape "
-                                 f"{tuple(getattr(loss, 'shape', ()))}")
 
 
 def _module_of(fx: Any) -> tuple[str, str]:

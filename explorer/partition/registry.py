@@ -1,15 +1,20 @@
 """The registry of partitioners: register them by name, look them up, run one with pins honoured.
 
 A partitioner is a plain function ``(graph, cluster, costs, pins=..., **options) -> Plan``;
-its keyword arguments after ``pins`` are its options, their defaults read off its signature.
+its keyword arguments after ``pins`` are its options, their defaults read off its signature and
+their types off its annotations (the default's type where there is none): an option of the wrong
+type is refused before the partitioner runs, with a message naming it.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import pkgutil
-from collections.abc import Callable, Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +78,7 @@ def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name
     if unknown:
         raise ExplorerError(f"{algorithm_name} has no option {unknown[0]!r}; its options are "
                             f"{', '.join(alg.options) or 'none'}")
+    options = checked_options(alg, options)
     pins = dict(pins or {})
     for nm, dev in pins.items():
         if nm not in graph:
@@ -82,6 +88,77 @@ def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name
     plan = apply_pins(graph, plan, pins)
     plan.validate(graph, cluster)
     return plan
+
+
+def checked_options(alg: Algorithm, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options, numbers made plain Python ones (a NumPy integer becomes an int); refuse one
+    whose value is not of the type the partitioner declares for it (an int where a float is
+    wanted is fine; a bool is not a number; a list stands for a tuple)."""
+    try:
+        hints = typing.get_type_hints(alg.fn)
+    except Exception:  # annotations that do not resolve: fall back on the defaults' types
+        hints = {}
+    for key, value in options.items():
+        default = alg.options[key]
+        hint = hints.get(key, Any if default is None else type(default))
+        if _accepts(hint, value) is False:
+            raise ExplorerError(
+                f"{alg.name}: option {key!r} needs {_type_words(hint)}, got "
+                f"{type(value).__name__} {value!r}; its default is {default!r}")
+    return {k: _plain(v) for k, v in options.items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _accepts(hint: Any, value: Any) -> bool | None:
+    """Whether ``value`` fits the annotation ``hint``; None when the annotation is too rich
+    to tell (the partitioner is left to judge)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_accepts(a, value) for a in args]
+        return None if None in verdicts and True not in verdicts else any(verdicts)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in args
+    if origin in (tuple, list, Sequence):
+        if not isinstance(value, (tuple, list)):
+            return False
+        items = [a for a in args if a is not Ellipsis]
+        return all(_accepts(items[0], v) is not False for v in value) if len(items) == 1 \
+            else True
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return None
+
+
+def _type_words(hint: Any) -> str:
+    """An annotation in words: "an int or None", "a list of str"."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is None or hint is type(None):
+        return "None"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (tuple, list, Sequence):
+        items = [a for a in args if a is not Ellipsis]
+        return "a list" + (f" of {_type_words(items[0]).split(' ', 1)[-1]}" if len(items) == 1
+                           else "")
+    name = getattr(hint, "__name__", str(hint))
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def apply_pins(graph: OpGraph, plan: Plan, pins: Mapping[str, str]) -> Plan:

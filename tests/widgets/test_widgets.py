@@ -30,6 +30,18 @@ def session(gpt):
     return Session(gpt, cl, roofline_costs(gpt, cl))
 
 
+@pytest.mark.parametrize(("name", "options", "words"), [
+    ("even-layers", {"k": "two"}, "option 'k' needs an int or None, got str 'two'"),
+    ("pipeline-dp", {"micro_batches": "x"}, "option 'micro_batches' needs an int or None"),
+    ("min-comm", {"tolerance": [1]}, "option 'tolerance' needs a float, got list"),
+])
+def test_solve_names_an_option_of_the_wrong_type(session, name, options, words):
+    plans = list(session.plans)
+    with pytest.raises(ExplorerError, match=f"{name}: {words}"):
+        session.solve(name, **options)
+    assert session.plans == plans
+
+
 def block_ops(g, prefix):
     return [n.name for n in g.ops if n.module_path.startswith(prefix)]
 
@@ -312,6 +324,15 @@ def test_widget_errors_become_messages(widget):
     w.plans.options.value = "{oops"
     w.plans.solve_button.click()
     assert "options must be JSON" in w.message
+    w.plans.algorithm.value = "even-layers"
+    w.plans.options.value = '{"k": "two"}'
+    w.plans.solve_button.click()
+    assert w.message.startswith("even-layers: option 'k' needs an int or None, got str 'two'")
+    w.plans.algorithm.value = "pipeline-dp"
+    w.plans.options.value = '{"micro_batches": "x"}'
+    w.plans.solve_button.click()
+    assert "pipeline-dp: option 'micro_batches' needs an int or None" in w.message
+    assert "TypeError" not in w.message
     w.plans.path.value = "/nonexistent/dir/plan.json"
     w.plans.load_file_button.click()
     assert w.message and "Traceback" not in w.message
