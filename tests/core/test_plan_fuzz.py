@@ -1,5 +1,6 @@
 """Damaged and hostile plan files: every mutation of a real plan either works or raises an
-ExplorerError, through load, validate, simulate and export, each case in bounded time."""
+ExplorerError, through load, validate, simulate and export, and through the widget's load
+(``Session.load`` of the file), each case in bounded time."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
 from explorer.models.synthetic import layered_dag, roofline_costs
+from widgets import Session
 
-CASE_LIMIT_S = 20  # one case: load, validate, simulate and export
+CASE_LIMIT_S = 20  # one case: load, validate, simulate and export, then the widget's load
 
 HOSTILE = ['x"""\nopen("/tmp/PWN","w")\n"""', "'); import os; os.system('true') #",
            "\x1b[2J", "a\nb", "\ud800", "é", "", " ", "x" * 5000, "../../etc/passwd",
@@ -47,6 +49,7 @@ class Subject:
 
     def __init__(self, g, cl, cm, algorithms, exportable: bool) -> None:
         self.graph, self.cluster, self.costs, self.exportable = g, cl, cm, exportable
+        self.session = Session(g, cl, cm)  # the widget's state: its load reads plan files
         self.plans = []
         for name in algorithms:
             for mb in (1, 2):
@@ -174,6 +177,20 @@ def run_case(subject: Subject, data: bytes, out) -> str:
         return "refused"
 
 
+def session_case(subject: Subject, data: bytes, out) -> str:
+    """Load one plan file through the widget's state, as its "load file" button does."""
+    path = out / "plan.json"
+    path.write_bytes(data)
+    before = subject.session.plan
+    try:
+        subject.session.load(path)
+    except ExplorerError:
+        assert subject.session.plan is before  # a refused file leaves the plan under edit
+        return "refused"
+    assert subject.session.prediction is not None
+    return "loaded"
+
+
 def fuzz(subjects, tmp_path, cases: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     seen: dict[str, int] = {}
@@ -183,10 +200,12 @@ def fuzz(subjects, tmp_path, cases: int, seed: int) -> dict[str, int]:
         try:
             with time_limit(CASE_LIMIT_S):
                 what = run_case(subject, data, tmp_path)
+                loaded = session_case(subject, data, tmp_path)
         except Exception as exc:  # not an ExplorerError: a bug
             raise AssertionError(f"case {k} (seed {seed}) raised {type(exc).__name__}: {exc}\n"
                                  f"plan file: {data[:2000]!r}") from exc
         seen[what] = seen.get(what, 0) + 1
+        seen[f"session {loaded}"] = seen.get(f"session {loaded}", 0) + 1
     return seen
 
 
@@ -194,12 +213,14 @@ def test_the_unmutated_plans_work(subjects, tmp_path):
     for s in subjects:
         for p in s.plans:
             assert run_case(s, json.dumps(p).encode(), tmp_path) in ("exported", "simulated")
+            assert session_case(s, json.dumps(p).encode(), tmp_path) == "loaded"
 
 
 def test_mutated_plans_work_or_raise_explorer_errors(subjects, tmp_path):
     seen = fuzz(subjects, tmp_path, 300, seed=0)
     assert seen.get("refused", 0) > 100  # most mutations are caught...
     assert seen.get("simulated", 0) + seen.get("exported", 0) > 10  # ...some are harmless
+    assert seen["session refused"] > 100 and seen["session loaded"] > 10
 
 
 @pytest.mark.slow
