@@ -4,8 +4,10 @@ Each rank started by ``ex.run`` rewrites ``beat-RANK.json`` in the job folder ev
 :data:`PERIOD_S` seconds from a thread of its own: the step it is at and the rank it is blocked
 on (a receive), if any. A stopped process (SIGSTOP, a frozen machine) stops writing, whatever
 its main thread was doing, so the launcher names it within :data:`SILENT_S` seconds instead of
-waiting for the run's whole time limit; when the time limit does end a run, the beats say which
-ranks were computing and which were waiting for another.
+waiting for the run's whole time limit. A rank that hangs while alive (a deadlock or an endless
+loop in its own computation) keeps beating but stops advancing: :class:`StallWatch` names it
+once every other rank has waited on it far longer than any step took. When the time limit does
+end a run, the beats say which ranks were computing and which were waiting for another.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ STARTUP_S = 120.0
 ENV = "EXPLORER_HEARTBEAT"
 #: ``waiting_for`` of a rank blocked in a collective (barrier, all-reduce)
 EVERYONE = -1
+#: a rank computing while all others wait on it is taken as hung after this many times the
+#: longest step any rank took so far ...
+STALL_STEPS = 20
+#: ... and never before this many seconds (before any step has finished: :data:`STARTUP_S`,
+#: since nothing is known yet of how long a step takes)
+STALL_MIN_S = 30.0
 
 
 def beat_path(folder: Path, rank: int) -> Path:
@@ -41,8 +49,22 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int, period_s: float = PERIOD_S) -> None:
         self.path = beat_path(folder, rank)
         self.period_s = period_s
-        self.step = 0
         self.messenger: Any = None
+        self.longest_step_s = 0.0  # of the steps this rank finished
+        self._step = 0
+        self._step_began: float | None = None
+
+    @property
+    def step(self) -> int:
+        """The step the rank is at (0-based); setting a new one times the one before."""
+        return self._step
+
+    @step.setter
+    def step(self, k: int) -> None:
+        now = time.monotonic()
+        if k != self._step and self._step_began is not None:
+            self.longest_step_s = max(self.longest_step_s, now - self._step_began)
+        self._step, self._step_began = k, now
 
     def start(self) -> Heartbeat:
         threading.Thread(target=self._loop, daemon=True, name="heartbeat").start()
@@ -54,6 +76,7 @@ class Heartbeat:
             try:
                 peer = getattr(self.messenger, "waiting_for", None)
                 tmp.write_text(json.dumps({"step": self.step, "waiting_for": peer,
+                                           "longest_step_s": self.longest_step_s,
                                            "pid": os.getpid()}))
                 tmp.replace(self.path)
             except OSError:
@@ -103,3 +126,62 @@ def describe(folder: Path, rank: int) -> str:
     if isinstance(peer, int):
         return f"{where}, waiting for rank {peer}"
     return f"{where}, computing"
+
+
+class StallWatch:
+    """Finds a rank that stopped making progress while alive, from the beats the launcher reads
+    once a second: it is computing (waiting on no one) at the same step, and every other rank
+    has been waiting on it (directly, through others, or in a collective), both for longer
+    than ``max(STALL_MIN_S, STALL_STEPS x the longest step so far)``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        #: rank -> ((step, waiting_for) last seen, wall time it was first seen)
+        self.since: dict[int, tuple[tuple[Any, Any], float]] = {}
+
+    def limit_s(self, said: dict[int, dict[str, Any]]) -> float:
+        """How long a rank may hold up all others before it is taken as hung."""
+        if not any(isinstance(s.get("step"), int) and s["step"] > 0 for s in said.values()):
+            return STARTUP_S
+        longest = max(float(s.get("longest_step_s") or 0.0) for s in said.values())
+        return max(STALL_MIN_S, STALL_STEPS * longest)
+
+    def stalled(self, running: list[int], now: float) -> tuple[int, int, float] | None:
+        """(rank, its 0-based step, seconds the others have waited on it) of a rank that stopped
+        making progress; None while every rank moves (or some have not beaten yet)."""
+        said: dict[int, dict[str, Any]] = {}
+        for r in running:
+            when, s = last_beat(self.folder, r)
+            if when is None:
+                return None
+            state = (s.get("step"), s.get("waiting_for"))
+            if self.since.get(r, (None,))[0] != state:
+                self.since[r] = (state, now)
+            said[r] = s
+        if len(running) < 2:
+            return None
+        limit = self.limit_s(said)
+        for r in running:
+            others = [q for q in running if q != r]
+            if said[r].get("waiting_for") is not None or now - self.since[r][1] <= limit:
+                continue
+            if all(_waits_on(q, r, said) and now - self.since[q][1] > limit for q in others):
+                step = said[r].get("step")
+                waited = now - max(self.since[q][1] for q in others)
+                return r, step if isinstance(step, int) else -1, waited
+        return None
+
+
+def _waits_on(rank: int, target: int, said: dict[int, dict[str, Any]]) -> bool:
+    """Whether ``rank`` is blocked on ``target``: directly, through a chain of waiting ranks,
+    or in a collective (which waits on every rank)."""
+    seen = set()
+    while rank not in seen:
+        seen.add(rank)
+        peer = said.get(rank, {}).get("waiting_for")
+        if peer in (EVERYONE, target):
+            return True
+        if not isinstance(peer, int) or peer not in said:
+            return False
+        rank = peer
+    return False

@@ -172,6 +172,7 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
                 [sys.executable, "-m", "explorer.runtime.rank", str(folder)], env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         started = next_check = time.time()
+        stalls = heartbeat.StallWatch(folder)
         shown = 0
         while True:
             codes = [p.poll() for p in procs]
@@ -188,6 +189,9 @@ def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progres
                 silent = heartbeat.silent_ranks(folder, running, started, time.time())
                 if silent:
                     raise RunFailed(_silent(folder, silent, procs, plan))
+                stuck = stalls.stalled(running, time.time())
+                if stuck is not None:
+                    raise RunFailed(_stuck(*stuck, plan))
             if time.monotonic() > deadline:
                 where = "; ".join(f"rank {r} ({plan.devices[r]}) "
                                   f"{heartbeat.describe(folder, r)}" for r in running)
@@ -272,6 +276,15 @@ def _silent(folder: Path, ranks: list[int], procs: list[subprocess.Popen], plan:
     return (f"{'; '.join(parts)}: no sign of life for {heartbeat.SILENT_S:.0f} s; all ranks "
             "have been stopped. A stopped, frozen or swapped-out process does this; check "
             "the machine's load and memory")
+
+
+def _stuck(rank: int, step: int, waited_s: float, plan: Plan) -> str:
+    """The message for a rank alive and beating that holds up every other rank."""
+    at = f"at step {step + 1}" if step >= 0 else "at an unknown step"
+    return (f"rank {rank} ({plan.devices[rank]}) stopped making progress {at} (its process is "
+            "alive: a hang or an endless loop in its computation); the other ranks waited for "
+            f"it {waited_s:.0f} s; all ranks have been stopped. Run that stage's code on its "
+            "own to find where it loops or blocks")
 
 
 def _process_state(pid: int) -> str:

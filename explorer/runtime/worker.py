@@ -149,7 +149,8 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
 
 def _fault(rank: int) -> tuple[str, int] | None:
     """Test hook: EXPLORER_FAULT="RANK:KIND[:STEP]" makes that rank fail (raise, oom, hang,
-    kill, stop: SIGSTOP) at that step, so the launcher's clean-up can be tested for real."""
+    spin: an endless compute loop, kill, stop: SIGSTOP) at that step, so the launcher's
+    clean-up can be tested for real."""
     spec = os.environ.get("EXPLORER_FAULT", "")
     if not spec:
         return None
@@ -166,6 +167,9 @@ def _inject(kind: str) -> None:
         raise MemoryError("injected out-of-memory (EXPLORER_FAULT)")
     if kind == "hang":
         time.sleep(3600)
+    if kind == "spin":
+        while True:  # busy, never waiting: its heartbeat thread still beats
+            pass
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "stop":

@@ -50,6 +50,82 @@ def test_a_heartbeat_thread_beats(tmp_path):
     assert heartbeat.describe(tmp_path, 5) == "at step 8, waiting for rank 2"
 
 
+def test_a_heartbeat_times_the_steps_it_is_told_of(tmp_path):
+    hb = heartbeat.Heartbeat(tmp_path, 0)
+    hb.step = 0
+    assert hb.longest_step_s == 0.0
+    time.sleep(0.05)
+    hb.step = 1
+    hb.step = 2
+    assert hb.step == 2 and 0.05 <= hb.longest_step_s < 5
+
+
+class TestStallWatch:
+    """A rank computing at one step while every other waits on it, for long enough."""
+
+    def watch(self, tmp_path, beats: dict[int, dict]):
+        for r, said in beats.items():
+            _beat(tmp_path, r, 0, **said)
+        return heartbeat.StallWatch(tmp_path)
+
+    def test_a_rank_all_others_wait_on_is_named_after_the_limit(self, tmp_path):
+        w = self.watch(tmp_path, {0: {"step": 2, "waiting_for": None, "longest_step_s": 0.5},
+                                  1: {"step": 2, "waiting_for": 0, "longest_step_s": 0.5},
+                                  2: {"step": 1, "waiting_for": 1},  # through rank 1
+                                  3: {"step": 2, "waiting_for": heartbeat.EVERYONE}})
+        t = time.time()
+        assert w.stalled([0, 1, 2, 3], t) is None
+        assert w.stalled([0, 1, 2, 3], t + heartbeat.STALL_MIN_S - 1) is None
+        assert w.stalled([0, 1, 2, 3], t + heartbeat.STALL_MIN_S + 1) == (
+            0, 2, heartbeat.STALL_MIN_S + 1)
+
+    def test_the_limit_grows_with_the_longest_step(self, tmp_path):
+        w = self.watch(tmp_path, {0: {"step": 3, "waiting_for": None, "longest_step_s": 4.0},
+                                  1: {"step": 3, "waiting_for": 0, "longest_step_s": 2.0}})
+        t = time.time()
+        limit = heartbeat.STALL_STEPS * 4.0
+        assert w.stalled([0, 1], t) is None
+        assert w.stalled([0, 1], t + limit - 1) is None
+        assert w.stalled([0, 1], t + limit + 1)[0] == 0
+
+    def test_before_any_step_finished_the_start_up_grace_applies(self, tmp_path):
+        w = self.watch(tmp_path, {0: {"step": 0, "waiting_for": None},
+                                  1: {"step": 0, "waiting_for": 0}})
+        t = time.time()
+        assert w.stalled([0, 1], t) is None
+        assert w.stalled([0, 1], t + heartbeat.STALL_MIN_S + 1) is None
+        assert w.stalled([0, 1], t + heartbeat.STARTUP_S + 1)[:2] == (0, 0)
+
+    def test_progress_resets_the_clock(self, tmp_path):
+        w = self.watch(tmp_path, {0: {"step": 2, "waiting_for": None},
+                                  1: {"step": 2, "waiting_for": 0}})
+        t = time.time()
+        assert w.stalled([0, 1], t) is None
+        _beat(tmp_path, 0, 0, step=3, waiting_for=None)
+        assert w.stalled([0, 1], t + 20) is None
+        assert w.stalled([0, 1], t + heartbeat.STALL_MIN_S + 5) is None  # 25 s at step 3
+        assert w.stalled([0, 1], t + heartbeat.STALL_MIN_S + 21)[:2] == (0, 3)
+
+    @pytest.mark.parametrize("beats", [
+        {0: {"step": 2, "waiting_for": None}, 1: {"step": 2, "waiting_for": None}},  # both busy
+        {0: {"step": 2, "waiting_for": 1}, 1: {"step": 2, "waiting_for": 0}},  # a deadlock of
+        {0: {"step": 2, "waiting_for": None}, 1: {"step": 2, "waiting_for": 2}},  # waits, or on
+        {0: {"step": 2, "waiting_for": None}},  # a rank alone          # a rank not running
+    ])
+    def test_no_rank_is_named_unless_all_others_wait_on_it(self, tmp_path, beats):
+        w = self.watch(tmp_path, beats)
+        t = time.time()
+        running = sorted(beats)
+        assert w.stalled(running, t) is None
+        assert w.stalled(running, t + 10 * heartbeat.STARTUP_S) is None
+
+    def test_nothing_is_named_while_a_rank_has_not_beaten(self, tmp_path):
+        w = self.watch(tmp_path, {0: {"step": 2, "waiting_for": None}})
+        t = time.time()
+        assert w.stalled([0, 1], t) is None
+        assert w.stalled([0, 1], t + 10 * heartbeat.STARTUP_S) is None
+
+
 @pytest.mark.slow
 def test_job_folders_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(folders.tempfile, "gettempdir", lambda: str(tmp_path))

@@ -211,6 +211,20 @@ class TestFailures:
         assert time.monotonic() - t0 < 60
         assert _children() == []
 
+    @pytest.mark.slow
+    def test_a_rank_in_an_endless_loop_is_named_within_a_minute(self, mlp, monkeypatch):
+        """A rank spinning in its own computation still beats but stops advancing while the
+        other waits on it: named long before the time limit."""
+        graph, plan = mlp
+        monkeypatch.setenv("EXPLORER_FAULT", "0:spin:1")
+        t0 = time.monotonic()
+        with pytest.raises(RunFailed, match=r"rank 0 \(cpu:0\) stopped making progress at "
+                           r"step 2 \(its process is alive: a hang or an endless loop in its "
+                           r"computation\)"):
+            ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, timeout_s=600)
+        assert time.monotonic() - t0 < 60
+        assert _children() == []
+
     def test_the_caller_survives_and_runs_again(self, mlp, monkeypatch):
         graph, plan = mlp
         monkeypatch.setenv("EXPLORER_FAULT", "0:raise:0")
