@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from explorer.capture.step import copies
 from explorer.capture.tracing import TrainStep, batch_splits, capture
 from explorer.core.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.core.graph import OpGraph
@@ -374,7 +375,8 @@ def reference(model: Any, steps: int, shards: int = 1, optimizer: str = "adam",
         total = 0.0
         for k in range(shards):
             sl = slice(k * rows, (k + 1) * rows)
-            loss = step(*(t[sl] for t in inputs), *(t[sl] for t in tgts)) / shards
+            # fresh copies: a model that changes its inputs in place leaves the caller's alone
+            loss = step(*copies(tuple(t[sl] for t in (*inputs, *tgts)))) / shards
             loss.backward()
             total += float(loss.detach())
         losses.append(total)
