@@ -1,33 +1,41 @@
-"""Scale benchmark: wall time of every partitioner and of the simulator on large graphs.
+"""Scale benchmark: wall time of every partitioner and of simulating its plan on large graphs.
 
 Run: python benchmarks/scale.py [--sizes 1k,10k,100k] [--graphs layered,gpt]
-         [--algorithms all] [--repeat 1] [--timeout 0] [--reference OLD_SIMULATE.py]
+         [--algorithms all] [--repeat 1] [--timeout 0] [--reference REV]
 
-Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``) and a captured tiny GPT
-whose transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``), on the
-``8xH100`` preset with roofline costs (no profiling). For every graph and size, each registered
-partitioner runs (those that refuse a graph, such as exact searches over their limits, are
-listed with their message; with ``--timeout`` each runs in a child process and is given up
-after that many seconds) and the plan it returns is simulated once. The ``simulate`` row times
-one simulation of the ``even-layers`` plan; with ``--reference`` it also times the simulator in
-that file on the same plan (for example the previous version:
-``git show HEAD:explorer/simulate/simulator.py > /tmp/simulate_old.py``) and checks that both
-predict the same. Every simulation is timed cold (the simulator's per-graph arrays are dropped
-first). Times are the best of ``--repeat`` runs, in seconds, from ``time.perf_counter``; the
-machine's load average (1, 5, 15 min) is printed with every row, since it may be shared.
+Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``, seed 0) and a captured
+tiny GPT whose transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``),
+on the ``8xH100`` preset with roofline costs (no profiling). For every graph and size, each
+registered partitioner runs (those that refuse a graph, such as exact searches over their
+limits, are listed with their message; with ``--timeout`` each runs in a child process and is
+given up after that many seconds) and the plan it returns is simulated, each simulation cold
+(the simulator's per-graph arrays are dropped first).
 
-Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
+``--reference REV`` times a previous simulator side by side in the same run: the git revision
+``REV`` of this repository (``HEAD``, a branch, a commit) is checked out into a temporary
+``git worktree``; every plan is saved as JSON and simulated there in a child process whose
+``PYTHONPATH`` is that worktree (the same graph is built there from its kind, size and seed).
+Each row then shows the reference's simulate time, new / old, and whether every field of the
+two predictions (step, busy time, peaks, bytes, energy, critical path, bottleneck, lower bound)
+is exactly the same. Times are the best of ``--repeat`` runs, in seconds, from
+``time.perf_counter``; the machine's load average (1, 5, 15 min) is printed with every row,
+since it may be shared.
+
+Prints its table and records it under ``benchmarks/results/`` (``--results``), which
 ``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import inspect
+import json
 import math
 import multiprocessing
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +47,45 @@ from explorer.core.units import table
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from explorer.partition import algorithms, partition
+from explorer.simulate import simulator as SIM
 
-SIM = importlib.import_module("explorer.simulate.simulator")
+ROOT = Path(__file__).resolve().parent.parent
+
+#: the child run in the reference worktree: builds the graph, simulates each saved plan cold
+#: (best of ``repeat``) and prints, per plan, its time and prediction fields as JSON. It uses
+#: only names every recent version has.
+CHILD = r"""
+import json, sys, time
+from explorer.core.plan import Plan
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, replicated, roofline_costs
+from explorer.simulate import simulator as SIM
+spec = json.load(open(sys.argv[1]))
+if spec["kind"] == "layered":
+    graph = layered_dag(spec["n"], seed=spec["seed"])
+else:
+    from explorer.capture.tracing import capture
+    from explorer.models.builtin import build
+    bm = build("gpt", "tiny")
+    block = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    graph = replicated(block, spec["n"])
+cluster = Cluster.preset(spec["devices"])
+costs = roofline_costs(graph, cluster)
+graph.preds, graph.succs, graph.index
+out = {}
+for name, path in spec["plans"].items():
+    plan = Plan.load(path, graph)
+    best = float("inf")
+    for _ in range(spec["repeat"]):
+        clear = getattr(SIM, "clear_caches", None)
+        if clear is not None:
+            clear()
+        t0 = time.perf_counter()
+        pred = SIM.simulate(graph, plan, costs)
+        best = min(best, time.perf_counter() - t0)
+    out[name] = {"time_s": best, "fields": prediction_fields(pred)}
+print(json.dumps(out))
+"""
 
 
 def parse_size(text: str) -> int:
@@ -92,30 +137,75 @@ def gpt_block():
     return _GPT
 
 
+#: the layered graphs' random seed (the reference builds the same graph from it)
+SEED = 0
+
+
 def make_graph(kind: str, n: int):
     if kind == "layered":
-        return layered_dag(n)
+        return layered_dag(n, seed=SEED)
     if kind == "gpt":
         return replicated(gpt_block(), n)
     raise SystemExit(f"unknown graph kind {kind!r}; use layered or gpt")
 
 
-def load_reference(path: str):
-    spec = importlib.util.spec_from_file_location("simulate_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (dataclasses look their module up)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def partition_and_simulate(graph, cluster, costs, alg: str, repeat: int) -> tuple:
-    """("ok", partition s, simulate s, step s), or ("error", what was raised)."""
+    """("ok", partition s, simulate s, step s, plan JSON, prediction fields), or ("error",
+    what was raised)."""
     try:
         t_part, plan = best_of(repeat, lambda: partition(graph, cluster, costs, alg))
     except Exception as e:  # report it and go on
         return ("error", f"{type(e).__name__}: {' '.join(str(e).split())}")
     t_sim, pred = timed_simulate(SIM, repeat, graph, plan, costs)
-    return ("ok", t_part, t_sim, pred.step_s)
+    return ("ok", t_part, t_sim, pred.step_s, json.dumps(plan.to_dict()), prediction_fields(pred))
+
+
+def prediction_fields(pred) -> dict:
+    """What a prediction says, as JSON values (floats kept exactly), to compare two versions."""
+    return {"step_s": pred.step_s, "busy_s": pred.busy_s, "peak_bytes": pred.peak_bytes,
+            "transfer_bytes": pred.transfer_bytes, "allreduce_bytes": pred.allreduce_bytes,
+            "energy_j": pred.energy_j, "critical_path": list(pred.critical_path),
+            "bottleneck": pred.bottleneck, "lower_bound_s": pred.lower_bound_s}
+
+
+class Reference:
+    """A previous revision of this repository checked out in a temporary git worktree, whose
+    simulator times saved plans in a child process."""
+
+    def __init__(self, rev: str) -> None:
+        self.rev = rev
+        self.tmp = tempfile.TemporaryDirectory(prefix="scale-reference-")
+        self.tree = Path(self.tmp.name) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet",
+                        str(self.tree), rev], check=True)
+        self.commit = subprocess.run(["git", "-C", str(self.tree), "rev-parse", "--short",
+                                      "HEAD"], check=True, capture_output=True,
+                                     text=True).stdout.strip()
+
+    def simulate(self, kind: str, n: int, devices: str, plans: dict[str, str],
+                 repeat: int) -> dict:
+        """Per partitioner, {"time_s", "fields"} of the reference simulating its plan (plan
+        JSON texts by partitioner) on the graph ``kind`` of ``n`` nodes."""
+        folder = Path(tempfile.mkdtemp(dir=self.tmp.name))
+        paths = {}
+        for k, (name, text) in enumerate(plans.items()):
+            paths[name] = str(folder / f"plan{k}.json")
+            Path(paths[name]).write_text(text)
+        spec = folder / "spec.json"
+        spec.write_text(json.dumps({"kind": kind, "n": n, "seed": SEED, "devices": devices,
+                                    "plans": paths, "repeat": max(repeat, 1)}))
+        code = inspect.getsource(prediction_fields) + CHILD
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        done = subprocess.run([sys.executable, "-c", code, str(spec)], cwd=self.tree, env=env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the reference simulator ({self.rev}) failed:\n{done.stderr}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                        str(self.tree)], check=False)
+        self.tmp.cleanup()
 
 
 def in_child(timeout: float, fn, *args) -> tuple:
@@ -140,15 +230,6 @@ def in_child(timeout: float, fn, *args) -> tuple:
         proc.join()
 
 
-def same_prediction(a, b) -> bool:
-    close = lambda x, y: math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-15)  # noqa: E731
-    return (close(a.step_s, b.step_s) and a.busy_s.keys() == b.busy_s.keys()
-            and all(close(a.busy_s[d], b.busy_s[d]) for d in a.busy_s)
-            and a.peak_bytes == b.peak_bytes and a.transfer_bytes == b.transfer_bytes
-            and a.allreduce_bytes == b.allreduce_bytes and a.critical_path == b.critical_path
-            and a.bottleneck == b.bottleneck and close(a.lower_bound_s, b.lower_bound_s))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1k,10k,100k", help="node counts, e.g. 1k,10k,100k")
@@ -159,65 +240,84 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=0,
                     help="give a partitioner (with its simulation) at most this many seconds, "
                          "run in a child process (0: no limit, in this process)")
-    ap.add_argument("--reference", default=None,
-                    help="a simulate.py to time against (e.g. the previous version)")
+    ap.add_argument("--reference", default=None, metavar="REV",
+                    help="a git revision whose simulator is timed on the same plans, side by "
+                         "side (e.g. HEAD~1, main)")
     add_results_option(ap)
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     algs = algorithms() if args.algorithms == "all" else args.algorithms.split(",")
-    ref = load_reference(args.reference) if args.reference else None
+    ref = Reference(args.reference) if args.reference else None
     cluster = Cluster.preset(args.devices)
     print(f"cluster {cluster.name}, roofline costs, best of {args.repeat}; "
-          f"load average at start {load()} ({os.cpu_count()} CPUs)", flush=True)
-    header = ("graph", "nodes", "what", "partition s", "simulate s", "step ms", "load",
-              "note")
+          f"load average at start {load()} ({os.cpu_count()} CPUs)"
+          + (f"; reference simulator: {args.reference} ({ref.commit})" if ref else ""),
+          flush=True)
+    first = ("graph", "nodes", "partitioner", "partition s", "simulate s", "step ms", "load",
+             "note")
+    header = first if ref is None else (
+        *first[:5], "previous s", "new/old", "same prediction", *first[5:])
     rows = []
-    speedups = []
 
-    def add(row: tuple) -> None:
-        rows.append(row)
-        print(table(header, rows[-1:]).splitlines()[-1], flush=True)
+    def show(row: tuple) -> None:
+        print(table(first, [row]).splitlines()[-1], flush=True)
 
-    for kind in args.graphs.split(","):
-        for n in sizes:
-            graph = make_graph(kind, n)
-            costs = roofline_costs(graph, cluster)
-            graph.preds, graph.succs, graph.index  # noqa: B018 - built once, before timing
-            name = f"{kind}-{len(graph)}"
-            for alg in algs:
-                run = (graph, cluster, costs, alg, args.repeat)
-                r = (in_child(args.timeout, partition_and_simulate, *run) if args.timeout
-                     else partition_and_simulate(*run))
-                if r[0] == "error":
-                    add((name, len(graph), alg, "-", "-", "-", load(), r[1][:100]))
-                else:
-                    add((name, len(graph), alg, f"{r[1]:.3f}", f"{r[2]:.3f}",
-                         f"{r[3] * 1e3:.3f}", load(), ""))
-            plan = partition(graph, cluster, costs, "even-layers")
-            t_new, pred = timed_simulate(SIM, args.repeat, graph, plan, costs)
-            note = "one simulation of the even-layers plan"
-            if ref is not None:
-                t_old, old = timed_simulate(ref, args.repeat, graph, plan, costs)
-                same = same_prediction(old, pred)
-                note += (f"; reference {t_old:.3f} s, speed-up {t_old / t_new:.1f}x"
-                         f"{'' if same else ', PREDICTIONS DIFFER'}")
-                speedups.append((name, len(graph), f"{t_old:.3f}", f"{t_new:.3f}",
-                                 f"{t_old / t_new:.1f}x", "yes" if same else "NO", load()))
-            add((name, len(graph), "simulate", "-", f"{t_new:.3f}", f"{pred.step_s * 1e3:.3f}",
-                 load(), note))
+    try:
+        for kind in args.graphs.split(","):
+            for n in sizes:
+                graph = make_graph(kind, n)
+                costs = roofline_costs(graph, cluster)
+                graph.preds, graph.succs, graph.index  # noqa: B018 - built once, before timing
+                name = f"{kind}-{len(graph)}"
+                done = []
+                for alg in algs:
+                    run = (graph, cluster, costs, alg, args.repeat)
+                    r = (in_child(args.timeout, partition_and_simulate, *run) if args.timeout
+                         else partition_and_simulate(*run))
+                    done.append((alg, r))
+                    if r[0] == "error":
+                        row = (name, len(graph), alg, "-", "-", "-", load(), r[1][:100])
+                    else:
+                        row = (name, len(graph), alg, f"{r[1]:.3f}", f"{r[2]:.3f}",
+                               f"{r[3] * 1e3:.3f}", load(), _note(r[4]))
+                    if ref is None:
+                        rows.append(row)
+                    show(row)
+                if ref is not None:
+                    plans = {alg: r[4] for alg, r in done if r[0] == "ok"}
+                    old = ref.simulate(kind, n, args.devices, plans, args.repeat)
+                    for alg, r in done:
+                        if r[0] == "error":
+                            rows.append((name, len(graph), alg, "-", "-", "-", "-", "-", "-",
+                                         load(), r[1][:100]))
+                            continue
+                        o = old[alg]
+                        same = "yes" if o["fields"] == json.loads(json.dumps(r[5])) else "NO"
+                        rows.append((name, len(graph), alg, f"{r[1]:.3f}", f"{r[2]:.3f}",
+                                     f"{o['time_s']:.3f}", f"{r[2] / o['time_s']:.2f}", same,
+                                     f"{r[3] * 1e3:.3f}", load(), _note(r[4])))
+                        print("  reference: " + table(header, rows[-1:]).splitlines()[-1],
+                              flush=True)
+    finally:
+        if ref is not None:
+            ref.close()
     print()
     print(table(header, rows))
-    title = (f"Wall time of every partitioner and of one simulation on large graphs "
-             f"({cluster.name} preset, roofline costs, best of {args.repeat})")
+    title = (f"Wall time of every partitioner and of one simulation of its plan on large "
+             f"graphs ({cluster.name} preset, roofline costs, best of {args.repeat})")
+    if ref is not None:
+        title += (f"; previous s: the simulator of {args.reference} ({ref.commit}) on the same "
+                  "plans in the same run")
     write_result("scale", rows, columns=header, title=title, folder=args.results)
-    if speedups:
-        head = ("graph", "nodes", "reference s", "now s", "speed-up", "same prediction", "load")
-        print("\nsimulate(): reference vs this version, same run, same plan")
-        print(table(head, speedups))
-        write_result("scale-reference", speedups, columns=head,
-                     title="simulate(): a reference version against this one, same plan",
-                     folder=args.results)
     print(f"\nload average at end {load()}")
+
+
+def _note(plan_json: str) -> str:
+    """What the plan says of itself where it is a baseline in place of the partitioner's own
+    plan (the partitioners' fallback notes), else nothing."""
+    data = json.loads(plan_json)
+    fallback = (data.get("options") or {}).get("fallback")
+    return f"returns the {fallback} plan (faster than its own)" if fallback else ""
 
 
 if __name__ == "__main__":

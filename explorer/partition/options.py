@@ -32,9 +32,9 @@ class Options:
         Optimizer whose state counts towards memory and whose step counts towards time
         (default ``"adam"``: 2 extra bytes of state per parameter byte).
     compare_baselines : bool
-        On graphs up to 5,000 nodes, simulate the plan against ``single`` and
-        ``data-parallel`` and return the fastest that fits (a note says when it is a
-        baseline). Default True. (pipeline-dp, min-comm, pase)
+        Simulate the plan against ``single`` and ``data-parallel`` (at any graph size) and
+        return the fastest that fits (a note says when it is a baseline). Default True.
+        (pipeline-dp, min-comm, pase)
     memory_fraction : float
         Fraction of each device's memory a plan may fill (default 1.0: all of it).
     baselines : bool

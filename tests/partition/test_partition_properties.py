@@ -96,7 +96,7 @@ def test_valid_plan_pins_honoured_deterministic(name, case):
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(max_pins=0))
 def test_never_slower_than_single_or_data_parallel(name, case):
-    """On graphs small enough to simulate (wap excepted: it optimises samples per joule)."""
+    """Small random graphs (wap excepted: it optimises samples per joule)."""
     args, preset, _ = case
     g, cl = layered_dag(**args), Cluster.preset(preset)
     c = roofline_costs(g, cl)
@@ -106,6 +106,32 @@ def test_never_slower_than_single_or_data_parallel(name, case):
         other = simulate(g, partition(g, cl, c, base), c)
         if other.fits:
             assert pred.step_s <= other.step_s * (1 + 1e-9), base
+
+
+#: partitioners whose own plan goes through the simulated baseline guard at every graph size
+#: (``explorer.partition.search.fallback.best_of_baselines``)
+GUARDED = ("min-comm", "pase", "pipeline-dp")
+
+
+@pytest.mark.parametrize("name", GUARDED)
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(5_001, 8_000), seed=st.integers(0, 10**6),
+       preset=st.sampled_from(["2xT4", "4xH100", "8xH100"]))
+def test_never_slower_than_the_baselines_on_larger_graphs(name, n, seed, preset):
+    """Past the 5,000 nodes up to which the guard once ran: still never slower than
+    ``single`` and ``data-parallel``, and a note says when a baseline is returned."""
+    g, cl = layered_dag(n, seed=seed), Cluster.preset(preset)
+    c = roofline_costs(g, cl)
+    plan = partition(g, cl, c, name)
+    pred = simulate(g, plan, c)
+    assert pred.fits
+    for base in ("single", "data-parallel"):
+        other = simulate(g, partition(g, cl, c, base), c)
+        if other.fits:
+            assert pred.step_s <= other.step_s * (1 + 1e-9), base
+    if plan.options.get("fallback"):
+        assert any("faster than" in note for note in plan.notes)
 
 
 @pytest.mark.parametrize("name", sorted(set(NAMES) - BASELINES))

@@ -12,7 +12,6 @@ from explorer.partition.mincomm.parts import MinCommResult, min_comm_parts
 from explorer.partition.options import Options, check_micro_batches, check_schedule
 from explorer.partition.registry import register
 from explorer.partition.search.fallback import (
-    COMPARE_MAX_NODES,
     default_micro_batches,
     fit_headrooms,
     settle,
@@ -48,8 +47,8 @@ def min_comm(graph: OpGraph, cluster: Cluster, costs: CostModel,
         heavier than a share, fewer ops than devices, pins, memory).
     micro_batches : int, optional
         Micro-batches per step, so the parts run as a pipeline. Default: 4 when the batch
-        divides into 4, else 1; on graphs small enough to simulate (see
-        ``compare_baselines``) parts for 1 micro-batch are tried as well (per-op overheads
+        divides into 4, else 1; with ``compare_baselines`` parts for 1 micro-batch
+        are tried as well (per-op overheads
         can make micro-batches cost more than the pipeline bubble saves), the faster kept.
     schedule : {"1f1b", "gpipe"}
         Pipeline schedule; sets the activations each part keeps in flight.
@@ -78,8 +77,7 @@ def min_comm(graph: OpGraph, cluster: Cluster, costs: CostModel,
     check_micro_batches(micro_batches)
     opts = Options(k=k, optimizer=optimizer, compare_baselines=compare_baselines)
     m_default = default_micro_batches(graph) if micro_batches is None else int(micro_batches)
-    small = compare_baselines and len(graph) <= COMPARE_MAX_NODES
-    m_choices = (m_default, 1) if micro_batches is None and small and m_default > 1 \
+    m_choices = (m_default, 1) if micro_batches is None and compare_baselines and m_default > 1 \
         else (m_default,)
     pins = dict(pins or {})
     found: list[tuple[Plan, Prediction | None]] = []
