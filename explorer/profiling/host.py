@@ -86,7 +86,6 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
 
     alone = [total(solos, i) for i in range(len(graph))]
     shared = [total(boths, i) for i in range(len(graph))]
-    whole = sum(shared) / sum(alone) if sum(alone) > 0 else 1.0
     spread = [max(step) / statistics.fmean(step) - 1.0 for m in boths
               for step in zip(*m.busy_samples_s.values(), strict=True) if min(step) > 0]
 
@@ -95,7 +94,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
         return min(max(s / t, 0.5), 4.0) if t > 0 and s > 0 else otherwise
 
     opt = [sum(m.task_s.get("optimizer:-1", 0.0) for m in ms) for ms in (boths, solos)]
-    # the whole model's ratio where an op took no measurable time alone
+    # the whole model's ratio (bounded the same way) where an op took no measurable time alone
+    whole = ratio(sum(shared), sum(alone), 1.0)
     return ReplicaEffects([ratio(s, t, whole) for s, t in zip(shared, alone, strict=True)],
                           statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
 
