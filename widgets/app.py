@@ -34,9 +34,14 @@ class Explorer(W.VBox):
     """The explorer widget.
 
     ``Explorer(model, example_inputs, cluster=..., loss_fn=..., targets=...)`` captures and
-    profiles the model; ``Explorer(graph, costs, plan)`` (the plan optional) opens an already
-    captured graph; ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a
-    built-in model. Without a plan it opens with the fastest quick baseline that fits.
+    profiles the model: with ``measure="background"`` (the default) it opens at once on a
+    capture that runs nothing and roofline estimates, and swaps the measured numbers in when
+    the capture with real weights and the profile, run in a thread, are done (the header says
+    how far it is; ``session.wait_measured()`` waits); ``measure="now"`` measures first,
+    ``"never"`` not at all (see :meth:`Session.open`). ``Explorer(graph, costs, plan)`` (the
+    plan optional) opens an already captured graph;
+    ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a built-in model.
+    Without a plan it opens with the fastest quick baseline that fits.
 
     The state is ``session`` (a :class:`Session`: drive it from code and the widget follows);
     the panels are ``status``, ``graph``, ``estimate``, ``memory``, ``editing``, ``timeline``,
@@ -46,9 +51,9 @@ class Explorer(W.VBox):
     def __init__(self, model: Any, example_inputs: Any = None, cluster: Any = None,
                  loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
                  plan: ex.Plan | None = None, backend: str = "canvas", height: int = 560,
-                 progress: bool = True) -> None:
+                 progress: bool = True, measure: str = "background") -> None:
         self.session = s = Session.open(model, example_inputs, cluster, loss_fn, targets, costs,
-                                        plan, progress)
+                                        plan, progress, measure)
         self.status = StatusPanel(s)
         self.graph = GraphPanel(s, backend, height)
         self.estimate = EstimatePanel(s)

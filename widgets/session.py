@@ -14,6 +14,7 @@ Edits that cannot be made (an unknown node or device, a plan for another graph) 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +32,14 @@ from explorer.partition import algorithm as get_algorithm
 from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
 from widgets.edits import count_label, first_device, placed_on, targets, with_owned
 from widgets.graphview import GraphView
+from widgets.measure import (
+    BackgroundJob,
+    Work,
+    check_mode,
+    first_graph,
+    measured_status,
+    opening_costs,
+)
 
 #: how many edits undo remembers
 HISTORY = 200
@@ -138,6 +147,11 @@ class Session:
     #: where the message belongs: the area of the control that caused it ("": the top line)
     message_where: str = field(default="", init=False)
     _where: str = field(default="", init=False, repr=False)
+    #: the capture with real weights and profile running in the background (None: none)
+    measuring: BackgroundJob | None = field(default=None, init=False, repr=False)
+    #: how far it is ("" when there is none), for the status line
+    measure_status: str = field(default="", init=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.costs.check(self.graph)
@@ -154,11 +168,20 @@ class Session:
     @classmethod
     def open(cls, model: Any, example_inputs: Any = None, cluster: Any = None,
              loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
-             plan: ex.Plan | None = None, progress: bool = True) -> Session:
+             plan: ex.Plan | None = None, progress: bool = True,
+             measure: str = "background") -> Session:
         """A session on a module (captured with its example batch), a built-in model, or an
         already captured graph (``open(graph, costs, plan)``); profiled on ``cluster`` (this
         machine's devices by default) unless ``costs`` are given. Without a plan, the session
-        opens with the fastest of the quick baselines that fits (:func:`auto_plan`)."""
+        opens with the fastest of the quick baselines that fits (:func:`auto_plan`).
+
+        ``measure`` says when measured numbers come (:mod:`widgets.measure`): "background"
+        opens at once on a capture that runs nothing and roofline estimates, then captures
+        with real weights and profiles the devices that are here in a thread, and swaps the
+        measured numbers in when they are ready (:meth:`wait_measured` waits for them); "now"
+        measures before opening; "never" keeps the roofline estimates and runs nothing."""
+        check_mode(measure)
+        capture: Callable[[], OpGraph] | None = None
         if isinstance(model, OpGraph):
             graph = model
             if isinstance(example_inputs, ex.CostModel) and costs is None:
@@ -169,26 +192,84 @@ class Session:
                 raise ExplorerError(f"a captured graph needs no example batch; the second "
                                     f"argument is a {type(example_inputs).__name__}: give the "
                                     "cost model, Explorer(graph, costs, plan)")
-        elif isinstance(model, BuiltinModel):
-            graph = ex.capture(model.module, model.example_inputs, model.loss_fn, model.targets,
-                               name=model.name)
         else:
-            if example_inputs is None:
+            if isinstance(model, BuiltinModel):
+                args = (model.module, model.example_inputs, model.loss_fn, model.targets,
+                        model.name)
+            elif example_inputs is None:
                 raise ExplorerError("give the model's example batch: Explorer(model, "
                                     "example_inputs), or Explorer(graph, costs)")
-            graph = ex.capture(model, example_inputs, loss_fn, targets)
+            else:
+                args = (model, example_inputs, loss_fn, targets, None)
+            graph, fake = first_graph(*args, measure if costs is None else "now")
+            if fake:
+                capture = functools.partial(ex.capture, *args[:4], name=args[4])
         check_type(cluster, ex.Cluster, "cluster", "ex.Cluster.cpu(2), ex.Cluster.preset(...)")
         check_type(costs, ex.CostModel, "costs", "ex.profile(graph, cluster)")
         check_type(plan, ex.Plan, "plan", "ex.partition(...) or ex.Plan.load(...)")
+        work = None
         if costs is None:
-            costs = ex.profile(graph, cluster or ex.Cluster.discover(), progress=progress)
+            costs, work = opening_costs(graph, capture, cluster or ex.Cluster.discover(),
+                                        measure, progress)
         note = ""
         if plan is None:
             plan, note = auto_plan(graph, costs.cluster, costs)
         session = cls(graph, costs.cluster, costs, plan)
         if note:
             session.say(note)
+        if work is not None:
+            session.measure_in_background(work)
         return session
+
+    # -- measured numbers, in the background ---------------------------------------------
+    def measure_in_background(self, work: Work) -> None:
+        """Run ``work`` (see :func:`widgets.measure.measuring_work`) in a thread; its real
+        graph and measured costs replace the estimates when it is done (the plan under edit,
+        pins and table stay: the graph is the same). Progress is ``measure_status`` (topic
+        "measure"); an error becomes the message and the estimates stay."""
+        self._measure_report("starting")
+        self.measuring = BackgroundJob(work, self._measure_report, self._measured,
+                                       self._measure_failed).start()
+
+    def wait_measured(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background measurement (``timeout_s`` seconds at most; None: as
+        long as it takes). True once the measured numbers are in; False when there is
+        nothing to wait for. Raises when it failed or is not done in time."""
+        job = self.measuring
+        if job is None:
+            return False
+        if not job.wait(timeout_s):
+            raise ExplorerError(f"still measuring after {timeout_s:g} s "
+                                f"({self.measure_status}); wait longer, or keep editing: the "
+                                "numbers change when it is done")
+        if job.error is not None:
+            raise ExplorerError(f"measuring failed ({type(job.error).__name__}: "
+                                f"{job.error}); the numbers are roofline estimates and real "
+                                "steps cannot run: open with measure='now' to see the error "
+                                "where it happens") from job.error
+        return True
+
+    def _measure_report(self, text: str) -> None:
+        self.measure_status = (f"roofline estimates; measuring in the background: {text}"
+                               if text else "")
+        self._changed("measure")
+
+    def _measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
+        graph, costs = result
+        with self._lock:
+            self.graph, self.costs = graph, costs  # same fingerprint: plans and view stay
+            self.plans = [replace(e, prediction=ex.simulate(graph, e.plan, costs))
+                          for e in self.plans]
+            self._estimate()
+        self.measure_status = measured_status(self.cluster)
+        self._changed("costs")
+        self._changed("measure")
+
+    def _measure_failed(self, error: BaseException, trace: str) -> None:
+        self.measure_status = "roofline estimates (measuring failed: see the message)"
+        self._changed("measure")
+        self.say(f"measuring in the background failed ({type(error).__name__}: {error}); the "
+                 "numbers stay roofline estimates", error=True, detail=trace)
 
     # -- observers -----------------------------------------------------------------------
     def observe(self, fn: Callable[[Session, str], None]) -> None:
@@ -406,13 +487,14 @@ class Session:
         """Run a registered partitioner (with the pins when ``around_pins``), add its plan to
         the table and, with ``load``, make it the plan under edit."""
         get_algorithm(algorithm)  # unknown names raise with the list of known ones
-        t0 = time.perf_counter()
-        plan = ex.partition(self.graph, self.cluster, self.costs, algorithm,
-                            pins=self.pins if around_pins else None, **options)
-        took = time.perf_counter() - t0
-        name = algorithm + (" (pinned)" if around_pins and self.pins else "")
-        entry = PlanEntry(self._unique(name), plan, ex.simulate(self.graph, plan, self.costs),
-                          took)
+        with self._lock:
+            t0 = time.perf_counter()
+            plan = ex.partition(self.graph, self.cluster, self.costs, algorithm,
+                                pins=self.pins if around_pins else None, **options)
+            took = time.perf_counter() - t0
+            name = algorithm + (" (pinned)" if around_pins and self.pins else "")
+            entry = PlanEntry(self._unique(name), plan,
+                              ex.simulate(self.graph, plan, self.costs), took)
         self.plans.append(entry)
         self._changed("plans")
         if load:
@@ -436,7 +518,9 @@ class Session:
     # -- real steps, calibration, export -------------------------------------------------
     def run(self, steps: int = 5, warmup: int = 2, force: bool = False,
             progress: bool = True, **kw: Any) -> ex.Report:
-        """Run real training steps with the plan under edit and compare with its estimate."""
+        """Run real training steps with the plan under edit and compare with its estimate
+        (after the background measurement: real steps need the capture with real weights)."""
+        self.wait_measured()
         meas = ex.run(self.graph, None, self.plan, steps=steps, warmup=warmup,
                       costs=self.costs, cluster=self.cluster, force=force, progress=progress,
                       **kw)
@@ -461,7 +545,9 @@ class Session:
 
     def export(self, path: str | Path, steps: int = 10, overwrite: bool = False) -> Path:
         """Write the torchrun script (and its plan JSON and job folder) for the plan under edit;
-        an existing script is replaced only with ``overwrite``."""
+        an existing script is replaced only with ``overwrite`` (after the background
+        measurement: the script needs the capture with real weights)."""
+        self.wait_measured()
         return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps,
                                 overwrite=overwrite)
 
@@ -485,21 +571,23 @@ class Session:
 
     def _commit(self, plan: ex.Plan, pins: Mapping[str, str], label: str) -> None:
         prev = Snapshot(self.plan, dict(self.pins), label)
-        old = (self.plan, self.pins, self.prediction)
-        self.plan, self.pins = plan, dict(pins)
-        try:
-            self._estimate()
-        except Exception:
-            self.plan, self.pins, self.prediction = old
-            raise
+        with self._lock:  # the measured costs are not swapped in halfway through
+            old = (self.plan, self.pins, self.prediction)
+            self.plan, self.pins = plan, dict(pins)
+            try:
+                self._estimate()
+            except Exception:
+                self.plan, self.pins, self.prediction = old
+                raise
         self._undo.append(prev)
         del self._undo[:-HISTORY]
         self._redo.clear()
         self._changed("plan")
 
     def _restore(self, snap: Snapshot) -> None:
-        self.plan, self.pins = snap.plan, dict(snap.pins)
-        self._estimate()
+        with self._lock:
+            self.plan, self.pins = snap.plan, dict(snap.pins)
+            self._estimate()
         self._changed("plan")
 
     def _estimate(self) -> None:

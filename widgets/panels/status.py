@@ -7,6 +7,7 @@ import html
 
 import ipywidgets as W
 
+from explorer.capture.fake import FAKE_NOTE
 from explorer.core.units import format_bytes
 from widgets.panels.base import Panel
 from widgets.session import Session
@@ -18,18 +19,27 @@ class StatusPanel(Panel):
     unexpected error's trace folded under "details"): the message appears on the line of the
     area whose control caused it (:attr:`Session.message_where`), or on the top line."""
 
-    topics = frozenset({"message"})
+    topics = frozenset({"message", "measure"})
 
     def __init__(self, session: Session) -> None:
         super().__init__(session)
-        g, cl = session.graph, session.cluster
-        self.header = W.HTML(
-            f"<b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
-            f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
-            f"{html.escape(cl.name)} ({', '.join(cl.ids)})"
-            + (f" <i>({html.escape('; '.join(g.notes))})</i>" if g.notes else ""))
+        self.header = W.HTML(self.render_header())
         self.lines: dict[str, W.HTML] = {}
         self.message = self.line("")
+
+    def render_header(self) -> str:
+        """The first line: the graph, the cluster and where the numbers come from (with the
+        background measurement's progress, :attr:`Session.measure_status`)."""
+        g, cl = self.session.graph, self.session.cluster
+        # while the capture with real weights runs, the status line says what the note would
+        notes = [n for n in g.notes if n != FAKE_NOTE or self.session.measuring is None]
+        status = self.session.measure_status
+        return (f"<b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
+                f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
+                f"{html.escape(cl.name)} ({', '.join(cl.ids)})"
+                + (f" <i>({html.escape('; '.join(notes))})</i>" if notes else "")
+                + (f"<br><span class='pe-measure'>{html.escape(status)}</span>"
+                   if status else ""))
 
     def line(self, where: str) -> W.HTML:
         """The message line of area ``where`` (made once; put it under that area's controls).
@@ -42,6 +52,10 @@ class StatusPanel(Panel):
 
     def update(self, what: str) -> None:
         s = self.session
+        if what in ("measure", "all"):
+            self.header.value = self.render_header()
+            if what == "measure":
+                return
         here = s.message_where if s.message_where in self.lines else ""
         for where, w in self.lines.items():
             w.value = self.render() if where == here and s.message else ""

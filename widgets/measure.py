@@ -1,0 +1,144 @@
+"""The first picture without waiting: capture without running, roofline numbers, measure later.
+
+Capturing a model by running it and profiling it on this machine's CPU ranks can take a minute
+for a model of GPT-2's size. The explorer does not wait for it: :func:`first_graph` captures
+the model on fake tensors (the same graph and fingerprint, nothing run) and
+:func:`roofline_model` estimates every device from FLOPs and bytes, so the widget opens in
+seconds. :func:`measuring_work` is what is left to do, which a :class:`BackgroundJob` runs in a
+thread: the capture with real weights (to run steps and export scripts) and, where the devices
+are present, the profile. The session swaps the results in when they are ready.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import explorer as ex
+from explorer.core.errors import CaptureError, ExplorerError
+from explorer.core.graph import OpGraph
+from explorer.models.synthetic import roofline_costs
+
+#: when the measured numbers come: "background" (a thread, the widget opens on rooflines),
+#: "now" (before the widget opens) or "never" (rooflines only, nothing run)
+MEASURE_MODES = ("background", "now", "never")
+
+#: the work of a background job: called with a function that reports progress, returns the
+#: real graph and its cost model
+Work = Callable[[Callable[[str], None]], tuple[OpGraph, ex.CostModel]]
+
+
+def check_mode(measure: str) -> None:
+    if measure not in MEASURE_MODES:
+        raise ExplorerError(f"measure={measure!r} is not known; use one of "
+                            f"{', '.join(MEASURE_MODES)}")
+
+
+def roofline_model(graph: OpGraph, cluster: ex.Cluster) -> ex.CostModel:
+    """Roofline estimates on every device of ``cluster``, present or not: the costs the
+    profiler gives devices that are absent, built at once for the ones it would measure."""
+    return roofline_costs(graph, cluster)
+
+
+def has_present(cluster: ex.Cluster) -> bool:
+    """Whether some device of ``cluster`` is on this machine (and can be profiled)."""
+    return any(d.present for d in cluster.devices)
+
+
+def first_graph(module: Any, inputs: Any, loss_fn: Any, targets: Any, name: str | None,
+                measure: str) -> tuple[OpGraph, bool]:
+    """The graph to open on, and whether it was captured without running (fake tensors).
+
+    With ``measure="now"``, or when the model cannot be traced on fake tensors (code that reads
+    tensor values), the model is captured by running it."""
+    if measure != "now":
+        try:
+            return ex.capture(module, inputs, loss_fn, targets, name=name, fake=True), True
+        except CaptureError:
+            pass  # e.g. data-dependent code: the real capture below says what is wrong
+    return ex.capture(module, inputs, loss_fn, targets, name=name), False
+
+
+def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
+                   fingerprint: str) -> Work:
+    """What is left after opening on estimates: the capture with real weights (``real`` when
+    it is a function that captures; a graph is already real) and, when devices of
+    ``cluster`` are present, their profile (rooflines for the others)."""
+    def work(report: Callable[[str], None]) -> tuple[OpGraph, ex.CostModel]:
+        graph = real
+        if not isinstance(graph, OpGraph):
+            report("capturing the model with real weights")
+            graph = graph()
+        if graph.fingerprint != fingerprint:
+            raise CaptureError(f"the capture with real weights gave another graph "
+                               f"({len(graph.ops):,} ops) than the one without running; the "
+                               "numbers stay roofline estimates. Open it with measure='now'")
+        if not has_present(cluster):
+            return graph, roofline_model(graph, cluster)
+        here = ", ".join(d.id for d in cluster.devices if d.present)
+        report(f"profiling {len(graph.ops):,} ops on {here}")
+        return graph, ex.profile(graph, cluster, progress=False)
+    return work
+
+
+def opening_costs(graph: OpGraph, capture: Callable[[], OpGraph] | None,
+                  cluster: ex.Cluster, measure: str, progress: bool
+                  ) -> tuple[ex.CostModel, Work | None]:
+    """The costs to open ``graph`` on, and the work left for the background (None: none).
+
+    ``capture`` captures with real weights when ``graph`` was captured without running
+    (None: ``graph`` is real). A real graph on devices that are all absent is profiled at once
+    (rooflines, nothing run), and so is any graph measured ``"now"``."""
+    if capture is None and (measure == "now" or not has_present(cluster)):
+        return ex.profile(graph, cluster, progress=progress), None
+    work = (measuring_work(capture or graph, cluster, graph.fingerprint)
+            if measure == "background" else None)
+    return roofline_model(graph, cluster), work
+
+
+def measured_status(cluster: ex.Cluster) -> str:
+    """What the status line says once the background work is done."""
+    here = [d.id for d in cluster.devices if d.present]
+    if here:
+        return f"measured: the numbers are from the profile of {', '.join(here)}"
+    return ("roofline estimates (devices not here; captured with real weights: real steps "
+            "and export are ready)")
+
+
+class BackgroundJob:
+    """``work`` run in a daemon thread: ``report(text)`` says how far it is, ``finish(result)``
+    takes its result and ``fail(error, trace)`` its error (each called from the thread).
+    :meth:`wait` blocks until it is over."""
+
+    def __init__(self, work: Work, report: Callable[[str], None],
+                 finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
+                 fail: Callable[[BaseException, str], None]) -> None:
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(work, report, finish, fail),
+                                        name="explorer-measure", daemon=True)
+
+    def start(self) -> BackgroundJob:
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether the job is over (within ``timeout_s`` seconds; None: as long as it takes)."""
+        return self._done.wait(timeout_s)
+
+    def _run(self, work: Work, report: Callable[[str], None],
+             finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
+             fail: Callable[[BaseException, str], None]) -> None:
+        try:
+            finish(work(report))
+        except BaseException as e:  # the thread must say what went wrong, whatever it is
+            self.error = e
+            fail(e, traceback.format_exc(limit=6))
+        finally:
+            self._done.set()
