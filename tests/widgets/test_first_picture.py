@@ -1,0 +1,114 @@
+"""The explorer opens on roofline estimates at once and swaps measured numbers in when ready."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+
+import pytest
+
+import explorer as ex
+from explorer.capture.fake import FAKE_NOTE
+from explorer.core.errors import ExplorerError
+from explorer.models.synthetic import roofline_costs
+from widgets import Session
+
+pytest.importorskip("jupyter_bokeh")
+
+#: what the patched profiler's costs are scaled by, so that measured numbers differ
+MEASURED_SCALE = 3.0
+
+
+def shown_step_s(w) -> float:
+    return float(re.search(r"class='pe-step' data-value='([^']+)'", w.estimate.table.value)[1])
+
+
+class BlockingProfiler:
+    """Stands in for ``ex.profile``: blocks until released, then gives scaled rooflines (or
+    raises ``error``)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+        self.error = error
+
+    def __call__(self, graph, cluster, **kw):
+        self.calls += 1
+        assert self.release.wait(60), "the test never released the profiler"
+        if self.error is not None:
+            raise self.error
+        return dataclasses.replace(roofline_costs(graph, cluster), compute_scale=MEASURED_SCALE)
+
+
+@pytest.fixture
+def profiler(monkeypatch):
+    p = BlockingProfiler()
+    monkeypatch.setattr(ex, "profile", p)
+    yield p
+    p.release.set()  # never leave the thread waiting
+
+
+def open_mlp(**kw):
+    from widgets import Explorer
+
+    return Explorer(ex.builtin_model("mlp", "tiny"), cluster=ex.Cluster.cpu(2, measure=False),
+                    progress=False, **kw)
+
+
+def test_opens_on_rooflines_while_measuring_then_shows_measured_numbers(profiler):
+    w = open_mlp()
+    s = w.session
+    assert FAKE_NOTE in s.graph.notes  # captured without running
+    assert "measuring" in s.measure_status and "measuring" in w.status.header.value
+    roof = roofline_costs(s.graph, s.cluster)
+    assert shown_step_s(w) == pytest.approx(ex.simulate(s.graph, s.plan, roof).step_s)
+    s.assign([s.graph.ops[0].name], "cpu:1")  # editing goes on meanwhile
+    plan = s.plan
+    with pytest.raises(ExplorerError, match="still measuring"):
+        s.wait_measured(0.01)
+    profiler.release.set()
+    assert s.wait_measured(60)
+    assert s.plan is plan and s.graph.runtime is not None  # the real graph, the same plan
+    assert s.costs.compute_scale == MEASURED_SCALE
+    measured = ex.simulate(s.graph, plan, s.costs).step_s
+    assert shown_step_s(w) == pytest.approx(measured) and measured > ex.simulate(
+        s.graph, plan, roof).step_s
+    assert "measured" in w.status.header.value and "measuring" not in w.status.header.value
+    assert profiler.calls == 1
+
+
+def test_an_error_while_measuring_becomes_the_message(profiler):
+    profiler.error = RuntimeError("the profiler broke")
+    w = open_mlp()
+    before = shown_step_s(w)
+    profiler.release.set()
+    with pytest.raises(ExplorerError, match="measuring failed.*the profiler broke"):
+        w.session.wait_measured(60)
+    assert "the profiler broke" in w.message and w.session.message_is_error
+    assert "the profiler broke" in w.status.message.value
+    assert "failed" in w.status.header.value
+    assert shown_step_s(w) == before  # the estimates stay, and editing goes on
+    w.session.assign([w.session.graph.ops[0].name], "cpu:1")
+    with pytest.raises(ExplorerError, match="measuring failed"):
+        w.session.run(steps=1)  # real steps need what failed
+
+
+def test_measure_now_and_never(profiler):
+    profiler.release.set()
+    now = open_mlp(measure="now")
+    assert profiler.calls == 1 and now.session.costs.compute_scale == MEASURED_SCALE
+    assert now.session.graph.runtime is not None and not now.session.wait_measured()
+    never = open_mlp(measure="never")
+    assert profiler.calls == 1 and FAKE_NOTE in never.session.graph.notes
+    assert not never.session.wait_measured() and never.session.measure_status == ""
+    with pytest.raises(ExplorerError, match="measure='sometime' is not known"):
+        open_mlp(measure="sometime")
+
+
+def test_absent_devices_need_no_profile_only_the_real_capture(profiler):
+    bm = ex.builtin_model("mlp", "tiny")
+    s = Session.open(bm, cluster=ex.Cluster.preset("2xH100"))
+    assert FAKE_NOTE in s.graph.notes
+    assert s.wait_measured(60) and s.graph.runtime is not None
+    assert profiler.calls == 0 and "roofline estimates" in s.measure_status
