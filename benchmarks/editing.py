@@ -1,13 +1,14 @@
 """Widget benchmark: time to the first picture of a model, and from a hand edit to the updated one.
 
-Run: python benchmarks/editing.py [--sizes 500,2000,10000] [--edits 20] [--devices 4xH100]
+Run: python benchmarks/editing.py [--sizes 500,2000,10000|none] [--edits 20] [--devices 4xH100]
      [--models mlp,alexnet,...|none] [--model-size default]
 
 First picture: for each built-in model (and Hugging Face's GPT-2 small built from its config,
-no download, when ``transformers`` is importable), the time to capture it, then to open the
-explorer widget on it with roofline costs (no profiling), the opening plan being the fastest
-quick baseline, up to a drawn figure: what a user waits for before the first picture. Target:
-5 s in all.
+no download, when ``transformers`` is importable), the time from ``Explorer(model, inputs,
+cluster=...)`` to a drawn figure: the capture without running the model (fake tensors), roofline
+costs, the opening plan (the fastest quick baseline) and the widget: what a user waits for
+before the first picture. Target: 5 s. Then the time until the capture with real weights,
+running in the background meanwhile, is done (no profile: the preset's devices are not here).
 
 Edits:
 
@@ -114,17 +115,19 @@ def hf_gpt2() -> tuple[object, tuple, object, tuple] | None:
 
 
 def first_picture(name: str, make, devices: str) -> dict:
-    """Seconds to capture the model, and to open the explorer on it up to a drawn figure."""
+    """Seconds from the model to the explorer drawn on it (``Explorer(model, ...)``: a capture
+    that runs nothing, roofline estimates, the opening plan, the figure), and then until the
+    background capture with real weights is done (see :mod:`widgets.measure`)."""
     module, inputs, loss_fn, targets = make()
-    t0 = time.perf_counter()
-    graph = ex.capture(module, inputs, loss_fn, targets, name=name)
-    capture_s = time.perf_counter() - t0
     cluster = ex.Cluster.preset(devices)
     t0 = time.perf_counter()
-    w = Explorer(graph, roofline_costs(graph, cluster))
+    w = Explorer(module, inputs, cluster=cluster, loss_fn=loss_fn, targets=targets)
     open_s = time.perf_counter() - t0
+    w.session.wait_measured()
+    measured_s = time.perf_counter() - t0
+    graph = w.session.graph
     return {"model": name, "ops": len(graph.ops), "items": len(w.session.view.items),
-            "plan": w.session.plan.algorithm, "capture_s": capture_s, "open_s": open_s}
+            "plan": w.session.plan.algorithm, "open_s": open_s, "measured_s": measured_s}
 
 
 def builtin(name: str, size: str):
@@ -143,15 +146,17 @@ def first_pictures(models: list[str], size: str, devices: str, folder: str) -> N
         rows.append(first_picture("Hugging Face GPT-2 small", hf_gpt2, devices))
     else:
         print("  transformers is not importable: no Hugging Face GPT-2", file=sys.stderr)
-    title = (f"Time to the first picture in the explorer widget ({devices} preset, roofline "
-             "costs, opening plan the fastest quick baseline; seconds)")
+    title = (f"Time to the first picture in the explorer widget (Explorer(model, ...) on the "
+             f"{devices} preset: a capture that runs nothing, roofline costs, opening plan the "
+             "fastest quick baseline; then the capture with real weights in the background; "
+             "seconds)")
     load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     print(f"{title}; {load}")
-    head = ("model", "ops", "items shown", "opening plan", "capture (s)", "open widget (s)",
-            "total (s)", f"<= {FIRST_PICTURE_S:g} s")
-    out = [(r["model"], f"{r['ops']:,}", f"{r['items']:,}", r["plan"], f"{r['capture_s']:.2f}",
-            f"{r['open_s']:.2f}", f"{r['capture_s'] + r['open_s']:.2f}",
-            "yes" if r["capture_s"] + r["open_s"] <= FIRST_PICTURE_S else "NO") for r in rows]
+    head = ("model", "ops", "items shown", "opening plan", "first picture (s)",
+            "real capture done (s)", f"<= {FIRST_PICTURE_S:g} s")
+    out = [(r["model"], f"{r['ops']:,}", f"{r['items']:,}", r["plan"], f"{r['open_s']:.2f}",
+            f"{r['measured_s']:.2f}", "yes" if r["open_s"] <= FIRST_PICTURE_S else "NO")
+           for r in rows]
     print(table(head, out))
     write_result("first_picture", out, columns=head, title=title, notes=load + ".",
                  folder=folder)
@@ -159,7 +164,8 @@ def first_pictures(models: list[str], size: str, devices: str, folder: str) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="500,2000,10000")
+    ap.add_argument("--sizes", default="500,2000,10000",
+                    help="graph sizes for the edit timings ('none': skip them)")
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--devices", default="4xH100")
     ap.add_argument("--models", default=",".join(model_names()),
@@ -169,6 +175,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.models != "none":
         first_pictures(args.models.split(","), args.model_size, args.devices, args.results)
+    if args.sizes == "none":
+        return
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):
         for kind, make in (("layered", lambda n: layered_dag(n, seed=0)), ("gpt", gpt_graph)):
