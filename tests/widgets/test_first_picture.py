@@ -83,7 +83,7 @@ def test_an_error_while_measuring_becomes_the_message(profiler):
     w = open_mlp()
     before = shown_step_s(w)
     profiler.release.set()
-    with pytest.raises(ExplorerError, match="measuring failed.*the profiler broke"):
+    with pytest.raises(ExplorerError, match=r"measuring failed.*the profiler broke"):
         w.session.wait_measured(60)
     assert "the profiler broke" in w.message and w.session.message_is_error
     assert "the profiler broke" in w.status.message.value
