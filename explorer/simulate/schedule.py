@@ -54,7 +54,8 @@ def run(tasks: TaskGraph) -> Timing:
     When no task takes negative time, time only moves forward, so a ready task's last
     dependency to end is the last one seen and the task starts now; with negative times an
     event may come before an earlier one, and every dependency's end is weighed. A resource's
-    next task is handled without the event heap when its end is the earliest event anyway.
+    next task's end goes into the event heap and the earliest event comes out in one step
+    (none of the heap's work when that is the task's own end).
 
     A rank receives a transfer in the first task that needs it, posting the receive when it
     gets to that task, the moment its resource became free for it. Where the transfer's link
@@ -114,7 +115,7 @@ def run(tasks: TaskGraph) -> Timing:
             busy[r] = True
             heapq.heappush(events, (e, t))
 
-    heappush, heappop = heapq.heappush, heapq.heappop
+    heappush, heappop, heappushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
     started = order.append
     while events:
         now, t = heappop(events)
@@ -181,12 +182,8 @@ def run(tasks: TaskGraph) -> Timing:
                     heappush(events, (ev, v))
             if u < 0:
                 break
-            if events:
-                h = events[0]
-                if e > h[0] or (e == h[0] and u > h[1]):
-                    heappush(events, (e, u))
-                    break
-            now, t = e, u  # u's end is the next event
+            # the next event: u's end, or an earlier one (u's end then waits in the heap)
+            now, t = heappushpop(events, (e, u)) if events else (e, u)
     if len(order) != T:
         raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
                         "bug in the plan or simulator, please report it with the plan JSON")
