@@ -72,7 +72,6 @@ class GraphArrays:
     def __init__(self, g: OpGraph) -> None:
         nodes = g.nodes
         self.n = N = len(nodes)
-        self._nodes = nodes
         self._preds, self._index = g.preds, g.index
         # one pass over the nodes (much faster than one pass per attribute on large graphs)
         cols: list[list] = [[] for _ in range(10)]
