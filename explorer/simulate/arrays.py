@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, ClassVar
 
 import numpy as np
@@ -21,6 +21,9 @@ _HANDS_FIRST = frozenset({"aten.sub.Tensor", "aten.clone.default", "aten.alias.d
                           "aten.contiguous.default"})
 _SLICES_GRAD = frozenset({"aten.cat.default", "aten.concat.default", "aten.stack.default"})
 _HANDS_ALL = frozenset({"aten.add.Tensor", "aten.add.Scalar"}) | _SLICES_GRAD
+# an op's code by its name alone (the first that applies: getitem, all inputs, the first)
+_OP_CODE = {**dict.fromkeys(_HANDS_FIRST, _HAND_FIRST), **dict.fromkeys(_HANDS_ALL, _HAND_ALL),
+            "getitem": _GETITEM}
 
 
 class GraphArrays:
@@ -69,11 +72,11 @@ class GraphArrays:
     def __init__(self, g: OpGraph) -> None:
         nodes = g.nodes
         self.n = N = len(nodes)
-        self._nodes = nodes
         self._preds, self._index = g.preds, g.index
         # one pass over the nodes (much faster than one pass per attribute on large graphs)
-        cols: list[list] = [[] for _ in range(8)]
-        name, kind, rg, out_bytes, param_bytes, view, extra, saves = (c.append for c in cols)
+        cols: list[list] = [[] for _ in range(10)]
+        name, kind, rg, out_bytes, param_bytes, view, extra, saves, op, outs = (
+            c.append for c in cols)
         for n in nodes:
             name(n.name)
             kind(n.kind)
@@ -83,8 +86,10 @@ class GraphArrays:
             view(n.is_view)
             extra(n.saved_extra_bytes)
             saves(n.saves)
+            op(n.op)
+            outs(len(n.shapes))
         (self.names, self.kinds, rg_l, self.out_bytes, self.param_bytes, self._views,
-         self._extra, self._saves) = cols
+         self._extra, self._saves, self._ops, self._outputs) = cols
         self.kcode = np.fromiter(map(_KIND_CODE.__getitem__, self.kinds), dtype=np.int8,
                                  count=N)
         self.is_op = self.kcode == KIND_OP
@@ -101,7 +106,7 @@ class GraphArrays:
     @cached_property
     def grad_named(self) -> np.ndarray:
         """Whether a node's name starts with "grad " (as the labels of gradient sends do)."""
-        return np.fromiter((nm.startswith("grad ") for nm in self.names), dtype=bool,
+        return np.fromiter(map(str.startswith, self.names, repeat("grad ", self.n)), dtype=bool,
                            count=self.n)
 
     @cached_property
@@ -140,18 +145,13 @@ class GraphArrays:
         Autograd does so for views of the same size (their backward views the gradient back),
         getitem, same-size add (and the first input of sub), clone and alias, and cat (each
         input gets a slice of the gradient)."""
-        code = np.zeros(self.n, dtype=np.int8)
-        multi = np.zeros(self.n, dtype=bool)
-        for i, nd in enumerate(self._nodes):
-            if nd.kind != "op":
-                continue
-            multi[i] = len(nd.shapes) > 1
-            if nd.op == "getitem":
-                code[i] = _GETITEM
-            elif nd.op in _HANDS_ALL:
-                code[i] = _HAND_ALL
-            elif nd.op in _HANDS_FIRST or (nd.is_view and len(nd.shapes) == 1):
-                code[i] = _HAND_FIRST
+        N = self.n
+        outputs = np.fromiter(self._outputs, dtype=np.int64, count=N)
+        multi = self.is_op & (outputs > 1)
+        code = np.fromiter(map(_OP_CODE.get, self._ops, repeat(0, N)), dtype=np.int8, count=N)
+        first = (code == 0) & np.array(self._views, dtype=bool) & (outputs == 1)
+        code[first] = _HAND_FIRST
+        code[~self.is_op] = 0
         e_p, e_c = self.e_p, self.e_c
         cc = code[e_c]
         first_in = np.ones(len(e_c), dtype=bool)  # the edge is its consumer's first input
@@ -164,8 +164,7 @@ class GraphArrays:
 
     @cached_property
     def _cat(self) -> np.ndarray:
-        return np.fromiter((nd.op in _SLICES_GRAD for nd in self._nodes), dtype=bool,
-                           count=self.n)
+        return np.fromiter(map(_SLICES_GRAD.__contains__, self._ops), dtype=bool, count=self.n)
 
     @cached_property
     def saved(self) -> tuple[np.ndarray, np.ndarray]:

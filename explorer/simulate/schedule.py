@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -22,15 +24,22 @@ from explorer.simulate.taskgraph import TaskGraph
 class Timing:
     """When each task of a :class:`TaskGraph` runs in the list schedule, and why then."""
 
-    start: list[float]  # [task] seconds from the step's start
-    end: list[float]  # [task] seconds from the step's start
+    # (arrays of doubles: stored without a float object per task, read by numpy without a copy)
+    start: Sequence[float]  # [task] seconds from the step's start
+    end: Sequence[float]  # [task] seconds from the step's start
     cause: list[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
     order: list[int]  # task ids in the order they start: a topological order
 
     @cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(start, end) as float64 arrays."""
-        return np.asarray(self.start, dtype=np.float64), np.asarray(self.end, dtype=np.float64)
+        """(start, end) as read-only float64 arrays."""
+        out = []
+        for x in (self.start, self.end):
+            a = np.frombuffer(x, dtype=np.float64) if isinstance(x, array) else \
+                np.asarray(x, dtype=np.float64)
+            a.flags.writeable = False
+            out.append(a)
+        return out[0], out[1]
 
 
 def run(tasks: TaskGraph) -> Timing:
@@ -45,7 +54,8 @@ def run(tasks: TaskGraph) -> Timing:
     When no task takes negative time, time only moves forward, so a ready task's last
     dependency to end is the last one seen and the task starts now; with negative times an
     event may come before an earlier one, and every dependency's end is weighed. A resource's
-    next task is handled without the event heap when its end is the earliest event anyway.
+    next task's end goes into the event heap and the earliest event comes out in one step
+    (none of the heap's work when that is the task's own end).
 
     A rank receives a transfer in the first task that needs it, posting the receive when it
     gets to that task, the moment its resource became free for it. Where the transfer's link
@@ -55,8 +65,8 @@ def run(tasks: TaskGraph) -> Timing:
     """
     T = len(tasks.kind)
     res, dur, flat, ptr, key = tasks.res, tasks.dur, tasks.succ_flat, tasks.succ_ptr, tasks.key
-    start = [0.0] * T
-    end = [0.0] * T
+    start = array("d", bytes(8 * T))
+    end = array("d", bytes(8 * T))
     cause = [-1] * T
     order: list[int] = []
     deps = list(tasks.ndeps)
@@ -105,7 +115,8 @@ def run(tasks: TaskGraph) -> Timing:
             busy[r] = True
             heapq.heappush(events, (e, t))
 
-    heappush, heappop = heapq.heappush, heapq.heappop
+    heappush, heappop, heappushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
+    started = order.append
     while events:
         now, t = heappop(events)
         while True:  # the event: task t ends at time `now`
@@ -121,7 +132,7 @@ def run(tasks: TaskGraph) -> Timing:
                 d = deps[u] - 1
                 deps[u] = d
                 if not d:
-                    if now >= ready_at[u]:
+                    if not backward:  # (time only moves forward: its last dependency ends now)
                         ready_at[u] = now
                         ready_from[u] = t
                     ru = res[u]
@@ -144,7 +155,7 @@ def run(tasks: TaskGraph) -> Timing:
                     s, c = late_start(u, r, now, s, c)
                 start[u] = s
                 end[u] = e = s + dur[u]
-                order.append(u)
+                started(u)
                 cause[u] = c
             else:
                 busy[r] = False
@@ -165,18 +176,14 @@ def run(tasks: TaskGraph) -> Timing:
                         s, c = late_start(v, ru, free_at[ru], s, c)
                     start[v] = s
                     end[v] = ev = s + dur[v]
-                    order.append(v)
+                    started(v)
                     cause[v] = c
                     busy[ru] = True
                     heappush(events, (ev, v))
             if u < 0:
                 break
-            if events:
-                h = events[0]
-                if e > h[0] or (e == h[0] and u > h[1]):
-                    heappush(events, (e, u))
-                    break
-            now, t = e, u  # u's end is the next event
+            # the next event: u's end, or an earlier one (u's end then waits in the heap)
+            now, t = heappushpop(events, (e, u)) if events else (e, u)
     if len(order) != T:
         raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
                         "bug in the plan or simulator, please report it with the plan JSON")

@@ -87,3 +87,12 @@ def test_clear_caches_gives_the_same_prediction_cold():
     warm = simulate(g, plan, cm)
     clear_caches()
     assert simulate(g, plan, cm) == warm
+
+
+def test_start_and_end_arrays_are_the_times_read_only():
+    g, plan, cm = _pipeline()
+    timing = run(build_tasks(g, plan, cm))
+    start_a, end_a = timing.arrays
+    assert start_a.tolist() == list(timing.start) and end_a.tolist() == list(timing.end)
+    with pytest.raises(ValueError):
+        end_a[0] = 1.0  # (memory accounting may not change the schedule it reads)
