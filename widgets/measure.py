@@ -29,10 +29,6 @@ MEASURE_MODES = ("background", "now", "never")
 #: real graph and its cost model
 Work = Callable[[Callable[[str], None]], tuple[OpGraph, ex.CostModel]]
 
-#: held while the explorer captures a model: torch.export keeps global state, so a capture in
-#: the background and one for another explorer opened meanwhile take turns
-CAPTURE_LOCK = threading.Lock()
-
 
 def check_mode(measure: str) -> None:
     if measure not in MEASURE_MODES:
@@ -57,13 +53,12 @@ def first_graph(module: Any, inputs: Any, loss_fn: Any, targets: Any, name: str 
 
     With ``measure="now"``, or when the model cannot be traced on fake tensors (code that reads
     tensor values), the model is captured by running it."""
-    with CAPTURE_LOCK:
-        if measure != "now":
-            try:
-                return ex.capture(module, inputs, loss_fn, targets, name=name, fake=True), True
-            except CaptureError:
-                pass  # e.g. data-dependent code: the real capture below says what is wrong
-        return ex.capture(module, inputs, loss_fn, targets, name=name), False
+    if measure != "now":
+        try:
+            return ex.capture(module, inputs, loss_fn, targets, name=name, fake=True), True
+        except CaptureError:
+            pass  # e.g. data-dependent code: the real capture below says what is wrong
+    return ex.capture(module, inputs, loss_fn, targets, name=name), False
 
 
 def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
@@ -75,8 +70,7 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
         graph = real
         if not isinstance(graph, OpGraph):
             report("capturing the model with real weights")
-            with CAPTURE_LOCK:
-                graph = graph()
+            graph = graph()
         if graph.fingerprint != fingerprint:
             raise CaptureError(f"the capture with real weights gave another graph "
                                f"({len(graph.ops):,} ops) than the one without running; the "

@@ -17,6 +17,7 @@ import contextlib
 import io
 import logging
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,10 @@ __all__ = ["CaptureRuntime", "TrainStep", "batch_splits", "capture", "captured_g
            "surrogate_loss", "training_mode"]
 
 
+#: held by a capture while it runs
+_ONE_AT_A_TIME = threading.Lock()
+
+
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
             targets: Any = None, name: str | None = None, fake: bool | None = None) -> OpGraph:
     """Capture one training step of ``model`` on ``example_inputs`` as an :class:`OpGraph`.
@@ -83,18 +88,21 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     if inputs[0].dim() == 0:
         raise InputMismatchError("the first example input is a scalar: it needs a batch "
                                  "dimension (dim 0)")
-    meta = on_meta(model, (*inputs, *tgts))
-    if fake is False and meta:
-        raise CaptureError("the model or its example tensors are on the meta device (no "
-                           "values): capture with fake=True, or build it with real weights")
-    step = TrainStep(model, loss_fn, len(inputs))
-    name = name or type(model).__name__
-    with training_mode(step):  # the caller's model keeps its own train/eval modes after
-        if fake or meta:
-            return _capture_fake(step, model, inputs, tgts, name)
-        check_fits(model)
-        # the example batch kept with the graph is a copy: the caller's tensors stay theirs
-        return _capture(step, model, copies(inputs), copies(tgts), name)
+    # one capture at a time: torch.export keeps global state, and a fake capture swaps the
+    # model's parameters while it runs (a notebook may capture in a background thread)
+    with _ONE_AT_A_TIME:
+        meta = on_meta(model, (*inputs, *tgts))
+        if fake is False and meta:
+            raise CaptureError("the model or its example tensors are on the meta device (no "
+                               "values): capture with fake=True, or build it with real weights")
+        step = TrainStep(model, loss_fn, len(inputs))
+        name = name or type(model).__name__
+        with training_mode(step):  # the caller's model keeps its own train/eval modes after
+            if fake or meta:
+                return _capture_fake(step, model, inputs, tgts, name)
+            check_fits(model)
+            # the example batch kept with the graph is a copy: the caller's tensors stay theirs
+            return _capture(step, model, copies(inputs), copies(tgts), name)
 
 
 def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
