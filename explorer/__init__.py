@@ -19,6 +19,7 @@ from explorer.core import (
     OpNode,
     Plan,
     PlanError,
+    StageSettings,
     UnknownNameError,
 )
 from explorer.costs import CostModel
@@ -49,6 +50,7 @@ __all__ = [
     "Prediction",
     "Report",
     "RunFailed",
+    "StageSettings",
     "UnknownNameError",
     "algorithm",
     "algorithms",

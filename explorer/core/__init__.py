@@ -9,7 +9,8 @@ from explorer.core.errors import (
     UnknownNameError,
 )
 from explorer.core.graph import OpGraph, OpNode
-from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.core.plan import OPTIMIZER_STATE, Plan, StageSettings
 
 __all__ = ["OPTIMIZER_STATE", "CaptureError", "ExplorerError", "InputMismatchError",
-           "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "UnknownNameError"]
+           "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "StageSettings",
+           "UnknownNameError"]

@@ -28,8 +28,18 @@ from explorer.core.graph import OpGraph
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 PLAN_FORMAT = "partition-explorer-plan"
-PLAN_VERSION = 1
+#: 2 adds per-stage memory settings (``stage_settings``); a plan without them is written as
+#: version 1, so files older explorers can read stay readable by them
+PLAN_VERSION = 2
 SCHEDULES = ("gpipe", "1f1b")
+#: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
+#: 2 also the gradients, 3 also the weights (FSDP's full sharding)
+ZERO_STAGES = (0, 1, 2, 3)
+#: activation recomputation: none, selective (cheap ops recomputed, their outputs not kept),
+#: full (only each module's inputs kept; its forward runs again in the backward)
+RECOMPUTE = ("none", "selective", "full")
+#: compute precision; bf16 and fp16 keep fp32 master weights, fp16 adds loss scaling
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 #: device ids, the algorithm and the graph fingerprint: names, never text
 NAME_PATTERN = r"[A-Za-z0-9_.:+/-]{1,128}"
@@ -158,7 +168,43 @@ PLAN_SCHEMA = obj({
     # how the graph's model was built, where a built-in model was (``explorer plan``)
     "model": (obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
                    "batch_size": (whole(1, 2**31), REQUIRED)}), None),
+    # version 2: memory settings per stage (absent: the defaults)
+    "stage_settings": (list_of(obj({"zero": (whole(0, 3), 0),
+                                    "recompute": (one_of(RECOMPUTE), "none"),
+                                    "precision": (one_of(PRECISIONS), "fp32")}),
+                               0, MAX_DEVICES), []),
 })
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """How one stage trades memory for time: sharded state, recomputation, precision."""
+
+    zero: int = 0
+    recompute: str = "none"
+    precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise PlanError(f"ZeRO stage {self.zero!r} does not exist; use one of 0, 1, 2, 3")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_SETTINGS
+
+    def describe(self) -> str:
+        """``"zero 3, recompute full, bf16"``; empty for the defaults."""
+        parts = ([f"zero {self.zero}"] if self.zero else []) + (
+            [f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
+            [self.precision] if self.precision != "fp32" else [])
+        return ", ".join(parts)
+
+
+DEFAULT_SETTINGS = StageSettings()
 
 
 @dataclass(frozen=True)
@@ -179,6 +225,8 @@ class Plan:
     #: how the graph's model was built when it is a built-in one: ``{"builtin": "gpt",
     #: "size": "tiny", "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild)
     model: Mapping[str, Any] | None = None
+    #: memory settings per stage (empty: the defaults everywhere); see :meth:`with_memory`
+    stage_settings: tuple[StageSettings, ...] = ()
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -229,6 +277,14 @@ class Plan:
         raise PlanError(f"device {device_id!r} is not used by this plan; it uses "
                         f"{', '.join(self.devices)}")
 
+    def settings_of(self, stage: int) -> StageSettings:
+        """The memory settings of ``stage`` (the defaults where none were set)."""
+        return self.stage_settings[stage] if self.stage_settings else DEFAULT_SETTINGS
+
+    @property
+    def uses_memory_settings(self) -> bool:
+        return any(not st.is_default for st in self.stage_settings)
+
     @property
     def data_parallel(self) -> int:
         """Largest replica count of any stage."""
@@ -253,6 +309,23 @@ class Plan:
 
     def with_settings(self, **settings: Any) -> Plan:
         return replace(self, **settings)
+
+    def with_memory(self, *, zero: int | None = None, recompute: str | None = None,
+                    precision: str | None = None, stages: Iterable[int] | None = None) -> Plan:
+        """This plan with ZeRO, recomputation or precision set on ``stages`` (default: all);
+        what is not given stays as it was."""
+        chosen = range(len(self.stages)) if stages is None else list(stages)
+        current = [self.settings_of(s) for s in range(len(self.stages))]
+        for s in chosen:
+            if not 0 <= s < len(self.stages):
+                raise PlanError(f"stage {s} does not exist; this plan has {len(self.stages)}")
+            old = current[s]
+            current[s] = StageSettings(
+                old.zero if zero is None else zero,
+                old.recompute if recompute is None else recompute,
+                old.precision if precision is None else precision)
+        kept = () if all(st.is_default for st in current) else tuple(current)
+        return replace(self, stage_settings=kept)
 
     # -- validation ----------------------------------------------------------------------
     def validate(self, graph: OpGraph, cluster: Any = None) -> None:
@@ -300,6 +373,9 @@ class Plan:
             raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run from "
                             f"0 to {len(self.stages) - 1}")
         self.check_sizes(graph.batch_size, len(graph.nodes))
+        if self.stage_settings and len(self.stage_settings) != len(self.stages):
+            raise PlanError(f"the plan has memory settings for {len(self.stage_settings)} "
+                            f"stages but {len(self.stages)} stages; set them with with_memory")
         unknown_pins = [p for p in self.pinned if p not in names]
         if unknown_pins:
             raise PlanError(f"pinned nodes {unknown_pins[:3]} are not in the graph")
@@ -344,8 +420,12 @@ class Plan:
 
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        settings = ({"stage_settings": [{"zero": st.zero, "recompute": st.recompute,
+                                         "precision": st.precision}
+                                        for st in self.stage_settings]}
+                    if self.uses_memory_settings else {})
         return {
-            "format": PLAN_FORMAT, "version": PLAN_VERSION,
+            "format": PLAN_FORMAT, "version": PLAN_VERSION if settings else 1,
             "graph": {"fingerprint": self.graph_fingerprint, "name": self.graph_name},
             "stages": [list(s) for s in self.stages],
             "placement": dict(self.placement),
@@ -354,6 +434,7 @@ class Plan:
             "options": _jsonable(self.options), "pinned": sorted(self.pinned),
             "notes": list(self.notes),
             **({"model": dict(self.model)} if self.model is not None else {}),
+            **settings,
         }
 
     @classmethod
@@ -369,13 +450,14 @@ class Plan:
         if version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this explorer "
                             f"understands ({PLAN_VERSION}); upgrade partition-explorer")
-        f = PLAN_SCHEMA(d, "")  # version 1 is the current form: nothing to upgrade yet
+        f = PLAN_SCHEMA(d, "")  # version 1 is version 2 without stage_settings
         plan = cls(
             graph_fingerprint=f["graph"]["fingerprint"], graph_name=f["graph"]["name"],
             stages=tuple(tuple(s) for s in f["stages"]), placement=f["placement"],
             micro_batches=f["micro_batches"], schedule=f["schedule"],
             optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
-            pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"])
+            pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"],
+            stage_settings=tuple(StageSettings(**st) for st in f["stage_settings"]))
         if graph is not None:
             plan.validate(graph, cluster)
         return plan

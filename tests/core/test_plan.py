@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from builders import cluster, graph
 
 from explorer.core.errors import PlanError
-from explorer.core.plan import MAX_DEVICES, MAX_MICRO_BATCHES, PLAN_VERSION, Plan
+from explorer.core.plan import (
+    MAX_DEVICES,
+    MAX_MICRO_BATCHES,
+    PLAN_VERSION,
+    Plan,
+    StageSettings,
+)
 
 
 @pytest.fixture
@@ -116,10 +123,49 @@ class TestSaveLoad:
         (tmp_path / "plan.json").write_text("old")
         two_stage.save(tmp_path / "plan.json")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
-        assert json.loads((tmp_path / "plan.json").read_text())["version"] == PLAN_VERSION
+        assert json.loads((tmp_path / "plan.json").read_text())["version"] == 1
 
     def test_loads_without_a_graph(self, two_stage, tmp_path):
         assert Plan.load(two_stage.save(tmp_path / "p.json")) == two_stage
+
+
+class TestStageSettings:
+    def test_default_plan_writes_version_1_without_settings(self, two_stage):
+        d = two_stage.to_dict()
+        assert d["version"] == 1 and "stage_settings" not in d
+        assert two_stage.settings_of(1) == StageSettings()
+
+    def test_settings_round_trip_as_version_2(self, two_stage, chain3, tmp_path):
+        plan = two_stage.with_memory(zero=3, stages=[1]).with_memory(precision="bf16")
+        assert plan.settings_of(0) == StageSettings(0, "none", "bf16")
+        assert plan.settings_of(1) == StageSettings(3, "none", "bf16")
+        assert plan.settings_of(1).describe() == "zero 3, bf16"
+        path = plan.save(tmp_path / "p.json")
+        assert json.loads(path.read_text())["version"] == PLAN_VERSION == 2
+        assert Plan.load(path, chain3) == plan
+
+    def test_back_to_defaults_drops_the_settings(self, two_stage):
+        plan = two_stage.with_memory(recompute="full").with_memory(recompute="none")
+        assert plan.stage_settings == () and plan == two_stage
+
+    @pytest.mark.parametrize("kw, match", [
+        ({"zero": 4}, "ZeRO stage 4"), ({"zero": True}, "ZeRO stage True"),
+        ({"recompute": "some"}, "recompute 'some'"), ({"precision": "fp8"}, "precision 'fp8'"),
+        ({"zero": 1, "stages": [5]}, "stage 5 does not exist")])
+    def test_bad_settings_say_what_exists(self, two_stage, kw, match):
+        with pytest.raises(PlanError, match=match):
+            two_stage.with_memory(**kw)
+
+    def test_settings_for_the_wrong_number_of_stages_are_refused(self, two_stage, chain3):
+        bad = replace(two_stage, stage_settings=(StageSettings(zero=1),))
+        with pytest.raises(PlanError, match="memory settings for 1 stages but 2"):
+            bad.validate(chain3)
+
+    def test_damaged_settings_in_a_file_are_refused(self, two_stage, tmp_path):
+        d = two_stage.with_memory(zero=2).to_dict()
+        d["stage_settings"][0]["zero"] = 7
+        with pytest.raises(PlanError, match="stage_settings"):
+            Plan.from_dict(d)
 
 
 class TestLoadRefuses:
