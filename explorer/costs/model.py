@@ -57,6 +57,9 @@ class DeviceCosts:
     #: 1.3; 1.0 where not measured. The device's platform says how it slows a replicated
     #: stage's step (:meth:`explorer.platforms.Platform.optimizer_slowdown`).
     optimizer_contention: float = 1.0
+    #: memory the device's math libraries hold for the whole run (cuBLAS workspaces on a GPU),
+    #: measured at profile time; 0 on CPU ranks and where not measured
+    workspace_bytes: int = 0
 
     @property
     def replica_effects(self) -> ReplicaEffects:

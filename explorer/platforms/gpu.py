@@ -9,6 +9,8 @@ and the latency of launching a collective, which the GPU links' nominal latency 
 
 from __future__ import annotations
 
+import torch
+
 from explorer.platforms.base import Platform
 from explorer.platforms.cpu.ranks import hold_freed_memory
 
@@ -33,3 +35,28 @@ class GpuPlatform(Platform):
 
 
 GPU_PLATFORM = GpuPlatform()
+
+
+def library_workspace_bytes(device: torch.device) -> int:
+    """Bytes the CUDA math libraries keep allocated once a process has used them.
+
+    cuBLAS and cuBLASLt take their workspaces from PyTorch's caching allocator at the first
+    matrix product on a stream and keep them for the life of the process, so every peak the
+    allocator reports includes them, whatever the model. Measured by running products in the
+    precisions a step uses, then releasing the workspaces and reading the allocator before and
+    after. 0 where this torch cannot release them (nothing then to tell apart).
+    """
+    release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if release is None or device.type != "cuda":
+        return 0
+    a = torch.ones(128, 128, device=device)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        b = a.to(dtype)
+        (b @ b).sum().item()
+        torch.nn.functional.linear(b, b, b[0]).sum().item()  # the cuBLASLt path
+    del a, b
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    release()
+    torch.cuda.synchronize(device)
+    return max(before - torch.cuda.memory_allocated(device), 0)

@@ -33,13 +33,14 @@ from explorer.costs.model import DeviceCosts
 from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
 from explorer.platforms.cpu.host_cache import finite_number
+from explorer.platforms.gpu import library_workspace_bytes
 from explorer.runtime import launch
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
 # pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
 # step's contention is measured
-PROFILE_VERSION = 7
+PROFILE_VERSION = 8
 #: steps timed in each run of the profile (after the warm-up). A run costs seconds to start
 #: its processes and its steps only tens of milliseconds each on the built-in models, so more
 #: steps per run are cheap; 15 rather than 5 make repeated profiles of one model agree
@@ -270,10 +271,13 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
     op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
     overhead = max(floor, op_times[0]) if op_times else floor
     src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
+    held = (library_workspace_bytes(torch.device(dev.torch_device)) if dev.kind == "cuda"
+            else 0)
     if graph.source == "hooks":
-        return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor)
+        return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
+                           workspace_bytes=held)
     return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
-                       fractions, fwd_at, bwd_at)
+                       fractions, fwd_at, bwd_at, workspace_bytes=held)
 
 
 

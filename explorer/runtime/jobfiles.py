@@ -95,6 +95,20 @@ def fill_refs(x: Any, lookup: dict[str, Any]) -> Any:
     return x
 
 
+def on_device(x: Any, device: torch.device) -> Any:
+    """Arguments with every device in them replaced by ``device``: a program captured on one
+    device creates its constants (``arange``, ``full``, ``zeros``) on the rank's device."""
+    if isinstance(x, torch.device):
+        return device
+    if isinstance(x, list):
+        return [on_device(v, device) for v in x]
+    if isinstance(x, tuple):
+        return tuple(on_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: on_device(v, device) for k, v in x.items()}
+    return x
+
+
 def _plain(x: Any) -> Any:
     """fx's immutable containers as plain lists and dicts (some ATen schemas insist)."""
     if isinstance(x, list):

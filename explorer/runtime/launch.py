@@ -307,6 +307,18 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
 
 
+def _energy_per_step(measured: list[dict]) -> float | None:
+    """Joules per step from the energy counter read before the first measured step and after
+    the last: NVML's counter advances in coarse ticks, so a short step read on its own often
+    reads zero. None where there is no counter, or it did not advance over the whole window
+    (too few or too short steps to see a tick)."""
+    marks = [s.get("energy_counter_j") for s in measured]
+    if not marks or any(mk is None or None in mk for mk in marks):
+        return None
+    total = marks[-1][1] - marks[0][0]
+    return total / len(measured) if total > 0 else None
+
+
 def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: int,
                  warmup: int) -> Measurement:
     measured = [[s for s in r["steps"] if s["measured"]] for r in results]
@@ -319,9 +331,8 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
     for k in range(warmup + steps):
         vals = [r["steps"][k]["loss"] for r in results if r["steps"][k]["loss"] is not None]
         losses.append(sum(vals) / len(vals) if vals else float("nan"))
-    energies = {r["device"]: statistics.median(s["energy_j"] for s in m)
-                for r, m in zip(results, measured, strict=True)
-                if all(s.get("energy_j") is not None for s in m)}
+    energies = {r["device"]: e for r, m in zip(results, measured, strict=True)
+                if (e := _energy_per_step(m)) is not None}
     return Measurement(
         step_s=statistics.median(per_step), step_samples_s=tuple(per_step), busy_s=busy,
         peak_bytes=peak, memory_source=results[0]["memory_source"], losses=tuple(losses),

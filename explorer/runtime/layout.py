@@ -3,12 +3,14 @@ which ranks it exchanges tensors with. Static for the whole run."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.utils._pytree import treespec_loads
 
 from explorer.core.errors import ExplorerError
 from explorer.runtime.comm import message_tag
-from explorer.runtime.jobfiles import Job, resolve_target
+from explorer.runtime.jobfiles import Job, on_device, resolve_target
 
 
 class RankLayout:
@@ -34,7 +36,8 @@ class RankLayout:
             torch.cuda.set_device(tdev)
         self.tdev = torch.device(tdev or "cpu")
         # the graph
-        calls = job.calls
+        calls = [dataclasses.replace(c, args=on_device(c.args, self.tdev),
+                                     kwargs=on_device(c.kwargs, self.tdev)) for c in job.calls]
         self.calls = calls
         self.names = [c.name for c in calls]
         index = {n: i for i, n in enumerate(self.names)}

@@ -31,6 +31,8 @@ holds its predictions for many cases); a 100k-node graph simulates in well under
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from explorer.core.graph import OpGraph
@@ -142,6 +144,10 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
     cluster = costs.cluster
     memory = memory_at_peaks(graph, plan, tasks, timing)
+    for d, mb in memory.items():
+        held = costs.device_costs(d).workspace_bytes
+        if held:
+            memory[d] = dataclasses.replace(mb, workspace_bytes=held)
     energy = {}
     for d, b in busy.items():
         dev = cluster.device(d)

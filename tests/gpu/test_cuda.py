@@ -19,6 +19,7 @@ pytestmark = [
 ]
 
 STEPS, WARMUP = 3, 1
+ENERGY_STEPS = 200
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,19 @@ def test_prediction_and_measurement_compare_on_the_gpu(mlp, gpu):
     assert memory and all(r.measured > 0 for r in memory)
 
 
+def test_the_predicted_peak_counts_the_libraries_workspaces(mlp, gpu):
+    """cuBLAS keeps its workspaces in the allocator for the whole run: the profile measures
+    them and the predicted peak of a one-GPU run holds them, as the allocator's peak does."""
+    _, graph = mlp
+    costs = ex.profile(graph, gpu, cache=False, progress=False)
+    dev = gpu.devices[0].id
+    assert costs.device_costs(dev).workspace_bytes > 0
+    plan = ex.partition(graph, gpu, costs, "single")
+    pred = ex.simulate(graph, plan, costs)
+    meas = ex.run(graph, plan=plan, costs=costs, steps=STEPS, warmup=WARMUP, progress=False)
+    assert pred.peak_bytes[dev] == pytest.approx(meas.peak_bytes[dev], rel=0.10)
+
+
 def test_energy_from_nvml_when_the_gpu_counts_it(mlp, gpu):
     pynvml = pytest.importorskip("pynvml")
     pynvml.nvmlInit()
@@ -95,8 +109,12 @@ def test_energy_from_nvml_when_the_gpu_counts_it(mlp, gpu):
         pynvml.nvmlShutdown()
     _, graph = mlp
     plan = ex.partition(graph, gpu, ex.profile(graph, gpu, progress=False), "single")
-    meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False)
+    # the counter advances in coarse ticks: enough steps that the window spans several
+    meas = ex.run(graph, plan=plan, steps=ENERGY_STEPS, warmup=WARMUP, progress=False)
     assert meas.energy_j is not None and meas.energy_j > 0
+    # a whole GPU draws between tens and hundreds of watts while stepping
+    watts = meas.energy_j / meas.step_s
+    assert 5 < watts < 1500, watts
 
 
 def test_a_plan_for_more_gpus_than_are_here_is_refused_clearly(mlp, gpu):

@@ -6,6 +6,8 @@ import json
 import zipfile
 
 import pytest
+import torch
+from torch.utils._pytree import tree_flatten
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
@@ -18,7 +20,7 @@ from explorer.core.schedule import (
     schedule_to_json,
 )
 from explorer.models.synthetic import roofline_costs
-from explorer.runtime.jobfiles import JOB_FORMAT, read_job, write_job
+from explorer.runtime.jobfiles import JOB_FORMAT, on_device, program_calls, read_job, write_job
 from explorer.simulate.simulator import execution_order
 
 
@@ -124,6 +126,23 @@ class TestJobFolder:
         (tmp_path / "job.json").write_text(json.dumps(meta))
         with pytest.raises(ExplorerError, match=rf"has format {JOB_FORMAT + 1}.*ex\.export_script"):
             read_job(tmp_path)
+
+
+def test_a_programs_device_constants_follow_the_rank():
+    """GPT's positions come from ``arange(device=cpu)`` at capture: on a GPU rank the constant
+    must be made on the GPU, or the embedding lookup mixes devices."""
+    bm = ex.builtin_model("gpt", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
+    calls, _ = program_calls(graph.runtime.program, len(graph.runtime.inputs))
+    meta = torch.device("meta")
+
+    def devices(x):
+        return [v for v in tree_flatten(x)[0] if isinstance(v, torch.device)]
+
+    before = [d for c in calls for d in devices((c.args, c.kwargs))]
+    after = [d for c in calls for d in devices(on_device((c.args, c.kwargs), meta))]
+    assert before and all(d.type == "cpu" for d in before)
+    assert len(after) == len(before) and all(d == meta for d in after)
 
 
 def _rename_class(path, old: bytes, new: bytes) -> None:

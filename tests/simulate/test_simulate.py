@@ -291,6 +291,20 @@ class TestMemory:
         assert m.activations_bytes == 900
         assert pred.peak_bytes["d:0"] == 940
 
+    def test_library_workspaces_count_on_every_device_that_has_them(self):
+        """A GPU's cuBLAS workspaces, measured at profile time, are held for the whole run."""
+        g = graph([("x", "input", [], 100), ("w", "param", [], 40),
+                   ("a", "op", ["x", "w"], 200, 0, ["x"]), ("loss", "op", ["a"], 4)])
+        cl = cluster(1)
+        c = costs(g, cl, {"a": 1.0, "loss": 1.0}, {"a": 1.0, "loss": 1.0})
+        plain = simulate(g, Plan.single(g, "d:0", optimizer="sgd"), c)
+        key = cl.devices[0].type_key
+        held = replace(c, per_type={key: replace(c.per_type[key], workspace_bytes=32 << 20)})
+        pred = simulate(g, Plan.single(g, "d:0", optimizer="sgd"), held)
+        assert pred.memory["d:0"].workspace_bytes == 32 << 20
+        assert pred.peak_bytes["d:0"] == plain.peak_bytes["d:0"] + (32 << 20)
+        assert plain.memory["d:0"].workspace_bytes == 0
+
     def test_over_memory_is_reported_with_the_device(self):
         g = graph([("x", "input", [], 100), ("w", "param", [], 10_000),
                    ("a", "op", ["x", "w"], 100)])
