@@ -38,23 +38,24 @@ GPU_PLATFORM = GpuPlatform()
 
 
 def library_workspace_bytes(device: torch.device) -> int:
-    """Bytes the CUDA math libraries keep allocated once a process has used them.
+    """Bytes the CUDA math libraries keep allocated once a training step has used them.
 
-    cuBLAS and cuBLASLt take their workspaces from PyTorch's caching allocator at the first
-    matrix product on a stream and keep them for the life of the process, so every peak the
-    allocator reports includes them, whatever the model. Measured by running products in the
-    precisions a step uses, then releasing the workspaces and reading the allocator before and
-    after. 0 where this torch cannot release them (nothing then to tell apart).
+    cuBLAS and cuBLASLt take a workspace from PyTorch's caching allocator per handle and stream
+    at the first matrix product, and keep it for the life of the process, so every peak the
+    allocator reports includes them, whatever the model. Handles are per thread, and a step
+    runs products on two: the forward on the calling thread, the backward on autograd's thread
+    for the device, so both hold one. Measured by running a forward and backward of products in
+    each precision, then releasing the workspaces and reading the allocator before and after.
+    0 where this torch cannot release them (nothing then to tell apart).
     """
     release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if release is None or device.type != "cuda":
         return 0
-    a = torch.ones(128, 128, device=device)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        b = a.to(dtype)
-        (b @ b).sum().item()
-        torch.nn.functional.linear(b, b, b[0]).sum().item()  # the cuBLASLt path
-    del a, b
+        w = torch.ones(128, 128, device=device, dtype=dtype, requires_grad=True)
+        x = torch.ones(64, 128, device=device, dtype=dtype)
+        torch.nn.functional.linear(x @ w, w, w[0]).sum().backward()  # cuBLAS and cuBLASLt
+        del w, x
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     release()
