@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import explorer as ex
+from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 
 
@@ -83,3 +84,14 @@ def count_label(graph: ex.OpGraph, names: Iterable[str]) -> str:
     names = list(names)
     ops = [n for n in names if graph[n].kind == "op"] or names
     return ops[0] if len(ops) == 1 else f"{len(ops)} ops"
+
+
+def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:
+    """Why real steps of ``plan`` cannot run ("" when they can): the batch must split evenly
+    over replicas x micro-batches, and only into parts when the graph's batch is dynamic."""
+    exported = graph.runtime is not None and graph.runtime.program is not None
+    try:
+        plan.check_runnable(graph.batch_size, batch_splits(graph) if exported else None)
+    except ExplorerError as e:
+        return str(e)
+    return ""

@@ -8,8 +8,9 @@ import html
 import ipywidgets as W
 
 from explorer.core.plan import OPTIMIZER_STATE
+from widgets.edits import run_problem
 from widgets.panels.base import Panel, button, wrapping
-from widgets.session import Session, run_problem
+from widgets.session import Session
 
 NOTHING_SELECTED = "<i>click, box- or lasso-select nodes in the graph</i>"
 
