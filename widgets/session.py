@@ -29,7 +29,15 @@ from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.units import MiB
 from explorer.partition import algorithm as get_algorithm
-from widgets.edits import count_label, first_device, placed_on, run_problem, targets, with_owned
+from widgets.edits import (
+    count_label,
+    first_device,
+    memory_label,
+    placed_on,
+    run_problem,
+    targets,
+    with_owned,
+)
 from widgets.graphview import GraphView
 from widgets.history import History, Snapshot
 from widgets.measure import BackgroundJob, Work, measured_status
@@ -376,6 +384,18 @@ class Session:
         plan = self.plan.with_settings(**settings)
         plan.validate(self.graph, self.cluster)
         self._commit(plan, self.pins, ", ".join(f"{k}={v}" for k, v in settings.items()))
+
+    def set_memory(self, zero: int | None = None, recompute: str | None = None,
+                   precision: str | None = None, stages: Iterable[int] | None = None) -> None:
+        """Trade memory for time on ``stages`` (positions in ``plan.stages``; all of them
+        when None): ZeRO stage 0-3 over the stage's replicas, activation recomputation
+        (none, selective, full) and precision (fp32, bf16, fp16); what is not given stays."""
+        chosen = range(len(self.plan.stages)) if stages is None else sorted(set(stages))
+        plan = self.plan.with_memory(zero=zero, recompute=recompute, precision=precision,
+                                     stages=chosen)
+        if plan == self.plan:
+            return
+        self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))
 
     def load(self, plan: ex.Plan | str | Path, name: str | None = None) -> None:
         """Make ``plan`` (a Plan, or a path to a plan JSON file) the plan under edit."""
