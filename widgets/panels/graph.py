@@ -29,7 +29,7 @@ from bokeh.plotting import figure
 
 from explorer.core.errors import ExplorerError
 from explorer.core.units import format_bytes, format_flops, format_seconds
-from widgets.graphview import Item, frame_depths
+from widgets.graphview import Item
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
 from widgets.session import Session
@@ -180,9 +180,9 @@ class GraphPanel(Panel):
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
-        p.quad(left="left", right="right", top="top", bottom="bottom", source=self.frames,
-               fill_color="#4c6a92", fill_alpha=0.05, line_color="#8da0b8", line_width=1)
-        p.add_layout(LabelSet(x="left", y="ly", text="label", source=self.frames,
+        p.multi_polygons("xs", "ys", source=self.frames, fill_color="#4c6a92", fill_alpha=0.05,
+                         line_color="#8da0b8", line_width=1)
+        p.add_layout(LabelSet(x="lx", y="ly", text="label", source=self.frames,
                               text_font_size="size", text_font_style="bold",
                               text_color="#3b5070", text_baseline={"field": "anchor"}, x_offset=2))
         p.multi_line("xs", "ys", source=self.edges, line_color="color", line_width="width",
@@ -231,9 +231,9 @@ class GraphPanel(Panel):
         """Recompute what depends on the items shown only: edges, positions, edge sizes."""
         v = self.session.view
         self._item_edges = v.edges()
-        self._layout = v.layout(self._item_edges)
-        self._xy = self._layout.xy
         self._frames = v.frames()
+        self._layout = v.layout(self._item_edges, self._frames)
+        self._xy = self._layout.xy
         self._edge_text = [format_bytes(b) for b in self._item_edges.values()]
         self._time_cache: dict[tuple[int, str], str] = {}
 
@@ -358,28 +358,36 @@ class GraphPanel(Panel):
                 **self.edge_dynamic_columns(devices)}
 
     def frame_columns(self) -> dict[str, list]:
-        """A rectangle around the items of each expanded module, labelled with its name (the
+        """An outline around the items of each expanded module, row by row (it covers no
+        other item, :func:`widgets.layout.frame_outline`), labelled with its name (the
         outermost always; all of them when there are at most ``MAX_FRAME_LABELS``) over its
-        top or under its bottom left corner."""
+        top or under its bottom left corner; ``left`` ... ``bottom`` are its bounds."""
         frames = self._frames
-        cols: dict[str, list] = {k: [] for k in ("left", "right", "top", "bottom", "label",
-                                                 "size", "ly", "anchor")}
-        inner = frame_depths(frames)
-        for f, below in zip(frames, inner, strict=True):
-            xs = [self._xy[k][0] for k in f.members]
-            ys = [self._xy[k][1] for k in f.members]
-            pad = 0.12 * (1 + below)
-            cols["left"].append(min(xs) - ITEM_W / 2 - pad)
-            cols["right"].append(max(xs) + ITEM_W / 2 + pad)
-            cols["top"].append(max(ys) + ITEM_H / 2 + pad)
-            cols["bottom"].append(min(ys) - ITEM_H / 2 - pad)
+        cols: dict[str, list] = {k: [] for k in ("xs", "ys", "left", "right", "top", "bottom",
+                                                 "label", "size", "lx", "ly", "anchor")}
+        for f, outline in zip(frames, self._layout.outlines, strict=True):
+            cols["xs"].append([[xs] for xs, _ in outline])
+            cols["ys"].append([[ys] for _, ys in outline])
+            every_x = [x for xs, _ in outline for x in xs]
+            every_y = [y for _, ys in outline for y in ys]
+            cols["left"].append(min(every_x))
+            cols["right"].append(max(every_x))
+            cols["top"].append(max(every_y))
+            cols["bottom"].append(min(every_y))
             shown = f.nest == 0 or len(frames) <= MAX_FRAME_LABELS
             cols["label"].append(f.label if shown else "")
             cols["size"].append("10pt" if f.nest == 0 else "8pt")
             # a frame and the first frame in it start at the same corner: their labels go
             # over the top and under the bottom in turn
             top = f.nest % 2 == 0
-            cols["ly"].append(cols["top"][-1] if top else cols["bottom"][-1])
+            if top:  # the top left corner ends the first polygon
+                xs, ys = outline[0]
+                cols["lx"].append(xs[-1])
+                cols["ly"].append(ys[-1])
+            else:  # the bottom left corner starts the last polygon's left side
+                xs, ys = outline[-1]
+                cols["lx"].append(xs[len(xs) // 2])
+                cols["ly"].append(ys[len(ys) // 2])
             cols["anchor"].append("bottom" if top else "top")
         return cols
 
