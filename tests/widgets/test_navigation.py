@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import explorer as ex
-from explorer.models.synthetic import layered_dag, replicated, roofline_costs
+from explorer.models.synthetic import layered_dag, replicated
 from widgets.graphview import GraphView
 from widgets.layout import ITEM_H, ITEM_W
 

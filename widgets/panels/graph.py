@@ -6,7 +6,9 @@ skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lass
 items selects them in the session; the expand/collapse buttons, the depth box and the find
 box change which items are shown, and each change re-fits the view (the reset tool comes
 back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
-up in it): a hover over a node never opens the texts of the edges that end at it.
+up in it): a hover over a node never opens the texts of the edges that end at it. Beside the
+graph, an overview of the whole layout shows the view as a box to drag; zoomed in on at most
+``MAX_LABELS`` items, every item in view is labelled (:mod:`widgets.panels.overview`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import ipywidgets as W
 import numpy as np
+from bokeh.layouts import row
 from bokeh.models import (
     BoxSelectTool,
     ColumnDataSource,
@@ -32,6 +35,7 @@ from explorer.core.units import format_bytes, format_flops, format_seconds
 from widgets.graphview import Item
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
+from widgets.panels.overview import Overview, add_zoom_labels, labels_in_view
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
@@ -47,7 +51,8 @@ DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442
 DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross")
 #: most names the find box suggests (modules first, then ops)
 FIND_OPTIONS = 5000
-#: most items with a label drawn on the graph: the ones with the most ops (hover shows all)
+#: most items with a label drawn on the graph: the ones with the most ops (hover shows all);
+#: zoomed in on at most this many, every item in view has its label
 MAX_LABELS = 150
 #: characters of a label drawn on the graph
 LABEL_CHARS = 18
@@ -112,9 +117,10 @@ def patch(source: ColumnDataSource, new: dict[str, list]) -> None:
 
 
 class GraphPanel(Panel):
-    """The bokeh graph (``figure``; item columns in ``nodes``, edge columns in ``edges``), its
-    legend (``widget`` holds both) and the view controls (``controls``: ``expand_button``,
-    ``collapse_button``, ``find``)."""
+    """The bokeh graph (``figure``; item columns in ``nodes``, edge columns in ``edges``,
+    frames in ``frames``), its ``overview`` and ``zoom_labels``, its legend (``widget`` holds
+    them) and the view controls (``controls``: ``expand_button``, ``collapse_button``,
+    ``find``)."""
 
     topics = frozenset({"plan", "costs", "view", "selection"})
 
@@ -127,6 +133,9 @@ class GraphPanel(Panel):
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
         self.frames = ColumnDataSource(self.frame_columns())
         self.figure = self._draw(backend, height)
+        #: the items whose label appears on zoom (:func:`widgets.panels.overview.labels_in_view`)
+        self.zoom_labels = add_zoom_labels(self.figure, self.nodes, "tag", MAX_LABELS)
+        self.overview = Overview(self.figure, self.nodes, self.edges, self.frames, backend)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
         legend = W.HTML(
@@ -136,7 +145,8 @@ class GraphPanel(Panel):
             + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d]))
                        for d in session.cluster.ids)
             + " " + swatch("mixed", MIXED, fg="black"))
-        self.widget = W.VBox([legend, bokeh_widget(self.figure, "pe-graph")],
+        plots = row(self.figure, self.overview.figure, sizing_mode="stretch_width")
+        self.widget = W.VBox([legend, bokeh_widget(plots, "pe-graph")],
                              layout=W.Layout(flex="3 1 320px", min_width="0"))
 
         s = session
@@ -216,6 +226,7 @@ class GraphPanel(Panel):
             self._relayout()
             data = self.node_columns()
             self.nodes.selected.indices = []
+            self.zoom_labels.indices = []  # (positions in the items shown before)
             self.nodes.data = data
             self.edges.data = self.edge_columns(data["device"])
             self.frames.data = self.frame_columns()
@@ -249,12 +260,17 @@ class GraphPanel(Panel):
             top = max([float(ys.max()) + 0.8, *(t + 0.6 for t in tops)])
             self._set_ranges(mid - w / 2, mid + w / 2, top - min(top - float(ys.min()) + 1,
                                                                FIT_ROWS), top, reset=True)
+            bottom = min([float(ys.min()) - 0.8, *self.frames.data["bottom"]])
+            self.overview.fit(mid - w / 2, mid + w / 2, bottom, top, len(xs))
 
     def _set_ranges(self, x0: float, x1: float, y0: float, y1: float, reset: bool) -> None:
         xr, yr = self.figure.x_range, self.figure.y_range
         xr.start, xr.end, yr.start, yr.end = x0, x1, y0, y1
         if reset:
             xr.reset_start, xr.reset_end, yr.reset_start, yr.reset_end = x0, x1, y0, y1
+        d = self.nodes.data
+        self.zoom_labels.indices = labels_in_view(d["x"], d["y"], d["short"], (x0, x1),
+                                                  (y0, y1), MAX_LABELS)
 
     def zoom_to_selection(self) -> None:
         """Show the selected items close up; the reset tool returns to the fitted view."""
@@ -295,7 +311,8 @@ class GraphPanel(Panel):
             node = g.nodes[it.ops[0]]
             cols["key"].append(it.key)
             cols["label"].append(it.label + (" (select, then expand)" if it.expandable else ""))
-            cols["short"].append(short_label(it.label) if k in shown else "")
+            cols["tag"].append(short_label(it.label))
+            cols["short"].append(cols["tag"][-1] if k in shown else "")
             cols["n_ops"].append(len(it.ops))
             cols["op"].append(node.op if len(it.ops) == 1 else f"{len(it.ops)} ops")
             cols["shapes"].append(" ".join(str(list(sh)) for sh in node.shapes[:3])
