@@ -189,13 +189,10 @@ def layered_layout(n: int, edges, max_points: int | None = None,
         ys.append(-row[z] + h)
         routes[a, z] = (xs, ys)
         span[a, z] = row[z] - row[a]
-    members: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for k in range(n):
-        for f in chains[k]:
-            members[f].append(xy[k])
-    outlines = [frame_outline(members[f], pad[f],
+    rows_of_frames = frame_rows(xy, chains, pad)
+    outlines = [frame_outline(rows_of_frames[f],
                               min(FRAME_PAD_Y * (1 + below[f]), FRAME_PAD_Y_MAX))
-                for f in range(max(below, default=-1) + 1)]
+                for f in range(len(rows_of_frames))]
     return Layout(xy, routes, span, outlines)
 
 
@@ -236,36 +233,96 @@ def gaps(r: list[int], chains: list[tuple[int, ...]], pad: dict[int, float]) -> 
     return out
 
 
-def frame_outline(points: list[tuple[float, float]], pad_x: float, pad_y: float
-                  ) -> list[tuple[list[float], list[float]]]:
-    """Polygons around item centres ``points``: in each row, from its leftmost to its
-    rightmost item (plus ``pad_x``); rows one apart are joined halfway between them into one
-    staircase polygon, a row further away starts another. ``pad_y`` is the margin above the
-    top row and below the bottom one."""
-    spans: dict[float, list[float]] = {}
-    for px, py in points:
-        lo, hi = spans.setdefault(py, [px, px])
-        spans[py] = [min(lo, px), max(hi, px)]
-    ys = sorted(spans, reverse=True)
+def runs_of(ys: list[float]) -> list[list[float]]:
+    """Row positions (y = -row) split into runs of consecutive rows, top first."""
     runs: list[list[float]] = []
-    for y in ys:
+    for y in sorted(ys, reverse=True):
         if runs and runs[-1][-1] - y <= 1.0 + 1e-9:
             runs[-1].append(y)
         else:
             runs.append([y])
+    return runs
+
+
+def frame_rows(xy: list[tuple[float, float]], chains: list[tuple[int, ...]],
+               pad: dict[int, float]) -> list[dict[float, tuple[float, float]]]:
+    """Each frame's extent (left, right) in each row it has items in: its items there plus
+    its margin, widened towards the widest row of its run of rows as far as the row allows
+    (the items of other modules and the frames already placed stay outside it, and a frame
+    stays inside the frame it is in), so frames are boxes where they can be and steps only
+    where another module's item is in the way. Outer frames are placed first."""
+    members: dict[int, dict[float, list[float]]] = defaultdict(dict)
+    parent: dict[int, int | None] = {}
+    for k, (x, y) in enumerate(xy):
+        for level, f in enumerate(chains[k]):
+            lo, hi = members[f].get(y, (x, x))
+            members[f][y] = [min(lo, x), max(hi, x)]
+            parent[f] = chains[k][level - 1] if level else None
+    by_row: dict[float, list[float]] = defaultdict(list)
+    for x, y in xy:
+        by_row[y].append(x)
+    placed: dict[float, list[tuple[float, float, int]]] = defaultdict(list)
+    out: list[dict[float, tuple[float, float]]] = [{} for _ in range(len(pad))]
+    around = {f: frames_around(f, parent) for f in members}
+    for f in sorted(members, key=lambda f: (len(around[f]), f)):
+        w = ITEM_W / 2 + pad[f]
+        outer = set(around[f])
+        for run in runs_of(list(members[f])):
+            left = min(members[f][y][0] for y in run) - w
+            right = max(members[f][y][1] for y in run) + w
+            for y in run:
+                a0, b0 = members[f][y][0] - w, members[f][y][1] + w
+                lo, hi = left, right
+                up = parent[f]
+                if up is not None:  # inside the frame it is in, by the margins' difference
+                    inset = pad[up] - pad[f]
+                    lo, hi = max(lo, out[up][y][0] + inset), min(hi, out[up][y][1] - inset)
+                mine = members[f][y]
+                for x in by_row[y]:
+                    if x < mine[0]:
+                        lo = max(lo, x + ITEM_W / 2 + GAP / 2)
+                    elif x > mine[1]:
+                        hi = min(hi, x - ITEM_W / 2 - GAP / 2)
+                for ga, gb, g in placed[y]:
+                    if g not in outer:
+                        if gb <= a0:
+                            lo = max(lo, gb + GAP / 2)
+                        elif ga >= b0:
+                            hi = min(hi, ga - GAP / 2)
+                out[f][y] = (min(a0, lo), max(b0, hi))
+                placed[y].append((*out[f][y], f))
+    return out
+
+
+def frames_around(f: int, parent: dict[int, int | None]) -> list[int]:
+    """The frames ``f`` is in, innermost first."""
     out = []
-    h, w = ITEM_H / 2 + pad_y, ITEM_W / 2 + pad_x
-    for run in runs:
+    up = parent[f]
+    while up is not None:
+        out.append(up)
+        up = parent[up]
+    return out
+
+
+def frame_outline(rows: dict[float, tuple[float, float]], pad_y: float
+                  ) -> list[tuple[list[float], list[float]]]:
+    """Polygons around a frame's extent in each row (:func:`frame_rows`): rows one apart are
+    joined halfway between them into one polygon (a box, or steps where the extents differ),
+    a row further away starts another. ``pad_y`` is the margin above the top row and below
+    the bottom one."""
+    out = []
+    h = ITEM_H / 2 + pad_y
+    for run in runs_of(list(rows)):
         # each row's band: from halfway to the row above (or the margin) to halfway below
-        bands = [(spans[y], run[0] + h if k == 0 else y + 0.5,
+        bands = [(rows[y], run[0] + h if k == 0 else y + 0.5,
                   run[-1] - h if k == len(run) - 1 else y - 0.5) for k, y in enumerate(run)]
         xs: list[float] = []
         ys: list[float] = []
-        for (_, hi), top, bottom in bands:  # down the right side
-            xs += [hi + w, hi + w]
+        for (_, right), top, bottom in bands:  # down the right side
+            xs += [right, right]
             ys += [top, bottom]
-        for (lo, _), top, bottom in reversed(bands):  # up the left side
-            xs += [lo - w, lo - w]
+        for (left, _), top, bottom in reversed(bands):  # up the left side
+            xs += [left, left]
             ys += [bottom, top]
         out.append((xs, ys))
     return out

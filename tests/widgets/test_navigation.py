@@ -69,3 +69,37 @@ def test_frames_of_a_layered_graph_keep_their_items_together_in_every_row():
         for frame in frames:
             at = [p for p, k in enumerate(r) if k in set(frame.members)]
             assert at == list(range(at[0], at[-1] + 1)) if at else True
+
+
+def edge_points(outline: list[tuple[list[float], list[float]]]) -> list[tuple[float, float]]:
+    """Points just inside each vertical side of a frame's polygons."""
+    out = []
+    for xs, ys in outline:
+        half = len(xs) // 2
+        for k in range(0, len(xs), 2):
+            x, mid = xs[k], (ys[k] + ys[k + 1]) / 2
+            out.append((x - 0.01 if k < half else x + 0.01, mid))
+    return out
+
+
+@pytest.mark.parametrize("copies", [1, 1000])
+def test_frames_are_inside_the_frames_they_are_in_and_apart_from_the_others(gpt, copies):
+    v = GraphView(gpt if copies == 1 else replicated(gpt, copies))
+    v.expand_all()
+    frames = v.frames()
+    lay = v.layout(frames=frames)
+    boxes = 0
+    for f, (frame, outline) in enumerate(zip(frames, lay.outlines, strict=True)):
+        boxes += all(len(set(xs)) == 2 for xs, _ in outline)
+        mine = set(frame.members)
+        for g, (other, around) in enumerate(zip(frames, lay.outlines, strict=True)):
+            if g == f:
+                continue
+            theirs = set(other.members)
+            hits = [any(inside(px, py, xs, ys) for xs, ys in around)
+                    for px, py in edge_points(outline)]
+            if mine < theirs:
+                assert all(hits), f"{frame.label} sticks out of {other.label}"
+            elif not theirs < mine:
+                assert not any(hits), f"{frame.label} overlaps {other.label}"
+    assert boxes > len(frames) // 2  # most frames are plain boxes, not steps
