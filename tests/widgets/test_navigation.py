@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import explorer as ex
-from explorer.models.synthetic import layered_dag, replicated
+from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets.graphview import GraphView
 from widgets.layout import ITEM_H, ITEM_W
 
@@ -103,3 +103,26 @@ def test_frames_are_inside_the_frames_they_are_in_and_apart_from_the_others(gpt,
             elif not theirs < mine:
                 assert not any(hits), f"{frame.label} overlaps {other.label}"
     assert boxes > len(frames) // 2  # most frames are plain boxes, not steps
+
+
+def test_the_overview_shows_the_whole_layout_around_the_graphs_view(gpt):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+    from widgets.panels.overview import OVERVIEW_FROM
+
+    cl = ex.Cluster.preset("4xH100")
+    g = replicated(gpt, 1000)
+    w = Explorer(g, roofline_costs(g, cl))
+    over = w.graph.overview
+    assert len(w.session.view.items) < OVERVIEW_FROM and not over.figure.visible
+    w.session.expand_all()
+    assert over.figure.visible
+    assert over.tool.x_range is w.graph.figure.x_range  # the box is the graph's view
+    assert over.tool.y_range is w.graph.figure.y_range
+    d = w.graph.nodes.data
+    xr, yr = over.figure.x_range, over.figure.y_range
+    assert xr.start < min(d["x"]) and max(d["x"]) < xr.end
+    assert yr.start < min(d["y"]) and max(d["y"]) < yr.end
+    # every item has a label for when it is zoomed in on; the largest 150 have one always
+    assert all(d["tag"]) and sum(1 for t in d["short"] if t) == 150
+    assert w.graph.zoom_labels.indices == []  # the browser fills them in

@@ -35,7 +35,7 @@ from explorer.core.units import format_bytes, format_flops, format_seconds
 from widgets.graphview import Item
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
-from widgets.panels.overview import Overview, add_zoom_labels, labels_in_view
+from widgets.panels.overview import Overview, add_zoom_labels
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
@@ -133,7 +133,7 @@ class GraphPanel(Panel):
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
         self.frames = ColumnDataSource(self.frame_columns())
         self.figure = self._draw(backend, height)
-        #: the items whose label appears on zoom (:func:`widgets.panels.overview.labels_in_view`)
+        #: the items whose label appears on zoom (:func:`widgets.panels.overview.add_zoom_labels`)
         self.zoom_labels = add_zoom_labels(self.figure, self.nodes, "tag", MAX_LABELS)
         self.overview = Overview(self.figure, self.nodes, self.edges, self.frames, backend)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
@@ -141,7 +141,8 @@ class GraphPanel(Panel):
         legend = W.HTML(
             "nodes are colored by device (striped: replicated, data-parallel); "
             f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
-            "a black outline marks pins. "
+            "a black outline marks pins; the overview on the right shows where the view is "
+            "(drag its box, or click). "
             + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d]))
                        for d in session.cluster.ids)
             + " " + swatch("mixed", MIXED, fg="black"))
@@ -268,9 +269,6 @@ class GraphPanel(Panel):
         xr.start, xr.end, yr.start, yr.end = x0, x1, y0, y1
         if reset:
             xr.reset_start, xr.reset_end, yr.reset_start, yr.reset_end = x0, x1, y0, y1
-        d = self.nodes.data
-        self.zoom_labels.indices = labels_in_view(d["x"], d["y"], d["short"], (x0, x1),
-                                                  (y0, y1), MAX_LABELS)
 
     def zoom_to_selection(self) -> None:
         """Show the selected items close up; the reset tool returns to the fitted view."""

@@ -7,18 +7,16 @@ box to move the view, click elsewhere to centre the view there.
 
 Above ``limit`` items the graph labels only the largest ones (the rest would be unreadable);
 :func:`add_zoom_labels` draws the labels of the items in view once the user has zoomed in far
-enough that at most ``limit`` are in view. The browser decides that on every range change
-(a ``CustomJS`` callback sets the indices of an ``IndexFilter``); :func:`labels_in_view` is
-the same rule, which the graph applies itself when it sets the ranges (on opening, after a
-change of the items shown, on "zoom to selection").
+enough that at most ``limit`` are in view and neighbouring labels do not run into each other
+(``LABEL_PX`` pixels from one item's centre to the next). The browser decides that whenever
+the view, the plot's width or the items change (a ``CustomJS`` callback sets the indices of
+an ``IndexFilter``), so zooming and panning need no round trip to the kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from bokeh import events
 from bokeh.models import (
     CDSView,
@@ -30,22 +28,30 @@ from bokeh.models import (
 )
 from bokeh.plotting import figure
 
-from widgets.layout import ITEM_H, ITEM_W
+from widgets.layout import GAP, ITEM_H, ITEM_W
 
 #: width of the overview in pixels
-OVERVIEW_WIDTH = 150
+OVERVIEW_WIDTH = 110
+#: pixels a label needs (a short label of up to 18 characters at 8pt): labels on zoom appear
+#: once neighbouring items are at least this far apart on screen
+LABEL_PX = 100
 #: the overview is shown from this many items on (a small graph fits in the view anyway)
 OVERVIEW_FROM = 40
 
-#: the browser's side of :func:`labels_in_view` (keep the two the same)
+#: which items get a label on zoom: the ones in view without one, when at most ``limit`` are
+#: in view and items ``pitch`` apart (in data units) are ``label_px`` apart on screen
 LABELS_IN_VIEW_JS = """
 const d = nodes.data, xs = d.x, ys = d.y, shown = d.short;
 const x0 = Math.min(xr.start, xr.end), x1 = Math.max(xr.start, xr.end);
 const y0 = Math.min(yr.start, yr.end), y1 = Math.max(yr.start, yr.end);
-const inside = [];
-for (let i = 0; i < xs.length && inside.length <= limit; i++)
-  if (xs[i] >= x0 && xs[i] <= x1 && ys[i] >= y0 && ys[i] <= y1) inside.push(i);
-const want = inside.length <= limit ? inside.filter(i => !shown[i]) : [];
+const width_px = plot.inner_width || plot.width || 600;
+let want = [];
+if (pitch * width_px / (x1 - x0) >= label_px) {
+  const inside = [];
+  for (let i = 0; i < xs.length && inside.length <= limit; i++)
+    if (xs[i] >= x0 && xs[i] <= x1 && ys[i] >= y0 && ys[i] <= y1) inside.push(i);
+  if (inside.length <= limit) want = inside.filter(i => !shown[i]);
+}
 const old = filter.indices || [];
 if (want.length !== old.length || want.some((v, k) => v !== old[k]))
   filter.indices = want;
@@ -59,33 +65,23 @@ yr.setv({start: cb_obj.y - h / 2, end: cb_obj.y + h / 2});
 """
 
 
-def labels_in_view(x: Sequence[float], y: Sequence[float], shown: Sequence[str],
-                   x_range: tuple[float, float], y_range: tuple[float, float],
-                   limit: int) -> list[int]:
-    """Items whose label appears on zoom: those in the ranges that have no label already,
-    when at most ``limit`` items are in view (none otherwise)."""
-    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    (x0, x1), (y0, y1) = sorted(x_range), sorted(y_range)
-    inside = np.flatnonzero((xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1))
-    if len(inside) > limit:
-        return []
-    return [int(k) for k in inside if not shown[k]]
-
-
 def add_zoom_labels(p: Any, nodes: ColumnDataSource, text: str, limit: int) -> IndexFilter:
     """Draw column ``text`` of ``nodes`` on the items in view once at most ``limit`` are
-    in view; returns the filter that says which (see :func:`labels_in_view`)."""
+    in view, far enough apart (``LABEL_PX``); returns the filter that says which."""
     shown = IndexFilter(indices=[])
     r = p.text(x="x", y="y", text=text, source=nodes, view=CDSView(filter=shown),
                text_font_size="8pt", text_align="center", text_baseline="middle",
                text_color="black", background_fill_color="white", background_fill_alpha=0.8)
     r.selection_glyph = r.nonselection_glyph = None  # as legible when something is selected
     r.name = "pe-zoom-labels"
-    cb = CustomJS(args={"nodes": nodes, "xr": p.x_range, "yr": p.y_range, "filter": shown,
-                        "limit": limit}, code=LABELS_IN_VIEW_JS)
+    cb = CustomJS(args={"nodes": nodes, "xr": p.x_range, "yr": p.y_range, "plot": p,
+                        "filter": shown, "limit": limit, "pitch": ITEM_W + GAP,
+                        "label_px": LABEL_PX}, code=LABELS_IN_VIEW_JS)
     for rng in (p.x_range, p.y_range):
         rng.js_on_change("start", cb)
         rng.js_on_change("end", cb)
+    p.js_on_change("inner_width", cb)
+    nodes.js_on_change("data", cb)
     return shown
 
 
@@ -102,7 +98,7 @@ class Overview:
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-overview"
-        p.title.text = "overview (drag the box, or click)"
+        p.title.text = "overview"
         p.title.text_font_size = "8pt"
         p.title.text_font_style = "normal"
         p.multi_polygons("xs", "ys", source=frames, fill_color="#4c6a92", fill_alpha=0.05,
