@@ -289,6 +289,10 @@ def test_reloaded_page_narrow_window_find_and_messages_next_to_controls(lab):
 
             page.evaluate("window.jupyterapp.shell.activateById('filebrowser')")
             page.wait_for_timeout(800)
+            page.get_by_role("tab", name="plan settings").click()  # memory settings per stage
+            page.locator(".pe-stage-settings").wait_for()
+            assert page.evaluate(CUT_OFF) == []
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-settings.png"))
             page.get_by_role("tab", name="run for real").click()
             page.wait_for_timeout(500)
             page.screenshot(path=str(OUT / "explorer-1000px-sidebar.png"), full_page=True)

@@ -47,7 +47,8 @@ class EditingPanel(Panel):
             wrapping([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
 
         self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
-                                              description="micro-batches")
+                                              description="micro-batches",
+                                              style={"description_width": "initial"})
         self.schedule = W.Dropdown(options=["gpipe", "1f1b"], value=s.plan.schedule,
                                    description="schedule")
         self.optimizer = W.Dropdown(options=sorted(OPTIMIZER_STATE), value=s.plan.optimizer,

@@ -50,8 +50,11 @@ class StageSettingsPanel(Panel):
         self.note = W.HTML("")
         self._syncing = False
         self._apply = session.guarded(self.apply, "settings")
-        self.widget = W.VBox([wrapping([self.stage, self.zero, self.recompute,
-                                        self.precision]), self.note, self.table])
+        title = W.HTML("<b>memory per stage</b>: ZeRO shards the optimizer state (1), the "
+                       "gradients (2) and the weights (3) over a stage's replicas; each change "
+                       "is estimated at once, and undo takes it back")
+        self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
+                                               self.precision]), self.note, self.table])
 
     def apply(self) -> None:
         """Set the chosen stage(s) to the values the controls show (as changing one does)."""
