@@ -23,6 +23,7 @@ from widgets.panels.graph import GraphPanel
 from widgets.panels.memory import MemoryPanel
 from widgets.panels.plans import PlansPanel
 from widgets.panels.run import RunPanel
+from widgets.panels.stages import StageSettingsPanel
 from widgets.panels.status import StatusPanel
 from widgets.panels.timeline import TimelinePanel
 from widgets.session import Session
@@ -45,7 +46,8 @@ class Explorer(W.VBox):
 
     The state is ``session`` (a :class:`Session`: drive it from code and the widget follows);
     the panels are ``status``, ``graph``, ``estimate``, ``memory``, ``editing``, ``timeline``,
-    ``plans`` and ``runs``, each documenting the controls it shows.
+    ``plans``, ``runs`` and ``stages`` (memory settings per stage), each documenting the
+    controls it shows.
     """
 
     def __init__(self, model: Any, example_inputs: Any = None, cluster: Any = None,
@@ -62,8 +64,10 @@ class Explorer(W.VBox):
         self.timeline = TimelinePanel(s, backend)
         self.plans = PlansPanel(s)
         self.runs = RunPanel(s)
+        self.stages = StageSettingsPanel(s)
         self.panels: tuple[Panel, ...] = (self.status, self.graph, self.estimate, self.memory,
-                                          self.editing, self.timeline, self.plans, self.runs)
+                                          self.editing, self.timeline, self.plans, self.runs,
+                                          self.stages)
         line = self.status.line
         # the graph and the side column share a row while both fit, else the side wraps under
         side = W.VBox([self.estimate.table, self.memory.widget, self.editing.widget,
@@ -71,7 +75,7 @@ class Explorer(W.VBox):
                       layout=W.Layout(flex="2 1 300px", min_width="0", max_width="100%"))
         self.tabs = W.Tab([self.timeline.widget,
                            W.VBox([self.plans.solvers, line("partitioners")]),
-                           W.VBox([self.editing.settings, line("settings")]),
+                           W.VBox([self.editing.settings, self.stages.widget, line("settings")]),
                            W.VBox([self.runs.widget, line("run")]),
                            W.VBox([self.plans.files, line("export")])])
         for k, title in enumerate(TABS):

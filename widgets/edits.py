@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import explorer as ex
+from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
+from explorer.core.plan import DEFAULT_SETTINGS
 
 
 def targets(plan: ex.Plan, cluster: ex.Cluster) -> list[str]:
@@ -38,10 +40,12 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
               target: str) -> ex.Plan:
     """``plan`` with ``names`` on ``target``: a device, or a replicated stage ``"dev+dev"``.
 
-    A device not used by the plan becomes a new stage; a device taken out of a replicated
-    stage becomes a stage of its own; stages left with nothing on them are dropped.
+    A device not used by the plan becomes a new stage (default memory settings); a device
+    taken out of a replicated stage becomes a stage of its own (with that stage's memory
+    settings); stages left with nothing on them are dropped.
     """
     stages = [tuple(s) for s in plan.stages]
+    settings = [plan.settings_of(k) for k in range(len(stages))]
     placement = dict(plan.placement)
     if "+" in target:
         devs = tuple(target.split("+"))
@@ -54,10 +58,12 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
         where = next((k for k, s in enumerate(stages) if target in s), None)
         if where is None:
             stages.append((target,))
+            settings.append(DEFAULT_SETTINGS)
             where = len(stages) - 1
         elif len(stages[where]) > 1:  # take the device out of its replicated stage
             stages[where] = tuple(d for d in stages[where] if d != target)
             stages.append((target,))
+            settings.append(settings[where])  # it keeps the stage's memory settings
             where = len(stages) - 1
     for n in names:
         placement[n] = where
@@ -66,9 +72,12 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
     renum = {old: new for new, old in enumerate(used)}
     placement = {n: renum[s] for n, s in placement.items()}
     stages = [stages[s] for s in used]
+    settings = [settings[s] for s in used]
     edited = plan.algorithm == "manual" or plan.algorithm.endswith("+edits")
-    out = plan.with_settings(stages=tuple(stages), placement=placement,
-                             algorithm=plan.algorithm if edited else f"{plan.algorithm}+edits")
+    out = plan.with_settings(
+        stages=tuple(stages), placement=placement,
+        algorithm=plan.algorithm if edited else f"{plan.algorithm}+edits",
+        stage_settings=(tuple(settings) if any(not st.is_default for st in settings) else ()))
     out.validate(graph, cluster)
     return out
 
@@ -83,3 +92,22 @@ def count_label(graph: ex.OpGraph, names: Iterable[str]) -> str:
     names = list(names)
     ops = [n for n in names if graph[n].kind == "op"] or names
     return ops[0] if len(ops) == 1 else f"{len(ops)} ops"
+
+
+def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:
+    """Why real steps of ``plan`` cannot run ("" when they can): the batch must split evenly
+    over replicas x micro-batches, and only into parts when the graph's batch is dynamic."""
+    exported = graph.runtime is not None and graph.runtime.program is not None
+    try:
+        plan.check_runnable(graph.batch_size, batch_splits(graph) if exported else None)
+    except ExplorerError as e:
+        return str(e)
+    return ""
+
+
+def memory_label(plan: ex.Plan, stages: list[int]) -> str:
+    """The memory settings of ``stages`` in words, for the history ("zero 3, bf16 on stage 1")."""
+    said = {plan.settings_of(k).describe() or "defaults" for k in stages}
+    where = ("all stages" if len(stages) == len(plan.stages) and len(stages) > 1
+             else "stage " + ", ".join(str(k) for k in stages))
+    return f"{' / '.join(sorted(said))} on {where}"

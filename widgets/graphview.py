@@ -314,10 +314,17 @@ class GraphView:
                 out[a, z] += b
         return dict(out)
 
-    def layout(self, edges: dict[tuple[int, int], int] | None = None) -> Layout:
-        """Where the items and edges go: rows by dependency, edges routed between the items
-        (:func:`widgets.layout.layered_layout`)."""
-        return layered_layout(len(self.items), self.edges() if edges is None else edges)
+    def layout(self, edges: dict[tuple[int, int], int] | None = None,
+               frames: list[Frame] | None = None) -> Layout:
+        """Where the items, edges and frames (``frames``, by default :meth:`frames`; outlines
+        in the same order) go: rows by dependency, edges routed between the items, each
+        frame's items side by side (:func:`widgets.layout.layered_layout`)."""
+        chains: list[tuple[int, ...]] = [()] * len(self.items)
+        for f, frame in enumerate(self.frames() if frames is None else frames):
+            for k in frame.members:
+                chains[k] = (*chains[k], f)
+        return layered_layout(len(self.items), self.edges() if edges is None else edges,
+                              chains=chains)
 
     def frames(self) -> list[Frame]:
         """The expanded modules and blocks that have items shown: each is drawn as a frame
@@ -341,16 +348,3 @@ class GraphView:
             out.append(Frame(key, label, key.count("/") - 1, tuple(members[key])))
         return out
 
-
-def frame_depths(frames: list[Frame]) -> list[int]:
-    """How many levels of frames each frame holds (0: none inside it), so outer frames get
-    a wider margin than the ones they hold."""
-    below = [0] * len(frames)
-    where = {f.key: k for k, f in enumerate(frames)}
-    for k in range(len(frames) - 1, -1, -1):  # innermost first (frames: outermost first)
-        up = frames[k].key.rsplit("/", 1)[0]
-        while up and up not in where:  # the nearest frame around it
-            up = up.rsplit("/", 1)[0]
-        if up:
-            below[where[up]] = max(below[where[up]], below[k] + 1)
-    return below

@@ -2,10 +2,12 @@
 
 A :class:`Session` holds one graph, cluster and cost model, the plan the user is editing, the
 graph items shown and selected, and the message line. Every edit makes a new
-:class:`explorer.Plan` (plans are immutable), pushes the previous one on the undo stack and asks
+:class:`explorer.Plan` (plans are immutable), pushes the previous one on the undo stack
+(:mod:`widgets.history`) and asks
 :func:`explorer.simulate` for a fresh estimate. Nothing here computes a number of its own: step
 times, memory and bytes all come from ``explorer``. The widget's panels call the session and
-redraw from it when it says what changed (:meth:`Session.observe`).
+redraw from it when it says what changed (:meth:`Session.observe`). What it opens on comes
+from :mod:`widgets.opening`; the background measurement from :mod:`widgets.measure`.
 
 Edits that cannot be made (an unknown node or device, a plan for another graph) raise
 :class:`explorer.ExplorerError` and leave the state as it was.
@@ -23,37 +25,26 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
-from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.units import MiB
-from explorer.models.builtin import BuiltinModel
 from explorer.partition import algorithm as get_algorithm
-from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
-from widgets.edits import count_label, first_device, placed_on, targets, with_owned
-from widgets.graphview import GraphView
-from widgets.measure import (
-    BackgroundJob,
-    Work,
-    check_mode,
-    first_graph,
-    measured_status,
-    opening_costs,
+from widgets.edits import (
+    count_label,
+    first_device,
+    memory_label,
+    placed_on,
+    run_problem,
+    targets,
+    with_owned,
 )
+from widgets.graphview import GraphView
+from widgets.history import History, Snapshot
+from widgets.measure import BackgroundJob, Work, measured_status
+from widgets.opening import opening
 
-#: how many edits undo remembers
-HISTORY = 200
 #: most ops "expand all" draws one by one
 EXPAND_ALL_OPS = 3000
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What undo brings back: the plan and the pins (node name -> device id)."""
-
-    plan: ex.Plan
-    pins: Mapping[str, str]
-    label: str
 
 
 @dataclass
@@ -72,39 +63,6 @@ class PlanEntry:
                 "fits": p.fits, "cross_mib": p.cross_device_bytes / MiB,
                 "gap_pct": p.gap * 100, "lower_bound_ms": p.lower_bound_s * 1e3,
                 "solve_s": self.solve_s}
-
-
-def check_type(value: Any, kind: type, what: str, example: str) -> None:
-    """Raise a clear error when an argument is not None and not of the expected type."""
-    if value is not None and not isinstance(value, kind):
-        raise ExplorerError(f"{what} must be a {kind.__name__} (e.g. {example}), not a "
-                            f"{type(value).__name__}")
-
-
-def auto_plan(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel
-              ) -> tuple[ex.Plan | None, str]:
-    """The fastest quick baseline that fits and can run
-    (:func:`explorer.partition.quick.fastest_quick_baseline`), with a line saying which it
-    is; (None, "") on one device (everything goes on it)."""
-    if len(cluster.ids) < 2:
-        return None, ""
-    best = fastest_quick_baseline(graph, cluster, costs, lambda p: run_problem(graph, p))
-    if best is None:
-        return None, ""
-    return best.plan, (f"opened with the {best.name} plan, the fastest of the quick baselines "
-                       f"({', '.join(QUICK_BASELINES)}); solve for better ones under "
-                       "partitioners")
-
-
-def run_problem(graph: ex.OpGraph, plan: ex.Plan) -> str:
-    """Why real steps of ``plan`` cannot run ("" when they can): the batch must split evenly
-    over replicas x micro-batches, and only into parts when the graph's batch is dynamic."""
-    exported = graph.runtime is not None and graph.runtime.program is not None
-    try:
-        plan.check_runnable(graph.batch_size, batch_splits(graph) if exported else None)
-    except ExplorerError as e:
-        return str(e)
-    return ""
 
 
 @dataclass
@@ -131,8 +89,7 @@ class Session:
     plans: list[PlanEntry] = field(default_factory=list)
     measurement: ex.Measurement | None = None
     report: ex.Report | None = None
-    _undo: list[Snapshot] = field(default_factory=list, repr=False)
-    _redo: list[Snapshot] = field(default_factory=list, repr=False)
+    _history: History = field(default_factory=History, repr=False)
     _listeners: list[Callable[[Session, str], None]] = field(default_factory=list, repr=False)
     prediction: ex.Prediction | None = field(default=None, repr=False)
     estimate_s: float = 0.0  # how long the last estimate took (simulation), seconds
@@ -173,52 +130,21 @@ class Session:
         """A session on a module (captured with its example batch), a built-in model, or an
         already captured graph (``open(graph, costs, plan)``); profiled on ``cluster`` (this
         machine's devices by default) unless ``costs`` are given. Without a plan, the session
-        opens with the fastest of the quick baselines that fits (:func:`auto_plan`).
+        opens with the fastest of the quick baselines that fits
+        (:func:`widgets.opening.auto_plan`).
 
         ``measure`` says when measured numbers come (:mod:`widgets.measure`): "background"
         opens at once on a capture that runs nothing and roofline estimates, then captures
         with real weights and profiles the devices that are here in a thread, and swaps the
         measured numbers in when they are ready (:meth:`wait_measured` waits for them); "now"
         measures before opening; "never" keeps the roofline estimates and runs nothing."""
-        check_mode(measure)
-        capture: Callable[[], OpGraph] | None = None
-        if isinstance(model, OpGraph):
-            graph = model
-            if isinstance(example_inputs, ex.CostModel) and costs is None:
-                costs, example_inputs = example_inputs, None
-            if isinstance(cluster, ex.Plan) and plan is None:  # open(graph, costs, plan)
-                cluster, plan = None, cluster
-            if example_inputs is not None:
-                raise ExplorerError(f"a captured graph needs no example batch; the second "
-                                    f"argument is a {type(example_inputs).__name__}: give the "
-                                    "cost model, Explorer(graph, costs, plan)")
-        else:
-            if isinstance(model, BuiltinModel):
-                args = (model.module, model.example_inputs, model.loss_fn, model.targets,
-                        model.name)
-            elif example_inputs is None:
-                raise ExplorerError("give the model's example batch: Explorer(model, "
-                                    "example_inputs), or Explorer(graph, costs)")
-            else:
-                args = (model, example_inputs, loss_fn, targets, None)
-            graph, fake = first_graph(*args, measure if costs is None else "now")
-            if fake:
-                capture = functools.partial(ex.capture, *args[:4], name=args[4])
-        check_type(cluster, ex.Cluster, "cluster", "ex.Cluster.cpu(2), ex.Cluster.preset(...)")
-        check_type(costs, ex.CostModel, "costs", "ex.profile(graph, cluster)")
-        check_type(plan, ex.Plan, "plan", "ex.partition(...) or ex.Plan.load(...)")
-        work = None
-        if costs is None:
-            costs, work = opening_costs(graph, capture, cluster or ex.Cluster.discover(),
-                                        measure, progress)
-        note = ""
-        if plan is None:
-            plan, note = auto_plan(graph, costs.cluster, costs)
-        session = cls(graph, costs.cluster, costs, plan)
-        if note:
-            session.say(note)
-        if work is not None:
-            session.measure_in_background(work)
+        o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
+                    measure)
+        session = cls(o.graph, o.costs.cluster, o.costs, o.plan)
+        if o.note:
+            session.say(o.note)
+        if o.work is not None:
+            session.measure_in_background(o.work)
         return session
 
     # -- measured numbers, in the background ---------------------------------------------
@@ -285,16 +211,16 @@ class Session:
     # -- queries -------------------------------------------------------------------------
     @property
     def can_undo(self) -> bool:
-        return bool(self._undo)
+        return bool(self._history.done)
 
     @property
     def can_redo(self) -> bool:
-        return bool(self._redo)
+        return bool(self._history.undone)
 
     @property
     def history(self) -> list[str]:
         """Labels of the edits undo would take back, oldest first."""
-        return [s.label for s in self._undo]
+        return self._history.labels
 
     def targets(self) -> list[str]:
         """Where nodes can be assigned: every device, and each replicated stage as a whole
@@ -459,6 +385,18 @@ class Session:
         plan.validate(self.graph, self.cluster)
         self._commit(plan, self.pins, ", ".join(f"{k}={v}" for k, v in settings.items()))
 
+    def set_memory(self, zero: int | None = None, recompute: str | None = None,
+                   precision: str | None = None, stages: Iterable[int] | None = None) -> None:
+        """Trade memory for time on ``stages`` (positions in ``plan.stages``; all of them
+        when None): ZeRO stage 0-3 over the stage's replicas, activation recomputation
+        (none, selective, full) and precision (fp32, bf16, fp16); what is not given stays."""
+        chosen = range(len(self.plan.stages)) if stages is None else sorted(set(stages))
+        plan = self.plan.with_memory(zero=zero, recompute=recompute, precision=precision,
+                                     stages=chosen)
+        if plan == self.plan:
+            return
+        self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))
+
     def load(self, plan: ex.Plan | str | Path, name: str | None = None) -> None:
         """Make ``plan`` (a Plan, or a path to a plan JSON file) the plan under edit."""
         if not isinstance(plan, ex.Plan):
@@ -468,18 +406,10 @@ class Session:
         self._commit(plan, pins, f"load {name or plan.algorithm}")
 
     def undo(self) -> None:
-        if not self._undo:
-            raise ExplorerError("nothing to undo")
-        snap = self._undo.pop()
-        self._redo.append(Snapshot(self.plan, dict(self.pins), snap.label))
-        self._restore(snap)
+        self._restore(self._history.undo(Snapshot(self.plan, dict(self.pins), "")))
 
     def redo(self) -> None:
-        if not self._redo:
-            raise ExplorerError("nothing to redo")
-        snap = self._redo.pop()
-        self._undo.append(Snapshot(self.plan, dict(self.pins), snap.label))
-        self._restore(snap)
+        self._restore(self._history.redo(Snapshot(self.plan, dict(self.pins), "")))
 
     # -- partitioners --------------------------------------------------------------------
     def solve(self, algorithm: str, around_pins: bool = True, load: bool = True,
@@ -579,9 +509,7 @@ class Session:
             except Exception:
                 self.plan, self.pins, self.prediction = old
                 raise
-        self._undo.append(prev)
-        del self._undo[:-HISTORY]
-        self._redo.clear()
+        self._history.push(prev)
         self._changed("plan")
 
     def _restore(self, snap: Snapshot) -> None:

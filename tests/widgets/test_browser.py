@@ -289,6 +289,10 @@ def test_reloaded_page_narrow_window_find_and_messages_next_to_controls(lab):
 
             page.evaluate("window.jupyterapp.shell.activateById('filebrowser')")
             page.wait_for_timeout(800)
+            page.get_by_role("tab", name="plan settings").click()  # memory settings per stage
+            page.locator(".pe-stage-settings").wait_for()
+            assert page.evaluate(CUT_OFF) == []
+            page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-settings.png"))
             page.get_by_role("tab", name="run for real").click()
             page.wait_for_timeout(500)
             page.screenshot(path=str(OUT / "explorer-1000px-sidebar.png"), full_page=True)
@@ -383,5 +387,133 @@ def test_a_660_op_model_opens_expands_all_and_an_assignment_recolours_it(lab):
             page.wait_for_function(f"() => (({ITEM_COLUMN})('key') || []).length < 200")
             page.wait_for_timeout(800)
             page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-large-depth2.png"))
+        finally:
+            browser.close()
+
+
+#: the graph's view (its ranges), the overview's box and the items labelled on zoom, as
+#: BokehJS has them
+NAVIGATION = """() => {
+  const find = (name) => [...Bokeh.index.all_views()].find(v => v.model && v.model.name === name);
+  const main = find('pe-graph-plot'), over = find('pe-overview');
+  if (!main || !over) return null;
+  const xr = main.model.x_range, yr = main.model.y_range;
+  const box = over.model.toolbar.tools.find(t => t.overlay).overlay;
+  const labels = main.model.renderers.find(r => r.name === 'pe-zoom-labels');
+  return {view: [xr.start, xr.end, yr.start, yr.end],
+          box: [box.left, box.right, box.bottom, box.top],
+          labelled: [...labels.view.filter.indices], visible: over.model.visible,
+          width: main.model.inner_width};
+}"""
+
+
+def labels_on_zoom(xs, ys, short, view, width_px) -> list[int]:
+    """The items the graph should label on zoom: those in ``view`` without a label, when at
+    most 150 are in view and neighbouring labels fit (LABEL_PX apart)."""
+    from widgets.layout import GAP, ITEM_W
+    from widgets.panels.graph import MAX_LABELS
+    from widgets.panels.overview import LABEL_PX
+
+    x0, x1, y0, y1 = view
+    if (ITEM_W + GAP) * width_px / (x1 - x0) < LABEL_PX:
+        return []
+    inside = [k for k, (x, y) in enumerate(zip(xs, ys, strict=True))
+              if x0 <= x <= x1 and y0 <= y <= y1]
+    return [k for k in inside if not short[k]] if len(inside) <= MAX_LABELS else []
+
+#: whether the overview's box is where the graph's view is
+BOX_IS_VIEW = f"""() => {{
+  const n = ({NAVIGATION})();
+  return n !== null && n.box.every((b, k) => Math.abs(b - n.view[k]) < 1e-6);
+}}"""
+
+#: set the graph's view, as a wheel zoom or a pan does
+SET_VIEW = """([x0, x1, y0, y1]) => {
+  const v = [...Bokeh.index.all_views()].find(v => v.model && v.model.name === 'pe-graph-plot');
+  v.model.x_range.setv({start: x0, end: x1});
+  v.model.y_range.setv({start: y0, end: y1});
+}"""
+
+
+def test_the_overview_box_follows_the_view_and_labels_appear_on_zoom(lab):
+    """On the 660-op model with every op shown: the overview's box is the graph's view
+    after "zoom to selection" and after a zoom in the page; a click on the overview moves the
+    view there; zoomed in on a few items every one of them is labelled, zoomed out (or with
+    items too close for their labels) only the largest 150 are."""
+    from playwright.sync_api import sync_playwright
+
+    url, _root = lab
+    OUT.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+
+    def near(a, b):
+        return all(abs(p - q) < 1e-6 for p, q in zip(a, b, strict=True))
+
+    with sync_playwright() as p:
+        browser = launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1500})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            open_and_run(page, url, "explorer_large.ipynb")
+            page.wait_for_function(f"() => ({NAVIGATION})() !== null")
+            page.wait_for_function(KERNEL_IDLE)
+            page.locator("button.pe-expand-all").click()
+            page.wait_for_function(f"() => (({ITEM_COLUMN})('key') || []).length > 600")
+            page.wait_for_function(KERNEL_IDLE)
+            # shown from 40 items on; the box follows the view in the next frame drawn
+            page.wait_for_function(f"() => ({BOX_IS_VIEW})() && ({NAVIGATION})().visible")
+            nav = page.evaluate(NAVIGATION)
+            assert not errors, errors
+            assert nav["labelled"] == []  # the fitted view holds more than 150 items
+
+            find = page.locator(".pe-find input")
+            find.fill("copy3.blocks.1.mlp")
+            find.press("Enter")
+            page.locator(".pe-selection", has_text="3 ops").wait_for()
+            page.locator("button.pe-zoom").click()
+            page.wait_for_function(f"() => ({NAVIGATION})().labelled.length > 0")
+            page.wait_for_function(BOX_IS_VIEW)
+            nav = page.evaluate(NAVIGATION)
+            xs, ys, short = (page.evaluate(ITEM_COLUMN, c) for c in ("x", "y", "short"))
+            assert nav["labelled"] == labels_on_zoom(xs, ys, short, nav["view"], nav["width"])
+            page.wait_for_timeout(500)
+            page.locator(".pe-graph").screenshot(path=str(OUT / "explorer-zoom-labels.png"))
+
+            # a zoom in the page (no kernel involved): the box and the labels follow
+            cx, cy = (xs[0] + xs[-1]) / 2, (ys[0] + ys[-1]) / 2
+            view = [cx - 3, cx + 3, cy - 3, cy + 3]
+            page.evaluate(SET_VIEW, view)
+            page.wait_for_function(BOX_IS_VIEW)
+            nav = page.evaluate(NAVIGATION)
+            assert near(nav["view"], view)
+            expected = labels_on_zoom(xs, ys, short, view, nav["width"])
+            assert expected and nav["labelled"] == expected
+            page.evaluate(SET_VIEW, [cx - 30, cx + 30, cy - 3, cy + 3])  # labels would overlap
+            assert page.evaluate(NAVIGATION)["labelled"] == []
+            page.evaluate(SET_VIEW, [min(xs) - 1, max(xs) + 1, min(ys) - 1, max(ys) + 1])
+            assert page.evaluate(NAVIGATION)["labelled"] == []  # all 660 in view
+
+            # a click on the overview centres the view on the point clicked
+            page.evaluate(SET_VIEW, view)
+            k = len(xs) * 2 // 3  # an item far from the view
+            target = page.evaluate("""([x, y]) => {
+              const v = [...Bokeh.index.all_views()].find(
+                v => v.model && v.model.name === 'pe-overview');
+              v.el.scrollIntoView({block: 'center'});
+              const box = v.canvas_view.el.getBoundingClientRect();
+              return [box.left + v.frame.x_scale.compute(x),
+                      box.top + v.frame.y_scale.compute(y), x, y];
+            }""", [xs[k], ys[k]])
+            page.mouse.click(target[0], target[1])
+            page.wait_for_function(
+                f"(x) => {{ const n = ({NAVIGATION})(); "
+                "return Math.abs((n.view[0] + n.view[1]) / 2 - x) < 0.5; }", arg=target[2])
+            nav = page.evaluate(NAVIGATION)
+            assert abs((nav["view"][2] + nav["view"][3]) / 2 - target[3]) < 0.5
+            assert abs(nav["view"][1] - nav["view"][0] - 6) < 1e-6  # the zoom stays
+            page.wait_for_function(BOX_IS_VIEW)
+            assert not errors, errors
+            page.wait_for_timeout(500)
+            page.locator(".pe-graph").screenshot(path=str(OUT / "explorer-overview.png"))
         finally:
             browser.close()

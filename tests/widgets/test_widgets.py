@@ -13,8 +13,8 @@ import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from widgets import Session
-from widgets.graphview import MAX_CHILDREN, GraphView, frame_depths
-from widgets.layout import ITEM_H, ITEM_W, layered_layout
+from widgets.graphview import MAX_CHILDREN, GraphView
+from widgets.layout import ITEM_H, ITEM_W, frame_levels, layered_layout
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,9 @@ def test_layout_rows_route_long_edges_between_items_and_frame_modules(gpt):
     frames = {f.label: f for f in v.frames()}
     assert frames["blocks"].nest == 0 and frames["blocks.0"].nest == 1
     assert set(frames["blocks.0.attn"].members) < set(frames["blocks.0"].members)
-    assert frame_depths(list(frames.values()))[0] == 2  # blocks > blocks.0 > blocks.0.attn
+    chains = [tuple(f for f, fr in enumerate(frames.values()) if k in fr.members)
+              for k in range(len(v.items))]
+    assert frame_levels(chains)[0] == 2  # blocks > blocks.0 > blocks.0.attn
     t0 = time.perf_counter()
     layered_layout(len(lay.xy), edges)
     assert time.perf_counter() - t0 < 1.0  # ~50 ms; benchmarks/editing.py measures it

@@ -8,8 +8,9 @@ import html
 import ipywidgets as W
 
 from explorer.core.plan import OPTIMIZER_STATE
+from widgets.edits import run_problem
 from widgets.panels.base import Panel, button, wrapping
-from widgets.session import Session, run_problem
+from widgets.session import Session
 
 NOTHING_SELECTED = "<i>click, box- or lasso-select nodes in the graph</i>"
 
@@ -46,7 +47,8 @@ class EditingPanel(Panel):
             wrapping([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
 
         self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
-                                              description="micro-batches")
+                                              description="micro-batches",
+                                              style={"description_width": "initial"})
         self.schedule = W.Dropdown(options=["gpipe", "1f1b"], value=s.plan.schedule,
                                    description="schedule")
         self.optimizer = W.Dropdown(options=sorted(OPTIMIZER_STATE), value=s.plan.optimizer,

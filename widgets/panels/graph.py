@@ -6,7 +6,9 @@ skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lass
 items selects them in the session; the expand/collapse buttons, the depth box and the find
 box change which items are shown, and each change re-fits the view (the reset tool comes
 back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
-up in it): a hover over a node never opens the texts of the edges that end at it.
+up in it): a hover over a node never opens the texts of the edges that end at it. Beside the
+graph, an overview of the whole layout shows the view as a box to drag; zoomed in on at most
+``MAX_LABELS`` items, every item in view is labelled (:mod:`widgets.panels.overview`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import ipywidgets as W
 import numpy as np
+from bokeh.layouts import row
 from bokeh.models import (
     BoxSelectTool,
     ColumnDataSource,
@@ -29,9 +32,10 @@ from bokeh.plotting import figure
 
 from explorer.core.errors import ExplorerError
 from explorer.core.units import format_bytes, format_flops, format_seconds
-from widgets.graphview import Item, frame_depths
+from widgets.graphview import Item
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
+from widgets.panels.overview import Overview, add_zoom_labels
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
@@ -47,7 +51,8 @@ DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442
 DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross")
 #: most names the find box suggests (modules first, then ops)
 FIND_OPTIONS = 5000
-#: most items with a label drawn on the graph: the ones with the most ops (hover shows all)
+#: most items with a label drawn on the graph: the ones with the most ops (hover shows all);
+#: zoomed in on at most this many, every item in view has its label
 MAX_LABELS = 150
 #: characters of a label drawn on the graph
 LABEL_CHARS = 18
@@ -112,9 +117,10 @@ def patch(source: ColumnDataSource, new: dict[str, list]) -> None:
 
 
 class GraphPanel(Panel):
-    """The bokeh graph (``figure``; item columns in ``nodes``, edge columns in ``edges``), its
-    legend (``widget`` holds both) and the view controls (``controls``: ``expand_button``,
-    ``collapse_button``, ``find``)."""
+    """The bokeh graph (``figure``; item columns in ``nodes``, edge columns in ``edges``,
+    frames in ``frames``), its ``overview`` and ``zoom_labels``, its legend (``widget`` holds
+    them) and the view controls (``controls``: ``expand_button``, ``collapse_button``,
+    ``find``)."""
 
     topics = frozenset({"plan", "costs", "view", "selection"})
 
@@ -127,16 +133,21 @@ class GraphPanel(Panel):
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
         self.frames = ColumnDataSource(self.frame_columns())
         self.figure = self._draw(backend, height)
+        #: the items whose label appears on zoom (:func:`widgets.panels.overview.add_zoom_labels`)
+        self.zoom_labels = add_zoom_labels(self.figure, self.nodes, "tag", MAX_LABELS)
+        self.overview = Overview(self.figure, self.nodes, self.edges, self.frames, backend)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
         legend = W.HTML(
             "nodes are colored by device (striped: replicated, data-parallel); "
             f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
-            "a black outline marks pins. "
+            "a black outline marks pins; the overview on the right shows where the view is "
+            "(drag its box, or click). "
             + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d]))
                        for d in session.cluster.ids)
             + " " + swatch("mixed", MIXED, fg="black"))
-        self.widget = W.VBox([legend, bokeh_widget(self.figure, "pe-graph")],
+        plots = row(self.figure, self.overview.figure, sizing_mode="stretch_width")
+        self.widget = W.VBox([legend, bokeh_widget(plots, "pe-graph")],
                              layout=W.Layout(flex="3 1 320px", min_width="0"))
 
         s = session
@@ -180,9 +191,9 @@ class GraphPanel(Panel):
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
-        p.quad(left="left", right="right", top="top", bottom="bottom", source=self.frames,
-               fill_color="#4c6a92", fill_alpha=0.05, line_color="#8da0b8", line_width=1)
-        p.add_layout(LabelSet(x="left", y="ly", text="label", source=self.frames,
+        p.multi_polygons("xs", "ys", source=self.frames, fill_color="#4c6a92", fill_alpha=0.05,
+                         line_color="#8da0b8", line_width=1)
+        p.add_layout(LabelSet(x="lx", y="ly", text="label", source=self.frames,
                               text_font_size="size", text_font_style="bold",
                               text_color="#3b5070", text_baseline={"field": "anchor"}, x_offset=2))
         p.multi_line("xs", "ys", source=self.edges, line_color="color", line_width="width",
@@ -216,6 +227,7 @@ class GraphPanel(Panel):
             self._relayout()
             data = self.node_columns()
             self.nodes.selected.indices = []
+            self.zoom_labels.indices = []  # (positions in the items shown before)
             self.nodes.data = data
             self.edges.data = self.edge_columns(data["device"])
             self.frames.data = self.frame_columns()
@@ -231,9 +243,9 @@ class GraphPanel(Panel):
         """Recompute what depends on the items shown only: edges, positions, edge sizes."""
         v = self.session.view
         self._item_edges = v.edges()
-        self._layout = v.layout(self._item_edges)
-        self._xy = self._layout.xy
         self._frames = v.frames()
+        self._layout = v.layout(self._item_edges, self._frames)
+        self._xy = self._layout.xy
         self._edge_text = [format_bytes(b) for b in self._item_edges.values()]
         self._time_cache: dict[tuple[int, str], str] = {}
 
@@ -249,6 +261,8 @@ class GraphPanel(Panel):
             top = max([float(ys.max()) + 0.8, *(t + 0.6 for t in tops)])
             self._set_ranges(mid - w / 2, mid + w / 2, top - min(top - float(ys.min()) + 1,
                                                                FIT_ROWS), top, reset=True)
+            bottom = min([float(ys.min()) - 0.8, *self.frames.data["bottom"]])
+            self.overview.fit(mid - w / 2, mid + w / 2, bottom, top, len(xs))
 
     def _set_ranges(self, x0: float, x1: float, y0: float, y1: float, reset: bool) -> None:
         xr, yr = self.figure.x_range, self.figure.y_range
@@ -295,7 +309,8 @@ class GraphPanel(Panel):
             node = g.nodes[it.ops[0]]
             cols["key"].append(it.key)
             cols["label"].append(it.label + (" (select, then expand)" if it.expandable else ""))
-            cols["short"].append(short_label(it.label) if k in shown else "")
+            cols["tag"].append(short_label(it.label))
+            cols["short"].append(cols["tag"][-1] if k in shown else "")
             cols["n_ops"].append(len(it.ops))
             cols["op"].append(node.op if len(it.ops) == 1 else f"{len(it.ops)} ops")
             cols["shapes"].append(" ".join(str(list(sh)) for sh in node.shapes[:3])
@@ -358,28 +373,36 @@ class GraphPanel(Panel):
                 **self.edge_dynamic_columns(devices)}
 
     def frame_columns(self) -> dict[str, list]:
-        """A rectangle around the items of each expanded module, labelled with its name (the
+        """An outline around the items of each expanded module, row by row (it covers no
+        other item, :func:`widgets.layout.frame_outline`), labelled with its name (the
         outermost always; all of them when there are at most ``MAX_FRAME_LABELS``) over its
-        top or under its bottom left corner."""
+        top or under its bottom left corner; ``left`` ... ``bottom`` are its bounds."""
         frames = self._frames
-        cols: dict[str, list] = {k: [] for k in ("left", "right", "top", "bottom", "label",
-                                                 "size", "ly", "anchor")}
-        inner = frame_depths(frames)
-        for f, below in zip(frames, inner, strict=True):
-            xs = [self._xy[k][0] for k in f.members]
-            ys = [self._xy[k][1] for k in f.members]
-            pad = 0.12 * (1 + below)
-            cols["left"].append(min(xs) - ITEM_W / 2 - pad)
-            cols["right"].append(max(xs) + ITEM_W / 2 + pad)
-            cols["top"].append(max(ys) + ITEM_H / 2 + pad)
-            cols["bottom"].append(min(ys) - ITEM_H / 2 - pad)
+        cols: dict[str, list] = {k: [] for k in ("xs", "ys", "left", "right", "top", "bottom",
+                                                 "label", "size", "lx", "ly", "anchor")}
+        for f, outline in zip(frames, self._layout.outlines, strict=True):
+            cols["xs"].append([[xs] for xs, _ in outline])
+            cols["ys"].append([[ys] for _, ys in outline])
+            every_x = [x for xs, _ in outline for x in xs]
+            every_y = [y for _, ys in outline for y in ys]
+            cols["left"].append(min(every_x))
+            cols["right"].append(max(every_x))
+            cols["top"].append(max(every_y))
+            cols["bottom"].append(min(every_y))
             shown = f.nest == 0 or len(frames) <= MAX_FRAME_LABELS
             cols["label"].append(f.label if shown else "")
             cols["size"].append("10pt" if f.nest == 0 else "8pt")
             # a frame and the first frame in it start at the same corner: their labels go
             # over the top and under the bottom in turn
             top = f.nest % 2 == 0
-            cols["ly"].append(cols["top"][-1] if top else cols["bottom"][-1])
+            if top:  # the top left corner ends the first polygon
+                xs, ys = outline[0]
+                cols["lx"].append(xs[-1])
+                cols["ly"].append(ys[-1])
+            else:  # the bottom left corner starts the last polygon's left side
+                xs, ys = outline[-1]
+                cols["lx"].append(xs[len(xs) // 2])
+                cols["ly"].append(ys[len(ys) // 2])
             cols["anchor"].append("bottom" if top else "top")
         return cols
 

@@ -21,12 +21,15 @@ from bokeh.models import (
 from bokeh.plotting import figure
 from bokeh.transform import dodge
 
+from explorer.core.plan import Plan
 from explorer.core.units import GiB, KiB, MiB, format_bytes
 from widgets.panels.base import Panel, bokeh_widget
 from widgets.session import Session
 
-CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations")
-CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868")
+#: what fills a device, as the prediction's memory breakdown names it (``<category>_bytes``);
+#: "gathered" is the buffers ZeRO-3 gathers weights into (0 where a breakdown has none)
+CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "gathered")
+CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868", "#da8bc3")
 
 
 #: below this share of the largest capacity, the scale zooms to the memory used
@@ -49,6 +52,13 @@ def scale_end(totals: list[float], capacities: list[float]) -> tuple[float, bool
     if used <= 0 or used >= ZOOM_BELOW * cap:
         return max(used, cap) * 1.05 or 1.0, False
     return used * 1.35, True
+
+
+def settings_text(plan: Plan, device: str) -> str:
+    """The memory settings of the stage ``device`` runs in, in words."""
+    if device not in plan.devices:
+        return "unused"
+    return plan.settings_of(plan.stage_of_device(device)).describe() or "defaults"
 
 
 class MemoryPanel(Panel):
@@ -82,7 +92,8 @@ class MemoryPanel(Panel):
         p.add_layout(legend, "below")
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
-                                        ("params/grads/opt", "@detail")]))
+                                        ("params/grads/opt", "@detail"),
+                                        ("memory settings", "@settings")]))
         self.figure = p
         self.update("all")
         self.widget = bokeh_widget(p, "pe-memory")
@@ -104,13 +115,12 @@ class MemoryPanel(Panel):
 
     def columns(self) -> dict[str, list]:
         """The bars' columns from the session's prediction (in ``unit``, and in words)."""
-        pred = self.session.prediction
+        pred, plan = self.session.prediction, self.session.plan
         unit = self.unit_bytes
         cols = defaultdict(list)
         for d in self.session.cluster.ids:
             m = pred.memory.get(d)
-            vals = (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.buffers_bytes,
-                    m.activations_bytes) if m else (0,) * 5
+            vals = tuple(getattr(m, f"{c}_bytes", 0) if m else 0 for c in CATEGORIES)
             for c, v in zip(CATEGORIES, vals, strict=True):
                 cols[c].append(v / unit)
             total = sum(vals)
@@ -123,6 +133,7 @@ class MemoryPanel(Panel):
             cols["cap_color"].append("#d62728" if over else "#333333")
             cols["cap_width"].append(3.0 if over else 1.0)
             cols["detail"].append(" / ".join(format_bytes(v) for v in vals[:3]))
+            cols["settings"].append(settings_text(plan, d))
             share = f" ({total / cap:.1%})" if cap > 0 else ""
             cols["summary"].append(f"{d}: {format_bytes(total)} of {format_bytes(cap)}{share}"
                                    + (" OVER" if over else "") if m else f"{d}: unused")

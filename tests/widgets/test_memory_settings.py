@@ -1,0 +1,103 @@
+"""Memory settings per stage in the explorer: edits of the plan, undoable, shown per stage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import explorer as ex
+from explorer.core.errors import ExplorerError
+from explorer.core.plan import StageSettings
+from explorer.models.synthetic import roofline_costs
+from widgets import Session
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    bm = ex.builtin_model("gpt", "tiny")
+    return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+
+
+@pytest.fixture
+def session(gpt):
+    cl = ex.Cluster.preset("4xH100")
+    return Session(gpt, cl, roofline_costs(gpt, cl))
+
+
+def test_memory_settings_are_undoable_edits_estimated_by_the_engine(session, gpt):
+    cl = session.cluster
+    session.assign(session.view.names([session.view.items[-1].key]), cl.ids[1])
+    assert len(session.plan.stages) == 2
+    session.set_memory(zero=2, precision="bf16", stages=[1])
+    assert session.plan.settings_of(1) == StageSettings(2, "none", "bf16")
+    assert session.plan.settings_of(0) == StageSettings()
+    assert session.history[-1] == "memory: zero 2, bf16 on stage 1"
+    assert session.prediction == ex.simulate(gpt, session.plan, session.costs)
+    session.set_memory(recompute="full")  # every stage; what is not given stays
+    assert [session.plan.settings_of(k).recompute for k in (0, 1)] == ["full", "full"]
+    assert session.plan.settings_of(1).zero == 2
+    before = session.history
+    session.set_memory(recompute="full")  # nothing changes: no edit
+    assert session.history == before
+    session.undo()
+    assert session.plan.settings_of(0).recompute == "none"
+    session.undo()
+    assert not session.plan.stage_settings
+    with pytest.raises(ExplorerError, match="ZeRO stage 5"):
+        session.set_memory(zero=5)
+    with pytest.raises(ExplorerError, match="stage 7 does not exist"):
+        session.set_memory(zero=1, stages=[7])
+
+
+def test_stages_made_and_dropped_by_assign_keep_their_settings(session):
+    cl = session.cluster
+    session.set_memory(zero=1)
+    last = session.view.names([session.view.items[-1].key])
+    session.assign(last, cl.ids[2])  # a new stage: default settings
+    assert session.plan.settings_of(1) == StageSettings()
+    assert session.plan.settings_of(0).zero == 1
+    session.assign(last, cl.ids[0])  # the new stage is empty again and dropped
+    assert len(session.plan.stages) == 1 and session.plan.settings_of(0).zero == 1
+
+
+def test_the_panel_applies_each_change_and_the_bars_have_a_gathered_category(gpt,
+                                                                             monkeypatch):
+    pytest.importorskip("jupyter_bokeh")
+    from widgets import Explorer
+    from widgets.panels import memory
+    from widgets.panels.stages import ALL_STAGES
+
+    cl = ex.Cluster.preset("2xH100")
+    w = Explorer(gpt, roofline_costs(gpt, cl), ex.Plan.single(gpt, cl.ids[0]))
+    panel = w.stages
+    assert panel.stage.value == ALL_STAGES
+    panel.zero.value = 3
+    assert w.session.plan.settings_of(0).zero == 3 and w.session.can_undo
+    assert "one device" in panel.note.value  # ZeRO over one replica saves nothing
+    panel.precision.value = "bf16"
+    assert w.session.plan.settings_of(0) == StageSettings(3, "none", "bf16")
+    assert "bf16" in panel.table.value
+    assert w.memory.source.data["settings"][0] == "zero 3, bf16"
+    w.editing.undo_button.click()
+    assert panel.precision.value == "fp32" and panel.zero.value == 3  # the controls follow
+    assert len(w.session.history) == 1  # setting the controls from the plan is no edit
+    panel.recompute.value = "full"
+    assert w.session.plan.settings_of(0).recompute == "full"
+
+    # a breakdown with the gathered-weight buffers shows them; one without reads as 0
+    assert w.memory.source.data["gathered"] == [0.0, 0.0]
+    pred = w.session.prediction
+    m = pred.memory[cl.ids[0]]
+
+    @dataclasses.dataclass(frozen=True)
+    class WithGathered(type(m)):
+        gathered_bytes: int = 0
+
+    gathered = WithGathered(**dataclasses.asdict(m), gathered_bytes=5 * 2**20)
+    monkeypatch.setattr(w.session, "prediction", dataclasses.replace(
+        pred, memory={**pred.memory, cl.ids[0]: gathered}))
+    w.memory.update("plan")
+    d = w.memory.source.data
+    assert d["gathered"][0] * w.memory.unit_bytes == 5 * 2**20
+    assert memory.CATEGORIES[-1] == "gathered"

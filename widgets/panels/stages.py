@@ -1,0 +1,107 @@
+"""Memory settings per stage: ZeRO sharding, activation recomputation and precision.
+
+Each change is an edit of the plan under edit (undoable, estimated at once by the engine like
+every other edit); the table under the controls shows every stage's settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+from collections.abc import Iterator
+
+import ipywidgets as W
+
+from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES
+from widgets.panels.base import Panel, html_table, wrapping
+from widgets.session import Session
+
+#: the stage choice that applies to every stage
+ALL_STAGES = -1
+ZERO_TEXT = {0: "0: none", 1: "1: optimizer state", 2: "2: + gradients", 3: "3: + weights"}
+
+
+class StageSettingsPanel(Panel):
+    """``widget``: the ``stage`` to set (or all of them), ``zero``, ``recompute`` and
+    ``precision``, applied as soon as one changes; ``table`` lists each stage's settings and
+    ``note`` says where a setting has no effect."""
+
+    topics = frozenset({"plan"})
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(session)
+        style = {"description_width": "initial"}
+        self.stage = W.Dropdown(description="memory settings of", style=style,
+                                layout=W.Layout(width="auto"))
+        self.stage.add_class("pe-stage")
+        self.zero = W.Dropdown(options=[(ZERO_TEXT[z], z) for z in ZERO_STAGES],
+                               description="ZeRO", style=style, layout=W.Layout(width="auto"))
+        self.recompute = W.Dropdown(options=list(RECOMPUTE), description="recompute",
+                                    style=style, layout=W.Layout(width="auto"))
+        self.precision = W.Dropdown(options=list(PRECISIONS), description="precision",
+                                    style=style, layout=W.Layout(width="auto"))
+        for w, css in ((self.zero, "pe-zero"), (self.recompute, "pe-recompute"),
+                       (self.precision, "pe-precision")):
+            w.add_class(css)
+            w.observe(self._on_setting, "value")
+        self.stage.observe(lambda _: self._show_stage(), "value")
+        self.table = W.HTML("")
+        self.table.add_class("pe-stage-settings")
+        self.note = W.HTML("")
+        self._syncing = False
+        self._apply = session.guarded(self.apply, "settings")
+        title = W.HTML("<b>memory per stage</b>: ZeRO shards the optimizer state (1), the "
+                       "gradients (2) and the weights (3) over a stage's replicas; each change "
+                       "is estimated at once, and undo takes it back")
+        self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
+                                               self.precision]), self.note, self.table])
+
+    def apply(self) -> None:
+        """Set the chosen stage(s) to the values the controls show (as changing one does)."""
+        k = self.stage.value
+        self.session.set_memory(self.zero.value, self.recompute.value, self.precision.value,
+                                None if k == ALL_STAGES else [k])
+
+    def update(self, what: str) -> None:
+        plan = self.session.plan
+        options = [("all stages", ALL_STAGES)] + [
+            (f"stage {k}: {'+'.join(devs)}", k) for k, devs in enumerate(plan.stages)]
+        with self._sync():
+            if list(self.stage.options) != options:
+                keep = self.stage.value
+                self.stage.options = options
+                self.stage.value = keep if keep in dict(options).values() else ALL_STAGES
+        self._show_stage()
+        rows = []
+        for k, devs in enumerate(plan.stages):
+            st = plan.settings_of(k)
+            rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
+                         st.recompute, st.precision))
+        self.table.value = html_table(("stage", "devices", "ZeRO", "recompute", "precision"),
+                                      rows)
+        single = [k for k, devs in enumerate(plan.stages)
+                  if len(devs) == 1 and plan.settings_of(k).zero]
+        self.note.value = (
+            f"<i>ZeRO shards over a stage's replicas: stage(s) {', '.join(map(str, single))} "
+            "run on one device, so it saves nothing there</i>" if single else "")
+
+    def _show_stage(self) -> None:
+        """The controls show the chosen stage's settings (the first stage's for all)."""
+        k = self.stage.value
+        st = self.session.plan.settings_of(0 if k in (None, ALL_STAGES) else k)
+        with self._sync():
+            self.zero.value, self.recompute.value, self.precision.value = (
+                st.zero, st.recompute, st.precision)
+
+    def _on_setting(self, _change) -> None:
+        if not self._syncing:
+            self._apply()
+
+    @contextlib.contextmanager
+    def _sync(self) -> Iterator[None]:
+        """While the controls are set from the plan, their changes are not edits."""
+        self._syncing = True
+        try:
+            yield
+        finally:
+            self._syncing = False
