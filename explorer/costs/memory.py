@@ -67,6 +67,20 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     return out
 
 
+def zero_sharded_bytes(graph: OpGraph, optimizer: str, zero: int) -> list[int]:
+    """Bytes of each node's charge (:func:`node_memory_bytes`) that ZeRO stage ``zero``
+    divides by the replica count: the optimizer state (1), the gradient too (2), the weight
+    too (3)."""
+    state = OPTIMIZER_STATE[optimizer]
+    out = []
+    for n in graph.nodes:
+        pb = n.param_bytes if n.kind != "buffer" and (n.kind == "param" or n.param_bytes) else 0
+        trains = n.requires_grad or n.kind == "op"
+        out.append(pb * ((state if zero >= 1 and trains else 0)
+                         + (1 if zero >= 2 and trains else 0) + (1 if zero >= 3 else 0)))
+    return out
+
+
 def stage_memory_bytes(graph: OpGraph, stage_of: Sequence[int], n_stages: int,
                        optimizer: str = "adam", in_flight: int = 1,
                        batch_fraction: float = 1.0,
