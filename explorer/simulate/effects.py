@@ -116,7 +116,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
         units = recompute_units(graph)
         _, code = np.unique(np.array(units, dtype=object).astype(str), return_inverse=True)
         key = code * S + st
-        # each unit's forward runs again at the start of its first backward: its last op's
+        # each unit's forward runs again (per stage) at the start of its first backward to
+        # run: that of its last op with a backward
         designee: dict[int, int] = {}
         for i in np.flatnonzero(A.has_b & (mode == "full")).tolist():
             designee[int(key[i])] = i  # (ops in node order: the last one wins)

@@ -19,6 +19,13 @@ handed on by views, getitem, same-size add and cat) while what it saved is still
 keeps the first gradient it gets until its own backward (or until it is sent), and later ones
 are added into it.
 
+A plan's per-stage memory settings (:class:`~explorer.core.plan.StageSettings`) add what they
+do (:mod:`~explorer.simulate.effects`): ZeRO's reduce-scatters in place of the all-reduces (2,
+3), an all-gather of the weights after the optimizer step (1, 2) or of each weight before its
+forward and backward uses, one op ahead (3), with the sharded bytes and the gathered copies in
+memory; recomputed forwards added to the backwards that run them, their outputs not kept in
+between; ops at the precision's rate and activations at autocast's sizes.
+
 Implementation: the graph as arrays (:mod:`~explorer.simulate.arrays`), node seconds from the
 cost tables (:mod:`~explorer.simulate.seconds`), the task graph as data
 (:mod:`~explorer.simulate.taskgraph`) and how it is built (:mod:`~explorer.simulate.tasks`),

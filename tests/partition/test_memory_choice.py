@@ -103,6 +103,9 @@ def test_baselines_fall_back_on_settings_with_a_note_on_their_cost():
                                                          {i: 0 for i in range(len(g))})]
     best = min(s for p in cands for s in fitting_steps(g, c, p).values())
     assert pred.step_s == pytest.approx(best, rel=1e-9)
-    note = plan.notes[-1]
+    note, which = plan.notes[-2:]
     assert note.startswith("test: fits only with memory settings (")
     assert "against" in note and "without them (which does not fit)" in note
+    label = plan.options["fallback"]
+    assert which == f"test found no plan that fits without memory settings; this is the " \
+        f"{label} plan with them"

@@ -177,6 +177,14 @@ def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: 
     if best is None:
         fitted = cheapest_memory_settings(graph, costs, name, [c for _, c in cands])
         if fitted is not None:
+            label = next(lb for lb, c in cands if c.stages == fitted.stages
+                         and c.placement == fitted.placement)
+            if label != "own":
+                fitted = fitted.with_settings(
+                    notes=(*fitted.notes, f"{name} found no plan that fits without memory "
+                           f"settings; this is the {label} plan with them"),
+                    options={**(dict(plan.options) if plan is not None else {}),
+                             "fallback": label})
             return fitted.with_settings(algorithm=name, pinned=frozenset(pins))
         raise MemoryExceededError(
             (failure + "; " if failure else f"{name}: no plan fits the devices' memory; ")
