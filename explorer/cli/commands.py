@@ -116,6 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
+        if p.uses_memory_settings:  # which settings, before anything else
+            note = f"[{_settings_text(p)}] {note}"
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
                      f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
                      f"{r.cross_device_bytes / MiB:.2f}",
@@ -214,6 +216,12 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "memory_settings": [plan.settings_of(s).describe() or "default"
                                 for s in range(len(plan.stages))],
             "peak_memory_by_category": {d: _categories(m) for d, m in r.memory.items()}}
+
+
+def _settings_text(plan) -> str:
+    """The plan's memory settings in words, each distinct setting once ("default" for none)."""
+    return "; ".join(dict.fromkeys(plan.settings_of(s).describe() or "default"
+                                   for s in range(len(plan.stages))))
 
 
 def _categories(m) -> dict[str, int]:

@@ -13,6 +13,7 @@ from explorer.core.errors import MemoryExceededError
 from explorer.core.plan import Plan, StageSettings
 from explorer.devices.cluster import Cluster, Link
 from explorer.models.synthetic import roofline_costs
+from explorer.partition.pipeline_dp.build import stage_cost_table
 from explorer.partition.search.fallback import (
     MEMORY_CHOICES,
     best_of_baselines,
@@ -109,3 +110,18 @@ def test_baselines_fall_back_on_settings_with_a_note_on_their_cost():
     label = plan.options["fallback"]
     assert which == f"test found no plan that fits without memory settings; this is the " \
         f"{label} plan with them"
+
+
+def test_the_stage_table_shards_by_the_replica_count():
+    g, cl, c = tight_case(2, 2)
+    layers = g.layers(None)
+    plain = stage_cost_table(g, c, cl.ids, layers, 1, "gpipe", "adam")
+    zero3 = stage_cost_table(g, c, cl.ids, layers, 1, "gpipe", "adam",
+                             settings=StageSettings(zero=3))
+    weights = sum(n.param_bytes for n in g.nodes if n.kind == "param")  # all trainable
+    last = len(layers)
+    # adam: weight, gradient and two states, each halved over two replicas
+    assert zero3.stage_memory_bytes(0, last, 0, 2, 1) == pytest.approx(
+        plain.stage_memory_bytes(0, last, 0, 2, 1) - 4 * weights / 2)
+    assert zero3.stage_memory_bytes(0, last, 0, 1, 1) == plain.stage_memory_bytes(0, last, 0, 1,
+                                                                                  1)

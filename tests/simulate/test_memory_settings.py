@@ -183,6 +183,7 @@ class TestPrecision:
         want = sum(FWD.values()) + sum(BWD.values()) - 0.75 * (1 + 3 + 10 + 30) \
             - 0.5 * (2 + 20)
         assert pred.step_s == pytest.approx(want)
+        assert pred.lower_bound_s == pytest.approx(want)  # one device: all of it is compute
         assert half_outputs(g, "cuda").tolist() == [False, False, True, True, False, True,
                                                    False]
 
