@@ -142,7 +142,9 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
     op that reads it and another before the backward of the last one (the first to run
     backward), on the stage's replica channel. Prefetch depth 1: each may start once the op
     two places before its first user (in running order) is done, so it overlaps the op
-    between. ``b`` is the task builder; returns the bytes the gathers move."""
+    between (the two weights used first in a micro-batch's backward, once the backward
+    before it is done, or for the first, the forward that runs last before it). ``b`` is the
+    task builder; returns the bytes the gathers move."""
     moved = 0
     off_f, off_b, per_m = fb.fwd, fb.bwd, fb.per_mb
     sf, sb = slots
@@ -157,6 +159,7 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
         bops = ops[A.has_b[ops]].tolist()
         bpos = {o: k for k, o in enumerate(bops)}
         weights = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
+        lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
         for w in weights.tolist():
             readers = [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
             if not readers:
@@ -187,8 +190,13 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
                     continue
                 t = b.task(ALLGATHER, chan, dur, sb[s, m] * b.W - bops[last] + N + 1,
                            f"all-gather {A.names[w]} (backward)", m, nbytes)
-                after = (off_b[bops[last + 2]] if last + 2 < len(bops) else off_f[ops[-1]])
-                py_src.append(int(after) + mo)
+                if last + 2 < len(bops):
+                    after = int(off_b[bops[last + 2]]) + mo
+                elif m:  # the stage's backward of the micro-batch before
+                    after = int(off_b[bops[0]]) + mo - per_m
+                else:  # the forward the schedule runs last before its first backward
+                    after = int(off_f[ops[-1]]) + lead * per_m
+                py_src.append(after)
                 py_dst.append(t)
                 py_src.extend([t] * len(b_slots))
                 py_dst.extend((b_slots + mo).tolist())
