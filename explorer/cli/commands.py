@@ -76,11 +76,23 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
-                plan = plan.with_memory(**memory)
+                plan = _with_memory(plan, memory)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
     return out
+
+
+def _with_memory(plan, memory: dict[str, Any]):
+    """``plan`` with the command line's memory settings on every stage, noting where ZeRO
+    changes nothing (a stage of one device has nothing to shard over)."""
+    plan = plan.with_memory(**memory)
+    single = [s for s, devs in enumerate(plan.stages) if len(devs) == 1]
+    if memory.get("zero") and single:
+        plan = plan.with_settings(notes=(*plan.notes, (
+            f"ZeRO {memory['zero']} changes nothing on stage(s) "
+            f"{', '.join(map(str, single))}: one device each, nothing to shard over")))
+    return plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -213,6 +225,7 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
+            "notes": list(plan.notes),
             "memory_settings": [plan.settings_of(s).describe() or "default"
                                 for s in range(len(plan.stages))],
             "peak_memory_by_category": {d: _categories(m) for d, m in r.memory.items()}}

@@ -200,6 +200,15 @@ class TestPlan:
             assert m["optimizer_state"] < before["optimizer_state"]
             assert m["gathered"] > 0 == before["gathered"]
 
+    def test_zero_on_one_device_says_it_changes_nothing(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                            "--zero", "1", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert p["memory_settings"] == ["zero 1"]
+        assert p["notes"][-1] == ("ZeRO 1 changes nothing on stage(s) 0: one device each, "
+                                  "nothing to shard over")
+
     def test_memory_flags_are_checked(self, capsys):
         with pytest.raises(SystemExit):
             main([*PLAN, "--zero", "4"])
