@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
+from explorer.cli.memory_options import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
@@ -64,18 +65,34 @@ def _prepare(args: argparse.Namespace):
     return bm, graph, cluster, costs, t_capture, t_profile
 
 
-def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any]):
-    """Run each algorithm and simulate its plan; (name, plan, prediction or error text)."""
+def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any],
+              memory: dict[str, Any] | None = None):
+    """Run each algorithm and simulate its plan, with the ``memory`` settings
+    (``Plan.with_memory``) on all its stages; (name, plan, prediction or error text)."""
     out = []
     for name in names:
         alg = ex.algorithm(name)
         opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
+            if memory:
+                plan = _with_memory(plan, memory)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
     return out
+
+
+def _with_memory(plan, memory: dict[str, Any]):
+    """``plan`` with the command line's memory settings on every stage, noting where ZeRO
+    changes nothing (a stage of one device has nothing to shard over)."""
+    plan = plan.with_memory(**memory)
+    single = [s for s, devs in enumerate(plan.stages) if len(devs) == 1]
+    if memory.get("zero") and single:
+        plan = plan.with_settings(notes=(*plan.notes, (
+            f"ZeRO {memory['zero']} changes nothing on stage(s) "
+            f"{', '.join(map(str, single))}: one device each, nothing to shard over")))
+    return plan
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -85,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
                 "optimizer": args.optimizer}
-    results = plan_rows(graph, cluster, costs, names, settings)
+    results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
     if args.out and ok:
@@ -111,6 +128,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
+        if p.uses_memory_settings:  # which settings, before anything else
+            note = f"[{_settings_text(p)}] {note}"
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
                      f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
                      f"{r.cross_device_bytes / MiB:.2f}",
@@ -205,7 +224,25 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "over_memory_bytes": r.over_memory_bytes,
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
-            "micro_batches": plan.micro_batches, "schedule": plan.schedule}
+            "micro_batches": plan.micro_batches, "schedule": plan.schedule,
+            "notes": list(plan.notes),
+            "memory_settings": [plan.settings_of(s).describe() or "default"
+                                for s in range(len(plan.stages))],
+            "peak_memory_by_category": {d: _categories(m) for d, m in r.memory.items()}}
+
+
+def _settings_text(plan) -> str:
+    """The plan's memory settings in words, each distinct setting once ("default" for none)."""
+    return "; ".join(dict.fromkeys(plan.settings_of(s).describe() or "default"
+                                   for s in range(len(plan.stages))))
+
+
+def _categories(m) -> dict[str, int]:
+    """A device's predicted memory at its peak, by category (bytes)."""
+    return {"parameters": m.params_bytes, "gradients": m.grads_bytes,
+            "optimizer_state": m.optimizer_bytes, "activations": m.activations_bytes,
+            "gathered": m.gathered_bytes, "buffers": m.buffers_bytes,
+            "workspace": m.workspace_bytes, "total": m.total_bytes}
 
 
 def _whole_from(lo: int, text: str) -> int:
@@ -261,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
     pl.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_memory_options(pl)
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="run real steps of a plan on this machine's devices and "
                                    "compare with the prediction")

@@ -201,6 +201,21 @@ class CostModel:
         measurement is the k = 2 case and the ring's terms scale it: (k-1) x its latency plus
         2(k-1)/k x bytes / its bandwidth.
         """
+        return self._ring_s(device_ids, nbytes, 2)
+
+    def reduce_scatter_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
+        """Ring reduce-scatter of ``nbytes`` (each rank keeps 1/k): half a ring all-reduce,
+        (k-1)/k of the bytes over the slowest link and k-1 latencies."""
+        return self._ring_s(device_ids, nbytes, 1)
+
+    def allgather_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
+        """Ring all-gather of a tensor of ``nbytes`` from 1/k shards: the other half of a ring
+        all-reduce, priced as :meth:`reduce_scatter_s`."""
+        return self._ring_s(device_ids, nbytes, 1)
+
+    def _ring_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int,
+                passes: int) -> float:
+        """``passes`` ring passes (2: all-reduce, 1: reduce-scatter or all-gather)."""
         k = len(device_ids)
         if k <= 1 or nbytes <= 0:
             return 0.0
@@ -210,10 +225,11 @@ class CostModel:
                for lk in links):
             lat = max(lk.allreduce_latency_s for lk in links)
             bw = min(lk.allreduce_bandwidth_bytes_per_s for lk in links)
-            return (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
+            return (k - 1) * lat * (passes / 2) + passes * (k - 1) / k * nbytes / bw \
+                * self.link_scale
         bw = min(lk.bandwidth_bytes_per_s for lk in links)
         lat = max(lk.latency_s for lk in links)
-        return 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
+        return passes * (k - 1) * lat + passes * (k - 1) / k * nbytes / bw * self.link_scale
 
     def optimizer_s(self, device_id: str, optimizer: str, param_bytes: int,
                     n_tensors: int) -> float:

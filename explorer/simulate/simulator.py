@@ -19,6 +19,13 @@ handed on by views, getitem, same-size add and cat) while what it saved is still
 keeps the first gradient it gets until its own backward (or until it is sent), and later ones
 are added into it.
 
+A plan's per-stage memory settings (:class:`~explorer.core.plan.StageSettings`) add what they
+do (:mod:`~explorer.simulate.effects`): ZeRO's reduce-scatters in place of the all-reduces (2,
+3), an all-gather of the weights after the optimizer step (1, 2) or of each weight before its
+forward and backward uses, one op ahead (3), with the sharded bytes and the gathered copies in
+memory; recomputed forwards added to the backwards that run them, their outputs not kept in
+between; ops at the precision's rate and activations at autocast's sizes.
+
 Implementation: the graph as arrays (:mod:`~explorer.simulate.arrays`), node seconds from the
 cost tables (:mod:`~explorer.simulate.seconds`), the task graph as data
 (:mod:`~explorer.simulate.taskgraph`) and how it is built (:mod:`~explorer.simulate.tasks`),
@@ -39,6 +46,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
+from explorer.costs.strategies import precision_time_factors
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.memory import memory_at_peaks
@@ -162,8 +170,20 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
         energy_j=sum(energy.values()), energy_by_device_j=energy,
         critical_path=_CriticalPath(tasks, timing, last),  # type: ignore[arg-type]
         bottleneck=bottleneck,
-        lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs)),
+        lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs),
+                                           _half_factors(graph, plan, cluster)),
         algorithm=plan.algorithm)
+
+
+def _half_factors(graph: OpGraph, plan: Plan, cluster: Cluster
+                  ) -> dict[str, np.ndarray] | None:
+    """Where a stage computes in bf16 or fp16, every op's time factor in that precision per
+    device type (so the lower bound stays below what the plan can reach); None otherwise."""
+    half = [st.precision for st in plan.stage_settings if st.precision != "fp32"]
+    if not half:
+        return None
+    return {d.type_key: precision_time_factors(graph, half[0], d.kind, d.flops_per_s,
+                                               d.half_flops_per_s) for d in cluster.devices}
 
 
 class _Timeline(Deferred):

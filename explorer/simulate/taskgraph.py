@@ -17,6 +17,7 @@ import numpy as np
 
 from explorer.core.plan import Plan
 from explorer.simulate.arrays import GraphArrays
+from explorer.simulate.effects import StageEffects
 
 #: task kinds (``TaskGraph.kind``); a "gate" is a zero-time task that holds a 1F1B stage's
 #: forward of a micro-batch until the backward ``warm`` micro-batches earlier is done
@@ -99,4 +100,8 @@ class TaskGraph:
     fb: FwdBwdLayout
     receives: Receives
     transfer_bytes: int  # bytes sent between stages in the step
-    allreduce_bytes: int  # bytes the gradient all-reduces move (ring: 2 (k - 1) x size)
+    # bytes the gradient all-reduces move (ring: 2 (k - 1) x size), and with ZeRO the
+    # reduce-scatters and all-gathers ((k - 1) x size each)
+    allreduce_bytes: int
+    # what the plan's memory settings change (None for a plan without them)
+    effects: StageEffects | None = None

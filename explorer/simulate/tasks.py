@@ -17,6 +17,12 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.effects import (
+    ALLGATHER,
+    REDUCE_SCATTER,
+    add_weight_gathers,
+    stage_effects,
+)
 from explorer.simulate.seconds import Seconds, plain_costs
 from explorer.simulate.taskgraph import (
     ALLREDUCE,
@@ -150,6 +156,12 @@ class _Builder:
                 fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
                 idx = idx[has_b[idx]]
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
+        # the plan's memory settings: precision and recomputed forwards change op times
+        eff = (stage_effects(g, plan, A, st, costs.cluster) if plan.uses_memory_settings
+               else None)
+        out_act = A.out_b if eff is None else eff.act_bytes  # activations' bytes
+        if eff is not None:
+            eff.apply_compute(g, costs.cluster, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
         msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
                         for s in range(S)], dtype=np.float64)
@@ -207,7 +219,7 @@ class _Builder:
             labels = A.names_obj[tp]
             for j in np.flatnonzero(~t_act).tolist():
                 labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
-            ob = A.out_b[tp]
+            ob = out_act[tp]
             self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
                             np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
             # edges: producer's forward -> transfer -> consumer's forward (a weight's one
@@ -220,7 +232,7 @@ class _Builder:
                 edges(off_f[up[u_act]], ab + m, m)
             xa = np.flatnonzero(t_act)
             xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
-                             ~A.grad_named[tp[xa]], A.out_b[tp[xa]] // M))
+                             ~A.grad_named[tp[xa]], out_act[tp[xa]] // M))
         # backward edges: a node's backward waits for its consumers' backwards
         bops = ops_arr[nb]
         for m in range(M):
@@ -246,12 +258,12 @@ class _Builder:
             enc = sb[ts, m_task] * W - tp + (N + 1)
             labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
                                M).tolist()
-            self._transfers(ts, st[tp], A.out_b[tp] // M, enc, labels, m_task, tp)
+            self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
                 edges(off_b[bc_], base[k_edge] + m, m)
             xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
-                             np.zeros(len(tp), dtype=bool), A.out_b[tp] // M))
+                             np.zeros(len(tp), dtype=bool), out_act[tp] // M))
         receives = Receives(*(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
                               np.zeros(0, dtype=bool if k == 4 else np.int64)
                               for k in range(6)))
@@ -292,13 +304,19 @@ class _Builder:
         pg = A.pg
         trainable_bytes = [0] * S
         trainable_count = [0] * S
+        zero = [0] * S if eff is None else eff.zero
+        stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
         for i in A.trainable:
             trainable_bytes[stage[i]] += A.param_bytes[i]
             trainable_count[stage[i]] += 1
+            stepped[stage[i]] += A.param_bytes[i] if eff is None else int(eff.shard[i])
+        if eff is not None:
+            allreduce_bytes += add_weight_gathers(
+                self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
         for s in range(S):
             params = pg[st[pg] == s][::-1].tolist()
             before_opt = [t for p in params for t in sent_home.get(p, ())]
-            d_opt = max(costs.optimizer_s(dv, plan.optimizer, trainable_bytes[s],
+            d_opt = max(costs.optimizer_s(dv, plan.optimizer, stepped[s],
                                           trainable_count[s]) * self._opt_slowed(dv)
                         for dv in types[s].values())
             if len(reps[s]) > 1 and params:
@@ -313,12 +331,19 @@ class _Builder:
                         bucket.append(p)
                         size += out_b[p]
                     if bucket and (p is None or size >= BUCKET_BYTES):
-                        d = costs.allreduce_s(reps[s], size) + lag
-                        lag = 0.0
                         k_ = len(reps[s])
-                        allreduce_bytes += int(2 * (k_ - 1) * size)
-                        t = self.task(ALLREDUCE, chan, d, self.prio(k), f"all-reduce {size} B",
-                                      -1, size)
+                        if zero[s] >= 2:  # each rank keeps 1/k of the gradient
+                            d = costs.reduce_scatter_s(reps[s], size) + lag
+                            allreduce_bytes += int((k_ - 1) * size)
+                            t = self.task(REDUCE_SCATTER, chan, d, self.prio(k),
+                                          f"reduce-scatter {size} B", -1, size)
+                            eff.grad_done.update(dict.fromkeys(bucket, t))  # type: ignore
+                        else:
+                            d = costs.allreduce_s(reps[s], size) + lag
+                            allreduce_bytes += int(2 * (k_ - 1) * size)
+                            t = self.task(ALLREDUCE, chan, d, self.prio(k),
+                                          f"all-reduce {size} B", -1, size)
+                        lag = 0.0
                         for q in bucket:
                             for c in succs[q]:
                                 if has_b_l[c] and stage[c] == s:
@@ -341,6 +366,14 @@ class _Builder:
                             off_f[ops_by_stage[s]])
             for m in range(M):
                 edges(last, np.full(len(last), t), m)
+            if zero[s] in (1, 2):  # the updated shards gathered into the full weights
+                size = trainable_bytes[s]
+                ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
+                               costs.allgather_s(reps[s], size), self.prio(_LAST),
+                               f"all-gather {size} B", -1, size)
+                allreduce_bytes += int((len(reps[s]) - 1) * size)
+                py_src.append(t)
+                py_dst.append(ag)
         # successor lists and dependency counts
         T = len(self.kind)
         src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])
@@ -376,7 +409,7 @@ class _Builder:
             first=np.flatnonzero(ndeps == 0).tolist(), late_in=late_in,
             negative_times=bool(negative), plan=plan, arrays=A, stage=stage, stage_a=st,
             batch_fraction=frac, fb=fb, receives=receives,
-            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes)
+            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes, effects=eff)
 
     def _opt_slowed(self, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas
