@@ -82,6 +82,11 @@ class SourceWeights(Mapping[str, torch.Tensor]):
         self._model: nn.Module | None = None
         self._tensors: dict[str, torch.Tensor] = {}
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The model built from the source, once a tensor of it was asked for."""
+        return self._model
+
     def __iter__(self) -> Iterator[str]:
         yield from self.constants
         yield from self.keys
