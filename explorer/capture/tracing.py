@@ -29,6 +29,7 @@ from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
     check_fits,
+    check_sizes_known,
     is_fake_graph,
     needs_real_data,
     on_meta,
@@ -310,6 +311,7 @@ def _from_export(program: Any, runtime: CaptureRuntime, name: str,
         outs = tensors_of(val)
         out_bytes = sum(nbytes(t) for t in outs)
         shapes = tuple(tuple(t.shape) for t in outs)
+        check_sizes_known(fx, shapes)
         dtype = dtype_name(outs[0]) if outs else "none"
         if fx.op == "placeholder":
             if nm in runtime.state:
