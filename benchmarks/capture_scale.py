@@ -1,6 +1,6 @@
 """Capture time and peak memory for models this machine cannot run: capture without running.
 
-Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small]
+Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,memory-gpt-small]
        [--results DIR]
 
 Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, torch included):
@@ -12,6 +12,11 @@ Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, tor
   its default config when transformers is installed, else the built-in GPT ``large``, the
   same shape), batch 8 x 256 tokens, captured by running it and on fake tensors side by side:
   the speed-up and whether the two graphs are identical (every node and the fingerprint).
+- ``memory-gpt-small``, ``memory-llama-small`` (``memory-NAME-SIZE``): the built-in model
+  captured on fake tensors (meta build) and planned on one CPU device: the parameter,
+  gradient and Adam-state bytes against the formula (4 + 4 + 8 bytes per fp32 parameter),
+  and the activation bytes at the simulated peak against one real step on a CPU rank (its
+  measured peak less the state the simulator holds at that moment). Target: activations within 5 %.
 
 Prints a table and writes JSON with the date, machine and command.
 """
@@ -32,7 +37,12 @@ from _common import add_results_option, write_result
 import explorer as ex
 from explorer.core.units import GiB, table
 from explorer.costs.memory import node_memory_bytes
+from explorer.models.synthetic import roofline_costs
 
+MEMORY_COLUMNS = ("case", "params", "identical_graphs", "param_grad_adam_bytes", "formula_bytes",
+                  "state_exact", "predicted_peak_bytes", "measured_peak_bytes",
+                  "predicted_activations_bytes", "measured_activations_bytes",
+                  "activation_error")
 LIMITS = {"llama-7b": (10.0, 2.0), "llama-70b": (30.0, 3.0)}  # seconds, GiB peak RSS
 
 
@@ -52,6 +62,41 @@ def _shape_case(name: str) -> dict:
             "tflop_per_step": graph.total_flops / 1e12,
             "param_grad_adam_bytes": state_bytes, "formula_bytes": 16 * bm.n_params,
             "formula_ok": state_bytes == 16 * bm.n_params, "fingerprint": graph.fingerprint}
+
+
+def _memory_case(case: str) -> dict:
+    """Predicted memory of the fake capture against one real step's measured peak."""
+    name, size = case.removeprefix("memory-").rsplit("-", 1)
+    t0 = time.perf_counter()
+    fake_bm = ex.builtin_model(name, size, weights=False)
+    fake = ex.capture(fake_bm.module, fake_bm.example_inputs, fake_bm.loss_fn,
+                      fake_bm.targets, name=name)
+    capture_s = time.perf_counter() - t0
+    cl = ex.Cluster.cpu(1, measure=False)
+    plan = ex.Plan.single(fake, "cpu:0")
+    pred = ex.simulate(fake, plan, roofline_costs(fake, cl)).memory["cpu:0"]
+    bm = ex.builtin_model(name, size)
+    real = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+    meas = ex.run(real, plan=plan, steps=1, warmup=1, progress=False, timeout_s=300)
+    n = bm.n_params
+    per_node = node_memory_bytes(fake, "adam")
+    state = sum(b for b, nd in zip(per_node, fake.nodes, strict=True) if nd.kind == "param")
+    # the gradients live at the peak are the simulator's; everything else the run measured
+    # beyond the state at that moment is activations
+    measured_act = meas.peak_bytes["cpu:0"] - (pred.params_bytes + pred.grads_bytes
+                                               + pred.optimizer_bytes + pred.buffers_bytes)
+    return {"case": case, "mode": "fake vs real run", "capture_s": capture_s,
+            "peak_rss_gib": _peak_rss_gib(), "nodes": len(fake), "params": n,
+            "tflop_per_step": fake.total_flops / 1e12,
+            "identical_graphs": fake.fingerprint == real.fingerprint,
+            "param_grad_adam_bytes": state, "formula_bytes": 16 * n,
+            "state_exact": (state == 16 * n and pred.params_bytes == 4 * n
+                            and pred.optimizer_bytes == 8 * n),
+            "predicted_peak_bytes": pred.total_bytes,
+            "measured_peak_bytes": meas.peak_bytes["cpu:0"],
+            "predicted_activations_bytes": pred.activations_bytes,
+            "measured_activations_bytes": measured_act,
+            "activation_error": pred.activations_bytes / measured_act - 1}
 
 
 def _gpt2_small() -> tuple[torch.nn.Module, tuple, tuple, object, str]:
@@ -98,13 +143,19 @@ def _child(case: str, fake: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small")
+    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,memory-gpt-small,"
+                    "memory-llama-small")
     add_results_option(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        row = _gpt2_case(args.fake) if args.child == "gpt2-small" else _shape_case(args.child)
+        if args.child == "gpt2-small":
+            row = _gpt2_case(args.fake)
+        elif args.child.startswith("memory-"):
+            row = _memory_case(args.child)
+        else:
+            row = _shape_case(args.child)
         print(json.dumps(row))
         return
     rows = []
@@ -117,6 +168,8 @@ def main() -> None:
                 r["identical_graphs"] = same
             fake["speedup_vs_real"] = real["capture_s"] / fake["capture_s"]
             rows += [real, fake]
+        elif case.startswith("memory-"):
+            rows.append(_child(case, True))
         else:
             row = _child(case, True)
             limit_s, limit_gib = LIMITS.get(case, (None, None))
@@ -128,15 +181,26 @@ def main() -> None:
                 [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
                   r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
                   _check(r)) for r in rows]))
-    rows = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
-    write_result("capture_scale", rows, folder=args.results,
-                 title="Capture without running: time and peak memory by model shape")
+    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    memory = [r for r in rows if "activation_error" in r]
+    if memory:
+        write_result("capture_memory", [{k: r[k] for k in MEMORY_COLUMNS} for r in memory],
+                     folder=args.results, title="Memory of a fake capture: predicted (one CPU "
+                     "device) against one real step measured on a CPU rank")
+    if len(memory) < len(rows):
+        write_result("capture_scale", [r for r in rows if r not in memory],
+                     folder=args.results,
+                     title="Capture without running: time and peak memory by model shape")
 
 
 def _check(r: dict) -> str:
     if "formula_ok" in r:
         bytes_ok = "16 B/param ok" if r["formula_ok"] else "16 B/param WRONG"
         return f"{bytes_ok}; {'within' if r['within_target'] else 'OVER'} target"
+    if "activation_error" in r:
+        return (f"16 B/param {'exact' if r['state_exact'] else 'WRONG'}; "
+                f"activations {r['activation_error'] * 100:+.1f}% vs measured "
+                f"({'within' if abs(r['activation_error']) <= 0.05 else 'OVER'} 5%)")
     if "speedup_vs_real" in r:
         return (f"{r['speedup_vs_real']:.1f}x faster; graphs "
                 f"{'identical' if r['identical_graphs'] else 'DIFFER'}")

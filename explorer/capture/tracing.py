@@ -29,6 +29,7 @@ from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
     check_fits,
+    check_sizes_known,
     is_fake_graph,
     needs_real_data,
     on_meta,
@@ -49,10 +50,11 @@ from explorer.capture.step import (
 )
 from explorer.capture.trial import check_runs, first_line
 from explorer.core.errors import CaptureError, InputMismatchError
+from explorer.core.factory import load_factory
 from explorer.core.graph import OpGraph, OpNode
 
 __all__ = ["CaptureRuntime", "TrainStep", "batch_splits", "capture", "captured_graph",
-           "example_of", "keep_buffers", "program_state", "program_structure",
+           "example_of", "keep_buffers", "program_state", "program_structure", "step_program",
            "surrogate_loss", "training_mode"]
 
 
@@ -61,7 +63,8 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
-            targets: Any = None, name: str | None = None, fake: bool | None = None) -> OpGraph:
+            targets: Any = None, name: str | None = None, fake: bool | None = None,
+            factory: str | None = None) -> OpGraph:
     """Capture one training step of ``model`` on ``example_inputs`` as an :class:`OpGraph`.
 
     ``example_inputs`` is a tensor or a tuple of tensors whose dim 0 is the batch. ``loss_fn``
@@ -73,6 +76,10 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     chosen automatically (``fake=None``) when a parameter, buffer or example tensor is on the
     meta device. Real and fake captures of one model give the same graph.
 
+    ``factory`` (``"module:function"``) names the user's function that builds this model; it is
+    checked now (importable, callable), kept as ``graph.factory`` and recorded in exported
+    scripts, which call it on every rank instead of carrying weights.
+
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))
     >>> g.batch_size, g.source
@@ -80,6 +87,8 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
+    if factory is not None:
+        load_factory(factory)
     inputs = _as_tuple(example_inputs, "example_inputs")
     tgts = _as_tuple(targets, "targets") if targets is not None else ()
     if not inputs:
@@ -99,10 +108,14 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         name = name or type(model).__name__
         with training_mode(step):  # the caller's model keeps its own train/eval modes after
             if fake or meta:
-                return _capture_fake(step, model, inputs, tgts, name)
-            check_fits(model)
-            # the example batch kept with the graph is a copy: the caller's tensors stay theirs
-            return _capture(step, model, copies(inputs), copies(tgts), name)
+                graph = _capture_fake(step, model, inputs, tgts, name)
+            else:
+                check_fits(model)
+                # the example batch kept with the graph is a copy: the caller's tensors stay
+                # theirs
+                graph = _capture(step, model, copies(inputs), copies(tgts), name)
+    graph.factory = factory or ""
+    return graph
 
 
 def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
@@ -160,6 +173,9 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
                              lambda fx, v, g: cache.replay(fx, runtime, v, g))
     graph.notes = (FAKE_NOTE, *_batch_notes(program))
     graph.runtime = None  # a fake graph has no values to run or measure
+    _FAKE_PROGRAMS[id(graph)] = program  # but its program can be exported with a factory
+    weakref.finalize(graph, _FAKE_PROGRAMS.pop, id(graph), None)
+    _CAPTURED[graph.fingerprint] = graph
     return graph
 
 
@@ -295,6 +311,7 @@ def _from_export(program: Any, runtime: CaptureRuntime, name: str,
         outs = tensors_of(val)
         out_bytes = sum(nbytes(t) for t in outs)
         shapes = tuple(tuple(t.shape) for t in outs)
+        check_sizes_known(fx, shapes)
         dtype = dtype_name(outs[0]) if outs else "none"
         if fx.op == "placeholder":
             if nm in runtime.state:
@@ -334,6 +351,18 @@ _CAPTURED: weakref.WeakValueDictionary[str, OpGraph] = weakref.WeakValueDictiona
 def captured_graph(fingerprint: str) -> OpGraph | None:
     """The graph with this fingerprint, if it was captured in this process and is still held."""
     return _CAPTURED.get(fingerprint)
+
+
+#: the exported programs of fake graphs (whose runtime is None), by ``id`` of the live graph
+_FAKE_PROGRAMS: dict[int, Any] = {}
+
+
+def step_program(graph: OpGraph) -> Any:
+    """The ``torch.export`` program of a graph's training step, real or fake; None for a graph
+    captured from hooks or loaded without its model."""
+    if graph.runtime is not None:
+        return graph.runtime.program
+    return _FAKE_PROGRAMS.get(id(graph))
 
 
 def _op_name(target: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import explorer as ex
 from explorer.cli.memory_options import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
+from explorer.core.factory import load_factory
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
@@ -205,15 +206,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
-    _model_from_plan(args, plan)
-    bm = ex.builtin_model(args.model, args.size, args.batch_size)
-    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    factory = args.factory or (plan.model or {}).get("factory")
+    if factory:
+        bm = _from_factory(factory)
+    else:
+        _model_from_plan(args, plan)
+        bm = ex.builtin_model(args.model, args.size, args.batch_size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
+                       name=getattr(bm, "name", None), factory=factory)
     plan.validate(graph)
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
-                              overwrite=args.force)
+                              overwrite=args.force, factory=factory)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
+
+
+def _from_factory(factory: str) -> Any:
+    """What a factory built, when it carries its example batch (as ``ex.builtin_model`` does):
+    the command line captures that to check the plan against."""
+    made = load_factory(factory)()
+    if not all(hasattr(made, a) for a in ("module", "example_inputs", "targets", "loss_fn")):
+        raise ExplorerError(
+            f"model factory {factory!r} returned a {type(made).__name__}; the command line "
+            "needs the model with its example batch (an object with module, example_inputs, "
+            "targets and loss_fn, as ex.builtin_model returns). From Python, export with "
+            "ex.export_script(plan, path, graph=ex.capture(model, ...), factory=...)")
+    return made
 
 
 def _plan_json(name: str, plan, r) -> dict[str, Any]:
@@ -328,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--size", default=None,
                    help="tiny, small, default or large (default: the plan's, or default)")
     e.add_argument("--batch-size", type=_positive_int, default=None)
+    e.add_argument("--factory", default=None,
+                   help="module:function that builds the model on every rank instead of "
+                        "weights in the job folder (default: the plan's, if it records one); "
+                        "it returns the model with its example batch, like ex.builtin_model")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
     e.add_argument("--force", action="store_true",
                    help="overwrite an existing script and job folder")

@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from explorer.core.errors import PlanError
+from explorer.core.factory import FACTORY_PATTERN
 from explorer.core.graph import OpGraph
 
 #: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 PLAN_FORMAT = "partition-explorer-plan"
-#: 2 adds per-stage memory settings (``stage_settings``); a plan without them is written as
-#: version 1, so files older explorers can read stay readable by them
+#: 2 adds per-stage memory settings (``stage_settings``) and model factories; a plan without
+#: either is written as version 1, so files older explorers can read stay readable by them
 PLAN_VERSION = 2
 SCHEDULES = ("gpipe", "1f1b")
 #: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
@@ -151,6 +152,22 @@ def obj(fields: Mapping[str, tuple[Check, Any]]) -> Check:
 
 _name = matching(NAME_PATTERN, "a name of 1 to 128 letters, digits or _ . : + / -")
 
+_builtin_record = obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
+                       "batch_size": (whole(1, 2**31), REQUIRED)})
+_factory_record = obj({"factory": (matching(FACTORY_PATTERN, "a function name of the form "
+                                            "module:function"), REQUIRED)})
+
+
+def model_record(v: Any, where: str) -> dict:
+    """How a model is built: ``{"builtin", "size", "batch_size"}`` or ``{"factory"}``."""
+    if isinstance(v, dict) and "factory" in v:
+        if "builtin" in v:
+            raise PlanError(f"plan field {where} names both a built-in model and a factory; "
+                            "keep one")
+        return _factory_record(v, where)
+    return _builtin_record(v, where)
+
+
 #: every field of a plan file (format and version are checked first, by ``from_dict``)
 PLAN_SCHEMA = obj({
     "graph": (obj({"fingerprint": (_name, REQUIRED),
@@ -165,9 +182,9 @@ PLAN_SCHEMA = obj({
     "options": (map_of(json_value), {}),
     "pinned": (list_of(string, 0, 2**31), []),
     "notes": (list_of(string, 0, 2**31), []),
-    # how the graph's model was built, where a built-in model was (``explorer plan``)
-    "model": (obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
-                   "batch_size": (whole(1, 2**31), REQUIRED)}), None),
+    # how the graph's model is built: a built-in one (``explorer plan``) or, version 2, the
+    # user's factory function
+    "model": (model_record, None),
     # version 2: memory settings per stage (absent: the defaults)
     "stage_settings": (list_of(obj({"zero": (whole(0, 3), 0),
                                     "recompute": (one_of(RECOMPUTE), "none"),
@@ -222,8 +239,9 @@ class Plan:
     pinned: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
     graph_name: str = ""
-    #: how the graph's model was built when it is a built-in one: ``{"builtin": "gpt",
-    #: "size": "tiny", "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild)
+    #: how the graph's model is built: a built-in one, ``{"builtin": "gpt", "size": "tiny",
+    #: "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild), or the user's
+    #: factory, ``{"factory": "mypkg.models:build_llama"}`` (what exported scripts call)
     model: Mapping[str, Any] | None = None
     #: memory settings per stage (empty: the defaults everywhere); see :meth:`with_memory`
     stage_settings: tuple[StageSettings, ...] = ()
@@ -425,7 +443,8 @@ class Plan:
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
         return {
-            "format": PLAN_FORMAT, "version": PLAN_VERSION if settings else 1,
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION if settings or "factory" in (self.model or {}) else 1,
             "graph": {"fingerprint": self.graph_fingerprint, "name": self.graph_name},
             "stages": [list(s) for s in self.stages],
             "placement": dict(self.placement),

@@ -168,6 +168,33 @@ class TestStageSettings:
             Plan.from_dict(d)
 
 
+class TestModelRecord:
+    def test_a_builtin_model_stays_version_1(self, two_stage, tmp_path):
+        plan = replace(two_stage, model={"builtin": "gpt", "size": "tiny", "batch_size": 8})
+        d = plan.to_dict()
+        assert d["version"] == 1 and Plan.from_dict(d).model == plan.model
+
+    def test_a_factory_round_trips_as_version_2(self, two_stage, tmp_path):
+        plan = replace(two_stage, model={"factory": "mypkg.models:build_llama"})
+        path = plan.save(tmp_path / "plan.json")
+        assert json.loads(path.read_text())["version"] == 2
+        assert Plan.load(path).model == {"factory": "mypkg.models:build_llama"}
+
+    @pytest.mark.parametrize("model, match", [
+        ({"factory": "no_colon"}, "model.factory must be a function name of the form "
+                                  "module:function"),
+        ({"factory": "a:b; import os"}, "model.factory must be a function name"),
+        ({"factory": 3}, "model.factory must be"),
+        ({"factory": "m:f", "builtin": "gpt", "size": "tiny", "batch_size": 8},
+         "names both a built-in model and a factory"),
+        ({"size": "tiny"}, "field 'model.builtin' is missing"),
+    ])
+    def test_bad_records_are_refused(self, two_stage, model, match):
+        d = {**two_stage.to_dict(), "version": 2, "model": model}
+        with pytest.raises(PlanError, match=match):
+            Plan.from_dict(d)
+
+
 class TestLoadRefuses:
     @pytest.fixture
     def saved(self, two_stage, tmp_path):
