@@ -70,6 +70,9 @@ class Measurement:
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
+    #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
+    #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
+    peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -334,6 +337,9 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         grads=grads,
         cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
         memory_held={r["device"]: bool(r.get("held")) for r in results},
+        peak_by_category={r["device"]: max(m, key=lambda s: s["peak_bytes"])["peak_by_category"]
+                          for r, m in zip(results, measured, strict=True)
+                          if m[0].get("peak_by_category") is not None},
         plan=plan,
         graph=graph)
 

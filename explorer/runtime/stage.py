@@ -138,7 +138,8 @@ class StageRunner:
         loss = sum(self.losses) / len(self.losses) if self.losses else None
         self.env.clear()
         self.steps_done += 1
-        return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss}
+        return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss,
+                "peak_by_category": None if L.tdev.type == "cuda" else self.tracker.peak_by}
 
     def _timed(self, fn: Callable[..., None], *args: int) -> float:
         """Seconds ``fn(*args)`` took, the device synchronized, waits for messages excluded."""
@@ -163,7 +164,7 @@ class StageRunner:
                 self.fwd_left[(m, u, p)] = L.local_consumers(p)
             return env[p]
         if kind in ("param", "buffer"):
-            return self.weights.value[p]
+            return self.weights.use(p, m, u)
         if L.stage[p] == L.s:
             val = self.env[(m, u)][p]
         else:
@@ -210,7 +211,7 @@ class StageRunner:
         if L.random[i]:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))
-        with tracker.saving():
+        with tracker.saving(self.weights.stand_in):
             out = L.targets[i](*args, **kwargs)
         flat, _ = tree_flatten(out)
         for t in flat:
@@ -227,6 +228,8 @@ class StageRunner:
             self.losses.append(float(out.detach()))
         # inputs whose last local forward use this was can go
         for p in L.preds[i]:
+            if L.kind[p] == "param":
+                self.weights.forward_done(p, m, u)
             k = (m, u, p)
             if k in self.fwd_left:
                 self.fwd_left[k] -= 1
@@ -266,6 +269,7 @@ class StageRunner:
         # autograd frees what the op saved (and its output's gradient) only after computing
         # the gradients of its inputs: count those first (on CPU; a GPU's allocator measures
         # itself, and holding the freed tensors a little longer would only raise its peak)
+        self.weights.shards.current = (m, u)
         with (self.tracker.deferred() if L.tdev.type != "cuda" else contextlib.nullcontext()):
             if pairs:
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
@@ -291,7 +295,7 @@ class StageRunner:
                 lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
         for p in L.preds[i]:
             if L.kind[p] == "param":
-                self.weights.used(p)
+                self.weights.used(p, (m, u))
                 continue
             if L.kind[p] != "op" or not L.requires_grad[p]:
                 continue
