@@ -150,12 +150,14 @@ class Job:
     loss: str
     #: what random ops draw from (:func:`explorer.runtime.stage.draw_seed`)
     seed: int = 0
+    #: per node, its recomputation unit (:func:`explorer.runtime.recompute.unit_key`)
+    units: list[str] | None = None
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0) -> None:
+              seed: int = 0, units: list[str] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`."""
     folder.mkdir(parents=True, exist_ok=True)
     calls, state = program_calls(program, len(inputs))
@@ -166,7 +168,7 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed}))
+        "seed": seed, "units": units}))
 
 
 def read_job(folder: Path) -> Job:
@@ -187,4 +189,5 @@ def read_job(folder: Path) -> Job:
     return Job([OpCall(**c) for c in prog["calls"]], prog["state"],
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
-               meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)))
+               meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)),
+               meta.get("units"))

@@ -35,6 +35,7 @@ from explorer.runtime import heartbeat
 from explorer.runtime.folders import job_folder
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.params import make_optimizer
+from explorer.runtime.recompute import unit_key
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
 
 
@@ -149,7 +150,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         folder = job_folder(stack) if keep is None else Path(keep)
         write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
                   record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
-                  seed)
+                  seed, [unit_key(n.module_path) for n in graph.nodes])
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)

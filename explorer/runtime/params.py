@@ -9,10 +9,27 @@ from typing import Any
 import torch
 
 from explorer.core.errors import ExplorerError
+from explorer.core.plan import Plan
 from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.sharding import GatheredRef, Shards
+
+#: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient
+#: times this, and the optimizer sees the gradients divided by it again (a power of two, so
+#: both are exact); large enough to keep small fp16 gradients from vanishing, small enough
+#: not to overflow on the models the explorer runs
+FP16_LOSS_SCALE = 2.0 ** 10
+
+#: the autocast dtype of each precision a plan's stage may run at (fp32: no autocast)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_scale(plan: Plan) -> float:
+    """What the loss gradient is multiplied by: :data:`FP16_LOSS_SCALE` when a stage runs in
+    fp16 (the scale holds over the whole backward, so every stage divides by it), else 1."""
+    fp16 = any(plan.settings_of(s).precision == "fp16" for s in range(len(plan.stages)))
+    return FP16_LOSS_SCALE if fp16 else 1.0
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -72,6 +89,7 @@ class Weights:
                      for i in self.value if L.kind[i] == "param"}
         self.uses_left = dict(self.uses)
         self.scattered: set[int] = set()  # ZeRO 2, 3: gradients reduce-scattered this step
+        self.loss_scale = loss_scale(L.plan)
         self.buckets = GradBuckets(
             [(i, self.value[i]) for i in reversed(self.owned)
              if L.kind[i] == "param" and self.value[i].requires_grad],
@@ -113,6 +131,12 @@ class Weights:
     def forward_done(self, p: int, m: int, u: int) -> None:
         if p in self.shards.ghost:
             self.shards.forward_done(p, m, u)
+
+    def for_recompute(self, p: int) -> torch.Tensor:
+        """Weight ``p`` for a forward run again in the backward (ZeRO 3: gathered again)."""
+        if p in self.shards.ghost:
+            return self.shards.for_backward(p)
+        return self.value[p].detach()
 
     def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
         """What autograd keeps of ``t`` when it is a gathered weight (ZeRO 3), else None."""
@@ -181,6 +205,8 @@ class Weights:
         if self.zero >= 2:  # parameters no op of the step used
             for i in sorted(set(self.shards.shard) - self.scattered):
                 self._reduce_scatter(i)
+        if self.loss_scale != 1.0:
+            self._unscale()
         if self.record and self.first_grads is None:
             self.first_grads = {L.names[i]: self._full_grad(i).cpu().clone()
                                 for i in self.owned if L.kind[i] == "param"
@@ -199,6 +225,14 @@ class Weights:
             self.shards.gather_params()
         for t in [*self.value.values(), *self.shards.shard.values()]:
             self.drop_grad(t)
+
+    def _unscale(self) -> None:
+        """Divide this rank's reduced parameter gradients by the loss scale (fp16)."""
+        with torch.no_grad():
+            for i in self.owned:
+                for t in (self.value[i], self.shards.shard.get(i)):
+                    if t is not None and t.grad is not None:
+                        t.grad.div_(self.loss_scale)
 
     def _full_grad(self, i: int) -> torch.Tensor | None:
         """The whole (reduced) gradient of parameter ``i``, also where it is sharded."""

@@ -28,7 +28,9 @@ def _graph(name: str):
 
 def _plan(name: str, path: str, **memory):
     """The model's data-parallel plan (two replicas, two micro-batches for gpt: gradients
-    accumulate before they are reduced) or two pipeline stages, with ``memory`` settings."""
+    accumulate before they are reduced) or two pipeline stages (gpt: 1F1B over two
+    micro-batches, so micro-batches' forwards and backwards interleave), with ``memory``
+    settings."""
     graph = _graph(name)
     cluster = ex.Cluster.cpu(2, measure=False)
     costs = roofline_costs(graph, cluster)
@@ -37,6 +39,8 @@ def _plan(name: str, path: str, **memory):
         plan = plan.with_settings(micro_batches=2 if name == "gpt" else 1)
     else:
         plan = ex.partition(graph, cluster, costs, "even-layers")
+        if name == "gpt":
+            plan = plan.with_settings(micro_batches=2, schedule="1f1b")
     return plan.with_memory(**memory)
 
 
@@ -84,3 +88,47 @@ def test_zero_lowers_the_measured_peak():
     assert by[1]["optimizer state"] * 2 == by[0]["optimizer state"]
     assert by[3]["parameters"] * 2 <= by[0]["parameters"] + 2 * 64
     assert 0 < by[3]["gathered"] < by[0]["parameters"] / 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_is_exact(name, mode):
+    """Recomputed values are the values the forward made: losses and gradients equal the
+    run without recomputation bit for bit (and one device as closely as that run does)."""
+    meas = _run(name, "stages", recompute=mode)
+    plain = _run(name, "stages")
+    assert meas.losses == plain.losses
+    for k, g in plain.grads.items():
+        assert torch.equal(meas.grads[k], g), k
+    _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
+
+
+def test_recomputation_lowers_the_measured_peak():
+    """Fewer activations are held: full recomputation keeps least, selective in between."""
+    peak = {mode: _run("gpt", "stages", **({"recompute": mode} if mode else {})).peak_bytes
+            for mode in (None, "selective", "full")}
+    for d in peak[None]:
+        assert peak["full"][d] < peak["selective"][d] < peak[None][d]
+
+
+# bf16 keeps 8 bits of mantissa (a relative rounding of 2**-9 per value), fp16 11 bits (2**-12);
+# over a tiny model's few layers the loss moves by far less than that times the number of
+# rounded values, and each gradient element stays within a fraction of its tensor's largest
+PRECISION_TOLERANCE = {"bf16": (1e-3, 6e-2), "fp16": (1e-4, 5e-3)}  # (loss rtol, grad share)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lower_precision_stays_within_its_tolerance(name, precision):
+    """Autocast compute with fp32 master weights (fp16 with loss scaling) against the fp32
+    single-device run: losses within ``loss rtol``, each gradient element within ``grad
+    share`` times its tensor's largest absolute value; gradients are fp32."""
+    meas = _run(name, "stages", precision=precision)
+    ref = _reference(name, meas.plan)
+    loss_rtol, share = PRECISION_TOLERANCE[precision]
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=loss_rtol, atol=0)
+    for k, g in ref.grads.items():
+        assert meas.grads[k].dtype == torch.float32
+        torch.testing.assert_close(meas.grads[k], g, rtol=0, atol=share * float(g.abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
