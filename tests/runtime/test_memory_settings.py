@@ -3,6 +3,10 @@ gradients equal one device, and the measured peak goes down where the setting sa
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -132,3 +136,29 @@ def test_lower_precision_stays_within_its_tolerance(name, precision):
         assert meas.grads[k].dtype == torch.float32
         torch.testing.assert_close(meas.grads[k], g, rtol=0, atol=share * float(g.abs().max()),
                                    msg=lambda m, k=k: f"{k}: {m}")
+
+
+
+def _script_losses(plan, folder) -> list[float]:
+    """The losses an exported script of ``plan`` prints under torchrun (its first replica's)."""
+    folder.mkdir()
+    script = ex.export_script(plan, folder / "train_plan.py", graph=_graph("gpt"), steps=2,
+                              warmup=1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(script)], capture_output=True, text=True, timeout=300,
+        cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [float(line.split("loss ")[1].split(",")[0])
+            for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+def test_exported_script_runs_the_memory_settings(tmp_path):
+    """The torchrun script of a plan with ZeRO 3, selective recomputation and bf16 trains as
+    the script of the same plan without them, within bf16's loss tolerance, and not bit for
+    bit (the settings ran): the job folder carries them (in the plan) and the units."""
+    plain = _script_losses(_plan("gpt", "data-parallel"), tmp_path / "plain")
+    sharded = _script_losses(_plan("gpt", "data-parallel", zero=3, recompute="selective",
+                                   precision="bf16"), tmp_path / "sharded")
+    assert len(plain) == 3 and sharded != plain
+    assert sharded == pytest.approx(plain, rel=PRECISION_TOLERANCE["bf16"][0])
