@@ -128,6 +128,12 @@ class Weights:
             return self.shards.use(p, m, u)
         return self.value[p]
 
+    def prefetch(self, i: int) -> None:
+        """Op ``i`` runs next: start gathering its sharded parameters (ZeRO 3)."""
+        if self.shards.ghost:
+            for p in self.layout.preds[i]:
+                self.shards.prefetch(p)
+
     def forward_done(self, p: int, m: int, u: int) -> None:
         if p in self.shards.ghost:
             self.shards.forward_done(p, m, u)
@@ -172,6 +178,7 @@ class Weights:
     def finish(self) -> None:
         """Gradients home, all-reduced across replicas, then the optimizer step."""
         L, msg = self.layout, self.messenger
+        self.shards.cancel_prefetches()
         # remote param copies send their gradient to the owner; owners add what they receive
         for i in self.used_remote:
             if L.kind[i] != "param" or not self.value[i].requires_grad:

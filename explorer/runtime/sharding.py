@@ -14,6 +14,9 @@ describe them:
   first op and frees it after its last; the backward gathers it again when an op's backward
   needs it and frees it once the micro-batch's gradient of it is made. Autograd never keeps a
   gathered copy: what it saves of one is a reference (:class:`GatheredRef`) that gathers again.
+  Prefetch depth 1: when an op starts, the gather of the next op's parameters is started
+  (``async_op=True``) so it overlaps the op's compute; a prefetched copy nobody took is freed
+  when the micro-batch's backward is done with the parameter.
 
 Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
 gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
@@ -83,6 +86,7 @@ class Shards:
         self.ghost: dict[int, torch.Tensor] = {}  # ZeRO 3: receives the full gradient
         self.shape: dict[int, torch.Size] = {}
         self.gathered: dict[int, torch.Tensor] = {}  # ZeRO 3: full copies alive
+        self.in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # prefetches: (work, buffer)
         self.by_storage: dict[int, int] = {}  # storage address of a gathered copy: parameter
         self.holders: dict[int, set[tuple[str, int, int]]] = {}
         self.fwd_left: dict[tuple[int, int, int], int] = {}
@@ -129,11 +133,39 @@ class Shards:
         return out[: self.shape[p].numel()].view(self.shape[p])
 
     # -- ZeRO 3: gathered copies -----------------------------------------------------------
+    def prefetch(self, p: int) -> None:
+        """Start gathering parameter ``p`` (if it is sharded here and not gathered or on its
+        way): an op about to run reads it."""
+        if p not in self.ghost or p in self.gathered or p in self.in_flight:
+            return
+        shard = self.shard[p].detach()
+        out = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=shard.device)
+        work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
+        self.in_flight[p] = (work, out)
+        self.tracker.add(out, GATHERED)
+
+    def _arrived(self, p: int) -> torch.Tensor:
+        """The prefetched buffer of ``p``, once its gather is done (waiting counted)."""
+        work, out = self.in_flight.pop(p)
+        self._collective(work.wait)
+        return out
+
+    def cancel_prefetches(self, only: int | None = None) -> None:
+        """Free prefetched copies nobody took (of ``only``, or all)."""
+        for p in [only] if only is not None else list(self.in_flight):
+            if p in self.in_flight:
+                self.tracker.drop(self._arrived(p))
+
     def _hold(self, p: int, why: tuple[str, int, int]) -> torch.Tensor:
         full = self.gathered.get(p)
         if full is None:
-            full = self.gathered[p] = self.gather_full(p)
-            self.tracker.add(full, GATHERED)
+            if p in self.in_flight:
+                out = self._arrived(p)  # (counted since the prefetch started)
+                full = out[: self.shape[p].numel()].view(self.shape[p])
+            else:
+                full = self.gather_full(p)
+                self.tracker.add(full, GATHERED)
+            self.gathered[p] = full
             self.by_storage[full.untyped_storage().data_ptr()] = p
             self.holders[p] = set()
         self.holders[p].add(why)
@@ -181,6 +213,8 @@ class Shards:
         if left == 0:
             del self.bwd_left[key]
             self._let_go(p, ("b", m, u))
+            if p not in self.gathered:
+                self.cancel_prefetches(p)
 
     def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
         """What autograd keeps instead of ``t`` when it is (a view of) a gathered copy."""

@@ -131,7 +131,9 @@ class StageRunner:
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
-        for a in self.actions:
+        for k, a in enumerate(self.actions):
+            if k + 1 < len(self.actions) and self.actions[k + 1].kind != OPTIMIZER:
+                self.weights.prefetch(self.actions[k + 1].node)
             if a.kind == OPTIMIZER:
                 dt = self._timed(self.weights.finish)
                 busy += dt
