@@ -115,6 +115,10 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     schedule of that cost model (and ``cluster`` defaults to its cluster); without, the schedule
     is simulated with unit costs. A plan predicted not to fit in memory needs ``force=True``.
     ``record=True`` keeps the gradients of the first step (for checking against one device).
+    The plan's memory settings (:meth:`Plan.with_memory`) run as they say: ZeRO 1-3 over a
+    stage's replicas (:mod:`explorer.runtime.sharding`), recomputation
+    (:mod:`explorer.runtime.recompute`), bf16/fp16 autocast with fp32 weights; on CPU ranks
+    the peak is also told apart by category (``peak_by_category``).
     Random ops (dropout) draw from ``seed``: the same seed gives the same losses, and what
     they draw depends on the rows and the op, not on the plan
     (:func:`explorer.runtime.stage.draw_seed`).
