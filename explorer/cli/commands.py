@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
-from explorer.cli.memory_options import add_memory_options, memory_settings
+from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory
 from explorer.core.units import MiB, table
@@ -189,16 +189,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = ex.partition(graph, cluster, costs, args.algorithm,
                             **{k: v for k, v in opts.items()
                                if v is not None and k in alg.options})
+    memory = memory_settings(args)
+    if memory:
+        plan = plan.with_memory(**memory)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet)
     report = ex.compare(pred, meas)
     if args.json:
         print(json.dumps({"model": bm.name, "size": bm.size, "plan": plan.to_dict(),
-                          "losses": list(meas.losses), **report.to_dict()}, indent=1))
+                          "losses": list(meas.losses), **report.to_dict(),
+                          "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
+    settings = "; ".join(f"stage {k}: {st.describe()}" for k, st in enumerate(
+        plan.settings_of(s) for s in range(len(plan.stages))) if not st.is_default)
     print(f"{bm.name} ({bm.size}) under {plan.algorithm} on {', '.join(plan.devices)}: "
-          f"{args.steps} steps after {args.warmup} warm-up")
+          f"{args.steps} steps after {args.warmup} warm-up"
+          + (f" ({settings})" if settings else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
     return 0
@@ -334,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--micro-batches", type=_positive_int, default=None)
     r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    add_memory_options(r)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -31,6 +31,7 @@ from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.modelsource import model_source
+from explorer.runtime.recompute import unit_key
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
 
@@ -147,7 +148,8 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     try:
         write_job(job, program, plan, order, inputs, targets, int(steps), int(warmup),
                   float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
-                  graph.loss, model=source)
+                  graph.loss, 0, [unit_key(n.module_path) for n in graph.nodes],
+                  model=source)
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)
     except (OSError, ExplorerError) as exc:

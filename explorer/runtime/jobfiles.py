@@ -174,12 +174,15 @@ class Job:
     #: where the weights come from when the folder holds none: ``{"factory": ...}`` or a
     #: built-in model (empty: they are in ``program.pt``)
     model: dict[str, Any] = field(default_factory=dict)
+    #: per node, its recomputation unit (:func:`explorer.runtime.recompute.unit_key`)
+    units: list[str] | None = None
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0, model: Mapping[str, Any] | None = None) -> None:
+              seed: int = 0, units: list[str] | None = None,
+              model: Mapping[str, Any] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
     program's parameters and buffers are left out: ranks build them from it."""
     calls, state = program_calls(program, len(inputs))
@@ -199,7 +202,7 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, **({"model": dict(model)} if model else {})}))
+        "seed": seed, "units": units, **({"model": dict(model)} if model else {})}))
 
 
 def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
@@ -232,4 +235,5 @@ def read_job(folder: Path) -> Job:
     return Job([OpCall(**c) for c in prog["calls"]], state,
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
-               meta["device_map"], meta["requires_grad"], meta["loss"], seed, source)
+               meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
+               meta.get("units"))

@@ -35,6 +35,7 @@ from explorer.runtime import heartbeat
 from explorer.runtime.folders import job_folder
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.params import make_optimizer
+from explorer.runtime.recompute import unit_key
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
 
 
@@ -70,6 +71,9 @@ class Measurement:
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
+    #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
+    #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
+    peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -111,6 +115,10 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     schedule of that cost model (and ``cluster`` defaults to its cluster); without, the schedule
     is simulated with unit costs. A plan predicted not to fit in memory needs ``force=True``.
     ``record=True`` keeps the gradients of the first step (for checking against one device).
+    The plan's memory settings (:meth:`Plan.with_memory`) run as they say: ZeRO 1-3 over a
+    stage's replicas (:mod:`explorer.runtime.sharding`), recomputation
+    (:mod:`explorer.runtime.recompute`), bf16/fp16 autocast with fp32 weights; on CPU ranks
+    the peak is also told apart by category (``peak_by_category``).
     Random ops (dropout) draw from ``seed``: the same seed gives the same losses, and what
     they draw depends on the rows and the op, not on the plan
     (:func:`explorer.runtime.stage.draw_seed`).
@@ -146,7 +154,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         folder = job_folder(stack) if keep is None else Path(keep)
         write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
                   record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
-                  seed)
+                  seed, [unit_key(n.module_path) for n in graph.nodes])
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)
@@ -345,6 +353,9 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         grads=grads,
         cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
         memory_held={r["device"]: bool(r.get("held")) for r in results},
+        peak_by_category={r["device"]: max(m, key=lambda s: s["peak_bytes"])["peak_by_category"]
+                          for r, m in zip(results, measured, strict=True)
+                          if m[0].get("peak_by_category") is not None},
         plan=plan,
         graph=graph)
 

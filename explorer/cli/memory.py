@@ -1,5 +1,5 @@
-"""The command line's memory settings (``--zero``, ``--recompute``, ``--precision``), shared by
-the commands that plan or run a model."""
+"""The command line's memory settings: ``--zero``, ``--recompute``, ``--precision``, applied to a
+plan with :meth:`explorer.core.plan.Plan.with_memory`."""
 
 from __future__ import annotations
 
