@@ -252,7 +252,8 @@ def summarize(data: dict[str, Any], title: str, rows: list[dict[str, Any]],
     """Give the results file the fields every record in benchmarks/results/ has, so that
     ``python benchmarks/report.py`` renders it: title, date (of the latest case), machine
     (the device and software versions), command (the first command that ran cases, without
-    ``--out``; later ones resumed it and are listed under ``runs``), rows and notes."""
+    ``--out``; a note counts the later ones, which resumed it and are listed under ``runs``),
+    rows and notes."""
     dates = [c["measured_at"][:10] for c in data["cases"].values()
              if str(c.get("measured_at", ""))[:2] == "20"]
     info = data["device"]
@@ -265,11 +266,11 @@ def summarize(data: dict[str, Any], title: str, rows: list[dict[str, Any]],
         cmd = re.sub(r" --out \S+", "", run["command"])
         if run.get("done") and cmd not in commands:
             commands.append(cmd)
-    command = commands[0] if commands else command_line()
     if len(commands) > 1:
-        command += f" (resumed by {len(commands) - 1} more command(s), listed under runs)"
+        notes = [f"Resumed by {len(commands) - 1} more command(s), listed under `runs` in "
+                 "the results file.", *notes]
     data.update(title=title, date=max(dates) if dates else today(), machine=machine,
-                command=command, rows=rows, notes=notes)
+                command=commands[0] if commands else command_line(), rows=rows, notes=notes)
 
 
 def load(path: Path) -> dict[str, Any]:
