@@ -34,6 +34,7 @@ from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
 from explorer.platforms.cpu.host_cache import finite_number
 from explorer.runtime import launch
+from explorer.runtime.pool import RankPool
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
@@ -68,14 +69,16 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
 
 
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-             cache: bool = True, progress: bool = True) -> DeviceCosts:
+             cache: bool = True, progress: bool = True, pool: RankPool | None = None
+             ) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
-    measured (:func:`measure`) and cached; ``cache=False`` measures afresh. A cache entry that
-    does not fit ``graph`` or holds no usable times is measured again and replaced."""
+    measured (:func:`measure`, its runs on ``pool``'s ranks where given) and cached;
+    ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
+    usable times is measured again and replaced."""
     path = cache_path(graph, dev, repeats)
     dc = load(path, len(graph), dev.type_key) if cache else None
     if dc is None:
-        dc = measure(graph, dev, repeats, warmup, progress)
+        dc = measure(graph, dev, repeats, warmup, progress, pool=pool)
         if cache:
             store(path, dc)
     return dc
@@ -222,14 +225,15 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 
 def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-            progress: bool = True) -> DeviceCosts:
+            progress: bool = True, pool: RankPool | None = None) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
     Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
     rank, so each op's forward and backward are timed exactly as a real run executes them,
     bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
-    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn. Hook-captured graphs time
-    each leaf-module call in real forward and backward passes.
+    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn, on ``pool``'s ranks where
+    given (else each on processes of its own). Hook-captured graphs time each leaf-module call
+    in real forward and backward passes.
     """
     sync = _sync(dev)
     with device_threads(dev), torch.random.fork_rng(devices=[]):
@@ -249,7 +253,7 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
             for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
                 for m in splits:
                     got.setdefault(m, []).append(measure_in_runtime(
-                        graph, dev, repeats, warmup, False, micro_batches=m))
+                        graph, dev, repeats, warmup, False, micro_batches=m, pool=pool))
                     bar.update()
             bar.close()
             fwd, bwd, opt_s = _mean_of_rounds(got[1])
@@ -292,14 +296,15 @@ def _at_most(times: list[float], bigger: list[float]) -> list[float]:
 
 
 def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
-                        progress: bool, micro_batches: int = 1
-                        ) -> tuple[list[float], list[float], float]:
+                       progress: bool, micro_batches: int = 1, pool: RankPool | None = None
+                       ) -> tuple[list[float], list[float], float]:
     """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
     each op's median over steps and micro-batches, scaled so that together they make the
     median step's busy time."""
     plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
     meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
-               device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0)
+                      device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0,
+                      pool=pool)
     task = meas.task_s
     fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
     bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]

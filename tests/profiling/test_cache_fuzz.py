@@ -180,7 +180,7 @@ def _host_measured() -> dict:
 
 def _host_cases(n: int, seed: int, monkeypatch) -> None:
     monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
-    monkeypatch.setattr(probe, "measure_message_s", lambda: 2e-5)
+    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: 2e-5)
     rng = random.Random(seed)
     path, key = cache_file(), cache_key()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ def fake(monkeypatch):
     """Replace the real measurement: every op 1 ms forward, 2 ms backward; calls are counted."""
     calls = []
 
-    def measure(graph, dev, repeats, warmup, progress):
+    def measure(graph, dev, repeats, warmup, progress, pool=None):
         calls.append((dev.id, repeats))
         ops = [n.kind == "op" for n in graph.nodes]
         return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
@@ -299,9 +299,9 @@ class TestContention:
     def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch):
         calls = []
         monkeypatch.setattr(host, "measure_contention",
-                            lambda g, ranks, *a: calls.append([d.id for d in ranks])
+                            lambda g, ranks, *a, pool=None: calls.append([d.id for d in ranks])
                             or ([1.25] * len(g), 0.05, 1.3))
-        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, pool=None: 0.0)
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -321,13 +321,13 @@ class TestContention:
 
     def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
                                                                monkeypatch):
-        from explorer.runtime.launch import RunFailed
+        from explorer.runtime.watch import RunFailed
 
-        def broken(*args):
+        def broken(*args, **kwargs):
             raise RunFailed("rank 1 (cpu:1) was killed by SIGKILL")
 
         monkeypatch.setattr(host, "measure_contention", broken)
-        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, pool=None: 0.0)
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []
