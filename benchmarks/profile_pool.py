@@ -66,6 +66,7 @@ def main() -> None:
                          *(f"{mean[w] * 1e3:.2f}" for w in WAYS),
                          *(f"{(max(v) / min(v) - 1) * 100:.1f}%" for v in got.values()),
                          f"{(mean['pool'] / mean['fresh'] - 1) * 100:+.1f}%"))
+            print(*rows[-1], sep="  ", flush=True)  # as it goes: a long run shows progress
     probe: dict[str, tuple[float, float]] = {}
     for way, reuse in WAYS.items():
         # an empty profile cache: the probe profiles its own model each way
