@@ -14,8 +14,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from explorer.capture.tracing import capture
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
@@ -45,7 +43,8 @@ PROBE_KEY = "runtime message cost, stages not slowing each other"
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.REPEATS,
                        warmup: int = 2, progress: bool = True, rounds: int | None = None,
-                       pool: RankPool | None = None) -> ReplicaEffects:
+                       pool: RankPool | None = None, report: ops.Report | None = None
+                       ) -> ReplicaEffects:
     """How two replicas of ``graph`` on CPU ranks of this host slow each other.
 
     Per node: how much slower its forward + backward ran while another rank of this host
@@ -61,7 +60,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     half the batch each, ``rounds`` times in turn: one rank alone with the batch in two
     micro-batches, then two ranks data-parallel; per op, the summed times. Each op's time is
     the runtime's own per-op timing, waits excluded, so the all-reduce at the end of the
-    backward does not count. The runs are made on ``pool``'s ranks where given.
+    backward does not count. The runs are made on ``pool``'s ranks where given; how far they
+    are is told to ``report``.
     """
     rounds = CONTENTION_ROUNDS if rounds is None else rounds
     a, b = ranks[0], ranks[1]
@@ -70,8 +70,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     pair = Plan.from_assignment(graph, [[a.id, b.id]], dict.fromkeys(range(len(graph)), 0),
                                 algorithm="data-parallel", optimizer="adam")
     solos, boths = [], []
-    bar = tqdm(total=2 * rounds, desc=f"contention of {graph.name} on {a.id}+{b.id}",
-               unit="run", disable=not progress, leave=False)
+    bar = ops.RunsBar(2 * rounds, f"contention of {graph.name} on {a.id}+{b.id}", progress,
+                      report)
     for _ in range(rounds):  # in turn, so a burst of load on the host hits both sides
         solos.append(launch.run(graph, plan=single, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0,
@@ -102,7 +102,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
                           statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
 
 
-def cpu_message_s(cluster: Cluster, pool: RankPool | None = None) -> float:
+def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
+                  report: ops.Report | None = None) -> float:
     """Seconds of processor time per message at each end between CPU ranks of this host
     (0.0 when ``cluster`` has fewer than two measured CPU ranks, or the probe fails).
 
@@ -111,7 +112,7 @@ def cpu_message_s(cluster: Cluster, pool: RankPool | None = None) -> float:
     waking a rank that blocked waiting (on a virtual machine this grows with how long it
     slept). Measured once per host and torch version (:func:`measure_message_s`) and kept in
     the host measurement cache; calibration refines it from your own runs. The probe's runs
-    are made on ``pool``'s ranks where given.
+    are made on ``pool``'s ranks where given, and ``report`` is told when it starts.
     """
     cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
     if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
@@ -126,6 +127,8 @@ def cpu_message_s(cluster: Cluster, pool: RankPool | None = None) -> float:
         return float(cached["message_s"])
     if cached is not None:
         warn_damaged(path, key, "message_s is not a finite number >= 0")
+    if report is not None:
+        report("measuring what a message between CPU ranks costs (once per host)")
     try:
         value = measure_message_s(pool=pool)
     except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error

@@ -55,6 +55,32 @@ FRACTION_SPLITS = (2, 4)
 ROUNDS = 2
 
 
+#: a function told how far a profile is, in words ("profiling gpt on cpu:0: 2 of 6 runs")
+Report = Callable[[str], None]
+
+
+class RunsBar:
+    """Counts the runs of one part of a profile: a progress bar (``progress``) and a line to
+    ``report`` (where given) as it starts and after each run."""
+
+    def __init__(self, total: int, desc: str, progress: bool, report: Report | None) -> None:
+        self.bar = tqdm(total=total, unit="run", desc=desc, disable=not progress, leave=False)
+        self.total, self.done, self.desc, self.report = total, 0, desc, report
+        self._tell()
+
+    def update(self) -> None:
+        self.bar.update()
+        self.done += 1
+        self._tell()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _tell(self) -> None:
+        if self.report is not None:
+            self.report(f"{self.desc}: {self.done} of {self.total} runs")
+
+
 def cache_dir() -> Path:
     """Where profiles are cached (under ``$XDG_CACHE_HOME`` or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -69,16 +95,17 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
 
 
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-             cache: bool = True, progress: bool = True, pool: RankPool | None = None
-             ) -> DeviceCosts:
+             cache: bool = True, progress: bool = True, pool: RankPool | None = None,
+             report: Report | None = None) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
-    measured (:func:`measure`, its runs on ``pool``'s ranks where given) and cached;
+    measured (:func:`measure`, its runs on ``pool``'s ranks where given, how far it is told to
+    ``report``) and cached;
     ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
     usable times is measured again and replaced."""
     path = cache_path(graph, dev, repeats)
     dc = load(path, len(graph), dev.type_key) if cache else None
     if dc is None:
-        dc = measure(graph, dev, repeats, warmup, progress, pool=pool)
+        dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report)
         if cache:
             store(path, dc)
     return dc
@@ -225,7 +252,8 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 
 def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-            progress: bool = True, pool: RankPool | None = None) -> DeviceCosts:
+            progress: bool = True, pool: RankPool | None = None,
+            report: Report | None = None) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
     Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
@@ -247,8 +275,8 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
             # and replicas run there, and small ops do not shrink in proportion)
             splits = [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
                             and graph.batch_size % m == 0]
-            bar = tqdm(total=ROUNDS * len(splits), unit="run", disable=not progress,
-                       desc=f"profiling {graph.name} on {dev.id}", leave=False)
+            bar = RunsBar(ROUNDS * len(splits), f"profiling {graph.name} on {dev.id}",
+                          progress, report)
             got: dict[int, list[tuple[list[float], list[float], float]]] = {}
             for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
                 for m in splits:

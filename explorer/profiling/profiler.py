@@ -29,7 +29,8 @@ REUSE_RANKS = True
 
 
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
-            cache: bool = True, progress: bool = True, message: bool = True) -> CostModel:
+            cache: bool = True, progress: bool = True, message: bool = True,
+            report: ops.Report | None = None) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -39,7 +40,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     sent between ranks costs is measured once per host (:func:`host.cpu_message_s`) and set
     as ``message_s``; and how much each op slows while another rank of the host runs it too,
     as replicas do (:func:`host.measure_contention`, stored with the profile). Both are host
-    measurements: not taken for ``Cluster.cpu(n, measure=False)``.
+    measurements: not taken for ``Cluster.cpu(n, measure=False)``. ``report`` (where given)
+    is told how far the measuring is, in words, before and after each run (a widget shows it).
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
@@ -58,12 +60,13 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 pools[dev.kind] = stack.enter_context(RankPool(2 if contention else 1)) \
                     if REUSE_RANKS else None
             pool = pools[dev.kind]
-            dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool)
+            dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
+                              report=report)
             if not dc.contention and contention:
                 try:
                     dc.contention, dc.replica_spread, dc.optimizer_contention = \
                         host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
-                                                pool=pool)
+                                                pool=pool, report=report)
                 except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
                     warnings.warn(f"could not measure how CPU ranks of this host slow each "
                                   f"other ({exc}); predictions leave it out", stacklevel=2)
@@ -73,7 +76,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
             per_type[dev.type_key] = dc
         message_s = 0.0
         if message and graph.runtime is not None:
-            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"))
+            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 
