@@ -4,7 +4,9 @@ Every rank reads the job folder (:mod:`explorer.runtime.jobfiles`), joins the pr
 (gloo on CPU, NCCL on GPU) and runs its stage's actions step after step
 (:class:`explorer.runtime.stage.StageRunner`), then writes what it measured (or why it failed)
 back to the folder for the launcher. Started by ``ex.run``, it also beats
-(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive.
+(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive. Started by a
+:class:`explorer.runtime.pool.RankPool` (``--serve``), it runs one job after another in the same
+process (:func:`serve`), set up once (cores, allocator) as a one-run rank is.
 
 The same function is what an exported training script runs under ``torchrun``: launch it with
 ``python -m explorer.runtime.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
