@@ -26,7 +26,6 @@ from typing import IO
 import torch
 
 from explorer.core.plan import Plan
-from explorer.platforms.net import free_port
 from explorer.runtime.folders import temporary_folder
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 
@@ -62,7 +61,7 @@ class RankPool:
         wrote; any failure or interrupt ends the pool's ranks (and is raised)."""
         procs = self._ranks(world)
         try:
-            line = json.dumps({"job": str(folder), "world": world, "port": free_port()})
+            line = json.dumps({"job": str(folder), "world": world})
             for p in procs:
                 p.stdin.write(line.encode() + b"\n")
                 p.stdin.flush()
@@ -86,6 +85,7 @@ class RankPool:
             self._logs.append(log)
             self.procs.append(start_rank(["--serve", str(self.folder)], r,
                                          rank_env(world, 0), log, stdin=subprocess.PIPE))
+            # (MASTER_PORT 0: each run's rank 0 picks its rendezvous port, see worker.serve)
             self.starts += 1
         return self.procs[:world]
 

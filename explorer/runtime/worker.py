@@ -88,20 +88,20 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
 
 
 def serve(pool_folder: Path, rank: int, local_rank: int, pulse: Heartbeat | None) -> None:
-    """Run job after job as rank ``rank``: each line on standard input names a job folder, the
-    run's number of ranks and its rendezvous port (JSON); the rank runs its part, marks it done
+    """Run job after job as rank ``rank``: each line on standard input names a job folder and
+    the run's number of ranks (JSON); the rank runs its part, marks it done
     (:func:`explorer.runtime.heartbeat.done_path`) and waits for the next. Ends the process
     when the input closes (the pool is closed, or its process is gone), and on the first
     failure, reported as a one-run rank reports it."""
     while line := sys.stdin.readline():
         request = json.loads(line)
-        out = Path(request["job"])
-        os.environ["MASTER_PORT"] = str(request["port"])
+        out, world = Path(request["job"]), int(request["world"])
         if pulse is not None:
             pulse.follow(out)
         try:
-            run_job(read_job(out), rank, int(request["world"]), local_rank, out, None, False,
-                    pulse)
+            job = read_job(out)
+            run_job(job, rank, world, local_rank, out, None, False, pulse,
+                    _store(out, rank, world, job.timeout_s))
         except BaseException as exc:
             _fail(out, rank, exc)
         if pulse is not None:
@@ -109,6 +109,27 @@ def serve(pool_folder: Path, rank: int, local_rank: int, pulse: Heartbeat | None
         heartbeat.done_path(out, rank).touch()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _store(out: Path, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The run's rendezvous: rank 0 listens on a port the system picks and writes it to
+    ``out``; the others read it there (no port chosen ahead that another process could take
+    in the meantime)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    path = out / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        path.with_suffix(".tmp").write_text(str(store.port))
+        path.with_suffix(".tmp").replace(path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 gave no rendezvous port within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    return dist.TCPStore("127.0.0.1", int(path.read_text()), world, is_master=False,
+                         timeout=timeout)
 
 
 def _fail(out: Path, rank: int, exc: BaseException) -> NoReturn:
@@ -124,9 +145,10 @@ _SET_UP: dict[str, Any] = {}
 
 
 def run_job(job: Job, rank: int, world: int, local_rank: int, out: Path, batches: Any,
-            verbose: bool, pulse: Heartbeat | None) -> None:
-    """Run ``job`` as rank ``rank`` of ``world``: join the process group, run the steps, write
-    what they measured to ``out`` and leave the process group."""
+            verbose: bool, pulse: Heartbeat | None, store: dist.Store | None = None) -> None:
+    """Run ``job`` as rank ``rank`` of ``world``: join the process group (through ``store``,
+    else the environment's MASTER_ADDR and MASTER_PORT), run the steps, write what they
+    measured to ``out`` and leave the process group."""
     cuda = any(v.startswith("cuda") for v in job.device_map.values())
     backend = "nccl" if cuda else "gloo"
     if cuda:
@@ -140,7 +162,7 @@ def run_job(job: Job, rank: int, world: int, local_rank: int, out: Path, batches
         platform = platform_of("cuda" if cuda else "cpu")
         _SET_UP.update(cores=platform.pin_rank(local_rank, threads),
                        held=platform.hold_freed_memory())
-    dist.init_process_group(backend, rank=rank, world_size=world,
+    dist.init_process_group(backend, rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(seconds=job.timeout_s))
     r = StageRunner(job, rank, world, local_rank)
     if pulse is not None:
