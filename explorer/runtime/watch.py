@@ -79,7 +79,7 @@ def watch(folder: Path, procs: list[subprocess.Popen], plan: Plan, total_steps: 
             if now > shown:
                 bar.update(now - shown)
                 shown = now
-            time.sleep(0.05 if not stays else 0.01)
+            time.sleep(0.05)  # (a rank computing shares the host with this loop)
         bar.update(total_steps - shown)
     finally:
         bar.close()
