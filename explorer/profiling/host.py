@@ -111,8 +111,8 @@ def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
     moving tensors between them: posting the send, matching and allocating the receive, and
     waking a rank that blocked waiting (on a virtual machine this grows with how long it
     slept). Measured once per host and torch version (:func:`measure_message_s`) and kept in
-    the host measurement cache; calibration refines it from your own runs. The probe's runs
-    are made on ``pool``'s ranks where given, and ``report`` is told when it starts.
+    the host measurement cache; calibration refines it from your own runs. The probe's profile
+    is made on ``pool``'s ranks where given, and ``report`` is told when it starts.
     """
     cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
     if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
@@ -167,7 +167,9 @@ def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
 
     The built-in tiny MLP split in two stages with four micro-batches runs on two real CPU
     ranks; the two stages run different ops, which do not slow each other measurably, so the
-    extra busy time is the work of moving tensors.
+    extra busy time is the work of moving tensors. Its profile is made on ``pool``'s ranks
+    where given, as profiles are; its real run on ranks started for it, as ``ex.run`` makes
+    the runs that predictions are compared with.
     """
     bm = build("mlp", "tiny")
     graph = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="probe")
@@ -177,7 +179,7 @@ def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
                       {dev.type_key: ops.measured(graph, dev, progress=False, pool=pool)})
     plan = partition(graph, two, costs, "even-layers", micro_batches=4)
     meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
-                      progress=False, pool=pool)
+                      progress=False)
     base = simulate(graph, plan, costs).busy_s
     probe = simulate(graph, plan, replace(costs, message_s=1e-3)).busy_s
     messages = sum((probe[d] - base[d]) / 1e-3 for d in base)

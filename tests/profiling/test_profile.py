@@ -158,7 +158,7 @@ class TestMeasured:
     def test_runs_in_rounds_and_averages_them(self, gpt, monkeypatch):
         calls = []
 
-        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1):
+        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1, pool=None):
             calls.append(micro_batches)
             slow = 1.0 + 0.5 * (len(calls) > 3)  # the host slows down in the second round
             ops = [slow * (n.kind == "op") * 1e-3 / micro_batches for n in graph.nodes]
