@@ -6,8 +6,10 @@ FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` and to see which tensors
 for its backward (``torch.autograd.graph.saved_tensors_hooks``). A real capture replays on the
 example's real values; a fake one (``fake=True``, or any parameter or input on the meta device)
 traces and replays on fake tensors (:mod:`explorer.capture.fake`): same graph, nothing run, no
-memory allocated, and repeated layers replayed once. When export fails on a real capture, a
-coarser graph with one node per leaf-module call is built from forward hooks
+memory allocated, and repeated layers replayed once. A fake capture of a model with a list of
+identical blocks traces only a few of them and grows the graph to all
+(:mod:`explorer.capture.blocks`), so its time does not grow with depth. When export fails on
+a real capture, a coarser graph with one node per leaf-module call is built from forward hooks
 (:mod:`explorer.capture.hooks`), and the graph says so in ``notes``.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from explorer.capture.blocks import CUT_BLOCKS, NotRepeating, find_blocks, grow_graph
 from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
@@ -48,7 +51,7 @@ from explorer.capture.step import (
     training_mode,
 )
 from explorer.capture.trial import check_runs, first_line
-from explorer.core.errors import CaptureError, InputMismatchError
+from explorer.core.errors import CaptureError, ExplorerError, InputMismatchError
 from explorer.core.graph import OpGraph, OpNode
 
 __all__ = ["CaptureRuntime", "TrainStep", "batch_splits", "capture", "captured_graph",
@@ -59,9 +62,12 @@ __all__ = ["CaptureRuntime", "TrainStep", "batch_splits", "capture", "captured_g
 #: held by a capture while it runs
 _ONE_AT_A_TIME = threading.Lock()
 
+_log = logging.getLogger(__name__)
+
 
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
-            targets: Any = None, name: str | None = None, fake: bool | None = None) -> OpGraph:
+            targets: Any = None, name: str | None = None, fake: bool | None = None,
+            reuse_blocks: bool | None = None) -> OpGraph:
     """Capture one training step of ``model`` on ``example_inputs`` as an :class:`OpGraph`.
 
     ``example_inputs`` is a tensor or a tuple of tensors whose dim 0 is the batch. ``loss_fn``
@@ -72,6 +78,11 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     only, so models far larger than this machine's memory can be planned (not run). It is
     chosen automatically (``fake=None``) when a parameter, buffer or example tensor is on the
     meta device. Real and fake captures of one model give the same graph.
+
+    ``reuse_blocks`` (fake captures; on unless ``False``): a model with a list of at least
+    four identical blocks (transformer layers) is traced with three of them and its graph grown
+    to all, the same graph as tracing every block, in a time that does not grow with depth.
+    Where the blocks cannot be shown to repeat, every block is traced and ``notes`` says why.
 
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))
@@ -95,11 +106,16 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         if fake is False and meta:
             raise CaptureError("the model or its example tensors are on the meta device (no "
                                "values): capture with fake=True, or build it with real weights")
+        if reuse_blocks and not (fake or meta):
+            raise CaptureError("reuse_blocks=True applies to captures on fake tensors: a real "
+                               "capture keeps the whole program to run and measure it; pass "
+                               "fake=True as well, or leave reuse_blocks unset")
         step = TrainStep(model, loss_fn, len(inputs))
         name = name or type(model).__name__
         with training_mode(step):  # the caller's model keeps its own train/eval modes after
             if fake or meta:
-                return _capture_fake(step, model, inputs, tgts, name)
+                return _capture_fake(step, model, inputs, tgts, name,
+                                     reuse_blocks is not False)
             check_fits(model)
             # the example batch kept with the graph is a copy: the caller's tensors stay theirs
             return _capture(step, model, copies(inputs), copies(tgts), name)
@@ -135,8 +151,38 @@ def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
     return graph
 
 
-def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
-                  name: str) -> OpGraph:
+def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+                  reuse_blocks: bool) -> OpGraph:
+    """Capture on fake tensors; with ``reuse_blocks``, a list of identical blocks is traced
+    cut short and the graph grown to all of them (the whole model when that is not safe)."""
+    cache = ReplayCache()  # shared: the cut captures replay the same ops
+    why_not: tuple[str, ...] = ()
+    if reuse_blocks:
+        try:
+            blocks = find_blocks(model)
+            if blocks is not None:
+                n_blocks = len(blocks.container)
+                cuts = []
+                for k in CUT_BLOCKS:
+                    with blocks.cut(k):
+                        cuts.append(_fake_graph(step, model, inputs, tgts, name, cache, True))
+                graph = grow_graph(*cuts, blocks, n_blocks)
+                graph.notes = (*graph.notes, f"traced {CUT_BLOCKS[-1]} of the {n_blocks} "
+                               f"identical blocks of {blocks.path} and repeated the last one "
+                               "(reuse_blocks=False traces every block)")
+                _log.debug("%s: %s", name, graph.notes[-1])
+                return graph
+        except (NotRepeating, ExplorerError) as exc:
+            why_not = (f"traced every block: the repeated blocks could not be reused "
+                       f"({first_line(exc)})",)
+            _log.debug("%s: %s", name, why_not[0])
+    graph = _fake_graph(step, model, inputs, tgts, name, cache, False)
+    graph.notes = (*graph.notes, *why_not)
+    return graph
+
+
+def _fake_graph(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+                cache: ReplayCache, cut: bool) -> OpGraph:
     """Trace, export and replay on fake tensors: the model's own state is never touched."""
     world = FakeWorld()
     f_inputs = tuple(world.tensor(t) for t in inputs)
@@ -154,10 +200,12 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
                 "Python control flow), or capture it with real weights (fake=False), which "
                 "can fall back to one node per module") from exc
     runtime = CaptureRuntime(step, f_inputs, f_tgts)
-    cache = ReplayCache()
     with world.mode:
         graph = _from_export(program, runtime, name,
                              lambda fx, v, g: cache.replay(fx, runtime, v, g))
+    if cut and any(fx.op != "placeholder" and fx.name != nm
+                   for nm, fx in runtime.fx_nodes.items()):
+        raise NotRepeating("an op is renamed where it meets a parameter's name")
     graph.notes = (FAKE_NOTE, *_batch_notes(program))
     graph.runtime = None  # a fake graph has no values to run or measure
     return graph
