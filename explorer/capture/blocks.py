@@ -20,7 +20,7 @@ import contextlib
 import re
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,8 @@ class BlockList:
     attr: str
     path: str  # module path of the list in the user's model ("layers", "model.layers")
     keys: list[str]  # child names, in order
+    #: (submodule path inside a block, attribute) holding the block's own index (HF layer_idx)
+    index_attrs: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def container(self) -> nn.Module:
@@ -69,11 +71,62 @@ class BlockList:
         finally:
             self.parent._modules[self.attr] = full
 
+    @contextlib.contextmanager
+    def watched(self) -> Iterator[list[str]]:
+        """Inside, the blocks' index attributes note every use of their value in the list
+        yielded: a block that computes with its index may differ from the blocks traced."""
+        reads: list[str] = []
+        undo = []
+        for i, block in enumerate(self.container._modules.values()):
+            for sub, attr in self.index_attrs:
+                m = block.get_submodule(sub)
+                undo.append((m, attr, getattr(m, attr)))
+                setattr(m, attr, _IndexProbe(i, reads, f"{sub}.{attr}".lstrip(".")))
+        try:
+            yield reads
+        finally:
+            for m, attr, v in reversed(undo):
+                setattr(m, attr, v)
+
+
+class _IndexProbe(int):
+    """An int that notes in ``reads`` each time its value is used."""
+
+    def __new__(cls, value: int, reads: list[str], name: str) -> _IndexProbe:
+        probe = super().__new__(cls, value)
+        probe.reads, probe.name = reads, name
+        return probe
+
+
+def _noting(method: str) -> Any:
+    def use(self: _IndexProbe, *args: Any) -> Any:
+        self.reads.append(self.name)
+        return getattr(int, method)(self, *args)
+    return use
+
+
+for _method in ("eq ne lt le gt ge hash index int float bool add radd sub rsub mul rmul "
+                "truediv rtruediv floordiv rfloordiv mod rmod pow rpow neg abs and rand or "
+                "ror xor rxor lshift rshift format repr str").split():
+    setattr(_IndexProbe, f"__{_method}__", _noting(f"__{_method}__"))
+
 
 def _plain(v: Any) -> bool:
     if isinstance(v, (tuple, list)):
         return all(_plain(x) for x in v)
     return v is None or isinstance(v, (bool, int, float, str, torch.dtype))
+
+
+def _attribute(v: Any) -> Any:
+    """What of an attribute's value is compared across blocks."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if _plain(v):
+        return v
+    if callable(v) and hasattr(v, "__qualname__"):  # a function or a class
+        return ("callable", getattr(v, "__module__", ""), v.__qualname__)
+    fields = sorted((k, x) for k, x in getattr(v, "__dict__", {}).items() if _plain(x))
+    return ("object", type(v).__qualname__, tuple(fields))
 
 
 def _structure(block: nn.Module) -> tuple[tuple, dict[tuple[str, str], Any]]:
@@ -86,12 +139,7 @@ def _structure(block: nn.Module) -> tuple[tuple, dict[tuple[str, str], Any]]:
         for key, v in vars(m).items():
             if key.startswith("_") or key == "training":
                 continue
-            if isinstance(v, torch.Tensor):
-                attrs[(path, key)] = ("tensor", tuple(v.shape), v.dtype)
-            elif _plain(v):
-                attrs[(path, key)] = v
-            else:
-                attrs[(path, key)] = type(v).__qualname__
+            attrs[(path, key)] = _attribute(v)
     params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad)
                    for k, p in block.named_parameters(remove_duplicate=False))
     buffers = tuple((k, tuple(b.shape), b.dtype)
@@ -102,7 +150,7 @@ def _structure(block: nn.Module) -> tuple[tuple, dict[tuple[str, str], Any]]:
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
     out = []
     for path, m in model.named_modules():
-        kids = list(m.children())
+        kids = list(m._modules.values())
         if (path and type(m) in (nn.ModuleList, nn.Sequential) and len(kids) >= MIN_BLOCKS
                 and len({type(c) for c in kids}) == 1):
             out.append((path, m))
@@ -119,19 +167,22 @@ def find_blocks(model: nn.Module) -> BlockList | None:
     if not found:
         return None
     path, lst = max(found, key=lambda c: sum(p.numel() for p in c[1].parameters()))
-    blocks = list(lst.children())
+    blocks = list(lst._modules.values())
     if len({id(b) for b in blocks}) != len(blocks):
         raise NotRepeating(f"{path} holds the same module more than once")
     shapes = [_structure(b) for b in blocks]
     for i, (fp, _) in enumerate(shapes):
         if fp != shapes[0][0]:
             raise NotRepeating(f"{path}.{i} differs in structure from {path}.0")
-    keys = set().union(*(a.keys() for _, a in shapes))
-    for key in sorted(keys, key=str):
+    index_attrs = []
+    for key in sorted(set().union(*(a.keys() for _, a in shapes)), key=str):
         values = [a.get(key) for _, a in shapes]
-        if any(v != values[0] for v in values) and values != list(range(len(values))):
+        if all(v == values[0] for v in values):
+            continue
+        if values != list(range(len(values))):
             raise NotRepeating(f"attribute {key[1]!r} of {path}.<i>.{key[0]} differs "
                                "between blocks")
+        index_attrs.append(key)
     owned: dict[int, int] = {}
     for i, b in enumerate(blocks):
         for t in (*b.parameters(), *b.buffers()):
@@ -143,7 +194,7 @@ def find_blocks(model: nn.Module) -> BlockList | None:
             raise NotRepeating(f"{name} is shared between {path} and the rest of the model")
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path)
-    return BlockList(parent, attr, path, list(lst._modules))
+    return BlockList(parent, attr, path, list(lst._modules), index_attrs)
 
 
 def _split(name: str) -> tuple[str, int]:

@@ -163,9 +163,13 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
             if blocks is not None:
                 n_blocks = len(blocks.container)
                 cuts = []
-                for k in CUT_BLOCKS:
-                    with blocks.cut(k):
-                        cuts.append(_fake_graph(step, model, inputs, tgts, name, cache, True))
+                with blocks.watched() as reads:
+                    for k in CUT_BLOCKS:
+                        with blocks.cut(k):
+                            cuts.append(_fake_graph(step, model, inputs, tgts, name, cache,
+                                                    True))
+                if reads:
+                    raise NotRepeating(f"the blocks compute with their own index ({reads[0]})")
                 graph = grow_graph(*cuts, blocks, n_blocks)
                 graph.notes = (*graph.notes, f"traced {CUT_BLOCKS[-1]} of the {n_blocks} "
                                f"identical blocks of {blocks.path} and repeated the last one "
