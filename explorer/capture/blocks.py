@@ -306,11 +306,12 @@ class _Grower:
             run.append(n)
             if idx + 1 == len(nodes) or label[nodes[idx + 1].name] != self.last:
                 for i in range(self.last + 1, m):
-                    out.extend(self._clone_run(r, i, tail) for r in run)
+                    out.extend(self._clone(r, i) for r in run)
                 run = []
         return out, tail
 
-    def _clone_run(self, n: OpNode, i: int, tail: dict[str, str]) -> OpNode:
+    def _clone(self, n: OpNode, i: int) -> OpNode:
+        """Template node ``n`` as the node at its place in block ``i``."""
         def ref(r: str) -> str:
             lab = self.layout.label[r]
             if lab == self.last:
