@@ -49,13 +49,13 @@ def _peak_rss_gib() -> float:
 
 
 def _shape_case(name: str) -> dict:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     bm = ex.builtin_model(name)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-    capture_s = time.perf_counter() - t0
+    capture_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     per_node = node_memory_bytes(graph, "adam")
     state_bytes = sum(b for b, n in zip(per_node, graph.nodes, strict=True) if n.kind == "param")
-    return {"case": name, "mode": "fake (meta build)", "capture_s": capture_s,
+    return {"case": name, "mode": "fake (meta build)", "capture_s": capture_s, "cpu_s": cpu_s,
             "reused_blocks": any("identical blocks" in n for n in graph.notes),
             "peak_rss_gib": _peak_rss_gib(), "nodes": len(graph), "params": bm.n_params,
             "tflop_per_step": graph.total_flops / 1e12,
@@ -99,9 +99,10 @@ def _gpt2_case(fake: bool) -> dict:
 def _depth_case(shape: str, n_layers: int, reuse: bool) -> dict:
     cfg = dataclasses.replace(model_config(shape), n_layers=n_layers)
     module, x, y, loss, _ = build_llama(cfg, cfg.batch_size, None)  # on the meta device
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     graph = ex.capture(module, x, loss, y, name=f"{shape}-{n_layers}", reuse_blocks=reuse)
-    return {"capture_s": time.perf_counter() - t0, "peak_rss_gib": _peak_rss_gib(),
+    return {"capture_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+            "peak_rss_gib": _peak_rss_gib(),
             "nodes": len(graph), "fingerprint": graph.fingerprint,
             "node_digest": hash(tuple(graph.nodes)),
             "reused": any("identical blocks" in n for n in graph.notes)}
@@ -126,17 +127,26 @@ def _depth_rows(shape: str, depths: list[int]) -> list[dict]:
         rows.append({"shape": shape, "layers": n_layers, "nodes": every["nodes"],
                      "every_block_s": every["capture_s"], "reused_s": reused["capture_s"],
                      "speedup": every["capture_s"] / reused["capture_s"],
+                     "every_block_cpu_s": every["cpu_s"], "reused_cpu_s": reused["cpu_s"],
                      "every_block_rss_gib": every["peak_rss_gib"],
                      "reused_rss_gib": reused["peak_rss_gib"],
                      "blocks_reused": reused["reused"], "identical_graphs": same})
     print(table(("shape", "layers", "nodes", "every block s", "reused s", "speed-up",
-                 "RSS GiB (every / reused)", "graphs"),
+                 "CPU s (every / reused)", "RSS GiB (every / reused)", "graphs"),
                 [(r["shape"], r["layers"], r["nodes"], f"{r['every_block_s']:.1f}",
                   f"{r['reused_s']:.1f}", f"{r['speedup']:.1f}x",
+                  f"{r['every_block_cpu_s']:.1f} / {r['reused_cpu_s']:.1f}",
                   f"{r['every_block_rss_gib']:.2f} / {r['reused_rss_gib']:.2f}",
                   ("identical" if r["identical_graphs"] else "DIFFER")
                   + ("" if r["blocks_reused"] else " (not reused)")) for r in rows]))
     return rows
+
+
+def _load_note() -> str:
+    """The machine's load while measuring: shared machines inflate wall-clock seconds (the
+    CPU seconds beside them are this process's own)."""
+    load = os.getloadavg()[0]
+    return f"load average {load:.1f} on {os.cpu_count()} cores when the last case ended"
 
 
 def _rounded(rows: list[dict]) -> list[dict]:
@@ -168,7 +178,7 @@ def main() -> None:
     cases = args.cases.split(",")
     if "depth" in cases:
         depth = _depth_rows(args.depth_shape, [int(d) for d in args.depths.split(",")])
-        write_result("capture_depth", _rounded(depth), folder=args.results,
+        write_result("capture_depth", _rounded(depth), folder=args.results, notes=_load_note(),
                      title="Capture time by depth: every block traced, or repeated blocks "
                            "reused")
     rows = []
@@ -194,7 +204,7 @@ def main() -> None:
                 [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
                   r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
                   _check(r)) for r in rows]))
-    write_result("capture_scale", _rounded(rows), folder=args.results,
+    write_result("capture_scale", _rounded(rows), folder=args.results, notes=_load_note(),
                  title="Capture without running: time and peak memory by model shape")
 
 

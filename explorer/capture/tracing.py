@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from explorer.capture.blocks import CUT_BLOCKS, NotRepeating, find_blocks, grow_graph
+from explorer.capture.blocks import (
+    CUT_BLOCKS,
+    BlockList,
+    NotRepeating,
+    find_blocks,
+    grow_graph,
+)
 from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
@@ -156,44 +162,55 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
     """Capture on fake tensors; with ``reuse_blocks``, a list of identical blocks is traced
     cut short and the graph grown to all of them (the whole model when that is not safe)."""
     cache = ReplayCache()  # shared: the cut captures replay the same ops
-    why_not: tuple[str, ...] = ()
+    why_not = ""
     if reuse_blocks:
         try:
             blocks = find_blocks(model)
             if blocks is not None:
-                n_blocks = len(blocks.container)
-                cuts = []
-                with blocks.watched() as reads:
-                    for k in CUT_BLOCKS:
-                        with blocks.cut(k):
-                            cuts.append(_fake_graph(step, model, inputs, tgts, name, cache,
-                                                    True))
-                if reads:
-                    raise NotRepeating(f"the blocks compute with their own index ({reads[0]})")
-                graph = grow_graph(*cuts, blocks, n_blocks)
-                graph.notes = (*graph.notes, f"traced {CUT_BLOCKS[-1]} of the {n_blocks} "
-                               f"identical blocks of {blocks.path} and repeated the last one "
-                               "(reuse_blocks=False traces every block)")
-                _log.debug("%s: %s", name, graph.notes[-1])
-                return graph
-        except (NotRepeating, ExplorerError) as exc:
-            why_not = (f"traced every block: the repeated blocks could not be reused "
-                       f"({first_line(exc)})",)
-            _log.debug("%s: %s", name, why_not[0])
+                return _grown(step, model, inputs, tgts, name, cache, blocks)
+        except NotRepeating as exc:
+            why_not = str(exc)
+        except ExplorerError as exc:  # the cut model does not trace: the whole one will say
+            why_not = first_line(exc)
     graph = _fake_graph(step, model, inputs, tgts, name, cache, False)
-    graph.notes = (*graph.notes, *why_not)
+    if why_not:
+        graph.notes = (*graph.notes, "traced every block: the repeated blocks could not be "
+                       f"reused ({why_not})")
+        _log.debug("%s: %s", name, graph.notes[-1])
+    return graph
+
+
+def _grown(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+           cache: ReplayCache, blocks: BlockList) -> OpGraph:
+    """The graph of every block, grown from captures with the block list cut short."""
+    n_blocks = len(blocks.container)
+    cuts = []
+    with blocks.watched() as reads:
+        for k in CUT_BLOCKS:
+            with blocks.cut(k):
+                cuts.append(_fake_graph(step, model, inputs, tgts, name, cache, True))
+    if reads:
+        raise NotRepeating(f"the blocks compute with their own index ({reads[0]})")
+    graph = grow_graph(*cuts, blocks, n_blocks)
+    graph.notes = (*graph.notes, f"traced {CUT_BLOCKS[-1]} of the {n_blocks} identical "
+                   f"blocks of {blocks.path} and repeated the last one (reuse_blocks=False "
+                   "traces every block)")
+    _log.debug("%s: %s", name, graph.notes[-1])
     return graph
 
 
 def _fake_graph(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
                 cache: ReplayCache, cut: bool) -> OpGraph:
-    """Trace, export and replay on fake tensors: the model's own state is never touched."""
+    """Trace, export and replay on fake tensors: the model's own state is never touched.
+    A ``cut`` model (block list cut short) skips the trial run: if it fails, the whole model
+    is captured next and its trial run says why."""
     world = FakeWorld()
     f_inputs = tuple(world.tensor(t) for t in inputs)
     f_tgts = tuple(world.tensor(t) for t in tgts)
     with world.swapped(model):
-        with world.mode, _quiet_torch():  # fake kernels log the errors they raise
-            check_runs(step, f_inputs, f_tgts)
+        if not cut:
+            with world.mode, _quiet_torch():  # fake kernels log the errors they raise
+                check_runs(step, f_inputs, f_tgts)
         try:
             with _quiet_torch():
                 program = _export(step, (*f_inputs, *f_tgts))
