@@ -12,6 +12,13 @@ tables) where the template read those. What follows the blocks is renumbered the
 Nothing is assumed that the two cut captures do not show: growing the two-block graph by one
 block must give the three-block graph exactly (every node, name, edge, FLOP count and saved
 tensor), otherwise :class:`NotRepeating` says why and capture traces the whole model instead.
+Attributes holding a block's own index (Hugging Face's ``layer_idx``) are watched while the cut
+model is traced: a block that computes with its index is traced in full.
+
+What the cut captures cannot show: code outside the blocks that runs fewer blocks than the list
+holds (a loop over ``layers[:n]`` with ``n`` from elsewhere), or hands each block a value that
+changes its ops only past the third block (``if i == 5`` on the loop index). Such models are
+captured with ``reuse_blocks=False``.
 """
 
 from __future__ import annotations

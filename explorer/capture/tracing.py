@@ -89,6 +89,8 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     four identical blocks (transformer layers) is traced with three of them and its graph grown
     to all, the same graph as tracing every block, in a time that does not grow with depth.
     Where the blocks cannot be shown to repeat, every block is traced and ``notes`` says why.
+    Pass ``False`` for a model whose outer code runs fewer blocks than its list holds, or
+    changes a block by its position in the loop (see :mod:`explorer.capture.blocks`).
 
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))

@@ -4,6 +4,7 @@ to all of them; the result is the graph of tracing every layer, or the whole mod
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def test_plain_stack_of_identical_blocks_is_reused():
     ([_Block(8, scale=1.0 + (i == 3)) for i in range(MIN_BLOCKS + 1)], False, "'scale'"),
     ([_Block(8) for _ in range(MIN_BLOCKS + 1)], True, "outside the blocks"),
 ], ids=["other-type", "index-branch", "attribute", "skip-two-back"])
-def test_blocks_that_do_not_repeat_are_traced_in_full(blocks, skip, why):
+def test_blocks_that_do_not_repeat_are_traced_in_full(blocks, skip, why, caplog):
     torch.manual_seed(0)
     model = _Stack(blocks, skip)
     if isinstance(blocks[-1], nn.Sequential):  # not a list of one block type: nothing to try
@@ -108,7 +109,9 @@ def test_blocks_that_do_not_repeat_are_traced_in_full(blocks, skip, why):
         assert not any(REUSED in n or FELL_BACK in n for n in graph.notes)
         assert_same_graph(ex.capture(model, _x()), graph)
         return
-    assert_falls_back(model, _x(), why=why)
+    with caplog.at_level(logging.DEBUG, logger="explorer.capture"):
+        assert_falls_back(model, _x(), why=why)
+    assert any(FELL_BACK in r.getMessage() and why in r.getMessage() for r in caplog.records)
 
 
 def test_shared_blocks_are_not_reused():
