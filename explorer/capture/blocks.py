@@ -15,10 +15,10 @@ tensor), otherwise :class:`NotRepeating` says why and capture traces the whole m
 Attributes holding a block's own index (Hugging Face's ``layer_idx``) are watched while the cut
 model is traced: a block that computes with its index is traced in full.
 
-What the cut captures cannot show: code outside the blocks that runs fewer blocks than the list
-holds (a loop over ``layers[:n]`` with ``n`` from elsewhere), or hands each block a value that
-changes its ops only past the third block (``if i == 5`` on the loop index). Such models are
-captured with ``reuse_blocks=False``.
+Before that, the whole model runs once on fake tensors with only its first block computed (every
+later block returns that block's output, so the run costs little at any depth): every block
+must be called once, in turn, with arguments of the same kinds (a loop over ``layers[:n]``, or
+a loop index handed to each block, makes the blocks be traced in full).
 """
 
 from __future__ import annotations
@@ -94,6 +94,50 @@ class BlockList:
         finally:
             for m, attr, v in reversed(undo):
                 setattr(m, attr, v)
+
+
+    @contextlib.contextmanager
+    def stubbed(self) -> Iterator[list[tuple[int, Any]]]:
+        """Inside, the first block called runs and every later call returns its output: a
+        cheap run of the whole model that yields each block call (index, argument kinds)."""
+        calls: list[tuple[int, Any]] = []
+        first: list[Any] = []
+        blocks = list(self.container._modules.values())
+        for i, block in enumerate(blocks):
+            def forward(*args: Any, _i: int = i, _real: Any = block.forward, **kwargs: Any) -> Any:
+                calls.append((_i, _kinds((args, kwargs))))
+                if not first:
+                    first.append(_real(*args, **kwargs))
+                return first[0]
+            block.__dict__["forward"] = forward
+        try:
+            yield calls
+        finally:
+            for block in blocks:
+                block.__dict__.pop("forward", None)
+
+    def check_calls(self, calls: list[tuple[int, Any]]) -> None:
+        """Raise :class:`NotRepeating` unless a run called every block once, in order, with
+        arguments of the same kinds (tensor shapes and dtypes, equal plain values)."""
+        order = [i for i, _ in calls]
+        if order != list(range(len(self.keys))):
+            raise NotRepeating(f"the model called the blocks of {self.path} in the order "
+                               f"{order[:8]}{'...' if len(order) > 8 else ''}, not each once "
+                               "in turn")
+        if any(kinds != calls[0][1] for _, kinds in calls):
+            raise NotRepeating(f"the blocks of {self.path} are called with different "
+                               "arguments (a loop index?)")
+
+
+def _kinds(v: Any) -> Any:
+    """A call's arguments with tensors as (shape, dtype) and other values as themselves."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if isinstance(v, (tuple, list)):
+        return tuple(_kinds(x) for x in v)
+    if isinstance(v, dict):
+        return tuple((k, _kinds(x)) for k, x in v.items())
+    return v if _plain(v) else ("object", id(v))
 
 
 class _IndexProbe(int):

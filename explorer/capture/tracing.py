@@ -89,8 +89,6 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     four identical blocks (transformer layers) is traced with three of them and its graph grown
     to all, the same graph as tracing every block, in a time that does not grow with depth.
     Where the blocks cannot be shown to repeat, every block is traced and ``notes`` says why.
-    Pass ``False`` for a model whose outer code runs fewer blocks than its list holds, or
-    changes a block by its position in the loop (see :mod:`explorer.capture.blocks`).
 
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))
@@ -186,6 +184,16 @@ def _grown(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: 
            cache: ReplayCache, blocks: BlockList) -> OpGraph:
     """The graph of every block, grown from captures with the block list cut short."""
     n_blocks = len(blocks.container)
+    world = FakeWorld()
+    args = tuple(world.tensor(t) for t in (*inputs, *tgts))
+    try:
+        with world.swapped(model), blocks.stubbed() as calls, world.mode, torch.no_grad(), \
+                _quiet_torch():
+            step(*args)
+    except Exception as exc:
+        raise NotRepeating(f"the model did not run with one block computed for all "
+                           f"({first_line(exc)})") from exc
+    blocks.check_calls(calls)
     cuts = []
     with blocks.watched() as reads:
         for k in CUT_BLOCKS:

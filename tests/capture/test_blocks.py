@@ -65,21 +65,27 @@ class _Block(nn.Module):
         self.fc = nn.Linear(width, width)
         self.index, self.scale = index, scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, i: int | None = None) -> torch.Tensor:
         y = self.fc(x).relu() * self.scale
-        return y.tanh() if self.index == MIN_BLOCKS else y  # only the last block differs
+        last = MIN_BLOCKS in (self.index, i)
+        return y.tanh() if last else y  # only the last block differs, by its index
 
 
 class _Stack(nn.Module):
-    def __init__(self, blocks: list[nn.Module], skip: bool = False) -> None:
+    """Identical blocks in a loop: plain, with a skip from two blocks back, over the first
+    MIN_BLOCKS of them only, or handing each its index."""
+
+    def __init__(self, blocks: list[nn.Module], loop: str = "plain") -> None:
         super().__init__()
         self.layers = nn.ModuleList(blocks)
-        self.skip = skip
+        self.loop = loop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prev = x
-        for layer in self.layers:
-            x, prev = (layer(x) + prev if self.skip else layer(x)), x
+        layers = self.layers[:MIN_BLOCKS] if self.loop == "first" else self.layers
+        for i, layer in enumerate(layers):
+            y = layer(x, i) if self.loop == "index" else layer(x)
+            x, prev = (y + prev if self.loop == "skip" else y), x
         return x
 
 
@@ -89,21 +95,28 @@ def _x() -> torch.Tensor:
 
 def test_plain_stack_of_identical_blocks_is_reused():
     torch.manual_seed(0)
-    model = _Stack([_Block(8) for _ in range(MIN_BLOCKS + 1)])
+    model = _Stack(_same())
     graph = ex.capture(model, _x(), fake=True)
     assert any(REUSED in n for n in graph.notes)
     assert_same_graph(ex.capture(model, _x()), graph)
 
 
-@pytest.mark.parametrize("blocks,skip,why", [
-    ([_Block(8) for _ in range(MIN_BLOCKS)] + [nn.Sequential(nn.Linear(8, 8))], False, ""),
-    ([_Block(8, i) for i in range(MIN_BLOCKS + 1)], False, "own index (index)"),
-    ([_Block(8, scale=1.0 + (i == 3)) for i in range(MIN_BLOCKS + 1)], False, "'scale'"),
-    ([_Block(8) for _ in range(MIN_BLOCKS + 1)], True, "outside the blocks"),
-], ids=["other-type", "index-branch", "attribute", "skip-two-back"])
-def test_blocks_that_do_not_repeat_are_traced_in_full(blocks, skip, why, caplog):
+def _same(n: int = MIN_BLOCKS + 1) -> list[_Block]:
+    return [_Block(8) for _ in range(n)]
+
+
+@pytest.mark.parametrize("blocks,loop,why", [
+    ([*_same(MIN_BLOCKS), nn.Sequential(nn.Linear(8, 8))], "plain", ""),
+    ([_Block(8, i) for i in range(MIN_BLOCKS + 1)], "plain", "own index (index)"),
+    ([_Block(8, scale=1.0 + (i == 3)) for i in range(MIN_BLOCKS + 1)], "plain", "'scale'"),
+    (_same(), "skip", "outside the blocks"),
+    (_same(), "first", "not each once in turn"),
+    (_same(), "index", "different arguments"),
+], ids=["other-type", "index-attribute", "attribute", "skip-two-back", "fewer-run",
+        "loop-index"])
+def test_blocks_that_do_not_repeat_are_traced_in_full(blocks, loop, why, caplog):
     torch.manual_seed(0)
-    model = _Stack(blocks, skip)
+    model = _Stack(blocks, loop)
     if isinstance(blocks[-1], nn.Sequential):  # not a list of one block type: nothing to try
         graph = ex.capture(model, _x(), fake=True)
         assert not any(REUSED in n or FELL_BACK in n for n in graph.notes)
