@@ -95,7 +95,6 @@ class BlockList:
             for m, attr, v in reversed(undo):
                 setattr(m, attr, v)
 
-
     @contextlib.contextmanager
     def stubbed(self) -> Iterator[list[tuple[int, Any]]]:
         """Inside, the first block called runs and every later call returns its output: a
@@ -103,6 +102,7 @@ class BlockList:
         calls: list[tuple[int, Any]] = []
         first: list[Any] = []
         blocks = list(self.container._modules.values())
+        own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the object
         for i, block in enumerate(blocks):
             def forward(*args: Any, _i: int = i, _real: Any = block.forward, **kwargs: Any) -> Any:
                 calls.append((_i, _kinds((args, kwargs))))
@@ -113,8 +113,11 @@ class BlockList:
         try:
             yield calls
         finally:
-            for block in blocks:
-                block.__dict__.pop("forward", None)
+            for block, mine in zip(blocks, own, strict=True):
+                if mine is None:
+                    del block.__dict__["forward"]
+                else:
+                    block.__dict__["forward"] = mine
 
     def check_calls(self, calls: list[tuple[int, Any]]) -> None:
         """Raise :class:`NotRepeating` unless a run called every block once, in order, with
