@@ -1,7 +1,12 @@
 """Capture time and peak memory for models this machine cannot run: capture without running.
 
+<<<<<<< HEAD
 Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,memory-gpt-small]
        [--results DIR]
+=======
+Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,depth]
+       [--depth-shape llama-7b] [--depths 8,16,32,80] [--results DIR]
+>>>>>>> r/blocks
 
 Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, torch included):
 
@@ -12,18 +17,27 @@ Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, tor
   its default config when transformers is installed, else the built-in GPT ``large``, the
   same shape), batch 8 x 256 tokens, captured by running it and on fake tensors side by side:
   the speed-up and whether the two graphs are identical (every node and the fingerprint).
+<<<<<<< HEAD
 - ``memory-gpt-small``, ``memory-llama-small`` (``memory-NAME-SIZE``): the built-in model
   captured on fake tensors (meta build) and planned on one CPU device: the parameter,
   gradient and Adam-state bytes against the formula (4 + 4 + 8 bytes per fp32 parameter),
   and the activation bytes at the simulated peak against one real step on a CPU rank (its
   measured peak less the state the simulator holds at that moment). Target: activations within 5 %.
+=======
+  Its fake capture reuses GPT-2's repeated blocks, so this also checks them against a real run.
+- ``depth``: one published shape (``--depth-shape``) at several depths (``--depths``), captured
+  on fake tensors tracing every block and reusing repeated blocks, side by side: capture time
+  with reuse should not grow with depth, and the two graphs must be identical.
+>>>>>>> r/blocks
 
-Prints a table and writes JSON with the date, machine and command.
+Prints tables and writes JSON (``capture_scale``; ``capture_depth`` for the depth case) with the
+date, machine and command.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -37,7 +51,12 @@ from _common import add_results_option, write_result
 import explorer as ex
 from explorer.core.units import GiB, table
 from explorer.costs.memory import node_memory_bytes
+<<<<<<< HEAD
 from explorer.models.synthetic import roofline_costs
+=======
+from explorer.models.builtin import model_config
+from explorer.models.llama import build_llama
+>>>>>>> r/blocks
 
 MEMORY_COLUMNS = ("case", "params", "identical_graphs", "param_grad_adam_bytes", "formula_bytes",
                   "state_exact", "predicted_peak_bytes", "measured_peak_bytes",
@@ -51,13 +70,14 @@ def _peak_rss_gib() -> float:
 
 
 def _shape_case(name: str) -> dict:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     bm = ex.builtin_model(name)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-    capture_s = time.perf_counter() - t0
+    capture_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     per_node = node_memory_bytes(graph, "adam")
     state_bytes = sum(b for b, n in zip(per_node, graph.nodes, strict=True) if n.kind == "param")
-    return {"case": name, "mode": "fake (meta build)", "capture_s": capture_s,
+    return {"case": name, "mode": "fake (meta build)", "capture_s": capture_s, "cpu_s": cpu_s,
+            "reused_blocks": any("identical blocks" in n for n in graph.notes),
             "peak_rss_gib": _peak_rss_gib(), "nodes": len(graph), "params": bm.n_params,
             "tflop_per_step": graph.total_flops / 1e12,
             "param_grad_adam_bytes": state_bytes, "formula_bytes": 16 * bm.n_params,
@@ -132,8 +152,20 @@ def _gpt2_case(fake: bool) -> dict:
             "node_digest": hash(tuple(graph.nodes))}
 
 
-def _child(case: str, fake: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", case] + (["--fake"] if fake else [])
+def _depth_case(shape: str, n_layers: int, reuse: bool) -> dict:
+    cfg = dataclasses.replace(model_config(shape), n_layers=n_layers)
+    module, x, y, loss, _ = build_llama(cfg, cfg.batch_size, None)  # on the meta device
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    graph = ex.capture(module, x, loss, y, name=f"{shape}-{n_layers}", reuse_blocks=reuse)
+    return {"capture_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+            "peak_rss_gib": _peak_rss_gib(),
+            "nodes": len(graph), "fingerprint": graph.fingerprint,
+            "node_digest": hash(tuple(graph.nodes)),
+            "reused": any("identical blocks" in n for n in graph.notes)}
+
+
+def _child(case: str, *extra: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False,
                          env={**os.environ, "PYTHONHASHSEED": "0"})
     if out.returncode:
@@ -141,27 +173,86 @@ def _child(case: str, fake: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _depth_rows(shape: str, depths: list[int]) -> list[dict]:
+    rows = []
+    for n_layers in depths:
+        every = _child("depth", "--depth-shape", shape, "--depths", str(n_layers))
+        reused = _child("depth", "--depth-shape", shape, "--depths", str(n_layers), "--reuse")
+        same = ((every["fingerprint"], every["node_digest"])
+                == (reused["fingerprint"], reused["node_digest"]))
+        rows.append({"shape": shape, "layers": n_layers, "nodes": every["nodes"],
+                     "every_block_s": every["capture_s"], "reused_s": reused["capture_s"],
+                     "speedup": every["capture_s"] / reused["capture_s"],
+                     "every_block_cpu_s": every["cpu_s"], "reused_cpu_s": reused["cpu_s"],
+                     "every_block_rss_gib": every["peak_rss_gib"],
+                     "reused_rss_gib": reused["peak_rss_gib"],
+                     "blocks_reused": reused["reused"], "identical_graphs": same})
+    print(table(("shape", "layers", "nodes", "every block s", "reused s", "speed-up",
+                 "CPU s (every / reused)", "RSS GiB (every / reused)", "graphs"),
+                [(r["shape"], r["layers"], r["nodes"], f"{r['every_block_s']:.1f}",
+                  f"{r['reused_s']:.1f}", f"{r['speedup']:.1f}x",
+                  f"{r['every_block_cpu_s']:.1f} / {r['reused_cpu_s']:.1f}",
+                  f"{r['every_block_rss_gib']:.2f} / {r['reused_rss_gib']:.2f}",
+                  ("identical" if r["identical_graphs"] else "DIFFER")
+                  + ("" if r["blocks_reused"] else " (not reused)")) for r in rows]))
+    return rows
+
+
+def _load_note() -> str:
+    """The machine's load while measuring: shared machines inflate wall-clock seconds (the
+    CPU seconds beside them are this process's own)."""
+    load = os.getloadavg()[0]
+    return f"load average {load:.1f} on {os.cpu_count()} cores when the last case ended"
+
+
+def _rounded(rows: list[dict]) -> list[dict]:
+    return [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+            for r in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+<<<<<<< HEAD
     ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,memory-gpt-small,"
                     "memory-llama-small")
+=======
+    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,depth")
+    ap.add_argument("--depth-shape", default="llama-7b",
+                    help="published Llama shape the depth case deepens (default llama-7b)")
+    ap.add_argument("--depths", default="8,16,32,80",
+                    help="numbers of layers for the depth case (default 8,16,32,80)")
+>>>>>>> r/blocks
     add_results_option(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--reuse", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+<<<<<<< HEAD
         if args.child == "gpt2-small":
             row = _gpt2_case(args.fake)
         elif args.child.startswith("memory-"):
             row = _memory_case(args.child)
+=======
+        if args.child == "depth":
+            row = _depth_case(args.depth_shape, int(args.depths), args.reuse)
+        elif args.child == "gpt2-small":
+            row = _gpt2_case(args.fake)
+>>>>>>> r/blocks
         else:
             row = _shape_case(args.child)
         print(json.dumps(row))
         return
+    cases = args.cases.split(",")
+    if "depth" in cases:
+        depth = _depth_rows(args.depth_shape, [int(d) for d in args.depths.split(",")])
+        write_result("capture_depth", _rounded(depth), folder=args.results, notes=_load_note(),
+                     title="Capture time by depth: every block traced, or repeated blocks "
+                           "reused")
     rows = []
-    for case in args.cases.split(","):
+    for case in (c for c in cases if c != "depth"):
         if case == "gpt2-small":
-            real, fake = _child(case, False), _child(case, True)
+            real, fake = _child(case), _child(case, "--fake")
             same = (real["fingerprint"], real["node_digest"]) == (fake["fingerprint"],
                                                                   fake["node_digest"])
             for r in (real, fake):
@@ -171,16 +262,19 @@ def main() -> None:
         elif case.startswith("memory-"):
             rows.append(_child(case, True))
         else:
-            row = _child(case, True)
+            row = _child(case, "--fake")
             limit_s, limit_gib = LIMITS.get(case, (None, None))
             row["within_target"] = (limit_s is None or (row["capture_s"] <= limit_s
                                                         and row["peak_rss_gib"] <= limit_gib))
             rows.append(row)
+    if not rows:
+        return
     print(table(("case", "mode", "capture s", "peak RSS GiB", "nodes", "params", "TFLOP/step",
                  "check"),
                 [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
                   r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
                   _check(r)) for r in rows]))
+<<<<<<< HEAD
     rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     memory = [r for r in rows if "activation_error" in r]
     if memory:
@@ -191,6 +285,10 @@ def main() -> None:
         write_result("capture_scale", [r for r in rows if r not in memory],
                      folder=args.results,
                      title="Capture without running: time and peak memory by model shape")
+=======
+    write_result("capture_scale", _rounded(rows), folder=args.results, notes=_load_note(),
+                 title="Capture without running: time and peak memory by model shape")
+>>>>>>> r/blocks
 
 
 def _check(r: dict) -> str:
