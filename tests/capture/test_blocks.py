@@ -13,9 +13,11 @@ from torch import nn
 
 import explorer as ex
 from explorer.capture.blocks import MIN_BLOCKS, NotRepeating, find_blocks
+from explorer.capture.tracing import step_program
 from explorer.core.errors import CaptureError
 from explorer.models.dense import GPT_SIZES, build_gpt
 from explorer.models.llama import LLAMA_SIZES, build_llama
+from explorer.runtime.jobfiles import program_calls
 
 REUSED = "identical blocks"
 FELL_BACK = "traced every block"
@@ -141,3 +143,15 @@ def test_reuse_blocks_switch():
     with pytest.raises(CaptureError, match="fake=True"):
         ex.capture(module, x, loss, y, reuse_blocks=True)
     assert ex.capture(module, x, loss, y).notes == ()  # a real capture traces every block
+
+
+def test_a_grown_graph_exports_the_program_of_every_block():
+    """Planning needs only the grown graph; an export needs every block's ops, so the whole
+    model is traced when the program is first asked for, and it matches the grown graph."""
+    module, x, loss, y = _builtin(build_llama, LLAMA_SIZES, 5)
+    grown = ex.capture(module, x, loss, y, fake=True)
+    assert any(REUSED in note for note in grown.notes)
+    program = step_program(grown)
+    calls, _ = program_calls(program, 1)  # one input tensor, then the targets
+    assert [c.name for c in calls] == [n.name for n in grown.nodes]
+    assert step_program(grown) is program  # traced once
