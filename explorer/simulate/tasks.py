@@ -159,7 +159,8 @@ class _Builder:
         self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
         fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
-                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]))
+                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
+                          _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
         self.dur = fb.dur_s.tolist() * M
         self.label = A.names_obj[tpl_node].tolist() * M
         self.node = tpl_node_l * M
@@ -473,6 +474,24 @@ class _Builder:
         self.mb.extend(np.asarray(mb).tolist())
         self.nbytes.extend(np.asarray(nbytes).tolist())
         self.node.extend(np.asarray(node).tolist())
+
+
+def _queue_order(tpl_stage: np.ndarray, tpl_isb: np.ndarray, slot_f: list[list[int]],
+                 slot_b: list[list[int]], per_m: int) -> tuple[np.ndarray, ...]:
+    """Per stage, its forward and backward task ids in the order of their queue keys
+    ((slot, x) with x the node for a forward, minus the node for a backward): block by block
+    in slot order, a block being one micro-batch's forwards in node order or its backwards in
+    reverse node order (the template lays ops out in node order)."""
+    out = []
+    for s in range(len(slot_f)):
+        fwd = np.flatnonzero((tpl_stage == s) & ~tpl_isb)
+        bwd = np.flatnonzero((tpl_stage == s) & tpl_isb)[::-1]
+        blocks = sorted([(slot, m, fwd) for m, slot in enumerate(slot_f[s])]
+                        + [(slot, m, bwd) for m, slot in enumerate(slot_b[s])],
+                        key=lambda b: b[0])
+        out.append(np.concatenate([tpl + m * per_m for _, m, tpl in blocks]) if blocks else
+                   np.zeros(0, dtype=np.int64))
+    return tuple(out)
 
 
 def _message_time(A: GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
