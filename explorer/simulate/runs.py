@@ -167,7 +167,7 @@ class Runs:
             self.rest[r] = min(2 * rest, self.MAX_REST)
             return e, u
         self.rest[r] = self.REST
-        return self._schedule(r, u, e, run)
+        return self.schedule_run(r, u, e, run)
 
     def _ready_stretch(self, r: int, p: int, j: int, now: float) -> np.ndarray:
         """The tasks not started of queue places ``p`` to ``j`` of stage ``r`` up to the
@@ -191,7 +191,7 @@ class Runs:
             lo, size = hi, 2 * size
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def _schedule(self, r: int, u: int, e: float, run: np.ndarray) -> tuple[float, int]:
+    def schedule_run(self, r: int, u: int, e: float, run: np.ndarray) -> tuple[float, int]:
         """Start ``run`` on stage ``r`` back to back after ``u`` (ending at ``e``)."""
         loop = self.loop
         ends = np.cumsum(np.concatenate(([e], self.dur_a[run])))
