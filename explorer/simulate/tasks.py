@@ -366,7 +366,7 @@ class _Builder:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        key += [e * T + t for t, e in enumerate(self.enc[n_enc:], n_enc)]
+        key += _keys(self.enc[n_enc:], n_enc, T)
         negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
         return TaskGraph(
@@ -474,6 +474,19 @@ class _Builder:
         self.mb.extend(np.asarray(mb).tolist())
         self.nbytes.extend(np.asarray(nbytes).tolist())
         self.node.extend(np.asarray(node).tolist())
+
+
+def _keys(enc: list[int], first: int, T: int) -> list[int]:
+    """``enc[k] * T + first + k`` for every k: as int64 arrays where those hold the result, as
+    Python ints (of any size) where not (the optimizer steps' priorities)."""
+    a = np.asarray(enc, dtype=np.int64) if enc and max(enc) < 2**63 else None
+    if a is None:
+        return [e * T + t for t, e in enumerate(enc, first)]
+    fits = a < (2**62 - first - len(enc)) // T
+    key = (np.where(fits, a, 0) * T + np.arange(first, first + len(enc))).tolist()
+    for k in np.flatnonzero(~fits).tolist():
+        key[k] = enc[k] * T + first + k
+    return key
 
 
 def _queue_order(tpl_stage: np.ndarray, tpl_isb: np.ndarray, slot_f: list[list[int]],
