@@ -1,7 +1,7 @@
 """Scale benchmark: wall time of every partitioner and of simulating its plan on large graphs.
 
 Run: python benchmarks/scale.py [--sizes 1k,10k,100k] [--graphs layered,gpt]
-         [--algorithms all] [--repeat 1] [--timeout 0] [--reference REV]
+         [--algorithms all] [--repeat 1] [--timeout 0] [--reference REV] [--record scale]
 
 Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``, seed 0) and a captured
 tiny GPT whose transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``),
@@ -21,7 +21,8 @@ is exactly the same. Times are the best of ``--repeat`` runs, in seconds, from
 ``time.perf_counter``; the machine's load average (1, 5, 15 min) is printed with every row,
 since it may be shared.
 
-Prints its table and records it under ``benchmarks/results/`` (``--results``), which
+Prints its table and records it under ``benchmarks/results/`` (``--results``) as
+``--record`` (``scale.json``), which
 ``python benchmarks/report.py`` renders into docs/.
 """
 
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--reference", default=None, metavar="REV",
                     help="a git revision whose simulator is timed on the same plans, side by "
                          "side (e.g. HEAD~1, main)")
+    ap.add_argument("--record", default="scale",
+                    help="the record's name under --results (default scale)")
     add_results_option(ap)
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -308,7 +311,7 @@ def main() -> None:
     if ref is not None:
         title += (f"; previous s: the simulator of {args.reference} ({ref.commit}) on the same "
                   "plans in the same run")
-    write_result("scale", rows, columns=header, title=title, folder=args.results)
+    write_result(args.record, rows, columns=header, title=title, folder=args.results)
     print(f"\nload average at end {load()}")
 
 
