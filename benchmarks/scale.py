@@ -29,6 +29,7 @@ Prints its table and records it under ``benchmarks/results/`` (``--results``) as
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import math
@@ -56,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (best of ``repeat``) and prints, per plan, its time and prediction fields as JSON. It uses
 #: only names every recent version has.
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 from explorer.core.plan import Plan
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
@@ -76,6 +77,7 @@ graph.preds, graph.succs, graph.index
 out = {}
 for name, path in spec["plans"].items():
     plan = Plan.load(path, graph)
+    gc.collect()
     best = float("inf")
     for _ in range(spec["repeat"]):
         clear = getattr(SIM, "clear_caches", None)
@@ -111,9 +113,11 @@ def best_of(repeat: int, fn):
 
 def timed_simulate(module, repeat: int, graph, plan, costs):
     """Best wall time of ``module.simulate``, each run cold: the simulator keeps per-graph
-    arrays for the graphs it saw last, which is dropped first so runs are comparable."""
+    arrays for the graphs it saw last, which is dropped first so runs are comparable; and the
+    cycle collector's garbage is collected first, on both sides."""
 
     clear = getattr(module, "clear_caches", None)  # (a reference version may have none)
+    gc.collect()  # (what the partitioner left, as the reference's child process starts clean)
 
     def run():
         if clear is not None:
