@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from explorer.simulate.arrays import ranges
 from explorer.simulate.taskgraph import TaskGraph
 
 
@@ -133,23 +134,11 @@ class Runs:
         start the run that follows it, if any. Returns the (end, task) event to wait for: the
         run's last task, or ``u`` when there is no run."""
         start, q = self.loop.start, self.queue[r]
-        p, k = self.ptr[r], self.rank[u]
-        while p < k:  # the tasks before u in queue order: all started?
-            x = start[q[p]]
-            if x == x:
-                p += 1
-            else:
-                break
-        self.ptr[r] = p
+        k, n = self.rank[u], len(q)
+        p = self.ptr[r] = self._first_not_started(q, self.ptr[r], k)
         if p != k:  # u came out of order: the first task not started is not ready (so not now)
             return e, u
-        p, n = k + 1, len(q)
-        while p < n:  # the first task in queue order not started
-            x = start[q[p]]
-            if x == x:
-                p += 1
-            else:
-                break
+        p = self._first_not_started(q, k + 1, n)
         if p == n:
             return e, u
         end, x_src, v = self.loop.end, self.x_src_l, q[p]
@@ -168,6 +157,17 @@ class Runs:
             return e, u
         self.rest[r] = self.REST
         return self.schedule_run(r, u, e, run)
+
+    def _first_not_started(self, q: list[int], p: int, stop: int) -> int:
+        """The first of queue places ``p`` to ``stop`` whose task has not started, else
+        ``stop``."""
+        start = self.loop.start
+        while p < stop:
+            x = start[q[p]]
+            if x != x:  # (NaN: not started)
+                return p
+            p += 1
+        return stop
 
     def _ready_stretch(self, r: int, p: int, j: int, now: float) -> np.ndarray:
         """The tasks not started of queue places ``p`` to ``j`` of stage ``r`` up to the
@@ -237,10 +237,3 @@ class Runs:
             heapq.heapify(loop.events)
         return float(ends[-1]), int(run[-1])
 
-
-def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
-    counts = hi - lo
-    k = np.repeat(np.arange(len(lo)), counts)
-    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
-    return k, idx
