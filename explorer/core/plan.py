@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,15 @@ def whole(lo: int, hi: int) -> Check:
     return check
 
 
+def all_whole(lo: int, hi: int) -> Callable[[Collection[Any]], bool]:
+    """Whether every value is a plain ``int`` from ``lo`` to ``hi``: a quick test that what
+    ``whole(lo, hi)`` checks one by one holds for a large collection (False says nothing)."""
+    def test(values: Collection[Any]) -> bool:
+        return set(map(type, values)) <= {int} and (not values or (
+            lo <= min(values) and max(values) <= hi))
+    return test
+
+
 def matching(pattern: str, what: str) -> Check:
     rx = re.compile(pattern)
 
@@ -123,10 +132,16 @@ def list_of(item: Check, lo: int, hi: int) -> Check:
     return check
 
 
-def map_of(item: Check) -> Check:
+def map_of(item: Check, items_pass: Callable[[Collection[Any]], bool] | None = None) -> Check:
+    """An object of strings to ``item`` s. ``items_pass`` (a quick test of all the values at
+    once, such as :func:`all_whole`) spares a large object the check of each item where
+    every key is a plain short string and the test passes; otherwise each is checked."""
     def check(v: Any, where: str) -> dict:
         if not isinstance(v, dict):
             raise _refuse(where, "an object", v)
+        if items_pass is not None and set(map(type, v)) <= {str} and items_pass(v.values()) \
+                and max(map(len, v), default=0) <= MAX_TEXT_CHARS:
+            return dict(v)
         return {string(k, f"a key of {where}"): item(x, f"{where}[{k!r}]") for k, x in v.items()}
     return check
 
@@ -174,7 +189,7 @@ PLAN_SCHEMA = obj({
                    "name": (matching(GRAPH_NAME_PATTERN, "one line of at most 256 printable "
                                      "characters"), "")}), REQUIRED),
     "stages": (list_of(list_of(_name, 1, MAX_DEVICES), 1, MAX_DEVICES), REQUIRED),
-    "placement": (map_of(whole(0, MAX_DEVICES - 1)), REQUIRED),
+    "placement": (map_of(whole(0, MAX_DEVICES - 1), all_whole(0, MAX_DEVICES - 1)), REQUIRED),
     "micro_batches": (whole(1, MAX_MICRO_BATCHES), 1),
     "schedule": (one_of(SCHEDULES), "gpipe"),
     "optimizer": (one_of(OPTIMIZER_STATE), "adam"),
@@ -376,20 +391,22 @@ class Plan:
                 raise PlanError(f"the plan uses devices {', '.join(unknown)} that this cluster "
                                 f"({cluster.name}) does not have; it has "
                                 f"{', '.join(cluster.ids)}")
-        names = {n.name for n in graph.nodes}
-        missing = [n for n in names if n not in self.placement]
-        extra = [n for n in self.placement if n not in names]
-        if missing:
-            raise PlanError(f"{len(missing)} nodes of the graph are not placed, e.g. "
-                            f"{sorted(missing)[:3]}")
-        if extra:
-            raise PlanError(f"the plan places {len(extra)} nodes the graph does not have, e.g. "
-                            f"{sorted(extra)[:3]}")
-        bad = [(n, s) for n, s in self.placement.items()
-               if not isinstance(s, int) or not 0 <= s < len(self.stages)]
-        if bad:
-            raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run from "
-                            f"0 to {len(self.stages) - 1}")
+        names = graph.index  # (every node's name, as keys)
+        if self.placement.keys() != names.keys():
+            missing = [n for n in names if n not in self.placement]
+            extra = [n for n in self.placement if n not in names]
+            if missing:
+                raise PlanError(f"{len(missing)} nodes of the graph are not placed, e.g. "
+                                f"{sorted(missing)[:3]}")
+            if extra:
+                raise PlanError(f"the plan places {len(extra)} nodes the graph does not have, "
+                                f"e.g. {sorted(extra)[:3]}")
+        if not all_whole(0, len(self.stages) - 1)(self.placement.values()):
+            bad = [(n, s) for n, s in self.placement.items()
+                   if not isinstance(s, int) or not 0 <= s < len(self.stages)]
+            if bad:
+                raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run "
+                                f"from 0 to {len(self.stages) - 1}")
         self.check_sizes(graph.batch_size, len(graph.nodes))
         if self.stage_settings and len(self.stage_settings) != len(self.stages):
             raise PlanError(f"the plan has memory settings for {len(self.stage_settings)} "

@@ -9,7 +9,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
-from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
+from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM, ranges
 from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
@@ -209,7 +209,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         t1 = end_a[x_id]
         t0 = np.full(len(x_id), np.inf)
         lo, hi = tasks.succ_ptr_a[x_id], tasks.succ_ptr_a[x_id + 1]
-        k, idx = _ranges(lo, hi)
+        k, idx = ranges(lo, hi)
         np.maximum.at(t1, k, end_a[tasks.succ_flat_a[idx]])
         np.minimum.at(t0, k, start_a[tasks.succ_flat_a[idx]])
         t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
@@ -219,7 +219,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         xr = root[x_node]
         lo = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="left"), 0)
         hi = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="right"), 0)
-        k, idx = _ranges(lo, hi)
+        k, idx = ranges(lo, hi)
         v = sv_v_s[idx]
         ok = (st[v] == x_dst[k]) & has_b[v]
         k, v = k[ok], v[ok]
@@ -296,14 +296,6 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         for d in plan.stages[s]:
             out[d] = mb
     return out
-
-
-def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
-    counts = hi - lo
-    k = np.repeat(np.arange(len(lo)), counts)
-    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
-    return k, idx
 
 
 def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray

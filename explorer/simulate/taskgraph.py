@@ -44,6 +44,9 @@ class FwdBwdLayout:
     bwd: np.ndarray  # [node] int64: slot of the node's backward, -1 where it has none
     stage: np.ndarray  # [slot] int64: the stage that runs it
     dur_s: np.ndarray  # [slot] float64: seconds it takes (the same for every micro-batch)
+    # [stage] int64: the stage's forward and backward task ids in the order of their queue
+    # keys (the order its device would run them were each ready in time)
+    queue: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True)

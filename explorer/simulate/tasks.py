@@ -171,7 +171,8 @@ class _Builder:
         self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
         fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
-                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]))
+                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
+                          _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
         self.dur = fb.dur_s.tolist() * M
         self.label = A.names_obj[tpl_node].tolist() * M
         self.node = tpl_node_l * M
@@ -398,7 +399,7 @@ class _Builder:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        key += [e * T + t for t, e in enumerate(self.enc[n_enc:], n_enc)]
+        key += _keys(self.enc[n_enc:], n_enc, T)
         negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
         return TaskGraph(
@@ -506,6 +507,37 @@ class _Builder:
         self.mb.extend(np.asarray(mb).tolist())
         self.nbytes.extend(np.asarray(nbytes).tolist())
         self.node.extend(np.asarray(node).tolist())
+
+
+def _keys(enc: list[int], first: int, T: int) -> list[int]:
+    """``enc[k] * T + first + k`` for every k: as int64 arrays where those hold the result, as
+    Python ints (of any size) where not (the optimizer steps' priorities)."""
+    a = np.asarray(enc, dtype=np.int64) if enc and max(enc) < 2**63 else None
+    if a is None:
+        return [e * T + t for t, e in enumerate(enc, first)]
+    fits = a < (2**62 - first - len(enc)) // T
+    key = (np.where(fits, a, 0) * T + np.arange(first, first + len(enc))).tolist()
+    for k in np.flatnonzero(~fits).tolist():
+        key[k] = enc[k] * T + first + k
+    return key
+
+
+def _queue_order(tpl_stage: np.ndarray, tpl_isb: np.ndarray, slot_f: list[list[int]],
+                 slot_b: list[list[int]], per_m: int) -> tuple[np.ndarray, ...]:
+    """Per stage, its forward and backward task ids in the order of their queue keys
+    ((slot, x) with x the node for a forward, minus the node for a backward): block by block
+    in slot order, a block being one micro-batch's forwards in node order or its backwards in
+    reverse node order (the template lays ops out in node order)."""
+    out = []
+    for s in range(len(slot_f)):
+        fwd = np.flatnonzero((tpl_stage == s) & ~tpl_isb)
+        bwd = np.flatnonzero((tpl_stage == s) & tpl_isb)[::-1]
+        blocks = sorted([(slot, m, fwd) for m, slot in enumerate(slot_f[s])]
+                        + [(slot, m, bwd) for m, slot in enumerate(slot_b[s])],
+                        key=lambda b: b[0])
+        out.append(np.concatenate([tpl + m * per_m for _, m, tpl in blocks]) if blocks else
+                   np.zeros(0, dtype=np.int64))
+    return tuple(out)
 
 
 def _message_time(A: GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,
