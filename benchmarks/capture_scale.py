@@ -1,12 +1,7 @@
 """Capture time and peak memory for models this machine cannot run: capture without running.
 
-<<<<<<< HEAD
-Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,memory-gpt-small]
-       [--results DIR]
-=======
-Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,depth]
+Run: python benchmarks/capture_scale.py [--cases llama-7b,llama-70b,gpt2-small,depth,...]
        [--depth-shape llama-7b] [--depths 8,16,32,80] [--results DIR]
->>>>>>> r/blocks
 
 Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, torch included):
 
@@ -17,18 +12,15 @@ Each case runs in its own process (peak RSS is that process's ``ru_maxrss``, tor
   its default config when transformers is installed, else the built-in GPT ``large``, the
   same shape), batch 8 x 256 tokens, captured by running it and on fake tensors side by side:
   the speed-up and whether the two graphs are identical (every node and the fingerprint).
-<<<<<<< HEAD
 - ``memory-gpt-small``, ``memory-llama-small`` (``memory-NAME-SIZE``): the built-in model
   captured on fake tensors (meta build) and planned on one CPU device: the parameter,
   gradient and Adam-state bytes against the formula (4 + 4 + 8 bytes per fp32 parameter),
   and the activation bytes at the simulated peak against one real step on a CPU rank (its
   measured peak less the state the simulator holds at that moment). Target: activations within 5 %.
-=======
   Its fake capture reuses GPT-2's repeated blocks, so this also checks them against a real run.
 - ``depth``: one published shape (``--depth-shape``) at several depths (``--depths``), captured
   on fake tensors tracing every block and reusing repeated blocks, side by side: capture time
   with reuse should not grow with depth, and the two graphs must be identical.
->>>>>>> r/blocks
 
 Prints tables and writes JSON (``capture_scale``; ``capture_depth`` for the depth case) with the
 date, machine and command.
@@ -51,12 +43,9 @@ from _common import add_results_option, write_result
 import explorer as ex
 from explorer.core.units import GiB, table
 from explorer.costs.memory import node_memory_bytes
-<<<<<<< HEAD
-from explorer.models.synthetic import roofline_costs
-=======
 from explorer.models.builtin import model_config
 from explorer.models.llama import build_llama
->>>>>>> r/blocks
+from explorer.models.synthetic import roofline_costs
 
 MEMORY_COLUMNS = ("case", "params", "identical_graphs", "param_grad_adam_bytes", "formula_bytes",
                   "state_exact", "predicted_peak_bytes", "measured_peak_bytes",
@@ -212,33 +201,24 @@ def _rounded(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-<<<<<<< HEAD
-    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,memory-gpt-small,"
+    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,depth,memory-gpt-small,"
                     "memory-llama-small")
-=======
-    ap.add_argument("--cases", default="llama-7b,llama-70b,gpt2-small,depth")
     ap.add_argument("--depth-shape", default="llama-7b",
                     help="published Llama shape the depth case deepens (default llama-7b)")
     ap.add_argument("--depths", default="8,16,32,80",
                     help="numbers of layers for the depth case (default 8,16,32,80)")
->>>>>>> r/blocks
     add_results_option(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--reuse", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-<<<<<<< HEAD
-        if args.child == "gpt2-small":
-            row = _gpt2_case(args.fake)
-        elif args.child.startswith("memory-"):
-            row = _memory_case(args.child)
-=======
         if args.child == "depth":
             row = _depth_case(args.depth_shape, int(args.depths), args.reuse)
         elif args.child == "gpt2-small":
             row = _gpt2_case(args.fake)
->>>>>>> r/blocks
+        elif args.child.startswith("memory-"):
+            row = _memory_case(args.child)
         else:
             row = _shape_case(args.child)
         print(json.dumps(row))
@@ -274,8 +254,7 @@ def main() -> None:
                 [(r["case"], r["mode"], f"{r['capture_s']:.1f}", f"{r['peak_rss_gib']:.2f}",
                   r["nodes"], f"{r['params'] / 1e9:.3f}B", f"{r['tflop_per_step']:.1f}",
                   _check(r)) for r in rows]))
-<<<<<<< HEAD
-    rows = [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    rows = _rounded(rows)
     memory = [r for r in rows if "activation_error" in r]
     if memory:
         write_result("capture_memory", [{k: r[k] for k in MEMORY_COLUMNS} for r in memory],
@@ -283,12 +262,8 @@ def main() -> None:
                      "device) against one real step measured on a CPU rank")
     if len(memory) < len(rows):
         write_result("capture_scale", [r for r in rows if r not in memory],
-                     folder=args.results,
+                     folder=args.results, notes=_load_note(),
                      title="Capture without running: time and peak memory by model shape")
-=======
-    write_result("capture_scale", _rounded(rows), folder=args.results, notes=_load_note(),
-                 title="Capture without running: time and peak memory by model shape")
->>>>>>> r/blocks
 
 
 def _check(r: dict) -> str:
