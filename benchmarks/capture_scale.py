@@ -240,7 +240,7 @@ def main() -> None:
             fake["speedup_vs_real"] = real["capture_s"] / fake["capture_s"]
             rows += [real, fake]
         elif case.startswith("memory-"):
-            rows.append(_child(case, True))
+            rows.append(_child(case, "--fake"))
         else:
             row = _child(case, "--fake")
             limit_s, limit_gib = LIMITS.get(case, (None, None))
