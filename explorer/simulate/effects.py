@@ -27,7 +27,7 @@ from explorer.costs.strategies import (
     shard_bytes,
 )
 from explorer.devices.cluster import Cluster
-from explorer.simulate.arrays import KIND_BUFFER, GraphArrays
+from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
 
 #: task kinds of the ZeRO collectives (on a stage's replica channel, like the all-reduces)
 REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
@@ -58,6 +58,10 @@ class StageEffects:
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
+    #: recomputes from them (:func:`recompute_sources`)
+    sources: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
 
     def apply_compute(self, graph: OpGraph, cluster: Cluster, plan: Plan, A: GraphArrays,
                       st: np.ndarray, fwd_d: np.ndarray, bwd_d: np.ndarray) -> None:
@@ -126,12 +130,39 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
             rc_op[i] = designee.get(int(key[i]), -1)
         d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
         dropped |= full_ops & d & (rc_op >= 0)
+    sources = recompute_sources(graph, A, st, dropped, rc_op)
     shard = A.pbytes.copy()
     for s in range(S):
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
-    return StageEffects(settings, zero, act, dropped, rc_op, shard)
+    return StageEffects(settings, zero, act, dropped, rc_op, shard, sources=sources)
+
+
+def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
+                      rc_op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, op) pairs: the kept values (roots) a recomputation starts from, each paired
+    with the op whose backward recomputes from it, so the value lives until then as if that
+    backward had saved it. A dropped output is recomputed from its inputs, through the
+    dropped outputs among them back to values that are kept (outputs made elsewhere, kept
+    outputs, received activations, graph inputs; weights are always there)."""
+    root, kcode, index = A.root_a, A.kcode, graph.index
+    pairs: set[tuple[int, int]] = set()
+    for h in np.flatnonzero(dropped & (rc_op >= 0)).tolist():
+        r = int(rc_op[h])
+        todo, seen = [h], {h}
+        while todo:
+            for name in graph.nodes[todo.pop()].inputs:
+                q = index[name]
+                if q in seen or kcode[q] in (KIND_PARAM, KIND_BUFFER):
+                    continue
+                seen.add(q)
+                if dropped[q] and rc_op[q] >= 0 and st[q] == st[h]:
+                    todo.append(q)
+                else:
+                    pairs.add((int(root[q]), r))
+    pv = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+    return pv[:, 0], pv[:, 1]
 
 
 def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray,

@@ -50,8 +50,15 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
         params[s] += A.out_bytes[p]
     root = A.root_a
-    # saved-for-backward: (producer root, node whose backward keeps it)
+    # saved-for-backward: (producer root, node whose backward keeps it); a recomputation's
+    # sources count as saved by the backward that recomputes from them
     sv_p_a, sv_v_a = A.saved
+    sv_p_any, sv_v_any = A.saved_any
+    if eff is not None and len(eff.sources[0]):
+        src_p, src_v = eff.sources
+        sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
+        sv_p_any = np.concatenate([sv_p_any, src_p])
+        sv_v_any = np.concatenate([sv_v_any, src_v])
 
     # activation memory events: stage, time and bytes (an allocation positive, a free negative)
     ev_s: list[np.ndarray] = []
@@ -213,7 +220,6 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         np.maximum.at(t1, k, end_a[tasks.succ_flat_a[idx]])
         np.minimum.at(t0, k, start_a[tasks.succ_flat_a[idx]])
         t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
-        sv_p_any, sv_v_any = A.saved_any
         sv_order = np.argsort(sv_p_any, kind="stable")
         sv_p_s, sv_v_s = sv_p_any[sv_order], sv_v_any[sv_order]
         xr = root[x_node]
