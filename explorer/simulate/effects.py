@@ -21,6 +21,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
 from explorer.costs.strategies import (
     activation_bytes,
+    is_matmul_like,
     precision_time_factors,
     recompute_units,
     recomputed_outputs,
@@ -61,6 +62,11 @@ class StageEffects:
     #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
     #: recomputes from them (:func:`recompute_sources`)
     sources: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+    #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
+    #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
+    #: that copy for its backward instead of the tensor itself
+    casts: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
 
     def apply_compute(self, graph: OpGraph, cluster: Cluster, plan: Plan, A: GraphArrays,
@@ -131,12 +137,25 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
         d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
         dropped |= full_ops & d & (rc_op >= 0)
     sources = recompute_sources(graph, A, st, dropped, rc_op)
+    half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
+    casts = []
+    for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
+        if not is_matmul_like(graph.nodes[v]):
+            continue
+        for name in graph.nodes[v].saves:
+            q = int(A.root_a[graph.index[name]])
+            if graph.nodes[q].dtype == "float32" and (
+                    A.kcode[q] == KIND_PARAM
+                    or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
+                casts.append((v, q))
+    cv = np.array(casts, dtype=np.int64).reshape(-1, 2)
     shard = A.pbytes.copy()
     for s in range(S):
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
-    return StageEffects(settings, zero, act, dropped, rc_op, shard, sources=sources)
+    return StageEffects(settings, zero, act, dropped, rc_op, shard, sources=sources,
+                        casts=(cv[:, 0], cv[:, 1]))
 
 
 def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,

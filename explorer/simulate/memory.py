@@ -54,6 +54,11 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     # sources count as saved by the backward that recomputes from them
     sv_p_a, sv_v_a = A.saved
     sv_p_any, sv_v_any = A.saved_any
+    if eff is not None and len(eff.casts[0]):  # (what autocast saved is a copy: below)
+        cast = np.isin(sv_v_a * N + sv_p_a, eff.casts[0] * N + eff.casts[1])
+        sv_p_a, sv_v_a = sv_p_a[~cast], sv_v_a[~cast]
+        cast = np.isin(sv_v_any * N + sv_p_any, eff.casts[0] * N + eff.casts[1])
+        sv_p_any, sv_v_any = sv_p_any[~cast], sv_v_any[~cast]
     if eff is not None and len(eff.sources[0]):
         src_p, src_v = eff.sources
         sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
@@ -120,6 +125,14 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         for m in range(M):
             live(st[xs_], start_a[from_ + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
+    # bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
+    # micro-batch (a weight's whole, an activation's share of the micro-batch)
+    if eff is not None and len(eff.casts[0]):
+        cv, cq = eff.casts
+        size = np.where(kcode[cq] == KIND_PARAM, A.out_b[cq] // 2,
+                        size_on(A.out_b[cq] // 2, st[cv]))
+        for m in range(M):
+            live(st[cv], start_a[off_f[cv] + m * per_m], end_a[off_b[cv] + m * per_m], size)
     # activation gradients, as autograd and the runtime hold them. A consumer's backward
     # makes the gradient of each op it reads: a new tensor, or the consumer's own incoming
     # gradient handed on (views, getitem, same-size add, cat: see GraphArrays.hands_on). Per
