@@ -55,6 +55,7 @@ class StageEffects:
     dropped: np.ndarray  # [node] bool: its saved output is recomputed, not kept
     rc_op: np.ndarray  # [node] the op whose backward recomputes its output (or extras), -1
     shard: np.ndarray  # [node] bytes of one rank's shard of its weight (its bytes without ZeRO)
+    extra_bytes: np.ndarray  # [node] bytes saved besides outputs, under its stage's precision
     recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
@@ -149,12 +150,16 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
                     or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
                 casts.append((v, q))
     cv = np.array(casts, dtype=np.int64).reshape(-1, 2)
+    # what a matmul-like op saves besides its inputs (the contiguous copies it makes of
+    # them) is made in its 2-byte compute dtype too
+    mm = np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
+    extra = np.where(mm & (act < A.out_b), A.extra // 2, A.extra)
     shard = A.pbytes.copy()
     for s in range(S):
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
-    return StageEffects(settings, zero, act, dropped, rc_op, shard, sources=sources,
+    return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
                         casts=(cv[:, 0], cv[:, 1]))
 
 

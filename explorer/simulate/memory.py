@@ -116,7 +116,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = A.extra
+    extra = A.extra if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         # (recomputed ones from their recomputation)

@@ -7,6 +7,8 @@ weights for activations. Forward times 1, 2, 3, 4 s and backward 10, 20, 30, 40 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from builders import cluster, costs
 
@@ -166,14 +168,28 @@ class TestRecompute:
 class TestPrecision:
     def test_cpu_autocast_halves_activations_and_keeps_times(self):
         # on CPU ranks sum follows its input: every op's output is 2-byte, the input not.
-        # The peak (relu1's backward): x 800 + relu1, its gradient and mm1's 800 each
+        # mm1 saves autocast's 2-byte copy of x (400), not x. The peak (relu1's backward):
+        # x's copy 400 + relu1, its gradient and mm1's 800 each
         g = chain()
         cl = cluster(1, memory=2**40)
         c = costs(g, cl, FWD, BWD)
         plan = Plan.single(g, "d:0")
         pred = simulate(g, plan.with_memory(precision="bf16"), c)
-        assert pred.memory["d:0"].activations_bytes == 3200
+        assert pred.memory["d:0"].activations_bytes == 2800
         assert pred.step_s == simulate(g, plan, c).step_s
+
+    def test_matmuls_save_two_byte_copies_of_their_weights_and_extras(self):
+        # mm1 also saves w1 (8000 bytes, fp32 master weight): its 4000-byte copy lives from
+        # mm1's forward to its backward; and 600 bytes mm1 saves besides its inputs are made
+        # in bf16 (300). The peak moves to mm1's backward (w1's 8000-byte gradient made):
+        # x's copy 400, w1's 4000, the extras 300 and mm1's incoming gradient 800
+        g = chain(w1=8000)
+        nodes = [dataclasses.replace(n, saves=("x", "w1"), saved_extra_bytes=600)
+                 if n.name == "mm1" else n for n in g.nodes]
+        g = OpGraph("chain", nodes, 8, "export", "loss")
+        c = costs(g, cluster(1, memory=2**40), FWD, BWD)
+        pred = simulate(g, Plan.single(g, "d:0").with_memory(precision="bf16"), c)
+        assert pred.memory["d:0"].activations_bytes == 5500
 
     def test_gpu_matmuls_run_at_the_half_peak_other_ops_at_half_the_bytes(self):
         g = chain()
