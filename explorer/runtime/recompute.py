@@ -203,10 +203,7 @@ class Recomputer:
         out = self.cache.get(key)
         if out is None:
             out = self._recompute(m, u, h, {})
-            self.cache[key] = out
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    self.tracker.add(t)
+            self._cache(key, out)
         t = out[k].as_strided(ref.size, ref.stride, ref.offset)
         self.pending[key] -= 1
         if self.pending[key] == 0:
@@ -227,13 +224,26 @@ class Recomputer:
             else:
                 if p not in memo:
                     cached = self.cache.get((m, u, p))
-                    memo[p] = cached if cached is not None else self._recompute(m, u, p, memo)
+                    if cached is None:
+                        cached = self._recompute(m, u, p, memo)
+                        if self.pending.get((m, u, p)):  # a later backward unpacks it
+                            self._cache((m, u, p), cached)
+                    memo[p] = cached
                 flat = memo[p]
                 lookup[L.names[p]] = (flat[0] if L.spec[p] is None
                                       else tree_unflatten(flat, L.spec[p]))
         with torch.no_grad():
             out = self.call(m, u, h, lookup)
         return tree_flatten(out)[0]
+
+    def _cache(self, key: tuple[int, int, int], out: list) -> None:
+        """Keep a recomputed output until the last backward that saved it has unpacked it:
+        each recomputed value is made once per micro-batch, as the unit's forward run again
+        makes it."""
+        self.cache[key] = out
+        for t in out:
+            if isinstance(t, torch.Tensor):
+                self.tracker.add(t)
 
     def _drop(self, val: Any) -> None:
         for t in tree_flatten(val)[0]:

@@ -237,9 +237,14 @@ class Shards:
         return out
 
     def local_shard(self, p: int, grad: torch.Tensor) -> torch.Tensor:
-        """This replica's shard of an already reduced gradient ``grad`` of ``p`` (a copy)."""
-        k = self.size(p)
-        return self._padded(p, grad)[self.index * k: (self.index + 1) * k].clone()
+        """This replica's shard of an already reduced gradient ``grad`` of ``p``: a view of it
+        where the shard lies inside it (ZeRO 1 keeps the full gradient until the optimizer
+        step, so no copy is made), else a copy padded with zeros."""
+        k, lo = self.size(p), self.index * self.size(p)
+        flat = grad.detach().reshape(-1)
+        if lo + k <= flat.numel():
+            return flat[lo: lo + k]
+        return self._padded(p, grad)[lo: lo + k].clone()
 
     def full_grad(self, p: int) -> torch.Tensor:
         """The whole gradient of ``p`` from every replica's gradient shard."""

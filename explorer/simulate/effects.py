@@ -21,13 +21,14 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
 from explorer.costs.strategies import (
     activation_bytes,
+    is_matmul_like,
     precision_time_factors,
     recompute_units,
     recomputed_outputs,
     shard_bytes,
 )
 from explorer.devices.cluster import Cluster
-from explorer.simulate.arrays import KIND_BUFFER, GraphArrays
+from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
 
 #: task kinds of the ZeRO collectives (on a stage's replica channel, like the all-reduces)
 REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
@@ -54,10 +55,20 @@ class StageEffects:
     dropped: np.ndarray  # [node] bool: its saved output is recomputed, not kept
     rc_op: np.ndarray  # [node] the op whose backward recomputes its output (or extras), -1
     shard: np.ndarray  # [node] bytes of one rank's shard of its weight (its bytes without ZeRO)
+    extra_bytes: np.ndarray  # [node] bytes saved besides outputs, under its stage's precision
     recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
+    #: recomputes from them (:func:`recompute_sources`)
+    sources: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+    #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
+    #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
+    #: that copy for its backward instead of the tensor itself
+    casts: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
 
     def apply_compute(self, graph: OpGraph, cluster: Cluster, plan: Plan, A: GraphArrays,
                       st: np.ndarray, fwd_d: np.ndarray, bwd_d: np.ndarray) -> None:
@@ -126,12 +137,56 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
             rc_op[i] = designee.get(int(key[i]), -1)
         d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
         dropped |= full_ops & d & (rc_op >= 0)
+    sources = recompute_sources(graph, A, st, dropped, rc_op)
+    half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
+    casts = []
+    for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
+        if not is_matmul_like(graph.nodes[v]):
+            continue
+        for name in graph.nodes[v].saves:
+            q = int(A.root_a[graph.index[name]])
+            if graph.nodes[q].dtype == "float32" and (
+                    A.kcode[q] == KIND_PARAM
+                    or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
+                casts.append((v, q))
+    cv = np.array(casts, dtype=np.int64).reshape(-1, 2)
+    # what a matmul-like op saves besides its inputs (the contiguous copies it makes of
+    # them) is made in its 2-byte compute dtype too
+    mm = np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
+    extra = np.where(mm & (act < A.out_b), A.extra // 2, A.extra)
     shard = A.pbytes.copy()
     for s in range(S):
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
-    return StageEffects(settings, zero, act, dropped, rc_op, shard)
+    return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
+                        casts=(cv[:, 0], cv[:, 1]))
+
+
+def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
+                      rc_op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, op) pairs: the kept values (roots) a recomputation starts from, each paired
+    with the op whose backward recomputes from it, so the value lives until then as if that
+    backward had saved it. A dropped output is recomputed from its inputs, through the
+    dropped outputs among them back to values that are kept (outputs made elsewhere, kept
+    outputs, received activations, graph inputs; weights are always there)."""
+    root, kcode, index = A.root_a, A.kcode, graph.index
+    pairs: set[tuple[int, int]] = set()
+    for h in np.flatnonzero(dropped & (rc_op >= 0)).tolist():
+        r = int(rc_op[h])
+        todo, seen = [h], {h}
+        while todo:
+            for name in graph.nodes[todo.pop()].inputs:
+                q = index[name]
+                if q in seen or kcode[q] in (KIND_PARAM, KIND_BUFFER):
+                    continue
+                seen.add(q)
+                if dropped[q] and rc_op[q] >= 0 and st[q] == st[h]:
+                    todo.append(q)
+                else:
+                    pairs.add((int(root[q]), r))
+    pv = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+    return pv[:, 0], pv[:, 1]
 
 
 def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray,

@@ -50,8 +50,20 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
         params[s] += A.out_bytes[p]
     root = A.root_a
-    # saved-for-backward: (producer root, node whose backward keeps it)
+    # saved-for-backward: (producer root, node whose backward keeps it); a recomputation's
+    # sources count as saved by the backward that recomputes from them
     sv_p_a, sv_v_a = A.saved
+    sv_p_any, sv_v_any = A.saved_any
+    if eff is not None and len(eff.casts[0]):  # (what autocast saved is a copy: below)
+        cast = np.isin(sv_v_a * N + sv_p_a, eff.casts[0] * N + eff.casts[1])
+        sv_p_a, sv_v_a = sv_p_a[~cast], sv_v_a[~cast]
+        cast = np.isin(sv_v_any * N + sv_p_any, eff.casts[0] * N + eff.casts[1])
+        sv_p_any, sv_v_any = sv_p_any[~cast], sv_v_any[~cast]
+    if eff is not None and len(eff.sources[0]):
+        src_p, src_v = eff.sources
+        sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
+        sv_p_any = np.concatenate([sv_p_any, src_p])
+        sv_v_any = np.concatenate([sv_v_any, src_v])
 
     # activation memory events: stage, time and bytes (an allocation positive, a free negative)
     ev_s: list[np.ndarray] = []
@@ -104,7 +116,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = A.extra
+    extra = A.extra if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         # (recomputed ones from their recomputation)
@@ -113,6 +125,14 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         for m in range(M):
             live(st[xs_], start_a[from_ + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
+    # bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
+    # micro-batch (a weight's whole, an activation's share of the micro-batch)
+    if eff is not None and len(eff.casts[0]):
+        cv, cq = eff.casts
+        size = np.where(kcode[cq] == KIND_PARAM, A.out_b[cq] // 2,
+                        size_on(A.out_b[cq] // 2, st[cv]))
+        for m in range(M):
+            live(st[cv], start_a[off_f[cv] + m * per_m], end_a[off_b[cv] + m * per_m], size)
     # activation gradients, as autograd and the runtime hold them. A consumer's backward
     # makes the gradient of each op it reads: a new tensor, or the consumer's own incoming
     # gradient handed on (views, getitem, same-size add, cat: see GraphArrays.hands_on). Per
@@ -213,7 +233,6 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         np.maximum.at(t1, k, end_a[tasks.succ_flat_a[idx]])
         np.minimum.at(t0, k, start_a[tasks.succ_flat_a[idx]])
         t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
-        sv_p_any, sv_v_any = A.saved_any
         sv_order = np.argsort(sv_p_any, kind="stable")
         sv_p_s, sv_v_s = sv_p_any[sv_order], sv_v_any[sv_order]
         xr = root[x_node]

@@ -108,11 +108,15 @@ def test_recomputation_is_exact(name, mode):
 
 
 def test_recomputation_lowers_the_measured_peak():
-    """Fewer activations are held: full recomputation keeps least, selective in between."""
+    """Fewer activations are held on every rank; on the fuller one full recomputation keeps
+    least, selective in between (on the last stage, running the unit of the head and loss
+    again can hold more than selective's kept matmul outputs)."""
     peak = {mode: _run("gpt", "stages", **({"recompute": mode} if mode else {})).peak_bytes
             for mode in (None, "selective", "full")}
     for d in peak[None]:
-        assert peak["full"][d] < peak["selective"][d] < peak[None][d]
+        assert peak["full"][d] < peak[None][d] and peak["selective"][d] < peak[None][d]
+    assert max(peak["full"].values()) < max(peak["selective"].values()) \
+        < max(peak[None].values())
 
 
 # bf16 keeps 8 bits of mantissa (a relative rounding of 2**-9 per value), fp16 11 bits (2**-12);

@@ -7,6 +7,8 @@ weights for activations. Forward times 1, 2, 3, 4 s and backward 10, 20, 30, 40 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from builders import cluster, costs
 
@@ -130,14 +132,17 @@ class TestRecompute:
         assert pred.step_s == pytest.approx(110.0 + 2.0)
         assert backward_s(pred, "mm2") == pytest.approx(32.0)
 
-    def test_selective_keeps_one_micro_batch_of_cheap_outputs_fewer(self):
+    def test_selective_keeps_what_it_recomputes_from(self):
         # GPipe, 2 micro-batches (half the bytes each). Without recomputation the peak is in
         # micro-batch 0's relu1 backward: its x 400, relu1 800, relu1's and mm1's gradients
         # 800 each, and micro-batch 1's x 400, relu1 800 and loss 2 = 4002. Recomputed,
-        # micro-batch 1's relu1 is not kept: 3202
+        # relu1 is not kept but mm1 (which nobody saves otherwise) is, until mm2's backward
+        # recomputes relu1 from it; in micro-batch 0's mm2 backward: x 400, mm1 800, relu1
+        # again 800, mm2's gradient 400, relu1's 800, and micro-batch 1's x 400, mm1 800 and
+        # loss 2 = 4402 (relu1 and its source are the same size: selective saves nothing)
         assert self.run(chain(), 2).memory["d:0"].activations_bytes == 4002
         assert self.run(chain(), 2, recompute="selective").memory["d:0"].activations_bytes \
-            == 3202
+            == 4402
 
     def test_full_reruns_every_unit_forward(self):
         # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss): every forward once more
@@ -163,14 +168,28 @@ class TestRecompute:
 class TestPrecision:
     def test_cpu_autocast_halves_activations_and_keeps_times(self):
         # on CPU ranks sum follows its input: every op's output is 2-byte, the input not.
-        # The peak (relu1's backward): x 800 + relu1, its gradient and mm1's 800 each
+        # mm1 saves autocast's 2-byte copy of x (400), not x. The peak (relu1's backward):
+        # x's copy 400 + relu1, its gradient and mm1's 800 each
         g = chain()
         cl = cluster(1, memory=2**40)
         c = costs(g, cl, FWD, BWD)
         plan = Plan.single(g, "d:0")
         pred = simulate(g, plan.with_memory(precision="bf16"), c)
-        assert pred.memory["d:0"].activations_bytes == 3200
+        assert pred.memory["d:0"].activations_bytes == 2800
         assert pred.step_s == simulate(g, plan, c).step_s
+
+    def test_matmuls_save_two_byte_copies_of_their_weights_and_extras(self):
+        # mm1 also saves w1 (8000 bytes, fp32 master weight): its 4000-byte copy lives from
+        # mm1's forward to its backward; and 600 bytes mm1 saves besides its inputs are made
+        # in bf16 (300). The peak moves to mm1's backward (w1's 8000-byte gradient made):
+        # x's copy 400, w1's 4000, the extras 300 and mm1's incoming gradient 800
+        g = chain(w1=8000)
+        nodes = [dataclasses.replace(n, saves=("x", "w1"), saved_extra_bytes=600)
+                 if n.name == "mm1" else n for n in g.nodes]
+        g = OpGraph("chain", nodes, 8, "export", "loss")
+        c = costs(g, cluster(1, memory=2**40), FWD, BWD)
+        pred = simulate(g, Plan.single(g, "d:0").with_memory(precision="bf16"), c)
+        assert pred.memory["d:0"].activations_bytes == 5500
 
     def test_gpu_matmuls_run_at_the_half_peak_other_ops_at_half_the_bytes(self):
         g = chain()
