@@ -187,15 +187,20 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     checks.append(("replica_spread", finite_number(d.get("replica_spread", 0.0))))
     opt = d.get("optimizer_contention", 1.0)
     checks.append(("optimizer_contention", finite_number(opt) and opt > 0))
+    held = d.get("workspace_bytes", 0)
+    checks.append(("workspace_bytes", isinstance(held, int) and not isinstance(held, bool)
+                   and 0 <= held < 2**50))
     for k, ok in checks:
         if not ok:
-            return f"{k} is not {_WHAT.get(k, f'a list of {n} finite numbers >= 0, one per node')}"
+            per_node = f"a list of {n} times of 0 to {MAX_OP_S:g} s, one per node"
+            return f"{k} is not {_WHAT.get(k, per_node)}"
     return None
 
 
 _WHAT = {"source": "a list of texts, one per node",
          "overhead_s": "a finite number >= 0", "replica_spread": "a finite number >= 0",
          "optimizer_contention": "a finite number > 0",
+         "workspace_bytes": "a whole number of bytes >= 0",
          "optimizer_s_per_byte": "a table of finite numbers >= 0",
          "optimizer_s_per_tensor": "a table of finite numbers >= 0",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
@@ -203,8 +208,13 @@ _WHAT = {"source": "a list of texts, one per node",
          "bwd_at": "one list of times per node for each fraction"}
 
 
+#: no op of a training step takes longer than this: a larger cached time is damage
+MAX_OP_S = 1e6
+
+
 def _times(xs: Any, n: int) -> bool:
-    return isinstance(xs, list) and len(xs) == n and all(finite_number(x) for x in xs)
+    return isinstance(xs, list) and len(xs) == n and all(finite_number(x) and x <= MAX_OP_S
+                                                         for x in xs)
 
 
 def store(path: Path, dc: DeviceCosts) -> None:

@@ -141,7 +141,10 @@ def test_the_valid_entry_is_used(cache_home, monkeypatch):
 
 
 @pytest.mark.parametrize("damage,why", [
-    ({"fwd_s": [1e-3]}, r"fwd_s is not a list of 5 finite numbers >= 0"),
+    ({"fwd_s": [1e-3]}, r"fwd_s is not a list of 5 times of 0 to 1e\+06 s"),
+    ({"fwd_s": [1e300] * 5}, r"fwd_s is not a list of 5 times of 0 to 1e\+06 s"),
+    ({"workspace_bytes": -1}, r"workspace_bytes is not a whole number of bytes"),
+    ({"workspace_bytes": "32 MiB"}, r"workspace_bytes is not a whole number of bytes"),
     ({"bwd_s": ["1e-3"] * 5}, r"bwd_s is not a list of 5"),
     ({"overhead_s": float("nan")}, r"overhead_s is not a finite number >= 0"),
     ({"fwd_at": [[float("inf")] * 5]}, r"fwd_at is not one list of times per node"),
