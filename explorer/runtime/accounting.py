@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class MemTracker:
@@ -38,7 +39,7 @@ class MemTracker:
                 self.drop(t)
 
     def add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
+        st = _storage(t)
         key = st.data_ptr()
         if key == 0:
             return
@@ -54,7 +55,7 @@ class MemTracker:
         if self._held is not None:
             self._held.append(t)  # (keeps the storage, so its address is not reused meanwhile)
             return
-        key = t.untyped_storage().data_ptr()
+        key = _storage(t).data_ptr()
         ref = self.refs.get(key)
         if ref is None:
             return
@@ -70,6 +71,14 @@ class MemTracker:
         """A context in which every tensor autograd saves is counted while it is held."""
         return torch.autograd.graph.saved_tensors_hooks(lambda t: SavedTensor(t, self),
                                                         lambda s: s.t)
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage a tensor uses on this rank (a DTensor's: its local shard's)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
 
 
 class SavedTensor:

@@ -147,7 +147,7 @@ def replica_group(plan: Plan, stage: int) -> Any:
     mine = None
     for k, st in enumerate(plan.stages):
         ranks = [plan.devices.index(d) for d in st]
-        if len(ranks) > 1:
+        if plan.replicas_of(k) > 1:
             g = dist.new_group(ranks)
             if k == stage:
                 mine = g

@@ -13,7 +13,7 @@ import json
 import operator
 import pickle
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,12 +164,14 @@ class Job:
     loss: str
     #: what random ops draw from (:func:`explorer.runtime.stage.draw_seed`)
     seed: int = 0
+    #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
+    placements: dict[str, str] = field(default_factory=dict)
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0) -> None:
+              seed: int = 0, placements: dict[str, str] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`."""
     folder.mkdir(parents=True, exist_ok=True)
     calls, state = program_calls(program, len(inputs))
@@ -180,7 +182,7 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed}))
+        "seed": seed, "placements": placements or {}}))
 
 
 def read_job(folder: Path) -> Job:
@@ -201,4 +203,5 @@ def read_job(folder: Path) -> Job:
     return Job([OpCall(**c) for c in prog["calls"]], prog["state"],
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
-               meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)))
+               meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)),
+               dict(meta.get("placements", {})))

@@ -64,14 +64,17 @@ class RankLayout:
         self.nflat = [c.nflat for c in calls]
         # this rank's stage, replica and shards
         self.s = plan.stage_of_device(self.device_id)
-        reps = [len(st) for st in plan.stages]
+        reps = [plan.replicas_of(k) for k in range(len(plan.stages))]
         self.shards = max(reps)
+        #: this stage's tensor-parallel degree: its ranks split each layer that many ways
+        self.tensor = plan.tensor_of(self.s)
         for k, r in enumerate(reps):
             if self.shards % r:
                 raise ExplorerError(f"stage {k} has {r} replicas, which does not divide the "
                                     f"largest replica count {self.shards}; use replica counts "
                                     "that divide each other (1, 2, 4, 8)")
-        self.j = plan.stages[self.s].index(self.device_id)  # replica index in the stage
+        # replica index in the stage (its devices are replicas x tensor, row-major)
+        self.j = plan.stages[self.s].index(self.device_id) // self.tensor
         per = self.shards // reps[self.s]
         self.units = list(range(self.j * per, (self.j + 1) * per))
         self.micro_batches = plan.micro_batches

@@ -11,6 +11,7 @@ from explorer.core.errors import ExplorerError
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
+from explorer.runtime.tensor_parallel import TensorMesh, full
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -36,7 +37,8 @@ class Weights:
     """
 
     def __init__(self, layout: RankLayout, state: dict[str, torch.Tensor], lr: float,
-                 messenger: Messenger, tracker: MemTracker, group: Any, record: bool) -> None:
+                 messenger: Messenger, tracker: MemTracker, group: Any, record: bool,
+                 mesh: TensorMesh | None = None) -> None:
         L = self.layout = layout
         self.messenger, self.tracker, self.record = messenger, tracker, record
         weight = [k in ("param", "buffer") for k in L.kind]
@@ -46,6 +48,8 @@ class Weights:
         self.value: dict[int, torch.Tensor] = {}
         for i in self.owned + self.used_remote:
             t = state[L.names[i]].detach().to(L.tdev).clone()
+            if mesh is not None:  # a tensor-parallel stage: its shard, as a DTensor
+                t = mesh.distribute(L.names[i], t)
             if L.kind[i] == "param" and t.is_floating_point():
                 t.requires_grad_(True)
             self.value[i] = t
@@ -123,7 +127,7 @@ class Weights:
             else:
                 p.grad.copy_(reduced)
         if self.record and self.first_grads is None:
-            self.first_grads = {L.names[i]: self.value[i].grad.detach().cpu().clone()
+            self.first_grads = {L.names[i]: full(self.value[i].grad.detach()).cpu().clone()
                                 for i in self.owned if L.kind[i] == "param"
                                 and self.value[i].grad is not None}
         if self.optimizer is not None:

@@ -29,6 +29,7 @@ from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, 
 from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import Weights
+from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
 class _Entry(torch.autograd.Function):
@@ -76,8 +77,12 @@ class StageRunner:
         L = self.layout = RankLayout(job, rank, world, local_rank)
         self.tracker = MemTracker()
         self.messenger = Messenger(L.tdev)
-        self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker,
-                               replica_group(L.plan, L.s), job.record)
+        group = replica_group(L.plan, L.s)
+        #: the stage's tensor mesh (None unless it is tensor-parallel): every value an op
+        #: reads is a DTensor on it
+        self.mesh = TensorMesh.of_stage(L.plan, L.s, L.tdev.type, job.placements)
+        self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
+                               job.record, self.mesh)
         self.actions = job.schedule[L.s]
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
         self.slots: dict[Key, list] = {}
@@ -159,6 +164,8 @@ class StageRunner:
             env = self.env[(m, u)]
             if p not in env:
                 env[p] = self._batch(m, u, p)
+                if self.mesh is not None:
+                    env[p] = self.mesh.enter(env[p])
                 self.tracker.add(env[p])
                 self.fwd_left[(m, u, p)] = L.local_consumers(p)
             return env[p]
@@ -178,6 +185,8 @@ class StageRunner:
                 self.received[rk] = val
                 self.fwd_left[rk] = L.local_consumers(p)
             val = self.received[rk]
+        if self.mesh is not None:
+            val = self.mesh.enter(val)
         flat, spec = tree_flatten(val)
         wrapped = []
         for t in flat:
@@ -212,6 +221,8 @@ class StageRunner:
                                                  m * L.shards + u, i))
         with tracker.saving():
             out = L.targets[i](*args, **kwargs)
+            if self.mesh is not None and L.names[i] == L.loss_name:
+                out = self.mesh.whole(out)  # the loss, whole on every rank
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
@@ -224,7 +235,7 @@ class StageRunner:
         for t in L.remote_stages(i):
             self.messenger.send(out, L.peer(t, u), L.tag(ACTIVATION, m, u, i))
         if L.names[i] == L.loss_name:
-            self.losses.append(float(out.detach()))
+            self.losses.append(float(local(out.detach())))
         # inputs whose last local forward use this was can go
         for p in L.preds[i]:
             k = (m, u, p)

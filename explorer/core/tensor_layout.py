@@ -1,0 +1,142 @@
+"""Tensor-parallel layouts derived from the graph, Megatron-style: which weights a stage's tensor
+devices split, along which dimension, which ops then run on a share of the work, and what each
+split block all-reduces.
+
+Linears are paired within their parent module, in graph order: the first of a pair is
+column-parallel (weight and bias split along the output features, ``Shard(0)``), the second
+row-parallel (weight split along the input features, ``Shard(1)``; bias whole), so the
+activations between them stay split and the block all-reduces its output once in the forward
+and its input's gradient once in the backward (Megatron-LM's MLP and attention blocks). An
+embedding of the batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up
+its rows, the output is all-reduced). Everything else is replicated. Placements are DTensor's, written as text
+(``"Shard(0)"``, ``"Replicate()"``) so plans and simulators need no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+
+REPLICATE = "Replicate()"
+LINEAR_OPS = ("aten.linear.default",)
+EMBEDDING_OPS = ("aten.embedding.default",)
+
+
+def shard(dim: int) -> str:
+    return f"Shard({dim})"
+
+
+def shard_dim(placement: str) -> int | None:
+    """The dimension a ``"Shard(d)"`` placement splits; None for ``"Replicate()"``."""
+    if placement.startswith("Shard(") and placement.endswith(")"):
+        return int(placement[len("Shard("):-1])
+    return None
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a ``degree``-way tensor split of a graph does, by node name.
+
+    ``placements``: each split parameter's placement (absent: replicated). ``split_ops``: ops
+    whose work is shared by the tensor devices (1/degree each). ``reduce_forward`` /
+    ``reduce_backward``: bytes all-reduced over the tensor devices after an op's forward, or in
+    its backward (the gradient of its input).
+    """
+
+    degree: int
+    placements: dict[str, str] = field(default_factory=dict)
+    split_ops: frozenset[str] = frozenset()
+    reduce_forward: dict[str, int] = field(default_factory=dict)
+    reduce_backward: dict[str, int] = field(default_factory=dict)
+
+    def placement(self, param: str) -> str:
+        return self.placements.get(param, REPLICATE)
+
+    def is_sharded(self, param: str) -> bool:
+        return param in self.placements
+
+
+def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
+    """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter."""
+    node = graph.nodes[op]
+    params = [graph.index[p] for p in node.inputs if graph.nodes[graph.index[p]].kind == "param"]
+    if not params or len(graph.nodes[params[0]].shapes[0]) != 2:
+        return None
+    return params[0], params[1] if len(params) > 1 else None
+
+
+def _divides(graph: OpGraph, param: int, dim: int, degree: int) -> bool:
+    return graph.nodes[param].shapes[0][dim] % degree == 0
+
+
+def _activation_in(graph: OpGraph, op: int) -> int | None:
+    """The op's first input that is not a weight (its activation)."""
+    for p in graph.nodes[op].inputs:
+        if graph.nodes[graph.index[p]].kind in ("op", "input"):
+            return graph.index[p]
+    return None
+
+
+def _reach(edges: list[list[int]], start: int) -> set[int]:
+    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded)."""
+    seen: set[int] = set()
+    todo = list(edges[start])
+    while todo:
+        k = todo.pop()
+        if k not in seen:
+            seen.add(k)
+            todo.extend(edges[k])
+    return seen
+
+
+def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
+    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text)."""
+    if degree <= 1:
+        return TensorLayout(degree)
+    nodes = graph.nodes
+    placements: dict[str, str] = {}
+    split: set[str] = set()
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    by_parent: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
+            by_parent.setdefault(n.module_path.rpartition(".")[0], []).append(i)
+        if n.kind == "op" and n.op in EMBEDDING_OPS:
+            w = _weight(graph, i)
+            ids = [graph.index[p] for p in n.inputs if nodes[graph.index[p]].kind == "input"]
+            if w is not None and ids and _divides(graph, w[0], 0, degree):
+                placements[nodes[w[0]].name] = shard(0)
+                split.add(n.name)
+                fwd[n.name] = n.out_bytes
+    for ops in by_parent.values():
+        for col, row in zip(ops[0::2], ops[1::2], strict=False):
+            wc, bc = _weight(graph, col)  # type: ignore[misc]
+            wr, _ = _weight(graph, row)  # type: ignore[misc]
+            after = _reach(graph.succs, col)
+            between = after & _reach(graph.preds, row)
+            if row not in after or not (
+                    _divides(graph, wc, 0, degree) and _divides(graph, wr, 1, degree)):
+                continue
+            placements[nodes[wc].name] = shard(0)
+            if bc is not None:
+                placements[nodes[bc].name] = shard(0)
+            placements[nodes[wr].name] = shard(1)
+            split.update(nodes[k].name for k in {col, row, *between} if nodes[k].kind == "op")
+            fwd[nodes[row].name] = nodes[row].out_bytes
+            x = _activation_in(graph, col)
+            if x is not None and nodes[x].requires_grad:
+                bwd[nodes[col].name] = nodes[x].out_bytes
+    return TensorLayout(degree, placements, frozenset(split), fwd, bwd)
+
+
+def plan_placements(graph: OpGraph, plan: Plan) -> dict[str, str]:
+    """The placement of every weight a tensor-parallel stage of ``plan`` splits."""
+    out: dict[str, str] = {}
+    for s in range(len(plan.stages)):
+        if plan.tensor_of(s) > 1:
+            layout = megatron_layout(graph, plan.tensor_of(s))
+            out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
+    return out

@@ -1,0 +1,80 @@
+"""Tensor parallelism on one stage: its weights as DTensors on a device mesh of the stage's
+ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and every tensor
+an op reads as a DTensor, so the exported program's ATen calls run unchanged and DTensor's
+sharding propagation and redistribution do the communication.
+
+Values leave the DTensor world only at the stage's edges: the loss, and the memory accounting
+(which counts each rank's local shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
+
+from explorer.core.errors import ExplorerError
+from explorer.core.plan import Plan
+from explorer.core.tensor_layout import REPLICATE, shard_dim
+
+
+def check_supported(plan: Plan) -> None:
+    """The runtime runs tensor parallelism on plans of one stage split by tensor alone."""
+    if not plan.uses_tensor_parallel:
+        return
+    if len(plan.stages) > 1 or plan.replicas_of(0) > 1:
+        raise ExplorerError("the runtime runs tensor-parallel plans of one stage whose devices "
+                            "all split each layer (no pipeline stages, no replicas) so far; "
+                            "simulate this plan instead, or use tensor = the stage's devices")
+
+
+class TensorMesh:
+    """One rank's view of its stage's tensor mesh and the layout of its weights."""
+
+    def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]) -> None:
+        self.mesh = DeviceMesh(device_type, ranks)
+        self.placements = placements
+
+    @classmethod
+    def of_stage(cls, plan: Plan, stage: int, device_type: str, placements: dict[str, str]
+                 ) -> TensorMesh | None:
+        """The mesh of ``stage``'s ranks, or None where the stage is not tensor-parallel."""
+        if plan.tensor_of(stage) == 1:
+            return None
+        check_supported(plan)
+        return cls(device_type, [plan.devices.index(d) for d in plan.stages[stage]], placements)
+
+    def distribute(self, name: str, t: torch.Tensor) -> DTensor:
+        """Weight ``name`` (the same whole tensor on every rank) as its placement says; each
+        rank keeps its shard, nothing is sent."""
+        dim = shard_dim(self.placements.get(name, REPLICATE))
+        placement = Replicate() if dim is None else Shard(dim)
+        return distribute_tensor(t, self.mesh, [placement], src_data_rank=None)
+
+    def enter(self, value: Any) -> Any:
+        """``value`` with every plain tensor in it as a replicated DTensor (the batch, buffers,
+        constants the program makes)."""
+        return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Replicate()],
+                                                     run_check=False)
+                        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
+                        value)
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` replicated on every rank (all-reduced or all-gathered as its placement needs);
+        differentiable."""
+        return t.redistribute(self.mesh, [Replicate()]) if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or ``t`` itself."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from every rank of a DTensor), or ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
