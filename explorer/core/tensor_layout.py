@@ -8,8 +8,8 @@ row-parallel (weight split along the input features, ``Shard(1)``; bias whole), 
 activations between them stay split and the block all-reduces its output once in the forward
 and its input's gradient once in the backward (Megatron-LM's MLP and attention blocks). An
 embedding of the batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up
-its rows, the output is all-reduced). Everything else is replicated. Placements are DTensor's, written as text
-(``"Shard(0)"``, ``"Replicate()"``) so plans and simulators need no torch.
+its rows, the output is all-reduced). Everything else is replicated. Placements are DTensor's,
+written as text (``"Shard(0)"``, ``"Replicate()"``) so plans and simulators need no torch.
 """
 
 from __future__ import annotations
