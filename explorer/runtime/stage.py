@@ -216,6 +216,8 @@ class StageRunner:
         args = fill_refs(call.args, lookup)
         kwargs = fill_refs(call.kwargs, lookup)
         tracker = self.tracker
+        if L.random[i] and self.mesh is not None:
+            args, kwargs = self.mesh.gathered((args, kwargs))
         if L.random[i]:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))

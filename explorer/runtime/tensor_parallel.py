@@ -61,6 +61,13 @@ class TensorMesh:
                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
                         value)
 
+    def gathered(self, value: Any) -> Any:
+        """``value`` with every DTensor in it whole on every rank. A random op (dropout) runs
+        on whole values: every rank draws the one mask a single device would from the same
+        seed, so runs repeat, shards never share a mask, and any plan draws what one device
+        does (at the price of an all-gather before the op where its input was split)."""
+        return tree_map(lambda t: self.whole(t) if isinstance(t, DTensor) else t, value)
+
     def whole(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` replicated on every rank (all-reduced or all-gathered as its placement needs);
         differentiable."""
