@@ -11,6 +11,7 @@ from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
+from explorer.simulate.tensor import per_device
 
 
 def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
@@ -30,7 +31,8 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     params = [0] * S
     bufs = [0] * S
     opt = [0] * S
-    kinds, rg, param_bytes = A.kinds, A.rg, A.param_bytes
+    kinds, rg = A.kinds, A.rg
+    param_bytes = per_device(graph, plan, A.param_bytes)  # (split weights: a device's share)
     for i in np.flatnonzero(A.pbytes).tolist():
         s = stage[i]
         if kinds[i] == "buffer":
@@ -226,7 +228,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             opt_end[tasks.res[t]] = end[t]
         elif tasks.kind[t] != ALLREDUCE:
             break  # the optimizer steps are the last tasks (with the all-reduces)
-    pbytes = A.pbytes
+    pbytes = per_device(graph, plan, A.pbytes)
     holds = (pbytes != 0) & (kcode != KIND_BUFFER) & (rg | is_op)
     own_ops = np.flatnonzero(holds & is_op)
     sel = holds[e_p] & ~is_op[e_p]
