@@ -38,7 +38,8 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                      fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
     """Set the forward and backward seconds of the ops each tensor-parallel stage splits, and
     add the all-reduces the layout implies to the ops that wait for them; the bytes those
-    all-reduces move in a step (every device's sends, micro-batches included)."""
+    all-reduces move in a step (every device's sends: a ring of k moves 2 (k - 1) times the
+    tensor, for every tensor group and micro-batch)."""
     A = GraphArrays.of(graph)
     index, has_b, M = graph.index, A.has_b, plan.micro_batches
     moved = 0
@@ -58,7 +59,7 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                     continue
                 size = int(nbytes * frac[s])
                 times[i] += costs.allreduce_s(group, size)
-                moved += 2 * (k - 1) * size * M
+                moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
     return moved
 
 
