@@ -156,6 +156,24 @@ class TestStageSettings:
         with pytest.raises(PlanError, match=match):
             two_stage.with_memory(**kw)
 
+    def test_tensor_degree_round_trips_as_version_3(self, two_stage, chain3, tmp_path):
+        plan = two_stage.with_tensor(2, stages=[1])
+        assert (plan.tensor_of(0), plan.tensor_of(1), plan.replicas_of(1)) == (1, 2, 1)
+        assert plan.data_parallel == 1 and plan.settings_of(1).describe() == "tensor 2"
+        path = plan.save(tmp_path / "p.json")
+        d = json.loads(path.read_text())
+        assert d["version"] == 3 and d["stage_settings"][1]["tensor"] == 2
+        assert "tensor" not in d["stage_settings"][0]
+        assert Plan.load(path, chain3) == plan
+
+    def test_tensor_degree_must_divide_the_stage(self, two_stage, chain3, tmp_path):
+        with pytest.raises(PlanError, match="stage 0 has 1 devices, which a tensor-parallel"):
+            two_stage.with_tensor(2)
+        d = two_stage.with_tensor(2, stages=[1]).to_dict()
+        d["stage_settings"][1]["tensor"] = 3
+        with pytest.raises(PlanError, match="degree 3 does not divide"):
+            Plan.from_dict(d, chain3)
+
     def test_settings_for_the_wrong_number_of_stages_are_refused(self, two_stage, chain3):
         bad = replace(two_stage, stage_settings=(StageSettings(zero=1),))
         with pytest.raises(PlanError, match="memory settings for 1 stages but 2"):

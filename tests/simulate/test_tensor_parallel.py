@@ -92,3 +92,19 @@ def test_tensor_and_data_parallel_in_one_stage(block):
     assert pred.step_s == pytest.approx(fwd + bwd, rel=1e-9)
     tensor_bytes = 2 * (2 * 1 * 500)  # two tensor groups, one forward and one backward each
     assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
+
+
+def test_gpt_layout_splits_every_block_and_the_token_embedding():
+    bm = ex.builtin_model("gpt", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    lay = megatron_layout(graph, 2)
+    for b in range(2):
+        for col, row in (("attn.qkv", "attn.proj"), ("mlp.fc", "mlp.proj")):
+            assert lay.placement(f"blocks.{b}.{col}.weight") == "Shard(0)"
+            assert lay.placement(f"blocks.{b}.{col}.bias") == "Shard(0)"
+            assert lay.placement(f"blocks.{b}.{row}.weight") == "Shard(1)"
+            assert lay.placement(f"blocks.{b}.{row}.bias") == "Replicate()"
+    assert lay.placement("tok_emb.weight") == "Shard(0)"
+    assert not lay.is_sharded("pos_emb.weight") and not lay.is_sharded("lm_head.weight")
+    # forward: the embedding and each block's output; backward: each block's input gradient
+    assert len(lay.reduce_forward) == 1 + 4 and len(lay.reduce_backward) == 4
