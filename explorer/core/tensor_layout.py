@@ -6,7 +6,9 @@ Linears are paired within their parent module, in graph order: the first of a pa
 column-parallel (weight and bias split along the output features, ``Shard(0)``), the second
 row-parallel (weight split along the input features, ``Shard(1)``; bias whole), so the
 activations between them stay split and the block all-reduces its output once in the forward
-and its input's gradient once in the backward (Megatron-LM's MLP and attention blocks). An
+and its input's gradient once in the backward (Megatron-LM's MLP block). A pair with anything
+but element-wise ops between them (attention with a fused query-key-value projection, whose
+split into heads needs whole features) stays replicated. An
 embedding of the batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up
 its rows, the output is all-reduced). Everything else is replicated. Placements are DTensor's,
 written as text (``"Shard(0)"``, ``"Replicate()"``) so plans and simulators need no torch.
@@ -20,6 +22,16 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 
 REPLICATE = "Replicate()"
+#: ops that act element by element (activations, dropout, scaling, gating): between a
+#: column- and a row-parallel linear they run on the split features as they are. Anything
+#: else between two linears (a split into heads, a reshape) would need the whole features, so
+#: such a pair stays whole (DTensor would gather the features back, which is no saving)
+POINTWISE = frozenset(f"aten.{op}" for op in (
+    "relu.default", "gelu.default", "silu.default", "tanh.default", "sigmoid.default",
+    "dropout.default", "mul.Tensor", "mul.Scalar", "add.Tensor", "sub.Tensor", "div.Tensor",
+    "div.Scalar", "neg.default", "pow.Tensor_Scalar", "erf.default", "exp.default",
+    "clone.default", "alias.default", "native_dropout.default", "hardtanh.default",
+    "leaky_relu.default", "elu.default", "mish.default"))
 LINEAR_OPS = ("aten.linear.default",)
 EMBEDDING_OPS = ("aten.embedding.default",)
 
@@ -117,7 +129,7 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
             wr, _ = _weight(graph, row)  # type: ignore[misc]
             after = _reach(graph.succs, col)
             between = after & _reach(graph.preds, row)
-            if row not in after or not (
+            if row not in after or any(nodes[k].op not in POINTWISE for k in between) or not (
                     _divides(graph, wc, 0, degree) and _divides(graph, wr, 1, degree)):
                 continue
             placements[nodes[wc].name] = shard(0)

@@ -94,17 +94,19 @@ def test_tensor_and_data_parallel_in_one_stage(block):
     assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
 
 
-def test_gpt_layout_splits_every_block_and_the_token_embedding():
+def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
+    """The attention's fused qkv is split into heads (a split and views between its linears):
+    it stays whole."""
     bm = ex.builtin_model("gpt", "tiny")
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
     lay = megatron_layout(graph, 2)
     for b in range(2):
-        for col, row in (("attn.qkv", "attn.proj"), ("mlp.fc", "mlp.proj")):
-            assert lay.placement(f"blocks.{b}.{col}.weight") == "Shard(0)"
-            assert lay.placement(f"blocks.{b}.{col}.bias") == "Shard(0)"
-            assert lay.placement(f"blocks.{b}.{row}.weight") == "Shard(1)"
-            assert lay.placement(f"blocks.{b}.{row}.bias") == "Replicate()"
+        assert lay.placement(f"blocks.{b}.mlp.fc.weight") == "Shard(0)"
+        assert lay.placement(f"blocks.{b}.mlp.fc.bias") == "Shard(0)"
+        assert lay.placement(f"blocks.{b}.mlp.proj.weight") == "Shard(1)"
+        assert lay.placement(f"blocks.{b}.mlp.proj.bias") == "Replicate()"
+        assert not any(lay.is_sharded(f"blocks.{b}.attn.{w}.weight") for w in ("qkv", "proj"))
     assert lay.placement("tok_emb.weight") == "Shard(0)"
     assert not lay.is_sharded("pos_emb.weight") and not lay.is_sharded("lm_head.weight")
-    # forward: the embedding and each block's output; backward: each block's input gradient
-    assert len(lay.reduce_forward) == 1 + 4 and len(lay.reduce_backward) == 4
+    # forward: the embedding and each MLP's output; backward: each MLP's input gradient
+    assert len(lay.reduce_forward) == 1 + 2 and len(lay.reduce_backward) == 2
