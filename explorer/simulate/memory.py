@@ -11,7 +11,7 @@ from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
-from explorer.simulate.tensor import per_device
+from explorer.simulate.tensor import activations_per_device, per_device
 
 
 def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
@@ -26,7 +26,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     start, end = timing.start, timing.end
     start_a, end_a = timing.arrays
     frac = np.asarray(tasks.batch_fraction)
-    out_b = A.out_b
+    out_b = activations_per_device(graph, plan, A.out_b)  # (split activations: a share)
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
     bufs = [0] * S
@@ -95,7 +95,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = A.extra
+    extra = activations_per_device(graph, plan, A.extra)
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         for m in range(M):

@@ -7,7 +7,8 @@ the layout implies (a row-parallel block's output in the forward, a column-paral
 input gradient in the backward, a vocabulary-parallel embedding's output) runs inside the op
 that needs it, on the links of one tensor group of the stage, as DTensor does it in the
 runtime: the op waits for it. Split weights hold ``1 / tensor`` of their bytes on each device,
-and so do their gradients and optimizer state. Stages with a tensor degree of 1 are untouched.
+and so do their gradients and optimizer state, and the activations the layout keeps split
+(and their gradients). Stages with a tensor degree of 1 are untouched.
 """
 
 from __future__ import annotations
@@ -66,12 +67,24 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
 def per_device(graph: OpGraph, plan: Plan, nbytes):
     """``nbytes`` (a list or array of bytes per node) with each weight a tensor-parallel stage
     splits divided by its degree: what one device holds. ``nbytes`` itself where none is."""
+    return _divided(graph, plan, nbytes, lambda lay: lay.placements)
+
+
+def activations_per_device(graph: OpGraph, plan: Plan, nbytes):
+    """``nbytes`` (per node) with the outputs a tensor-parallel stage keeps split divided by
+    its degree: those of the split ops but the ones whose output is all-reduced (a
+    row-parallel linear's or an embedding's partial sums are whole tensors)."""
+    return _divided(graph, plan, nbytes,
+                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward])
+
+
+def _divided(graph: OpGraph, plan: Plan, nbytes, names):
     split = layouts(graph, plan)
     if not split:
         return nbytes
     out = nbytes.copy()
     for s, layout in split.items():
-        for name in layout.placements:
+        for name in names(layout):
             if plan.stage_of(name) == s:
                 out[graph.index[name]] //= layout.degree
     return out

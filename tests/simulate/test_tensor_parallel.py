@@ -70,8 +70,12 @@ def test_split_block_times_bytes_and_memory_by_hand(block):
     one = ex.simulate(block, ex.Plan.from_assignment(block, [("d:0",)], ops), cm)
     assert one.step_s == pytest.approx(sum(FWD.values()) + sum(BWD.values()), rel=1e-12)
     assert one.memory["d:0"].params_bytes == 288
-    # at the peak (the last backward) only fc2's weight gradient is held: 128 B whole, half
-    assert (one.memory["d:0"].grads_bytes, mem.grads_bytes) == (128, 64)
+    # the split activations (fc1's and act's outputs, 2000 B each) are halved; the peaks the
+    # simulator finds: one device in fc2's backward (its weight gradient, 128 B, and 4000 B of
+    # activations), the split stage at the end of the backward (every weight gradient's share)
+    one_mem = one.memory["d:0"]
+    assert (one_mem.grads_bytes, one_mem.activations_bytes) == (128, 4000)
+    assert (mem.grads_bytes, mem.activations_bytes) == (144, 2000)
 
 
 def test_tensor_and_data_parallel_in_one_stage(block):
