@@ -130,7 +130,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
-    check_supported(plan)
+    check_supported(graph, plan)
     try:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
     except PlanError as e:

@@ -74,7 +74,10 @@ class RankLayout:
                                     f"largest replica count {self.shards}; use replica counts "
                                     "that divide each other (1, 2, 4, 8)")
         # replica index in the stage (its devices are replicas x tensor, row-major)
-        self.j = plan.stages[self.s].index(self.device_id) // self.tensor
+        at = plan.stages[self.s].index(self.device_id)
+        self.j = at // self.tensor
+        #: this rank's place in its replica's tensor group
+        self.tj = at % self.tensor
         per = self.shards // reps[self.s]
         self.units = list(range(self.j * per, (self.j + 1) * per))
         self.micro_batches = plan.micro_batches
@@ -90,10 +93,24 @@ class RankLayout:
         """The tag of a message about ``node`` (see :func:`message_tag`)."""
         return message_tag(kind, micro_batch, shard, node, self.shards, len(self.names))
 
-    def peer(self, stage: int, shard: int) -> int:
-        """The rank of ``stage`` that holds shard ``shard``."""
-        st = self.plan.stages[stage]
-        return self.plan.devices.index(st[shard // (self.shards // len(st))])
+    def replica_ranks(self, stage: int, shard: int) -> list[int]:
+        """The ranks of ``stage``'s replica that holds shard ``shard`` (its tensor group)."""
+        st, k = self.plan.stages[stage], self.plan.tensor_of(stage)
+        r = shard // (self.shards // (len(st) // k))
+        return [self.plan.devices.index(d) for d in st[r * k:(r + 1) * k]]
+
+    def peers_to(self, stage: int, shard: int) -> list[int]:
+        """The ranks of ``stage`` this rank sends shard ``shard``'s tensors to: those of the
+        holding replica whose place in its tensor group is this rank's, modulo this stage's
+        degree (each rank of a tensor group holds the whole tensor it sends)."""
+        return [r for b, r in enumerate(self.replica_ranks(stage, shard))
+                if b % self.tensor == self.tj]
+
+    def peer_from(self, stage: int, shard: int) -> int:
+        """The rank of ``stage`` this rank receives shard ``shard``'s tensors from (the
+        counterpart of :meth:`peers_to`)."""
+        ranks = self.replica_ranks(stage, shard)
+        return ranks[self.tj % len(ranks)]
 
     def local_consumers(self, i: int) -> int:
         """How many consumers of node ``i`` are on this rank's stage."""

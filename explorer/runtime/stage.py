@@ -176,7 +176,8 @@ class StageRunner:
         else:
             rk = (m, u, p)
             if rk not in self.received:
-                flat = self.messenger.recv(L.peer(L.stage[p], u), L.tag(ACTIVATION, m, u, p))
+                flat = self.messenger.recv(L.peer_from(L.stage[p], u),
+                                           L.tag(ACTIVATION, m, u, p))
                 spec = L.spec[p]
                 val = tree_unflatten(flat, spec) if spec is not None else flat[0]
                 for t in flat:
@@ -234,8 +235,11 @@ class StageRunner:
                                  and t.requires_grad else None for t in flat]
         self.slots[(m, u, i)] = slots
         self.fwd_left[(m, u, i)] = L.local_consumers(i)
-        for t in L.remote_stages(i):
-            self.messenger.send(out, L.peer(t, u), L.tag(ACTIVATION, m, u, i))
+        remote = L.remote_stages(i)
+        sent = self.mesh.plain(out) if remote and self.mesh is not None else out
+        for t in remote:
+            for dst in L.peers_to(t, u):
+                self.messenger.send(sent, dst, L.tag(ACTIVATION, m, u, i))
         if L.names[i] == L.loss_name:
             self.losses.append(float(local(out.detach())))
         # inputs whose last local forward use this was can go
@@ -269,7 +273,8 @@ class StageRunner:
         slots = self.slots.pop(key, [])
         # gradients from consumers on other stages
         for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
-            self._store_grad(key, self.messenger.recv(L.peer(t, u), L.tag(GRADIENT, m, u, i)))
+            got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, i))
+            self._store_grad(key, self.mesh.enter(got) if self.mesh is not None else got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:
             grads = [torch.full_like(self.env[(m, u)][i], 1.0 / (L.micro_batches * L.shards))]
@@ -319,8 +324,11 @@ class StageRunner:
                 self.bwd_left[gk] = left - 1
                 if left - 1 == 0:
                     g = self.grad.pop(gk, None) or [None] * L.nflat[p]
-                    self.messenger.send([x if x is not None else NO_GRADIENT for x in g],
-                                        L.peer(L.stage[p], u), L.tag(GRADIENT, m, u, p))
+                    sent = [x if x is not None else NO_GRADIENT for x in g]
+                    if self.mesh is not None:
+                        sent = self.mesh.plain(sent)
+                    for dst in L.peers_to(L.stage[p], u):
+                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
                     for x in g:
                         if x is not None:
                             self.tracker.drop(x)

@@ -16,18 +16,32 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.utils._pytree import tree_map
 
 from explorer.core.errors import ExplorerError
+from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import REPLICATE, shard_dim
 
 
-def check_supported(plan: Plan) -> None:
-    """The runtime runs tensor parallelism on plans of one stage split by tensor alone."""
-    if not plan.uses_tensor_parallel:
-        return
-    if len(plan.stages) > 1 or plan.replicas_of(0) > 1:
-        raise ExplorerError("the runtime runs tensor-parallel plans of one stage whose devices "
-                            "all split each layer (no pipeline stages, no replicas) so far; "
-                            "simulate this plan instead, or use tensor = the stage's devices")
+def check_supported(graph: OpGraph, plan: Plan) -> None:
+    """The runtime runs tensor-parallel stages of one replica each (pipelines of them, beside
+    stages without tensor parallelism) whose weights no other stage reads."""
+    for s in range(len(plan.stages)):
+        if plan.tensor_of(s) == 1:
+            continue
+        if plan.replicas_of(s) > 1:
+            raise ExplorerError(f"stage {s} has {plan.replicas_of(s)} replicas of "
+                                f"{plan.tensor_of(s)} tensor-parallel devices; the runtime "
+                                "runs tensor-parallel stages of one replica so far: simulate "
+                                "this plan, or set the stage's tensor degree to its devices")
+        for i, n in enumerate(graph.nodes):
+            crossing = [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name)
+                        != plan.stage_of(n.name)]
+            if n.kind in ("param", "buffer") and crossing and s in (
+                    plan.stage_of(n.name), *(plan.stage_of(graph.nodes[c].name)
+                                             for c in crossing)):
+                raise ExplorerError(f"weight {n.name!r} is read on another stage than its own, "
+                                    f"and one of them (stage {s}) is tensor-parallel; the "
+                                    "runtime cannot run that yet: place the weight with its "
+                                    "consumers")
 
 
 class TensorMesh:
@@ -40,11 +54,16 @@ class TensorMesh:
     @classmethod
     def of_stage(cls, plan: Plan, stage: int, device_type: str, placements: dict[str, str]
                  ) -> TensorMesh | None:
-        """The mesh of ``stage``'s ranks, or None where the stage is not tensor-parallel."""
-        if plan.tensor_of(stage) == 1:
-            return None
-        check_supported(plan)
-        return cls(device_type, [plan.devices.index(d) for d in plan.stages[stage]], placements)
+        """The mesh of ``stage``'s ranks, or None where the stage is not tensor-parallel.
+
+        Every rank makes every tensor-parallel stage's mesh, in stage order, as the process
+        groups behind them require."""
+        mine = None
+        for s, devs in enumerate(plan.stages):
+            if plan.tensor_of(s) > 1:
+                mesh = cls(device_type, [plan.devices.index(d) for d in devs], placements)
+                mine = mesh if s == stage else mine
+        return mine
 
     def distribute(self, name: str, t: torch.Tensor) -> DTensor:
         """Weight ``name`` (the same whole tensor on every rank) as its placement says; each
@@ -72,6 +91,13 @@ class TensorMesh:
         """``t`` replicated on every rank (all-reduced or all-gathered as its placement needs);
         differentiable."""
         return t.redistribute(self.mesh, [Replicate()]) if isinstance(t, DTensor) else t
+
+
+    def plain(self, value: Any) -> Any:
+        """``value`` with every DTensor in it as the whole plain tensor (what is sent to
+        another stage); every rank of the mesh must call it (it gathers)."""
+        return tree_map(lambda t: self.whole(t.detach()).to_local()
+                        if isinstance(t, DTensor) else t, value)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -50,12 +50,27 @@ def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws():
     assert runs[0].losses == runs[1].losses
 
 
-def test_tensor_parallel_with_pipeline_stages_is_refused_before_starting():
+def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
+    """3 ranks: the first half of the GPT on one, the second split over two; 2 micro-batches
+    (1F1B). Activations and gradients cross the boundary whole."""
+    bm = ex.builtin_model("gpt", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    plan = ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1", "cpu:2")],
+                                   {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)},
+                                   micro_batches=2, schedule="1f1b").with_tensor(2, stages=[1])
+    meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, record=True,
+                  timeout_s=120)
+    ref = reference(ex.builtin_model("gpt", "tiny"), STEPS + WARMUP, 2)
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    for k, g in ref.grads.items():
+        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_replicas_of_tensor_groups_are_refused_before_starting():
     bm = ex.builtin_model("mlp", "tiny")
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="mlp")
-    ops = [n.name for n in graph.nodes if n.kind == "op"]
-    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
-                                   {nm: int(k >= 2) for k, nm in enumerate(ops)}
-                                   ).with_tensor(2, stages=[0])
-    with pytest.raises(ExplorerError, match="one stage"):
+    plan = _one_stage(graph, ("cpu:0", "cpu:1", "cpu:2", "cpu:3")).with_tensor(2)
+    with pytest.raises(ExplorerError, match="stage 0 has 2 replicas of 2 tensor-parallel"):
         ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
