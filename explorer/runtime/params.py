@@ -11,7 +11,7 @@ from explorer.core.errors import ExplorerError
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.tensor_parallel import TensorMesh, full
+from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -91,7 +91,20 @@ class Weights:
         """A backward that used parameter ``p`` is done."""
         self.uses_left[p] -= 1
         if self.uses_left[p] == 0 and self.layout.stage[p] == self.layout.s:
+            self._place_grad(self.value[p])
             self.buckets.ready(p)
+
+    def _place_grad(self, p: torch.Tensor) -> None:
+        """Lay a complete gradient out as its parameter (a split weight's gradient may come
+        out of DTensor's backward replicated or as partial sums: each rank keeps its shard)."""
+        g = p.grad
+        if g is None:
+            return
+        placed = placed_like(g, p)
+        if placed is not g:
+            self.tracker.drop(g)
+            p.grad = placed
+            self.tracker.add(placed)
 
     def finish(self) -> None:
         """Gradients home, all-reduced across replicas, then the optimizer step."""
@@ -122,10 +135,10 @@ class Weights:
         for i, reduced in self.buckets.wait_all(msg):
             p = self.value[i]
             if p.grad is None:
-                p.grad = reduced.clone()
+                p.grad = like(p, reduced.clone())
                 self.grad_born(p)
             else:
-                p.grad.copy_(reduced)
+                local(p.grad).copy_(reduced)
         if self.record and self.first_grads is None:
             self.first_grads = {L.names[i]: full(self.value[i].grad.detach()).cpu().clone()
                                 for i in self.owned if L.kind[i] == "param"

@@ -77,10 +77,10 @@ class StageRunner:
         L = self.layout = RankLayout(job, rank, world, local_rank)
         self.tracker = MemTracker()
         self.messenger = Messenger(L.tdev)
-        group = replica_group(L.plan, L.s)
-        #: the stage's tensor mesh (None unless it is tensor-parallel): every value an op
-        #: reads is a DTensor on it
-        self.mesh = TensorMesh.of_stage(L.plan, L.s, L.tdev.type, job.placements)
+        group = replica_group(L.plan, L.s, rank)
+        #: the mesh of this rank's tensor group (None unless its stage is tensor-parallel):
+        #: every value an op reads is a DTensor on it
+        self.mesh = TensorMesh.of_rank(L.plan, L.s, rank, L.tdev.type, job.placements)
         self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
                                job.record, self.mesh)
         self.actions = job.schedule[L.s]

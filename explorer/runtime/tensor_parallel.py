@@ -22,16 +22,11 @@ from explorer.core.tensor_layout import REPLICATE, shard_dim
 
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:
-    """The runtime runs tensor-parallel stages of one replica each (pipelines of them, beside
-    stages without tensor parallelism) whose weights no other stage reads."""
+    """The runtime runs tensor-parallel stages (replicated or not, in pipelines or alone)
+    whose weights no other stage reads."""
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) == 1:
             continue
-        if plan.replicas_of(s) > 1:
-            raise ExplorerError(f"stage {s} has {plan.replicas_of(s)} replicas of "
-                                f"{plan.tensor_of(s)} tensor-parallel devices; the runtime "
-                                "runs tensor-parallel stages of one replica so far: simulate "
-                                "this plan, or set the stage's tensor degree to its devices")
         for i, n in enumerate(graph.nodes):
             crossing = [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name)
                         != plan.stage_of(n.name)]
@@ -52,17 +47,20 @@ class TensorMesh:
         self.placements = placements
 
     @classmethod
-    def of_stage(cls, plan: Plan, stage: int, device_type: str, placements: dict[str, str]
-                 ) -> TensorMesh | None:
-        """The mesh of ``stage``'s ranks, or None where the stage is not tensor-parallel.
+    def of_rank(cls, plan: Plan, stage: int, rank: int, device_type: str,
+                placements: dict[str, str]) -> TensorMesh | None:
+        """The mesh of ``rank``'s tensor group (its replica of ``stage``), or None where the
+        stage is not tensor-parallel.
 
-        Every rank makes every tensor-parallel stage's mesh, in stage order, as the process
-        groups behind them require."""
+        Every rank makes every tensor group's mesh, in stage order, as the process groups
+        behind them require."""
         mine = None
         for s, devs in enumerate(plan.stages):
-            if plan.tensor_of(s) > 1:
-                mesh = cls(device_type, [plan.devices.index(d) for d in devs], placements)
-                mine = mesh if s == stage else mine
+            k = plan.tensor_of(s)
+            for r in range(len(devs) // k if k > 1 else 0):
+                ranks = [plan.devices.index(d) for d in devs[r * k:(r + 1) * k]]
+                mesh = cls(device_type, ranks, placements)
+                mine = mesh if s == stage and rank in ranks else mine
         return mine
 
     def distribute(self, name: str, t: torch.Tensor) -> DTensor:
@@ -105,6 +103,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.to_local()
+    return t
+
+
+def like(t: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` laid out as ``t``: a DTensor of that local shard where ``t`` is one."""
+    if isinstance(t, DTensor):
+        return DTensor.from_local(shard, t.device_mesh, t.placements, run_check=False)
+    return shard
+
+
+def placed_like(t: torch.Tensor, like_: torch.Tensor) -> torch.Tensor:
+    """``t`` redistributed to ``like_``'s placements where both are DTensors that differ."""
+    if isinstance(t, DTensor) and isinstance(like_, DTensor) and \
+            tuple(t.placements) != tuple(like_.placements):
+        with torch.no_grad():
+            return t.redistribute(like_.device_mesh, like_.placements)
     return t
 
 
