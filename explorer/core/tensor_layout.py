@@ -2,16 +2,17 @@
 devices split, along which dimension, which ops then run on a share of the work, and what each
 split block all-reduces.
 
-Linears are paired within their parent module, in graph order: the first of a pair is
-column-parallel (weight and bias split along the output features, ``Shard(0)``), the second
-row-parallel (weight split along the input features, ``Shard(1)``; bias whole), so the
+Linears are grouped within their parent module, in graph order: a linear that reads earlier
+ones through element-wise ops only is row-parallel (weight split along the input features,
+``Shard(1)``; bias whole) and those it reads are column-parallel (weight and bias split along
+the output features, ``Shard(0)``): an MLP's up projection, or a SwiGLU's gate and up, so the
 activations between them stay split and the block all-reduces its output once in the forward
-and its input's gradient once in the backward (Megatron-LM's MLP block). A pair with anything
-but element-wise ops between them (attention with a fused query-key-value projection, whose
-split into heads needs whole features) stays replicated. An
-embedding of the batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up
-its rows, the output is all-reduced). Everything else is replicated. Placements are DTensor's,
-written as text (``"Shard(0)"``, ``"Replicate()"``) so plans and simulators need no torch.
+and its input's gradient once in the backward (Megatron-LM's MLP block). Linears with anything
+but element-wise ops between them (attention, whose split into heads and rotary embedding need
+whole features in DTensor's terms) stay replicated. An embedding of the batch's token ids is
+vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
+Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
+``"Replicate()"``) so plans and simulators need no torch.
 """
 
 from __future__ import annotations
@@ -103,6 +104,24 @@ def _reach(edges: list[list[int]], start: int) -> set[int]:
     return seen
 
 
+def _block(graph: OpGraph, cols: list[int], row: int, degree: int
+           ) -> tuple[list[int], set[int]] | None:
+    """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
+    only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
+    nodes = graph.nodes
+    before = _reach(graph.preds, row)
+    reach = [c for c in cols if c in before]
+    if not reach:
+        return None
+    between = set().union(*(_reach(graph.succs, c) & before for c in reach))
+    if any(nodes[k].op not in POINTWISE for k in between):
+        return None
+    if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
+            _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
+        return None
+    return reach, between
+
+
 def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
     """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text)."""
     if degree <= 1:
@@ -124,23 +143,28 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
                 split.add(n.name)
                 fwd[n.name] = n.out_bytes
     for ops in by_parent.values():
-        for col, row in zip(ops[0::2], ops[1::2], strict=False):
-            wc, bc = _weight(graph, col)  # type: ignore[misc]
-            wr, _ = _weight(graph, row)  # type: ignore[misc]
-            after = _reach(graph.succs, col)
-            between = after & _reach(graph.preds, row)
-            if row not in after or any(nodes[k].op not in POINTWISE for k in between) or not (
-                    _divides(graph, wc, 0, degree) and _divides(graph, wr, 1, degree)):
+        cols: list[int] = []  # column candidates waiting for the linear that reads them
+        for lin in ops:
+            block = _block(graph, cols, lin, degree)
+            if block is None:
+                cols.append(lin)
                 continue
-            placements[nodes[wc].name] = shard(0)
-            if bc is not None:
-                placements[nodes[bc].name] = shard(0)
-            placements[nodes[wr].name] = shard(1)
-            split.update(nodes[k].name for k in {col, row, *between} if nodes[k].kind == "op")
-            fwd[nodes[row].name] = nodes[row].out_bytes
-            x = _activation_in(graph, col)
-            if x is not None and nodes[x].requires_grad:
-                bwd[nodes[col].name] = nodes[x].out_bytes
+            cols = []
+            reach, between = block
+            for col in reach:
+                w, b = _weight(graph, col)  # type: ignore[misc]
+                placements[nodes[w].name] = shard(0)
+                if b is not None:
+                    placements[nodes[b].name] = shard(0)
+            placements[nodes[_weight(graph, lin)[0]].name] = shard(1)  # type: ignore[index]
+            split.update(nodes[k].name for k in {*reach, lin, *between})
+            fwd[nodes[lin].name] = nodes[lin].out_bytes
+            seen: set[int] = set()  # one all-reduce per input the columns share
+            for col in reach:
+                x = _activation_in(graph, col)
+                if x is not None and x not in seen and nodes[x].requires_grad:
+                    seen.add(x)
+                    bwd[nodes[col].name] = nodes[x].out_bytes
     return TensorLayout(degree, placements, frozenset(split), fwd, bwd)
 
 

@@ -223,9 +223,12 @@ class StageRunner:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))
         with tracker.saving():
-            out = L.targets[i](*args, **kwargs)
-            if self.mesh is not None and L.names[i] == L.loss_name:
-                out = self.mesh.whole(out)  # the loss, whole on every rank
+            if self.mesh is None:
+                out = L.targets[i](*args, **kwargs)
+            else:
+                out = self.mesh.call(L.targets[i], args, kwargs)
+                out = (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
+                       else self.mesh.settled(out))
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):

@@ -45,6 +45,8 @@ class TensorMesh:
     def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]) -> None:
         self.mesh = DeviceMesh(device_type, ranks)
         self.placements = placements
+        #: ops without a sharding rule, run on whole values (see :meth:`call`)
+        self.local_ops: set[Any] = set()
 
     @classmethod
     def of_rank(cls, plan: Plan, stage: int, rank: int, device_type: str,
@@ -85,6 +87,26 @@ class TensorMesh:
         does (at the price of an all-gather before the op where its input was split)."""
         return tree_map(lambda t: self.whole(t) if isinstance(t, DTensor) else t, value)
 
+    def call(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on DTensors; an op DTensor has no sharding rule for
+        (``NotImplementedError``: fused attention on CPU, ...) runs on every rank on the whole
+        values instead, its outputs replicated. Both ways are differentiable."""
+        if fn not in self.local_ops:
+            try:
+                return fn(*args, **kwargs)
+            except NotImplementedError:
+                self.local_ops.add(fn)
+        args, kwargs = tree_map(lambda t: self.whole(t).to_local() if isinstance(t, DTensor)
+                                else t, (args, kwargs))
+        return self.enter(fn(*args, **kwargs))
+
+    def settled(self, value: Any) -> Any:
+        """``value`` with its partial sums all-reduced: an op's output is reduced once, right
+        after the op (as the simulator counts it), however many ops read it; a
+        vocabulary-parallel embedding's masked partial sums can be reduced only once."""
+        return tree_map(lambda t: _Reduced.apply(t) if isinstance(t, DTensor)
+                        and any(p.is_partial() for p in t.placements) else t, value)
+
     def whole(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` replicated on every rank (all-reduced or all-gathered as its placement needs);
         differentiable."""
@@ -96,6 +118,20 @@ class TensorMesh:
         another stage); every rank of the mesh must call it (it gathers)."""
         return tree_map(lambda t: self.whole(t.detach()).to_local()
                         if isinstance(t, DTensor) else t, value)
+
+
+class _Reduced(torch.autograd.Function):
+    """Partial sums all-reduced; the gradient of every rank's part is the (replicated)
+    gradient of the sum. (DTensor's own backward would lay that gradient out as the partial
+    input, which it cannot do for an embedding's masked partial sums.)"""
+
+    @staticmethod
+    def forward(ctx, t):  # type: ignore[override]
+        return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,11 @@ def _graph(name: str):
     return _GRAPHS[name]
 
 
-def test_tensor_parallel_mlp_matches_one_device():
-    _check("mlp", _one_stage(_graph("mlp"), ("cpu:0", "cpu:1")).with_tensor(2), 1)
+@pytest.mark.parametrize("name", ["mlp", "llama"])
+def test_tensor_parallel_stage_matches_one_device(name):
+    """The Llama's SwiGLU splits (gate and up column-, down row-parallel); its fused attention
+    has no sharding rule in DTensor on CPU and runs on whole values."""
+    _check(name, _one_stage(_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
 def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device():

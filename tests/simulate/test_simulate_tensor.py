@@ -114,3 +114,15 @@ def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
     assert not lay.is_sharded("pos_emb.weight") and not lay.is_sharded("lm_head.weight")
     # forward: the embedding and each MLP's output; backward: each MLP's input gradient
     assert len(lay.reduce_forward) == 1 + 2 and len(lay.reduce_backward) == 2
+
+
+def test_llama_swiglu_splits_gate_and_up_into_down():
+    bm = ex.builtin_model("llama", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="llama")
+    lay = megatron_layout(graph, 2)
+    for b in range(2):
+        mlp = f"layers.{b}.mlp"
+        assert [lay.placement(f"{mlp}.{w}_proj.weight") for w in ("gate", "up", "down")] == [
+            "Shard(0)", "Shard(0)", "Shard(1)"]
+    # the gate's and up's shared input: one all-reduce of its gradient per block
+    assert len(lay.reduce_backward) == 2 and len(lay.reduce_forward) == 1 + 2
