@@ -83,7 +83,7 @@ class TestWhereItWrites:
                           overwrite=True)
 
     def test_unwritable_folder(self, mlp, tmp_path, monkeypatch):
-        def denied(folder, *args):
+        def denied(folder, *args, **kwargs):
             raise PermissionError(13, "Permission denied", str(folder))
 
         monkeypatch.setattr(export, "write_job", denied)
