@@ -33,6 +33,10 @@ POINTWISE = frozenset(f"aten.{op}" for op in (
     "div.Scalar", "neg.default", "pow.Tensor_Scalar", "erf.default", "exp.default",
     "clone.default", "alias.default", "native_dropout.default", "hardtanh.default",
     "leaky_relu.default", "elu.default", "mish.default"))
+#: random ops: the runtime runs them on whole values (every rank draws the mask one device
+#: would), so inside a split block their input is gathered first and they are not split
+RANDOM_OPS = frozenset(("aten.dropout.default", "aten.native_dropout.default",
+                        "aten.bernoulli.default", "aten.bernoulli.p", "aten.rand_like.default"))
 LINEAR_OPS = ("aten.linear.default",)
 EMBEDDING_OPS = ("aten.embedding.default",)
 
@@ -55,7 +59,8 @@ class TensorLayout:
     ``placements``: each split parameter's placement (absent: replicated). ``split_ops``: ops
     whose work is shared by the tensor devices (1/degree each). ``reduce_forward`` /
     ``reduce_backward``: bytes all-reduced over the tensor devices after an op's forward, or in
-    its backward (the gradient of its input).
+    its backward (the gradient of its input). ``gather_forward``: bytes all-gathered before a
+    random op's forward.
     """
 
     degree: int
@@ -63,6 +68,8 @@ class TensorLayout:
     split_ops: frozenset[str] = frozenset()
     reduce_forward: dict[str, int] = field(default_factory=dict)
     reduce_backward: dict[str, int] = field(default_factory=dict)
+    #: random ops inside a split block: bytes of their input all-gathered before them
+    gather_forward: dict[str, int] = field(default_factory=dict)
 
     def placement(self, param: str) -> str:
         return self.placements.get(param, REPLICATE)
@@ -131,6 +138,7 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
     split: set[str] = set()
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
+    gather: dict[str, int] = {}
     by_parent: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
@@ -157,7 +165,11 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
                 if b is not None:
                     placements[nodes[b].name] = shard(0)
             placements[nodes[_weight(graph, lin)[0]].name] = shard(1)  # type: ignore[index]
-            split.update(nodes[k].name for k in {*reach, lin, *between})
+            random = {k for k in between if nodes[k].op in RANDOM_OPS}
+            split.update(nodes[k].name for k in {*reach, lin, *between} - random)
+            for k in random:
+                x = _activation_in(graph, k)
+                gather[nodes[k].name] = nodes[x].out_bytes if x is not None else 0
             fwd[nodes[lin].name] = nodes[lin].out_bytes
             seen: set[int] = set()  # one all-reduce per input the columns share
             for col in reach:
@@ -165,7 +177,7 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
                 if x is not None and x not in seen and nodes[x].requires_grad:
                     seen.add(x)
                     bwd[nodes[col].name] = nodes[x].out_bytes
-    return TensorLayout(degree, placements, frozenset(split), fwd, bwd)
+    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather)
 
 
 def plan_placements(graph: OpGraph, plan: Plan) -> dict[str, str]:

@@ -4,11 +4,12 @@ bytes and communication, as the Megatron-style layout (:mod:`explorer.core.tenso
 An op the layout splits runs at ``1 / tensor`` of its batch fraction's work, its per-op
 overhead unchanged (the cost tables' ``overhead + (t - overhead) x fraction``). Each all-reduce
 the layout implies (a row-parallel block's output in the forward, a column-parallel block's
-input gradient in the backward, a vocabulary-parallel embedding's output) runs inside the op
-that needs it, on the links of one tensor group of the stage, as DTensor does it in the
-runtime: the op waits for it. Split weights hold ``1 / tensor`` of their bytes on each device,
-and so do their gradients and optimizer state, and the activations the layout keeps split
-(and their gradients). Stages with a tensor degree of 1 are untouched.
+input gradient in the backward, a vocabulary-parallel embedding's output; an all-gather before
+a random op in a split block, which runs whole) runs inside the op that needs it, on the links
+of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it. Split
+weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
+optimizer state, and the activations the layout keeps split (and their gradients). Stages
+with a tensor degree of 1 are untouched.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                 size = int(nbytes * frac[s])
                 times[i] += costs.allreduce_s(group, size)
                 moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
+        for name, nbytes in layout.gather_forward.items():
+            if plan.stage_of(name) == s:  # a ring all-gather: half a ring all-reduce
+                size = int(nbytes * frac[s])
+                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2
+                moved += plan.replicas_of(s) * (k - 1) * size * M
     return moved
 
 

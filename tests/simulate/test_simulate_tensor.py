@@ -126,3 +126,31 @@ def test_llama_swiglu_splits_gate_and_up_into_down():
             "Shard(0)", "Shard(0)", "Shard(1)"]
     # the gate's and up's shared input: one all-reduce of its gradient per block
     assert len(lay.reduce_backward) == 2 and len(lay.reduce_forward) == 1 + 2
+
+
+def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
+    """The runtime draws a random op's mask on whole values: its split input is gathered
+    (half a ring all-reduce) and it runs at full size."""
+    g = OpGraph("drop", [
+        OpNode("x", "input", "input", out_bytes=1000),
+        _param("mlp.fc1.weight", (8, 4), 128), _param("mlp.fc2.weight", (4, 8), 128),
+        _op("pre", "aten.relu.default", "pre", ("x",), 1000),
+        _op("fc1", LINEAR, "mlp.fc1", ("pre", "mlp.fc1.weight"), 2000),
+        _op("drop", "aten.dropout.default", "mlp.drop", ("fc1",), 2000),
+        _op("fc2", LINEAR, "mlp.fc2", ("drop", "mlp.fc2.weight"), 1000),
+        _op("loss", "aten.sum.default", "", ("fc2",), 4),
+    ], batch_size=8, loss="loss")
+    lay = megatron_layout(g, 2)
+    assert lay.split_ops == {"fc1", "fc2"} and lay.gather_forward == {"drop": 2000}
+    fwd = {"pre": 1.0, "fc1": 2.0, "drop": 1.0, "fc2": 2.0, "loss": 0.5}
+    cm = costs(g, cluster(2, LAT_S, BW), fwd, {k: 2 * v for k, v in fwd.items()},
+               overhead_s=0.2)
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    pred = ex.simulate(g, ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2), cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    reduce_1000 = 2 * LAT_S + 1000 / BW
+    gather_2000 = (2 * LAT_S + 2000 / BW) / 2
+    f = 1.0 + half(2.0) + 1.0 + gather_2000 + half(2.0) + reduce_1000 + 0.5
+    b = 2.0 + half(4.0) + reduce_1000 + 2.0 + half(4.0) + 1.0
+    assert pred.step_s == pytest.approx(f + b, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * 1000 * 2 + 1 * 2000
