@@ -180,11 +180,14 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
     return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather)
 
 
-def plan_placements(graph: OpGraph, plan: Plan) -> dict[str, str]:
-    """The placement of every weight a tensor-parallel stage of ``plan`` splits."""
+def plan_placements(graph: OpGraph, plan: Plan) -> tuple[dict[str, str], list[str]]:
+    """The placement of every weight a tensor-parallel stage of ``plan`` splits, and the ops
+    those stages split (in graph order)."""
     out: dict[str, str] = {}
+    ops: set[str] = set()
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) > 1:
             layout = megatron_layout(graph, plan.tensor_of(s))
             out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
-    return out
+            ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
+    return out, [n.name for n in graph.nodes if n.name in ops]

@@ -124,7 +124,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     try:
         write_job(job, rt.program, plan, order, rt.inputs, rt.targets, int(steps), int(warmup),
                   float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
-                  graph.loss, placements=plan_placements(graph, plan))
+                  graph.loss, layout=plan_placements(graph, plan))
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)
     except (OSError, ExplorerError) as exc:

@@ -166,13 +166,17 @@ class Job:
     seed: int = 0
     #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
     placements: dict[str, str] = field(default_factory=dict)
+    #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
+    split_ops: list[str] = field(default_factory=list)
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0, placements: dict[str, str] | None = None) -> None:
-    """Write the job folder ranks read with :func:`read_job`."""
+              seed: int = 0,
+              layout: tuple[dict[str, str], list[str]] | None = None) -> None:
+    """Write the job folder ranks read with :func:`read_job`; ``layout``: the placements of
+    split weights and the split ops (:func:`~explorer.core.tensor_layout.plan_placements`)."""
     folder.mkdir(parents=True, exist_ok=True)
     calls, state = program_calls(program, len(inputs))
     torch.save({"calls": [c.__dict__ for c in calls], "state": state}, folder / "program.pt")
@@ -182,7 +186,8 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, "placements": placements or {}}))
+        "seed": seed, "placements": layout[0] if layout else {},
+        "split_ops": layout[1] if layout else []}))
 
 
 def read_job(folder: Path) -> Job:
@@ -204,4 +209,4 @@ def read_job(folder: Path) -> Job:
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
                meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)),
-               dict(meta.get("placements", {})))
+               dict(meta.get("placements", {})), list(meta.get("split_ops", [])))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
@@ -83,6 +84,9 @@ class StageRunner:
         self.mesh = TensorMesh.of_rank(L.plan, L.s, rank, L.tdev.type, job.placements)
         self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
                                job.record, self.mesh)
+        #: the ops the layout splits (run on DTensors), and per output whether it is one
+        self.split = {L.names.index(n) for n in job.split_ops}
+        self.is_dtensor: dict[Key, list[bool]] = {}
         self.actions = job.schedule[L.s]
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
         self.slots: dict[Key, list] = {}
@@ -164,8 +168,6 @@ class StageRunner:
             env = self.env[(m, u)]
             if p not in env:
                 env[p] = self._batch(m, u, p)
-                if self.mesh is not None:
-                    env[p] = self.mesh.enter(env[p])
                 self.tracker.add(env[p])
                 self.fwd_left[(m, u, p)] = L.local_consumers(p)
             return env[p]
@@ -186,8 +188,6 @@ class StageRunner:
                 self.received[rk] = val
                 self.fwd_left[rk] = L.local_consumers(p)
             val = self.received[rk]
-        if self.mesh is not None:
-            val = self.mesh.enter(val)
         flat, spec = tree_flatten(val)
         wrapped = []
         for t in flat:
@@ -217,8 +217,6 @@ class StageRunner:
         args = fill_refs(call.args, lookup)
         kwargs = fill_refs(call.kwargs, lookup)
         tracker = self.tracker
-        if L.random[i] and self.mesh is not None:
-            args, kwargs = self.mesh.gathered((args, kwargs))
         if L.random[i]:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))
@@ -226,7 +224,7 @@ class StageRunner:
             if self.mesh is None:
                 out = L.targets[i](*args, **kwargs)
             else:
-                out = self.mesh.call(L.targets[i], args, kwargs)
+                out = self.mesh.call(L.targets[i], args, kwargs, i in self.split)
                 out = (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
                        else self.mesh.settled(out))
         flat, _ = tree_flatten(out)
@@ -237,6 +235,8 @@ class StageRunner:
         self.edges[(m, u, i)] = [get_gradient_edge(t) if isinstance(t, torch.Tensor)
                                  and t.requires_grad else None for t in flat]
         self.slots[(m, u, i)] = slots
+        if self.mesh is not None:
+            self.is_dtensor[(m, u, i)] = [isinstance(t, DTensor) for t in flat]
         self.fwd_left[(m, u, i)] = L.local_consumers(i)
         remote = L.remote_stages(i)
         sent = self.mesh.plain(out) if remote and self.mesh is not None else out
@@ -277,7 +277,9 @@ class StageRunner:
         # gradients from consumers on other stages
         for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
             got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, i))
-            self._store_grad(key, self.mesh.enter(got) if self.mesh is not None else got)
+            if self.mesh is not None:
+                got = self.mesh.matching(got, self.is_dtensor.get(key, []))
+            self._store_grad(key, got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:
             grads = [torch.full_like(self.env[(m, u)][i], 1.0 / (L.micro_batches * L.shards))]

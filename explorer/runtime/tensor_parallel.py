@@ -1,10 +1,11 @@
-"""Tensor parallelism on one stage: its weights as DTensors on a device mesh of the stage's
-ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and every tensor
-an op reads as a DTensor, so the exported program's ATen calls run unchanged and DTensor's
-sharding propagation and redistribution do the communication.
+"""Tensor parallelism on one stage: its weights as DTensors on a device mesh of each tensor
+group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says; the ops the
+layout splits read DTensors, so the exported program's ATen calls run unchanged and DTensor's
+sharding propagation and redistribution do the communication, and the others run on whole
+plain tensors.
 
-Values leave the DTensor world only at the stage's edges: the loss, and the memory accounting
-(which counts each rank's local shard).
+A split op's partial sums are all-reduced once, right after it; what a whole op, another
+stage or the memory accounting (each rank's local shard) reads of a DTensor is made plain.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
 class TensorMesh:
     """One rank's view of its stage's tensor mesh and the layout of its weights."""
 
-    def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]) -> None:
+    def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]
+                 ) -> None:
         self.mesh = DeviceMesh(device_type, ranks)
         self.placements = placements
         #: ops without a sharding rule, run on whole values (see :meth:`call`)
@@ -80,25 +82,28 @@ class TensorMesh:
                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
                         value)
 
-    def gathered(self, value: Any) -> Any:
-        """``value`` with every DTensor in it whole on every rank. A random op (dropout) runs
-        on whole values: every rank draws the one mask a single device would from the same
-        seed, so runs repeat, shards never share a mask, and any plan draws what one device
-        does (at the price of an all-gather before the op where its input was split)."""
-        return tree_map(lambda t: self.whole(t) if isinstance(t, DTensor) else t, value)
-
-    def call(self, fn: Any, args: Any, kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on DTensors; an op DTensor has no sharding rule for
-        (``NotImplementedError``: fused attention on CPU, ...) runs on every rank on the whole
-        values instead, its outputs replicated. Both ways are differentiable."""
-        if fn not in self.local_ops:
+    def call(self, fn: Any, args: Any, kwargs: Any, split: bool) -> Any:
+        """``fn(*args, **kwargs)``: a ``split`` op on DTensors (plain inputs enter replicated;
+        its split weights already are DTensors), so DTensor's sharding rules do the work and
+        the communication; any other op on every rank on whole plain tensors, as one device
+        runs it (DTensor's dispatch costs more than a small op), random ops included (every
+        rank draws the mask one device would). A split op DTensor has no rule for
+        (``NotImplementedError``) runs whole too. Differentiable either way."""
+        if split and fn not in self.local_ops:
             try:
-                return fn(*args, **kwargs)
+                return fn(*self.enter(args), **self.enter(kwargs))
             except NotImplementedError:
                 self.local_ops.add(fn)
         args, kwargs = tree_map(lambda t: self.whole(t).to_local() if isinstance(t, DTensor)
                                 else t, (args, kwargs))
-        return self.enter(fn(*args, **kwargs))
+        out = fn(*args, **kwargs)
+        return self.enter(out) if split else out
+
+    def matching(self, grads: list, is_dtensor: list[bool]) -> list:
+        """Gradients received from another stage (plain, whole) as the outputs they are for:
+        replicated DTensors where those are DTensors."""
+        return [self.enter(g) if dt and isinstance(g, torch.Tensor) else g
+                for g, dt in zip(grads, is_dtensor, strict=False)]
 
     def settled(self, value: Any) -> Any:
         """``value`` with its partial sums all-reduced: an op's output is reduced once, right
