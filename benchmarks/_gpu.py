@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -48,6 +49,9 @@ def common_args(ap: argparse.ArgumentParser, default_budget_s: float) -> None:
                     help="start over: forget the cases already in the results file")
     ap.add_argument("--budget-s", type=float, default=default_budget_s,
                     help="stop before starting a case that would end past this many seconds")
+    ap.add_argument("--report", action="store_true",
+                    help="run no case (no GPU needed): print the tables of the results file "
+                         "and rewrite its summary (the rows benchmarks/report.py renders)")
 
 
 def out_path(args: argparse.Namespace, name: str) -> Path:
@@ -192,10 +196,7 @@ class Results:
         return self.data["cases"]
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
-        tmp.replace(self.path)
+        save(self.path, self.data)
 
     def work(self, cases: Iterable[tuple[str, Callable[[], dict[str, Any]]]],
              budget_s: float) -> bool:
@@ -244,6 +245,48 @@ class Results:
             print(f"budget of {budget_s:.0f} s reached: {len(self.run['not_reached'])} case(s) "
                   f"left; run the same command again to resume ({self.path})")
         return not self.run["not_reached"]
+
+
+def summarize(data: dict[str, Any], title: str, rows: list[dict[str, Any]],
+              notes: list[str]) -> None:
+    """Give the results file the fields every record in benchmarks/results/ has, so that
+    ``python benchmarks/report.py`` renders it: title, date (of the latest case), machine
+    (the device and software versions), command (the first command that ran cases, without
+    ``--out``; a note counts the later ones, which resumed it and are listed under ``runs``),
+    rows and notes."""
+    dates = [c["measured_at"][:10] for c in data["cases"].values()
+             if str(c.get("measured_at", ""))[:2] == "20"]
+    info = data["device"]
+    machine = (f"{info['nvml_device_name']} (driver {info['driver']}, CUDA "
+               f"{info['cuda_driver']}), torch {info['torch']}")
+    if data.get("dry_run"):
+        machine = f"dry run on CPU, not GPU figures; {machine}"
+    commands = []
+    for run in data.get("runs", []):
+        cmd = re.sub(r" --out \S+", "", run["command"])
+        if run.get("done") and cmd not in commands:
+            commands.append(cmd)
+    if len(commands) > 1:
+        notes = [f"Resumed by {len(commands) - 1} more command(s), listed under `runs` in "
+                 "the results file.", *notes]
+    data.update(title=title, date=max(dates) if dates else today(), machine=machine,
+                command=commands[0] if commands else command_line(), rows=rows, notes=notes)
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A results file, or exit saying that there is none."""
+    if not path.is_file():
+        sys.exit(f"no results file {path}: run the script without --report first")
+    return json.loads(path.read_text())
+
+
+def save(path: Path, data: dict[str, Any]) -> None:
+    """Write a results file through a temporary file (a killed command leaves the last
+    complete version)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    tmp.replace(path)
 
 
 def failure(case: dict[str, Any]) -> str | None:

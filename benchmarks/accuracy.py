@@ -2,6 +2,7 @@
 
 Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...] [--steps 5]
        [--passes 4] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
+       [--strategies]
 For every model it profiles afresh (through the runtime, one thread per rank), then makes the
 baseline plans and one plan per registered partitioner. Partitioners that arrive at a plan
 already made (the same placement, stages, micro-batches and schedule) share its row, so every
@@ -26,6 +27,10 @@ references beside it:
   with the measurement;
 * a cost model calibrated (``ex.calibrate``) on the runs of the *other* models only, so no
   plan is predicted by a fit that saw it.
+
+``--strategies`` runs the memory-strategy plans instead (:data:`STRATEGIES`: ZeRO 1-3 on the
+data-parallel plan, selective and full recomputation on the even-layers pipeline and on one
+device, bf16 on the pipeline), recorded apart (``accuracy-strategies*.json``).
 
 Run it on a quiet machine: the ranks share its cores.
 
@@ -54,6 +59,17 @@ PLANS = [
     ("even-layers", {"micro_batches": 4, "schedule": "gpipe"}),
     ("even-layers", {"micro_batches": 4, "schedule": "1f1b"}),
 ]
+#: the memory-strategy plans (``--strategies``): (algorithm, options, memory settings)
+STRATEGIES = [
+    ("data-parallel", {}, {"zero": 1}),
+    ("data-parallel", {}, {"zero": 2}),
+    ("data-parallel", {}, {"zero": 3}),
+    ("even-layers", {}, {"recompute": "selective"}),
+    ("even-layers", {}, {"recompute": "full"}),
+    ("single", {}, {"recompute": "selective"}),
+    ("single", {}, {"recompute": "full"}),
+    ("even-layers", {}, {"precision": "bf16"}),
+]
 
 
 def main() -> None:
@@ -72,16 +88,23 @@ def main() -> None:
     ap.add_argument("--cached", action="store_true",
                     help="use cached profiles (default: profile afresh just before the runs, "
                          "as a user profiles and then runs in one session)")
+    ap.add_argument("--strategies", action="store_true",
+                    help="run only the memory-strategy plans (ZeRO 1-3, recomputation, bf16; "
+                         "recorded as accuracy-strategies*.json)")
     add_results_option(ap)
     args = ap.parse_args()
     baselines = {a for a, _ in PLANS}
-    if args.partitioners == "all":
+    record = "accuracy-strategies" if args.strategies else "accuracy"
+    if args.strategies:
+        extra = []
+    elif args.partitioners == "all":
         extra = [a for a in ex.algorithms() if a not in baselines]
     elif args.partitioners == "none":
         extra = []
     else:
         extra = [a for a in args.partitioners.split(",") if a]
-    plans = list(PLANS) + [(a, {}) for a in extra]
+    plans = ([(a, o, {}) for a, o in PLANS] + [(a, {}, {}) for a in extra]
+             if not args.strategies else STRATEGIES)
     cluster = ex.Cluster.cpu(args.devices)
     # (model, label, graph, costs, plan, pred, meas, per-pass measurements, same plan from,
     #  prediction from the second profile)
@@ -94,10 +117,11 @@ def main() -> None:
         costs = ex.profile(graph, cluster, progress=False, cache=args.cached)
         todo = []
         seen: dict[tuple, int] = {}  # a plan's signature -> its row in todo
-        for alg, opts in plans:
-            label = alg + "".join(f" {k}={v}" for k, v in opts.items())
+        for alg, opts, memory in plans:
+            label = alg + "".join(f" {k}={v}" for k, v in {**opts, **memory}.items())
             try:
                 plan = ex.partition(graph, cluster, costs, alg, **opts)
+                plan = plan.with_memory(**memory) if memory else plan
             except ex.ExplorerError as exc:
                 skipped.append((name, label, f"skipped: {exc}"[:60]))
                 continue
@@ -186,7 +210,7 @@ def main() -> None:
               "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note")
     print(title)
     print(table(header, rows))
-    write_result("accuracy", rows, columns=header, title=title, notes=" ".join(fits),
+    write_result(record, rows, columns=header, title=title, notes=" ".join(fits),
                  folder=args.results)
 
     summaries = []
@@ -215,7 +239,7 @@ def main() -> None:
                 "own error is about half)", self_pairs)
     if cal_pairs:
         summary("calibrated on the other models' runs", cal_pairs)
-    write_result("accuracy-summary", summaries,
+    write_result(f"{record}-summary", summaries,
                  columns=("prediction", "error mean", "error max", "Kendall tau"),
                  title="Step-time error over all plans", notes=totals, folder=args.results)
 
@@ -223,7 +247,8 @@ def main() -> None:
 def _signature(plan: ex.Plan) -> tuple:
     """What makes two plans run the same way (the algorithm that made them aside)."""
     return (plan.stages, tuple(sorted(plan.placement.items())), plan.micro_batches,
-            plan.schedule if plan.micro_batches > 1 else "", plan.optimizer)
+            plan.schedule if plan.micro_batches > 1 else "", plan.optimizer,
+            tuple(plan.settings_of(s) for s in range(len(plan.stages))))
 
 
 def _pooled(ms: list) -> ex.Measurement:

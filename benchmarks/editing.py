@@ -1,7 +1,8 @@
 """Widget benchmark: time to the first picture of a model, and from a hand edit to the updated one.
 
 Run: python benchmarks/editing.py [--sizes 500,2000,10000|none] [--edits 20] [--devices 4xH100]
-     [--models mlp,alexnet,...|none] [--model-size default]
+     [--models mlp,alexnet,...|none] [--model-size default] [--shapes llama-70b|none]
+     [--shape-devices 64xH100]
 
 First picture: for each built-in model (and Hugging Face's GPT-2 small built from its config,
 no download, when ``transformers`` is importable), the time from ``Explorer(model, inputs,
@@ -21,6 +22,13 @@ graph, cross-device edges, memory bars, timeline and numbers: what the user wait
 the screen can change). The browser's own drawing is not included. Target: under 100 ms at
 2,000 ops, 150 ms at 500 shown items. Times are medians (and the slowest) over the edits, in
 milliseconds; the layout column is the time to lay out the shown items (rows, routed edges).
+
+Published large shapes (``--shapes llama-70b``, on ``--shape-devices 64xH100``): the shape is
+captured on fake tensors (not timed here: ``capture_scale.py`` times it), then the time from
+``Explorer(graph, costs)`` to the drawn widget, folded (one item per top-level module, the
+opening plan the fastest quick baseline), and the same edits as above on its items. Target:
+open under 3 s, an edit under 100 ms. Wall seconds, with the process's CPU seconds beside them
+(the machine is shared: CPU time is what the widget itself spends).
 
 Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
 ``python benchmarks/report.py`` renders into docs/.
@@ -56,13 +64,13 @@ def gpt_graph(n: int) -> ex.OpGraph:
     return replicated(block, n)
 
 
-def bench(graph: ex.OpGraph, devices: str, edits: int) -> dict:
+def bench(graph: ex.OpGraph, devices: str, edits: int, expand: bool = True) -> dict:
     cluster = ex.Cluster.preset(devices)
     costs = roofline_costs(graph, cluster)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     w = Explorer(graph, costs)
-    open_s = time.perf_counter() - t0
-    if len(graph.ops) <= 2000:
+    open_s, open_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    if expand and len(graph.ops) <= 2000:
         w.session.expand_all()
     view = w.session.view
     items = len(view.items)
@@ -71,20 +79,23 @@ def bench(graph: ex.OpGraph, devices: str, edits: int) -> dict:
     layout_s = time.perf_counter() - t0
     bare = Session(graph, cluster, costs)  # the same edits with no widget listening
     ids = cluster.ids
-    engine, whole = [], []
+    engine, whole, whole_cpu = [], [], []
     for k in range(edits):
         it = view.items[(k * 7919) % items]
         target = ids[(k % (len(ids) - 1)) + 1] if k % 2 == 0 else ids[0]
         names = view.names([it.key])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         w.session.assign(names, target)  # the widget redraws through its observer
         whole.append(time.perf_counter() - t0)
+        whole_cpu.append(time.process_time() - c0)
         w.session.undo()
         t0 = time.perf_counter()  # the engine alone
         bare.assign(names, target)
         engine.append(time.perf_counter() - t0)
         bare.undo()
-    return {"ops": len(graph.ops), "items": items, "open_s": open_s, "layout_s": layout_s,
+    return {"ops": len(graph.ops), "items": items, "open_s": open_s, "open_cpu_s": open_cpu_s,
+            "plan": w.session.plan.algorithm, "widget_cpu_ms": statistics.median(whole_cpu) * 1e3,
+            "layout_s": layout_s,
             "engine_ms": statistics.median(engine) * 1e3, "engine_max_ms": max(engine) * 1e3,
             "widget_ms": statistics.median(whole) * 1e3, "widget_max_ms": max(whole) * 1e3}
 
@@ -162,6 +173,38 @@ def first_pictures(models: list[str], size: str, devices: str, folder: str) -> N
                  folder=folder)
 
 
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def large_shapes(shapes: list[str], devices: str, edits: int, folder: str) -> None:
+    """Open the widget on each published shape's fake capture, folded, and time edits."""
+    rows = []
+    for name in shapes:
+        bm = ex.builtin_model(name)
+        t0 = time.perf_counter()
+        graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+        capture_s = time.perf_counter() - t0
+        rows.append((name, capture_s, bench(graph, devices, edits, expand=False)))
+        print(f"  {name}: done", file=sys.stderr)
+    title = (f"The explorer widget on published large shapes ({devices} preset, fake capture, "
+             f"roofline costs, folded; edits: ms, median / slowest of {edits})")
+    load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    print(f"{title}; {load}")
+    head = ("shape", "ops", "items shown", "opening plan", "capture (s)", "open (s)",
+            "open CPU (s)", "engine ms", "widget ms", "widget max", "widget CPU ms",
+            "open < 3 s, edit < 100 ms (wall; CPU)")
+    out = [(name, f"{r['ops']:,}", f"{r['items']:,}", r["plan"], f"{cap:.1f}",
+            f"{r['open_s']:.2f}", f"{r['open_cpu_s']:.2f}", f"{r['engine_ms']:.1f}",
+            f"{r['widget_ms']:.1f}", f"{r['widget_max_ms']:.1f}", f"{r['widget_cpu_ms']:.1f}",
+            f"{_yes(r['open_s'] < 3 and r['widget_ms'] < 100)}; "
+            f"{_yes(r['open_cpu_s'] < 3 and r['widget_cpu_ms'] < 100)}")
+           for name, cap, r in rows]
+    print(table(head, out))
+    write_result("editing_large", out, columns=head, title=title, notes=load + ".",
+                 folder=folder)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="500,2000,10000",
@@ -171,8 +214,13 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(model_names()),
                     help="built-in models for the first picture ('none': skip it)")
     ap.add_argument("--model-size", default="default")
+    ap.add_argument("--shapes", default="llama-70b",
+                    help="published large shapes to open folded ('none': skip them)")
+    ap.add_argument("--shape-devices", default="64xH100")
     add_results_option(ap)
     args = ap.parse_args()
+    if args.shapes != "none":
+        large_shapes(args.shapes.split(","), args.shape_devices, args.edits, args.results)
     if args.models != "none":
         first_pictures(args.models.split(","), args.model_size, args.devices, args.results)
     if args.sizes == "none":

@@ -40,7 +40,10 @@ from _gpu import (
     device_info,
     device_line,
     failure,
+    load,
     out_path,
+    save,
+    summarize,
 )
 
 import explorer as ex
@@ -59,6 +62,8 @@ MULTI_GPU_NOTE = (
 DTYPE_NOTE = ("ex.capture/ex.run take no dtype argument: bf16 cases cast the module and the "
               "floating-point inputs with .to(torch.bfloat16) before capture; the cost model's "
               "roofline uses the bf16 peak for such ops")
+#: how close a prediction should come to the measured figure (relative error)
+TARGETS = {"step time": 0.10, "peak memory": 0.05, "energy": 0.15}
 RESERVED_NOTE = ("ex.Measurement records peak allocated bytes per rank "
                  "(torch.cuda.max_memory_allocated in the rank); reserved bytes come from the "
                  "eager reference in this process")
@@ -74,6 +79,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default 20 (dry run: 3)")
     args = ap.parse_args()
     dry = args.dry_run
+    out = out_path(args, "gpu_check")
+    if args.report:
+        data = load(out)
+        summarize_check(data)
+        save(out, data)
+        report(data)
+        return
     if not dry and not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
                  "use --dry-run to try the same code paths on CPU")
@@ -84,7 +96,6 @@ def main() -> None:
         if d not in DTYPES:
             sys.exit(f"unknown dtype {d!r}: use {', '.join(DTYPES)}")
     steps = args.steps or (3 if dry else 20)
-    out = out_path(args, "gpu_check")
     cluster = one_device(dry)
     res = Results(out, args.fresh, {
         "what": "gpu_check: the flow on one device, predicted vs measured",
@@ -102,6 +113,8 @@ def main() -> None:
                               lambda n=name, s=size, d=dt: model_case(
                                   n, s, d, cluster, steps, energy, dry)))
     finished = res.work(cases, args.budget_s)
+    summarize_check(res.data)
+    res.save()
     report(res.data)
     print(f"results: {out}" + ("" if finished else " (not finished: run again to resume)"))
 
@@ -237,6 +250,58 @@ def _j(v: Any) -> str:
 def _err(p: Any, m: Any) -> str:
     ok = isinstance(p, (int, float)) and isinstance(m, (int, float)) and m
     return f"{(p - m) / m * 100:+.0f}%" if ok else "-"
+
+
+def _per_figure(c: dict[str, Any]) -> list[tuple[str, Any, Any, Any, str]]:
+    """(figure, predicted, measured, eager, unit) of one model case."""
+    p, m, e = c["predicted"], c["measured"], c["eager"]
+    return [("step time", p["step_s"], m["step_s"], e["step_s"], "ms"),
+            ("peak memory", p["peak_bytes"], m["peak_allocated_bytes"],
+             e["peak_allocated_bytes"], "MiB"),
+            ("energy", p["energy_j"], m["energy_j"], e["energy_j_per_step"], "J")]
+
+
+def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per model case and figure: predicted vs measured, the error, its target and
+    whether it is met; the eager PyTorch figure beside them."""
+    show = {"ms": _ms, "MiB": _mib, "J": _j}
+    rows: list[dict[str, Any]] = []
+    for key, c in data["cases"].items():
+        if key == "pytest -m gpu":
+            continue
+        if failure(c):
+            rows.append({"case": key, "figure": "-", "predicted": "-", "measured": "-",
+                         "error": "error: " + failure(c)[:80]})
+            continue
+        for what, p, m, e, unit in _per_figure(c):
+            ok = isinstance(p, (int, float)) and isinstance(m, (int, float)) and m
+            err = (p - m) / m if ok else None
+            rows.append({
+                "case": key, "figure": f"{what} ({unit}{' per step' if unit == 'J' else ''})",
+                "predicted": show[unit](p), "measured": show[unit](m),
+                "error": f"{err * 100:+.0f} %" if err is not None else "-",
+                "target": f"within {TARGETS[what] * 100:.0f} %",
+                "met": "-" if err is None else "met" if abs(err) <= TARGETS[what] else "not met",
+                "eager PyTorch": show[unit](e)})
+    return rows
+
+
+def summarize_check(data: dict[str, Any]) -> None:
+    """The record fields benchmarks/report.py renders (see ``summarize``)."""
+    py = data["cases"].get("pytest -m gpu", {})
+    done = set(data["cases"])
+    left = sorted({k for r in data.get("runs", []) for k in r.get("not_reached", [])} - done)
+    notes = [f"`pytest -m gpu`: {py.get('summary') or py.get('error') or 'not run'}."]
+    if left:
+        notes.append(f"Not run (device time ran out): {', '.join(left)}.")
+    notes.append("Measured: `ex.run` of the single-device plan, median of "
+                 f"{data['steps']} steps; memory: torch.cuda.max_memory_allocated; energy: "
+                 "NVML's counter over all measured steps, per step. Eager PyTorch: the same "
+                 "model and Adam in plain PyTorch on the same GPU.")
+    if any(c.get("dtype") == "bf16" for c in data["cases"].values()):
+        notes.append(DTYPE_NOTE)
+    summarize(data, "One GPU: predicted vs measured per built-in model", summary_rows(data),
+              [*notes, MULTI_GPU_NOTE, RESERVED_NOTE])
 
 
 def report(data: dict[str, Any]) -> None:

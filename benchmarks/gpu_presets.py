@@ -44,8 +44,11 @@ from _gpu import (
     device_info,
     device_line,
     failure,
+    load,
     median_time_s,
     out_path,
+    save,
+    summarize,
 )
 from scipy.optimize import least_squares, nnls
 from torch.utils.flop_counter import FlopCounterMode
@@ -97,6 +100,13 @@ def main() -> None:
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     args = ap.parse_args()
     dry = args.dry_run
+    out = out_path(args, "gpu_presets")
+    if args.report:
+        data = load(out)
+        summarize_presets(data)
+        save(out, data)
+        report(data)
+        return
     cuda = torch.cuda.is_available() and not dry
     if not dry and not cuda:
         sys.exit("gpu_presets needs a CUDA GPU; use --dry-run to try it on CPU")
@@ -108,7 +118,6 @@ def main() -> None:
             sys.exit(f"unknown {name} {', '.join(bad)}: use {', '.join(known)}")
     info = device_info()
     dev = datasheet_device(args.preset, info["nvml_device_name"], dry)
-    out = out_path(args, "gpu_presets")
     res = Results(out, args.fresh, {
         "what": "gpu_presets: datasheet roofline vs one op measured, and fitted fractions",
         "dry_run": dry, "device": info,
@@ -130,6 +139,7 @@ def main() -> None:
              if prec != "tf32" or kind in TF32_KINDS]
     finished = res.work(cases, args.budget_s)
     res.data["fits"] = fit_all(res.cases, info["nvml_device_name"] if cuda else dev.name)
+    summarize_presets(res.data)
     res.save()
     report(res.data)
     print(f"results: {out}" + ("" if finished else " (not finished: run again to resume)"))
@@ -301,6 +311,47 @@ def fit_all(cases: dict[str, Any], device_name: str) -> dict[str, Any]:
     return fits
 
 
+def _pct(v: Any) -> str:
+    return f"{v * 100:.0f} %" if isinstance(v, float) else "-"
+
+
+def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per op kind and precision: how the datasheet roofline's prediction compares with the
+    measured cases (median and range of predicted / measured), and the fit."""
+    groups: dict[str, list[float]] = {}
+    for c in data["cases"].values():
+        if not failure(c):
+            groups.setdefault(f"{c['kind']}/{c['precision']}", []).append(
+                c["predicted_over_measured"])
+    rows = []
+    for key, ratios in groups.items():
+        f = data.get("fits", {}).get(key, {})
+        rows.append({
+            "kind/precision": key, "cases": len(ratios),
+            "datasheet roofline / measured, median": f"{float(np.median(ratios)):.2f}",
+            "range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+            "fitted: of peak FLOP/s": _pct(f.get("flops_fraction")),
+            "of bandwidth": _pct(f.get("bandwidth_fraction")),
+            "overhead us": (f"{f['overhead_s'] * 1e6:.1f} per {f['overhead_per']}"
+                            if "overhead_s" in f else "-"),
+            "fit rms error": _pct(f.get("rms_relative_error"))})
+    return rows
+
+
+def summarize_presets(data: dict[str, Any]) -> None:
+    """The record fields benchmarks/report.py renders (see ``summarize``)."""
+    ds, rl = data["datasheet"], data["roofline"]
+    notes = [f"Datasheet roofline of {ds['name']}: fp32 {ds['flops_per_s'] / 1e12:.0f} "
+             f"TFLOP/s, bf16 {ds['half_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+             f"{ds['mem_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, efficiency "
+             f"{rl['efficiency']}, {rl['overhead_s'] * 1e6:.0f} us per op; tf32 is predicted "
+             "as fp32, so its fitted fraction is of the fp32 peak. Above 1: the roofline is "
+             "slower than measured. Fractions are of the datasheet figures; - where no case "
+             "was bound by that term (or the FLOP counter counts none)."]
+    summarize(data, "One op at a time: datasheet roofline vs measured, and the fitted "
+              "fractions", summary_rows(data), notes)
+
+
 def report(data: dict[str, Any]) -> None:
     """The per-op table and the fits."""
     print(f"\n{device_line(data['device'])}; predicted from {data['datasheet']['name']}")
@@ -314,12 +365,9 @@ def report(data: dict[str, Any]) -> None:
     print(table(("case", "GFLOP", "MiB moved", "pred us", "meas us", "pred/meas", "TFLOP/s",
                  "GB/s"), rows))
 
-    def pct(v: Any) -> str:
-        return f"{v * 100:.0f}%" if isinstance(v, float) else "-"
-
-    fits = [(k, pct(f.get("flops_fraction")), pct(f.get("bandwidth_fraction")),
+    fits = [(k, _pct(f.get("flops_fraction")), _pct(f.get("bandwidth_fraction")),
              f"{f['overhead_s'] * 1e6:.2f} per {f['overhead_per']}" if "overhead_s" in f
-             else "-", pct(f.get("rms_relative_error")), f.get("note", ""))
+             else "-", _pct(f.get("rms_relative_error")), f.get("note", ""))
             for k, f in data.get("fits", {}).items()]
     print(table(("kind/precision", "of peak FLOP/s", "of bandwidth", "overhead us",
                  "fit rms err", "note"), fits))

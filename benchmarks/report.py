@@ -59,8 +59,9 @@ def render(rec: dict, filters: str = "") -> str:
         cols += [c for c in r if c not in cols]
     title = f"**{rec['title']}.** " if rec.get("title") else ""
     caption = f"{title}Measured {rec['date']}; {rec['machine']}; `{rec['command']}`."
-    if rec.get("notes"):
-        caption += f" {rec['notes']}"
+    notes = rec.get("notes")
+    if notes:  # one string, or a list of sentences
+        caption += " " + (" ".join(notes) if isinstance(notes, list) else notes)
     lines = [caption, ""]
     if cols:
         lines.append("| " + " | ".join(_cell(c) for c in cols) + " |")

@@ -1,7 +1,7 @@
 """Scale benchmark: wall time of every partitioner and of simulating its plan on large graphs.
 
 Run: python benchmarks/scale.py [--sizes 1k,10k,100k] [--graphs layered,gpt]
-         [--algorithms all] [--repeat 1] [--timeout 0] [--reference REV]
+         [--algorithms all] [--repeat 1] [--timeout 0] [--reference REV] [--record scale]
 
 Graphs: random layered DAGs (``explorer.models.synthetic.layered_dag``, seed 0) and a captured
 tiny GPT whose transformer blocks are tiled to the size (``explorer.models.synthetic.replicated``),
@@ -21,13 +21,15 @@ is exactly the same. Times are the best of ``--repeat`` runs, in seconds, from
 ``time.perf_counter``; the machine's load average (1, 5, 15 min) is printed with every row,
 since it may be shared.
 
-Prints its table and records it under ``benchmarks/results/`` (``--results``), which
+Prints its table and records it under ``benchmarks/results/`` (``--results``) as
+``--record`` (``scale.json``), which
 ``python benchmarks/report.py`` renders into docs/.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import math
@@ -55,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (best of ``repeat``) and prints, per plan, its time and prediction fields as JSON. It uses
 #: only names every recent version has.
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 from explorer.core.plan import Plan
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
@@ -75,6 +77,7 @@ graph.preds, graph.succs, graph.index
 out = {}
 for name, path in spec["plans"].items():
     plan = Plan.load(path, graph)
+    gc.collect()
     best = float("inf")
     for _ in range(spec["repeat"]):
         clear = getattr(SIM, "clear_caches", None)
@@ -110,9 +113,11 @@ def best_of(repeat: int, fn):
 
 def timed_simulate(module, repeat: int, graph, plan, costs):
     """Best wall time of ``module.simulate``, each run cold: the simulator keeps per-graph
-    arrays for the graphs it saw last, which is dropped first so runs are comparable."""
+    arrays for the graphs it saw last, which is dropped first so runs are comparable; and the
+    cycle collector's garbage is collected first, on both sides."""
 
     clear = getattr(module, "clear_caches", None)  # (a reference version may have none)
+    gc.collect()  # (what the partitioner left, as the reference's child process starts clean)
 
     def run():
         if clear is not None:
@@ -243,6 +248,8 @@ def main() -> None:
     ap.add_argument("--reference", default=None, metavar="REV",
                     help="a git revision whose simulator is timed on the same plans, side by "
                          "side (e.g. HEAD~1, main)")
+    ap.add_argument("--record", default="scale",
+                    help="the record's name under --results (default scale)")
     add_results_option(ap)
     args = ap.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -308,7 +315,7 @@ def main() -> None:
     if ref is not None:
         title += (f"; previous s: the simulator of {args.reference} ({ref.commit}) on the same "
                   "plans in the same run")
-    write_result("scale", rows, columns=header, title=title, folder=args.results)
+    write_result(args.record, rows, columns=header, title=title, folder=args.results)
     print(f"\nload average at end {load()}")
 
 

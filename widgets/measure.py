@@ -79,7 +79,7 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
             return graph, roofline_model(graph, cluster)
         here = ", ".join(d.id for d in cluster.devices if d.present)
         report(f"profiling {len(graph.ops):,} ops on {here}")
-        return graph, ex.profile(graph, cluster, progress=False)
+        return graph, ex.profile(graph, cluster, progress=False, report=report)
     return work
 
 

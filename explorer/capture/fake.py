@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,6 +108,30 @@ def needs_real_data(exc: BaseException) -> CaptureError | None:
         f"fake tensors do not have ({type(e).__name__}). Capture it with real weights "
         "(fake=False), or make that code value-free: use sizes (x.shape) instead of values, "
         "torch._check(...) to state what a value satisfies, or torch.cond for a branch")
+
+
+def check_sizes_known(fx: Any, shapes: tuple[tuple[Any, ...], ...]) -> None:
+    """Refuse an op whose output size depends on tensor values (``nonzero``, indexing with a
+    mask, ``bincount`` ...): on fake tensors that size is a symbol with no value, and nothing
+    after it (memory, costs, the plan) can be counted."""
+    if all(isinstance(d, int) for shape in shapes for d in shape):
+        return
+    shown = next(s for s in shapes if not all(isinstance(d, int) for d in s))
+    raise CaptureError(
+        f"the model needs real data to trace: op {fx.target}{_stack_frame(fx)} makes an "
+        f"output whose size depends on tensor values ({tuple(str(d) for d in shown)}), "
+        "which fake tensors do not have. Capture it with real weights (fake=False), or make "
+        "that size value-free (multiply by a mask instead of indexing with it)")
+
+
+def _stack_frame(fx: Any) -> str:
+    """" at file.py:LINE" of the innermost frame of the user's code that made ``fx``."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', fx.meta.get("stack_trace") or "")
+    users = [(f, n) for f, n in frames if not f.startswith(_NOT_USER)]
+    if not users:
+        return ""
+    f, n = users[-1]
+    return f" at {os.path.basename(f)}:{n}"
 
 
 def user_frame(exc: BaseException) -> str:

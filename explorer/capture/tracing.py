@@ -6,8 +6,10 @@ FLOPs with ``torch.utils.flop_counter.FlopCounterMode`` and to see which tensors
 for its backward (``torch.autograd.graph.saved_tensors_hooks``). A real capture replays on the
 example's real values; a fake one (``fake=True``, or any parameter or input on the meta device)
 traces and replays on fake tensors (:mod:`explorer.capture.fake`): same graph, nothing run, no
-memory allocated, and repeated layers replayed once. When export fails on a real capture, a
-coarser graph with one node per leaf-module call is built from forward hooks
+memory allocated, and repeated layers replayed once. A fake capture of a model with a list of
+identical blocks traces only a few of them and grows the graph to all
+(:mod:`explorer.capture.blocks`), so its time does not grow with depth. When export fails on
+a real capture, a coarser graph with one node per leaf-module call is built from forward hooks
 (:mod:`explorer.capture.hooks`), and the graph says so in ``notes``.
 """
 
@@ -25,10 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from explorer.capture.blocks import (
+    CUT_BLOCKS,
+    BlockList,
+    NotRepeating,
+    find_blocks,
+    grow_graph,
+)
 from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
     check_fits,
+    check_sizes_known,
     is_fake_graph,
     needs_real_data,
     on_meta,
@@ -48,20 +58,24 @@ from explorer.capture.step import (
     training_mode,
 )
 from explorer.capture.trial import check_runs, first_line
-from explorer.core.errors import CaptureError, InputMismatchError
+from explorer.core.errors import CaptureError, ExplorerError, InputMismatchError
+from explorer.core.factory import load_factory
 from explorer.core.graph import OpGraph, OpNode
 
 __all__ = ["CaptureRuntime", "TrainStep", "batch_splits", "capture", "captured_graph",
-           "example_of", "keep_buffers", "program_state", "program_structure",
+           "example_of", "keep_buffers", "program_state", "program_structure", "step_program",
            "surrogate_loss", "training_mode"]
 
 
 #: held by a capture while it runs
 _ONE_AT_A_TIME = threading.Lock()
 
+_log = logging.getLogger(__name__)
+
 
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
-            targets: Any = None, name: str | None = None, fake: bool | None = None) -> OpGraph:
+            targets: Any = None, name: str | None = None, fake: bool | None = None,
+            factory: str | None = None, reuse_blocks: bool | None = None) -> OpGraph:
     """Capture one training step of ``model`` on ``example_inputs`` as an :class:`OpGraph`.
 
     ``example_inputs`` is a tensor or a tuple of tensors whose dim 0 is the batch. ``loss_fn``
@@ -73,6 +87,15 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     chosen automatically (``fake=None``) when a parameter, buffer or example tensor is on the
     meta device. Real and fake captures of one model give the same graph.
 
+    ``factory`` (``"module:function"``) names the user's function that builds this model; it is
+    checked now (importable, callable), kept as ``graph.factory`` and recorded in exported
+    scripts, which call it on every rank instead of carrying weights.
+
+    ``reuse_blocks`` (fake captures; on unless ``False``): a model with a list of at least
+    four identical blocks (transformer layers) is traced with three of them and its graph grown
+    to all, the same graph as tracing every block, in a time that does not grow with depth.
+    Where the blocks cannot be shown to repeat, every block is traced and ``notes`` says why.
+
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))
     >>> g.batch_size, g.source
@@ -80,6 +103,8 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture needs a torch.nn.Module, got {type(model).__name__}")
+    if factory is not None:
+        load_factory(factory)
     inputs = _as_tuple(example_inputs, "example_inputs")
     tgts = _as_tuple(targets, "targets") if targets is not None else ()
     if not inputs:
@@ -95,14 +120,23 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         if fake is False and meta:
             raise CaptureError("the model or its example tensors are on the meta device (no "
                                "values): capture with fake=True, or build it with real weights")
+        if reuse_blocks and not (fake or meta):
+            raise CaptureError("reuse_blocks=True applies to captures on fake tensors: a real "
+                               "capture keeps the whole program to run and measure it; pass "
+                               "fake=True as well, or leave reuse_blocks unset")
         step = TrainStep(model, loss_fn, len(inputs))
         name = name or type(model).__name__
         with training_mode(step):  # the caller's model keeps its own train/eval modes after
             if fake or meta:
-                return _capture_fake(step, model, inputs, tgts, name)
-            check_fits(model)
-            # the example batch kept with the graph is a copy: the caller's tensors stay theirs
-            return _capture(step, model, copies(inputs), copies(tgts), name)
+                graph = _capture_fake(step, model, inputs, tgts, name,
+                                      reuse_blocks is not False)
+            else:
+                check_fits(model)
+                # the example batch kept with the graph is a copy: the caller's tensors stay
+                # theirs
+                graph = _capture(step, model, copies(inputs), copies(tgts), name)
+    graph.factory = factory or ""
+    return graph
 
 
 def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
@@ -135,15 +169,75 @@ def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
     return graph
 
 
-def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
-                  name: str) -> OpGraph:
-    """Trace, export and replay on fake tensors: the model's own state is never touched."""
+def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+                  reuse_blocks: bool) -> OpGraph:
+    """Capture on fake tensors; with ``reuse_blocks``, a list of identical blocks is traced
+    cut short and the graph grown to all of them (the whole model when that is not safe)."""
+    cache = ReplayCache()  # shared: the cut captures replay the same ops
+    why_not = ""
+    if reuse_blocks:
+        try:
+            blocks = find_blocks(model)
+            if blocks is not None:
+                graph = _grown(step, model, inputs, tgts, name, cache, blocks)
+                # no program covers every block: an export traces the whole model then
+                _FAKE_PROGRAMS[id(graph)] = _WholeProgram(step, model, inputs, tgts, name,
+                                                          graph.fingerprint)
+                weakref.finalize(graph, _FAKE_PROGRAMS.pop, id(graph), None)
+                return graph
+        except NotRepeating as exc:
+            why_not = str(exc)
+        except ExplorerError as exc:  # the cut model does not trace: the whole one will say
+            why_not = first_line(exc)
+    graph = _fake_graph(step, model, inputs, tgts, name, cache, False)
+    if why_not:
+        graph.notes = (*graph.notes, "traced every block: the repeated blocks could not be "
+                       f"reused ({why_not})")
+        _log.debug("%s: %s", name, graph.notes[-1])
+    return graph
+
+
+def _grown(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+           cache: ReplayCache, blocks: BlockList) -> OpGraph:
+    """The graph of every block, grown from captures with the block list cut short."""
+    n_blocks = len(blocks.container)
+    world = FakeWorld()
+    args = tuple(world.tensor(t) for t in (*inputs, *tgts))
+    try:
+        with world.swapped(model), blocks.stubbed() as calls, world.mode, torch.no_grad(), \
+                _quiet_torch():
+            step(*args)
+    except Exception as exc:
+        raise NotRepeating(f"the model did not run with one block computed for all "
+                           f"({first_line(exc)})") from exc
+    blocks.check_calls(calls)
+    cuts = []
+    with blocks.watched() as reads:
+        for k in CUT_BLOCKS:
+            with blocks.cut(k):
+                cuts.append(_fake_graph(step, model, inputs, tgts, name, cache, True))
+    if reads:
+        raise NotRepeating(f"the blocks compute with their own index ({reads[0]})")
+    graph = grow_graph(*cuts, blocks, n_blocks)
+    graph.notes = (*graph.notes, f"traced {CUT_BLOCKS[-1]} of the {n_blocks} identical "
+                   f"blocks of {blocks.path} and repeated the last one (reuse_blocks=False "
+                   "traces every block)")
+    _log.debug("%s: %s", name, graph.notes[-1])
+    return graph
+
+
+def _fake_graph(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: str,
+                cache: ReplayCache, cut: bool) -> OpGraph:
+    """Trace, export and replay on fake tensors: the model's own state is never touched.
+    A ``cut`` model (block list cut short) skips the trial run: if it fails, the whole model
+    is captured next and its trial run says why."""
     world = FakeWorld()
     f_inputs = tuple(world.tensor(t) for t in inputs)
     f_tgts = tuple(world.tensor(t) for t in tgts)
     with world.swapped(model):
-        with world.mode, _quiet_torch():  # fake kernels log the errors they raise
-            check_runs(step, f_inputs, f_tgts)
+        if not cut:
+            with world.mode, _quiet_torch():  # fake kernels log the errors they raise
+                check_runs(step, f_inputs, f_tgts)
         try:
             with _quiet_torch():
                 program = _export(step, (*f_inputs, *f_tgts))
@@ -154,12 +248,17 @@ def _capture_fake(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
                 "Python control flow), or capture it with real weights (fake=False), which "
                 "can fall back to one node per module") from exc
     runtime = CaptureRuntime(step, f_inputs, f_tgts)
-    cache = ReplayCache()
     with world.mode:
         graph = _from_export(program, runtime, name,
                              lambda fx, v, g: cache.replay(fx, runtime, v, g))
+    if cut and any(fx.op != "placeholder" and fx.name != nm
+                   for nm, fx in runtime.fx_nodes.items()):
+        raise NotRepeating("an op is renamed where it meets a parameter's name")
     graph.notes = (FAKE_NOTE, *_batch_notes(program))
     graph.runtime = None  # a fake graph has no values to run or measure
+    _FAKE_PROGRAMS[id(graph)] = program  # but its program can be exported with a factory
+    weakref.finalize(graph, _FAKE_PROGRAMS.pop, id(graph), None)
+    _CAPTURED[graph.fingerprint] = graph
     return graph
 
 
@@ -295,6 +394,7 @@ def _from_export(program: Any, runtime: CaptureRuntime, name: str,
         outs = tensors_of(val)
         out_bytes = sum(nbytes(t) for t in outs)
         shapes = tuple(tuple(t.shape) for t in outs)
+        check_sizes_known(fx, shapes)
         dtype = dtype_name(outs[0]) if outs else "none"
         if fx.op == "placeholder":
             if nm in runtime.state:
@@ -334,6 +434,40 @@ _CAPTURED: weakref.WeakValueDictionary[str, OpGraph] = weakref.WeakValueDictiona
 def captured_graph(fingerprint: str) -> OpGraph | None:
     """The graph with this fingerprint, if it was captured in this process and is still held."""
     return _CAPTURED.get(fingerprint)
+
+
+#: the exported programs of fake graphs (whose runtime is None), by ``id`` of the live graph
+_FAKE_PROGRAMS: dict[int, Any] = {}
+
+
+class _WholeProgram:
+    """The program of a graph grown from repeated blocks, traced when first asked for (an
+    export needs every block's ops; planning never does)."""
+
+    def __init__(self, step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
+                 name: str, fingerprint: str) -> None:
+        self.args = (step, model, inputs, tgts, name)
+        self.fingerprint = fingerprint
+
+    def build(self) -> Any:
+        step, model, inputs, tgts, name = self.args
+        with _ONE_AT_A_TIME, training_mode(step):
+            whole = _fake_graph(step, model, inputs, tgts, name, ReplayCache(), False)
+        if whole.fingerprint != self.fingerprint:
+            raise CaptureError(f"{name} traced in full differs from the graph grown from its "
+                               "repeated blocks; capture it with reuse_blocks=False")
+        return _FAKE_PROGRAMS[id(whole)]
+
+
+def step_program(graph: OpGraph) -> Any:
+    """The ``torch.export`` program of a graph's training step, real or fake; None for a graph
+    captured from hooks or loaded without its model."""
+    if graph.runtime is not None:
+        return graph.runtime.program
+    found = _FAKE_PROGRAMS.get(id(graph))
+    if isinstance(found, _WholeProgram):
+        found = _FAKE_PROGRAMS[id(graph)] = found.build()
+    return found
 
 
 def _op_name(target: Any) -> str:

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
+from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
+from explorer.core.factory import load_factory
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
@@ -64,14 +66,18 @@ def _prepare(args: argparse.Namespace):
     return bm, graph, cluster, costs, t_capture, t_profile
 
 
-def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any]):
-    """Run each algorithm and simulate its plan; (name, plan, prediction or error text)."""
+def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, Any],
+              memory: dict[str, Any] | None = None):
+    """Run each algorithm and simulate its plan, with the ``memory`` settings
+    (``Plan.with_memory``) on all its stages; (name, plan, prediction or error text)."""
     out = []
     for name in names:
         alg = ex.algorithm(name)
         opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
+            if memory:
+                plan = _with_memory(plan, memory)
             if (settings.get("tensor") or 1) > 1:
                 plan = tensor_split(plan, settings["tensor"])
             out.append((name, plan, ex.simulate(graph, plan, costs)))
@@ -91,6 +97,18 @@ def tensor_split(plan, degree: int):
     return plan.with_tensor(degree, stages=stages)
 
 
+def _with_memory(plan, memory: dict[str, Any]):
+    """``plan`` with the command line's memory settings on every stage, noting where ZeRO
+    changes nothing (a stage of one device has nothing to shard over)."""
+    plan = plan.with_memory(**memory)
+    single = [s for s, devs in enumerate(plan.stages) if len(devs) == 1]
+    if memory.get("zero") and single:
+        plan = plan.with_settings(notes=(*plan.notes, (
+            f"ZeRO {memory['zero']} changes nothing on stage(s) "
+            f"{', '.join(map(str, single))}: one device each, nothing to shard over")))
+    return plan
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     names = ex.algorithms() if args.algorithm == "all" else [args.algorithm]
     for n in names:
@@ -98,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
                 "optimizer": args.optimizer, "tensor": args.tensor}
-    results = plan_rows(graph, cluster, costs, names, settings)
+    results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
     if args.out and ok:
@@ -124,9 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
-        if p.uses_tensor_parallel:
-            note = "tensor " + " ".join(str(p.tensor_of(s)) for s in range(len(p.stages))) + (
-                "; " + note if note else "")
+        if p.uses_memory_settings:  # which settings, before anything else
+            note = f"[{_settings_text(p)}] {note}"
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
                      f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
                      f"{r.cross_device_bytes / MiB:.2f}",
@@ -185,16 +202,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = ex.partition(graph, cluster, costs, args.algorithm,
                             **{k: v for k, v in opts.items()
                                if v is not None and k in alg.options})
+    memory = memory_settings(args)
+    if memory:
+        plan = plan.with_memory(**memory)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet)
     report = ex.compare(pred, meas)
     if args.json:
         print(json.dumps({"model": bm.name, "size": bm.size, "plan": plan.to_dict(),
-                          "losses": list(meas.losses), **report.to_dict()}, indent=1))
+                          "losses": list(meas.losses), **report.to_dict(),
+                          "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
+    settings = "; ".join(f"stage {k}: {st.describe()}" for k, st in enumerate(
+        plan.settings_of(s) for s in range(len(plan.stages))) if not st.is_default)
     print(f"{bm.name} ({bm.size}) under {plan.algorithm} on {', '.join(plan.devices)}: "
-          f"{args.steps} steps after {args.warmup} warm-up")
+          f"{args.steps} steps after {args.warmup} warm-up"
+          + (f" ({settings})" if settings else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
     return 0
@@ -202,15 +226,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
-    _model_from_plan(args, plan)
-    bm = ex.builtin_model(args.model, args.size, args.batch_size)
-    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    factory = args.factory or (plan.model or {}).get("factory")
+    if factory:
+        bm = _from_factory(factory)
+    else:
+        _model_from_plan(args, plan)
+        bm = ex.builtin_model(args.model, args.size, args.batch_size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
+                       name=getattr(bm, "name", None), factory=factory)
     plan.validate(graph)
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
-                              overwrite=args.force)
+                              overwrite=args.force, factory=factory)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
+
+
+def _from_factory(factory: str) -> Any:
+    """What a factory built, when it carries its example batch (as ``ex.builtin_model`` does):
+    the command line captures that to check the plan against."""
+    made = load_factory(factory)()
+    if not all(hasattr(made, a) for a in ("module", "example_inputs", "targets", "loss_fn")):
+        raise ExplorerError(
+            f"model factory {factory!r} returned a {type(made).__name__}; the command line "
+            "needs the model with its example batch (an object with module, example_inputs, "
+            "targets and loss_fn, as ex.builtin_model returns). From Python, export with "
+            "ex.export_script(plan, path, graph=ex.capture(model, ...), factory=...)")
+    return made
 
 
 def _plan_json(name: str, plan, r) -> dict[str, Any]:
@@ -222,7 +264,25 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
-            "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))]}
+            "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))],
+            "notes": list(plan.notes),
+            "memory_settings": [plan.settings_of(s).describe() or "default"
+                                for s in range(len(plan.stages))],
+            "peak_memory_by_category": {d: _categories(m) for d, m in r.memory.items()}}
+
+
+def _settings_text(plan) -> str:
+    """The plan's memory settings in words, each distinct setting once ("default" for none)."""
+    return "; ".join(dict.fromkeys(plan.settings_of(s).describe() or "default"
+                                   for s in range(len(plan.stages))))
+
+
+def _categories(m) -> dict[str, int]:
+    """A device's predicted memory at its peak, by category (bytes)."""
+    return {"parameters": m.params_bytes, "gradients": m.grads_bytes,
+            "optimizer_state": m.optimizer_bytes, "activations": m.activations_bytes,
+            "gathered": m.gathered_bytes, "buffers": m.buffers_bytes,
+            "workspace": m.workspace_bytes, "total": m.total_bytes}
 
 
 def _whole_from(lo: int, text: str) -> int:
@@ -281,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
     pl.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_memory_options(pl)
     pl.set_defaults(fn=cmd_plan)
     r = sub.add_parser("run", help="run real steps of a plan on this machine's devices and "
                                    "compare with the prediction")
@@ -297,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--micro-batches", type=_positive_int, default=None)
     r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    add_memory_options(r)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -310,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--size", default=None,
                    help="tiny, small, default or large (default: the plan's, or default)")
     e.add_argument("--batch-size", type=_positive_int, default=None)
+    e.add_argument("--factory", default=None,
+                   help="module:function that builds the model on every rank instead of "
+                        "weights in the job folder (default: the plan's, if it records one); "
+                        "it returns the model with its example batch, like ex.builtin_model")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
     e.add_argument("--force", action="store_true",
                    help="overwrite an existing script and job folder")

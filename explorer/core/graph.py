@@ -65,6 +65,9 @@ class OpGraph:
     notes: tuple[str, ...] = ()
     #: runtime objects kept for profiling and execution (never serialised)
     runtime: Any = field(default=None, repr=False, compare=False)
+    #: the user's function that builds the model, ``"module:function"`` (empty: none given):
+    #: exported scripts call it instead of carrying weights
+    factory: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

@@ -16,21 +16,22 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from explorer.core.errors import PlanError
+from explorer.core.factory import FACTORY_PATTERN
 from explorer.core.graph import OpGraph
 
 #: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 PLAN_FORMAT = "partition-explorer-plan"
-#: 2 adds per-stage memory settings (``stage_settings``), 3 their tensor-parallel degree
-#: (``tensor``); a plan is written with the lowest version that holds what it uses, so files
-#: older explorers can read stay readable by them
+#: 2 adds per-stage memory settings (``stage_settings``) and model factories, 3 the stages'
+#: tensor-parallel degree (``tensor``); a plan is written with the lowest version that holds
+#: what it uses, so files older explorers can read stay readable by them
 PLAN_VERSION = 3
 MEMORY_VERSION = 2
 TENSOR_VERSION = 3
@@ -75,6 +76,15 @@ def whole(lo: int, hi: int) -> Check:
             raise _refuse(where, f"a whole number >= {lo} and <= {hi}", v)
         return v
     return check
+
+
+def all_whole(lo: int, hi: int) -> Callable[[Collection[Any]], bool]:
+    """Whether every value is a plain ``int`` from ``lo`` to ``hi``: a quick test that what
+    ``whole(lo, hi)`` checks one by one holds for a large collection (False says nothing)."""
+    def test(values: Collection[Any]) -> bool:
+        return set(map(type, values)) <= {int} and (not values or (
+            lo <= min(values) and max(values) <= hi))
+    return test
 
 
 def matching(pattern: str, what: str) -> Check:
@@ -125,10 +135,16 @@ def list_of(item: Check, lo: int, hi: int) -> Check:
     return check
 
 
-def map_of(item: Check) -> Check:
+def map_of(item: Check, items_pass: Callable[[Collection[Any]], bool] | None = None) -> Check:
+    """An object of strings to ``item`` s. ``items_pass`` (a quick test of all the values at
+    once, such as :func:`all_whole`) spares a large object the check of each item where
+    every key is a plain short string and the test passes; otherwise each is checked."""
     def check(v: Any, where: str) -> dict:
         if not isinstance(v, dict):
             raise _refuse(where, "an object", v)
+        if items_pass is not None and set(map(type, v)) <= {str} and items_pass(v.values()) \
+                and max(map(len, v), default=0) <= MAX_TEXT_CHARS:
+            return dict(v)
         return {string(k, f"a key of {where}"): item(x, f"{where}[{k!r}]") for k, x in v.items()}
     return check
 
@@ -154,13 +170,29 @@ def obj(fields: Mapping[str, tuple[Check, Any]]) -> Check:
 
 _name = matching(NAME_PATTERN, "a name of 1 to 128 letters, digits or _ . : + / -")
 
+_builtin_record = obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
+                       "batch_size": (whole(1, 2**31), REQUIRED)})
+_factory_record = obj({"factory": (matching(FACTORY_PATTERN, "a function name of the form "
+                                            "module:function"), REQUIRED)})
+
+
+def model_record(v: Any, where: str) -> dict:
+    """How a model is built: ``{"builtin", "size", "batch_size"}`` or ``{"factory"}``."""
+    if isinstance(v, dict) and "factory" in v:
+        if "builtin" in v:
+            raise PlanError(f"plan field {where} names both a built-in model and a factory; "
+                            "keep one")
+        return _factory_record(v, where)
+    return _builtin_record(v, where)
+
+
 #: every field of a plan file (format and version are checked first, by ``from_dict``)
 PLAN_SCHEMA = obj({
     "graph": (obj({"fingerprint": (_name, REQUIRED),
                    "name": (matching(GRAPH_NAME_PATTERN, "one line of at most 256 printable "
                                      "characters"), "")}), REQUIRED),
     "stages": (list_of(list_of(_name, 1, MAX_DEVICES), 1, MAX_DEVICES), REQUIRED),
-    "placement": (map_of(whole(0, MAX_DEVICES - 1)), REQUIRED),
+    "placement": (map_of(whole(0, MAX_DEVICES - 1), all_whole(0, MAX_DEVICES - 1)), REQUIRED),
     "micro_batches": (whole(1, MAX_MICRO_BATCHES), 1),
     "schedule": (one_of(SCHEDULES), "gpipe"),
     "optimizer": (one_of(OPTIMIZER_STATE), "adam"),
@@ -168,9 +200,9 @@ PLAN_SCHEMA = obj({
     "options": (map_of(json_value), {}),
     "pinned": (list_of(string, 0, 2**31), []),
     "notes": (list_of(string, 0, 2**31), []),
-    # how the graph's model was built, where a built-in model was (``explorer plan``)
-    "model": (obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
-                   "batch_size": (whole(1, 2**31), REQUIRED)}), None),
+    # how the graph's model is built: a built-in one (``explorer plan``) or, version 2, the
+    # user's factory function
+    "model": (model_record, None),
     # version 2: memory settings per stage (absent: the defaults)
     "stage_settings": (list_of(obj({"zero": (whole(0, 3), 0),
                                     "recompute": (one_of(RECOMPUTE), "none"),
@@ -218,6 +250,15 @@ class StageSettings:
 DEFAULT_SETTINGS = StageSettings()
 
 
+def check_tensor_alone(settings: tuple[StageSettings, ...]) -> None:
+    """Refuse tensor-parallel stages in a plan with ZeRO, recomputation or reduced precision
+    (the simulator and runtime do not model them together yet)."""
+    if any(st.tensor > 1 for st in settings) and any(
+            replace(st, tensor=1) != DEFAULT_SETTINGS for st in settings):
+        raise PlanError("tensor-parallel stages cannot be combined with ZeRO, recompute or "
+                        "bf16/fp16 yet: set zero=0, recompute='none', precision='fp32' or tensor=1")
+
+
 @dataclass(frozen=True)
 class Plan:
     """Node placement plus how the step runs. Build with :meth:`from_assignment`."""
@@ -233,8 +274,9 @@ class Plan:
     pinned: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
     graph_name: str = ""
-    #: how the graph's model was built when it is a built-in one: ``{"builtin": "gpt",
-    #: "size": "tiny", "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild)
+    #: how the graph's model is built: a built-in one, ``{"builtin": "gpt", "size": "tiny",
+    #: "batch_size": 8}`` (what ``explorer export`` and ``run --plan`` rebuild), or the user's
+    #: factory, ``{"factory": "mypkg.models:build_llama"}`` (what exported scripts call)
     model: Mapping[str, Any] | None = None
     #: memory settings per stage (empty: the defaults everywhere); see :meth:`with_memory`
     stage_settings: tuple[StageSettings, ...] = ()
@@ -359,6 +401,7 @@ class Plan:
                                 f"tensor-parallel degree of {current[s].tensor} does not "
                                 "divide; use a degree that divides it")
         kept = () if all(st.is_default for st in current) else tuple(current)
+        check_tensor_alone(kept)
         return replace(self, stage_settings=kept)
 
     # -- validation ----------------------------------------------------------------------
@@ -392,20 +435,23 @@ class Plan:
                 raise PlanError(f"the plan uses devices {', '.join(unknown)} that this cluster "
                                 f"({cluster.name}) does not have; it has "
                                 f"{', '.join(cluster.ids)}")
-        names = {n.name for n in graph.nodes}
-        missing = [n for n in names if n not in self.placement]
-        extra = [n for n in self.placement if n not in names]
-        if missing:
-            raise PlanError(f"{len(missing)} nodes of the graph are not placed, e.g. "
-                            f"{sorted(missing)[:3]}")
-        if extra:
-            raise PlanError(f"the plan places {len(extra)} nodes the graph does not have, e.g. "
-                            f"{sorted(extra)[:3]}")
-        bad = [(n, s) for n, s in self.placement.items()
-               if not isinstance(s, int) or not 0 <= s < len(self.stages)]
-        if bad:
-            raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run from "
-                            f"0 to {len(self.stages) - 1}")
+        names = graph.index  # (every node's name, as keys)
+        if self.placement.keys() != names.keys():
+            missing = [n for n in names if n not in self.placement]
+            extra = [n for n in self.placement if n not in names]
+            if missing:
+                raise PlanError(f"{len(missing)} nodes of the graph are not placed, e.g. "
+                                f"{sorted(missing)[:3]}")
+            if extra:
+                raise PlanError(f"the plan places {len(extra)} nodes the graph does not have, "
+                                f"e.g. {sorted(extra)[:3]}")
+        if not all_whole(0, len(self.stages) - 1)(self.placement.values()):
+            bad = [(n, s) for n, s in self.placement.items()
+                   if not isinstance(s, int) or not 0 <= s < len(self.stages)]
+            if bad:
+                raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run "
+                                f"from 0 to {len(self.stages) - 1}")
+        check_tensor_alone(self.stage_settings)
         if self.stage_settings and len(self.stage_settings) != len(self.stages):
             raise PlanError(f"the plan has memory settings for {len(self.stage_settings)} "
                             f"stages but {len(self.stages)} stages; set them with with_memory")
@@ -466,7 +512,7 @@ class Plan:
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
         version = (TENSOR_VERSION if self.uses_tensor_parallel
-                   else MEMORY_VERSION if settings else 1)
+                   else MEMORY_VERSION if settings or "factory" in (self.model or {}) else 1)
         return {
             "format": PLAN_FORMAT, "version": version,
             "graph": {"fingerprint": self.graph_fingerprint, "name": self.graph_name},
@@ -501,6 +547,7 @@ class Plan:
             optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
             pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"],
             stage_settings=tuple(StageSettings(**st) for st in f["stage_settings"]))
+        check_tensor_alone(plan.stage_settings)
         if graph is not None:
             plan.validate(graph, cluster)
         return plan

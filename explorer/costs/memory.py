@@ -5,42 +5,100 @@ can add up while they move nodes. Each node is charged what it brings to the dev
 a parameter its weight, gradient and optimizer state; a buffer its bytes; an op the tensors
 kept for its backward (its output when some backward saves it, plus extra saved tensors),
 times the micro-batches in flight.
+
+A stage's memory settings (:class:`~explorer.core.plan.StageSettings`) change the charges as
+the simulator does: ZeRO over ``replicas`` divides the optimizer state (1), the gradients (2)
+and the weights (3) by the replica count; recomputation does not charge the outputs it drops
+(:func:`explorer.costs.strategies.recomputed_outputs`) nor the extra tensors of the ops it
+runs again; bf16/fp16 charge the 2-byte outputs of autocast at their size. The transient
+copies (ZeRO 3's gathered weights, the recomputed activations in the backward) are not charged:
+they depend on the schedule, which the simulator has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from explorer.core.graph import OpGraph
-from explorer.core.plan import OPTIMIZER_STATE
+from explorer.core.plan import DEFAULT_SETTINGS, OPTIMIZER_STATE, StageSettings
+from explorer.costs.strategies import activation_bytes, recomputed_outputs, shard_bytes
 
 
 def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 1,
-                      batch_fraction: float = 1.0) -> list[int]:
-    """Bytes each node adds to its device (see the module docstring)."""
+                      batch_fraction: float = 1.0, settings: StageSettings | None = None,
+                      replicas: int = 1, device_kind: str = "cuda") -> list[int]:
+    """Bytes each node adds to its device (see the module docstring), under ``settings``
+    (default: none) on a stage of ``replicas`` devices of ``device_kind``."""
+    settings = settings or DEFAULT_SETTINGS
     state = OPTIMIZER_STATE[optimizer]
     saved: set[str] = {s for n in graph.nodes for s in n.saves}
+    plain = settings.is_default
+    if not plain:
+        act = activation_bytes(graph, settings.precision, device_kind).tolist()
+        dropped = recomputed_outputs(graph, settings.recompute).tolist()
+        no_extras = settings.recompute == "full"
+    zero = settings.zero if replicas > 1 else 0
+
+    def shard(nbytes: int, stage: int) -> int:
+        return shard_bytes(nbytes, replicas) if zero >= stage else nbytes
+
     out = []
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
         if n.kind == "buffer":
             out.append(n.param_bytes)
         elif n.kind == "param" or n.param_bytes:
-            out.append(n.param_bytes * (2 + state) if n.requires_grad or n.kind == "op"
-                       else n.param_bytes)
+            if n.requires_grad or n.kind == "op":
+                out.append(shard(n.param_bytes, 3) + shard(n.param_bytes, 2)
+                           + shard(n.param_bytes, 1) * state)
+            else:
+                out.append(shard(n.param_bytes, 3))
         elif n.kind == "op":
-            act = (0 if n.is_view or n.name not in saved else n.out_bytes) + n.saved_extra_bytes
-            out.append(int(act * batch_fraction * in_flight))
+            if plain:
+                kept = (0 if n.is_view or n.name not in saved else n.out_bytes) \
+                    + n.saved_extra_bytes
+            else:
+                kept = (0 if n.is_view or n.name not in saved or dropped[i] else act[i]) + (
+                    0 if no_extras or dropped[i] else n.saved_extra_bytes)
+            out.append(int(kept * batch_fraction * in_flight))
         else:  # inputs: the batch itself
             out.append(int(n.out_bytes * batch_fraction * in_flight))
     return out
 
 
+def zero_sharded_bytes(graph: OpGraph, optimizer: str, zero: int) -> list[int]:
+    """Bytes of each node's charge (:func:`node_memory_bytes`) that ZeRO stage ``zero``
+    divides by the replica count: the optimizer state (1), the gradient too (2), the weight
+    too (3)."""
+    state = OPTIMIZER_STATE[optimizer]
+    out = []
+    for n in graph.nodes:
+        pb = n.param_bytes if n.kind != "buffer" and (n.kind == "param" or n.param_bytes) else 0
+        trains = n.requires_grad or n.kind == "op"
+        out.append(pb * ((state if zero >= 1 and trains else 0)
+                         + (1 if zero >= 2 and trains else 0) + (1 if zero >= 3 else 0)))
+    return out
+
+
 def stage_memory_bytes(graph: OpGraph, stage_of: Sequence[int], n_stages: int,
                        optimizer: str = "adam", in_flight: int = 1,
-                       batch_fraction: float = 1.0) -> list[int]:
-    """Sum of :func:`node_memory_bytes` per stage for a placement (stage index per node)."""
-    per = node_memory_bytes(graph, optimizer, in_flight, batch_fraction)
+                       batch_fraction: float = 1.0,
+                       settings: Sequence[StageSettings] | None = None,
+                       replicas: Sequence[int] | None = None,
+                       device_kind: str = "cuda") -> list[int]:
+    """Sum of :func:`node_memory_bytes` per stage for a placement (stage index per node),
+    each stage under its ``settings`` with its ``replicas``."""
+    stage_a = np.asarray(stage_of, dtype=np.int64)
     out = [0] * n_stages
-    for i, b in enumerate(per):
-        out[stage_of[i]] += b
+    groups: dict[tuple[StageSettings, int], list[int]] = {}
+    for s in range(n_stages):
+        key = (settings[s] if settings else DEFAULT_SETTINGS, replicas[s] if replicas else 1)
+        groups.setdefault(key, []).append(s)
+    for (sett, reps), stages in groups.items():
+        per = node_memory_bytes(graph, optimizer, in_flight, batch_fraction, sett, reps,
+                                device_kind)
+        for s in stages:
+            out[s] = int(sum(b for b, on in zip(per, (stage_a == s).tolist(), strict=True)
+                             if on))
     return out

@@ -18,6 +18,7 @@ from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE
 from explorer.devices.cluster import Cluster, Device
+from explorer.devices.presets import KindFit, roofline_fit
 from explorer.platforms import Platform, platform_of
 from explorer.platforms.cpu import ReplicaEffects
 
@@ -201,6 +202,21 @@ class CostModel:
         measurement is the k = 2 case and the ring's terms scale it: (k-1) x its latency plus
         2(k-1)/k x bytes / its bandwidth.
         """
+        return self._ring_s(device_ids, nbytes, 2)
+
+    def reduce_scatter_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
+        """Ring reduce-scatter of ``nbytes`` (each rank keeps 1/k): half a ring all-reduce,
+        (k-1)/k of the bytes over the slowest link and k-1 latencies."""
+        return self._ring_s(device_ids, nbytes, 1)
+
+    def allgather_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
+        """Ring all-gather of a tensor of ``nbytes`` from 1/k shards: the other half of a ring
+        all-reduce, priced as :meth:`reduce_scatter_s`."""
+        return self._ring_s(device_ids, nbytes, 1)
+
+    def _ring_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int,
+                passes: int) -> float:
+        """``passes`` ring passes (2: all-reduce, 1: reduce-scatter or all-gather)."""
         k = len(device_ids)
         if k <= 1 or nbytes <= 0:
             return 0.0
@@ -210,10 +226,11 @@ class CostModel:
                for lk in links):
             lat = max(lk.allreduce_latency_s for lk in links)
             bw = min(lk.allreduce_bandwidth_bytes_per_s for lk in links)
-            return (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
+            return (k - 1) * lat * (passes / 2) + passes * (k - 1) / k * nbytes / bw \
+                * self.link_scale
         bw = min(lk.bandwidth_bytes_per_s for lk in links)
         lat = max(lk.latency_s for lk in links)
-        return 2 * (k - 1) * lat + 2 * (k - 1) / k * nbytes / bw * self.link_scale
+        return passes * (k - 1) * lat + passes * (k - 1) / k * nbytes / bw * self.link_scale
 
     def optimizer_s(self, device_id: str, optimizer: str, param_bytes: int,
                     n_tensors: int) -> float:
@@ -254,15 +271,68 @@ def _io_bytes(graph: OpGraph, i: int) -> int:
     return n.out_bytes + sum(graph.nodes[p].out_bytes for p in graph.preds[i])
 
 
+#: op names (without ``aten.`` and overload) by the kind of op they were measured as
+_OP_KINDS = {
+    "matmul": ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addbmm", "einsum"),
+    "conv2d": ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
+               "conv_transpose2d", "conv_transpose3d"),
+    "attention": ("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+                  "scaled_dot_product_efficient_attention", "scaled_dot_product_cudnn_attention",
+                  "flash_attention", "efficient_attention"),
+    "layernorm": ("layer_norm", "native_layer_norm", "rms_norm", "batch_norm",
+                  "native_batch_norm", "group_norm", "native_group_norm", "instance_norm"),
+    "sum": ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
+            "logsumexp", "softmax", "log_softmax", "cross_entropy_loss", "nll_loss",
+            "argmax", "argmin"),
+    "gelu": ("gelu", "relu", "silu", "sigmoid", "tanh", "elu", "leaky_relu", "hardtanh",
+             "mish", "softplus"),
+}
+_KIND_OF = {name: kind for kind, names in _OP_KINDS.items() for name in names}
+
+
+def op_kind(op: str) -> str:
+    """The kind of op a captured op's name (``aten.linear.default``) was measured as: matmul,
+    conv2d, attention, layernorm (norms), sum (reductions), gelu (activations) or add (every
+    other elementwise op)."""
+    name = op.removeprefix("aten.").split(".")[0].lstrip("_")
+    return _KIND_OF.get(name, "add")
+
+
+def precision_of(kind: str, dtype: str) -> str:
+    """The precision an op of ``kind`` computes in, with PyTorch's default settings: bf16 for
+    half dtypes; fp32 tensors run convolutions in tf32 (``torch.backends.cudnn.allow_tf32`` is
+    on by default) and matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off)."""
+    if dtype in ("float16", "bfloat16"):
+        return "bf16"
+    return "tf32" if kind == "conv2d" else "fp32"
+
+
+def _fitted(fit: KindFit | None, efficiency: float,
+            overhead_s: float) -> tuple[float, float, float]:
+    """(overhead, fraction of peak FLOP/s, fraction of bandwidth): the fitted ones where the
+    fit has them, else the single efficiency and nominal overhead."""
+    if fit is None:
+        return overhead_s, efficiency, efficiency
+    return (fit.overhead_s, fit.flops_fraction or efficiency,
+            fit.bandwidth_fraction or efficiency)
+
+
 def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
-             efficiency: float = ROOFLINE_EFFICIENCY) -> DeviceCosts:
+             efficiency: float = ROOFLINE_EFFICIENCY, measured_fit: bool = True) -> DeviceCosts:
     """Estimate every node's time on ``device`` from its FLOPs and bytes (a roofline).
 
     time = overhead + max(FLOPs / (peak x efficiency), bytes moved / (bandwidth x efficiency));
     backward reads and writes about twice the bytes of the forward. Views cost nothing.
     Reference: Williams, Waterman, Patterson, "Roofline", CACM 2009.
+
+    A preset with a measured roofline fit (``Cluster.preset("H100-measured")``; see
+    :func:`explorer.devices.presets.roofline_fit`) uses, per op, the fitted fractions and
+    overhead of its kind (:func:`op_kind`) and precision (:func:`precision_of`) instead of
+    ``efficiency`` and the nominal overhead, unless ``measured_fit`` is False or
+    ``overhead_s`` is given.
     """
     ovh = NOMINAL_OVERHEAD_S.get(device.kind, 5e-6) if overhead_s is None else overhead_s
+    fit = roofline_fit(device.name) if measured_fit and overhead_s is None else None
     fwd, bwd, src = [], [], []
     for i, n in enumerate(graph.nodes):
         if n.kind != "op":
@@ -271,15 +341,25 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
             src.append("free")
             continue
         half = n.dtype in ("float16", "bfloat16")
-        peak = (device.half_flops_per_s if half else device.flops_per_s) * efficiency
-        bw = device.mem_bandwidth_bytes_per_s * efficiency
+        kind = op_kind(n.op)
+        o, f_flops, f_bw = _fitted(
+            fit.kinds.get(f"{kind}/{precision_of(kind, n.dtype)}") if fit else None,
+            efficiency, ovh)
+        peak = (device.half_flops_per_s if half else device.flops_per_s) * f_flops
+        bw = device.mem_bandwidth_bytes_per_s * f_bw
         moved = 0 if n.is_view else _io_bytes(graph, i)
-        fwd.append(ovh + max(n.fwd_flops / peak, moved / bw))
-        bwd.append(ovh + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
+        fwd.append(o + max(n.fwd_flops / peak, moved / bw))
+        bwd.append(o + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
         src.append("roofline")
     # optimizer: read param, grad and state, write param and state (bandwidth bound); torch's
     # multi-tensor (foreach) kernels update many tensors per launch, so a tensor costs little
-    per_byte = {opt: (3 + 2 * st) / (device.mem_bandwidth_bytes_per_s * efficiency)
+    # (a measured fit has its own time per tensor)
+    half_params = any(n.kind == "param" and n.dtype in ("float16", "bfloat16")
+                      for n in graph.nodes)
+    o, _, f_bw = _fitted(fit.kinds.get("adam/bf16" if half_params else "adam/fp32")
+                         if fit else None, efficiency, ovh / 8)
+    per_byte = {opt: (3 + 2 * st) / (device.mem_bandwidth_bytes_per_s * f_bw)
                 for opt, st in OPTIMIZER_STATE.items()}
-    return DeviceCosts(device.type_key, fwd, bwd, src, ovh, per_byte,
-                       dict.fromkeys(OPTIMIZER_STATE, ovh / 8))
+    base_ovh = fit.kinds["add/fp32"].overhead_s if fit else ovh
+    return DeviceCosts(device.type_key, fwd, bwd, src, base_ovh, per_byte,
+                       dict.fromkeys(OPTIMIZER_STATE, o))

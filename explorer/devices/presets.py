@@ -8,7 +8,8 @@ what the driver lets a program use.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from explorer.core.errors import ExplorerError, unknown_name
 from explorer.devices.records import Device, GiB, Link
@@ -18,6 +19,28 @@ _GB = 1e9
 _T = 1e12
 #: idle power of a GPU preset, as a fraction of its TDP (nominal: datasheets do not give it)
 GPU_IDLE_FRACTION = 0.15
+
+
+@dataclass(frozen=True)
+class KindFit:
+    """What one kind of op achieved on a GPU, measured one op at a time: the fractions of the
+    datasheet peak (``flops_per_s`` for fp32 and tf32, ``half_flops_per_s`` for bf16/fp16)
+    and of the datasheet bandwidth, and the time per kernel beyond its work (per tensor for an
+    optimizer step). ``None``: no measured case was bound by that term (the roofline's single
+    efficiency stands in for it)."""
+
+    flops_fraction: float | None
+    bandwidth_fraction: float | None
+    overhead_s: float
+
+
+@dataclass(frozen=True)
+class RooflineFit:
+    """Fitted roofline terms per ``"<kind>/<precision>"`` (kinds: matmul, conv2d, attention,
+    add, gelu, sum, layernorm, adam; precisions: fp32, tf32, bf16), and where they come from."""
+
+    kinds: Mapping[str, KindFit]
+    source: str
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,8 @@ class GpuSpec:
     citation: str
     link: Link  # GPU to GPU inside one server
     host_link: Link  # PCIe to the host (and between GPUs without NVLink)
+    #: measured roofline terms the cost model uses instead of its single efficiency
+    roofline_fit: RooflineFit | None = field(default=None, compare=False)
 
     def device(self, device_id: str) -> Device:
         return Device(
@@ -50,6 +75,7 @@ class GpuSpec:
             torch_device="",
             source=(
                 f"datasheet {self.citation}; idle power nominal {GPU_IDLE_FRACTION:.0%} of TDP"
+                + (f"; roofline {self.roofline_fit.source}" if self.roofline_fit else "")
             ),
         )
 
@@ -147,6 +173,47 @@ GPU_SPECS: dict[str, GpuSpec] = {
         ),
     )
 }
+
+#: benchmarks/gpu_presets.py on one H100 SXM: the fits of benchmarks/results/gpu_presets.json
+H100_FIT = RooflineFit(
+    {
+        "matmul/fp32": KindFit(0.76, None, 19.9e-6),
+        "matmul/tf32": KindFit(5.79, None, 47.1e-6),
+        "matmul/bf16": KindFit(0.929, None, 37.2e-6),
+        "conv2d/fp32": KindFit(1.01, 0.0893, 14.4e-6),
+        "conv2d/tf32": KindFit(2.52, 0.155, 0.0),
+        "conv2d/bf16": KindFit(0.206, 0.122, 0.0),
+        "attention/fp32": KindFit(0.606, None, 58.0e-6),
+        "attention/tf32": KindFit(0.607, None, 56.5e-6),
+        "attention/bf16": KindFit(0.65, None, 27.9e-6),
+        "add/fp32": KindFit(None, 1.11, 26.5e-6),
+        "add/bf16": KindFit(None, 1.29, 22.3e-6),
+        "gelu/fp32": KindFit(None, 1.13, 21.9e-6),
+        "gelu/bf16": KindFit(None, 1.08, 21.0e-6),
+        "sum/fp32": KindFit(None, 1.08, 28.5e-6),
+        "sum/bf16": KindFit(None, 1.24, 27.7e-6),
+        "layernorm/fp32": KindFit(None, 0.682, 25.1e-6),
+        "layernorm/bf16": KindFit(None, 0.862, 27.5e-6),
+        "adam/fp32": KindFit(None, 0.462, 20.8e-6),
+        "adam/bf16": KindFit(None, 0.377, 20.5e-6),
+    },
+    "fitted, measured on NVIDIA H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130), "
+    "2026-11-25, benchmarks/results/gpu_presets.json",
+)
+#: the H100 with its datasheet figures and the measured roofline fit (the "H100" preset keeps
+#: the datasheet roofline); its own device name, so its costs never mix with the datasheet's
+GPU_SPECS["H100-measured"] = replace(
+    GPU_SPECS["H100"], key="H100-measured",
+    device_name="NVIDIA H100 80GB HBM3 (measured roofline)", roofline_fit=H100_FIT)
+
+
+def roofline_fit(device_name: str) -> RooflineFit | None:
+    """The measured roofline fit of the preset GPU named ``device_name``, if it has one."""
+    for spec in GPU_SPECS.values():
+        if spec.device_name == device_name and spec.roofline_fit is not None:
+            return spec.roofline_fit
+    return None
+
 
 _SPEC_LOOKUP = {re.sub(r"[-_ ]", "", k.upper()): s for k, s in GPU_SPECS.items()}
 

@@ -14,8 +14,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from explorer.capture.tracing import capture
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
@@ -34,6 +32,7 @@ from explorer.platforms.cpu.host_cache import (
 )
 from explorer.profiling import ops
 from explorer.runtime import launch
+from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: how many times the contention pair (one rank alone, two ranks at once) is run, in turn
@@ -43,7 +42,8 @@ PROBE_KEY = "runtime message cost, stages not slowing each other"
 
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.REPEATS,
-                       warmup: int = 2, progress: bool = True, rounds: int | None = None
+                       warmup: int = 2, progress: bool = True, rounds: int | None = None,
+                       pool: RankPool | None = None, report: ops.Report | None = None
                        ) -> ReplicaEffects:
     """How two replicas of ``graph`` on CPU ranks of this host slow each other.
 
@@ -60,7 +60,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     half the batch each, ``rounds`` times in turn: one rank alone with the batch in two
     micro-batches, then two ranks data-parallel; per op, the summed times. Each op's time is
     the runtime's own per-op timing, waits excluded, so the all-reduce at the end of the
-    backward does not count.
+    backward does not count. The runs are made on ``pool``'s ranks where given; how far they
+    are is told to ``report``.
     """
     rounds = CONTENTION_ROUNDS if rounds is None else rounds
     a, b = ranks[0], ranks[1]
@@ -69,15 +70,16 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     pair = Plan.from_assignment(graph, [[a.id, b.id]], dict.fromkeys(range(len(graph)), 0),
                                 algorithm="data-parallel", optimizer="adam")
     solos, boths = [], []
-    bar = tqdm(total=2 * rounds, desc=f"contention of {graph.name} on {a.id}+{b.id}",
-               unit="run", disable=not progress, leave=False)
+    bar = ops.RunsBar(2 * rounds, f"contention of {graph.name} on {a.id}+{b.id}", progress,
+                      report)
     for _ in range(rounds):  # in turn, so a burst of load on the host hits both sides
         solos.append(launch.run(graph, plan=single, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0,
-                                device_override={a.id: override[a.id]}))
+                                device_override={a.id: override[a.id]}, pool=pool))
         bar.update()
         boths.append(launch.run(graph, plan=pair, steps=repeats, warmup=warmup,
-                                progress=False, timeout_s=600.0, device_override=override))
+                                progress=False, timeout_s=600.0, device_override=override,
+                                pool=pool))
         bar.update()
     bar.close()
 
@@ -100,7 +102,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
                           statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
 
 
-def cpu_message_s(cluster: Cluster) -> float:
+def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
+                  report: ops.Report | None = None) -> float:
     """Seconds of processor time per message at each end between CPU ranks of this host
     (0.0 when ``cluster`` has fewer than two measured CPU ranks, or the probe fails).
 
@@ -108,7 +111,8 @@ def cpu_message_s(cluster: Cluster) -> float:
     moving tensors between them: posting the send, matching and allocating the receive, and
     waking a rank that blocked waiting (on a virtual machine this grows with how long it
     slept). Measured once per host and torch version (:func:`measure_message_s`) and kept in
-    the host measurement cache; calibration refines it from your own runs.
+    the host measurement cache; calibration refines it from your own runs. The probe's profile
+    is made on ``pool``'s ranks where given, and ``report`` is told when it starts.
     """
     cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
     if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
@@ -123,8 +127,10 @@ def cpu_message_s(cluster: Cluster) -> float:
         return float(cached["message_s"])
     if cached is not None:
         warn_damaged(path, key, "message_s is not a finite number >= 0")
+    if report is not None:
+        report("measuring what a message between CPU ranks costs (once per host)")
     try:
-        value = measure_message_s()
+        value = measure_message_s(pool=pool)
     except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error
         _MEMO[(str(path), key)] = 0.0
         return 0.0
@@ -145,28 +151,32 @@ def forget_message_s() -> None:
     _MEMO.clear()
 
 
-def measure_message_s(steps: int = 8, warmup: int = 3) -> float:
+def measure_message_s(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
+                      ) -> float:
     """Run the probe (a few seconds) and return seconds per message per end: the extra busy
     time of :func:`message_probe` per message, at least 0."""
-    messages, extra_busy_s = message_probe(steps, warmup)
+    messages, extra_busy_s = message_probe(steps, warmup, pool)
     return max(0.0, extra_busy_s / messages) if messages > 0 else 0.0
 
 
-def message_probe(steps: int = 8, warmup: int = 3) -> tuple[float, float]:
+def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
+                  ) -> tuple[float, float]:
     """The probe's two figures: how many message ends the plan has, and how much busy time
     the ranks spent beyond the profile's prediction (seconds, summed over the ranks; noise can
     make it negative).
 
     The built-in tiny MLP split in two stages with four micro-batches runs on two real CPU
     ranks; the two stages run different ops, which do not slow each other measurably, so the
-    extra busy time is the work of moving tensors.
+    extra busy time is the work of moving tensors. Its profile is made on ``pool``'s ranks
+    where given, as profiles are; its real run on ranks started for it, as ``ex.run`` makes
+    the runs that predictions are compared with.
     """
     bm = build("mlp", "tiny")
     graph = capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="probe")
     two = Cluster.cpu(2)
     dev = two.devices[0]
     costs = CostModel(graph.fingerprint, two,
-                      {dev.type_key: ops.measured(graph, dev, progress=False)})
+                      {dev.type_key: ops.measured(graph, dev, progress=False, pool=pool)})
     plan = partition(graph, two, costs, "even-layers", micro_batches=4)
     meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
                       progress=False)

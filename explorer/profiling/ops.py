@@ -35,6 +35,7 @@ from explorer.platforms import platform_of
 from explorer.platforms.cpu.host_cache import finite_number
 from explorer.platforms.gpu import library_workspace_bytes
 from explorer.runtime import launch
+from explorer.runtime.pool import RankPool
 
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
@@ -55,6 +56,32 @@ FRACTION_SPLITS = (2, 4)
 ROUNDS = 2
 
 
+#: a function told how far a profile is, in words ("profiling gpt on cpu:0: 2 of 6 runs")
+Report = Callable[[str], None]
+
+
+class RunsBar:
+    """Counts the runs of one part of a profile: a progress bar (``progress``) and a line to
+    ``report`` (where given) as it starts and after each run."""
+
+    def __init__(self, total: int, desc: str, progress: bool, report: Report | None) -> None:
+        self.bar = tqdm(total=total, unit="run", desc=desc, disable=not progress, leave=False)
+        self.total, self.done, self.desc, self.report = total, 0, desc, report
+        self._tell()
+
+    def update(self) -> None:
+        self.bar.update()
+        self.done += 1
+        self._tell()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _tell(self) -> None:
+        if self.report is not None:
+            self.report(f"{self.desc}: {self.done} of {self.total} runs")
+
+
 def cache_dir() -> Path:
     """Where profiles are cached (under ``$XDG_CACHE_HOME`` or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -69,14 +96,17 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
 
 
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-             cache: bool = True, progress: bool = True) -> DeviceCosts:
+             cache: bool = True, progress: bool = True, pool: RankPool | None = None,
+             report: Report | None = None) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
-    measured (:func:`measure`) and cached; ``cache=False`` measures afresh. A cache entry that
-    does not fit ``graph`` or holds no usable times is measured again and replaced."""
+    measured (:func:`measure`, its runs on ``pool``'s ranks where given, how far it is told to
+    ``report``) and cached;
+    ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
+    usable times is measured again and replaced."""
     path = cache_path(graph, dev, repeats)
     dc = load(path, len(graph), dev.type_key) if cache else None
     if dc is None:
-        dc = measure(graph, dev, repeats, warmup, progress)
+        dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report)
         if cache:
             store(path, dc)
     return dc
@@ -223,14 +253,16 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 
 def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
-            progress: bool = True) -> DeviceCosts:
+            progress: bool = True, pool: RankPool | None = None,
+            report: Report | None = None) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
     Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
     rank, so each op's forward and backward are timed exactly as a real run executes them,
     bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
-    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn. Hook-captured graphs time
-    each leaf-module call in real forward and backward passes.
+    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn, on ``pool``'s ranks where
+    given (else each on processes of its own). Hook-captured graphs time each leaf-module call
+    in real forward and backward passes.
     """
     sync = _sync(dev)
     with device_threads(dev), torch.random.fork_rng(devices=[]):
@@ -244,13 +276,13 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
             # and replicas run there, and small ops do not shrink in proportion)
             splits = [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
                             and graph.batch_size % m == 0]
-            bar = tqdm(total=ROUNDS * len(splits), unit="run", disable=not progress,
-                       desc=f"profiling {graph.name} on {dev.id}", leave=False)
+            bar = RunsBar(ROUNDS * len(splits), f"profiling {graph.name} on {dev.id}",
+                          progress, report)
             got: dict[int, list[tuple[list[float], list[float], float]]] = {}
             for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
                 for m in splits:
                     got.setdefault(m, []).append(measure_in_runtime(
-                        graph, dev, repeats, warmup, False, micro_batches=m))
+                        graph, dev, repeats, warmup, False, micro_batches=m, pool=pool))
                     bar.update()
             bar.close()
             fwd, bwd, opt_s = _mean_of_rounds(got[1])
@@ -296,14 +328,15 @@ def _at_most(times: list[float], bigger: list[float]) -> list[float]:
 
 
 def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
-                        progress: bool, micro_batches: int = 1
-                        ) -> tuple[list[float], list[float], float]:
+                       progress: bool, micro_batches: int = 1, pool: RankPool | None = None
+                       ) -> tuple[list[float], list[float], float]:
     """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
     each op's median over steps and micro-batches, scaled so that together they make the
     median step's busy time."""
     plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
     meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
-               device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0)
+                      device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0,
+                      pool=pool)
     task = meas.task_s
     fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
     bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]

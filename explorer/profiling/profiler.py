@@ -4,24 +4,33 @@ Devices that are present are timed op by op (:mod:`explorer.profiling.ops`); dev
 not get a roofline estimate. Where the devices' platform has ranks sharing a host (CPU ranks),
 how replicas slow each other and what a message costs are measured too
 (:mod:`explorer.profiling.host`). Profiles are cached per graph fingerprint and device type.
+All the runs of one profile on a device type share rank processes started once
+(:class:`explorer.runtime.pool.RankPool`), ended when the profile is done or fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.costs.model import CostModel, DeviceCosts, roofline
-from explorer.devices.cluster import Cluster
+from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
 from explorer.profiling import host, ops
 from explorer.profiling.ops import REPEATS
+from explorer.runtime.pool import RankPool
+
+#: whether a profile's runs share rank processes (:class:`RankPool`) rather than each start
+#: its own, which costs seconds per run
+REUSE_RANKS = True
 
 
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
-            cache: bool = True, progress: bool = True, message: bool = True) -> CostModel:
+            cache: bool = True, progress: bool = True, message: bool = True,
+            report: ops.Report | None = None) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -31,35 +40,51 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     sent between ranks costs is measured once per host (:func:`host.cpu_message_s`) and set
     as ``message_s``; and how much each op slows while another rank of the host runs it too,
     as replicas do (:func:`host.measure_contention`, stored with the profile). Both are host
-    measurements: not taken for ``Cluster.cpu(n, measure=False)``.
+    measurements: not taken for ``Cluster.cpu(n, measure=False)``. ``report`` (where given)
+    is told how far the measuring is, in words, before and after each run (a widget shows it).
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
     per_type: dict[str, DeviceCosts] = {}
-    for dev in cluster.devices:
-        if dev.type_key in per_type:
-            continue
-        if not dev.present or graph.runtime is None:
-            per_type[dev.type_key] = roofline(graph, dev)
-            continue
-        dc = ops.measured(graph, dev, repeats, warmup, cache, progress)
-        ranks = [d for d in cluster.devices if d.present and d.type_key == dev.type_key]
-        if not dc.contention and len(ranks) >= 2 \
-                and platform_of(dev.kind).replicas_share_host \
-                and cluster.default_link.source.startswith("measured") \
-                and graph.source == "export" and batch_splits(graph) \
-                and graph.batch_size % 2 == 0:
-            try:
-                dc.contention, dc.replica_spread, dc.optimizer_contention = \
-                    host.measure_contention(graph, ranks[:2], repeats, warmup, progress)
-            except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
-                warnings.warn(f"could not measure how CPU ranks of this host slow each other "
-                              f"({exc}); predictions leave it out", stacklevel=2)
-            else:
-                if cache:
-                    ops.store(ops.cache_path(graph, dev, repeats), dc)
-        per_type[dev.type_key] = dc
-    message_s = 0.0
-    if message and graph.runtime is not None:
-        message_s = host.cpu_message_s(cluster)
+    with contextlib.ExitStack() as stack:
+        pools: dict[str, RankPool | None] = {}
+        for dev in cluster.devices:
+            if dev.type_key in per_type:
+                continue
+            if not dev.present or graph.runtime is None:
+                per_type[dev.type_key] = roofline(graph, dev)
+                continue
+            ranks = [d for d in cluster.devices if d.present and d.type_key == dev.type_key]
+            contention = _measures_contention(graph, cluster, ranks)
+            if dev.kind not in pools:
+                pools[dev.kind] = stack.enter_context(RankPool(2 if contention else 1)) \
+                    if REUSE_RANKS else None
+            pool = pools[dev.kind]
+            dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
+                              report=report)
+            if not dc.contention and contention:
+                try:
+                    dc.contention, dc.replica_spread, dc.optimizer_contention = \
+                        host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
+                                                pool=pool, report=report)
+                except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
+                    warnings.warn(f"could not measure how CPU ranks of this host slow each "
+                                  f"other ({exc}); predictions leave it out", stacklevel=2)
+                else:
+                    if cache:
+                        ops.store(ops.cache_path(graph, dev, repeats), dc)
+            per_type[dev.type_key] = dc
+        message_s = 0.0
+        if message and graph.runtime is not None:
+            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
+
+
+def _measures_contention(graph: OpGraph, cluster: Cluster, ranks: list[Device]) -> bool:
+    """Whether the profile measures how ``ranks`` (present, of one type) slow each other: two
+    or more of them on a platform whose replicas share a host, host measurements wanted, and a
+    graph whose batch splits in two for two replicas."""
+    return (len(ranks) >= 2 and platform_of(ranks[0].kind).replicas_share_host
+            and cluster.default_link.source.startswith("measured")
+            and graph.source == "export" and batch_splits(graph)
+            and graph.batch_size % 2 == 0)

@@ -1,16 +1,24 @@
 """Memory accounting of a CPU rank: the bytes of the tensor storages it holds or autograd saved.
 
 A GPU rank reads its allocator's peak instead; on CPU there is no allocator to ask, so the rank
-counts every storage it creates, receives or has autograd save, once per storage.
+counts every storage it creates, receives or has autograd save, once per storage, under the
+category of memory it is (:data:`CATEGORIES`, the simulator's names), so a peak can be told
+apart as the simulator predicts it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+#: what a counted storage holds; a storage keeps the category of its first count
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, GATHERED, BUFFERS = (
+    "parameters", "gradients", "optimizer state", "activations", "gathered", "buffers")
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, GATHERED, BUFFERS)
 
 
 class MemTracker:
@@ -22,9 +30,12 @@ class MemTracker:
     """
 
     def __init__(self) -> None:
-        self.refs: dict[int, list[int]] = {}
+        self.refs: dict[int, list] = {}  # storage address: [count, bytes, category]
         self.live = 0
         self.peak = 0
+        self.live_by: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        #: bytes of each category at the moment of :attr:`peak`
+        self.peak_by: dict[str, int] = dict(self.live_by)
         self._held: list[torch.Tensor] | None = None
 
     @contextlib.contextmanager
@@ -38,16 +49,19 @@ class MemTracker:
             for t in held:
                 self.drop(t)
 
-    def add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor, category: str = ACTIVATIONS) -> None:
         st = _storage(t)
         key = st.data_ptr()
         if key == 0:
             return
         ref = self.refs.get(key)
         if ref is None:
-            self.refs[key] = [1, st.nbytes()]
+            self.refs[key] = [1, st.nbytes(), category]
             self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
+            self.live_by[category] += st.nbytes()
+            if self.live > self.peak:
+                self.peak = self.live
+                self.peak_by = dict(self.live_by)
         else:
             ref[0] += 1
 
@@ -62,15 +76,25 @@ class MemTracker:
         ref[0] -= 1
         if ref[0] == 0:
             self.live -= ref[1]
+            self.live_by[ref[2]] -= ref[1]
             del self.refs[key]
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_by = dict(self.live_by)
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """A context in which every tensor autograd saves is counted while it is held."""
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: SavedTensor(t, self),
-                                                        lambda s: s.t)
+    def saving(self, stand_in: Callable[[torch.Tensor], Any] | None = None
+               ) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context in which every tensor autograd saves is counted while it is held.
+
+        ``stand_in(t)`` may give what autograd keeps instead of ``t`` (an object whose
+        ``unpack()`` gives the tensor back in the backward), or None to keep ``t`` itself.
+        """
+        def pack(t: torch.Tensor) -> Any:
+            kept = stand_in(t) if stand_in is not None else None
+            return kept if kept is not None else SavedTensor(t, self)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.unpack())
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -89,6 +113,9 @@ class SavedTensor:
     def __init__(self, t: torch.Tensor, tracker: MemTracker) -> None:
         self.t, self.tracker = t, tracker
         tracker.add(t)
+
+    def unpack(self) -> torch.Tensor:
+        return self.t
 
     def __del__(self) -> None:
         self.tracker.drop(self.t)

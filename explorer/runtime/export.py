@@ -6,22 +6,33 @@ in the job folder beside it: the exported program (``torch.export``), the plan J
 order and the example batch. At run time the plan is read back through ``Plan.load``, so it is
 checked like any other plan file, and the same code as ``ex.run`` runs it. Nothing a plan
 holds is ever pasted into the script as code. Edit its ``batches`` function to feed real data.
+
+With a model source (the user's ``"module:function"`` factory, or the built-in model a plan
+records) the job folder holds no weights: every rank calls the source to build the model and
+takes the tensors it holds. That is how a plan for a graph captured on fake tensors (a model
+larger than the machine that planned it) is exported; its example batch is then a placeholder
+of the captured shapes (zeros for integer tensors, noise for floating point ones).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from explorer.capture.tracing import captured_graph
+import torch
+
+from explorer.capture.tracing import captured_graph, step_program
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.runtime.jobfiles import write_job
+from explorer.runtime.modelsource import model_source
+from explorer.runtime.recompute import unit_key
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
@@ -85,20 +96,35 @@ def launch(job: Path, argv: list[str], batches: Any = None) -> int:
 
 def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
                   costs: CostModel | None = None, steps: int = 10, warmup: int = 2,
-                  lr: float = 1e-3, overwrite: bool = False) -> Path:
+                  lr: float = 1e-3, overwrite: bool = False, factory: str | None = None) -> Path:
     """Write ``path`` (a torchrun script) and its data folder ``<stem>_job/`` beside it.
 
     ``graph`` defaults to the graph this plan was made for, if it was captured in this
     process. With ``costs`` the ranks follow that cost model's simulated schedule. An existing
     script or job folder is refused unless ``overwrite``.
+
+    ``factory`` (``"module:function"``, else the plan's or the graph's) names the user's
+    function that builds the model: it is recorded in the job's plan, and the ranks call it
+    instead of reading weights from the job folder. A plan for a built-in model is rebuilt
+    from :mod:`explorer.models` the same way. Either is needed for a graph captured on fake
+    tensors.
     """
     graph = graph or captured_graph(plan.graph_fingerprint)
     if graph is None:
         raise ExplorerError("export needs the captured model this plan was made for: pass "
                             "graph=ex.capture(model, example_inputs, ...)")
-    if graph.runtime is None or graph.runtime.program is None:
+    program = step_program(graph)
+    if graph.source != "export" or program is None:
         raise ExplorerError("export needs a graph captured with torch.export; this one came "
                             f"from {graph.source}")
+    source = model_source(plan, graph, factory)
+    if graph.runtime is None and not source:
+        raise ExplorerError("this graph was captured without running the model (fake "
+                            "tensors), so there are no weights to export: name the function "
+                            "that builds it, ex.export_script(..., factory=\"module:function\") "
+                            "or ex.capture(..., factory=...)")
+    if "factory" in source:
+        plan = replace(plan, model=source)
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
     check_supported(graph, plan)
@@ -121,10 +147,12 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         kinds[d] = "cuda" if gpu else "cpu"
     order = execution_order(graph, plan, costs)
     rt = graph.runtime
+    inputs, targets = (rt.inputs, rt.targets) if rt is not None else placeholder_batch(graph)
     try:
-        write_job(job, rt.program, plan, order, rt.inputs, rt.targets, int(steps), int(warmup),
+        write_job(job, program, plan, order, inputs, targets, int(steps), int(warmup),
                   float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
-                  graph.loss, layout=plan_placements(graph, plan))
+                  graph.loss, 0, [unit_key(n.module_path) for n in graph.nodes],
+                  model=source, layout=plan_placements(graph, plan))
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)
     except (OSError, ExplorerError) as exc:
@@ -132,3 +160,19 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         raise ExplorerError(f"cannot write {path} and {job.name}/: {why}; choose a folder "
                             "you can write to") from exc
     return path
+
+
+def placeholder_batch(graph: OpGraph) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inputs and targets of the graph's shapes and dtypes: zeros for integer tensors (valid
+    token ids and class labels), seeded noise for floating point ones."""
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, list[torch.Tensor]] = {"input": [], "target": []}
+    for n in graph.nodes:
+        if n.kind != "input":
+            continue
+        dtype = getattr(torch, n.dtype)
+        shape = n.shapes[0]
+        t = (torch.randn(shape, generator=gen).to(dtype) if dtype.is_floating_point
+             else torch.zeros(shape, dtype=dtype))
+        out["target" if n.name.startswith("target_") else "input"].append(t)
+    return out["input"], out["target"]

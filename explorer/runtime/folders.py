@@ -55,10 +55,16 @@ def clean_stale(root: Path) -> list[Path]:
     return removed
 
 
-def job_folder(stack: contextlib.ExitStack) -> Path:
-    """A fresh job folder for this run, removed when ``stack`` closes; stale ones of earlier
-    launchers are removed first."""
+def temporary_folder(tag: str = "") -> tempfile.TemporaryDirectory:
+    """A fresh folder under :func:`jobs_root` named after this process (``tag`` added to the
+    name), removed by its ``cleanup``; stale ones of earlier launchers are removed first."""
     root = jobs_root()
     clean_stale(root)
     prefix = f"job-{os.getpid()}-" if root.name.startswith("explorer-") else "explorer-"
-    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix, dir=root)))
+    return tempfile.TemporaryDirectory(prefix=prefix + tag, dir=root)
+
+
+def job_folder(stack: contextlib.ExitStack) -> Path:
+    """A fresh job folder for this run, removed when ``stack`` closes; stale ones of earlier
+    launchers are removed first."""
+    return Path(stack.enter_context(temporary_folder()))

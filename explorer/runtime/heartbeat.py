@@ -42,13 +42,21 @@ def beat_path(folder: Path, rank: int) -> Path:
     return folder / f"beat-{rank}.json"
 
 
+def done_path(folder: Path, rank: int) -> Path:
+    """The mark a rank that serves many runs (:class:`explorer.runtime.pool.RankPool`) leaves
+    in a run's folder once its part of the run is over, process group closed."""
+    return folder / f"done-{rank}"
+
+
 class Heartbeat:
     """One rank's beating thread. The rank sets :attr:`step`; :attr:`messenger` (set once the
     rank has one) says through its ``waiting_for`` which rank it is blocked on."""
 
     def __init__(self, folder: Path, rank: int, period_s: float = PERIOD_S) -> None:
         self.path = beat_path(folder, rank)
+        self.rank = rank
         self.period_s = period_s
+        self._lock = threading.Lock()
         self.messenger: Any = None
         self.longest_step_s = 0.0  # of the steps this rank finished
         self._step = 0
@@ -66,21 +74,31 @@ class Heartbeat:
             self.longest_step_s = max(self.longest_step_s, now - self._step_began)
         self._step, self._step_began = k, now
 
+    def follow(self, folder: Path) -> None:
+        """Beat into ``folder`` from now on (a rank that serves many runs: the folder of the
+        run it is in), at step 0; no beat is being written to the folder before when this
+        returns, so it can be removed."""
+        with self._lock:
+            self.path = beat_path(folder, self.rank)
+            self.longest_step_s, self._step, self._step_began = 0.0, 0, None
+            self.messenger = None
+
     def start(self) -> Heartbeat:
         threading.Thread(target=self._loop, daemon=True, name="heartbeat").start()
         return self
 
     def _loop(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
         while True:
-            try:
-                peer = getattr(self.messenger, "waiting_for", None)
-                tmp.write_text(json.dumps({"step": self.step, "waiting_for": peer,
-                                           "longest_step_s": self.longest_step_s,
-                                           "pid": os.getpid()}))
-                tmp.replace(self.path)
-            except OSError:
-                pass  # the folder is gone: the launcher is ending the run
+            with self._lock:
+                try:
+                    peer = getattr(self.messenger, "waiting_for", None)
+                    tmp = self.path.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"step": self.step, "waiting_for": peer,
+                                               "longest_step_s": self.longest_step_s,
+                                               "pid": os.getpid()}))
+                    tmp.replace(self.path)
+                except OSError:
+                    pass  # the folder is gone: the launcher is ending the run
             time.sleep(self.period_s)
 
 

@@ -4,7 +4,9 @@ The folder holds ``program.pt`` (the ops of ``torch.export``'s graph as :class:`
 with their arguments, and the weights), ``plan.json``, ``batch.pt`` (the example batch) and
 ``job.json`` (the schedule each stage follows and the run's settings). ``job.json`` carries a
 format version; a folder written before versioning (as an older exported script has) is read
-too.
+too. A job written with a model source (``job.json``'s ``model``: the user's factory or a
+built-in model) holds no parameters or buffers: each rank builds them from that source
+(:mod:`explorer.runtime.modelsource`).
 """
 
 from __future__ import annotations
@@ -13,17 +15,21 @@ import json
 import operator
 import pickle
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, treespec_dumps
 
+from explorer.capture.step import strip_wrapper
 from explorer.capture.tracing import program_state, program_structure
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
 from explorer.core.schedule import Schedule, schedule_from_json, schedule_to_json
+from explorer.runtime.modelsource import SourceWeights
 
 #: version of ``job.json``; the schedule inside has a version of its own
 JOB_FORMAT = 2
@@ -149,7 +155,8 @@ class Job:
     """Everything a rank needs, as written to a job folder."""
 
     calls: list[OpCall]
-    state: dict[str, torch.Tensor]
+    #: tensors by node name (built from ``model`` on first use when the job has a source)
+    state: Mapping[str, torch.Tensor]
     plan: Plan
     schedule: Schedule
     inputs: list[torch.Tensor]
@@ -164,6 +171,11 @@ class Job:
     loss: str
     #: what random ops draw from (:func:`explorer.runtime.stage.draw_seed`)
     seed: int = 0
+    #: where the weights come from when the folder holds none: ``{"factory": ...}`` or a
+    #: built-in model (empty: they are in ``program.pt``)
+    model: dict[str, Any] = field(default_factory=dict)
+    #: per node, its recomputation unit (:func:`explorer.runtime.recompute.unit_key`)
+    units: list[str] | None = None
     #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
     placements: dict[str, str] = field(default_factory=dict)
     #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
@@ -173,21 +185,40 @@ class Job:
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0,
+              seed: int = 0, units: list[str] | None = None,
+              model: Mapping[str, Any] | None = None,
               layout: tuple[dict[str, str], list[str]] | None = None) -> None:
-    """Write the job folder ranks read with :func:`read_job`; ``layout``: the placements of
-    split weights and the split ops (:func:`~explorer.core.tensor_layout.plan_placements`)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
+    program's parameters and buffers are left out: ranks build them from it. ``layout``: the
+    placements of split weights and the split ops
+    (:func:`~explorer.core.tensor_layout.plan_placements`)."""
     calls, state = program_calls(program, len(inputs))
-    torch.save({"calls": [c.__dict__ for c in calls], "state": state}, folder / "program.pt")
+    keys = model_keys(program, len(inputs)) if model else {}
+    state = {k: v for k, v in state.items() if k not in keys}
+    for k, v in state.items():
+        if isinstance(v, FakeTensor):
+            raise ExplorerError(f"{k} of this graph has no value (it was captured on fake "
+                                "tensors) and the model does not make it; capture with real "
+                                "weights to export it")
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"calls": [c.__dict__ for c in calls], "state": state, "keys": keys},
+               folder / "program.pt")
     plan.save(folder / "plan.json")
     torch.save({"inputs": list(inputs), "targets": list(targets)}, folder / "batch.pt")
     (folder / "job.json").write_text(json.dumps({
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, "placements": layout[0] if layout else {},
-        "split_ops": layout[1] if layout else []}))
+        "seed": seed, "units": units, **({"model": dict(model)} if model else {}),
+        "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else []}))
+
+
+def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
+    """Node names of the program's parameters and buffers, with their names in the model."""
+    sig = program.graph_signature
+    model_names = {*sig.inputs_to_parameters.values(), *sig.inputs_to_buffers.values()}
+    _, state_keys, _ = program_structure(program, n_inputs)
+    return {nm: strip_wrapper(key) for nm, key in state_keys.items() if key in model_names}
 
 
 def read_job(folder: Path) -> Job:
@@ -205,8 +236,13 @@ def read_job(folder: Path) -> Job:
     batch = torch.load(folder / "batch.pt", weights_only=False)
     prog = torch.load(folder / "program.pt", weights_only=False,  # written by write_job
                       pickle_module=_PROGRAM_PICKLE)
-    return Job([OpCall(**c) for c in prog["calls"]], prog["state"],
+    source = meta.get("model") or {}
+    seed = int(meta.get("seed", 0))
+    state = (SourceWeights(prog["state"], prog["keys"], source, seed) if source
+             else prog["state"])
+    return Job([OpCall(**c) for c in prog["calls"]], state,
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
-               meta["device_map"], meta["requires_grad"], meta["loss"], int(meta.get("seed", 0)),
-               dict(meta.get("placements", {})), list(meta.get("split_ops", [])))
+               meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
+               meta.get("units"), dict(meta.get("placements", {})),
+               list(meta.get("split_ops", [])))

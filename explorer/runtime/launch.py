@@ -2,27 +2,23 @@
 
 The launcher starts ``python -m explorer.runtime.rank JOB`` once per device with the environment
 torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), each in its own
-process group, watches them, and ends every one of them on failure, time-out or interrupt, so no
-process outlives a run. A failed rank becomes an :class:`RunFailed` naming the rank, its device
-and the cause; the caller (a notebook kernel) keeps running.
+process group, watches them (:mod:`explorer.runtime.watch`), and ends every one of them on
+failure, time-out or interrupt, so no process outlives a run. A failed rank becomes an
+:class:`RunFailed` naming the rank, its device and the cause; the caller (a notebook kernel)
+keeps running. Many short runs in a row (the profiler's) can share rank processes started once
+instead (:class:`explorer.runtime.pool.RankPool`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from explorer.capture.step import copies
 from explorer.capture.tracing import TrainStep, batch_splits, capture
@@ -32,16 +28,14 @@ from explorer.core.plan import Plan
 from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.platforms.net import free_port
-from explorer.runtime import heartbeat
 from explorer.runtime.folders import job_folder
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.params import make_optimizer
+from explorer.runtime.pool import RankPool
+from explorer.runtime.recompute import unit_key
 from explorer.runtime.tensor_parallel import check_supported
+from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
-
-
-class RunFailed(ExplorerError):
-    """A rank of a real run failed, hung or was killed."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +66,9 @@ class Measurement:
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
+    #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
+    #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
+    peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False, compare=False)
     graph: OpGraph | None = field(default=None, repr=False, compare=False)
 
@@ -105,7 +102,8 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         warmup: int = 2, loss_fn: Any = None, targets: Any = None, costs: CostModel | None = None,
         cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
         progress: bool = True, record: bool = False, keep: str | Path | None = None,
-        device_override: dict[str, str] | None = None, seed: int = 0) -> Measurement:
+        device_override: dict[str, str] | None = None, seed: int = 0,
+        pool: RankPool | None = None) -> Measurement:
     """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
 
     ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
@@ -113,9 +111,14 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     schedule of that cost model (and ``cluster`` defaults to its cluster); without, the schedule
     is simulated with unit costs. A plan predicted not to fit in memory needs ``force=True``.
     ``record=True`` keeps the gradients of the first step (for checking against one device).
+    The plan's memory settings (:meth:`Plan.with_memory`) run as they say: ZeRO 1-3 over a
+    stage's replicas (:mod:`explorer.runtime.sharding`), recomputation
+    (:mod:`explorer.runtime.recompute`), bf16/fp16 autocast with fp32 weights; on CPU ranks
+    the peak is also told apart by category (``peak_by_category``).
     Random ops (dropout) draw from ``seed``: the same seed gives the same losses, and what
     they draw depends on the rows and the op, not on the plan
-    (:func:`explorer.runtime.stage.draw_seed`).
+    (:func:`explorer.runtime.stage.draw_seed`). With ``pool`` the steps run on its rank
+    processes (started once for many runs) rather than on processes started for this run.
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -149,165 +152,31 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         folder = job_folder(stack) if keep is None else Path(keep)
         write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
                   record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
-                  seed, plan_placements(graph, plan))
+                  seed, [unit_key(n.module_path) for n in graph.nodes],
+                  layout=plan_placements(graph, plan))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
-                                plan)
+                                plan, pool)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,
-           plan: Plan) -> tuple[list[dict], dict[str, torch.Tensor] | None]:
-    """Start ``world`` ranks on the job in ``folder`` and wait for them; never leave one."""
-    port = free_port()
+           plan: Plan, pool: RankPool | None = None
+           ) -> tuple[list[dict], dict[str, torch.Tensor] | None]:
+    """Run the job in ``folder`` on ``world`` ranks and wait for them; never leave one. The
+    ranks are processes started for this run, or those of ``pool``."""
+    if pool is not None:
+        return pool.run(folder, world, total_steps, timeout_s, progress, plan)
+    env = rank_env(world, free_port())
     procs: list[subprocess.Popen] = []
-    logs = []
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", heartbeat.ENV: "1"}
-    bar = tqdm(total=total_steps, desc="running steps", unit="step", disable=not progress,
-               leave=False)
-    deadline = time.monotonic() + timeout_s
-    try:
-        for r in range(world):
-            log = open(folder / f"log-{r}.txt", "w")
-            logs.append(log)
-            env = {**env_base, "RANK": str(r), "LOCAL_RANK": str(r)}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "explorer.runtime.rank", str(folder)], env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        started = next_check = time.time()
-        stalls = heartbeat.StallWatch(folder)
-        shown = 0
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                time.sleep(1.0)  # let the others report: the first error is the cause
-                codes = [p.poll() for p in procs]
-                raise RunFailed(_failure(folder, _first_failure(folder, codes), codes, plan))
-            if all(c == 0 for c in codes):
-                break
-            running = [r for r, c in enumerate(codes) if c is None]
-            if time.time() >= next_check:  # (beats come each second: look as often)
-                next_check = time.time() + heartbeat.PERIOD_S
-                silent = heartbeat.silent_ranks(folder, running, started, time.time())
-                if silent:
-                    raise RunFailed(_silent(folder, silent, procs, plan))
-                stuck = stalls.stalled(running, time.time())
-                if stuck is not None:
-                    raise RunFailed(_stuck(*stuck, plan))
-            if time.monotonic() > deadline:
-                where = "; ".join(f"rank {r} ({plan.devices[r]}) "
-                                  f"{heartbeat.describe(folder, r)}" for r in running)
-                raise RunFailed(
-                    f"the run did not finish within {timeout_s:.0f} s ({where}); all ranks "
-                    "have been stopped. A rank computing while the others wait for it is "
-                    "where it hung; otherwise give more time with timeout_s=..., or fewer "
-                    "steps")
-            done = _progress(folder)
-            if done > shown:
-                bar.update(done - shown)
-                shown = done
-            time.sleep(0.05)
-        bar.update(total_steps - shown)
-    finally:
-        bar.close()
-        _stop(procs)
-        for log in logs:
-            log.close()
-    results = []
-    grads: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        results.append(json.loads((folder / f"result-{r}.json").read_text()))
-        gpath = folder / f"grads-{r}.pt"
-        if gpath.exists():
-            grads.update(torch.load(gpath))
-    return results, grads or None
-
-
-def _progress(folder: Path) -> int:
-    try:
-        return int((folder / "progress").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _first_failure(folder: Path, codes: list[int | None]) -> int:
-    """The rank that failed first: the oldest error report, else the first non-zero exit."""
-    reports = sorted((f.stat().st_mtime, int(f.stem.split("-")[1]))
-                     for f in folder.glob("error-*.txt"))
-    peer = ("Connection closed by peer", "Connection reset by peer")
-    own = [r for _, r in reports
-           if not any(p in (folder / f"error-{r}.txt").read_text() for p in peer)]
-    if own:
-        return own[0]
-    reported = {r for _, r in reports}
-    silent = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in reported]
-    if silent:  # died without a word (killed): the others only saw it go
-        return silent[0]
-    if reports:
-        return reports[0][1]
-    return next(r for r, c in enumerate(codes) if c not in (None, 0))
-
-
-def _failure(folder: Path, rank: int, codes: list[int | None], plan: Plan) -> str:
-    dev = plan.devices[rank]
-    code = codes[rank] if codes[rank] is not None else -9
-    err = folder / f"error-{rank}.txt"
-    if err.exists():
-        text = err.read_text().strip().splitlines()
-        return (f"rank {rank} ({dev}) failed: {text[0] if text else 'no message'}; all ranks "
-                "have been stopped")
-    if code < 0:
-        sig = signal.Signals(-code).name
-        why = " (the system may have run out of memory)" if sig == "SIGKILL" else ""
-        return f"rank {rank} ({dev}) was killed by {sig}{why}; all ranks have been stopped"
-    log = (folder / f"log-{rank}.txt")
-    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
-    return (f"rank {rank} ({dev}) exited with code {code}: {' | '.join(tail) or 'no output'}; "
-            "all ranks have been stopped")
-
-
-def _silent(folder: Path, ranks: list[int], procs: list[subprocess.Popen], plan: Plan
-            ) -> str:
-    """The message for ranks whose heartbeat stopped while their process lives."""
-    parts = []
-    for r in ranks:
-        state = _process_state(procs[r].pid)
-        how = " (its process is stopped: SIGSTOP or a debugger)" if state == "T" else ""
-        parts.append(f"rank {r} ({plan.devices[r]}) stopped responding{how}, last "
-                     f"{heartbeat.describe(folder, r)}")
-    return (f"{'; '.join(parts)}: no sign of life for {heartbeat.SILENT_S:.0f} s; all ranks "
-            "have been stopped. A stopped, frozen or swapped-out process does this; check "
-            "the machine's load and memory")
-
-
-def _stuck(rank: int, step: int, waited_s: float, plan: Plan) -> str:
-    """The message for a rank alive and beating that holds up every other rank."""
-    at = f"at step {step + 1}" if step >= 0 else "at an unknown step"
-    return (f"rank {rank} ({plan.devices[rank]}) stopped making progress {at} (its process is "
-            "alive: a hang or an endless loop in its computation); the other ranks waited for "
-            f"it {waited_s:.0f} s; all ranks have been stopped. Run that stage's code on its "
-            "own to find where it loops or blocks")
-
-
-def _process_state(pid: int) -> str:
-    """The state letter of a process (Linux: R, S, T, ...; "" where unknown)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Kill every rank's whole process group and reap it."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
+    with contextlib.ExitStack() as logs:
+        try:
+            for r in range(world):
+                log = logs.enter_context(open(folder / f"log-{r}.txt", "w"))
+                procs.append(start_rank([str(folder)], r, env, log))
+            watch(folder, procs, plan, total_steps, timeout_s, progress)
+        finally:
+            stop(procs)
+    return read_results(folder, world)
 
 
 def _energy_per_step(measured: list[dict]) -> float | None:
@@ -348,6 +217,9 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         grads=grads,
         cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
         memory_held={r["device"]: bool(r.get("held")) for r in results},
+        peak_by_category={r["device"]: max(m, key=lambda s: s["peak_bytes"])["peak_by_category"]
+                          for r, m in zip(results, measured, strict=True)
+                          if m[0].get("peak_by_category") is not None},
         plan=plan,
         graph=graph)
 

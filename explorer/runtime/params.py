@@ -1,5 +1,6 @@
 """A rank's weights: its parameters and buffers, copies of other stages' weights it uses, their
-gradients brought home and all-reduced across replicas, and the optimizer step."""
+gradients brought home and all-reduced (or, with ZeRO, reduce-scattered) across replicas, and the
+optimizer step (on this replica's shard with ZeRO, :mod:`explorer.runtime.sharding`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,28 @@ from typing import Any
 import torch
 
 from explorer.core.errors import ExplorerError
-from explorer.runtime.accounting import MemTracker
+from explorer.core.plan import Plan
+from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
+from explorer.runtime.sharding import GatheredRef, Shards
 from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
+
+#: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient
+#: times this, and the optimizer sees the gradients divided by it again (a power of two, so
+#: both are exact); large enough to keep small fp16 gradients from vanishing, small enough
+#: not to overflow on the models the explorer runs
+FP16_LOSS_SCALE = 2.0 ** 10
+
+#: the autocast dtype of each precision a plan's stage may run at (fp32: no autocast)
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_scale(plan: Plan) -> float:
+    """What the loss gradient is multiplied by: :data:`FP16_LOSS_SCALE` when a stage runs in
+    fp16 (the scale holds over the whole backward, so every stage divides by it), else 1."""
+    fp16 = any(plan.settings_of(s).precision == "fp16" for s in range(len(plan.stages)))
+    return FP16_LOSS_SCALE if fp16 else 1.0
 
 
 def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -33,7 +52,8 @@ class Weights:
     ``owned`` are its stage's; ``used_remote`` are other stages' weights an op of this stage
     uses: a copy, refreshed from its owner before each step, whose gradient goes back to the
     owner at the end of the step. Gradients, optimizer state and the copies are counted in
-    ``tracker``.
+    ``tracker``. With the stage's ZeRO setting (replicated stages only), its trainable
+    parameters are sharded over the replicas (``shards``).
     """
 
     def __init__(self, layout: RankLayout, state: dict[str, torch.Tensor], lr: float,
@@ -45,16 +65,26 @@ class Weights:
         self.owned = [i for i in range(len(L.names)) if weight[i] and L.stage[i] == L.s]
         self.used_remote = [i for i in range(len(L.names)) if weight[i] and L.stage[i] != L.s
                             and any(L.stage[c] == L.s for c in L.succs[i])]
+        replicas = len(L.plan.stages[L.s])
+        #: the stage's ZeRO stage (0 where it has one replica: nothing to shard over)
+        self.zero = L.plan.settings_of(L.s).zero if replicas > 1 else 0
+        self.shards = Shards(self.zero, group, replicas, L.j, tracker, messenger,
+                             L.local_consumers)
         self.value: dict[int, torch.Tensor] = {}
         for i in self.owned + self.used_remote:
             t = state[L.names[i]].detach().to(L.tdev).clone()
             if mesh is not None:  # a tensor-parallel stage: its shard, as a DTensor
                 t = mesh.distribute(L.names[i], t)
-            if L.kind[i] == "param" and t.is_floating_point():
+            trainable = L.kind[i] == "param" and t.is_floating_point()
+            if trainable and self.zero and L.stage[i] == L.s:
+                self.value[i] = self.shards.place(i, t)
+                continue
+            if trainable:
                 t.requires_grad_(True)
             self.value[i] = t
-            tracker.add(t)
-        params = [self.value[i] for i in self.owned if L.kind[i] == "param"]
+            tracker.add(t, PARAMETERS if L.kind[i] == "param" else BUFFERS)
+        params = [self.shards.shard.get(i, self.value[i]) for i in self.owned
+                  if L.kind[i] == "param"]
         self.optimizer = make_optimizer(L.plan.optimizer, params, lr) if params else None
         # local backward uses of each param per step (a remote use counts once: its gradient
         # arrives at the end of the step)
@@ -62,9 +92,12 @@ class Weights:
                      + any(L.stage[c] != L.s for c in L.succs[i])
                      for i in self.value if L.kind[i] == "param"}
         self.uses_left = dict(self.uses)
+        self.scattered: set[int] = set()  # ZeRO 2, 3: gradients reduce-scattered this step
+        self.loss_scale = loss_scale(L.plan)
         self.buckets = GradBuckets(
             [(i, self.value[i]) for i in reversed(self.owned)
-             if L.kind[i] == "param" and self.value[i].requires_grad], group)
+             if L.kind[i] == "param" and self.value[i].requires_grad],
+            group if self.zero < 2 else None)
         self.grads_tracked: set[int] = set()
         self.state_tracked: set[int] = set()
         #: the first step's gradients of this rank's parameters, when the job records them
@@ -78,21 +111,74 @@ class Weights:
         copies it uses."""
         L = self.layout
         self.uses_left = dict(self.uses)
+        self.scattered.clear()
         self.buckets.start_step()
         for i in self.owned:
+            if not L.remote_stages(i):
+                continue
+            # (ZeRO 3: every replica gathers, those with users send)
+            full = self.shards.gather_full(i) if i in self.shards.ghost else self.value[i]
             for _, dst in L.weight_users(i):
-                self.messenger.send(self.value[i].detach(), dst, L.tag(WEIGHT, 0, 0, i))
+                self.messenger.send(full.detach(), dst, L.tag(WEIGHT, 0, 0, i))
         for i in self.used_remote:
             (t,) = self.messenger.recv(L.weight_home(i), L.tag(WEIGHT, 0, 0, i))
             with torch.no_grad():
                 self.value[i].copy_(t)
 
-    def used(self, p: int) -> None:
-        """A backward that used parameter ``p`` is done."""
+    def use(self, p: int, m: int, u: int) -> torch.Tensor:
+        """Weight ``p`` for an op's forward on micro-batch ``m``, shard ``u`` (ZeRO 3:
+        gathered; call :meth:`forward_done` after the op)."""
+        if p in self.shards.ghost:
+            return self.shards.use(p, m, u)
+        return self.value[p]
+
+    def prefetch(self, i: int) -> None:
+        """Op ``i`` runs next: start gathering its sharded parameters (ZeRO 3)."""
+        if self.shards.ghost:
+            for p in self.layout.preds[i]:
+                self.shards.prefetch(p)
+
+    def forward_done(self, p: int, m: int, u: int) -> None:
+        if p in self.shards.ghost:
+            self.shards.forward_done(p, m, u)
+
+    def for_recompute(self, p: int) -> torch.Tensor:
+        """Weight ``p`` for a forward run again in the backward (ZeRO 3: gathered again)."""
+        if p in self.shards.ghost:
+            return self.shards.for_backward(p)
+        return self.value[p].detach()
+
+    def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
+        """What autograd keeps of ``t`` when it is a gathered weight (ZeRO 3), else None."""
+        return self.shards.stand_in(t)
+
+    def used(self, p: int, at: tuple[int, int] | None = None) -> None:
+        """A backward that used parameter ``p`` (on micro-batch and shard ``at``; None: its
+        gradient from another stage) is done."""
+        if at is not None and p in self.shards.ghost:
+            self.shards.backward_done(p, *at)
         self.uses_left[p] -= 1
         if self.uses_left[p] == 0 and self.layout.stage[p] == self.layout.s:
-            self._place_grad(self.value[p])
-            self.buckets.ready(p)
+            if self.zero >= 2 and p in self.shards.shard:
+                self._reduce_scatter(p)
+            else:
+                self._place_grad(self.value[p])
+                self.buckets.ready(p)
+
+    def _reduce_scatter(self, p: int) -> None:
+        """ZeRO 2, 3: the final gradient of ``p`` reduce-scattered; the full one freed."""
+        v = self.value[p]
+        grad = v.grad if v.grad is not None else torch.zeros(v.shape, dtype=v.dtype,
+                                                               device=v.device)
+        self._give_shard_grad(p, self.shards.reduce_scatter(p, grad))
+        self.drop_grad(v)
+        self.scattered.add(p)
+
+    def _give_shard_grad(self, p: int, grad: torch.Tensor) -> None:
+        shard = self.shards.shard[p]
+        self.drop_grad(shard)
+        shard.grad = grad
+        self.grad_born(shard)
 
     def _place_grad(self, p: torch.Tensor) -> None:
         """Lay a complete gradient out as its parameter (a split weight's gradient may come
@@ -104,11 +190,12 @@ class Weights:
         if placed is not g:
             self.tracker.drop(g)
             p.grad = placed
-            self.tracker.add(placed)
+            self.tracker.add(placed, GRADIENTS)
 
     def finish(self) -> None:
         """Gradients home, all-reduced across replicas, then the optimizer step."""
         L, msg = self.layout, self.messenger
+        self.shards.cancel_prefetches()
         # remote param copies send their gradient to the owner; owners add what they receive
         for i in self.used_remote:
             if L.kind[i] != "param" or not self.value[i].requires_grad:
@@ -139,15 +226,44 @@ class Weights:
                 self.grad_born(p)
             else:
                 local(p.grad).copy_(reduced)
+        if self.zero >= 2:  # parameters no op of the step used
+            for i in sorted(set(self.shards.shard) - self.scattered):
+                self._reduce_scatter(i)
+        if self.loss_scale != 1.0:
+            self._unscale()
         if self.record and self.first_grads is None:
-            self.first_grads = {L.names[i]: full(self.value[i].grad.detach()).cpu().clone()
+            self.first_grads = {L.names[i]: self._full_grad(i).cpu().clone()
                                 for i in self.owned if L.kind[i] == "param"
-                                and self.value[i].grad is not None}
+                                and self.value[i].requires_grad}
+            self.first_grads = {k: g for k, g in self.first_grads.items() if g is not None}
+        if self.zero == 1:  # the optimizer steps this replica's shard of the reduced gradient
+            for i in self.shards.shard:
+                v = self.value[i]
+                if v.grad is not None:
+                    self._give_shard_grad(i, self.shards.local_shard(i, v.grad))
+                self.drop_grad(v)
         if self.optimizer is not None:
             self.optimizer.step()
             self._track_optimizer_state()
-        for t in self.value.values():
+        if self.zero in (1, 2):
+            self.shards.gather_params()
+        for t in [*self.value.values(), *self.shards.shard.values()]:
             self.drop_grad(t)
+
+    def _unscale(self) -> None:
+        """Divide this rank's reduced parameter gradients by the loss scale (fp16)."""
+        with torch.no_grad():
+            for i in self.owned:
+                for t in (self.value[i], self.shards.shard.get(i)):
+                    if t is not None and t.grad is not None:
+                        t.grad.div_(self.loss_scale)
+
+    def _full_grad(self, i: int) -> torch.Tensor | None:
+        """The whole (reduced) gradient of parameter ``i``, also where it is sharded."""
+        if self.zero >= 2 and i in self.shards.shard:
+            return self.shards.full_grad(i)
+        g = self.value[i].grad
+        return full(g.detach()) if g is not None else None
 
     def _track_optimizer_state(self) -> None:
         assert self.optimizer is not None
@@ -156,7 +272,7 @@ class Weights:
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and \
                         id(v) not in self.state_tracked:
                     self.state_tracked.add(id(v))
-                    self.tracker.add(v)
+                    self.tracker.add(v, OPTIMIZER)
 
     def grad_born(self, p: torch.Tensor) -> None:
         """Count a parameter's gradient from when autograd (or this class) creates it."""
@@ -164,7 +280,7 @@ class Weights:
             return
         if id(p) not in self.grads_tracked:
             self.grads_tracked.add(id(p))
-            self.tracker.add(p.grad)
+            self.tracker.add(p.grad, GRADIENTS)
 
     def drop_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:

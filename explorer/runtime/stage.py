@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +24,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
-from explorer.core.schedule import FWD, OPTIMIZER
+from explorer.core.schedule import BWD, FWD, OPTIMIZER
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
 from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.params import Weights
+from explorer.runtime.params import AUTOCAST_DTYPES, Weights
+from explorer.runtime.recompute import Recomputer
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
@@ -92,6 +93,19 @@ class StageRunner:
         self.slots: dict[Key, list] = {}
         self.task_times: dict[tuple[str, int], list[float]] = defaultdict(list)
         self.steps_done = 0  # steps run so far, warm-up included (random ops' draws use it)
+        settings = L.plan.settings_of(L.s)
+        self.autocast_dtype = AUTOCAST_DTYPES.get(settings.precision)
+        self.recompute: Recomputer | None = None
+        if settings.recompute != "none":
+            if job.units is None:
+                raise ExplorerError("this job folder was written without recomputation units; "
+                                    "export the plan again (ex.export_script)")
+            per_unit = {kind: dict(Counter(job.units[a.node] for a in self.actions
+                                           if a.kind == kind and a.micro_batch == 0))
+                        for kind in (FWD, BWD)}
+            self.recompute = Recomputer(L, settings.recompute, job.units, per_unit[FWD],
+                                        per_unit[BWD], self.tracker, self._call,
+                                        self.weights.for_recompute)
         self.generator = (torch.cuda.default_generators[L.tdev.index or 0]
                           if L.tdev.type == "cuda" else torch.default_generator)
 
@@ -126,7 +140,9 @@ class StageRunner:
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
-        for a in self.actions:
+        for k, a in enumerate(self.actions):
+            if k + 1 < len(self.actions) and self.actions[k + 1].kind != OPTIMIZER:
+                self.weights.prefetch(self.actions[k + 1].node)
             if a.kind == OPTIMIZER:
                 dt = self._timed(self.weights.finish)
                 busy += dt
@@ -147,7 +163,8 @@ class StageRunner:
         loss = sum(self.losses) / len(self.losses) if self.losses else None
         self.env.clear()
         self.steps_done += 1
-        return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss}
+        return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss,
+                "peak_by_category": None if L.tdev.type == "cuda" else self.tracker.peak_by}
 
     def _timed(self, fn: Callable[..., None], *args: int) -> float:
         """Seconds ``fn(*args)`` took, the device synchronized, waits for messages excluded."""
@@ -172,7 +189,7 @@ class StageRunner:
                 self.fwd_left[(m, u, p)] = L.local_consumers(p)
             return env[p]
         if kind in ("param", "buffer"):
-            return self.weights.value[p]
+            return self.weights.use(p, m, u)
         if L.stage[p] == L.s:
             val = self.env[(m, u)][p]
         else:
@@ -208,25 +225,44 @@ class StageRunner:
         start = (m * L.shards + u) * L.rows
         return src[start: start + L.rows].to(L.tdev, copy=True)
 
-    def _forward(self, m: int, u: int, i: int) -> None:
-        """Run op ``i`` forward on micro-batch ``m``, shard ``u``."""
+    def _call(self, m: int, u: int, i: int, lookup: dict[str, Any]) -> Any:
+        """Op ``i`` on micro-batch ``m``, shard ``u``, its inputs by name in ``lookup``: the
+        same random draws and precision whenever it runs (again)."""
         L = self.layout
         call = L.calls[i]
-        slots: list = []
-        lookup = {L.names[p]: self._arg(m, u, p, slots) for p in L.preds[i]}
-        args = fill_refs(call.args, lookup)
-        kwargs = fill_refs(call.kwargs, lookup)
-        tracker = self.tracker
         if L.random[i]:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))
-        with tracker.saving():
+        with self._autocast():
+            args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
             if self.mesh is None:
-                out = L.targets[i](*args, **kwargs)
-            else:
-                out = self.mesh.call(L.targets[i], args, kwargs, i in self.split)
-                out = (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
-                       else self.mesh.settled(out))
+                return L.targets[i](*args, **kwargs)
+            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split)
+            return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
+                    else self.mesh.settled(out))
+
+    def _stand_in(self, t: torch.Tensor) -> Any:
+        """What autograd keeps instead of ``t``: a reference to a gathered weight (ZeRO 3) or
+        to a recomputable value, or None (``t`` itself)."""
+        kept = self.weights.stand_in(t)
+        if kept is None and self.recompute is not None:
+            kept = self.recompute.stand_in(t)
+        return kept
+
+    def _forward(self, m: int, u: int, i: int) -> None:
+        """Run op ``i`` forward on micro-batch ``m``, shard ``u``."""
+        L = self.layout
+        slots: list = []
+        lookup = {L.names[p]: self._arg(m, u, p, slots) for p in L.preds[i]}
+        rec = self.recompute
+        if rec is not None:
+            rec.before_op(m, u, i, {p: self._raw(m, u, p) for p in L.preds[i]
+                                    if L.kind[p] not in ("param", "buffer")})
+        tracker = self.tracker
+        with tracker.saving(self._stand_in):
+            out = self._call(m, u, i, lookup)
+        if rec is not None:
+            rec.after_op(m, u, i, out)
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
@@ -247,6 +283,8 @@ class StageRunner:
             self.losses.append(float(local(out.detach())))
         # inputs whose last local forward use this was can go
         for p in L.preds[i]:
+            if L.kind[p] == "param":
+                self.weights.forward_done(p, m, u)
             k = (m, u, p)
             if k in self.fwd_left:
                 self.fwd_left[k] -= 1
@@ -254,6 +292,20 @@ class StageRunner:
                     self._release_output(m, u, p)
         if self.fwd_left[(m, u, i)] == 0 and L.names[i] != L.loss_name:
             self._release_output(m, u, i)
+
+    def _raw(self, m: int, u: int, p: int) -> Any:
+        """The value of node ``p`` an op of micro-batch ``m``, shard ``u`` reads (before it
+        enters the op)."""
+        L = self.layout
+        if L.kind[p] == "input" or L.stage[p] == L.s:
+            return self.env[(m, u)][p]
+        return self.received[(m, u, p)]
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The stage's precision around an op: autocast to bf16 or fp16 (weights stay fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.layout.tdev.type, dtype=self.autocast_dtype)
 
     def _release_output(self, m: int, u: int, p: int) -> None:
         L = self.layout
@@ -264,6 +316,8 @@ class StageRunner:
         for t in tree_flatten(val)[0]:
             if isinstance(t, torch.Tensor):
                 self.tracker.drop(t)
+        if self.recompute is not None and L.kind[p] == "op" and L.stage[p] == L.s:
+            self.recompute.released(m, u, p)
         if not here:
             self.received[(m, u, p)] = _Released
 
@@ -282,13 +336,15 @@ class StageRunner:
             self._store_grad(key, got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:
-            grads = [torch.full_like(self.env[(m, u)][i], 1.0 / (L.micro_batches * L.shards))]
+            grads = [torch.full_like(self.env[(m, u)][i], self.weights.loss_scale
+                                     / (L.micro_batches * L.shards))]
             self._release_output(m, u, i)
         pairs = [(e, g) for e, g in zip(edges, grads or [], strict=False)
                  if e is not None and g is not None]
         # autograd frees what the op saved (and its output's gradient) only after computing
         # the gradients of its inputs: count those first (on CPU; a GPU's allocator measures
         # itself, and holding the freed tensors a little longer would only raise its peak)
+        self.weights.shards.current = (m, u)
         with (self.tracker.deferred() if L.tdev.type != "cuda" else contextlib.nullcontext()):
             if pairs:
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
@@ -301,6 +357,8 @@ class StageRunner:
         self._route_input_grads(m, u, i, slots)
         for g in made:
             self.tracker.drop(g)
+        if self.recompute is not None:
+            self.recompute.backward_done(m, u, i)
 
     def _route_input_grads(self, m: int, u: int, i: int, slots: list) -> None:
         """Hand the gradients of op ``i``'s inputs on: to parameters, to the producer on this
@@ -314,7 +372,7 @@ class StageRunner:
                 lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
         for p in L.preds[i]:
             if L.kind[p] == "param":
-                self.weights.used(p)
+                self.weights.used(p, (m, u))
                 continue
             if L.kind[p] != "op" or not L.requires_grad[p]:
                 continue

@@ -4,7 +4,9 @@ Every rank reads the job folder (:mod:`explorer.runtime.jobfiles`), joins the pr
 (gloo on CPU, NCCL on GPU) and runs its stage's actions step after step
 (:class:`explorer.runtime.stage.StageRunner`), then writes what it measured (or why it failed)
 back to the folder for the launcher. Started by ``ex.run``, it also beats
-(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive.
+(:mod:`explorer.runtime.heartbeat`), so the launcher sees it is alive. Started by a
+:class:`explorer.runtime.pool.RankPool` (``--serve``), it runs one job after another in the same
+process (:func:`serve`), set up once (cores, allocator) as a one-run rank is.
 
 The same function is what an exported training script runs under ``torchrun``: launch it with
 ``python -m explorer.runtime.rank JOB_DIR`` and the usual RANK / WORLD_SIZE / MASTER_ADDR /
@@ -25,7 +27,7 @@ import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,8 @@ def _watch_parent() -> None:
 
 
 def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = False) -> int:
-    """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X]``.
+    """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X]``, or ``--serve
+    POOL_DIR``: run the jobs a :class:`explorer.runtime.pool.RankPool` sends (:func:`serve`).
 
     ``batches(step)`` (optional) returns (inputs, targets) for each step, or None to reuse the
     job's example batch. With ``verbose``, the rank holding the loss prints each step.
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     ap.add_argument("--steps", type=int)
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--lr", type=float)
+    ap.add_argument("--serve", action="store_true")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     folder = Path(args.job)
     rank = int(os.environ.get("RANK", "0"))
@@ -69,46 +73,110 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     out = Path(os.environ.get("EXPLORER_OUT", folder))
     _watch_parent()
     pulse = Heartbeat(out, rank).start() if heartbeat.wanted() else None
+    if args.serve:
+        serve(folder, rank, local_rank, pulse)
     try:
-        threads = int(os.environ.get("EXPLORER_THREADS", "1"))
-        torch.set_num_threads(threads)
         job = read_job(folder)
         for k in ("steps", "warmup", "lr"):
             if getattr(args, k) is not None:
                 setattr(job, k, getattr(args, k))
-        cuda = any(v.startswith("cuda") for v in job.device_map.values())
-        backend = "nccl" if cuda else "gloo"
-        if cuda:
-            torch.cuda.set_device(local_rank)
-        # the host's rank set-up, before the process group starts its threads (they inherit
-        # it): a CPU rank gets a core of its own per compute thread; freed memory is kept for
-        # the next step rather than faulted in again (GPU ranks' host tensors too)
-        platform = platform_of("cuda" if cuda else "cpu")
-        cores = platform.pin_rank(local_rank, threads)
-        held = platform.hold_freed_memory()
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=job.timeout_s))
-        r = StageRunner(job, rank, world, local_rank)
-        if pulse is not None:
-            pulse.messenger = r.messenger
-        results, task_s = _run_steps(r, job, rank, out, batches, verbose, pulse)
-        record = {"rank": rank, "device": r.layout.device_id, "cores": cores, "held": held,
-                  "steps": results, "task_s": task_s,
-                  "memory_source": "cuda allocator (max_memory_allocated)"
-                  if r.layout.tdev.type == "cuda" else "tensor accounting"}
-        if job.record and r.weights.first_grads is not None:
-            torch.save(r.weights.first_grads, out / f"grads-{rank}.pt")
-        (out / f"result-{rank}.json").write_text(json.dumps(record))
-        dist.barrier()
-        dist.destroy_process_group()
+        run_job(job, rank, world, local_rank, out, batches, verbose, pulse)
         sys.stdout.flush()
         os._exit(0)  # results are on disk: skip the interpreter's slow teardown
     except BaseException as exc:
-        kind = "out of memory" if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) \
-            else type(exc).__name__
-        (out / f"error-{rank}.txt").write_text(
-            f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
-        os._exit(1)
+        _fail(out, rank, exc)
+
+
+def serve(pool_folder: Path, rank: int, local_rank: int, pulse: Heartbeat | None) -> None:
+    """Run job after job as rank ``rank``: each line on standard input names a job folder and
+    the run's number of ranks (JSON); the rank runs its part, marks it done
+    (:func:`explorer.runtime.heartbeat.done_path`) and waits for the next. Ends the process
+    when the input closes (the pool is closed, or its process is gone), and on the first
+    failure, reported as a one-run rank reports it."""
+    while line := sys.stdin.readline():
+        request = json.loads(line)
+        out, world = Path(request["job"]), int(request["world"])
+        if pulse is not None:
+            pulse.follow(out)
+        try:
+            job = read_job(out)
+            run_job(job, rank, world, local_rank, out, None, False, pulse,
+                    _store(out, rank, world, job.timeout_s))
+        except BaseException as exc:
+            _fail(out, rank, exc)
+        if pulse is not None:
+            pulse.follow(pool_folder)  # before the done mark: the job folder may then go
+        heartbeat.done_path(out, rank).touch()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _store(out: Path, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The run's rendezvous: rank 0 listens on a port the system picks and writes it to
+    ``out``; the others read it there (no port chosen ahead that another process could take
+    in the meantime)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    path = out / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        path.with_suffix(".tmp").write_text(str(store.port))
+        path.with_suffix(".tmp").replace(path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 gave no rendezvous port within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    return dist.TCPStore("127.0.0.1", int(path.read_text()), world, is_master=False,
+                         timeout=timeout)
+
+
+def _fail(out: Path, rank: int, exc: BaseException) -> NoReturn:
+    kind = "out of memory" if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) \
+        else type(exc).__name__
+    (out / f"error-{rank}.txt").write_text(
+        f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
+    os._exit(1)
+
+
+#: the cores this process was pinned to and whether it holds freed memory, once set up
+_SET_UP: dict[str, Any] = {}
+
+
+def run_job(job: Job, rank: int, world: int, local_rank: int, out: Path, batches: Any,
+            verbose: bool, pulse: Heartbeat | None, store: dist.Store | None = None) -> None:
+    """Run ``job`` as rank ``rank`` of ``world``: join the process group (through ``store``,
+    else the environment's MASTER_ADDR and MASTER_PORT), run the steps, write what they
+    measured to ``out`` and leave the process group."""
+    cuda = any(v.startswith("cuda") for v in job.device_map.values())
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not _SET_UP:
+        # the host's rank set-up, before the process group starts its threads (they inherit
+        # it): a CPU rank gets a core of its own per compute thread; freed memory is kept for
+        # the next step rather than faulted in again (GPU ranks' host tensors too)
+        threads = int(os.environ.get("EXPLORER_THREADS", "1"))
+        torch.set_num_threads(threads)
+        platform = platform_of("cuda" if cuda else "cpu")
+        _SET_UP.update(cores=platform.pin_rank(local_rank, threads),
+                       held=platform.hold_freed_memory())
+    dist.init_process_group(backend, rank=rank, world_size=world, store=store,
+                            timeout=datetime.timedelta(seconds=job.timeout_s))
+    r = StageRunner(job, rank, world, local_rank)
+    if pulse is not None:
+        pulse.messenger = r.messenger
+    results, task_s = _run_steps(r, job, rank, out, batches, verbose, pulse)
+    record = {"rank": rank, "device": r.layout.device_id, "cores": _SET_UP["cores"],
+              "held": _SET_UP["held"], "steps": results, "task_s": task_s,
+              "memory_source": "cuda allocator (max_memory_allocated)"
+              if r.layout.tdev.type == "cuda" else "tensor accounting"}
+    if job.record and r.weights.first_grads is not None:
+        torch.save(r.weights.first_grads, out / f"grads-{rank}.pt")
+    (out / f"result-{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, verbose: bool,

@@ -182,3 +182,11 @@ class GraphArrays:
         idx = np.fromiter(map(self._index.__getitem__, chain.from_iterable(saves)),
                           dtype=np.int64, count=int(lens.sum()))
         return self.root_a[idx], np.repeat(np.arange(self.n, dtype=np.int64), lens)
+
+
+def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
+    counts = hi - lo
+    k = np.repeat(np.arange(len(lo)), counts)
+    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
+    return k, idx

@@ -3,11 +3,14 @@ liveness along the simulated timeline."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
-from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM
+from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM, ranges
+from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
@@ -26,28 +29,44 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     start, end = timing.start, timing.end
     start_a, end_a = timing.arrays
     frac = np.asarray(tasks.batch_fraction)
-    out_b = activations_per_device(graph, plan, A.out_b)  # (split activations: a share)
+    eff = tasks.effects
+    out_b = (activations_per_device(graph, plan, A.out_b)  # (split activations: a share)
+             if eff is None else eff.act_bytes)
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
     bufs = [0] * S
     opt = [0] * S
     kinds, rg = A.kinds, A.rg
     param_bytes = per_device(graph, plan, A.param_bytes)  # (split weights: a device's share)
+    zero = [0] * S if eff is None else eff.zero
+    shard = param_bytes if eff is None else eff.shard.tolist()
     for i in np.flatnonzero(A.pbytes).tolist():
         s = stage[i]
         if kinds[i] == "buffer":
             bufs[s] += param_bytes[i]
         else:
-            params[s] += param_bytes[i]
+            params[s] += shard[i] if zero[s] == 3 else param_bytes[i]
             if rg[i] or kinds[i] == "op":
-                opt[s] += param_bytes[i] * state_per_byte
+                opt[s] += (shard[i] if zero[s] else param_bytes[i]) * state_per_byte
     # a copy of each weight or buffer on every other stage that reads it
     sel = ((kcode[e_p] == KIND_PARAM) | (kcode[e_p] == KIND_BUFFER)) & (st[e_c] != st[e_p])
     for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
         params[s] += A.out_bytes[p]
     root = A.root_a
-    # saved-for-backward: (producer root, node whose backward keeps it)
+    # saved-for-backward: (producer root, node whose backward keeps it); a recomputation's
+    # sources count as saved by the backward that recomputes from them
     sv_p_a, sv_v_a = A.saved
+    sv_p_any, sv_v_any = A.saved_any
+    if eff is not None and len(eff.casts[0]):  # (what autocast saved is a copy: below)
+        cast = np.isin(sv_v_a * N + sv_p_a, eff.casts[0] * N + eff.casts[1])
+        sv_p_a, sv_v_a = sv_p_a[~cast], sv_v_a[~cast]
+        cast = np.isin(sv_v_any * N + sv_p_any, eff.casts[0] * N + eff.casts[1])
+        sv_p_any, sv_v_any = sv_p_any[~cast], sv_v_any[~cast]
+    if eff is not None and len(eff.sources[0]):
+        src_p, src_v = eff.sources
+        sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
+        sv_p_any = np.concatenate([sv_p_any, src_p])
+        sv_v_any = np.concatenate([sv_v_any, src_v])
 
     # activation memory events: stage, time and bytes (an allocation positive, a free negative)
     ev_s: list[np.ndarray] = []
@@ -85,6 +104,11 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         if loss >= 0 and pos[loss] >= 0 and has_b[loss]:
             parts.append((np.array([loss]), off_b[[loss]], per_m))
         sel = (pos[sv_p_a] >= 0) & (st[sv_v_a] == st[sv_p_a]) & has_b[sv_v_a]
+        if eff is not None:  # recomputed outputs live again from their recomputation
+            rc = sel & eff.dropped[sv_p_a]
+            sel &= ~eff.dropped[sv_p_a]
+            _recomputed(live, eff.rc_op, sv_p_a[rc], sv_v_a[rc], st, off_b, per_m, M,
+                        start_a, end_a, size_on(out_b[sv_p_a[rc]], st[sv_p_a[rc]]))
         parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
         at_all = pos[np.concatenate([p[0] for p in parts])]
         base_all = np.concatenate([p[1] for p in parts])
@@ -95,12 +119,23 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = activations_per_device(graph, plan, A.extra)
+    extra = activations_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
+        # (recomputed ones from their recomputation)
+        from_ = off_f[xs_] if eff is None else np.where(eff.rc_op[xs_] >= 0,
+                                                         off_b[eff.rc_op[xs_]], off_f[xs_])
         for m in range(M):
-            live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
+            live(st[xs_], start_a[from_ + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
+    # bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
+    # micro-batch (a weight's whole, an activation's share of the micro-batch)
+    if eff is not None and len(eff.casts[0]):
+        cv, cq = eff.casts
+        size = np.where(kcode[cq] == KIND_PARAM, A.out_b[cq] // 2,
+                        size_on(A.out_b[cq] // 2, st[cv]))
+        for m in range(M):
+            live(st[cv], start_a[off_f[cv] + m * per_m], end_a[off_b[cv] + m * per_m], size)
     # activation gradients, as autograd and the runtime hold them. A consumer's backward
     # makes the gradient of each op it reads: a new tensor, or the consumer's own incoming
     # gradient handed on (views, getitem, same-size add, cat: see GraphArrays.hands_on). Per
@@ -197,17 +232,16 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         t1 = end_a[x_id]
         t0 = np.full(len(x_id), np.inf)
         lo, hi = tasks.succ_ptr_a[x_id], tasks.succ_ptr_a[x_id + 1]
-        k, idx = _ranges(lo, hi)
+        k, idx = ranges(lo, hi)
         np.maximum.at(t1, k, end_a[tasks.succ_flat_a[idx]])
         np.minimum.at(t0, k, start_a[tasks.succ_flat_a[idx]])
         t0 = np.where(np.isfinite(t0), t0, end_a[x_id])
-        sv_p_any, sv_v_any = A.saved_any
         sv_order = np.argsort(sv_p_any, kind="stable")
         sv_p_s, sv_v_s = sv_p_any[sv_order], sv_v_any[sv_order]
         xr = root[x_node]
         lo = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="left"), 0)
         hi = np.where(x_fwd, np.searchsorted(sv_p_s, xr, side="right"), 0)
-        k, idx = _ranges(lo, hi)
+        k, idx = ranges(lo, hi)
         v = sv_v_s[idx]
         ok = (st[v] == x_dst[k]) & has_b[v]
         k, v = k[ok], v[ok]
@@ -226,7 +260,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     for t in range(len(tasks.kind) - 1, -1, -1):
         if tasks.kind[t] == OPTIMIZER:
             opt_end[tasks.res[t]] = end[t]
-        elif tasks.kind[t] != ALLREDUCE:
+        elif tasks.kind[t] not in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER):
             break  # the optimizer steps are the last tasks (with the all-reduces)
     pbytes = per_device(graph, plan, A.pbytes)
     holds = (pbytes != 0) & (kcode != KIND_BUFFER) & (rg | is_op)
@@ -246,76 +280,81 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         g0 = np.full(len(gk), np.inf)
         np.minimum.at(g0, inv, first_b)
         gs, gsize = gk % S, pbytes[gk // S]
+        g_end = np.asarray(opt_end)[gs]
+        if eff is not None and max(zero) >= 2:
+            # ZeRO 2 and 3: the full gradient until its reduce-scatter, then the rank's shard
+            gp = gk // S
+            done = np.array([end[eff.grad_done[p]] if p in eff.grad_done and zero[s_] >= 2
+                             and stage[p] == s_ else np.nan
+                             for p, s_ in zip(gp.tolist(), gs.tolist(), strict=True)])
+            k = np.flatnonzero(~np.isnan(done))
+            gs = np.concatenate([gs, gs[k]])
+            g0 = np.concatenate([g0, done[k]])
+            g_end = np.concatenate([np.where(np.isnan(done), g_end, done), g_end[k]])
+            gsize = np.concatenate([gsize, eff.shard[gp[k]]])
         g_ev_s = np.concatenate([gs, gs])
-        g_ev_t = np.concatenate([g0, np.asarray(opt_end)[gs]])
+        g_ev_t = np.concatenate([g0, g_end])
         g_ev_b = np.concatenate([gsize, -gsize])
     # each stage's peak of activations plus gradients, and what fills it
-    es = np.concatenate([*ev_s, g_ev_s]).astype(np.int64)
-    et = np.concatenate([*ev_t, g_ev_t]).astype(np.float64)
-    eb = np.concatenate([*ev_b, g_ev_b]).astype(np.int64)
-    cat = np.concatenate([np.zeros(len(es) - len(g_ev_s), dtype=np.int64),
-                          np.ones(len(g_ev_s), dtype=np.int64)])
+    w_s, w_t, w_b = _gathered(eff, tasks, start_a, end_a)
+    es = np.concatenate([*ev_s, g_ev_s, w_s]).astype(np.int64)
+    et = np.concatenate([*ev_t, g_ev_t, w_t]).astype(np.float64)
+    eb = np.concatenate([*ev_b, g_ev_b, w_b]).astype(np.int64)
+    n_act = len(es) - len(g_ev_s) - len(w_s)
+    cat = np.concatenate([np.zeros(n_act, dtype=np.int64), np.ones(len(g_ev_s), dtype=np.int64),
+                          np.full(len(w_s), 2, dtype=np.int64)])
     # each event sorts by (time, order, bytes, category) within its stage, order 0 for frees
     # and 1 for allocations; the peak is the first maximum of the running total
     if len(g_ev_s) and (g_ev_b[: len(g_ev_b) // 2] <= 0).any():
-        order = np.concatenate([eb[: len(es) - len(g_ev_s)] > 0,  # (activations: bytes > 0)
-                                np.arange(len(g_ev_s)) < len(g_ev_s) // 2])
+        order = np.concatenate([eb[:n_act] > 0,  # (activations, gathered: bytes > 0)
+                                np.arange(len(g_ev_s)) < len(g_ev_s) // 2, w_b > 0])
         peaks = _peaks_in_order(S, es, et, eb, cat, order.astype(np.int64))
     else:
         peaks = _peaks(S, es, et, eb, cat)
     out = {}
     for s in range(S):
-        act, grads = peaks[s]
-        mb = MemoryBreakdown(params[s], grads, opt[s], bufs[s], act)
+        act, grads, gathered = peaks[s]
+        mb = MemoryBreakdown(params[s], grads, opt[s], bufs[s], act, gathered)
         for d in plan.stages[s]:
             out[d] = mb
     return out
 
 
-def _ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ranges ``lo[k]:hi[k]``, every (k, index) pair, as two arrays."""
-    counts = hi - lo
-    k = np.repeat(np.arange(len(lo)), counts)
-    idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
-    return k, idx
-
-
 def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray
-           ) -> list[tuple[int, int]]:
-    """Per stage, (activation bytes, gradient bytes) live at the first peak of their total.
+           ) -> list[tuple[int, int, int]]:
+    """Per stage, (activation, gradient, gathered-weight bytes) live at the first peak of
+    their total.
 
-    Events (stage, time, bytes, category) with every allocation positive and every free
-    negative. Sorted by (time, frees first, bytes, category) within a stage, the running total
-    falls through one time's frees and then rises through its allocations, so its first maximum
-    is at the last event of some time, where what is live does not depend on how that time's
-    events are ordered: sorting by time alone gives the same peak.
+    Events (stage, time, bytes, category 0, 1 or 2) with every allocation positive and every
+    free negative. Sorted by (time, frees first, bytes, category) within a stage, the running
+    total falls through one time's frees and then rises through its allocations, so its first
+    maximum is at the last event of some time, where what is live does not depend on how that
+    time's events are ordered: sorting by time alone gives the same peak.
     """
     o = np.argsort(et)
     o = o[np.argsort(es[o].astype(np.int16 if S < 2**15 else np.int64), kind="stable")]
     es, et, eb, cat = es[o], et[o], eb[o], cat[o]
-    c0 = np.cumsum(np.where(cat == 0, eb, 0))
-    c1 = np.cumsum(np.where(cat == 0, 0, eb))
+    cs = [np.cumsum(np.where(cat == c, eb, 0)) for c in range(3)]
     last = np.ones(len(es), dtype=bool)  # the last event of each (stage, time)
     last[:-1] = (es[1:] != es[:-1]) | (et[1:] != et[:-1])
     bounds = np.searchsorted(es, np.arange(S + 1))
     out = []
     for s in range(S):
         lo, hi = int(bounds[s]), int(bounds[s + 1])
-        act = grads = 0
+        got = (0, 0, 0)
         if hi > lo:
             ends = lo + np.flatnonzero(last[lo:hi])
-            b0 = c0[lo - 1] if lo else 0
-            b1 = c1[lo - 1] if lo else 0
-            tot = (c0[ends] - b0) + (c1[ends] - b1)
+            parts = [c[ends] - (c[lo - 1] if lo else 0) for c in cs]
+            tot = parts[0] + parts[1] + parts[2]
             k = int(np.argmax(tot))
             if tot[k] > 0:
-                act, grads = int(c0[ends[k]] - b0), int(c1[ends[k]] - b1)
-        out.append((act, grads))
+                got = tuple(int(x[k]) for x in parts)  # type: ignore[assignment]
+        out.append(got)
     return out
 
 
 def _peaks_in_order(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray,
-                    order: np.ndarray) -> list[tuple[int, int]]:
+                    order: np.ndarray) -> list[tuple[int, int, int]]:
     """:func:`_peaks` for any signs of bytes: events in their full sort order."""
     o = np.lexsort((cat, eb, order, et, es))
     es, eb, cat = es[o], eb[o], cat[o]
@@ -323,14 +362,44 @@ def _peaks_in_order(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat:
     out = []
     for s in range(S):
         lo, hi = bounds[s], bounds[s + 1]
-        act = grads = 0
+        got = (0, 0, 0)
         if hi > lo:
             b, c = eb[lo:hi], cat[lo:hi]
-            c0 = np.cumsum(np.where(c == 0, b, 0))
-            c1 = np.cumsum(np.where(c == 1, b, 0))
-            tot = c0 + c1
+            parts = [np.cumsum(np.where(c == k, b, 0)) for k in range(3)]
+            tot = parts[0] + parts[1] + parts[2]
             k = int(np.argmax(tot))
             if tot[k] > 0:
-                act, grads = int(c0[k]), int(c1[k])
-        out.append((act, grads))
+                got = tuple(int(x[k]) for x in parts)  # type: ignore[assignment]
+        out.append(got)
     return out
+
+
+def _recomputed(live: Callable[..., None], rc_op: np.ndarray, p: np.ndarray, v: np.ndarray,
+                st: np.ndarray, off_b: np.ndarray, per_m: int, M: int, start_a: np.ndarray,
+                end_a: np.ndarray, size: np.ndarray) -> None:
+    """Saved outputs ``p`` that recomputation drops (saved by ``v``, pairwise): each lives
+    again from the start of the backward that recomputes it until the last backward that
+    saved it is done, per micro-batch."""
+    if not len(p):
+        return
+    up, first, inv = np.unique(p, return_index=True, return_inverse=True)
+    for m in range(M):
+        t1 = np.full(len(up), -np.inf)
+        np.maximum.at(t1, inv.reshape(-1), end_a[off_b[v] + m * per_m])
+        live(st[up], start_a[off_b[rc_op[up]] + m * per_m], t1, size[first])
+
+
+def _gathered(eff: StageEffects | None, tasks: TaskGraph, start_a: np.ndarray,
+              end_a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ZeRO 3's full weight copies as (stage, time, bytes) events: each gathered at its
+    all-gather's start and freed when the last op it was gathered for is done."""
+    if eff is None or not eff.gathers:
+        z = np.zeros(0, dtype=np.int64)
+        return z, z.astype(np.float64), z
+    per_m = tasks.fb.per_mb
+    s = np.array([g.stage for g in eff.gathers], dtype=np.int64)
+    t0 = np.array([start_a[g.task] for g in eff.gathers])
+    t1 = np.array([max(float(end_a[g.task]), float(end_a[g.readers + g.mb * per_m].max()))
+                   for g in eff.gathers])
+    b = np.array([tasks.nbytes[g.task] for g in eff.gathers], dtype=np.int64)
+    return np.concatenate([s, s]), np.concatenate([t0, t1]), np.concatenate([b, -b])

@@ -28,13 +28,15 @@ class MemoryBreakdown:
     optimizer_bytes: int
     buffers_bytes: int
     activations_bytes: int  # live activations and activation gradients at the peak
+    gathered_bytes: int = 0  # full copies of ZeRO-3 sharded weights live at the peak
     #: held by the device's math libraries for the whole run (cuBLAS workspaces on a GPU)
     workspace_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.buffers_bytes + self.activations_bytes + self.workspace_bytes)
+                + self.buffers_bytes + self.activations_bytes + self.gathered_bytes
+                + self.workspace_bytes)
 
 
 class Deferred:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from explorer.core.errors import PlanError
+from explorer.simulate.runs import Loop, Runs
 from explorer.simulate.taskgraph import TaskGraph
 
 
@@ -27,7 +29,7 @@ class Timing:
     # (arrays of doubles: stored without a float object per task, read by numpy without a copy)
     start: Sequence[float]  # [task] seconds from the step's start
     end: Sequence[float]  # [task] seconds from the step's start
-    cause: list[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
+    cause: Sequence[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
     order: list[int]  # task ids in the order they start: a topological order
 
     @cached_property
@@ -65,19 +67,24 @@ def run(tasks: TaskGraph) -> Timing:
     """
     T = len(tasks.kind)
     res, dur, flat, ptr, key = tasks.res, tasks.dur, tasks.succ_flat, tasks.succ_ptr, tasks.key
-    start = array("d", bytes(8 * T))
-    end = array("d", bytes(8 * T))
-    cause = [-1] * T
-    order: list[int] = []
-    deps = list(tasks.ndeps)
-    ready_at = [0.0] * T  # the latest end among a task's dependencies seen so far
-    ready_from = [-1] * T  # the dependency that ended then
-    R = len(tasks.resources)
-    free_at = [0.0] * R  # when an idle resource became free
-    last_on = [-1] * R  # and the task that freed it
     backward = tasks.negative_times  # whether an event may come before an earlier one
     late_in = tasks.late_in
     late = bool(late_in)
+    # runs of a stage's tasks that provably start back to back, scheduled as arrays (none
+    # where receives may be late or times negative); they read and write the state below in
+    # place, as typed arrays (lists are quicker to index one by one, so kept where no runs)
+    with_runs = not (late or backward) and Runs.worth(tasks)
+    start = array("d", [math.nan]) * T  # (NaN until the task starts)
+    end = array("d", [math.nan]) * T
+    cause: MutableSequence[int] = array("q", [-1]) * T if with_runs else [-1] * T
+    order: list[int] = []
+    deps: MutableSequence[int] = array("q", tasks.ndeps) if with_runs else list(tasks.ndeps)
+    # the latest end among a task's dependencies seen so far, and the dependency that ended then
+    ready_at: MutableSequence[float] = array("d", bytes(8 * T)) if with_runs else [0.0] * T
+    ready_from: MutableSequence[int] = array("q", [-1]) * T if with_runs else [-1] * T
+    R = len(tasks.resources)
+    free_at = [0.0] * R  # when an idle resource became free
+    last_on = [-1] * R  # and the task that freed it
     received: set[int] = set()
     # per resource, the starts and ends of its tasks so far (they start in time order)
     starts_on: list[list[float]] = [[] for _ in range(R)]
@@ -102,18 +109,30 @@ def run(tasks: TaskGraph) -> Timing:
     queues: list[list[int]] = [[] for _ in range(R)]
     for t in tasks.first:
         queues[res[t]].append(key[t])
+    # runs of a stage's tasks that provably start back to back (none where receives may be
+    # late or times negative)
     busy = [False] * R
     events: list[tuple[float, int]] = []
+    runs = Runs(tasks, Loop(start, end, cause, deps, order, queues, ready_at, ready_from,
+                            events)) if with_runs else None
+    follow = runs.follow if runs is not None else None
+    chained = runs.starts if runs is not None else b""
+    # a run's task whose successors on other stages still wait for its end: those (its
+    # stage went on without the event)
+    detached = runs.detached if runs is not None else {}
+    far_succ, far_ptr = (runs.far_succ, runs.far_ptr) if runs is not None else ([], [])
     for r, q in enumerate(queues):
         if q:
             heapq.heapify(q)
             t = heapq.heappop(q) % T
             if late:
                 late_start(t, r, 0.0, 0.0, -1)
+            start[t] = 0.0
             end[t] = e = dur[t]
             order.append(t)
             busy[r] = True
-            heapq.heappush(events, (e, t))
+            heapq.heappush(events, (e, t) if not (chained and chained[t]) else
+                           follow(r, t, e, 0.0))
 
     heappush, heappop, heappushpop = heapq.heappush, heapq.heappop, heapq.heappushpop
     started = order.append
@@ -121,7 +140,8 @@ def run(tasks: TaskGraph) -> Timing:
         now, t = heappop(events)
         while True:  # the event: task t ends at time `now`
             r = res[t]
-            succ = flat[ptr[t]:ptr[t + 1]]
+            j = detached.pop(t, -1) if detached else -1
+            succ = flat[ptr[t]:ptr[t + 1]] if j < 0 else far_succ[far_ptr[j]:far_ptr[j + 1]]
             if backward:  # a dependency that ended later, seen before, still counts
                 for u in succ:
                     if now >= ready_at[u]:
@@ -143,7 +163,7 @@ def run(tasks: TaskGraph) -> Timing:
                         else:
                             touched.append(ru)
             # the freed resource starts its first queued task, posting its receives now
-            q = queues[r]
+            q = queues[r] if j < 0 else None
             if q:
                 u = heappop(q) % T
                 s = ready_at[u]
@@ -157,6 +177,10 @@ def run(tasks: TaskGraph) -> Timing:
                 end[u] = e = s + dur[u]
                 started(u)
                 cause[u] = c
+                if chained and chained[u]:
+                    e, u = follow(r, u, e, now)
+            elif j >= 0:
+                u = -1
             else:
                 busy[r] = False
                 free_at[r] = now
@@ -179,7 +203,8 @@ def run(tasks: TaskGraph) -> Timing:
                     started(v)
                     cause[v] = c
                     busy[ru] = True
-                    heappush(events, (ev, v))
+                    heappush(events, (ev, v) if not (chained and chained[v]) else
+                             follow(ru, v, ev, now))
             if u < 0:
                 break
             # the next event: u's end, or an earlier one (u's end then waits in the heap)
@@ -188,3 +213,4 @@ def run(tasks: TaskGraph) -> Timing:
         raise PlanError("the plan's schedule cannot finish (a dependency cycle); this is a "
                         "bug in the plan or simulator, please report it with the plan JSON")
     return Timing(start, end, cause, order)
+

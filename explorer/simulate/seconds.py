@@ -58,7 +58,10 @@ def lower_bound_s(graph: OpGraph, costs: CostModel) -> float:
     return arrays_lower_bound_s(GraphArrays.of(graph), costs, Seconds(costs))
 
 
-def arrays_lower_bound_s(A: GraphArrays, costs: CostModel, sec: Seconds) -> float:
+def arrays_lower_bound_s(A: GraphArrays, costs: CostModel, sec: Seconds,
+                         factors: dict[str, np.ndarray] | None = None) -> float:
+    """:func:`lower_bound_s` on the arrays; ``factors`` (device type key -> [node] factor on
+    its times) for ops in another precision."""
     cluster = costs.cluster
     reps = {d.type_key: d.id for d in cluster.devices}
     ops = np.flatnonzero(A.is_op)
@@ -68,6 +71,8 @@ def arrays_lower_bound_s(A: GraphArrays, costs: CostModel, sec: Seconds) -> floa
             s = _per_batch(sec, costs, "fwd_s", ops, d) + _per_batch(sec, costs, "bwd_s", ops, d)
         else:
             s = np.array([costs.node_s(i, d) for i in ops.tolist()], dtype=np.float64)
+        if factors is not None:
+            s = s * factors[cluster.device(d).type_key][ops]
         best = s if best is None else np.minimum(best, s)
     if best is None or not len(best):
         return 0.0

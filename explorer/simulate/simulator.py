@@ -19,6 +19,13 @@ handed on by views, getitem, same-size add and cat) while what it saved is still
 keeps the first gradient it gets until its own backward (or until it is sent), and later ones
 are added into it.
 
+A plan's per-stage memory settings (:class:`~explorer.core.plan.StageSettings`) add what they
+do (:mod:`~explorer.simulate.effects`): ZeRO's reduce-scatters in place of the all-reduces (2,
+3), an all-gather of the weights after the optimizer step (1, 2) or of each weight before its
+forward and backward uses, one op ahead (3), with the sharded bytes and the gathered copies in
+memory; recomputed forwards added to the backwards that run them, their outputs not kept in
+between; ops at the precision's rate and activations at autocast's sizes.
+
 Implementation: the graph as arrays (:mod:`~explorer.simulate.arrays`), node seconds from the
 cost tables (:mod:`~explorer.simulate.seconds`), the task graph as data
 (:mod:`~explorer.simulate.taskgraph`) and how it is built (:mod:`~explorer.simulate.tasks`),
@@ -32,6 +39,9 @@ holds its predictions for many cases); a 100k-node graph simulates in well under
 from __future__ import annotations
 
 import dataclasses
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -39,6 +49,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
+from explorer.costs.strategies import precision_time_factors
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.memory import memory_at_peaks
@@ -61,7 +72,27 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     """
     costs.check(graph)
     plan.validate(graph, costs.cluster)
-    return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
+    with without_cycle_collection():
+        return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
+
+
+@contextmanager
+def without_cycle_collection() -> Iterator[None]:
+    """Pause CPython's cycle collector (``gc``) for a simulation, then restore it.
+
+    A simulation makes millions of small objects (an event tuple per task, list items) that
+    form no reference cycles; each few hundred of them trigger a collection that walks the
+    young objects, and the older generations' passes walk every object the process holds (the
+    graph, a partitioner's state, a notebook's), which on a 100k-op graph cost a good part of
+    the simulation. Reference counting frees everything as usual meanwhile.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def clear_caches() -> None:
@@ -105,7 +136,8 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
     """
     if costs is None:
         costs = unit_costs(graph, plan)
-    tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
+    with without_cycle_collection():
+        tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     S = len(plan.stages)
     out: Schedule = [[] for _ in plan.stages]
     kind, res, mb, node = tasks.kind, tasks.res, tasks.mb, tasks.node
@@ -162,8 +194,20 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
         energy_j=sum(energy.values()), energy_by_device_j=energy,
         critical_path=_CriticalPath(tasks, timing, last),  # type: ignore[arg-type]
         bottleneck=bottleneck,
-        lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs)),
+        lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs),
+                                           _half_factors(graph, plan, cluster)),
         algorithm=plan.algorithm)
+
+
+def _half_factors(graph: OpGraph, plan: Plan, cluster: Cluster
+                  ) -> dict[str, np.ndarray] | None:
+    """Where a stage computes in bf16 or fp16, every op's time factor in that precision per
+    device type (so the lower bound stays below what the plan can reach); None otherwise."""
+    half = [st.precision for st in plan.stage_settings if st.precision != "fp32"]
+    if not half:
+        return None
+    return {d.type_key: precision_time_factors(graph, half[0], d.kind, d.flops_per_s,
+                                               d.half_flops_per_s) for d in cluster.devices}
 
 
 class _Timeline(Deferred):

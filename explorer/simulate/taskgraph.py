@@ -17,6 +17,7 @@ import numpy as np
 
 from explorer.core.plan import Plan
 from explorer.simulate.arrays import GraphArrays
+from explorer.simulate.effects import StageEffects
 
 #: task kinds (``TaskGraph.kind``); a "gate" is a zero-time task that holds a 1F1B stage's
 #: forward of a micro-batch until the backward ``warm`` micro-batches earlier is done
@@ -43,6 +44,9 @@ class FwdBwdLayout:
     bwd: np.ndarray  # [node] int64: slot of the node's backward, -1 where it has none
     stage: np.ndarray  # [slot] int64: the stage that runs it
     dur_s: np.ndarray  # [slot] float64: seconds it takes (the same for every micro-batch)
+    # [stage] int64: the stage's forward and backward task ids in the order of their queue
+    # keys (the order its device would run them were each ready in time)
+    queue: tuple[np.ndarray, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,4 +103,8 @@ class TaskGraph:
     fb: FwdBwdLayout
     receives: Receives
     transfer_bytes: int  # bytes sent between stages in the step
-    allreduce_bytes: int  # bytes the gradient all-reduces move (ring: 2 (k - 1) x size)
+    # bytes the gradient all-reduces move (ring: 2 (k - 1) x size), and with ZeRO the
+    # reduce-scatters and all-gathers ((k - 1) x size each)
+    allreduce_bytes: int
+    # what the plan's memory settings change (None for a plan without them)
+    effects: StageEffects | None = None

@@ -17,6 +17,12 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.effects import (
+    ALLGATHER,
+    REDUCE_SCATTER,
+    add_weight_gathers,
+    stage_effects,
+)
 from explorer.simulate.seconds import Seconds, plain_costs
 from explorer.simulate.taskgraph import (
     ALLREDUCE,
@@ -156,6 +162,13 @@ class _Builder:
             tensor_bytes = split_op_seconds(g, plan, costs, sec, ops_by_stage,
                                             [list(types[s].values()) for s in range(S)], frac,
                                             fwd_d, bwd_d)
+        # the plan's memory settings: precision and recomputed forwards change op times
+        # (a plan with tensor-parallel stages has none: Plan refuses the two together)
+        eff = (stage_effects(g, plan, A, st, costs.cluster)
+               if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
+        out_act = A.out_b if eff is None else eff.act_bytes  # activations' bytes
+        if eff is not None:
+            eff.apply_compute(g, costs.cluster, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
         msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
                         for s in range(S)], dtype=np.float64)
@@ -165,7 +178,8 @@ class _Builder:
         self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
         self.res = tpl_stage.tolist() * M
         fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
-                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]))
+                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
+                          _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
         self.dur = fb.dur_s.tolist() * M
         self.label = A.names_obj[tpl_node].tolist() * M
         self.node = tpl_node_l * M
@@ -213,7 +227,7 @@ class _Builder:
             labels = A.names_obj[tp]
             for j in np.flatnonzero(~t_act).tolist():
                 labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
-            ob = A.out_b[tp]
+            ob = out_act[tp]
             self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
                             np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
             # edges: producer's forward -> transfer -> consumer's forward (a weight's one
@@ -226,7 +240,7 @@ class _Builder:
                 edges(off_f[up[u_act]], ab + m, m)
             xa = np.flatnonzero(t_act)
             xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
-                             ~A.grad_named[tp[xa]], A.out_b[tp[xa]] // M))
+                             ~A.grad_named[tp[xa]], out_act[tp[xa]] // M))
         # backward edges: a node's backward waits for its consumers' backwards
         bops = ops_arr[nb]
         for m in range(M):
@@ -252,12 +266,12 @@ class _Builder:
             enc = sb[ts, m_task] * W - tp + (N + 1)
             labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
                                M).tolist()
-            self._transfers(ts, st[tp], A.out_b[tp] // M, enc, labels, m_task, tp)
+            self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
                 edges(off_b[bc_], base[k_edge] + m, m)
             xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
-                             np.zeros(len(tp), dtype=bool), A.out_b[tp] // M))
+                             np.zeros(len(tp), dtype=bool), out_act[tp] // M))
         receives = Receives(*(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
                               np.zeros(0, dtype=bool if k == 4 else np.int64)
                               for k in range(6)))
@@ -300,13 +314,19 @@ class _Builder:
         trainable_count = [0] * S
         held = per_device(g, plan, A.param_bytes)  # (split weights: one device's share)
         out_b = per_device(g, plan, out_b)
+        zero = [0] * S if eff is None else eff.zero
+        stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
         for i in A.trainable:
             trainable_bytes[stage[i]] += held[i]
             trainable_count[stage[i]] += 1
+            stepped[stage[i]] += held[i] if eff is None else int(eff.shard[i])
+        if eff is not None:
+            allreduce_bytes += add_weight_gathers(
+                self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
         for s in range(S):
             params = pg[st[pg] == s][::-1].tolist()
             before_opt = [t for p in params for t in sent_home.get(p, ())]
-            d_opt = max(costs.optimizer_s(dv, plan.optimizer, trainable_bytes[s],
+            d_opt = max(costs.optimizer_s(dv, plan.optimizer, stepped[s],
                                           trainable_count[s]) * self._opt_slowed(dv)
                         for dv in types[s].values())
             if plan.replicas_of(s) > 1 and params:
@@ -322,12 +342,19 @@ class _Builder:
                         bucket.append(p)
                         size += out_b[p]
                     if bucket and (p is None or size >= BUCKET_BYTES):
-                        d = costs.allreduce_s(group, size) + lag
-                        lag = 0.0
                         k_ = len(group)
-                        allreduce_bytes += int(2 * (k_ - 1) * size)
-                        t = self.task(ALLREDUCE, chan, d, self.prio(k), f"all-reduce {size} B",
-                                      -1, size)
+                        if zero[s] >= 2:  # each rank keeps 1/k of the gradient
+                            d = costs.reduce_scatter_s(group, size) + lag
+                            allreduce_bytes += int((k_ - 1) * size)
+                            t = self.task(REDUCE_SCATTER, chan, d, self.prio(k),
+                                          f"reduce-scatter {size} B", -1, size)
+                            eff.grad_done.update(dict.fromkeys(bucket, t))  # type: ignore
+                        else:
+                            d = costs.allreduce_s(group, size) + lag
+                            allreduce_bytes += int(2 * (k_ - 1) * size)
+                            t = self.task(ALLREDUCE, chan, d, self.prio(k),
+                                          f"all-reduce {size} B", -1, size)
+                        lag = 0.0
                         for q in bucket:
                             for c in succs[q]:
                                 if has_b_l[c] and stage[c] == s:
@@ -350,6 +377,14 @@ class _Builder:
                             off_f[ops_by_stage[s]])
             for m in range(M):
                 edges(last, np.full(len(last), t), m)
+            if zero[s] in (1, 2):  # the updated shards gathered into the full weights
+                size = trainable_bytes[s]
+                ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
+                               costs.allgather_s(reps[s], size), self.prio(_LAST),
+                               f"all-gather {size} B", -1, size)
+                allreduce_bytes += int((len(reps[s]) - 1) * size)
+                py_src.append(t)
+                py_dst.append(ag)
         # successor lists and dependency counts
         T = len(self.kind)
         src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])
@@ -374,7 +409,7 @@ class _Builder:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        key += [e * T + t for t, e in enumerate(self.enc[n_enc:], n_enc)]
+        key += _keys(self.enc[n_enc:], n_enc, T)
         negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
         return TaskGraph(
@@ -385,7 +420,7 @@ class _Builder:
             first=np.flatnonzero(ndeps == 0).tolist(), late_in=late_in,
             negative_times=bool(negative), plan=plan, arrays=A, stage=stage, stage_a=st,
             batch_fraction=frac, fb=fb, receives=receives,
-            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes)
+            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes, effects=eff)
 
     def _opt_slowed(self, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas
@@ -482,6 +517,37 @@ class _Builder:
         self.mb.extend(np.asarray(mb).tolist())
         self.nbytes.extend(np.asarray(nbytes).tolist())
         self.node.extend(np.asarray(node).tolist())
+
+
+def _keys(enc: list[int], first: int, T: int) -> list[int]:
+    """``enc[k] * T + first + k`` for every k: as int64 arrays where those hold the result, as
+    Python ints (of any size) where not (the optimizer steps' priorities)."""
+    a = np.asarray(enc, dtype=np.int64) if enc and max(enc) < 2**63 else None
+    if a is None:
+        return [e * T + t for t, e in enumerate(enc, first)]
+    fits = a < (2**62 - first - len(enc)) // T
+    key = (np.where(fits, a, 0) * T + np.arange(first, first + len(enc))).tolist()
+    for k in np.flatnonzero(~fits).tolist():
+        key[k] = enc[k] * T + first + k
+    return key
+
+
+def _queue_order(tpl_stage: np.ndarray, tpl_isb: np.ndarray, slot_f: list[list[int]],
+                 slot_b: list[list[int]], per_m: int) -> tuple[np.ndarray, ...]:
+    """Per stage, its forward and backward task ids in the order of their queue keys
+    ((slot, x) with x the node for a forward, minus the node for a backward): block by block
+    in slot order, a block being one micro-batch's forwards in node order or its backwards in
+    reverse node order (the template lays ops out in node order)."""
+    out = []
+    for s in range(len(slot_f)):
+        fwd = np.flatnonzero((tpl_stage == s) & ~tpl_isb)
+        bwd = np.flatnonzero((tpl_stage == s) & tpl_isb)[::-1]
+        blocks = sorted([(slot, m, fwd) for m, slot in enumerate(slot_f[s])]
+                        + [(slot, m, bwd) for m, slot in enumerate(slot_b[s])],
+                        key=lambda b: b[0])
+        out.append(np.concatenate([tpl + m * per_m for _, m, tpl in blocks]) if blocks else
+                   np.zeros(0, dtype=np.int64))
+    return tuple(out)
 
 
 def _message_time(A: GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -119,6 +122,30 @@ def test_data_dependent_branch_names_the_op_and_the_line():
         ex.capture(Branchy(), torch.randn(2, 4), fake=True)
 
 
+class _ValueSized(nn.Module):
+    """A linear layer after a step whose output size depends on the input's values."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.fc, self.step = nn.Linear(4, 4), step
+
+    def forward(self, x):
+        return self.fc(self.step(x))
+
+
+@pytest.mark.parametrize("step, op", [
+    (lambda x: x[x > 0].sum() + x, "aten.index.Tensor"),  # indexing with a mask
+    (lambda x: x + torch.nonzero(x).shape[0], "aten.nonzero.default"),
+])
+def test_an_output_sized_by_values_names_the_op_and_the_line(step, op):
+    model, x = _ValueSized(step), torch.randn(2, 4)
+    with pytest.raises(CaptureError, match=rf"needs real data to trace: op {op} at "
+                                           rf"test_fake.py:\d+ makes an output whose size "
+                                           r"depends on tensor values .*fake=False"):
+        ex.capture(model, x, fake=True)
+    assert ex.capture(model, x).ops  # with real weights it is captured
+
+
 def test_item_on_a_size_traces_on_fake_tensors():
     class SizeItem(nn.Module):
         def __init__(self):
@@ -140,6 +167,25 @@ def test_real_capture_checks_memory_first(monkeypatch):
     with pytest.raises(MemoryExceededError, match=r"fake=True"):
         _capture(bm)
     assert _capture(bm, fake=True).ops  # the fake path needs no memory
+
+
+@pytest.mark.slow
+def test_planning_a_large_shape_allocates_nothing_for_its_weights():
+    """Llama-1B (4.9 GB of fp32 weights) built, captured and simulated in a fresh process whose
+    peak memory stays far below its weights: nothing is allocated without asking."""
+    script = (
+        "import resource, explorer as ex\n"
+        "from explorer.models.synthetic import roofline_costs\n"
+        "bm = ex.builtin_model('llama-1b')\n"
+        "g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)\n"
+        "cl = ex.Cluster.preset('8xH100')\n"
+        "pred = ex.simulate(g, ex.Plan.single(g, cl.ids[0]), roofline_costs(g, cl))\n"
+        "assert pred.peak_bytes[cl.ids[0]] > 16 * bm.n_params\n"
+        "print(bm.n_params * 4, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=600, check=True)
+    weights_bytes, peak_rss_bytes = map(int, out.stdout.split()[-2:])
+    assert weights_bytes > 4.9e9 and peak_rss_bytes < 2 * 2**30
 
 
 @pytest.mark.slow

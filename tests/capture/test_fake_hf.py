@@ -1,13 +1,16 @@
 """Hugging Face GPT-2, BERT and Llama (built from small configs, never downloaded): real and
-fake captures give the same graph, and a Llama built on the meta device captures at all."""
+fake captures give the same graph, a Llama built on the meta device captures at all, and
+their repeated layers are traced once and grown to the full graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_blocks import assert_falls_back, three_ways
 from test_fake import assert_same_graph
 
 import explorer as ex
+from explorer.capture.blocks import MIN_BLOCKS
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,10 +23,11 @@ def _lm_loss(out, labels: torch.Tensor) -> torch.Tensor:
                                              labels.reshape(-1))
 
 
-def _gpt2():
+def _gpt2(n_layer: int = 2, **kw):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+        eos_token_id=0, **kw))
 
 
 def _bert():
@@ -77,3 +81,22 @@ def test_bf16_llama_keeps_its_dtype():
     assert_same_graph(ex.capture(model, x, _lm_loss, y), faked)
     n_params = sum(p.numel() for p in model.parameters())
     assert faked.param_bytes == 2 * n_params
+
+
+@pytest.mark.parametrize("n_layers", [MIN_BLOCKS, 6])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_repeated_layers_grow_to_the_full_graph(kind, n_layers):
+    torch.manual_seed(0)
+    model = (_gpt2(n_layers) if kind == "gpt2"
+             else transformers.LlamaForCausalLM(_llama_config(num_hidden_layers=n_layers)))
+    x, y = _batch()
+    three_ways(model, x, _lm_loss, y, n_layers == MIN_BLOCKS)
+    attn = model.model.layers[3].self_attn if kind == "llama" else model.transformer.h[3].attn
+    assert type(attn.layer_idx) is int and attn.layer_idx == 3  # its own index given back
+
+
+def test_layers_that_differ_by_index_are_traced_in_full():
+    torch.manual_seed(0)  # attention scaled by 1 / (layer index + 1): the layers differ
+    model = _gpt2(MIN_BLOCKS, scale_attn_by_inverse_layer_idx=True)
+    x, y = _batch()
+    assert_falls_back(model, x, _lm_loss, y, "differs between blocks")

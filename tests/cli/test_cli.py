@@ -188,6 +188,42 @@ class TestPlan:
                             "--tensor", "2", "--json")
         assert rc == 1 and "--tensor 2 divides the devices of none" in err
 
+    def test_memory_settings_apply_to_every_stage_and_memory_comes_by_category(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",
+                            "--json")
+        assert rc == 0, err
+        (plain,) = json.loads(out)["plans"]
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",
+                            "--zero", "3", "--recompute", "selective", "--precision", "bf16",
+                            "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert p["memory_settings"] == ["zero 3, recompute selective, bf16"]
+        assert plain["memory_settings"] == ["default"]
+        for d, m in p["peak_memory_by_category"].items():
+            before = plain["peak_memory_by_category"][d]
+            assert set(m) == {"parameters", "gradients", "optimizer_state", "activations",
+                              "gathered", "buffers", "workspace", "total"}
+            assert m["total"] == p["peak_bytes"][d] == sum(v for k, v in m.items()
+                                                          if k != "total")
+            assert m["parameters"] < before["parameters"]  # sharded over the two replicas
+            assert m["optimizer_state"] < before["optimizer_state"]
+            assert m["gathered"] > 0 == before["gathered"]
+
+    def test_zero_on_one_device_says_it_changes_nothing(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                            "--zero", "1", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert p["memory_settings"] == ["zero 1"]
+        assert p["notes"][-1] == ("ZeRO 1 changes nothing on stage(s) 0: one device each, "
+                                  "nothing to shard over")
+
+    def test_memory_flags_are_checked(self, capsys):
+        with pytest.raises(SystemExit):
+            main([*PLAN, "--zero", "4"])
+        assert "invalid choice" in capsys.readouterr().err
+
     def test_bad_setting_is_an_error_row(self, capsys, tmp_path):
         """Every row an error: exit 1, the errors on stderr, nothing saved."""
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",

@@ -186,6 +186,33 @@ class TestStageSettings:
             Plan.from_dict(d)
 
 
+class TestModelRecord:
+    def test_a_builtin_model_stays_version_1(self, two_stage, tmp_path):
+        plan = replace(two_stage, model={"builtin": "gpt", "size": "tiny", "batch_size": 8})
+        d = plan.to_dict()
+        assert d["version"] == 1 and Plan.from_dict(d).model == plan.model
+
+    def test_a_factory_round_trips_as_version_2(self, two_stage, tmp_path):
+        plan = replace(two_stage, model={"factory": "mypkg.models:build_llama"})
+        path = plan.save(tmp_path / "plan.json")
+        assert json.loads(path.read_text())["version"] == 2
+        assert Plan.load(path).model == {"factory": "mypkg.models:build_llama"}
+
+    @pytest.mark.parametrize("model, match", [
+        ({"factory": "no_colon"}, "model.factory must be a function name of the form "
+                                  "module:function"),
+        ({"factory": "a:b; import os"}, "model.factory must be a function name"),
+        ({"factory": 3}, "model.factory must be"),
+        ({"factory": "m:f", "builtin": "gpt", "size": "tiny", "batch_size": 8},
+         "names both a built-in model and a factory"),
+        ({"size": "tiny"}, "field 'model.builtin' is missing"),
+    ])
+    def test_bad_records_are_refused(self, two_stage, model, match):
+        d = {**two_stage.to_dict(), "version": 2, "model": model}
+        with pytest.raises(PlanError, match=match):
+            Plan.from_dict(d)
+
+
 class TestLoadRefuses:
     @pytest.fixture
     def saved(self, two_stage, tmp_path):
@@ -431,3 +458,16 @@ class TestBounds:
     def test_huge_micro_batches_refused_in_memory(self, chain3, mb):
         with pytest.raises(PlanError, match="micro_batches must be a whole number >= 1 and"):
             Plan.single(chain3, "d:0", micro_batches=mb)
+
+
+class TestTensorWithMemorySettings:
+    def test_tensor_and_zero_recompute_or_precision_are_refused(self, two_stage):
+        for memory in ({"zero": 1}, {"recompute": "full"}, {"precision": "bf16"}):
+            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+                two_stage.with_tensor(2, stages=[1]).with_memory(**memory)
+            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+                two_stage.with_memory(**memory, stages=[0]).with_tensor(2, stages=[1])
+        d = two_stage.with_tensor(2, stages=[1]).to_dict()
+        d["stage_settings"][0]["zero"] = 1
+        with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+            Plan.from_dict(d)

@@ -9,8 +9,16 @@ from builders import cluster, costs, device, graph
 
 from explorer.core.errors import PlanError, UnknownNameError
 from explorer.core.graph import OpGraph, OpNode
-from explorer.costs.model import ROOFLINE_EFFICIENCY, CostModel, DeviceCosts, roofline
+from explorer.costs.model import (
+    ROOFLINE_EFFICIENCY,
+    CostModel,
+    DeviceCosts,
+    op_kind,
+    precision_of,
+    roofline,
+)
 from explorer.devices.cluster import Cluster, Link
+from explorer.devices.presets import H100_FIT, roofline_fit
 
 
 def _one_op_costs(cl: Cluster, t: float, overhead_s: float, **scales) -> CostModel:
@@ -186,6 +194,56 @@ class TestRoofline:
         assert roofline(g, cpu).fwd_s[2] == pytest.approx(4e-6 + 2e9 / (1e9 * 0.6))
         assert roofline(g, cpu, overhead_s=0.5).fwd_s[3] == pytest.approx(
             0.5 + 8_000_000 / (1e9 * 0.6))
+
+
+class TestMeasuredRoofline:
+    """The H100-measured preset prices ops with the fractions fitted on an H100; every other
+    preset keeps the datasheet roofline."""
+
+    @pytest.fixture
+    def measured(self):
+        return Cluster.preset("H100-measured").devices[0]
+
+    def test_matmul_uses_the_fitted_fraction_and_overhead(self, measured):
+        fit = H100_FIT.kinds["matmul/fp32"]
+        dc = roofline(_matmul_graph(), measured)
+        peak = 67e12 * fit.flops_fraction
+        assert dc.fwd_s[2] == pytest.approx(fit.overhead_s + 2e9 / peak)
+        assert dc.bwd_s[2] == pytest.approx(fit.overhead_s + 4e9 / peak)
+        half = H100_FIT.kinds["matmul/bf16"]
+        assert dc.fwd_s[5] == pytest.approx(half.overhead_s + 2e10 / (989e12 * half.flops_fraction))
+
+    def test_elementwise_and_optimizer_use_their_kinds_fit(self, measured):
+        dc = roofline(_matmul_graph(), measured)
+        act, adam = H100_FIT.kinds["gelu/fp32"], H100_FIT.kinds["adam/fp32"]
+        assert dc.fwd_s[3] == pytest.approx(
+            act.overhead_s + 8_000_000 / (3350e9 * act.bandwidth_fraction))
+        assert dc.optimizer_s_per_byte["adam"] == pytest.approx(
+            7 / (3350e9 * adam.bandwidth_fraction))
+        assert dc.optimizer_s_per_tensor["adam"] == adam.overhead_s
+
+    def test_only_the_measured_preset_has_a_fit(self, measured):
+        assert roofline_fit(measured.name) is H100_FIT
+        assert "measured on NVIDIA H100" in measured.source
+        for key in Cluster.presets():
+            dev = Cluster.preset(key).devices[0]
+            assert (roofline_fit(dev.name) is not None) == (key == "H100-measured")
+        h100 = Cluster.preset("H100").devices[0]
+        assert (measured.flops_per_s, measured.mem_bandwidth_bytes_per_s) == (
+            h100.flops_per_s, h100.mem_bandwidth_bytes_per_s)
+        assert measured.type_key != h100.type_key
+        g = _matmul_graph()
+        assert roofline(g, measured, measured_fit=False).fwd_s == roofline(g, h100).fwd_s
+
+    def test_op_kinds_and_precisions(self):
+        assert [op_kind(o) for o in ("aten.linear.default", "aten.conv2d.default",
+                                     "aten._scaled_dot_product_efficient_attention.default",
+                                     "aten.layer_norm.default", "aten.softmax.int",
+                                     "aten.gelu.default", "aten.mul.Tensor")] == [
+            "matmul", "conv2d", "attention", "layernorm", "sum", "gelu", "add"]
+        assert precision_of("matmul", "float32") == "fp32"
+        assert precision_of("conv2d", "float32") == "tf32"  # cuDNN allows TF32 by default
+        assert precision_of("matmul", "bfloat16") == "bf16"
 
 
 class TestSerialisation:

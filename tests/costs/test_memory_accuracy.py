@@ -14,6 +14,7 @@ from builders import cluster, costs
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
+from explorer.costs.memory import node_memory_bytes
 from explorer.models.synthetic import roofline_costs
 from explorer.simulate.simulator import simulate
 
@@ -59,6 +60,30 @@ def test_predicted_peak_memory_matches_the_measured(case):
         assert abs(err) <= TOLERANCE, (
             f"{case} {d}: predicted {pred.peak_bytes[d]} B ({pred.memory[d]}), measured "
             f"{meas.peak_bytes[d]} B: {err:+.1%}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_fake_capture_predicts_what_a_real_step_measures(name):
+    """Captured on fake tensors (meta build, nothing run), the small model's predicted peak on
+    one device is the peak one real step measures; parameters, gradients and Adam state are
+    16 bytes per fp32 parameter."""
+    meta = ex.builtin_model(name, "small", weights=False)
+    fake = ex.capture(meta.module, meta.example_inputs, meta.loss_fn, meta.targets)
+    assert not meta.weights and fake.runtime is None
+    plan = Plan.single(fake, "cpu:0")
+    pred = simulate(fake, plan, roofline_costs(fake, ex.Cluster.cpu(1, measure=False)))
+    state = sum(b for b, n in zip(node_memory_bytes(fake, "adam"), fake.nodes, strict=True)
+                if n.kind == "param")
+    assert state == 16 * meta.n_params
+    m = pred.memory["cpu:0"]
+    assert (m.params_bytes, m.optimizer_bytes) == (4 * meta.n_params, 8 * meta.n_params)
+    bm = ex.builtin_model(name, "small")
+    real = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
+    assert real.fingerprint == fake.fingerprint
+    meas = ex.run(real, plan=plan, steps=1, warmup=1, progress=False, timeout_s=120)
+    measured_act = meas.peak_bytes["cpu:0"] - (m.total_bytes - m.activations_bytes)
+    assert m.activations_bytes == pytest.approx(measured_act, rel=0.05)
 
 
 def test_a_same_size_add_hands_its_gradient_on():

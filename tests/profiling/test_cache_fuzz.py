@@ -94,7 +94,7 @@ CL = Cluster.cpu(1, measure=False)
 DEV = CL.devices[0]
 
 
-def _fresh(graph_, dev, repeats, warmup, progress):
+def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None):
     n = len(graph_)
     return DeviceCosts(dev.type_key, [1e-3] * n, [2e-3] * n, ["measured"] * n, 1e-6,
                        {"adam": 1e-9}, {"adam": 1e-6}, [0.5], [[5e-4] * n], [[1e-3] * n],
@@ -180,7 +180,7 @@ def _host_measured() -> dict:
 
 def _host_cases(n: int, seed: int, monkeypatch) -> None:
     monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
-    monkeypatch.setattr(probe, "measure_message_s", lambda: 2e-5)
+    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: 2e-5)
     rng = random.Random(seed)
     path, key = cache_file(), cache_key()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,12 @@ measurement in for the real one.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import platform
+import types
 
 import pytest
 import torch
@@ -20,9 +22,11 @@ from explorer.core.errors import ExplorerError
 from explorer.costs.model import DeviceCosts, roofline
 from explorer.devices.cluster import Cluster
 from explorer.platforms.cpu import rank_settings_tag
+from explorer.runtime import RankPool
 
 ops = importlib.import_module("explorer.profiling.ops")
 host = importlib.import_module("explorer.profiling.host")
+profiler = importlib.import_module("explorer.profiling.profiler")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -66,7 +70,7 @@ def fake(monkeypatch):
     """Replace the real measurement: every op 1 ms forward, 2 ms backward; calls are counted."""
     calls = []
 
-    def measure(graph, dev, repeats, warmup, progress):
+    def measure(graph, dev, repeats, warmup, progress, pool=None, report=None):
         calls.append((dev.id, repeats))
         ops = [n.kind == "op" for n in graph.nodes]
         return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
@@ -154,7 +158,7 @@ class TestMeasured:
     def test_runs_in_rounds_and_averages_them(self, gpt, monkeypatch):
         calls = []
 
-        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1):
+        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1, pool=None):
             calls.append(micro_batches)
             slow = 1.0 + 0.5 * (len(calls) > 3)  # the host slows down in the second round
             ops = [slow * (n.kind == "op") * 1e-3 / micro_batches for n in graph.nodes]
@@ -299,9 +303,9 @@ class TestContention:
     def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch):
         calls = []
         monkeypatch.setattr(host, "measure_contention",
-                            lambda g, ranks, *a: calls.append([d.id for d in ranks])
+                            lambda g, ranks, *a, **kw: calls.append([d.id for d in ranks])
                             or ([1.25] * len(g), 0.05, 1.3))
-        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, **kw: 0.0)
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -321,14 +325,60 @@ class TestContention:
 
     def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
                                                                monkeypatch):
-        from explorer.runtime.launch import RunFailed
+        from explorer.runtime.watch import RunFailed
 
-        def broken(*args):
+        def broken(*args, **kwargs):
             raise RunFailed("rank 1 (cpu:1) was killed by SIGKILL")
 
         monkeypatch.setattr(host, "measure_contention", broken)
-        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl: 0.0)
+        monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, **kw: 0.0)
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []
         assert costs.source(gpt.index[gpt.loss], "cpu:0") == "measured"
+
+
+class TestSharedRanks:
+    """A profile's runs share rank processes (a RankPool) ended when the profile is done."""
+
+    @pytest.fixture
+    def runs(self, monkeypatch, cache):
+        """Stand-in runs (none started): each records the pool it was given."""
+        got = []
+
+        def run(graph, plan, pool=None, **kwargs):
+            got.append((len(plan.devices), pool))
+            ids = plan.devices
+            return types.SimpleNamespace(task_s={"fwd:1": 1e-3}, busy_s={},
+                                         busy_samples_s={d: (1e-3,) for d in ids})
+
+        monkeypatch.setattr("explorer.runtime.launch.run", run)
+        monkeypatch.setattr(host, "cpu_message_s",
+                            lambda cl, pool=None, report=None:
+                            got.append(("message", pool)) or 0.0)
+        return got
+
+    @pytest.fixture
+    def host2(self):
+        """Two CPU ranks as if this host's link were measured (nothing is)."""
+        two = Cluster.cpu(2, measure=False)
+        return dataclasses.replace(two, default_link=dataclasses.replace(
+            two.default_link, source="measured (stand-in)"))
+
+    def test_every_run_of_a_profile_on_one_pool(self, gpt, runs, host2, monkeypatch):
+        closed = []
+        monkeypatch.setattr(RankPool, "close", lambda self: closed.append(self))
+        said = []
+        ex.profile(gpt, host2, report=said.append, **FAST)
+        pools = {id(p) for _, p in runs}
+        assert len(pools) == 1 and runs[0][1] is not None
+        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message"]
+        assert closed == [runs[0][1]] and runs[0][1].size == 2
+        # how far it is, in words, for a widget
+        assert said == [f"profiling gpt on cpu:0: {k} of 6 runs" for k in range(7)] + [
+            f"contention of gpt on cpu:0+cpu:1: {k} of 4 runs" for k in range(5)]
+
+    def test_each_run_on_its_own_processes_when_asked(self, gpt, runs, host2, monkeypatch):
+        monkeypatch.setattr(profiler, "REUSE_RANKS", False)
+        ex.profile(gpt, host2, **FAST)
+        assert {p for _, p in runs} == {None}

@@ -136,3 +136,18 @@ def test_presets_measure_on_the_gpu(tmp_path):
     assert cases and all(c["measured_s"] > 0 for c in cases)
     name = data["device"]["nvml_device_name"]
     assert data["fits"]["add/fp32"]["source"].startswith(f"fitted, measured on {name}, ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["gpu_check", "gpu_presets"])
+def test_report_rewrites_the_committed_summary_unchanged(tmp_path, script):
+    """``--report`` needs no GPU: on the committed results it prints the tables and writes
+    the same record (the rows docs/gpu.md renders are what the script makes of its cases)."""
+    committed = BENCH / "results" / f"{script}.json"
+    out = tmp_path / "x.json"
+    out.write_text(committed.read_text())
+    p = _run(f"{script}.py", "--report", "--out", str(out))
+    assert json.loads(out.read_text()) == json.loads(committed.read_text())
+    assert "device: " in p.stdout
+    rec = json.loads(out.read_text())
+    assert rec["rows"] and rec["command"].startswith(f"python benchmarks/{script}.py")

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -54,8 +55,6 @@ class TestScriptText:
             script_text('1"""\nimport os\n"""')  # type: ignore[arg-type]
 
     def test_a_plan_with_a_hostile_name_is_not_exported(self, mlp, tmp_path):
-        from dataclasses import replace
-
         plan = replace(ex.Plan.single(mlp, "cpu:0"), algorithm=HOSTILE_ALGORITHM)
         with pytest.raises(PlanError, match="plan field algorithm must be a name"):
             export_script(plan, tmp_path / "train.py", graph=mlp)
@@ -194,3 +193,185 @@ def test_a_tensor_parallel_plan_runs_under_two_ranks(mlp, tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     ref = ex.reference(ex.builtin_model("mlp", "tiny"), 1)
     assert f"step 1/1: loss {ref.losses[0]:.4f}" in outs[0][0]
+
+
+# -- model factories: the ranks build the model from the user's code ---------------------------
+FACTORIES = os.path.join(os.path.dirname(__file__))  # factory_models.py, for the ranks too
+
+
+@pytest.fixture
+def factories(monkeypatch):
+    monkeypatch.syspath_prepend(FACTORIES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (FACTORIES, os.environ.get("PYTHONPATH", "")) if p))
+
+
+def _mlp_batch(device="cpu"):
+    import torch
+
+    if device == "meta":
+        return (torch.empty(8, 8, device="meta"),
+                torch.empty(8, dtype=torch.int64, device="meta"))
+    return (torch.randn(8, 8, generator=torch.Generator().manual_seed(1)),
+            torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2)))
+
+
+class TestFactoryNames:
+    @pytest.mark.parametrize("factory, match", [
+        ("factory_models.mlp_module", "has no colon between module and function"),
+        ("factory_models:", "is not of the form module:function"),
+        ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+        ("factory_models:no_such_function", "module 'factory_models' has no "
+                                            "'no_such_function'"),
+        ("factory_models:NOT_CALLABLE", "names a int, which cannot be called"),
+    ])
+    def test_bad_factories_say_what_to_do(self, factories, mlp, tmp_path, factory, match):
+        import factory_models
+        import torch
+
+        from explorer.core.factory import FactoryError
+
+        with pytest.raises(FactoryError, match=match) as err:
+            ex.export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "t.py", graph=mlp,
+                             factory=factory)
+        assert '"module:function"' in str(err.value)
+        with pytest.raises(FactoryError, match=match):
+            ex.capture(factory_models.mlp_module(), *_mlp_batch()[:1], factory=factory)
+        assert list(tmp_path.iterdir()) == []
+        assert torch.is_tensor(_mlp_batch()[0])
+
+    def test_a_fake_graph_needs_a_factory(self, factories, tmp_path):
+        import factory_models
+        import torch.nn.functional as F
+
+        x, y = _mlp_batch("meta")
+        graph = ex.capture(factory_models.mlp_on_meta(), x, F.cross_entropy, y)
+        with pytest.raises(ExplorerError, match=r"captured without running .* factory="):
+            export_script(ex.Plan.single(graph, "cpu:0"), tmp_path / "t.py", graph=graph)
+
+    def test_the_job_holds_no_weights_and_the_plan_names_the_factory(self, factories,
+                                                                      tmp_path):
+        import factory_models
+        import torch
+        import torch.nn.functional as F
+
+        graph = ex.capture(factory_models.mlp_module(), *_mlp_batch()[:1], None,
+                           factory="factory_models:mlp_module")
+        assert graph.factory == "factory_models:mlp_module"
+        export_script(ex.Plan.single(graph, "cpu:0"), tmp_path / "t.py", graph=graph)
+        job = tmp_path / "t_job"
+        assert ex.Plan.load(job / "plan.json").model == {"factory": "factory_models:mlp_module"}
+        program = torch.load(job / "program.pt", weights_only=False)
+        assert program["state"] == {} and set(program["keys"]) == {
+            "0.weight", "0.bias", "2.weight", "2.bias"}
+        assert F.cross_entropy  # the same loss the slow test trains with
+
+
+def _torchrun(script, cwd, n=2):
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(n), str(script)], capture_output=True, text=True, timeout=300, cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _losses(stdout):
+    return [float(line.split("loss ")[1].split(",")[0])
+            for line in stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.slow
+def test_a_factory_plan_trains_like_one_device_under_torchrun(factories, cpu2, tmp_path):
+    """Two CPU ranks build the model from the factory (no weights in the job folder) and
+    train to the losses of the same model on one device."""
+    import factory_models
+    import torch.nn.functional as F
+
+    from explorer.models.synthetic import roofline_costs
+
+    x, y = _mlp_batch()
+    graph = ex.capture(factory_models.mlp_module(), x, F.cross_entropy, y)
+    costs = roofline_costs(graph, cpu2)
+    plan = ex.partition(graph, cpu2, costs, "even-layers")
+    script = ex.export_script(plan, tmp_path / "train.py", costs=costs, steps=3, warmup=0,
+                              factory="factory_models:mlp_module")
+    proc = _torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one = ex.run(graph, plan=ex.Plan.single(graph, "cpu:0"), steps=3, warmup=0,
+                 progress=False)
+    assert _losses(proc.stdout) == pytest.approx(one.losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_fake_graph_of_a_meta_factory_runs_under_torchrun(factories, cpu2, tmp_path):
+    """A model built on the meta device, captured on fake tensors and exported with its
+    factory: each rank makes only its own parameters and trains on the placeholder batch."""
+    import math
+
+    import factory_models
+    import torch.nn.functional as F
+
+    from explorer.models.synthetic import roofline_costs
+
+    x, y = _mlp_batch("meta")
+    graph = ex.capture(factory_models.mlp_on_meta(), x, F.cross_entropy, y,
+                       factory="factory_models:mlp_on_meta")
+    costs = roofline_costs(graph, cpu2)
+    plan = ex.partition(graph, cpu2, costs, "even-layers")
+    script = ex.export_script(plan, tmp_path / "train.py", costs=costs, steps=2, warmup=0)
+    proc = _torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+class TestBuiltinSources:
+    def test_a_fake_builtin_graph_exports_without_weights(self, tmp_path):
+        import torch
+
+        bm = ex.builtin_model("llama", "tiny", weights=False)
+        graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+        record = {"builtin": "llama", "size": "tiny", "batch_size": bm.batch_size}
+        plan = replace(ex.Plan.single(graph, "cpu:0"), model=record)
+        export_script(plan, tmp_path / "t.py", graph=graph)
+        job = tmp_path / "t_job"
+        assert json.loads((job / "job.json").read_text())["model"] == record
+        program = torch.load(job / "program.pt", weights_only=False)
+        assert program["state"] == {} and "embed_tokens.weight" in program["keys"]
+        batch = torch.load(job / "batch.pt")
+        assert [tuple(t.shape) for t in batch["inputs"]] == [(8, 16)]
+        assert not batch["inputs"][0].any()  # placeholder token ids
+
+    def test_a_published_shape_is_built_on_the_rank_one_module_at_a_time(self):
+        """The rank's model of llama-7b has its parameters on meta; the ones it holds are
+        made (the module's own initialisation), the rotary tables keep their values."""
+        import torch
+
+        from explorer.runtime.modelsource import SourceWeights
+
+        names = ["layers.3.attn.q_proj.weight", "layers.3.attn_norm.weight", "rope_cos"]
+        src = {"builtin": "llama-7b", "size": "default", "batch_size": 1}
+        one, two = (SourceWeights({}, {n: n for n in names}, src) for _ in range(2))
+        q = one["layers.3.attn.q_proj.weight"]
+        assert q.device.type == "cpu" and q.shape == (4096, 4096) and 0 < q.std() < 0.02
+        assert torch.equal(q, two["layers.3.attn.q_proj.weight"])  # replicas agree
+        assert torch.equal(one["layers.3.attn_norm.weight"], torch.ones(4096))
+        assert one["rope_cos"][0].eq(1).all()
+        model = one.model
+        assert model is not None and model.layers[0].attn.q_proj.weight.is_meta
+
+
+def test_the_command_line_exports_with_a_factory(factories, capsys, tmp_path):
+    import factory_models
+
+    bm = factory_models.tiny_gpt()
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    plan_file = ex.Plan.single(graph, "cpu:0").save(tmp_path / "plan.json")
+    out = tmp_path / "train.py"
+    args = ["export", "--plan", str(plan_file), "--out", str(out)]
+    assert cli([*args, "--factory", "factory_models:mlp_module"]) == 2
+    assert "needs the model with its example batch" in capsys.readouterr().err
+    assert cli([*args, "--factory", "factory_models"]) == 2
+    assert "has no colon" in capsys.readouterr().err
+    assert cli([*args, "--factory", "factory_models:tiny_gpt"]) == 0
+    saved = ex.Plan.load(tmp_path / "train_job" / "plan.json")
+    assert saved.model == {"factory": "factory_models:tiny_gpt"}

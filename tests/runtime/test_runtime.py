@@ -18,7 +18,8 @@ import torch
 import explorer as ex
 from explorer.core.errors import MemoryExceededError, PlanError
 from explorer.models.synthetic import roofline_costs
-from explorer.runtime.launch import RunFailed, reference
+from explorer.runtime.launch import reference
+from explorer.runtime.watch import RunFailed
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow

@@ -6,9 +6,13 @@ from dataclasses import replace
 
 import pytest
 from builders import cluster, costs, graph
+from test_simulate_speed import cases, make_case
 
 from explorer.core.plan import Plan
+from explorer.devices.cluster import Cluster
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.simulate import clear_caches
+from explorer.simulate.runs import Runs
 from explorer.simulate.schedule import run
 from explorer.simulate.simulator import simulate
 from explorer.simulate.taskgraph import BWD, FWD
@@ -96,3 +100,89 @@ def test_start_and_end_arrays_are_the_times_read_only():
     assert start_a.tolist() == list(timing.start) and end_a.tolist() == list(timing.end)
     with pytest.raises(ValueError):
         end_a[0] = 1.0  # (memory accounting may not change the schedule it reads)
+
+
+def _schedule(tasks) -> tuple:
+    """Everything a schedule says: times, causes and each resource's order of tasks."""
+    timing = run(tasks)
+    per_resource: dict[int, list[int]] = {}
+    for t in timing.order:
+        per_resource.setdefault(tasks.res[t], []).append(t)
+    return list(timing.start), list(timing.end), list(timing.cause), per_resource
+
+
+def _with_runs(monkeypatch, on: bool, shortest: int = 1) -> list[int]:
+    """Runs on (taken however short) or off; returns a list that counts the runs made."""
+    made: list[int] = []
+    schedule = Runs.schedule_run
+
+    def counted(self, *args):
+        made.append(1)
+        return schedule(self, *args)
+
+    monkeypatch.setattr(Runs, "worth", staticmethod(lambda tasks: on))
+    monkeypatch.setattr(Runs, "MIN_RUN", shortest)
+    monkeypatch.setattr(Runs, "schedule_run", counted)
+    return made
+
+
+@pytest.mark.parametrize("k", range(len(cases())))
+def test_runs_give_the_schedule_of_the_event_loop(k, monkeypatch):
+    g, plan, cm = make_case(cases()[k])
+    tasks = build_tasks(g, plan, cm)
+    for s, queue in enumerate(tasks.fb.queue):  # a stage's tasks in the order of their keys
+        assert sorted(queue.tolist()) == [t for t in range(len(tasks.fb.stage) *
+                                                         plan.micro_batches)
+                                          if tasks.res[t] == s]
+        keys = [tasks.key[t] for t in queue.tolist()]
+        assert keys == sorted(keys) and len(set(keys)) == len(keys)
+    _with_runs(monkeypatch, False)
+    want = _schedule(tasks)
+    _with_runs(monkeypatch, True)
+    assert _schedule(tasks) == want
+
+
+def test_runs_are_made_and_change_nothing_on_a_pipeline(monkeypatch):
+    g = layered_dag(1500, seed=3)
+    cl = Cluster.preset("4xH100")
+    costs = roofline_costs(g, cl)
+    ops = [i for i, n in enumerate(g.nodes) if n.kind == "op"]
+    for stages, micro_batches, schedule in (([("d:0",)], 1, "gpipe"),
+                                            ([(d,) for d in cl.ids], 4, "1f1b"),
+                                            ([(d,) for d in cl.ids], 3, "gpipe"),
+                                            ([tuple(cl.ids[:2]), tuple(cl.ids[2:])], 2, "1f1b")):
+        stages = [tuple(cl.ids[0] if d == "d:0" else d for d in st) for st in stages]
+        part = {i: min(k * len(stages) // len(ops), len(stages) - 1) for k, i in enumerate(ops)}
+        plan = Plan.from_assignment(g, stages, part, micro_batches=micro_batches,
+                                    schedule=schedule)
+        tasks = build_tasks(g, plan, costs)
+        _with_runs(monkeypatch, False)
+        want = _schedule(tasks)
+        for shortest in (1, Runs.MIN_RUN):
+            made = _with_runs(monkeypatch, True, shortest)
+            assert _schedule(tasks) == want
+            assert made  # (the runs did happen)
+
+
+@pytest.mark.parametrize("settings", [{"zero": 1}, {"zero": 2}, {"zero": 3},
+                                      {"recompute": "selective"}, {"recompute": "full"},
+                                      {"precision": "bf16"},
+                                      {"zero": 3, "recompute": "full", "precision": "bf16"}],
+                         ids=str)
+def test_runs_change_nothing_under_memory_settings(settings, monkeypatch):
+    """ZeRO's collectives and recomputed forwards are tasks like the others: runs schedule
+    them exactly as the event loop does."""
+    g = layered_dag(600, seed=5)
+    cl = Cluster.preset("4xH100")
+    costs = roofline_costs(g, cl)
+    ops = [i for i, n in enumerate(g.nodes) if n.kind == "op"]
+    stages = [tuple(cl.ids[:2]), tuple(cl.ids[2:])]
+    part = {i: min(k * 2 // len(ops), 1) for k, i in enumerate(ops)}
+    plan = Plan.from_assignment(g, stages, part, micro_batches=2,
+                                schedule="1f1b").with_memory(**settings)
+    tasks = build_tasks(g, plan, costs)
+    _with_runs(monkeypatch, False)
+    want = _schedule(tasks)
+    made = _with_runs(monkeypatch, True)
+    assert _schedule(tasks) == want
+    assert made

@@ -30,11 +30,15 @@ class BlockingProfiler:
 
     def __init__(self, error: Exception | None = None) -> None:
         self.release = threading.Event()
+        self.reported = threading.Event()
         self.calls = 0
         self.error = error
 
-    def __call__(self, graph, cluster, **kw):
+    def __call__(self, graph, cluster, report=None, **kw):
         self.calls += 1
+        if report is not None:  # as the profiler tells how far it is
+            report("profiling mlp on cpu:0: 2 of 6 runs")
+            self.reported.set()
         assert self.release.wait(60), "the test never released the profiler"
         if self.error is not None:
             raise self.error
@@ -67,6 +71,8 @@ def test_opens_on_rooflines_while_measuring_then_shows_measured_numbers(profiler
     plan = s.plan
     with pytest.raises(ExplorerError, match="still measuring"):
         s.wait_measured(0.01)
+    assert profiler.reported.wait(60)  # the profile's progress, in the widget
+    assert "2 of 6 runs" in s.measure_status and "2 of 6 runs" in w.status.header.value
     profiler.release.set()
     assert s.wait_measured(60)
     assert s.plan is plan and s.graph.runtime is not None  # the real graph, the same plan

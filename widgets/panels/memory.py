@@ -27,9 +27,10 @@ from widgets.panels.base import Panel, bokeh_widget
 from widgets.session import Session
 
 #: what fills a device, as the prediction's memory breakdown names it (``<category>_bytes``);
-#: "gathered" is the buffers ZeRO-3 gathers weights into (0 where a breakdown has none)
-CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "gathered")
-CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868", "#da8bc3")
+#: "gathered" is the buffers ZeRO-3 gathers weights into, "workspace" what a GPU's math
+#: libraries hold for the whole run (0 where a breakdown has none)
+CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "gathered", "workspace")
+CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868", "#da8bc3", "#8c8c8c")
 
 
 #: below this share of the largest capacity, the scale zooms to the memory used

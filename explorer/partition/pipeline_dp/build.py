@@ -11,7 +11,8 @@ import numpy as np
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.costs.memory import node_memory_bytes
+from explorer.core.plan import StageSettings
+from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.pipeline_dp.solver import dp_cells
@@ -42,13 +43,14 @@ def _linear(fn: Callable[[float], float], x: float = float(2**20)) -> tuple[floa
 def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                      layers: Sequence[Sequence[int]], micro_batches: int, schedule: str,
                      optimizer: str, replicate: bool = True,
-                     pins: Mapping[str, str] | None = None, headroom: float = 1.0
-                     ) -> StageCostTable:
+                     pins: Mapping[str, str] | None = None, headroom: float = 1.0,
+                     settings: StageSettings | None = None) -> StageCostTable:
     """The :class:`StageCostTable` of ``graph``'s ``layers`` on devices ``ids``.
 
     Costs come from ``costs`` (a node's time at a batch fraction is linear in it), memory from
     :func:`explorer.costs.memory.node_memory_bytes`, device capacity times ``headroom``. Replica
-    counts are limited to those that divide the batch into whole micro-batches.
+    counts are limited to those that divide the batch into whole micro-batches. Memory follows
+    the memory ``settings`` of every stage (default: none).
     """
     cluster = costs.cluster
     nodes = graph.nodes
@@ -91,8 +93,13 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
         per_byte = costs.optimizer_s(dev, optimizer, 1, 0)
         per_tensor = costs.optimizer_s(dev, optimizer, 0, 1)
         opt[k] = tensor_bytes * per_byte + tensor_count * per_tensor
-    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0)
-    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0)
+    kind = cluster.device(ids[0]).kind
+    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0, settings, 1, kind)
+    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, kind)
+    sharded = None
+    if settings is not None and settings.zero:
+        sharded = np.zeros(n)
+        np.add.at(sharded, layer_of, zero_sharded_bytes(graph, optimizer, settings.zero))
     param_bytes = np.zeros(n)
     act_bytes = np.zeros(n)
     for i in range(len(nodes)):
@@ -139,7 +146,8 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
         capacity_bytes=tuple(cluster.device(dev).memory_bytes * headroom for dev in ids),
         link_latency_s=tuple(lat), link_s_per_byte=tuple(spb), allreduce_latency_s=ar_lat,
         allreduce_s_per_byte=ar_spb, micro_batches=micro_batches, schedule=schedule,
-        replicas=reps, layer_pins=layer_pins, pins_by_position=by_position)
+        replicas=reps, layer_pins=layer_pins, pins_by_position=by_position,
+        sharded_bytes=sharded)
 
 
 def allowed_replicas(batch_size: int, n_devices: int, micro_batches: int,

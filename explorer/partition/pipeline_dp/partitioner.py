@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from explorer.core.errors import MemoryExceededError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
+from explorer.core.plan import Plan, StageSettings
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.options import Options, check_micro_batches, check_schedule
@@ -21,10 +21,12 @@ from explorer.partition.pipeline_dp.solver import solve_stages
 from explorer.partition.pipeline_dp.table import StageCostTable, StageSolution
 from explorer.partition.registry import register
 from explorer.partition.search.fallback import (
+    cheapest_memory_settings,
     default_micro_batches,
     fit_headrooms,
     memory_error,
     settle,
+    splits_under_settings,
 )
 
 
@@ -46,6 +48,10 @@ def pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
     ``bottleneck x (M + S - 1) / M`` (the pipeline bubble). Exact for that cost model (see
     :class:`StageCostTable`; the simulator then scores the plan). Follows PipeDream
     (Narayanan et al., SOSP 2019) and Alpa's stage construction (Zheng et al., OSDI 2022).
+    When no split fits as it is, the DP splits again under each memory setting (ZeRO over
+    replicas, recomputation, bf16: :data:`~explorer.partition.search.fallback.MEMORY_CHOICES`)
+    and keeps the plan that fits with the shortest simulated step, noting what its settings
+    cost.
 
     Parameters
     ----------
@@ -104,11 +110,13 @@ def pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
     base = stage_cost_table(graph, costs, ids, layers, m_choices[0], schedule, optimizer,
                             replicate, pins)
 
-    def make(headroom: float) -> Plan:
+    def make(headroom: float, settings: StageSettings | None = None) -> Plan:
         best: tuple[StageCostTable, StageSolution] | None = None
-        table = base
+        table = first = base if settings is None else stage_cost_table(
+            graph, costs, ids, layers, m_choices[0], schedule, optimizer, replicate, pins,
+            settings=settings)
         for m in m_choices:
-            table = replace(base, micro_batches=m,
+            table = replace(first, micro_batches=m,
                             replicas=allowed_replicas(graph.batch_size, n_dev, m, replicate),
                             capacity_bytes=tuple(x * headroom for x in base.capacity_bytes))
             sol = solve_stages(table)
@@ -123,6 +131,13 @@ def pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     plan, pred, failures = fit_headrooms(graph, costs, make, "pipeline-dp: its best split",
                                          compare_baselines)
+    if plan is None or (pred is not None and not pred.fits):
+        # does not fit as it is: the splits the DP makes under each memory setting, each
+        # with every setting; the fastest that fits by the simulator
+        fitted = cheapest_memory_settings(graph, costs, "pipeline-dp", splits_under_settings(
+            graph, lambda st: make(1.0, st)))
+        if fitted is not None:
+            plan, pred, failures = fitted, None, []
     return settle(graph, cluster, costs, "pipeline-dp", plan, pred,
                   failures[-1] if failures else "", pins, opts)
 

@@ -39,6 +39,7 @@ class StageTables:
         self.opt = [pre(row) for row in t.optimizer_s]
         self.param = pre(t.param_bytes)
         self.act = pre(t.act_bytes)
+        self.sharded = None if t.sharded_bytes is None else pre(t.sharded_bytes)
         self.grad = pre(t.grad_bytes)
         # received by stage [j0, j1): nets from before j0 with a consumer in [j0, j1); for
         # j0 in (c_{i-1}, c_i] the first consumer at or after j0 is c_i, so any j1 > c_i counts
@@ -138,6 +139,8 @@ def stage_matrices(t: StageCostTable, tb: StageTables, d: int, r: int
         else:
             allowed = allowed & tb.pin_ok & (tb.pin_count <= r)
     fixed_mem = tb.diff(tb.param) + tb.recv_par
+    if r > 1 and tb.sharded is not None:
+        fixed_mem = fixed_mem - tb.diff(tb.sharded) * (1.0 - 1.0 / r)
     act_mem = tb.diff(tb.act) + tb.recv_act
     return time, fixed_mem, act_mem, allowed
 

@@ -76,6 +76,8 @@ class StageCostTable:
     replicas: tuple[int, ...] = (1,)
     layer_pins: tuple[frozenset[int], ...] = ()
     pins_by_position: bool = True
+    # (L,): the part of param_bytes ZeRO divides by a stage's replica count (None: no ZeRO)
+    sharded_bytes: np.ndarray | None = None
 
     @property
     def n_layers(self) -> int:
@@ -143,8 +145,10 @@ class StageCostTable:
         """Estimated peak bytes on each device of stage ``(j0, j1, d, r)``."""
         _, _, ract, rpar, _, _ = self._crossing(j0, j1)
         frac = self.in_flight(remaining) / (r * self.micro_batches)
-        return (float(self.param_bytes[j0:j1].sum())
-                + (float(self.act_bytes[j0:j1].sum()) + ract) * frac + rpar)
+        params = float(self.param_bytes[j0:j1].sum())
+        if r > 1 and self.sharded_bytes is not None:
+            params -= float(self.sharded_bytes[j0:j1].sum()) * (1.0 - 1.0 / r)
+        return params + (float(self.act_bytes[j0:j1].sum()) + ract) * frac + rpar
 
     def stage_capacity_bytes(self, d: int, r: int) -> float:
         return min(self.capacity_bytes[d:d + r])

@@ -19,13 +19,18 @@ import numpy as np
 
 from explorer.core.errors import ExplorerError, MemoryExceededError, unknown_name
 from explorer.core.graph import OpGraph
-from explorer.core.plan import OPTIMIZER_STATE, Plan
+from explorer.core.plan import OPTIMIZER_STATE, Plan, StageSettings
 from explorer.core.units import MiB
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.options import SEARCH_OPTIONS, Options
-from explorer.partition.search.fallback import replicated
+from explorer.partition.search.fallback import (
+    cheapest_memory_settings,
+    memory_keywords,
+    replicated,
+    splits_under_settings,
+)
 from explorer.partition.search.list_schedule import schedule_s
 from explorer.partition.search.op_problem import OpProblem, node_seconds, op_problem
 from explorer.simulate.simulator import Prediction, simulate
@@ -62,9 +67,19 @@ def search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place:
     fastest 2, 4, ... devices. Larger graphs: the algorithm runs once on all devices and
     candidates are compared by :func:`schedule_s` and additive memory.
     """
+    options = {**opts.pick(SEARCH_OPTIONS), **(extra_options or {})}
     with paused_gc():
-        return _search(graph, cluster, costs, name, place, pins, opts,
-                       {**opts.pick(SEARCH_OPTIONS), **(extra_options or {})})
+        try:
+            return _search(graph, cluster, costs, name, place, pins, opts, options)
+        except MemoryExceededError:
+            # nothing fits as it is: search again under each memory setting, then try each
+            # plan found with every setting; the fastest that fits by the simulator
+            fitted = cheapest_memory_settings(graph, costs, name, splits_under_settings(
+                graph, lambda st: _search(graph, cluster, costs, name, place, pins, opts,
+                                          options, st)))
+            if fitted is None:
+                raise
+            return fitted
 
 
 @contextmanager
@@ -84,7 +99,8 @@ def paused_gc() -> Iterator[None]:
 
 
 def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place: Placement,
-            pins: Mapping[str, str] | None, opts: Options, options: dict[str, Any]) -> Plan:
+            pins: Mapping[str, str] | None, opts: Options, options: dict[str, Any],
+            memory: StageSettings | None = None) -> Plan:
     optimizer, memory_fraction = opts.optimizer, opts.memory_fraction
     costs.check(graph)
     if optimizer not in OPTIMIZER_STATE:
@@ -98,7 +114,7 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
         cluster.device(dv)
     devs = list(opts.devices(cluster))
     devs += [d for d in dict.fromkeys(pins.values()) if d not in devs]
-    base = op_problem(graph, cluster, costs, devs, pins, optimizer, memory_fraction)
+    base = op_problem(graph, cluster, costs, devs, pins, optimizer, memory_fraction, memory)
     total, room = int(base.mem.sum()), int(base.cap.sum())
     if total > room:
         raise MemoryExceededError(
@@ -110,7 +126,7 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
             "devices or devices with more memory, a lighter optimizer, or a smaller batch")
     by_sim = len(graph) <= opts.simulate_max_nodes
     settings = {"algorithm": name, "optimizer": optimizer, "options": options,
-                "pinned": frozenset(pins)}
+                "pinned": frozenset(pins), "memory": memory}
 
     # device subsets: all devices; with sweep, the fastest 2, 4, ... plus pinned devices
     must = sorted({int(j) for j in base.pinned if j >= 0})
@@ -156,7 +172,18 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
             f"{c.label} {c.score_s * 1e3:.4g} ms" for c in others))
     plan = best.make()
     notes.extend(plan.notes)
-    return plan.with_settings(notes=tuple(notes), **settings)
+    return plan.with_settings(notes=tuple(notes), **_plan_fields(settings))
+
+
+def _plan_fields(settings: dict[str, Any]) -> dict[str, Any]:
+    """The search's settings that are Plan fields (its memory settings are applied apart)."""
+    return {k: v for k, v in settings.items() if k != "memory"}
+
+
+def _dressed(plan: Plan, settings: dict[str, Any]) -> Plan:
+    """``plan`` with the search's memory settings on every stage."""
+    memory = settings.get("memory")
+    return plan if memory is None else plan.with_memory(**memory_keywords(memory))
 
 
 def _fits(pred: Prediction, memory_fraction: float) -> bool:
@@ -179,7 +206,8 @@ def _own_candidate(graph: OpGraph, costs: CostModel, prob: OpProblem, place: Pla
         if not by_sim:
             return _Candidate(label, _maker(graph, p, dev, notes, settings), True,
                               schedule_s(p, dev))
-        plan = plan_from_placement(graph, p, dev, notes=notes, **settings)
+        plan = _dressed(plan_from_placement(graph, p, dev, notes=notes,
+                                            **_plan_fields(settings)), settings)
         pred = simulate(graph, plan, costs)
         if _fits(pred, memory_fraction):
             return _Candidate(label, lambda plan=plan: plan, True, pred.step_s)
@@ -198,7 +226,8 @@ def _own_candidate(graph: OpGraph, costs: CostModel, prob: OpProblem, place: Pla
 
 def _maker(graph: OpGraph, p: OpProblem, dev: np.ndarray, notes: Sequence[str],
            settings: dict[str, Any]) -> Callable[[], Plan]:
-    return lambda: plan_from_placement(graph, p, dev, notes=notes, **settings)
+    return lambda: _dressed(plan_from_placement(graph, p, dev, notes=notes,
+                                                **_plan_fields(settings)), settings)
 
 
 def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, base: OpProblem,
@@ -215,8 +244,8 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
     else:
         def make() -> Plan:
             dev_id = base.device_ids[fastest]
-            return Plan.single(graph, dev_id, algorithm="single", optimizer=optimizer,
-                               options={"device": dev_id})
+            return _dressed(Plan.single(graph, dev_id, algorithm="single", optimizer=optimizer,
+                                        options={"device": dev_id}), settings)
     if by_sim:
         plan = make()
         pred = simulate(graph, plan, costs)
@@ -239,8 +268,8 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
         sizes += [s for s in (2, 4, 8, 16, 32, 64) if s < len(devs)]
     for kk in sizes:
         def make_dp(kk: int = kk) -> Plan:
-            return replicated(graph, cluster.ids[:kk], algorithm="data-parallel",
-                              optimizer=optimizer, options={"k": kk})
+            return _dressed(replicated(graph, cluster.ids[:kk], algorithm="data-parallel",
+                                       optimizer=optimizer, options={"k": kk}), settings)
         label = f"data-parallel on {kk}"
         if by_sim:
             plan = make_dp()
@@ -248,7 +277,9 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
             out.append(_Candidate(label, lambda plan=plan: plan, _fits(pred, memory_fraction),
                                   pred.step_s))
         else:
-            mem = node_memory_bytes(graph, optimizer, batch_fraction=1.0 / kk)
+            mem = node_memory_bytes(graph, optimizer, batch_fraction=1.0 / kk,
+                                    settings=settings["memory"], replicas=kk,
+                                    device_kind=cluster.device(cluster.ids[0]).kind)
             fits = sum(mem) <= int(base.cap[:kk].min())
             out.append(_Candidate(label, make_dp, fits,
                                   _data_parallel_s(graph, costs, cluster.ids[:kk], optimizer)))

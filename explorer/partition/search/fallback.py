@@ -4,7 +4,8 @@
 ``single`` and ``data-parallel`` baselines, by the simulator, at any graph size;
 :func:`fit_headrooms` makes a plan again with less memory when the simulator finds it over
 the additive estimate; :func:`memory_error` is the one error for a device that cannot hold
-what a plan puts on it.
+what a plan puts on it; :func:`cheapest_memory_settings` makes a plan that does not fit fit
+with the memory settings (ZeRO, recomputation, precision) that cost least step time.
 """
 
 from __future__ import annotations
@@ -14,13 +15,22 @@ from typing import Any
 
 from explorer.core.errors import MemoryExceededError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
+from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES, Plan, StageSettings
 from explorer.core.units import format_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.options import Options
 from explorer.partition.registry import apply_pins
 from explorer.simulate.simulator import Prediction, simulate
+
+#: the memory settings tried, on every stage, where no plan fits: every combination (fp16
+#: costs what bf16 does in the simulator, so only bf16), roughly cheapest first (ZeRO moves
+#: bytes, recomputation adds forwards, bf16 changes the numerics); the simulator picks among
+#: those that fit the one with the shortest step (the first on ties)
+MEMORY_CHOICES = tuple(sorted(
+    (StageSettings(z, r, p) for p in PRECISIONS if p != "fp16" for r in RECOMPUTE
+     for z in ZERO_STAGES if (z, r, p) != (0, "none", "fp32")),
+    key=lambda st: (st.precision != "fp32", RECOMPUTE.index(st.recompute), st.zero)))
 
 #: memory headroom factors tried in turn when the simulator finds a plan over memory that the
 #: additive estimate said would fit
@@ -75,6 +85,59 @@ def fit_headrooms(graph: OpGraph, costs: CostModel, make: Callable[[float], Plan
     return plan, pred, failures
 
 
+def memory_keywords(settings: StageSettings) -> dict[str, Any]:
+    """``settings`` as keywords for :meth:`Plan.with_memory`."""
+    return {"zero": settings.zero, "recompute": settings.recompute,
+            "precision": settings.precision}
+
+
+def splits_under_settings(graph: OpGraph, make: Callable[[StageSettings], Plan]
+                          ) -> list[Plan]:
+    """The distinct plans (stages, micro-batches, placement) ``make`` gives for each of
+    :data:`MEMORY_CHOICES`, in that order; a choice where ``make`` raises
+    :class:`MemoryExceededError` gives none."""
+    out: dict[tuple, Plan] = {}
+    for settings in MEMORY_CHOICES:
+        try:
+            plan = make(settings)
+        except MemoryExceededError:
+            continue
+        out.setdefault((plan.stages, plan.micro_batches, plan.schedule,
+                        tuple(plan.assignment(graph))), plan)
+    return list(out.values())
+
+
+def cheapest_memory_settings(graph: OpGraph, costs: CostModel, name: str,
+                             plans: Sequence[Plan]) -> Plan | None:
+    """Of ``plans``, each with each of :data:`MEMORY_CHOICES` on every stage, the one that
+    fits with the shortest simulated step, with a note saying which settings it uses and what
+    they cost in step time against the same plan without them; None when none fits. (A plan
+    without a replicated stage is not tried with ZeRO, which changes nothing there.)
+    """
+    best: tuple[Plan, Prediction] | None = None
+    tried = 0
+    for settings in MEMORY_CHOICES:
+        for plain in plans:
+            if settings.zero and plain.data_parallel == 1:
+                continue
+            plan = plain.with_memory(**memory_keywords(settings))
+            tried += 1
+            pred = simulate(graph, plan, costs)
+            if pred.fits and (best is None or pred.step_s < best[1].step_s * (1 - 1e-9)):
+                best = (plan, pred)
+    if best is None:
+        return None
+    plan, pred = best
+    without_s = simulate(graph, plan.with_settings(stage_settings=()), costs).step_s
+    what = "; ".join(dict.fromkeys(plan.settings_of(s).describe()
+                                   for s in range(len(plan.stages))))
+    cost = pred.step_s / without_s - 1.0 if without_s > 0 else 0.0
+    note = (f"{name}: fits only with memory settings ({what}): {pred.step_s:.4g} s per step, "
+            f"{cost:+.1%} against {without_s:.4g} s without them (which does not fit); the "
+            f"fastest that fits of {tried} plans with settings tried by the simulator")
+    return plan.with_settings(notes=(*plan.notes, note))
+
+
 def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: Plan | None,
                       pins: Mapping[str, str] | None, optimizer: str, name: str,
                       ids: Sequence[str] | None = None, failure: str = "",
@@ -112,10 +175,22 @@ def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: 
         if best is None or pred.step_s < best[2] * (1 - 1e-9):
             best = (label, cand, pred.step_s)
     if best is None:
+        fitted = cheapest_memory_settings(graph, costs, name, [c for _, c in cands])
+        if fitted is not None:
+            label = next(lb for lb, c in cands if c.stages == fitted.stages
+                         and c.placement == fitted.placement)
+            if label != "own":
+                fitted = fitted.with_settings(
+                    notes=(*fitted.notes, f"{name} found no plan that fits without memory "
+                           f"settings; this is the {label} plan with them"),
+                    options={**(dict(plan.options) if plan is not None else {}),
+                             "fallback": label})
+            return fitted.with_settings(algorithm=name, pinned=frozenset(pins))
         raise MemoryExceededError(
             (failure + "; " if failure else f"{name}: no plan fits the devices' memory; ")
             + "the simulator finds " + "; ".join(reports)
-            + "; use more or larger devices, a smaller batch, or SGD")
+            + "; not even with ZeRO, recomputation or bf16; use more or larger devices, a "
+            "smaller batch, or SGD")
     label, chosen, step_s = best
     if label == "own":
         return chosen
@@ -143,5 +218,6 @@ def settle(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, plan: 
                              opts.devices(cluster), failure, prediction)
 
 
-__all__ = ["HEADROOMS", "best_of_baselines", "default_micro_batches",
-           "fit_headrooms", "memory_error", "replicated", "settle"]
+__all__ = ["HEADROOMS", "MEMORY_CHOICES", "best_of_baselines", "cheapest_memory_settings",
+           "default_micro_batches", "fit_headrooms", "memory_error", "memory_keywords",
+           "replicated", "settle", "splits_under_settings"]

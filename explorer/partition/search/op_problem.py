@@ -18,6 +18,7 @@ import numpy as np
 
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
+from explorer.core.plan import StageSettings
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
@@ -161,13 +162,15 @@ class OpProblem:
 
 def op_problem(graph: OpGraph, cluster: Cluster, costs: CostModel, device_ids: Sequence[str],
                pins: Mapping[str, str] | None = None, optimizer: str = "adam",
-               memory_fraction: float = 1.0) -> OpProblem:
+               memory_fraction: float = 1.0, memory: StageSettings | None = None
+               ) -> OpProblem:
     """Reduce ``graph`` to units on ``device_ids`` (see :class:`OpProblem`).
 
     A unit is an op, together with the parameters, buffers and inputs whose first consumer it
     is (``graph.owner``): a parameter always lives with a consumer, so its weight never crosses
     a link unless another consumer sits elsewhere. Pinned nodes and nodes without consumers
-    are units of their own. Inputs carry no edges (every rank loads its own batch).
+    are units of their own. Inputs carry no edges (every rank loads its own batch). Memory
+    follows the ``memory`` settings of every stage (one device each: ZeRO changes nothing).
     """
     nodes = graph.nodes
     N = len(nodes)
@@ -207,7 +210,9 @@ def op_problem(graph: OpGraph, cluster: Cluster, costs: CostModel, device_ids: S
         np.add.at(w_bwd[t], unit_of_node, b)
 
     mem = np.zeros(n, dtype=np.int64)
-    np.add.at(mem, unit_of_node, np.array(node_memory_bytes(graph, optimizer), dtype=np.int64))
+    kind = cluster.device(device_ids[0]).kind if device_ids else "cuda"
+    np.add.at(mem, unit_of_node, np.array(node_memory_bytes(graph, optimizer, settings=memory,
+                                                            device_kind=kind), dtype=np.int64))
     trainable = [n_.param_bytes if n_.param_bytes and n_.kind != "buffer" else 0 for n_ in nodes]
     param_bytes = np.zeros(n, dtype=np.int64)
     np.add.at(param_bytes, unit_of_node, np.array(trainable, dtype=np.int64))

@@ -85,19 +85,15 @@ def test_the_panel_applies_each_change_and_the_bars_have_a_gathered_category(gpt
     panel.recompute.value = "full"
     assert w.session.plan.settings_of(0).recompute == "full"
 
-    # a breakdown with the gathered-weight buffers shows them; one without reads as 0
+    # gathered-weight buffers and library workspaces show as categories of their own
     assert w.memory.source.data["gathered"] == [0.0, 0.0]
     pred = w.session.prediction
     m = pred.memory[cl.ids[0]]
-
-    @dataclasses.dataclass(frozen=True)
-    class WithGathered(type(m)):
-        gathered_bytes: int = 0
-
-    gathered = WithGathered(**dataclasses.asdict(m), gathered_bytes=5 * 2**20)
+    gathered = dataclasses.replace(m, gathered_bytes=5 * 2**20, workspace_bytes=2**20)
     monkeypatch.setattr(w.session, "prediction", dataclasses.replace(
         pred, memory={**pred.memory, cl.ids[0]: gathered}))
     w.memory.update("plan")
     d = w.memory.source.data
     assert d["gathered"][0] * w.memory.unit_bytes == 5 * 2**20
-    assert memory.CATEGORIES[-1] == "gathered"
+    assert d["workspace"][0] * w.memory.unit_bytes == 2**20
+    assert memory.CATEGORIES[-2:] == ("gathered", "workspace")

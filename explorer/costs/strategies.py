@@ -1,0 +1,163 @@
+"""What a stage's memory settings (ZeRO, recomputation, precision) do to an op's bytes and time.
+
+Shared by the simulator and the quick additive estimate (:mod:`explorer.costs.memory`), so both
+read the same rules (the runtime follows them too):
+
+- ZeRO shards each parameter (and its gradient and optimizer state) in ``R`` equal pieces,
+  padded to a multiple of ``R`` elements (:func:`shard_bytes`).
+- Recomputation: "selective" drops the saved outputs of ops that are not matmul-like
+  (:func:`is_matmul_like`); "full" keeps only a unit's inputs, a unit being the op's module
+  path cut after its repeated-block index (:func:`recompute_units`).
+- Precision bf16/fp16 runs ops under ``torch.autocast``: matmul-like ops make 2-byte outputs,
+  the ops autocast keeps in fp32 make 4-byte ones, the others follow the widest floating input
+  (:func:`half_outputs`). On GPUs matmul-like ops run at the half-precision peak and other ops
+  move half the bytes (:func:`precision_time_factors`); on CPUs the fp32 times stand.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from explorer.core.graph import OpGraph, OpNode
+
+#: an op is matmul-like (its output is kept by selective recomputation, made in half precision
+#: under autocast) when its name contains one of these
+MATMUL_MARKERS = ("mm", "matmul", "conv", "linear", "addmm", "bmm", "baddbmm",
+                  "scaled_dot_product")
+#: ops CUDA autocast runs in fp32 (torch's "CUDA Ops that can autocast to float32" list)
+CUDA_FP32_OPS = frozenset((
+    "pow", "rdiv", "rpow", "rtruediv", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cross_entropy_loss",
+    "cumprod", "cumsum", "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss",
+    "kl_div", "l1_loss", "layer_norm", "log", "log_softmax", "log10", "log1p", "log2",
+    "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
+    "nll_loss", "nll_loss_forward", "nll_loss2d", "norm", "normalize", "pdist",
+    "poisson_nll_loss", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss",
+    "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
+    "triplet_margin_loss", "huber_loss", "logsumexp", "frobenius_norm", "nuclear_norm",
+    "layernorm", "crossentropyloss", "mseloss", "groupnorm"))
+#: ops CPU autocast runs in fp32: the losses (measured with ``torch.autocast("cpu",
+#: torch.bfloat16)``: layer_norm, softmax, sum, exp stay bf16 there, cross_entropy and
+#: mse_loss come out fp32)
+CPU_FP32_OPS = frozenset((
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "cross_entropy",
+    "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
+    "smooth_l1_loss", "huber_loss", "kl_div", "margin_ranking_loss", "soft_margin_loss",
+    "multi_margin_loss", "multilabel_margin_loss", "poisson_nll_loss", "hinge_embedding_loss",
+    "cosine_embedding_loss", "triplet_margin_loss", "crossentropyloss", "mseloss"))
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+HALF_DTYPES = ("float16", "bfloat16")
+#: the element size parameters are sharded in (fp32 master weights)
+PARAM_ELEMENT_BYTES = 4
+
+
+def shard_bytes(nbytes: int, replicas: int) -> int:
+    """Bytes of one rank's shard of a tensor of ``nbytes`` split over ``replicas`` ranks
+    (flattened, padded to a multiple of ``replicas`` elements)."""
+    if replicas <= 1:
+        return nbytes
+    elems = -(-nbytes // PARAM_ELEMENT_BYTES)
+    return -(-elems // replicas) * PARAM_ELEMENT_BYTES
+
+
+def op_base_name(op: str) -> str:
+    """``"aten.native_layer_norm.default"`` -> ``"layer_norm"``; a module type lowercased."""
+    parts = op.split(".")
+    base = parts[1] if len(parts) > 1 and parts[0] == "aten" else parts[-1]
+    base = base.lower().lstrip("_")
+    return base[len("native_"):] if base.startswith("native_") else base
+
+
+def is_matmul_like(node: OpNode) -> bool:
+    name = node.op.lower()
+    return any(m in name for m in MATMUL_MARKERS)
+
+
+def half_outputs(graph: OpGraph, device_kind: str) -> np.ndarray:
+    """[node] bool: whether the op's output is 2 bytes per element under autocast on a device
+    of ``device_kind`` (the graph captured in fp32)."""
+    fp32 = CUDA_FP32_OPS if device_kind == "cuda" else CPU_FP32_OPS
+    half = np.zeros(len(graph), dtype=bool)
+    for i, n in enumerate(graph.nodes):
+        if n.kind != "op" or n.dtype not in FLOAT_DTYPES:
+            half[i] = n.dtype in HALF_DTYPES
+        elif is_matmul_like(n):
+            half[i] = True
+        elif op_base_name(n.op) in fp32:
+            half[i] = False
+        else:  # the widest floating input
+            ins = [graph.index[p] for p in n.inputs]
+            floats = [j for j in ins if graph.nodes[j].dtype in FLOAT_DTYPES]
+            half[i] = bool(floats) and all(half[j] for j in floats)
+    return half
+
+
+def activation_bytes(graph: OpGraph, precision: str, device_kind: str) -> np.ndarray:
+    """[node] bytes of each node's output under ``precision`` (outputs of ops autocast makes
+    2-byte are halved; weights, buffers and inputs keep theirs)."""
+    out = np.asarray([n.out_bytes for n in graph.nodes], dtype=np.int64)
+    if precision == "fp32":
+        return out
+    half = half_outputs(graph, device_kind)
+    already = np.array([n.dtype in HALF_DTYPES for n in graph.nodes], dtype=bool)
+    return np.where(half & ~already, out // 2, out)
+
+
+def precision_time_factors(graph: OpGraph, precision: str, device_kind: str,
+                           flops_per_s: float, half_flops_per_s: float) -> np.ndarray:
+    """[node] factor on each op's fp32 time under ``precision`` on a device: on GPUs,
+    matmul-like ops at the half-precision peak and other ops making 2-byte outputs at half
+    the bytes; 1 elsewhere (a CPU's times come from its profile)."""
+    f = np.ones(len(graph))
+    if precision == "fp32" or device_kind != "cuda" or half_flops_per_s <= 0:
+        return f
+    half = half_outputs(graph, device_kind)
+    peak = min(flops_per_s / half_flops_per_s, 1.0)
+    for i, n in enumerate(graph.nodes):
+        if n.kind != "op" or n.dtype in HALF_DTYPES:
+            continue
+        if is_matmul_like(n):
+            f[i] = peak
+        elif half[i]:
+            f[i] = 0.5
+    return f
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def unit_of(module_path: str) -> str:
+    """The recomputation unit of a module path: cut after its first numeric component (the
+    repeated block, ``model.layers.3``), else its top-level module."""
+    m = _BLOCK.match(module_path)
+    return m.group(1) if m else module_path.split(".", 1)[0]
+
+
+def recompute_units(graph: OpGraph) -> list[str]:
+    """[node] the full-recomputation unit of every node."""
+    return [unit_of(n.module_path) for n in graph.nodes]
+
+
+def recomputed_outputs(graph: OpGraph, recompute: str,
+                       saved: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[node] whether an op's output, where backwards save it, is not kept but recomputed:
+    "selective" for ops that are not matmul-like, "full" where every op saving it is in the
+    op's own unit (a unit's inputs are kept). ``saved``: (producer, saver) pairs, by default
+    from the nodes' ``saves``."""
+    is_op = np.array([n.kind == "op" for n in graph.nodes], dtype=bool)
+    if recompute == "none":
+        return np.zeros(len(graph), dtype=bool)
+    if recompute == "selective":
+        return is_op & ~np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
+    if saved is None:
+        pairs = [(graph.index[p], v) for v, n in enumerate(graph.nodes) for p in n.saves]
+        saved = (np.array([p for p, _ in pairs], dtype=np.int64),
+                 np.array([v for _, v in pairs], dtype=np.int64))
+    _, code = np.unique(np.array(recompute_units(graph), dtype=object).astype(str),
+                        return_inverse=True)
+    p, v = saved
+    kept = np.zeros(len(graph), dtype=bool)
+    kept[p[code[p] != code[v]]] = True
+    return is_op & ~kept

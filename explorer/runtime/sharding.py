@@ -1,0 +1,263 @@
+"""ZeRO 1-3 on a stage's replicas: parameters, their gradients and optimizer state cut in shards.
+
+Each trainable parameter of the stage is flattened and padded to a multiple of the replica
+count R; replica j holds elements ``[j*k, (j+1)*k)`` (``k`` = padded size / R) of it, of its
+gradient (ZeRO 2, 3) and of its optimizer state (ZeRO 1-3), as the plan's memory settings
+describe them:
+
+- ZeRO 1: the full parameter stays, as one padded flat tensor whose shard the optimizer steps
+  (a view of it); gradients are all-reduced as without ZeRO, then cut to the shard; after the
+  optimizer, the shards are all-gathered back into the flat tensors.
+- ZeRO 2: as 1, but each gradient is reduce-scattered as soon as it is final (its last use in
+  the step's backward), and the full gradient freed then.
+- ZeRO 3: only the shard is stored. A micro-batch's forward all-gathers a parameter before its
+  first op and frees it after its last; the backward gathers it again when an op's backward
+  needs it and frees it once the micro-batch's gradient of it is made. Autograd never keeps a
+  gathered copy: what it saves of one is a reference (:class:`GatheredRef`) that gathers again.
+  Prefetch depth 1: when an op starts, the gather of the next op's parameters is started
+  (``async_op=True``) so it overlaps the op's compute; a prefetched copy nobody took is freed
+  when the micro-batch's backward is done with the parameter.
+
+Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
+gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
+captured graph one at a time in a schedule's order, with no module around them; a ``DTensor``
+with ``Shard(0)`` placement would route every op through DTensor dispatch to get what one
+``redistribute`` per use gives. So the runtime uses FSDP2's building blocks directly: flat padded
+shards and the ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` collectives (both present
+on gloo and NCCL), issued where the schedule needs them, and keeps gathered weights out of
+autograd's saved tensors with saved-tensor hooks where FSDP2 frees their storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from explorer.runtime.accounting import GATHERED, PARAMETERS, MemTracker
+from explorer.runtime.comm import Messenger
+
+# (micro-batch, shard) of a step
+At = tuple[int, int]
+
+
+class _Gathered(torch.autograd.Function):
+    """A gathered weight entering an op; its gradient goes to the parameter ``ghost`` (a
+    tensor of the parameter's shape without storage, which only receives gradients)."""
+
+    @staticmethod
+    def forward(ctx, ghost, full):  # type: ignore[override]
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g, None
+
+
+class GatheredRef:
+    """What autograd keeps of a saved gathered weight (or a view of it): which parameter and
+    where in it; unpacked in the backward by gathering the parameter again."""
+
+    __slots__ = ("offset", "p", "shards", "size", "stride")
+
+    def __init__(self, shards: Shards, p: int, t: torch.Tensor) -> None:
+        self.shards, self.p = shards, p
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def unpack(self) -> torch.Tensor:
+        return self.shards.for_backward(self.p).as_strided(self.size, self.stride, self.offset)
+
+
+class Shards:
+    """The shards one replica holds of its stage's trainable parameters (ZeRO ``zero`` over
+    ``replicas`` replicas, this one number ``index``), and the collectives that move them."""
+
+    def __init__(self, zero: int, group: Any, replicas: int, index: int, tracker: MemTracker,
+                 messenger: Messenger, uses: Callable[[int], int]) -> None:
+        self.zero, self.group, self.replicas, self.index = zero, group, replicas, index
+        self.tracker, self.messenger = tracker, messenger
+        self.uses = uses  # an op of a micro-batch using parameter p: how many per micro-batch
+        #: per parameter, the tensor the optimizer steps: this replica's shard
+        self.shard: dict[int, torch.Tensor] = {}
+        self.flat: dict[int, torch.Tensor] = {}  # ZeRO 1, 2: the padded full parameter
+        self.ghost: dict[int, torch.Tensor] = {}  # ZeRO 3: receives the full gradient
+        self.shape: dict[int, torch.Size] = {}
+        self.gathered: dict[int, torch.Tensor] = {}  # ZeRO 3: full copies alive
+        self.in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # prefetches: (work, buffer)
+        self.by_storage: dict[int, int] = {}  # storage address of a gathered copy: parameter
+        self.holders: dict[int, set[tuple[str, int, int]]] = {}
+        self.fwd_left: dict[tuple[int, int, int], int] = {}
+        self.bwd_left: dict[tuple[int, int, int], int] = {}
+        #: the (micro-batch, shard) whose backward runs now
+        self.current: At = (0, 0)
+
+    def size(self, p: int) -> int:
+        """Elements of one shard of ``p``."""
+        return -(-self.shape[p].numel() // self.replicas)
+
+    def place(self, p: int, full: torch.Tensor) -> torch.Tensor:
+        """Keep this replica's share of parameter ``p`` (``full``, all of it); the tensor the
+        ops of the stage see as the parameter (ZeRO 3: the ghost that gets the gradients)."""
+        self.shape[p] = full.shape
+        k, n = self.size(p), full.numel()
+        j = self.index
+        flat = torch.zeros(k * self.replicas, dtype=full.dtype, device=full.device)
+        flat[:n] = full.reshape(-1)
+        if self.zero < 3:
+            self.flat[p] = flat
+            self.tracker.add(flat, PARAMETERS)
+            self.shard[p] = flat[j * k: (j + 1) * k].requires_grad_(True)
+            return flat[:n].view(full.shape).requires_grad_(True)
+        self.shard[p] = flat[j * k: (j + 1) * k].clone().requires_grad_(True)
+        self.tracker.add(self.shard[p], PARAMETERS)
+        ghost = torch.empty(full.shape, dtype=full.dtype, device=full.device)
+        ghost.untyped_storage().resize_(0)
+        self.ghost[p] = ghost.requires_grad_(True)
+        return self.ghost[p]
+
+    def _collective(self, fn: Callable[[], Any]) -> None:
+        """Run a blocking collective of the replicas, its time counted as waiting."""
+        t0 = time.perf_counter()
+        with self.messenger.waiting():
+            fn()
+        self.messenger.waited += time.perf_counter() - t0
+
+    def gather_full(self, p: int) -> torch.Tensor:
+        """All of parameter ``p`` from every replica's shard (not counted here)."""
+        shard = self.shard[p].detach()
+        out = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=shard.device)
+        self._collective(lambda: dist.all_gather_into_tensor(out, shard, group=self.group))
+        return out[: self.shape[p].numel()].view(self.shape[p])
+
+    # -- ZeRO 3: gathered copies -----------------------------------------------------------
+    def prefetch(self, p: int) -> None:
+        """Start gathering parameter ``p`` (if it is sharded here and not gathered or on its
+        way): an op about to run reads it."""
+        if p not in self.ghost or p in self.gathered or p in self.in_flight:
+            return
+        shard = self.shard[p].detach()
+        out = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=shard.device)
+        work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
+        self.in_flight[p] = (work, out)
+        self.tracker.add(out, GATHERED)
+
+    def _arrived(self, p: int) -> torch.Tensor:
+        """The prefetched buffer of ``p``, once its gather is done (waiting counted)."""
+        work, out = self.in_flight.pop(p)
+        self._collective(work.wait)
+        return out
+
+    def cancel_prefetches(self, only: int | None = None) -> None:
+        """Free prefetched copies nobody took (of ``only``, or all)."""
+        for p in [only] if only is not None else list(self.in_flight):
+            if p in self.in_flight:
+                self.tracker.drop(self._arrived(p))
+
+    def _hold(self, p: int, why: tuple[str, int, int]) -> torch.Tensor:
+        full = self.gathered.get(p)
+        if full is None:
+            if p in self.in_flight:
+                out = self._arrived(p)  # (counted since the prefetch started)
+                full = out[: self.shape[p].numel()].view(self.shape[p])
+            else:
+                full = self.gather_full(p)
+                self.tracker.add(full, GATHERED)
+            self.gathered[p] = full
+            self.by_storage[full.untyped_storage().data_ptr()] = p
+            self.holders[p] = set()
+        self.holders[p].add(why)
+        return full
+
+    def _let_go(self, p: int, why: tuple[str, int, int]) -> None:
+        held = self.holders.get(p)
+        if held is None:
+            return
+        held.discard(why)
+        if not held:
+            full = self.gathered.pop(p)
+            del self.holders[p]
+            del self.by_storage[full.untyped_storage().data_ptr()]
+            self.tracker.drop(full)
+
+    def use(self, p: int, m: int, u: int) -> torch.Tensor:
+        """Parameter ``p`` for an op's forward on micro-batch ``m``, shard ``u``: gathered
+        before the micro-batch's first op that reads it."""
+        key = (p, m, u)
+        if key not in self.fwd_left:
+            self.fwd_left[key] = self.uses(p)
+        full = self._hold(p, ("f", m, u))
+        return _Gathered.apply(self.ghost[p], full.detach())
+
+    def forward_done(self, p: int, m: int, u: int) -> None:
+        """An op's forward that read ``p`` is done: after the micro-batch's last, free it."""
+        key = (p, m, u)
+        self.fwd_left[key] -= 1
+        if self.fwd_left[key] == 0:
+            del self.fwd_left[key]
+            self._let_go(p, ("f", m, u))
+
+    def for_backward(self, p: int) -> torch.Tensor:
+        """Parameter ``p`` for the backward running now, gathered again if it was freed."""
+        m, u = self.current
+        return self._hold(p, ("b", m, u))
+
+    def backward_done(self, p: int, m: int, u: int) -> None:
+        """An op's backward that used ``p`` is done: after the micro-batch's last (its gradient
+        of ``p`` is made), free the copy gathered for it."""
+        key = (p, m, u)
+        left = self.bwd_left.get(key, self.uses(p)) - 1
+        self.bwd_left[key] = left
+        if left == 0:
+            del self.bwd_left[key]
+            self._let_go(p, ("b", m, u))
+            if p not in self.gathered:
+                self.cancel_prefetches(p)
+
+    def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
+        """What autograd keeps instead of ``t`` when it is (a view of) a gathered copy."""
+        if not self.by_storage:
+            return None
+        p = self.by_storage.get(t.untyped_storage().data_ptr())
+        return None if p is None else GatheredRef(self, p, t)
+
+    # -- gradients and the step --------------------------------------------------------
+    def _padded(self, p: int, full: torch.Tensor) -> torch.Tensor:
+        flat = full.detach().reshape(-1)
+        extra = self.size(p) * self.replicas - flat.numel()
+        return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat.contiguous()
+
+    def reduce_scatter(self, p: int, grad: torch.Tensor) -> torch.Tensor:
+        """This replica's shard of the sum over replicas of gradient ``grad`` of ``p``."""
+        out = grad.new_empty(self.size(p))
+        padded = self._padded(p, grad)
+        self._collective(lambda: dist.reduce_scatter_tensor(out, padded, group=self.group))
+        return out
+
+    def local_shard(self, p: int, grad: torch.Tensor) -> torch.Tensor:
+        """This replica's shard of an already reduced gradient ``grad`` of ``p``: a view of it
+        where the shard lies inside it (ZeRO 1 keeps the full gradient until the optimizer
+        step, so no copy is made), else a copy padded with zeros."""
+        k, lo = self.size(p), self.index * self.size(p)
+        flat = grad.detach().reshape(-1)
+        if lo + k <= flat.numel():
+            return flat[lo: lo + k]
+        return self._padded(p, grad)[lo: lo + k].clone()
+
+    def full_grad(self, p: int) -> torch.Tensor:
+        """The whole gradient of ``p`` from every replica's gradient shard."""
+        g = self.shard[p].grad
+        g = g.detach() if g is not None else torch.zeros_like(self.shard[p])
+        out = g.new_empty(g.numel() * self.replicas)
+        self._collective(lambda: dist.all_gather_into_tensor(out, g, group=self.group))
+        return out[: self.shape[p].numel()].view(self.shape[p])
+
+    def gather_params(self) -> None:
+        """ZeRO 1, 2: every replica's updated shard back into the full parameters."""
+        for p, flat in self.flat.items():
+            mine = self.shard[p].detach().clone()
+            self._collective(lambda flat=flat, mine=mine: dist.all_gather_into_tensor(
+                flat, mine, group=self.group))
+

@@ -1,0 +1,260 @@
+"""What a plan's per-stage memory settings change in the simulated step: op times, recomputed
+forwards, ZeRO's collectives and which bytes each device holds.
+
+A plan without settings never reaches this module (its predictions are those of the plain
+simulator). With settings, :func:`stage_effects` derives per node and stage what changes;
+:meth:`StageEffects.apply_compute` scales the op times (precision) and adds the recomputed
+forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
+micro-batch all-gathers of the weights, one op ahead of their use (prefetch depth 1);
+:mod:`explorer.simulate.tasks` makes the reduce-scatters and post-optimizer all-gathers, and
+:mod:`explorer.simulate.memory` reads the rest (shards, dropped activations, gathered copies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan, StageSettings
+from explorer.costs.strategies import (
+    activation_bytes,
+    is_matmul_like,
+    precision_time_factors,
+    recompute_units,
+    recomputed_outputs,
+    shard_bytes,
+)
+from explorer.devices.cluster import Cluster
+from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
+
+#: task kinds of the ZeRO collectives (on a stage's replica channel, like the all-reduces)
+REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """A ZeRO-3 all-gather of one weight for one micro-batch's forward or backward uses."""
+
+    task: int
+    weight: int  # the parameter node
+    stage: int
+    mb: int
+    readers: np.ndarray  # template slots of the forwards (or backwards) that use it
+
+
+@dataclass
+class StageEffects:
+    """Per stage and node, what the plan's memory settings change."""
+
+    settings: list[StageSettings]  # [stage]
+    zero: list[int]  # [stage] ZeRO stage in effect (0 where the stage has one replica)
+    act_bytes: np.ndarray  # [node] output bytes under its stage's precision
+    dropped: np.ndarray  # [node] bool: its saved output is recomputed, not kept
+    rc_op: np.ndarray  # [node] the op whose backward recomputes its output (or extras), -1
+    shard: np.ndarray  # [node] bytes of one rank's shard of its weight (its bytes without ZeRO)
+    extra_bytes: np.ndarray  # [node] bytes saved besides outputs, under its stage's precision
+    recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
+    # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
+    grad_done: dict[int, int] = field(default_factory=dict)
+    gathers: list[Gather] = field(default_factory=list)
+    #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
+    #: recomputes from them (:func:`recompute_sources`)
+    sources: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+    #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
+    #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
+    #: that copy for its backward instead of the tensor itself
+    casts: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+
+    def apply_compute(self, graph: OpGraph, cluster: Cluster, plan: Plan, A: GraphArrays,
+                      st: np.ndarray, fwd_d: np.ndarray, bwd_d: np.ndarray) -> None:
+        """Scale ``fwd_d`` and ``bwd_d`` (seconds per node, in place) by each stage's
+        precision on its slowest device type, then add every recomputed forward to the
+        backward that runs it."""
+        is_op, has_b = A.is_op, A.has_b
+        for s, sett in enumerate(self.settings):
+            if sett.precision == "fp32":
+                continue
+            devs = {cluster.device(d).type_key: cluster.device(d) for d in plan.stages[s]}
+            f = np.max([precision_time_factors(graph, sett.precision, dev.kind, dev.flops_per_s,
+                                               dev.half_flops_per_s) for dev in devs.values()],
+                       axis=0)
+            on = (st == s) & is_op
+            fwd_d[on] *= f[on]
+            bwd_d[on] *= f[on]
+        # every op with a recomputing backward runs its forward again there
+        extra = np.zeros(A.n)
+        rc = np.flatnonzero(is_op & (self.rc_op >= 0))
+        np.add.at(extra, self.rc_op[rc], fwd_d[rc])
+        self.recompute_s = np.bincount(st, weights=extra, minlength=len(self.settings)).tolist()
+        bwd_d += np.where(has_b, extra, 0.0)
+
+
+def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
+                  cluster: Cluster) -> StageEffects:
+    """What ``plan``'s settings change, per node (on the stage that runs it)."""
+    S = len(plan.stages)
+    settings = [plan.settings_of(s) for s in range(S)]
+    zero = [x.zero if len(plan.stages[s]) > 1 else 0 for s, x in enumerate(settings)]
+    act = A.out_b.copy()
+    for prec in {x.precision for x in settings} - {"fp32"}:
+        for kind in {cluster.device(plan.stages[s][0]).kind for s in range(S)
+                     if settings[s].precision == prec}:
+            on = np.array([settings[s].precision == prec
+                           and cluster.device(plan.stages[s][0]).kind == kind
+                           for s in range(S)], dtype=bool)[st]
+            act = np.where(on, activation_bytes(graph, prec, kind), act)
+    sv_p, sv_v = A.saved
+    same = (st[sv_p] == st[sv_v]) & A.has_b[sv_v]
+    dropped = np.zeros(A.n, dtype=bool)
+    rc_op = np.full(A.n, -1, dtype=np.int64)
+    mode = np.array([x.recompute for x in settings], dtype=object)[st]
+    if (mode == "selective").any():
+        sel = same & (mode[sv_p] == "selective")
+        d = recomputed_outputs(graph, "selective") & (mode == "selective")
+        # recomputed just before the first backward (in running order) that needs it: the
+        # saver that comes last in the forward
+        p, v = sv_p[sel & d[sv_p]], sv_v[sel & d[sv_p]]
+        np.maximum.at(rc_op, p, v)
+        dropped |= rc_op >= 0
+        own = A.is_op & (mode == "selective") & d & A.has_b & (A.extra != 0)
+        rc_op[own & (rc_op < 0)] = np.flatnonzero(own & (rc_op < 0))
+    if (mode == "full").any():
+        units = recompute_units(graph)
+        _, code = np.unique(np.array(units, dtype=object).astype(str), return_inverse=True)
+        key = code * S + st
+        # each unit's forward runs again (per stage) at the start of its first backward to
+        # run: that of its last op with a backward
+        designee: dict[int, int] = {}
+        for i in np.flatnonzero(A.has_b & (mode == "full")).tolist():
+            designee[int(key[i])] = i  # (ops in node order: the last one wins)
+        full_ops = A.is_op & (mode == "full")
+        for i in np.flatnonzero(full_ops).tolist():
+            rc_op[i] = designee.get(int(key[i]), -1)
+        d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
+        dropped |= full_ops & d & (rc_op >= 0)
+    sources = recompute_sources(graph, A, st, dropped, rc_op)
+    half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
+    casts = []
+    for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
+        if not is_matmul_like(graph.nodes[v]):
+            continue
+        for name in graph.nodes[v].saves:
+            q = int(A.root_a[graph.index[name]])
+            if graph.nodes[q].dtype == "float32" and (
+                    A.kcode[q] == KIND_PARAM
+                    or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
+                casts.append((v, q))
+    cv = np.array(casts, dtype=np.int64).reshape(-1, 2)
+    # what a matmul-like op saves besides its inputs (the contiguous copies it makes of
+    # them) is made in its 2-byte compute dtype too
+    mm = np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
+    extra = np.where(mm & (act < A.out_b), A.extra // 2, A.extra)
+    shard = A.pbytes.copy()
+    for s in range(S):
+        if zero[s]:
+            on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
+            shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
+    return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
+                        casts=(cv[:, 0], cv[:, 1]))
+
+
+def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
+                      rc_op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value, op) pairs: the kept values (roots) a recomputation starts from, each paired
+    with the op whose backward recomputes from it, so the value lives until then as if that
+    backward had saved it. A dropped output is recomputed from its inputs, through the
+    dropped outputs among them back to values that are kept (outputs made elsewhere, kept
+    outputs, received activations, graph inputs; weights are always there)."""
+    root, kcode, index = A.root_a, A.kcode, graph.index
+    pairs: set[tuple[int, int]] = set()
+    for h in np.flatnonzero(dropped & (rc_op >= 0)).tolist():
+        r = int(rc_op[h])
+        todo, seen = [h], {h}
+        while todo:
+            for name in graph.nodes[todo.pop()].inputs:
+                q = index[name]
+                if q in seen or kcode[q] in (KIND_PARAM, KIND_BUFFER):
+                    continue
+                seen.add(q)
+                if dropped[q] and rc_op[q] >= 0 and st[q] == st[h]:
+                    todo.append(q)
+                else:
+                    pairs.add((int(root[q]), r))
+    pv = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
+    return pv[:, 0], pv[:, 1]
+
+
+def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray,
+                       succs: list[list[int]], ops_by_stage: list[np.ndarray],
+                       fb: Any, slots: tuple[np.ndarray, np.ndarray], M: int,
+                       py_src: list[int], py_dst: list[int]) -> int:
+    """ZeRO 3: per micro-batch, an all-gather of each weight before the forward of the first
+    op that reads it and another before the backward of the last one (the first to run
+    backward), on the stage's replica channel. Prefetch depth 1: each may start once the op
+    two places before its first user (in running order) is done, so it overlaps the op
+    between (the two weights used first in a micro-batch's backward, once the backward
+    before it is done, or for the first, the forward that runs last before it). ``b`` is the
+    task builder; returns the bytes the gathers move."""
+    moved = 0
+    off_f, off_b, per_m = fb.fwd, fb.bwd, fb.per_mb
+    sf, sb = slots
+    N = A.n
+    for s, z in enumerate(eff.zero):
+        ops = ops_by_stage[s]
+        if z != 3 or not len(ops):
+            continue
+        devs = b.plan.stages[s]
+        chan = b.resource(("allreduce", s, -1))
+        pos = {int(o): k for k, o in enumerate(ops.tolist())}
+        bops = ops[A.has_b[ops]].tolist()
+        bpos = {o: k for k, o in enumerate(bops)}
+        weights = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
+        lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
+        for w in weights.tolist():
+            readers = [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
+            if not readers:
+                continue
+            nbytes = int(A.pbytes[w])
+            dur = b.costs.allgather_s(devs, nbytes)
+            first = min(pos[c] for c in readers)
+            breaders = [c for c in readers if c in bpos]
+            last = max((bpos[c] for c in breaders), default=-1)
+            f_slots = off_f[readers]
+            b_slots = off_b[breaders]
+            for m in range(M):
+                mo = m * per_m
+                t = b.task(ALLGATHER, chan, dur, sf[s, m] * b.W + min(readers) + N + 1,
+                           f"all-gather {A.names[w]}", m, nbytes)
+                k = first - 2
+                if k >= 0:
+                    py_src.append(int(off_f[ops[k]]) + mo)
+                    py_dst.append(t)
+                elif m and len(ops) + k >= 0:
+                    py_src.append(int(off_f[ops[len(ops) + k]]) + mo - per_m)
+                    py_dst.append(t)
+                py_src.extend([t] * len(f_slots))
+                py_dst.extend((f_slots + mo).tolist())
+                eff.gathers.append(Gather(t, w, s, m, f_slots))
+                moved += (len(devs) - 1) * nbytes
+                if last < 0:
+                    continue
+                t = b.task(ALLGATHER, chan, dur, sb[s, m] * b.W - bops[last] + N + 1,
+                           f"all-gather {A.names[w]} (backward)", m, nbytes)
+                if last + 2 < len(bops):
+                    after = int(off_b[bops[last + 2]]) + mo
+                elif m:  # the stage's backward of the micro-batch before
+                    after = int(off_b[bops[0]]) + mo - per_m
+                else:  # the forward the schedule runs last before its first backward
+                    after = int(off_f[ops[-1]]) + lead * per_m
+                py_src.append(after)
+                py_dst.append(t)
+                py_src.extend([t] * len(b_slots))
+                py_dst.extend((b_slots + mo).tolist())
+                eff.gathers.append(Gather(t, w, s, m, b_slots))
+                moved += (len(devs) - 1) * nbytes
+    return moved

@@ -1,0 +1,168 @@
+"""Real runs with memory settings (ZeRO 1-3, recomputation, precision) on CPU ranks: losses and
+gradients equal one device, and the measured peak goes down where the setting saves memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import explorer as ex
+from explorer.models.synthetic import roofline_costs
+from explorer.runtime.launch import reference
+
+# every test here starts rank processes
+pytestmark = pytest.mark.slow
+
+STEPS, WARMUP = 2, 1
+_GRAPHS: dict = {}
+_RUNS: dict = {}
+
+
+def _graph(name: str):
+    if name not in _GRAPHS:
+        bm = ex.builtin_model(name, "tiny")
+        _GRAPHS[name] = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
+                                   name=name)
+    return _GRAPHS[name]
+
+
+def _plan(name: str, path: str, **memory):
+    """The model's data-parallel plan (two replicas, two micro-batches for gpt: gradients
+    accumulate before they are reduced) or two pipeline stages (gpt: 1F1B over two
+    micro-batches, so micro-batches' forwards and backwards interleave), with ``memory``
+    settings."""
+    graph = _graph(name)
+    cluster = ex.Cluster.cpu(2, measure=False)
+    costs = roofline_costs(graph, cluster)
+    if path == "data-parallel":
+        plan = ex.partition(graph, cluster, costs, "data-parallel")
+        plan = plan.with_settings(micro_batches=2 if name == "gpt" else 1)
+    else:
+        plan = ex.partition(graph, cluster, costs, "even-layers")
+        if name == "gpt":
+            plan = plan.with_settings(micro_batches=2, schedule="1f1b")
+    return plan.with_memory(**memory)
+
+
+def _run(name: str, path: str, **memory):
+    key = (name, path, tuple(sorted(memory.items())))
+    if key not in _RUNS:
+        _RUNS[key] = ex.run(_graph(name), plan=_plan(name, path, **memory), steps=STEPS,
+                            warmup=WARMUP, progress=False, record=True, timeout_s=180)
+    return _RUNS[key]
+
+
+def _reference(name: str, plan):
+    shards = max(len(s) for s in plan.stages) * plan.micro_batches
+    return reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
+                     optimizer=plan.optimizer)
+
+
+def _assert_equal(meas, ref, rtol: float, atol: float) -> None:
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=rtol, atol=atol)
+    assert set(meas.grads) == set(ref.grads)
+    for name, g in ref.grads.items():
+        torch.testing.assert_close(meas.grads[name], g, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_equals_one_device(name, zero):
+    """Sharded optimizer state, gradients and weights train as one device does (the losses
+    of every step: the updated weights of the step before; the first step's gradients)."""
+    meas = _run(name, "data-parallel", zero=zero)
+    _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_lowers_the_measured_peak():
+    """Each ZeRO stage holds less at its peak than the one before on the same plan; ZeRO 3
+    holds the gathered copies of the weights, and only a few at a time."""
+    base = _run("gpt", "data-parallel")
+    peaks = [base.peak_bytes["cpu:0"]] + [_run("gpt", "data-parallel", zero=z).peak_bytes["cpu:0"]
+                                          for z in (1, 2, 3)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[3] < peaks[0]
+    by = {z: _run("gpt", "data-parallel", **({"zero": z} if z else {})).peak_by_category["cpu:0"]
+          for z in (0, 1, 3)}
+    assert by[1]["optimizer state"] * 2 == by[0]["optimizer state"]
+    assert by[3]["parameters"] * 2 <= by[0]["parameters"] + 2 * 64
+    assert 0 < by[3]["gathered"] < by[0]["parameters"] / 2
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_is_exact(name, mode):
+    """Recomputed values are the values the forward made: losses and gradients equal the
+    run without recomputation bit for bit (and one device as closely as that run does)."""
+    meas = _run(name, "stages", recompute=mode)
+    plain = _run(name, "stages")
+    assert meas.losses == plain.losses
+    for k, g in plain.grads.items():
+        assert torch.equal(meas.grads[k], g), k
+    _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
+
+
+def test_recomputation_lowers_the_measured_peak():
+    """Fewer activations are held on every rank; on the fuller one full recomputation keeps
+    least, selective in between (on the last stage, running the unit of the head and loss
+    again can hold more than selective's kept matmul outputs)."""
+    peak = {mode: _run("gpt", "stages", **({"recompute": mode} if mode else {})).peak_bytes
+            for mode in (None, "selective", "full")}
+    for d in peak[None]:
+        assert peak["full"][d] < peak[None][d] and peak["selective"][d] < peak[None][d]
+    assert max(peak["full"].values()) < max(peak["selective"].values()) \
+        < max(peak[None].values())
+
+
+# bf16 keeps 8 bits of mantissa (a relative rounding of 2**-9 per value), fp16 11 bits (2**-12);
+# over a tiny model's few layers the loss moves by far less than that times the number of
+# rounded values, and each gradient element stays within a fraction of its tensor's largest
+PRECISION_TOLERANCE = {"bf16": (1e-3, 6e-2), "fp16": (1e-4, 5e-3)}  # (loss rtol, grad share)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lower_precision_stays_within_its_tolerance(name, precision):
+    """Autocast compute with fp32 master weights (fp16 with loss scaling) against the fp32
+    single-device run: losses within ``loss rtol``, each gradient element within ``grad
+    share`` times its tensor's largest absolute value; gradients are fp32."""
+    meas = _run(name, "stages", precision=precision)
+    ref = _reference(name, meas.plan)
+    loss_rtol, share = PRECISION_TOLERANCE[precision]
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=loss_rtol, atol=0)
+    for k, g in ref.grads.items():
+        assert meas.grads[k].dtype == torch.float32
+        torch.testing.assert_close(meas.grads[k], g, rtol=0, atol=share * float(g.abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+
+def _script_losses(plan, folder) -> list[float]:
+    """The losses an exported script of ``plan`` prints under torchrun (its first replica's)."""
+    folder.mkdir()
+    script = ex.export_script(plan, folder / "train_plan.py", graph=_graph("gpt"), steps=2,
+                              warmup=1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", str(script)], capture_output=True, text=True, timeout=300,
+        cwd=folder, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [float(line.split("loss ")[1].split(",")[0])
+            for line in proc.stdout.splitlines() if line.startswith("step ")]
+
+
+def test_exported_script_runs_the_memory_settings(tmp_path):
+    """The torchrun script of a plan with ZeRO 3, selective recomputation and bf16 trains as
+    the script of the same plan without them, within bf16's loss tolerance, and not bit for
+    bit (the settings ran): the job folder carries them (in the plan) and the units."""
+    plain = _script_losses(_plan("gpt", "data-parallel"), tmp_path / "plain")
+    sharded = _script_losses(_plan("gpt", "data-parallel", zero=3, recompute="selective",
+                                   precision="bf16"), tmp_path / "sharded")
+    assert len(plain) == 3 and sharded != plain
+    assert sharded == pytest.approx(plain, rel=PRECISION_TOLERANCE["bf16"][0])

@@ -1,0 +1,216 @@
+"""The simulator under per-stage memory settings (ZeRO, recomputation, precision), by hand.
+
+Two graphs: ``chain`` (x -> mm1 -> relu1 -> mm2 -> loss, weights w1, w2; relu1 saves its
+output, mm1 saves x, mm2 saves relu1) with big weights for ZeRO, and the same with small
+weights for activations. Forward times 1, 2, 3, 4 s and backward 10, 20, 30, 40 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from builders import cluster, costs
+
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
+from explorer.costs.strategies import half_outputs, shard_bytes, unit_of
+from explorer.devices.cluster import Cluster, Device, Link
+from explorer.simulate.simulator import simulate
+
+MiB = 2**20
+FWD = {"mm1": 1.0, "relu1": 2.0, "mm2": 3.0, "loss": 4.0}
+BWD = {"mm1": 10.0, "relu1": 20.0, "mm2": 30.0, "loss": 40.0}
+
+
+def chain(w1: int = 8, w2: int = 8, mm2_module: str = "layers.1.fc") -> OpGraph:
+    def op(name, aten, module, inputs, out, saves):
+        return OpNode(name, "op", aten, module, inputs=inputs, out_bytes=out,
+                      requires_grad=True, saves=saves)
+
+    def weight(name, module, nbytes):
+        return OpNode(name, "param", "param", module, out_bytes=nbytes, param_bytes=nbytes,
+                      requires_grad=True)
+
+    nodes = [OpNode("x", "input", "input", out_bytes=800),
+             weight("w1", "layers.0.fc", w1),
+             op("mm1", "aten.mm.default", "layers.0.fc", ("x", "w1"), 1600, ("x",)),
+             op("relu1", "aten.relu.default", "layers.0.act", ("mm1",), 1600, ("relu1",)),
+             weight("w2", mm2_module, w2),
+             op("mm2", "aten.mm.default", mm2_module, ("relu1", "w2"), 800, ("relu1",)),
+             op("loss", "aten.sum.default", "", ("mm2",), 4, ())]
+    return OpGraph("chain", nodes, 8, "export", "loss")
+
+
+def zero_case(zero: int, bandwidth: float = float("inf")):
+    """w1 40 MiB, w2 30 MiB (one 25 MB gradient bucket each), one stage of two replicas."""
+    g = chain(40 * MiB, 30 * MiB)
+    cl = cluster(2, bandwidth=bandwidth, memory=2**40)
+    plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+    return g, simulate(g, plan.with_memory(zero=zero), costs(g, cl, FWD, BWD))
+
+
+def backward_s(pred, label: str) -> float:
+    iv = next(iv for iv in pred.timeline if iv.kind == "bwd" and iv.label == label)
+    return iv.end_s - iv.start_s
+
+
+class TestZero:
+    # adam: 2 bytes of state per byte of weight; 70 MiB of weights over 2 replicas
+    def test_zero_1_shards_the_optimizer_state(self):
+        _, pred = zero_case(1)
+        m = pred.memory["d:0"]
+        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.gathered_bytes) == (
+            70 * MiB, 70 * MiB, 70 * MiB, 0)
+        # all-reduce 2 (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70 MiB
+        assert pred.allreduce_bytes == 140 * MiB + 70 * MiB
+        kinds = [iv.kind for iv in pred.timeline if iv.device == "d:0"]
+        assert kinds[-2:] == ["optimizer", "all-gather"]
+
+    def test_zero_2_frees_each_full_gradient_after_its_reduce_scatter(self):
+        _, pred = zero_case(2)
+        m = pred.memory["d:0"]
+        # at mm1's backward: w1's full gradient (40) and w2's shard (15); w2's full gradient
+        # was reduce-scattered after mm2's backward
+        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes) == (70 * MiB, 55 * MiB,
+                                                                      70 * MiB)
+        assert pred.allreduce_bytes == 70 * MiB + 70 * MiB  # reduce-scatters + all-gather
+        labels = [iv.label for iv in pred.timeline if iv.kind == "reduce-scatter"
+                  and iv.device == "d:0"]
+        assert labels == [f"reduce-scatter {30 * MiB} B", f"reduce-scatter {40 * MiB} B"]
+
+    def test_zero_3_shards_weights_and_gathers_them_per_use(self):
+        _, pred = zero_case(3)
+        m = pred.memory["d:0"]
+        # weights as shards (35), the optimizer state of the shards (70), gradients as in
+        # ZeRO 2, and at the peak (mm1's backward) w1's gathered copy (40)
+        assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.gathered_bytes) == (
+            35 * MiB, 55 * MiB, 70 * MiB, 40 * MiB)
+        # each weight gathered for the forward and for the backward, plus the reduce-scatters
+        assert pred.allreduce_bytes == 2 * 70 * MiB + 70 * MiB
+        gathers = [iv.label for iv in pred.timeline if iv.kind == "all-gather"
+                   and iv.device == "d:0"]
+        assert sorted(gathers) == ["all-gather w1", "all-gather w1 (backward)",
+                                   "all-gather w2", "all-gather w2 (backward)"]
+
+    def test_gathers_are_priced_as_half_a_ring_all_reduce_and_prefetched(self):
+        # 10 MiB/s: gathering w1 (40 MiB) over 2 ranks moves half of it: 2 s
+        _, pred = zero_case(3, bandwidth=10 * MiB)
+        ivs = {(iv.kind, iv.label): iv for iv in pred.timeline if iv.device == "d:0"}
+        w1 = ivs[("all-gather", "all-gather w1")]
+        assert w1.end_s - w1.start_s == pytest.approx(2.0)
+        assert ivs[("fwd", "mm1")].start_s == pytest.approx(2.0)  # waits for its weight
+        # w2's gather starts when mm1 (two ops before its user mm2) is done, over relu1's
+        # forward
+        assert ivs[("all-gather", "all-gather w2")].start_s == pytest.approx(
+            ivs[("fwd", "mm1")].end_s)
+        rs = [iv for iv in pred.timeline if iv.kind == "reduce-scatter" and iv.device == "d:0"]
+        assert rs[0].end_s - rs[0].start_s == pytest.approx(1.5)
+
+    def test_one_replica_changes_nothing(self):
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(1, memory=2**40)
+        c = costs(g, cl, FWD, BWD)
+        plan = Plan.single(g, "d:0")
+        assert simulate(g, plan.with_memory(zero=3), c).memory == simulate(g, plan, c).memory
+
+    def test_shards_are_padded_to_whole_elements_per_rank(self):
+        assert shard_bytes(40, 3) == 16  # 10 elements -> 4 per rank
+        assert shard_bytes(40, 1) == 40
+
+
+class TestRecompute:
+    def run(self, g: OpGraph, micro_batches: int, **settings):
+        cl = cluster(1, memory=2**40)
+        plan = Plan.single(g, "d:0", micro_batches=micro_batches)
+        plan = plan.with_memory(**settings) if settings else plan
+        return simulate(g, plan, costs(g, cl, FWD, BWD))
+
+    def test_selective_recomputes_cheap_ops_before_the_backward_that_needs_them(self):
+        # relu1 is recomputed at the start of mm2's backward (2 s more); the matmuls not
+        pred = self.run(chain(), 1, recompute="selective")
+        assert pred.step_s == pytest.approx(110.0 + 2.0)
+        assert backward_s(pred, "mm2") == pytest.approx(32.0)
+
+    def test_selective_keeps_what_it_recomputes_from(self):
+        # GPipe, 2 micro-batches (half the bytes each). Without recomputation the peak is in
+        # micro-batch 0's relu1 backward: its x 400, relu1 800, relu1's and mm1's gradients
+        # 800 each, and micro-batch 1's x 400, relu1 800 and loss 2 = 4002. Recomputed,
+        # relu1 is not kept but mm1 (which nobody saves otherwise) is, until mm2's backward
+        # recomputes relu1 from it; in micro-batch 0's mm2 backward: x 400, mm1 800, relu1
+        # again 800, mm2's gradient 400, relu1's 800, and micro-batch 1's x 400, mm1 800 and
+        # loss 2 = 4402 (relu1 and its source are the same size: selective saves nothing)
+        assert self.run(chain(), 2).memory["d:0"].activations_bytes == 4002
+        assert self.run(chain(), 2, recompute="selective").memory["d:0"].activations_bytes \
+            == 4402
+
+    def test_full_reruns_every_unit_forward(self):
+        # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss): every forward once more
+        pred = self.run(chain(), 1, recompute="full")
+        assert pred.step_s == pytest.approx(110.0 + 10.0)
+        assert backward_s(pred, "relu1") == pytest.approx(23.0)
+
+    def test_full_keeps_only_unit_inputs(self):
+        # mm2 in layers.0 too: relu1 is inside its unit, not kept (as selective above); the
+        # unit's forward (3 s per micro-batch) runs again in mm2's backward, loss's (2 s) in
+        # its own
+        g = chain(mm2_module="layers.0.fc2")
+        pred = self.run(g, 2, recompute="full")
+        assert pred.memory["d:0"].activations_bytes == 3202
+        assert pred.step_s == pytest.approx(110.0 + 2 * (3.0 + 2.0))
+
+    def test_units_are_repeated_blocks(self):
+        assert unit_of("model.layers.3.attn.q") == "model.layers.3"
+        assert unit_of("model.embed") == "model"
+        assert unit_of("") == ""
+
+
+class TestPrecision:
+    def test_cpu_autocast_halves_activations_and_keeps_times(self):
+        # on CPU ranks sum follows its input: every op's output is 2-byte, the input not.
+        # mm1 saves autocast's 2-byte copy of x (400), not x. The peak (relu1's backward):
+        # x's copy 400 + relu1, its gradient and mm1's 800 each
+        g = chain()
+        cl = cluster(1, memory=2**40)
+        c = costs(g, cl, FWD, BWD)
+        plan = Plan.single(g, "d:0")
+        pred = simulate(g, plan.with_memory(precision="bf16"), c)
+        assert pred.memory["d:0"].activations_bytes == 2800
+        assert pred.step_s == simulate(g, plan, c).step_s
+
+    def test_matmuls_save_two_byte_copies_of_their_weights_and_extras(self):
+        # mm1 also saves w1 (8000 bytes, fp32 master weight): its 4000-byte copy lives from
+        # mm1's forward to its backward; and 600 bytes mm1 saves besides its inputs are made
+        # in bf16 (300). The peak moves to mm1's backward (w1's 8000-byte gradient made):
+        # x's copy 400, w1's 4000, the extras 300 and mm1's incoming gradient 800
+        g = chain(w1=8000)
+        nodes = [dataclasses.replace(n, saves=("x", "w1"), saved_extra_bytes=600)
+                 if n.name == "mm1" else n for n in g.nodes]
+        g = OpGraph("chain", nodes, 8, "export", "loss")
+        c = costs(g, cluster(1, memory=2**40), FWD, BWD)
+        pred = simulate(g, Plan.single(g, "d:0").with_memory(precision="bf16"), c)
+        assert pred.memory["d:0"].activations_bytes == 5500
+
+    def test_gpu_matmuls_run_at_the_half_peak_other_ops_at_half_the_bytes(self):
+        g = chain()
+        dev = Device("g:0", "cuda", "gpu", 2**40, 1e12, 4e12, 1e12, 100.0, 10.0, False, "",
+                     "test")
+        cl = Cluster("gpu", (dev,), Link(0.0, float("inf"), "test"))
+        c = costs(g, cl, FWD, BWD)
+        pred = simulate(g, Plan.single(g, "g:0").with_memory(precision="bf16"), c)
+        # mm 1/4, relu 1/2, sum stays fp32 on CUDA
+        want = sum(FWD.values()) + sum(BWD.values()) - 0.75 * (1 + 3 + 10 + 30) \
+            - 0.5 * (2 + 20)
+        assert pred.step_s == pytest.approx(want)
+        assert pred.lower_bound_s == pytest.approx(want)  # one device: all of it is compute
+        assert half_outputs(g, "cuda").tolist() == [False, False, True, True, False, True,
+                                                   False]
+
+
+def test_default_settings_change_nothing():
+    g, _ = zero_case(0)
+    cl = cluster(2, memory=2**40)
+    c = costs(g, cl, FWD, BWD)
+    plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+    a, b = simulate(g, plan, c), simulate(g, plan.with_memory(zero=0), c)
+    assert (a.step_s, a.memory, a.allreduce_bytes) == (b.step_s, b.memory, b.allreduce_bytes)
