@@ -78,10 +78,23 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
                 plan = _with_memory(plan, memory)
+            if (settings.get("tensor") or 1) > 1:
+                plan = tensor_split(plan, settings["tensor"])
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
     return out
+
+
+def tensor_split(plan, degree: int):
+    """``plan`` with every stage whose device count ``degree`` divides split that many ways
+    by tensor parallelism (its other stages as they were)."""
+    stages = [s for s, devs in enumerate(plan.stages) if len(devs) % degree == 0]
+    if not stages:
+        raise ExplorerError(f"--tensor {degree} divides the devices of none of this plan's "
+                            f"stages ({', '.join(str(len(d)) for d in plan.stages)} devices); "
+                            "use a degree that divides a stage's device count")
+    return plan.with_tensor(degree, stages=stages)
 
 
 def _with_memory(plan, memory: dict[str, Any]):
@@ -102,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ex.algorithm(n)  # unknown names fail before any work is done
     bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
-                "optimizer": args.optimizer}
+                "optimizer": args.optimizer, "tensor": args.tensor}
     results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
@@ -251,6 +264,7 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
+            "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))],
             "notes": list(plan.notes),
             "memory_settings": [plan.settings_of(s).describe() or "default"
                                 for s in range(len(plan.stages))],
@@ -320,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--micro-batches", type=_positive_int, default=None)
     pl.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    pl.add_argument("--tensor", type=_positive_int, default=1,
+                    help="split each layer of every stage whose device count it divides this "
+                         "many ways (tensor parallelism, Megatron-style); default 1")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")

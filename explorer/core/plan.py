@@ -29,9 +29,12 @@ from explorer.core.graph import OpGraph
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 
 PLAN_FORMAT = "partition-explorer-plan"
-#: 2 adds per-stage memory settings (``stage_settings``) and model factories; a plan without
-#: either is written as version 1, so files older explorers can read stay readable by them
-PLAN_VERSION = 2
+#: 2 adds per-stage memory settings (``stage_settings``) and model factories, 3 the stages'
+#: tensor-parallel degree (``tensor``); a plan is written with the lowest version that holds
+#: what it uses, so files older explorers can read stay readable by them
+PLAN_VERSION = 3
+MEMORY_VERSION = 2
+TENSOR_VERSION = 3
 SCHEDULES = ("gpipe", "1f1b")
 #: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
 #: 2 also the gradients, 3 also the weights (FSDP's full sharding)
@@ -203,18 +206,23 @@ PLAN_SCHEMA = obj({
     # version 2: memory settings per stage (absent: the defaults)
     "stage_settings": (list_of(obj({"zero": (whole(0, 3), 0),
                                     "recompute": (one_of(RECOMPUTE), "none"),
-                                    "precision": (one_of(PRECISIONS), "fp32")}),
+                                    "precision": (one_of(PRECISIONS), "fp32"),
+                                    # version 3: the stage's tensor-parallel degree
+                                    "tensor": (whole(1, MAX_DEVICES), 1)}),
                                0, MAX_DEVICES), []),
 })
 
 
 @dataclass(frozen=True)
 class StageSettings:
-    """How one stage trades memory for time: sharded state, recomputation, precision."""
+    """How one stage runs: sharded state, recomputation, precision, and its tensor-parallel
+    degree (the stage's devices form a mesh of ``devices / tensor`` replicas x ``tensor``
+    devices that split each layer, device ``k`` in replica ``k // tensor``)."""
 
     zero: int = 0
     recompute: str = "none"
     precision: str = "fp32"
+    tensor: int = 1
 
     def __post_init__(self) -> None:
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
@@ -223,6 +231,8 @@ class StageSettings:
             raise PlanError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
+            raise PlanError(f"tensor-parallel degree {self.tensor!r} must be a whole number >= 1")
 
     @property
     def is_default(self) -> bool:
@@ -232,11 +242,21 @@ class StageSettings:
         """``"zero 3, recompute full, bf16"``; empty for the defaults."""
         parts = ([f"zero {self.zero}"] if self.zero else []) + (
             [f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
-            [self.precision] if self.precision != "fp32" else [])
+            [self.precision] if self.precision != "fp32" else []) + (
+            [f"tensor {self.tensor}"] if self.tensor > 1 else [])
         return ", ".join(parts)
 
 
 DEFAULT_SETTINGS = StageSettings()
+
+
+def check_tensor_alone(settings: tuple[StageSettings, ...]) -> None:
+    """Refuse tensor-parallel stages in a plan with ZeRO, recomputation or reduced precision
+    (the simulator and runtime do not model them together yet)."""
+    if any(st.tensor > 1 for st in settings) and any(
+            replace(st, tensor=1) != DEFAULT_SETTINGS for st in settings):
+        raise PlanError("tensor-parallel stages cannot be combined with ZeRO, recompute or "
+                        "bf16/fp16 yet: set zero=0, recompute='none', precision='fp32' or tensor=1")
 
 
 @dataclass(frozen=True)
@@ -319,9 +339,21 @@ class Plan:
         return any(not st.is_default for st in self.stage_settings)
 
     @property
+    def uses_tensor_parallel(self) -> bool:
+        return any(st.tensor > 1 for st in self.stage_settings)
+
+    def tensor_of(self, stage: int) -> int:
+        """The tensor-parallel degree of ``stage`` (1: each device holds whole layers)."""
+        return self.settings_of(stage).tensor
+
+    def replicas_of(self, stage: int) -> int:
+        """How many replicas of ``stage`` split the batch: its devices / its tensor degree."""
+        return len(self.stages[stage]) // self.tensor_of(stage)
+
+    @property
     def data_parallel(self) -> int:
         """Largest replica count of any stage."""
-        return max((len(s) for s in self.stages), default=1)
+        return max((self.replicas_of(s) for s in range(len(self.stages))), default=1)
 
     def assignment(self, graph: OpGraph) -> list[int]:
         """Stage index of every node, in graph order."""
@@ -343,10 +375,16 @@ class Plan:
     def with_settings(self, **settings: Any) -> Plan:
         return replace(self, **settings)
 
+    def with_tensor(self, degree: int, stages: Iterable[int] | None = None) -> Plan:
+        """This plan with ``stages`` (default: all) split ``degree`` ways by tensor
+        parallelism; the degree must divide each chosen stage's device count."""
+        return self.with_memory(tensor=degree, stages=stages)
+
     def with_memory(self, *, zero: int | None = None, recompute: str | None = None,
-                    precision: str | None = None, stages: Iterable[int] | None = None) -> Plan:
-        """This plan with ZeRO, recomputation or precision set on ``stages`` (default: all);
-        what is not given stays as it was."""
+                    precision: str | None = None, tensor: int | None = None,
+                    stages: Iterable[int] | None = None) -> Plan:
+        """This plan with ZeRO, recomputation, precision or the tensor-parallel degree set on
+        ``stages`` (default: all); what is not given stays as it was."""
         chosen = range(len(self.stages)) if stages is None else list(stages)
         current = [self.settings_of(s) for s in range(len(self.stages))]
         for s in chosen:
@@ -356,8 +394,14 @@ class Plan:
             current[s] = StageSettings(
                 old.zero if zero is None else zero,
                 old.recompute if recompute is None else recompute,
-                old.precision if precision is None else precision)
+                old.precision if precision is None else precision,
+                old.tensor if tensor is None else tensor)
+            if len(self.stages[s]) % current[s].tensor:
+                raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which a "
+                                f"tensor-parallel degree of {current[s].tensor} does not "
+                                "divide; use a degree that divides it")
         kept = () if all(st.is_default for st in current) else tuple(current)
+        check_tensor_alone(kept)
         return replace(self, stage_settings=kept)
 
     # -- validation ----------------------------------------------------------------------
@@ -407,10 +451,16 @@ class Plan:
             if bad:
                 raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run "
                                 f"from 0 to {len(self.stages) - 1}")
-        self.check_sizes(graph.batch_size, len(graph.nodes))
+        check_tensor_alone(self.stage_settings)
         if self.stage_settings and len(self.stage_settings) != len(self.stages):
             raise PlanError(f"the plan has memory settings for {len(self.stage_settings)} "
                             f"stages but {len(self.stages)} stages; set them with with_memory")
+        self.check_sizes(graph.batch_size, len(graph.nodes))
+        for s, devs in enumerate(self.stages):
+            if len(devs) % self.tensor_of(s):
+                raise PlanError(f"stage {s} has {len(devs)} devices, which its tensor-parallel "
+                                f"degree {self.tensor_of(s)} does not divide; use a degree that "
+                                "divides it")
         unknown_pins = [p for p in self.pinned if p not in names]
         if unknown_pins:
             raise PlanError(f"pinned nodes {unknown_pins[:3]} are not in the graph")
@@ -424,22 +474,23 @@ class Plan:
         if len(self.stages) > max(n_nodes, 1):
             raise PlanError(f"the plan has {len(self.stages)} stages for a graph of {n_nodes} "
                             "nodes; a stage with nothing on it cannot run")
-        for s, devs in enumerate(self.stages):
-            if 0 < batch_size < len(devs):
-                raise PlanError(f"stage {s} has {len(devs)} replicas for a batch of "
+        for s in range(len(self.stages)):
+            if 0 < batch_size < self.replicas_of(s):
+                raise PlanError(f"stage {s} has {self.replicas_of(s)} replicas for a batch of "
                                 f"{batch_size} samples; use at most {batch_size} devices")
 
     def check_batch(self, batch_size: int) -> None:
         """A real run splits the batch over replicas and micro-batches: it must divide."""
-        for s, devs in enumerate(self.stages):
-            parts = len(devs) * self.micro_batches
+        for s in range(len(self.stages)):
+            reps = self.replicas_of(s)
+            parts = reps * self.micro_batches
             if parts > batch_size:
-                raise PlanError(f"stage {s} splits the batch of {batch_size} into {len(devs)} "
+                raise PlanError(f"stage {s} splits the batch of {batch_size} into {reps} "
                                 f"replicas x {self.micro_batches} micro-batches = {parts} "
                                 "parts, more than it has samples; use fewer micro-batches or "
                                 "replicas")
             if batch_size % parts:
-                raise PlanError(f"stage {s} splits the batch of {batch_size} into {len(devs)} "
+                raise PlanError(f"stage {s} splits the batch of {batch_size} into {reps} "
                                 f"replicas x {self.micro_batches} micro-batches = {parts} parts, "
                                 "which does not divide it; change the batch size or the plan")
 
@@ -448,7 +499,7 @@ class Plan:
         (:meth:`check_batch`), and it is split at all only where the graph's batch dimension
         is dynamic (``batch_splits``; None when unknown, as for a graph not exported)."""
         self.check_batch(batch_size)
-        splits = max(len(st) for st in self.stages) * self.micro_batches
+        splits = self.data_parallel * self.micro_batches
         if splits > 1 and batch_splits is False:
             raise PlanError("this model was exported with a fixed batch size, so a plan that "
                             "splits the batch (replicas or micro-batches) cannot run")
@@ -456,12 +507,14 @@ class Plan:
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         settings = ({"stage_settings": [{"zero": st.zero, "recompute": st.recompute,
-                                         "precision": st.precision}
+                                         "precision": st.precision,
+                                         **({"tensor": st.tensor} if st.tensor > 1 else {})}
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
+        version = (TENSOR_VERSION if self.uses_tensor_parallel
+                   else MEMORY_VERSION if settings or "factory" in (self.model or {}) else 1)
         return {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION if settings or "factory" in (self.model or {}) else 1,
+            "format": PLAN_FORMAT, "version": version,
             "graph": {"fingerprint": self.graph_fingerprint, "name": self.graph_name},
             "stages": [list(s) for s in self.stages],
             "placement": dict(self.placement),
@@ -486,7 +539,7 @@ class Plan:
         if version > PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is newer than this explorer "
                             f"understands ({PLAN_VERSION}); upgrade partition-explorer")
-        f = PLAN_SCHEMA(d, "")  # version 1 is version 2 without stage_settings
+        f = PLAN_SCHEMA(d, "")  # earlier versions are the latest without its new fields
         plan = cls(
             graph_fingerprint=f["graph"]["fingerprint"], graph_name=f["graph"]["name"],
             stages=tuple(tuple(s) for s in f["stages"]), placement=f["placement"],
@@ -494,6 +547,7 @@ class Plan:
             optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
             pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"],
             stage_settings=tuple(StageSettings(**st) for st in f["stage_settings"]))
+        check_tensor_alone(plan.stage_settings)
         if graph is not None:
             plan.validate(graph, cluster)
         return plan

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 #: what a counted storage holds; a storage keeps the category of its first count
 PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, GATHERED, BUFFERS = (
@@ -49,7 +50,7 @@ class MemTracker:
                 self.drop(t)
 
     def add(self, t: torch.Tensor, category: str = ACTIVATIONS) -> None:
-        st = t.untyped_storage()
+        st = _storage(t)
         key = st.data_ptr()
         if key == 0:
             return
@@ -68,7 +69,7 @@ class MemTracker:
         if self._held is not None:
             self._held.append(t)  # (keeps the storage, so its address is not reused meanwhile)
             return
-        key = t.untyped_storage().data_ptr()
+        key = _storage(t).data_ptr()
         ref = self.refs.get(key)
         if ref is None:
             return
@@ -94,6 +95,14 @@ class MemTracker:
             return kept if kept is not None else SavedTensor(t, self)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.unpack())
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage a tensor uses on this rank (a DTensor's: its local shard's)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.untyped_storage()
 
 
 class SavedTensor:

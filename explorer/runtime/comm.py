@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
 from explorer.runtime.heartbeat import EVERYONE
+from explorer.runtime.tensor_parallel import local
 
 BUCKET_BYTES = 25 * 1024 * 1024
 HEADER_WORDS = 256  # int64 words of a message header
@@ -138,18 +139,23 @@ class Messenger:
         self.pending.clear()
 
 
-def replica_group(plan: Plan, stage: int) -> Any:
-    """The process group of ``stage``'s replicas (None if it has one device).
+def replica_group(plan: Plan, stage: int, rank: int) -> Any:
+    """The process group of ``stage``'s replicas that ``rank`` all-reduces its gradients with
+    (None if the stage has one replica): in a tensor-parallel stage, the ranks that hold the
+    same shards, one per replica.
 
-    Every rank creates every replicated stage's group, in the same order, as
+    Every rank creates every replicated stage's groups, in the same order, as
     ``dist.new_group`` requires.
     """
     mine = None
     for k, st in enumerate(plan.stages):
-        ranks = [plan.devices.index(d) for d in st]
-        if len(ranks) > 1:
+        if plan.replicas_of(k) == 1:
+            continue
+        degree = plan.tensor_of(k)
+        for a in range(degree):
+            ranks = [plan.devices.index(d) for d in st[a::degree]]
             g = dist.new_group(ranks)
-            if k == stage:
+            if k == stage and rank in ranks:
                 mine = g
     return mine
 
@@ -171,7 +177,7 @@ class GradBuckets:
             size = 0
             for i, p in params:
                 cur.append(i)
-                size += p.numel() * p.element_size()
+                size += local(p).numel() * p.element_size()
                 if size >= BUCKET_BYTES:
                     self.buckets.append(cur)
                     cur, size = [], 0
@@ -194,8 +200,8 @@ class GradBuckets:
             self._reduce(self.buckets[b])
 
     def _reduce(self, bucket: list[int]) -> None:
-        grads = [self.tensor[i].grad if self.tensor[i].grad is not None
-                 else torch.zeros_like(self.tensor[i]) for i in bucket]
+        grads = [local(self.tensor[i].grad) if self.tensor[i].grad is not None
+                 else torch.zeros_like(local(self.tensor[i])) for i in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.group, async_op=True)
         self.started.append((work, flat, bucket))
@@ -215,7 +221,8 @@ class GradBuckets:
             messenger.waited += time.perf_counter() - t0
             pos = 0
             for i in bucket:
-                n = self.tensor[i].numel()
-                yield i, flat[pos: pos + n].view_as(self.tensor[i])
+                held = local(self.tensor[i])  # (a DTensor's shard: what was reduced)
+                n = held.numel()
+                yield i, flat[pos: pos + n].view_as(held)
                 pos += n
         self.started.clear()

@@ -28,10 +28,12 @@ from explorer.capture.tracing import captured_graph, step_program
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.modelsource import model_source
 from explorer.runtime.recompute import unit_key
+from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
 
@@ -125,6 +127,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         plan = replace(plan, model=source)
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
+    check_supported(graph, plan)
     path = Path(path)
     if path.suffix != ".py":
         raise ExplorerError(f"the script name should end in .py, not {path.name!r}")
@@ -149,7 +152,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         write_job(job, program, plan, order, inputs, targets, int(steps), int(warmup),
                   float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
                   graph.loss, 0, [unit_key(n.module_path) for n in graph.nodes],
-                  model=source)
+                  model=source, layout=plan_placements(graph, plan))
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)
     except (OSError, ExplorerError) as exc:

@@ -176,15 +176,22 @@ class Job:
     model: dict[str, Any] = field(default_factory=dict)
     #: per node, its recomputation unit (:func:`explorer.runtime.recompute.unit_key`)
     units: list[str] | None = None
+    #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
+    placements: dict[str, str] = field(default_factory=dict)
+    #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
+    split_ops: list[str] = field(default_factory=list)
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
               seed: int = 0, units: list[str] | None = None,
-              model: Mapping[str, Any] | None = None) -> None:
+              model: Mapping[str, Any] | None = None,
+              layout: tuple[dict[str, str], list[str]] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
-    program's parameters and buffers are left out: ranks build them from it."""
+    program's parameters and buffers are left out: ranks build them from it. ``layout``: the
+    placements of split weights and the split ops
+    (:func:`~explorer.core.tensor_layout.plan_placements`)."""
     calls, state = program_calls(program, len(inputs))
     keys = model_keys(program, len(inputs)) if model else {}
     state = {k: v for k, v in state.items() if k not in keys}
@@ -202,7 +209,8 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, "units": units, **({"model": dict(model)} if model else {})}))
+        "seed": seed, "units": units, **({"model": dict(model)} if model else {}),
+        "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else []}))
 
 
 def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
@@ -236,4 +244,5 @@ def read_job(folder: Path) -> Job:
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
                meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
-               meta.get("units"))
+               meta.get("units"), dict(meta.get("placements", {})),
+               list(meta.get("split_ops", [])))

@@ -64,14 +64,20 @@ class RankLayout:
         self.nflat = [c.nflat for c in calls]
         # this rank's stage, replica and shards
         self.s = plan.stage_of_device(self.device_id)
-        reps = [len(st) for st in plan.stages]
+        reps = [plan.replicas_of(k) for k in range(len(plan.stages))]
         self.shards = max(reps)
+        #: this stage's tensor-parallel degree: its ranks split each layer that many ways
+        self.tensor = plan.tensor_of(self.s)
         for k, r in enumerate(reps):
             if self.shards % r:
                 raise ExplorerError(f"stage {k} has {r} replicas, which does not divide the "
                                     f"largest replica count {self.shards}; use replica counts "
                                     "that divide each other (1, 2, 4, 8)")
-        self.j = plan.stages[self.s].index(self.device_id)  # replica index in the stage
+        # replica index in the stage (its devices are replicas x tensor, row-major)
+        at = plan.stages[self.s].index(self.device_id)
+        self.j = at // self.tensor
+        #: this rank's place in its replica's tensor group
+        self.tj = at % self.tensor
         per = self.shards // reps[self.s]
         self.units = list(range(self.j * per, (self.j + 1) * per))
         self.micro_batches = plan.micro_batches
@@ -87,10 +93,24 @@ class RankLayout:
         """The tag of a message about ``node`` (see :func:`message_tag`)."""
         return message_tag(kind, micro_batch, shard, node, self.shards, len(self.names))
 
-    def peer(self, stage: int, shard: int) -> int:
-        """The rank of ``stage`` that holds shard ``shard``."""
-        st = self.plan.stages[stage]
-        return self.plan.devices.index(st[shard // (self.shards // len(st))])
+    def replica_ranks(self, stage: int, shard: int) -> list[int]:
+        """The ranks of ``stage``'s replica that holds shard ``shard`` (its tensor group)."""
+        st, k = self.plan.stages[stage], self.plan.tensor_of(stage)
+        r = shard // (self.shards // (len(st) // k))
+        return [self.plan.devices.index(d) for d in st[r * k:(r + 1) * k]]
+
+    def peers_to(self, stage: int, shard: int) -> list[int]:
+        """The ranks of ``stage`` this rank sends shard ``shard``'s tensors to: those of the
+        holding replica whose place in its tensor group is this rank's, modulo this stage's
+        degree (each rank of a tensor group holds the whole tensor it sends)."""
+        return [r for b, r in enumerate(self.replica_ranks(stage, shard))
+                if b % self.tensor == self.tj]
+
+    def peer_from(self, stage: int, shard: int) -> int:
+        """The rank of ``stage`` this rank receives shard ``shard``'s tensors from (the
+        counterpart of :meth:`peers_to`)."""
+        ranks = self.replica_ranks(stage, shard)
+        return ranks[self.tj % len(ranks)]
 
     def local_consumers(self, i: int) -> int:
         """How many consumers of node ``i`` are on this rank's stage."""

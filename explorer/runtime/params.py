@@ -14,6 +14,7 @@ from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETER
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.sharding import GatheredRef, Shards
+from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
 
 #: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient
 #: times this, and the optimizer sees the gradients divided by it again (a power of two, so
@@ -56,7 +57,8 @@ class Weights:
     """
 
     def __init__(self, layout: RankLayout, state: dict[str, torch.Tensor], lr: float,
-                 messenger: Messenger, tracker: MemTracker, group: Any, record: bool) -> None:
+                 messenger: Messenger, tracker: MemTracker, group: Any, record: bool,
+                 mesh: TensorMesh | None = None) -> None:
         L = self.layout = layout
         self.messenger, self.tracker, self.record = messenger, tracker, record
         weight = [k in ("param", "buffer") for k in L.kind]
@@ -71,6 +73,8 @@ class Weights:
         self.value: dict[int, torch.Tensor] = {}
         for i in self.owned + self.used_remote:
             t = state[L.names[i]].detach().to(L.tdev).clone()
+            if mesh is not None:  # a tensor-parallel stage: its shard, as a DTensor
+                t = mesh.distribute(L.names[i], t)
             trainable = L.kind[i] == "param" and t.is_floating_point()
             if trainable and self.zero and L.stage[i] == L.s:
                 self.value[i] = self.shards.place(i, t)
@@ -158,6 +162,7 @@ class Weights:
             if self.zero >= 2 and p in self.shards.shard:
                 self._reduce_scatter(p)
             else:
+                self._place_grad(self.value[p])
                 self.buckets.ready(p)
 
     def _reduce_scatter(self, p: int) -> None:
@@ -174,6 +179,18 @@ class Weights:
         self.drop_grad(shard)
         shard.grad = grad
         self.grad_born(shard)
+
+    def _place_grad(self, p: torch.Tensor) -> None:
+        """Lay a complete gradient out as its parameter (a split weight's gradient may come
+        out of DTensor's backward replicated or as partial sums: each rank keeps its shard)."""
+        g = p.grad
+        if g is None:
+            return
+        placed = placed_like(g, p)
+        if placed is not g:
+            self.tracker.drop(g)
+            p.grad = placed
+            self.tracker.add(placed, GRADIENTS)
 
     def finish(self) -> None:
         """Gradients home, all-reduced across replicas, then the optimizer step."""
@@ -205,10 +222,10 @@ class Weights:
         for i, reduced in self.buckets.wait_all(msg):
             p = self.value[i]
             if p.grad is None:
-                p.grad = reduced.clone()
+                p.grad = like(p, reduced.clone())
                 self.grad_born(p)
             else:
-                p.grad.copy_(reduced)
+                local(p.grad).copy_(reduced)
         if self.zero >= 2:  # parameters no op of the step used
             for i in sorted(set(self.shards.shard) - self.scattered):
                 self._reduce_scatter(i)
@@ -246,7 +263,7 @@ class Weights:
         if self.zero >= 2 and i in self.shards.shard:
             return self.shards.full_grad(i)
         g = self.value[i].grad
-        return g.detach() if g is not None else None
+        return full(g.detach()) if g is not None else None
 
     def _track_optimizer_state(self) -> None:
         assert self.optimizer is not None

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
@@ -30,6 +31,7 @@ from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
+from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
 class _Entry(torch.autograd.Function):
@@ -77,8 +79,15 @@ class StageRunner:
         L = self.layout = RankLayout(job, rank, world, local_rank)
         self.tracker = MemTracker()
         self.messenger = Messenger(L.tdev)
-        self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker,
-                               replica_group(L.plan, L.s), job.record)
+        group = replica_group(L.plan, L.s, rank)
+        #: the mesh of this rank's tensor group (None unless its stage is tensor-parallel):
+        #: every value an op reads is a DTensor on it
+        self.mesh = TensorMesh.of_rank(L.plan, L.s, rank, L.tdev.type, job.placements)
+        self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
+                               job.record, self.mesh)
+        #: the ops the layout splits (run on DTensors), and per output whether it is one
+        self.split = {L.names.index(n) for n in job.split_ops}
+        self.is_dtensor: dict[Key, list[bool]] = {}
         self.actions = job.schedule[L.s]
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
         self.slots: dict[Key, list] = {}
@@ -186,7 +195,8 @@ class StageRunner:
         else:
             rk = (m, u, p)
             if rk not in self.received:
-                flat = self.messenger.recv(L.peer(L.stage[p], u), L.tag(ACTIVATION, m, u, p))
+                flat = self.messenger.recv(L.peer_from(L.stage[p], u),
+                                           L.tag(ACTIVATION, m, u, p))
                 spec = L.spec[p]
                 val = tree_unflatten(flat, spec) if spec is not None else flat[0]
                 for t in flat:
@@ -224,7 +234,12 @@ class StageRunner:
             self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
                                                  m * L.shards + u, i))
         with self._autocast():
-            return L.targets[i](*fill_refs(call.args, lookup), **fill_refs(call.kwargs, lookup))
+            args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
+            if self.mesh is None:
+                return L.targets[i](*args, **kwargs)
+            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split)
+            return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
+                    else self.mesh.settled(out))
 
     def _stand_in(self, t: torch.Tensor) -> Any:
         """What autograd keeps instead of ``t``: a reference to a gathered weight (ZeRO 3) or
@@ -256,11 +271,16 @@ class StageRunner:
         self.edges[(m, u, i)] = [get_gradient_edge(t) if isinstance(t, torch.Tensor)
                                  and t.requires_grad else None for t in flat]
         self.slots[(m, u, i)] = slots
+        if self.mesh is not None:
+            self.is_dtensor[(m, u, i)] = [isinstance(t, DTensor) for t in flat]
         self.fwd_left[(m, u, i)] = L.local_consumers(i)
-        for t in L.remote_stages(i):
-            self.messenger.send(out, L.peer(t, u), L.tag(ACTIVATION, m, u, i))
+        remote = L.remote_stages(i)
+        sent = self.mesh.plain(out) if remote and self.mesh is not None else out
+        for t in remote:
+            for dst in L.peers_to(t, u):
+                self.messenger.send(sent, dst, L.tag(ACTIVATION, m, u, i))
         if L.names[i] == L.loss_name:
-            self.losses.append(float(out.detach()))
+            self.losses.append(float(local(out.detach())))
         # inputs whose last local forward use this was can go
         for p in L.preds[i]:
             if L.kind[p] == "param":
@@ -310,7 +330,10 @@ class StageRunner:
         slots = self.slots.pop(key, [])
         # gradients from consumers on other stages
         for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
-            self._store_grad(key, self.messenger.recv(L.peer(t, u), L.tag(GRADIENT, m, u, i)))
+            got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, i))
+            if self.mesh is not None:
+                got = self.mesh.matching(got, self.is_dtensor.get(key, []))
+            self._store_grad(key, got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:
             grads = [torch.full_like(self.env[(m, u)][i], self.weights.loss_scale
@@ -364,8 +387,11 @@ class StageRunner:
                 self.bwd_left[gk] = left - 1
                 if left - 1 == 0:
                     g = self.grad.pop(gk, None) or [None] * L.nflat[p]
-                    self.messenger.send([x if x is not None else NO_GRADIENT for x in g],
-                                        L.peer(L.stage[p], u), L.tag(GRADIENT, m, u, p))
+                    sent = [x if x is not None else NO_GRADIENT for x in g]
+                    if self.mesh is not None:
+                        sent = self.mesh.plain(sent)
+                    for dst in L.peers_to(L.stage[p], u):
+                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
                     for x in g:
                         if x is not None:
                             self.tracker.drop(x)

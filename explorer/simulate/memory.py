@@ -14,6 +14,7 @@ from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
+from explorer.simulate.tensor import activations_per_device, per_device
 
 
 def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
@@ -29,12 +30,14 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     start_a, end_a = timing.arrays
     frac = np.asarray(tasks.batch_fraction)
     eff = tasks.effects
-    out_b = A.out_b if eff is None else eff.act_bytes
+    out_b = (activations_per_device(graph, plan, A.out_b)  # (split activations: a share)
+             if eff is None else eff.act_bytes)
     state_per_byte = OPTIMIZER_STATE[plan.optimizer]
     params = [0] * S
     bufs = [0] * S
     opt = [0] * S
-    kinds, rg, param_bytes = A.kinds, A.rg, A.param_bytes
+    kinds, rg = A.kinds, A.rg
+    param_bytes = per_device(graph, plan, A.param_bytes)  # (split weights: a device's share)
     zero = [0] * S if eff is None else eff.zero
     shard = param_bytes if eff is None else eff.shard.tolist()
     for i in np.flatnonzero(A.pbytes).tolist():
@@ -116,7 +119,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = A.extra if eff is None else eff.extra_bytes
+    extra = activations_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         # (recomputed ones from their recomputation)
@@ -259,7 +262,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             opt_end[tasks.res[t]] = end[t]
         elif tasks.kind[t] not in (ALLREDUCE, REDUCE_SCATTER, ALLGATHER):
             break  # the optimizer steps are the last tasks (with the all-reduces)
-    pbytes = A.pbytes
+    pbytes = per_device(graph, plan, A.pbytes)
     holds = (pbytes != 0) & (kcode != KIND_BUFFER) & (rg | is_op)
     own_ops = np.flatnonzero(holds & is_op)
     sel = holds[e_p] & ~is_op[e_p]

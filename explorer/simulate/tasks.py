@@ -36,6 +36,7 @@ from explorer.simulate.taskgraph import (
     Resource,
     TaskGraph,
 )
+from explorer.simulate.tensor import per_device, split_op_seconds
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
@@ -109,7 +110,7 @@ class _Builder:
         st = np.asarray(stage, dtype=np.int64)
         S, M = len(plan.stages), plan.micro_batches
         reps = [plan.stages[s] for s in range(S)]
-        frac = [1.0 / (len(reps[s]) * M) for s in range(S)]
+        frac = [1.0 / (plan.replicas_of(s) * M) for s in range(S)]
         # the slowest replica sets a stage's pace
         types = [{costs.cluster.device(d).type_key: d for d in reps[s]} for s in range(S)]
         is_op, has_b = A.is_op, A.has_b
@@ -156,9 +157,15 @@ class _Builder:
                 fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
                 idx = idx[has_b[idx]]
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
+        tensor_bytes = 0
+        if plan.uses_tensor_parallel:
+            tensor_bytes = split_op_seconds(g, plan, costs, sec, ops_by_stage,
+                                            [list(types[s].values()) for s in range(S)], frac,
+                                            fwd_d, bwd_d)
         # the plan's memory settings: precision and recomputed forwards change op times
-        eff = (stage_effects(g, plan, A, st, costs.cluster) if plan.uses_memory_settings
-               else None)
+        # (a plan with tensor-parallel stages has none: Plan refuses the two together)
+        eff = (stage_effects(g, plan, A, st, costs.cluster)
+               if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
         out_act = A.out_b if eff is None else eff.act_bytes  # activations' bytes
         if eff is not None:
             eff.apply_compute(g, costs.cluster, plan, A, st, fwd_d, bwd_d)
@@ -301,16 +308,18 @@ class _Builder:
                 edges(off_b[gc_], base[k_edge], m)
             for p, t in zip(up.tolist(), base.tolist(), strict=True):
                 sent_home.setdefault(p, []).append(t)
-        allreduce_bytes = 0
+        allreduce_bytes = tensor_bytes
         pg = A.pg
         trainable_bytes = [0] * S
         trainable_count = [0] * S
+        held = per_device(g, plan, A.param_bytes)  # (split weights: one device's share)
+        out_b = per_device(g, plan, out_b)
         zero = [0] * S if eff is None else eff.zero
         stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
         for i in A.trainable:
-            trainable_bytes[stage[i]] += A.param_bytes[i]
+            trainable_bytes[stage[i]] += held[i]
             trainable_count[stage[i]] += 1
-            stepped[stage[i]] += A.param_bytes[i] if eff is None else int(eff.shard[i])
+            stepped[stage[i]] += held[i] if eff is None else int(eff.shard[i])
         if eff is not None:
             allreduce_bytes += add_weight_gathers(
                 self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
@@ -320,11 +329,12 @@ class _Builder:
             d_opt = max(costs.optimizer_s(dv, plan.optimizer, stepped[s],
                                           trainable_count[s]) * self._opt_slowed(dv)
                         for dv in types[s].values())
-            if len(reps[s]) > 1 and params:
+            if plan.replicas_of(s) > 1 and params:
+                group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)
                 has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
                 chan = self.resource(("allreduce", s, -1))
                 # the first bucket also waits for the slowest replica to catch up
-                lag = self._replica_lag(fb, s, reps[s], M, d_opt)
+                lag = self._replica_lag(fb, s, group, M, d_opt)
                 bucket: list[int] = []
                 size = 0
                 for k, p in enumerate([*params, None]):
@@ -332,15 +342,15 @@ class _Builder:
                         bucket.append(p)
                         size += out_b[p]
                     if bucket and (p is None or size >= BUCKET_BYTES):
-                        k_ = len(reps[s])
+                        k_ = len(group)
                         if zero[s] >= 2:  # each rank keeps 1/k of the gradient
-                            d = costs.reduce_scatter_s(reps[s], size) + lag
+                            d = costs.reduce_scatter_s(group, size) + lag
                             allreduce_bytes += int((k_ - 1) * size)
                             t = self.task(REDUCE_SCATTER, chan, d, self.prio(k),
                                           f"reduce-scatter {size} B", -1, size)
                             eff.grad_done.update(dict.fromkeys(bucket, t))  # type: ignore
                         else:
-                            d = costs.allreduce_s(reps[s], size) + lag
+                            d = costs.allreduce_s(group, size) + lag
                             allreduce_bytes += int(2 * (k_ - 1) * size)
                             t = self.task(ALLREDUCE, chan, d, self.prio(k),
                                           f"all-reduce {size} B", -1, size)

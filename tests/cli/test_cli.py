@@ -178,6 +178,16 @@ class TestPlan:
         (p,) = json.loads(out)["plans"]
         assert (p["micro_batches"], p["schedule"]) == (2, "1f1b")
 
+    def test_tensor_splits_the_stages_it_divides(self, capsys):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm",
+                            "data-parallel", "--tensor", "2", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert p["tensor"] == [2] and p["stages"] == [["T4:0", "T4:1"]]
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
+                            "--tensor", "2", "--json")
+        assert rc == 1 and "--tensor 2 divides the devices of none" in err
+
     def test_memory_settings_apply_to_every_stage_and_memory_comes_by_category(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",
                             "--json")

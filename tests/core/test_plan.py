@@ -141,7 +141,7 @@ class TestStageSettings:
         assert plan.settings_of(1) == StageSettings(3, "none", "bf16")
         assert plan.settings_of(1).describe() == "zero 3, bf16"
         path = plan.save(tmp_path / "p.json")
-        assert json.loads(path.read_text())["version"] == PLAN_VERSION == 2
+        assert json.loads(path.read_text())["version"] == 2
         assert Plan.load(path, chain3) == plan
 
     def test_back_to_defaults_drops_the_settings(self, two_stage):
@@ -155,6 +155,24 @@ class TestStageSettings:
     def test_bad_settings_say_what_exists(self, two_stage, kw, match):
         with pytest.raises(PlanError, match=match):
             two_stage.with_memory(**kw)
+
+    def test_tensor_degree_round_trips_as_version_3(self, two_stage, chain3, tmp_path):
+        plan = two_stage.with_tensor(2, stages=[1])
+        assert (plan.tensor_of(0), plan.tensor_of(1), plan.replicas_of(1)) == (1, 2, 1)
+        assert plan.data_parallel == 1 and plan.settings_of(1).describe() == "tensor 2"
+        path = plan.save(tmp_path / "p.json")
+        d = json.loads(path.read_text())
+        assert d["version"] == 3 and d["stage_settings"][1]["tensor"] == 2
+        assert "tensor" not in d["stage_settings"][0]
+        assert Plan.load(path, chain3) == plan
+
+    def test_tensor_degree_must_divide_the_stage(self, two_stage, chain3, tmp_path):
+        with pytest.raises(PlanError, match="stage 0 has 1 devices, which a tensor-parallel"):
+            two_stage.with_tensor(2)
+        d = two_stage.with_tensor(2, stages=[1]).to_dict()
+        d["stage_settings"][1]["tensor"] = 3
+        with pytest.raises(PlanError, match="degree 3 does not divide"):
+            Plan.from_dict(d, chain3)
 
     def test_settings_for_the_wrong_number_of_stages_are_refused(self, two_stage, chain3):
         bad = replace(two_stage, stage_settings=(StageSettings(zero=1),))
@@ -440,3 +458,16 @@ class TestBounds:
     def test_huge_micro_batches_refused_in_memory(self, chain3, mb):
         with pytest.raises(PlanError, match="micro_batches must be a whole number >= 1 and"):
             Plan.single(chain3, "d:0", micro_batches=mb)
+
+
+class TestTensorWithMemorySettings:
+    def test_tensor_and_zero_recompute_or_precision_are_refused(self, two_stage):
+        for memory in ({"zero": 1}, {"recompute": "full"}, {"precision": "bf16"}):
+            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+                two_stage.with_tensor(2, stages=[1]).with_memory(**memory)
+            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+                two_stage.with_memory(**memory, stages=[0]).with_tensor(2, stages=[1])
+        d = two_stage.with_tensor(2, stages=[1]).to_dict()
+        d["stage_settings"][0]["zero"] = 1
+        with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
+            Plan.from_dict(d)

@@ -1,0 +1,193 @@
+"""Tensor-parallel layouts derived from the graph, Megatron-style: which weights a stage's tensor
+devices split, along which dimension, which ops then run on a share of the work, and what each
+split block all-reduces.
+
+Linears are grouped within their parent module, in graph order: a linear that reads earlier
+ones through element-wise ops only is row-parallel (weight split along the input features,
+``Shard(1)``; bias whole) and those it reads are column-parallel (weight and bias split along
+the output features, ``Shard(0)``): an MLP's up projection, or a SwiGLU's gate and up, so the
+activations between them stay split and the block all-reduces its output once in the forward
+and its input's gradient once in the backward (Megatron-LM's MLP block). Linears with anything
+but element-wise ops between them (attention, whose split into heads and rotary embedding need
+whole features in DTensor's terms) stay replicated. An embedding of the batch's token ids is
+vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
+Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
+``"Replicate()"``) so plans and simulators need no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+
+REPLICATE = "Replicate()"
+#: ops that act element by element (activations, dropout, scaling, gating): between a
+#: column- and a row-parallel linear they run on the split features as they are. Anything
+#: else between two linears (a split into heads, a reshape) would need the whole features, so
+#: such a pair stays whole (DTensor would gather the features back, which is no saving)
+POINTWISE = frozenset(f"aten.{op}" for op in (
+    "relu.default", "gelu.default", "silu.default", "tanh.default", "sigmoid.default",
+    "dropout.default", "mul.Tensor", "mul.Scalar", "add.Tensor", "sub.Tensor", "div.Tensor",
+    "div.Scalar", "neg.default", "pow.Tensor_Scalar", "erf.default", "exp.default",
+    "clone.default", "alias.default", "native_dropout.default", "hardtanh.default",
+    "leaky_relu.default", "elu.default", "mish.default"))
+#: random ops: the runtime runs them on whole values (every rank draws the mask one device
+#: would), so inside a split block their input is gathered first and they are not split
+RANDOM_OPS = frozenset(("aten.dropout.default", "aten.native_dropout.default",
+                        "aten.bernoulli.default", "aten.bernoulli.p", "aten.rand_like.default"))
+LINEAR_OPS = ("aten.linear.default",)
+EMBEDDING_OPS = ("aten.embedding.default",)
+
+
+def shard(dim: int) -> str:
+    return f"Shard({dim})"
+
+
+def shard_dim(placement: str) -> int | None:
+    """The dimension a ``"Shard(d)"`` placement splits; None for ``"Replicate()"``."""
+    if placement.startswith("Shard(") and placement.endswith(")"):
+        return int(placement[len("Shard("):-1])
+    return None
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What a ``degree``-way tensor split of a graph does, by node name.
+
+    ``placements``: each split parameter's placement (absent: replicated). ``split_ops``: ops
+    whose work is shared by the tensor devices (1/degree each). ``reduce_forward`` /
+    ``reduce_backward``: bytes all-reduced over the tensor devices after an op's forward, or in
+    its backward (the gradient of its input). ``gather_forward``: bytes all-gathered before a
+    random op's forward.
+    """
+
+    degree: int
+    placements: dict[str, str] = field(default_factory=dict)
+    split_ops: frozenset[str] = frozenset()
+    reduce_forward: dict[str, int] = field(default_factory=dict)
+    reduce_backward: dict[str, int] = field(default_factory=dict)
+    #: random ops inside a split block: bytes of their input all-gathered before them
+    gather_forward: dict[str, int] = field(default_factory=dict)
+
+    def placement(self, param: str) -> str:
+        return self.placements.get(param, REPLICATE)
+
+    def is_sharded(self, param: str) -> bool:
+        return param in self.placements
+
+
+def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
+    """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter."""
+    node = graph.nodes[op]
+    params = [graph.index[p] for p in node.inputs if graph.nodes[graph.index[p]].kind == "param"]
+    if not params or len(graph.nodes[params[0]].shapes[0]) != 2:
+        return None
+    return params[0], params[1] if len(params) > 1 else None
+
+
+def _divides(graph: OpGraph, param: int, dim: int, degree: int) -> bool:
+    return graph.nodes[param].shapes[0][dim] % degree == 0
+
+
+def _activation_in(graph: OpGraph, op: int) -> int | None:
+    """The op's first input that is not a weight (its activation)."""
+    for p in graph.nodes[op].inputs:
+        if graph.nodes[graph.index[p]].kind in ("op", "input"):
+            return graph.index[p]
+    return None
+
+
+def _reach(edges: list[list[int]], start: int) -> set[int]:
+    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded)."""
+    seen: set[int] = set()
+    todo = list(edges[start])
+    while todo:
+        k = todo.pop()
+        if k not in seen:
+            seen.add(k)
+            todo.extend(edges[k])
+    return seen
+
+
+def _block(graph: OpGraph, cols: list[int], row: int, degree: int
+           ) -> tuple[list[int], set[int]] | None:
+    """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
+    only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
+    nodes = graph.nodes
+    before = _reach(graph.preds, row)
+    reach = [c for c in cols if c in before]
+    if not reach:
+        return None
+    between = set().union(*(_reach(graph.succs, c) & before for c in reach))
+    if any(nodes[k].op not in POINTWISE for k in between):
+        return None
+    if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
+            _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
+        return None
+    return reach, between
+
+
+def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
+    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text)."""
+    if degree <= 1:
+        return TensorLayout(degree)
+    nodes = graph.nodes
+    placements: dict[str, str] = {}
+    split: set[str] = set()
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    gather: dict[str, int] = {}
+    by_parent: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
+            by_parent.setdefault(n.module_path.rpartition(".")[0], []).append(i)
+        if n.kind == "op" and n.op in EMBEDDING_OPS:
+            w = _weight(graph, i)
+            ids = [graph.index[p] for p in n.inputs if nodes[graph.index[p]].kind == "input"]
+            if w is not None and ids and _divides(graph, w[0], 0, degree):
+                placements[nodes[w[0]].name] = shard(0)
+                split.add(n.name)
+                fwd[n.name] = n.out_bytes
+    for ops in by_parent.values():
+        cols: list[int] = []  # column candidates waiting for the linear that reads them
+        for lin in ops:
+            block = _block(graph, cols, lin, degree)
+            if block is None:
+                cols.append(lin)
+                continue
+            cols = []
+            reach, between = block
+            for col in reach:
+                w, b = _weight(graph, col)  # type: ignore[misc]
+                placements[nodes[w].name] = shard(0)
+                if b is not None:
+                    placements[nodes[b].name] = shard(0)
+            placements[nodes[_weight(graph, lin)[0]].name] = shard(1)  # type: ignore[index]
+            random = {k for k in between if nodes[k].op in RANDOM_OPS}
+            split.update(nodes[k].name for k in {*reach, lin, *between} - random)
+            for k in random:
+                x = _activation_in(graph, k)
+                gather[nodes[k].name] = nodes[x].out_bytes if x is not None else 0
+            fwd[nodes[lin].name] = nodes[lin].out_bytes
+            seen: set[int] = set()  # one all-reduce per input the columns share
+            for col in reach:
+                x = _activation_in(graph, col)
+                if x is not None and x not in seen and nodes[x].requires_grad:
+                    seen.add(x)
+                    bwd[nodes[col].name] = nodes[x].out_bytes
+    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather)
+
+
+def plan_placements(graph: OpGraph, plan: Plan) -> tuple[dict[str, str], list[str]]:
+    """The placement of every weight a tensor-parallel stage of ``plan`` splits, and the ops
+    those stages split (in graph order)."""
+    out: dict[str, str] = {}
+    ops: set[str] = set()
+    for s in range(len(plan.stages)):
+        if plan.tensor_of(s) > 1:
+            layout = megatron_layout(graph, plan.tensor_of(s))
+            out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
+            ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
+    return out, [n.name for n in graph.nodes if n.name in ops]

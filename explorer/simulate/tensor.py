@@ -1,0 +1,96 @@
+"""Tensor parallelism in the simulator: what a stage's tensor split does to op times, weight
+bytes and communication, as the Megatron-style layout (:mod:`explorer.core.tensor_layout`) says.
+
+An op the layout splits runs at ``1 / tensor`` of its batch fraction's work, its per-op
+overhead unchanged (the cost tables' ``overhead + (t - overhead) x fraction``). Each all-reduce
+the layout implies (a row-parallel block's output in the forward, a column-parallel block's
+input gradient in the backward, a vocabulary-parallel embedding's output; an all-gather before
+a random op in a split block, which runs whole) runs inside the op that needs it, on the links
+of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it. Split
+weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
+optimizer state, and the activations the layout keeps split (and their gradients). Stages
+with a tensor degree of 1 are untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.core.tensor_layout import TensorLayout, megatron_layout
+from explorer.costs.model import CostModel
+from explorer.simulate.arrays import GraphArrays
+from explorer.simulate.seconds import Seconds
+
+
+def layouts(graph: OpGraph, plan: Plan) -> dict[int, TensorLayout]:
+    """The layout of every tensor-parallel stage, by stage."""
+    return {s: megatron_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
+            if plan.tensor_of(s) > 1}
+
+
+def tensor_group(plan: Plan, stage: int) -> tuple[str, ...]:
+    """The devices of ``stage``'s first tensor group (the mesh is replicas x tensor)."""
+    return plan.stages[stage][: plan.tensor_of(stage)]
+
+
+def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
+                     ops_by_stage: list[np.ndarray], devices: list, frac: list[float],
+                     fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
+    """Set the forward and backward seconds of the ops each tensor-parallel stage splits, and
+    add the all-reduces the layout implies to the ops that wait for them; the bytes those
+    all-reduces move in a step (every device's sends: a ring of k moves 2 (k - 1) times the
+    tensor, for every tensor group and micro-batch)."""
+    A = GraphArrays.of(graph)
+    index, has_b, M = graph.index, A.has_b, plan.micro_batches
+    moved = 0
+    for s, layout in layouts(graph, plan).items():
+        k = layout.degree
+        ops = ops_by_stage[s]
+        split = ops[np.isin(ops, [index[n] for n in layout.split_ops])]
+        if len(split):
+            fwd_s[split] = sec.slowest("fwd_s", split, devices[s], frac[s] / k)
+            split = split[has_b[split]]
+            bwd_s[split] = sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+        group = tensor_group(plan, s)
+        for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
+            for name, nbytes in reduce.items():
+                i = index[name]
+                if plan.stage_of(name) != s:
+                    continue
+                size = int(nbytes * frac[s])
+                times[i] += costs.allreduce_s(group, size)
+                moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
+        for name, nbytes in layout.gather_forward.items():
+            if plan.stage_of(name) == s:  # a ring all-gather: half a ring all-reduce
+                size = int(nbytes * frac[s])
+                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2
+                moved += plan.replicas_of(s) * (k - 1) * size * M
+    return moved
+
+
+def per_device(graph: OpGraph, plan: Plan, nbytes):
+    """``nbytes`` (a list or array of bytes per node) with each weight a tensor-parallel stage
+    splits divided by its degree: what one device holds. ``nbytes`` itself where none is."""
+    return _divided(graph, plan, nbytes, lambda lay: lay.placements)
+
+
+def activations_per_device(graph: OpGraph, plan: Plan, nbytes):
+    """``nbytes`` (per node) with the outputs a tensor-parallel stage keeps split divided by
+    its degree: those of the split ops but the ones whose output is all-reduced (a
+    row-parallel linear's or an embedding's partial sums are whole tensors)."""
+    return _divided(graph, plan, nbytes,
+                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward])
+
+
+def _divided(graph: OpGraph, plan: Plan, nbytes, names):
+    split = layouts(graph, plan)
+    if not split:
+        return nbytes
+    out = nbytes.copy()
+    for s, layout in split.items():
+        for name in names(layout):
+            if plan.stage_of(name) == s:
+                out[graph.index[name]] //= layout.degree
+    return out

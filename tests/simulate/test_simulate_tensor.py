@@ -1,0 +1,156 @@
+"""Tensor-parallel stages in the simulator, against hand-computed times and bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+import explorer as ex
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.tensor_layout import megatron_layout
+from tests.builders import cluster, costs
+
+LINEAR = "aten.linear.default"
+LAT_S, BW = 1e-3, 1e6  # the link: an all-reduce of 1000 B on 2 devices is 2 x 1 ms + 1 ms
+
+
+def _param(name: str, shape: tuple[int, ...], nbytes: int) -> OpNode:
+    return OpNode(name, "param", "param", module_path=name.rpartition(".")[0],
+                  shapes=(shape,), param_bytes=nbytes, out_bytes=nbytes, requires_grad=True)
+
+
+def _op(name: str, op: str, module: str, inputs: tuple[str, ...], out: int) -> OpNode:
+    return OpNode(name, "op", op, module_path=module, inputs=inputs, out_bytes=out,
+                  requires_grad=True)
+
+
+@pytest.fixture(scope="module")
+def block() -> OpGraph:
+    """pre -> fc1 (column) -> act -> fc2 (row) -> loss: one Megatron MLP block."""
+    return OpGraph("block", [
+        OpNode("x", "input", "input", out_bytes=1000),
+        _param("mlp.fc1.weight", (8, 4), 128), _param("mlp.fc1.bias", (8,), 32),
+        _param("mlp.fc2.weight", (4, 8), 128),
+        _op("pre", "aten.relu.default", "pre", ("x",), 1000),
+        _op("fc1", LINEAR, "mlp.fc1", ("pre", "mlp.fc1.weight", "mlp.fc1.bias"), 2000),
+        _op("act", "aten.relu.default", "mlp.act", ("fc1",), 2000),
+        _op("fc2", LINEAR, "mlp.fc2", ("act", "mlp.fc2.weight"), 1000),
+        _op("loss", "aten.sum.default", "", ("fc2",), 4),
+    ], batch_size=8, loss="loss")
+
+
+FWD = {"pre": 1.0, "fc1": 2.0, "act": 1.0, "fc2": 2.0, "loss": 0.5}
+BWD = {"pre": 1.0, "fc1": 4.0, "act": 2.0, "fc2": 4.0, "loss": 0.5}
+
+
+def test_layout_of_one_block(block):
+    lay = megatron_layout(block, 2)
+    assert lay.placements == {"mlp.fc1.weight": "Shard(0)", "mlp.fc1.bias": "Shard(0)",
+                              "mlp.fc2.weight": "Shard(1)"}
+    assert lay.split_ops == {"fc1", "act", "fc2"}
+    assert lay.reduce_forward == {"fc2": 1000} and lay.reduce_backward == {"fc1": 1000}
+    assert megatron_layout(block, 3).placements == {}  # 3 divides no split dimension
+
+
+def test_split_block_times_bytes_and_memory_by_hand(block):
+    cl = cluster(2, LAT_S, BW)
+    cm = costs(block, cl, FWD, BWD, overhead_s=0.2, opt_per_byte=0.0)
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(block, [("d:0", "d:1")], ops).with_tensor(2)
+    pred = ex.simulate(block, plan, cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731  (the overhead does not shrink)
+    allreduce_s = 2 * LAT_S + 1000 / BW
+    fwd = 1.0 + half(2.0) + half(1.0) + half(2.0) + allreduce_s + 0.5
+    bwd = 1.0 + half(4.0) + allreduce_s + half(2.0) + half(4.0) + 0.5
+    assert pred.step_s == pytest.approx(fwd + bwd, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * (2 * 1 * 1000)  # one forward, one backward
+    mem = pred.memory["d:0"]
+    assert mem.params_bytes == 128 // 2 + 32 // 2 + 128 // 2
+    assert mem.optimizer_bytes == 2 * mem.params_bytes  # adam
+    # one device: every op whole, no all-reduce
+    one = ex.simulate(block, ex.Plan.from_assignment(block, [("d:0",)], ops), cm)
+    assert one.step_s == pytest.approx(sum(FWD.values()) + sum(BWD.values()), rel=1e-12)
+    assert one.memory["d:0"].params_bytes == 288
+    # the split activations (fc1's and act's outputs, 2000 B each) are halved; the peaks the
+    # simulator finds: one device in fc2's backward (its weight gradient, 128 B, and 4000 B of
+    # activations), the split stage at the end of the backward (every weight gradient's share)
+    one_mem = one.memory["d:0"]
+    assert (one_mem.grads_bytes, one_mem.activations_bytes) == (128, 4000)
+    assert (mem.grads_bytes, mem.activations_bytes) == (144, 2000)
+
+
+def test_tensor_and_data_parallel_in_one_stage(block):
+    """4 devices = 2 replicas x 2: each replica takes half the batch, then splits its ops."""
+    cl = cluster(4, LAT_S, BW)
+    cm = costs(block, cl, FWD, BWD, overhead_s=0.2)
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(block, [("d:0", "d:1", "d:2", "d:3")], ops).with_tensor(2)
+    assert plan.replicas_of(0) == 2 and plan.data_parallel == 2
+    pred = ex.simulate(block, plan, cm)
+    at = lambda t, f: 0.2 + (t - 0.2) * f  # noqa: E731
+    allreduce_s = 2 * LAT_S + 500 / BW  # half the batch's activations
+    fwd = at(1.0, .5) + at(2.0, .25) + at(1.0, .25) + at(2.0, .25) + allreduce_s + at(0.5, .5)
+    bwd = (at(1.0, .5) + at(4.0, .25) + allreduce_s + at(2.0, .25) + at(4.0, .25)
+           + at(0.5, .5))
+    # the replicas all-reduce their weight shards (144 B) behind pre's backward
+    assert 2 * LAT_S + 144 / BW < at(1.0, .5)
+    assert pred.step_s == pytest.approx(fwd + bwd, rel=1e-9)
+    tensor_bytes = 2 * (2 * 1 * 500)  # two tensor groups, one forward and one backward each
+    assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
+
+
+def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
+    """The attention's fused qkv is split into heads (a split and views between its linears):
+    it stays whole."""
+    bm = ex.builtin_model("gpt", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    lay = megatron_layout(graph, 2)
+    for b in range(2):
+        assert lay.placement(f"blocks.{b}.mlp.fc.weight") == "Shard(0)"
+        assert lay.placement(f"blocks.{b}.mlp.fc.bias") == "Shard(0)"
+        assert lay.placement(f"blocks.{b}.mlp.proj.weight") == "Shard(1)"
+        assert lay.placement(f"blocks.{b}.mlp.proj.bias") == "Replicate()"
+        assert not any(lay.is_sharded(f"blocks.{b}.attn.{w}.weight") for w in ("qkv", "proj"))
+    assert lay.placement("tok_emb.weight") == "Shard(0)"
+    assert not lay.is_sharded("pos_emb.weight") and not lay.is_sharded("lm_head.weight")
+    # forward: the embedding and each MLP's output; backward: each MLP's input gradient
+    assert len(lay.reduce_forward) == 1 + 2 and len(lay.reduce_backward) == 2
+
+
+def test_llama_swiglu_splits_gate_and_up_into_down():
+    bm = ex.builtin_model("llama", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="llama")
+    lay = megatron_layout(graph, 2)
+    for b in range(2):
+        mlp = f"layers.{b}.mlp"
+        assert [lay.placement(f"{mlp}.{w}_proj.weight") for w in ("gate", "up", "down")] == [
+            "Shard(0)", "Shard(0)", "Shard(1)"]
+    # the gate's and up's shared input: one all-reduce of its gradient per block
+    assert len(lay.reduce_backward) == 2 and len(lay.reduce_forward) == 1 + 2
+
+
+def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
+    """The runtime draws a random op's mask on whole values: its split input is gathered
+    (half a ring all-reduce) and it runs at full size."""
+    g = OpGraph("drop", [
+        OpNode("x", "input", "input", out_bytes=1000),
+        _param("mlp.fc1.weight", (8, 4), 128), _param("mlp.fc2.weight", (4, 8), 128),
+        _op("pre", "aten.relu.default", "pre", ("x",), 1000),
+        _op("fc1", LINEAR, "mlp.fc1", ("pre", "mlp.fc1.weight"), 2000),
+        _op("drop", "aten.dropout.default", "mlp.drop", ("fc1",), 2000),
+        _op("fc2", LINEAR, "mlp.fc2", ("drop", "mlp.fc2.weight"), 1000),
+        _op("loss", "aten.sum.default", "", ("fc2",), 4),
+    ], batch_size=8, loss="loss")
+    lay = megatron_layout(g, 2)
+    assert lay.split_ops == {"fc1", "fc2"} and lay.gather_forward == {"drop": 2000}
+    fwd = {"pre": 1.0, "fc1": 2.0, "drop": 1.0, "fc2": 2.0, "loss": 0.5}
+    cm = costs(g, cluster(2, LAT_S, BW), fwd, {k: 2 * v for k, v in fwd.items()},
+               overhead_s=0.2)
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    pred = ex.simulate(g, ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2), cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    reduce_1000 = 2 * LAT_S + 1000 / BW
+    gather_2000 = (2 * LAT_S + 2000 / BW) / 2
+    f = 1.0 + half(2.0) + 1.0 + gather_2000 + half(2.0) + reduce_1000 + 0.5
+    b = 2.0 + half(4.0) + reduce_1000 + 2.0 + half(4.0) + 1.0
+    assert pred.step_s == pytest.approx(f + b, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * 1000 * 2 + 1 * 2000
