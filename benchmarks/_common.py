@@ -44,6 +44,12 @@ def add_results_option(ap: argparse.ArgumentParser) -> None:
                          "writes none); python benchmarks/report.py renders them into docs/")
 
 
+def load_average() -> str:
+    """``"load average 1.23 0.98 0.75"``: how busy the machine was, for a record's notes
+    (shared machines inflate wall-clock seconds)."""
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def machine() -> str:
     """This machine in words, without its name: cores, processor, torch, GPU."""
     cpu = platform.processor() or platform.machine()

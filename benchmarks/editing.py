@@ -37,7 +37,6 @@ Prints its tables and records them under ``benchmarks/results/`` (``--results``)
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import add_results_option, write_result
+from _common import add_results_option, load_average, write_result
 
 import explorer as ex
 from explorer.core.units import table
@@ -161,7 +160,7 @@ def first_pictures(models: list[str], size: str, devices: str, folder: str) -> N
              f"{devices} preset: a capture that runs nothing, roofline costs, opening plan the "
              "fastest quick baseline; then the capture with real weights in the background; "
              "seconds)")
-    load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    load = load_average()
     print(f"{title}; {load}")
     head = ("model", "ops", "items shown", "opening plan", "first picture (s)",
             "real capture done (s)", f"<= {FIRST_PICTURE_S:g} s")
@@ -189,7 +188,7 @@ def large_shapes(shapes: list[str], devices: str, edits: int, folder: str) -> No
         print(f"  {name}: done", file=sys.stderr)
     title = (f"The explorer widget on published large shapes ({devices} preset, fake capture, "
              f"roofline costs, folded; edits: ms, median / slowest of {edits})")
-    load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    load = load_average()
     print(f"{title}; {load}")
     head = ("shape", "ops", "items shown", "opening plan", "capture (s)", "open (s)",
             "open CPU (s)", "engine ms", "widget ms", "widget max", "widget CPU ms",
@@ -233,7 +232,7 @@ def main() -> None:
             print(f"  {kind} {n}: done", file=sys.stderr)
     title = (f"Edit to updated numbers in the explorer widget ({args.devices} preset, roofline "
              f"costs; ms, median / slowest of {args.edits} edits)")
-    load = f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    load = load_average()
     print(f"{title}; {load}")
     head = ("graph", "ops", "items shown", "open (s)", "layout ms", "engine ms", "engine max",
             "widget ms", "widget max", "< 100 ms")

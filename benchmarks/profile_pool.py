@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import time
 
-from _common import add_results_option, builtin_plans, write_result
+from _common import add_results_option, builtin_plans, load_average, write_result
 from profile_repeat import PLANS
 
 import explorer as ex
@@ -102,7 +102,7 @@ def main() -> None:
             "fresh err", "pool err")
     print(title)
     print(table(head, rows))
-    load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = load_average()
     wall = f"wall {time.perf_counter() - t_all:.0f} s; {load}"
     print("\n" + wall)
     write_result("profile_pool", rows, columns=head, title=title, notes=wall + ".",
