@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
@@ -43,3 +46,10 @@ def costs(g: OpGraph, cl: Cluster, fwd: dict[str, float], bwd: dict[str, float],
     per = {k: DeviceCosts(k, f, b, src, overhead_s, {"adam": opt_per_byte, "sgd": opt_per_byte},
                           {"adam": 0.0, "sgd": 0.0}) for k in keys}
     return CostModel(g.fingerprint, cl, per)
+
+
+@functools.cache
+def tiny_builtin_graph(name: str) -> OpGraph:
+    """A built-in model's tiny size, captured once per test process (runs only read it)."""
+    bm = ex.builtin_model(name, "tiny")
+    return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)

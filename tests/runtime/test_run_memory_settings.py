@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from builders import tiny_builtin_graph
 
 import explorer as ex
 from explorer.models.synthetic import roofline_costs
@@ -18,16 +19,8 @@ from explorer.runtime.launch import reference
 pytestmark = pytest.mark.slow
 
 STEPS, WARMUP = 2, 1
-_GRAPHS: dict = {}
 _RUNS: dict = {}
 
-
-def _graph(name: str):
-    if name not in _GRAPHS:
-        bm = ex.builtin_model(name, "tiny")
-        _GRAPHS[name] = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
-                                   name=name)
-    return _GRAPHS[name]
 
 
 def _plan(name: str, path: str, **memory):
@@ -35,7 +28,7 @@ def _plan(name: str, path: str, **memory):
     accumulate before they are reduced) or two pipeline stages (gpt: 1F1B over two
     micro-batches, so micro-batches' forwards and backwards interleave), with ``memory``
     settings."""
-    graph = _graph(name)
+    graph = tiny_builtin_graph(name)
     cluster = ex.Cluster.cpu(2, measure=False)
     costs = roofline_costs(graph, cluster)
     if path == "data-parallel":
@@ -51,7 +44,7 @@ def _plan(name: str, path: str, **memory):
 def _run(name: str, path: str, **memory):
     key = (name, path, tuple(sorted(memory.items())))
     if key not in _RUNS:
-        _RUNS[key] = ex.run(_graph(name), plan=_plan(name, path, **memory), steps=STEPS,
+        _RUNS[key] = ex.run(tiny_builtin_graph(name), plan=_plan(name, path, **memory), steps=STEPS,
                             warmup=WARMUP, progress=False, record=True, timeout_s=180)
     return _RUNS[key]
 
@@ -146,8 +139,8 @@ def test_lower_precision_stays_within_its_tolerance(name, precision):
 def _script_losses(plan, folder) -> list[float]:
     """The losses an exported script of ``plan`` prints under torchrun (its first replica's)."""
     folder.mkdir()
-    script = ex.export_script(plan, folder / "train_plan.py", graph=_graph("gpt"), steps=2,
-                              warmup=1)
+    script = ex.export_script(plan, folder / "train_plan.py", graph=tiny_builtin_graph("gpt"),
+                              steps=2, warmup=1)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", str(script)], capture_output=True, text=True, timeout=300,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from builders import tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
@@ -22,7 +23,7 @@ def _one_stage(graph, devices):
 
 
 def _check(name: str, plan, shards: int) -> None:
-    meas = ex.run(_graph(name), plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
+    meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
                   record=True, timeout_s=180)
     ref = reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
                     optimizer=plan.optimizer)
@@ -33,28 +34,21 @@ def _check(name: str, plan, shards: int) -> None:
         torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
 
 
-_GRAPHS: dict = {}
 
-
-def _graph(name: str):
-    if name not in _GRAPHS:
-        bm = ex.builtin_model(name, "tiny")
-        _GRAPHS[name] = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
-                                   name=name)
-    return _GRAPHS[name]
 
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])
 def test_tensor_parallel_stage_matches_one_device(name):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel); its fused attention
     has no sharding rule in DTensor on CPU and runs on whole values."""
-    _check(name, _one_stage(_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
+    _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
 def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device():
     """4 ranks: 2 replicas x 2 tensor devices. The split embedding's gradient comes out of the
     backward whole; each rank keeps its shard, all-reduced with the other replica's."""
-    plan = _one_stage(_graph("gpt"), ("cpu:0", "cpu:1", "cpu:2", "cpu:3")).with_tensor(2)
+    devices = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
+    plan = _one_stage(tiny_builtin_graph("gpt"), devices).with_tensor(2)
     _check("gpt", plan, 2)
 
 
@@ -75,7 +69,7 @@ def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws():
 def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
     """3 ranks: the first half of the GPT on one, the second split over two; 2 micro-batches
     (1F1B). Activations and gradients cross the boundary whole."""
-    graph = _graph("gpt")
+    graph = tiny_builtin_graph("gpt")
     ops = [n.name for n in graph.nodes if n.kind == "op"]
     plan = ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1", "cpu:2")],
                                    {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)},
@@ -84,7 +78,7 @@ def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
 
 
 def test_a_weight_read_across_a_tensor_parallel_stage_is_refused_before_starting():
-    graph = _graph("mlp")
+    graph = tiny_builtin_graph("mlp")
     ops = [n.name for n in graph.nodes if n.kind == "op"]
     plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
                                    {**{nm: int(nm == ops[-1]) for nm in ops}, "head.weight": 1}
