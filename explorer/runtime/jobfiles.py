@@ -15,7 +15,7 @@ import json
 import operator
 import pickle
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,21 @@ def resolve_target(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, ns), op), overload)
 
 
+def map_leaves(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``x`` with its lists, tuples and dicts rebuilt as plain ones and ``leaf`` applied to
+    everything else."""
+    if isinstance(x, list):
+        return [map_leaves(v, leaf) for v in x]
+    if isinstance(x, tuple):
+        return tuple(map_leaves(v, leaf) for v in x)
+    if isinstance(x, dict):
+        return {k: map_leaves(v, leaf) for k, v in x.items()}
+    return leaf(x)
+
+
 def fill_refs(x: Any, lookup: dict[str, Any]) -> Any:
-    """Arguments with every node reference replaced by its value."""
+    """Arguments with every node reference replaced by its value (on every op call of a
+    step: written out rather than through :func:`map_leaves`, which costs a call per leaf)."""
     if isinstance(x, Ref):
         return lookup[x.name]
     if isinstance(x, list):
@@ -104,26 +117,12 @@ def fill_refs(x: Any, lookup: dict[str, Any]) -> Any:
 def on_device(x: Any, device: torch.device) -> Any:
     """Arguments with every device in them replaced by ``device``: a program captured on one
     device creates its constants (``arange``, ``full``, ``zeros``) on the rank's device."""
-    if isinstance(x, torch.device):
-        return device
-    if isinstance(x, list):
-        return [on_device(v, device) for v in x]
-    if isinstance(x, tuple):
-        return tuple(on_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: on_device(v, device) for k, v in x.items()}
-    return x
+    return map_leaves(x, lambda v: device if isinstance(v, torch.device) else v)
 
 
 def _plain(x: Any) -> Any:
     """fx's immutable containers as plain lists and dicts (some ATen schemas insist)."""
-    if isinstance(x, list):
-        return [_plain(v) for v in x]
-    if isinstance(x, tuple):
-        return tuple(_plain(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
+    return map_leaves(x, lambda v: v)
 
 
 def program_calls(program: Any, n_inputs: int) -> tuple[list[OpCall], dict[str, torch.Tensor]]:

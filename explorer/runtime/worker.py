@@ -202,8 +202,7 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
         e1 = energy.read()
         for key, v in r.task_times.items():
             all_times[key].extend(v)
-        res["energy_j"] = (e1 - e0) if e0 is not None and e1 is not None else None
-        res["energy_counter_j"] = (e0, e1)
+        res["energy_counter_j"] = (e0, e1)  # the run's energy: over all its measured steps
         res["measured"] = k >= job.warmup
         results.append(res)
         if verbose and res["loss"] is not None and r.layout.j == 0:
