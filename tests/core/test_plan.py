@@ -10,13 +10,8 @@ import pytest
 from builders import cluster, graph
 
 from explorer.core.errors import PlanError
-from explorer.core.plan import (
-    MAX_DEVICES,
-    MAX_MICRO_BATCHES,
-    PLAN_VERSION,
-    Plan,
-    StageSettings,
-)
+from explorer.core.plan import Plan, StageSettings
+from explorer.core.plan_schema import MAX_DEVICES, MAX_MICRO_BATCHES, PLAN_VERSION
 
 
 @pytest.fixture
