@@ -2,7 +2,8 @@
 
 Run: python benchmarks/editing.py [--sizes 500,2000,10000|none] [--edits 20] [--devices 4xH100]
      [--models mlp,alexnet,...|none] [--model-size default] [--shapes llama-70b|none]
-     [--shape-devices 64xH100]
+     [--shape-devices 64xH100] [--cpu-models mlp,alexnet,...|none] [--cpu-ranks 2]
+     [--cpu-gpt2]
 
 First picture: for each built-in model (and Hugging Face's GPT-2 small built from its config,
 no download, when ``transformers`` is importable), the time from ``Explorer(model, inputs,
@@ -10,6 +11,15 @@ cluster=...)`` to a drawn figure: the capture without running the model (fake te
 costs, the opening plan (the fastest quick baseline) and the widget: what a user waits for
 before the first picture. Target: 5 s. Then the time until the capture with real weights,
 running in the background meanwhile, is done (no profile: the preset's devices are not here).
+
+Measured numbers on CPU ranks (``--cpu-models``, on ``Cluster.cpu(--cpu-ranks)``): the same
+first picture, and then the time until the background measuring (capture with real weights,
+the profile's op timing runs, the contention runs, the per-message probe) is done and the
+measured numbers have replaced the estimates. Target: 60 s. Everything is measured afresh in
+an empty cache folder (``XDG_CACHE_HOME``, nothing of the user's cache is read or written):
+first the host measurements a new machine makes once (``Cluster.cpu``'s compute and link
+probes, the per-message probe), timed apart, then each model's profile. GPT-2 small joins with
+``--cpu-gpt2`` (minutes of profiling on two CPU ranks).
 
 Edits:
 
@@ -37,9 +47,14 @@ Prints its tables and records them under ``benchmarks/results/`` (``--results``)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,11 +65,18 @@ import explorer as ex
 from explorer.core.units import table
 from explorer.models.builtin import model_names
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
+from explorer.profiling import host, ops
+from explorer.runtime.pool import RankPool
 from widgets.app import Explorer
 from widgets.session import Session
 
 #: the first picture should take at most this long, capture included (seconds)
 FIRST_PICTURE_S = 5.0
+#: the measured numbers should replace the estimates within this long (seconds)
+MEASURED_S = 60.0
+#: phases of the background measuring, by the words of its progress reports
+PHASES = (("profile", "profiling "), ("contention", "contention of"),
+          ("message", "message between"))
 
 
 def gpt_graph(n: int) -> ex.OpGraph:
@@ -172,6 +194,98 @@ def first_pictures(models: list[str], size: str, devices: str, folder: str) -> N
                  folder=folder)
 
 
+@contextlib.contextmanager
+def empty_cache() -> Iterator[None]:
+    """Profiles and host measurements in a new empty folder (``XDG_CACHE_HOME``, which rank
+    processes inherit) until the block ends; the user's cache is left alone."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    with tempfile.TemporaryDirectory(prefix="pe-bench-cache-") as folder:
+        os.environ["XDG_CACHE_HOME"] = folder
+        host.forget_message_s()
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ["XDG_CACHE_HOME"]
+            else:
+                os.environ["XDG_CACHE_HOME"] = old
+            host.forget_message_s()
+
+
+def measured_picture(name: str, make, cluster: ex.Cluster) -> dict:
+    """Seconds from ``Explorer(model, ..., cluster=cluster)`` (CPU ranks) to the drawn figure,
+    then until the measured numbers are in, with when each phase of the background measuring
+    began (seconds from the start; None where its report came before the observer)."""
+    module, inputs, loss_fn, targets = make()
+    shutil.rmtree(ops.cache_dir(), ignore_errors=True)  # this model's profile afresh
+    began: dict[str, float] = {}
+
+    def seen(session: Session, what: str) -> None:
+        if what == "measure":
+            for phase, words in PHASES:
+                if words in session.measure_status:
+                    began.setdefault(phase, time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    w = Explorer(module, inputs, cluster=cluster, loss_fn=loss_fn, targets=targets,
+                 progress=False)
+    open_s = time.perf_counter() - t0
+    w.session.observe(seen)
+    w.session.wait_measured()
+    measured_s = time.perf_counter() - t0
+    return {"model": name, "ops": len(w.session.graph.ops), "open_s": open_s,
+            "measured_s": measured_s, **{p: began.get(p) for p, _ in PHASES}}
+
+
+def _span(start: float | None, *ends: float | None) -> str:
+    """Seconds from ``start`` to the first of ``ends`` that is known ("-": no start)."""
+    end = next((e for e in ends if e is not None), None)
+    return "-" if start is None or end is None else f"{end - start:.1f}"
+
+
+def measured_pictures(models: list[str], size: str, ranks: int, gpt2: bool,
+                      folder: str) -> None:
+    """The first picture on CPU ranks and the time until measured numbers replace the
+    estimates, for each model, in an empty cache (:func:`empty_cache`)."""
+    makes = [(f"{name} ({size})", builtin(name, size)) for name in models]
+    if gpt2 and hf_gpt2() is not None:
+        makes.append(("Hugging Face GPT-2 small", hf_gpt2))
+    rows = []
+    with empty_cache():
+        t0 = time.perf_counter()
+        cluster = ex.Cluster.cpu(ranks)
+        probes_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with RankPool(2) as pool:  # as a profile makes it, on the profile's ranks
+            host.cpu_message_s(cluster, pool=pool)
+        message_s = time.perf_counter() - t0
+        for name, make in makes:
+            rows.append(measured_picture(name, make, cluster))
+            print(f"  measured numbers {name}: done", file=sys.stderr)
+    title = (f"Time to the first picture and to measured numbers in the explorer widget "
+             f"(Explorer(model, ...) on Cluster.cpu({ranks}), every profile afresh: the "
+             "widget opens on roofline estimates, then captures with real weights, profiles "
+             "(op timing runs, contention runs) in the background and swaps the numbers in; "
+             "seconds)")
+    load = load_average()
+    notes = (f"{load}. Once per machine before these (cached afterwards, not in the rows): "
+             f"Cluster.cpu({ranks})'s host probes {probes_s:.1f} s, the per-message probe "
+             f"{message_s:.1f} s.")
+    print(f"{title}; {notes}")
+    head = ("model", "ops", "first picture (s)", "capture with real weights (s)",
+            "op timing runs (s)", "contention runs (s)", "measured numbers in (s)",
+            f"<= {FIRST_PICTURE_S:g} s; <= {MEASURED_S:g} s")
+    out = [(r["model"], f"{r['ops']:,}", f"{r['open_s']:.2f}",
+            _span(r["open_s"], r["profile"]),
+            _span(r["profile"], r["contention"], r["message"], r["measured_s"]),
+            _span(r["contention"], r["message"], r["measured_s"]), f"{r['measured_s']:.1f}",
+            f"{_yes(r['open_s'] <= FIRST_PICTURE_S)}; {_yes(r['measured_s'] <= MEASURED_S)}")
+           for r in rows]
+    print(table(head, out))
+    write_result("first_picture_cpu", out, columns=head, title=title, notes=notes,
+                 folder=folder)
+
+
 def _yes(ok: bool) -> str:
     return "yes" if ok else "NO"
 
@@ -216,12 +330,21 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-70b",
                     help="published large shapes to open folded ('none': skip them)")
     ap.add_argument("--shape-devices", default="64xH100")
+    ap.add_argument("--cpu-models", default=",".join(model_names()),
+                    help="built-in models opened on CPU ranks, timed until the measured "
+                         "numbers are in ('none': skip them)")
+    ap.add_argument("--cpu-ranks", type=int, default=2)
+    ap.add_argument("--cpu-gpt2", action="store_true",
+                    help="also GPT-2 small on CPU ranks (minutes)")
     add_results_option(ap)
     args = ap.parse_args()
     if args.shapes != "none":
         large_shapes(args.shapes.split(","), args.shape_devices, args.edits, args.results)
     if args.models != "none":
         first_pictures(args.models.split(","), args.model_size, args.devices, args.results)
+    if args.cpu_models != "none":
+        measured_pictures(args.cpu_models.split(","), args.model_size, args.cpu_ranks,
+                          args.cpu_gpt2, args.results)
     if args.sizes == "none":
         return
     rows = []
