@@ -391,8 +391,8 @@ def test_a_660_op_model_opens_expands_all_and_an_assignment_recolours_it(lab):
             browser.close()
 
 
-#: the graph's view (its ranges), the overview's box and the items labelled on zoom, as
-#: BokehJS has them
+#: the graph's view (its ranges), the overview's box and the items labelled (always, where
+#: labels fit, and on zoom), as BokehJS has them
 NAVIGATION = """() => {
   const find = (name) => [...Bokeh.index.all_views()].find(v => v.model && v.model.name === name);
   const main = find('pe-graph-plot'), over = find('pe-overview');
@@ -400,22 +400,36 @@ NAVIGATION = """() => {
   const xr = main.model.x_range, yr = main.model.y_range;
   const box = over.model.toolbar.tools.find(t => t.overlay).overlay;
   const labels = main.model.renderers.find(r => r.name === 'pe-zoom-labels');
+  const always = main.model.renderers.find(r => r.name === 'pe-labels');
   return {view: [xr.start, xr.end, yr.start, yr.end],
           box: [box.left, box.right, box.bottom, box.top],
           labelled: [...labels.view.filter.indices], visible: over.model.visible,
+          always: [...always.view.filter.indices],
           width: main.model.inner_width};
 }"""
+
+
+def labels_fit(view, width_px) -> bool:
+    """Whether neighbouring items are LABEL_PX apart on screen in ``view``."""
+    from widgets.layout import GAP, ITEM_W
+    from widgets.panels.overview import LABEL_PX
+
+    return (ITEM_W + GAP) * width_px / (view[1] - view[0]) >= LABEL_PX
+
+
+def labels_always(short, view, width_px) -> list[int]:
+    """The items the graph labels in ``view`` whatever is in it: the largest 150 (a short
+    label), when neighbouring labels fit; none when they would run into each other."""
+    return [k for k, t in enumerate(short) if t] if labels_fit(view, width_px) else []
 
 
 def labels_on_zoom(xs, ys, short, view, width_px) -> list[int]:
     """The items the graph should label on zoom: those in ``view`` without a label, when at
     most 150 are in view and neighbouring labels fit (LABEL_PX apart)."""
-    from widgets.layout import GAP, ITEM_W
     from widgets.panels.graph import MAX_LABELS
-    from widgets.panels.overview import LABEL_PX
 
     x0, x1, y0, y1 = view
-    if (ITEM_W + GAP) * width_px / (x1 - x0) < LABEL_PX:
+    if not labels_fit(view, width_px):
         return []
     inside = [k for k, (x, y) in enumerate(zip(xs, ys, strict=True))
               if x0 <= x <= x1 and y0 <= y <= y1]
@@ -438,8 +452,8 @@ SET_VIEW = """([x0, x1, y0, y1]) => {
 def test_the_overview_box_follows_the_view_and_labels_appear_on_zoom(lab):
     """On the 660-op model with every op shown: the overview's box is the graph's view
     after "zoom to selection" and after a zoom in the page; a click on the overview moves the
-    view there; zoomed in on a few items every one of them is labelled, zoomed out (or with
-    items too close for their labels) only the largest 150 are."""
+    view there; zoomed in on a few items every one of them is labelled, further out only the
+    largest 150 are, and zoomed out (items too close for their labels) none."""
     from playwright.sync_api import sync_playwright
 
     url, _root = lab
@@ -465,6 +479,9 @@ def test_the_overview_box_follows_the_view_and_labels_appear_on_zoom(lab):
             nav = page.evaluate(NAVIGATION)
             assert not errors, errors
             assert nav["labelled"] == []  # the fitted view holds more than 150 items
+            short = page.evaluate(ITEM_COLUMN, "short")
+            assert sum(1 for t in short if t) == 150
+            assert nav["always"] == labels_always(short, nav["view"], nav["width"])
 
             find = page.locator(".pe-find input")
             find.fill("copy3.blocks.1.mlp")
@@ -476,6 +493,7 @@ def test_the_overview_box_follows_the_view_and_labels_appear_on_zoom(lab):
             nav = page.evaluate(NAVIGATION)
             xs, ys, short = (page.evaluate(ITEM_COLUMN, c) for c in ("x", "y", "short"))
             assert nav["labelled"] == labels_on_zoom(xs, ys, short, nav["view"], nav["width"])
+            assert len(nav["always"]) == 150
             page.wait_for_timeout(500)
             page.locator(".pe-graph").screenshot(path=str(OUT / "explorer-zoom-labels.png"))
 
@@ -488,10 +506,13 @@ def test_the_overview_box_follows_the_view_and_labels_appear_on_zoom(lab):
             assert near(nav["view"], view)
             expected = labels_on_zoom(xs, ys, short, view, nav["width"])
             assert expected and nav["labelled"] == expected
+            assert len(nav["always"]) == 150
             page.evaluate(SET_VIEW, [cx - 30, cx + 30, cy - 3, cy + 3])  # labels would overlap
-            assert page.evaluate(NAVIGATION)["labelled"] == []
+            nav = page.evaluate(NAVIGATION)
+            assert nav["labelled"] == [] and nav["always"] == []
             page.evaluate(SET_VIEW, [min(xs) - 1, max(xs) + 1, min(ys) - 1, max(ys) + 1])
-            assert page.evaluate(NAVIGATION)["labelled"] == []  # all 660 in view
+            nav = page.evaluate(NAVIGATION)
+            assert nav["labelled"] == [] and nav["always"] == []  # all 660 in view
 
             # a click on the overview centres the view on the point clicked
             page.evaluate(SET_VIEW, view)

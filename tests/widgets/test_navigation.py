@@ -126,3 +126,5 @@ def test_the_overview_shows_the_whole_layout_around_the_graphs_view(gpt):
     # every item has a label for when it is zoomed in on; the largest 150 have one always
     assert all(d["tag"]) and sum(1 for t in d["short"] if t) == 150
     assert w.graph.zoom_labels.indices == []  # the browser fills them in
+    # until the browser says whether labels fit on screen, the largest 150 have theirs
+    assert w.graph.labels.indices == [k for k, t in enumerate(d["short"]) if t]

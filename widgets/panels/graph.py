@@ -7,8 +7,9 @@ items selects them in the session; the expand/collapse buttons, the depth box an
 box change which items are shown, and each change re-fits the view (the reset tool comes
 back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
 up in it): a hover over a node never opens the texts of the edges that end at it. Beside the
-graph, an overview of the whole layout shows the view as a box to drag; zoomed in on at most
-``MAX_LABELS`` items, every item in view is labelled (:mod:`widgets.panels.overview`).
+graph, an overview of the whole layout shows the view as a box to drag. Labels are drawn only
+where neighbouring ones fit on screen: the ``MAX_LABELS`` largest items', and zoomed in on at
+most ``MAX_LABELS`` items, every item's in view (:mod:`widgets.panels.overview`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from explorer.core.units import format_bytes, format_flops, format_seconds
 from widgets.graphview import Item
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
-from widgets.panels.overview import Overview, add_zoom_labels
+from widgets.panels.overview import Overview, add_labels
 from widgets.session import Session
 
 MIXED = "#b0b0b0"
@@ -133,8 +134,9 @@ class GraphPanel(Panel):
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
         self.frames = ColumnDataSource(self.frame_columns())
         self.figure = self._draw(backend, height)
-        #: the items whose label appears on zoom (:func:`widgets.panels.overview.add_zoom_labels`)
-        self.zoom_labels = add_zoom_labels(self.figure, self.nodes, "tag", MAX_LABELS)
+        #: the items labelled always (where labels fit) and on zoom
+        #: (:func:`widgets.panels.overview.add_labels`)
+        self.labels, self.zoom_labels = add_labels(self.figure, self.nodes, MAX_LABELS)
         self.overview = Overview(self.figure, self.nodes, self.edges, self.frames, backend)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
@@ -203,11 +205,6 @@ class GraphPanel(Panel):
                    hatch_color="white", hatch_alpha=0.6)
         r.nonselection_glyph.fill_alpha = 0.45
         r.selection_glyph = None
-        # black on a white box: legible on every device color and on the stripes
-        p.add_layout(LabelSet(x="x", y="y", text="short", source=self.nodes,
-                              text_font_size="8pt", text_align="center",
-                              text_baseline="middle", text_color="black",
-                              background_fill_color="white", background_fill_alpha=0.8))
         p.add_tools(
             HoverTool(renderers=[r], tooltips=[
                 ("", "@label"), ("device", "@device"), ("op", "@op"), ("output", "@shapes"),
@@ -228,7 +225,8 @@ class GraphPanel(Panel):
             data = self.node_columns()
             self.nodes.selected.indices = []
             self.zoom_labels.indices = []  # (positions in the items shown before)
-            self.nodes.data = data
+            self.labels.indices = [k for k, t in enumerate(data["short"]) if t]
+            self.nodes.data = data  # (the browser then says which labels fit)
             self.edges.data = self.edge_columns(data["device"])
             self.frames.data = self.frame_columns()
             self._fit_ranges()

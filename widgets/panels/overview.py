@@ -5,12 +5,13 @@ strip is as tall as the graph) that draws every item, edge and frame from the gr
 data sources, with the graph's current view as a box on it (bokeh's ``RangeTool``): drag the
 box to move the view, click elsewhere to centre the view there.
 
-Above ``limit`` items the graph labels only the largest ones (the rest would be unreadable);
-:func:`add_zoom_labels` draws the labels of the items in view once the user has zoomed in far
-enough that at most ``limit`` are in view and neighbouring labels do not run into each other
-(``LABEL_PX`` pixels from one item's centre to the next). The browser decides that whenever
-the view, the plot's width or the items change (a ``CustomJS`` callback sets the indices of
-an ``IndexFilter``), so zooming and panning need no round trip to the kernel.
+Labels are drawn only where neighbouring labels do not run into each other (``LABEL_PX``
+pixels from one item's centre to the next on screen): zoomed out, none. Above ``limit`` items
+the graph labels only the largest ones (the rest would be unreadable); :func:`add_labels`
+draws the labels of the other items in view too once the user has zoomed in far enough that
+at most ``limit`` are in view. The browser decides both whenever the view, the plot's width
+or the items change (a ``CustomJS`` callback sets the indices of two ``IndexFilter``), so
+zooming and panning need no round trip to the kernel.
 """
 
 from __future__ import annotations
@@ -32,29 +33,32 @@ from widgets.layout import GAP, ITEM_H, ITEM_W
 
 #: width of the overview in pixels
 OVERVIEW_WIDTH = 110
-#: pixels a label needs (a short label of up to 18 characters at 8pt): labels on zoom appear
-#: once neighbouring items are at least this far apart on screen
+#: pixels a label needs (a short label of up to 18 characters at 8pt): labels appear once
+#: neighbouring items are at least this far apart on screen
 LABEL_PX = 100
 #: the overview is shown from this many items on (a small graph fits in the view anyway)
 OVERVIEW_FROM = 40
 
-#: which items get a label on zoom: the ones in view without one, when at most ``limit`` are
-#: in view and items ``pitch`` apart (in data units) are ``label_px`` apart on screen
+#: which items get a label, when items ``pitch`` apart (in data units) are ``label_px`` apart
+#: on screen (otherwise none): those with a short label always (filter ``always``), the others
+#: in view on zoom (filter ``filter``), when at most ``limit`` are in view
 LABELS_IN_VIEW_JS = """
 const d = nodes.data, xs = d.x, ys = d.y, shown = d.short;
 const x0 = Math.min(xr.start, xr.end), x1 = Math.max(xr.start, xr.end);
 const y0 = Math.min(yr.start, yr.end), y1 = Math.max(yr.start, yr.end);
 const width_px = plot.inner_width || plot.width || 600;
-let want = [];
+let want = [], keep = [];
 if (pitch * width_px / (x1 - x0) >= label_px) {
+  for (let i = 0; i < shown.length; i++) if (shown[i]) keep.push(i);
   const inside = [];
   for (let i = 0; i < xs.length && inside.length <= limit; i++)
     if (xs[i] >= x0 && xs[i] <= x1 && ys[i] >= y0 && ys[i] <= y1) inside.push(i);
   if (inside.length <= limit) want = inside.filter(i => !shown[i]);
 }
-const old = filter.indices || [];
-if (want.length !== old.length || want.some((v, k) => v !== old[k]))
-  filter.indices = want;
+for (const [f, v] of [[filter, want], [always, keep]]) {
+  const old = f.indices || [];
+  if (v.length !== old.length || v.some((x, k) => x !== old[k])) f.indices = v;
+}
 """
 
 #: a click on the overview centres the graph's view there
@@ -65,24 +69,35 @@ yr.setv({start: cb_obj.y - h / 2, end: cb_obj.y + h / 2});
 """
 
 
-def add_zoom_labels(p: Any, nodes: ColumnDataSource, text: str, limit: int) -> IndexFilter:
-    """Draw column ``text`` of ``nodes`` on the items in view once at most ``limit`` are
-    in view, far enough apart (``LABEL_PX``); returns the filter that says which."""
+def label_renderer(p: Any, nodes: ColumnDataSource, text: str, name: str) -> IndexFilter:
+    """Column ``text`` of ``nodes`` drawn on the items an ``IndexFilter`` (returned) picks:
+    black on a white box, legible on every device color and on the stripes."""
     shown = IndexFilter(indices=[])
     r = p.text(x="x", y="y", text=text, source=nodes, view=CDSView(filter=shown),
                text_font_size="8pt", text_align="center", text_baseline="middle",
                text_color="black", background_fill_color="white", background_fill_alpha=0.8)
     r.selection_glyph = r.nonselection_glyph = None  # as legible when something is selected
-    r.name = "pe-zoom-labels"
+    r.name = name
+    return shown
+
+
+def add_labels(p: Any, nodes: ColumnDataSource, limit: int) -> tuple[IndexFilter, IndexFilter]:
+    """Draw the labels of ``nodes``: column ``short`` (the largest items) where labels fit
+    on screen, and column ``tag`` on the other items in view once at most ``limit`` are in
+    view and labels fit (``LABEL_PX``). Returns the filters that say which: (always, on
+    zoom); until the browser decides, the items with a short label have it."""
+    always = label_renderer(p, nodes, "short", "pe-labels")
+    always.indices = [k for k, t in enumerate(nodes.data["short"]) if t]
+    shown = label_renderer(p, nodes, "tag", "pe-zoom-labels")
     cb = CustomJS(args={"nodes": nodes, "xr": p.x_range, "yr": p.y_range, "plot": p,
-                        "filter": shown, "limit": limit, "pitch": ITEM_W + GAP,
-                        "label_px": LABEL_PX}, code=LABELS_IN_VIEW_JS)
+                        "filter": shown, "always": always, "limit": limit,
+                        "pitch": ITEM_W + GAP, "label_px": LABEL_PX}, code=LABELS_IN_VIEW_JS)
     for rng in (p.x_range, p.y_range):
         rng.js_on_change("start", cb)
         rng.js_on_change("end", cb)
     p.js_on_change("inner_width", cb)
     nodes.js_on_change("data", cb)
-    return shown
+    return always, shown
 
 
 class Overview:
