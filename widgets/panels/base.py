@@ -67,7 +67,11 @@ def bokehjs_bundle() -> dict[str, str]:
     A page loads BokehJS once, but a kernel outlives its pages: after a browser reload the
     kernel's widgets are drawn in a page without it. So every explorer shown carries this
     bundle; the check makes it a no-op in a page that has BokehJS already (loading it twice
-    would break the plots drawn with the first copy)."""
+    would break the plots drawn with the first copy). It is inline (megabytes in a saved
+    notebook) because nothing offline serves it by URL: jupyter_bokeh's JupyterLab extension
+    expects ``window.Bokeh`` and does not bundle it, bokeh has no Jupyter server extension for
+    its static files, a CDN needs the internet, and the kernel cannot tell whether a page
+    (reloaded or not) has it already."""
     code = "\n".join(f"(function() {{\n{js}\n}}).call(window);" for js in INLINE.js_raw)
     guarded = ("if (typeof window.Bokeh === 'undefined' || "
                f"window.Bokeh.version !== {bokeh.__version__!r}) {{\n{code}\n}}")
