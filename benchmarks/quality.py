@@ -378,7 +378,7 @@ def main() -> None:
     if sources:
         write_result("quality-tensor", tensor, columns=TENSOR_HEADER,
                      title="Best plan with tensor-parallel stages beside the best without",
-                     notes=f"tensor splits from {', '.join(sources)}; {wall}.",
+                     notes=f"Tensor splits from {', '.join(sources)}; {wall}.",
                      folder=args.results)
     write_result("quality-groups", groups, columns=("model", "devices", *GROUP_HEADER),
                  title="Every partitioner on one (model, cluster)", folder=args.results)
