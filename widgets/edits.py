@@ -43,7 +43,8 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
 
     A device not used by the plan becomes a new stage (default memory settings); a device
     taken out of a replicated stage becomes a stage of its own (with that stage's memory
-    settings); stages left with nothing on them are dropped.
+    settings; a tensor-parallel degree that no longer divides either stage's devices falls
+    back to 1, :func:`fitted`); stages left with nothing on them are dropped.
     """
     stages = [tuple(s) for s in plan.stages]
     settings = [plan.settings_of(k) for k in range(len(stages))]
@@ -65,7 +66,6 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
             stages[where] = tuple(d for d in stages[where] if d != target)
             settings[where] = fitted(settings[where], len(stages[where]))
             stages.append((target,))
-            # it keeps the stage's memory settings
             settings.append(fitted(settings[where], 1))
             where = len(stages) - 1
     for n in names:

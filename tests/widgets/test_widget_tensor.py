@@ -117,7 +117,7 @@ def test_the_widget_shows_splits_and_the_table_shows_degrees(gpt):
     w = Explorer(gpt, roofline_costs(gpt, cl), ex.Plan.single(gpt, cl.ids[0]))
     assert w.editing.split_over.options[0] == "H100:0+H100:1"
     w.select(["/m:blocks@38"])
-    w.editing.split("H100:2+H100:3")
+    w.split("H100:2+H100:3")
     data = w.graph.nodes.data
     k = data["key"].index("/m:blocks@38")
     assert data["hatch"][k] == "|" and data["short"][k].endswith("[tp2]")
