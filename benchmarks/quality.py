@@ -2,6 +2,7 @@
 
 Run: python benchmarks/quality.py [--size default] [--models all] [--devices 2,4,8]
          [--clusters cpu,H100] [--algorithms all] [--cpu-costs profiled|roofline] [--no-cache]
+         [--tensor with-tensor]
 
 For every built-in model and device count ``k`` it plans for ``k`` CPU ranks
 (``Cluster.cpu(k)``) and for the ``kxH100`` preset. CPU costs are measured by
@@ -27,6 +28,14 @@ A summary table follows: per (cluster, model) the best plan and how much faster 
 ``single`` and ``data-parallel``, then per algorithm the number of groups it wins (ties
 included) and its mean step time over the best (geometric mean).
 
+Tensor parallelism: per (cluster, model), the best plan with tensor-parallel stages beside the
+best without. ``--tensor`` names where plans with tensor splits come from (comma-separated):
+``with-tensor`` splits the stages of every partitioner's plan 2, 4 ... ways
+(``plan.with_tensor`` on each stage whose devices the degree divides: a data-parallel stage of
+8 devices becomes 4 replicas x 2, 2 x 4 or 1 x 8); any other name is a registered partitioner
+(a search over data x tensor x pipeline degrees, say) whose plan counts where it splits layers.
+A partitioner among ``--algorithms`` whose plan splits layers counts there too.
+
 Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
 ``python benchmarks/report.py`` renders into docs/.
 """
@@ -39,6 +48,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,6 +169,81 @@ def run_group(graph, cluster, costs, names: list[str]) -> list[Row]:
     return rows
 
 
+#: where plans with tensor splits come from, besides registered partitioners: the name, and
+#: a function of (graph, cluster, costs, the partitioners' rows) giving rows of such plans
+TENSOR_SOURCES: dict[str, Callable[..., list[Row]]] = {}
+
+
+def tensor_source(name: str) -> Callable[[Callable[..., list[Row]]], Callable[..., list[Row]]]:
+    def register(fn: Callable[..., list[Row]]) -> Callable[..., list[Row]]:
+        TENSOR_SOURCES[name] = fn
+        return fn
+    return register
+
+
+@tensor_source("with-tensor")
+def with_tensor(graph, cluster, costs, rows: list[Row]) -> list[Row]:
+    """Every partitioner's plan with its stages split 2, 4 ... ways, where the degree divides
+    a stage's devices (plans with memory settings cannot take a split and are skipped)."""
+    out = []
+    for r in rows:
+        if r.plan is None or r.plan.uses_tensor_parallel:
+            continue
+        degree = 2
+        while degree <= len(r.plan.devices):
+            chosen = [k for k, devs in enumerate(r.plan.stages) if len(devs) % degree == 0]
+            t0 = time.perf_counter()
+            try:
+                plan = r.plan.with_tensor(degree, stages=chosen) if chosen else None
+                if plan is not None:
+                    out.append(Row(f"{r.algorithm} + tensor {degree}", plan,
+                                   ex.simulate(graph, plan, costs), "",
+                                   r.wall_s + time.perf_counter() - t0))
+            except ExplorerError:
+                pass  # memory settings: no split on top of them
+            degree *= 2
+    return out
+
+
+def tensor_rows(graph, cluster, costs, rows: list[Row], sources: list[str]) -> list[Row]:
+    """The plans with tensor-parallel stages: the partitioners' own and those of ``sources``
+    (names of :data:`TENSOR_SOURCES`, or registered partitioners)."""
+    out = [r for r in rows if r.plan is not None and r.plan.uses_tensor_parallel]
+    for name in sources:
+        made = (TENSOR_SOURCES[name](graph, cluster, costs, rows) if name in TENSOR_SOURCES
+                else run_group(graph, cluster, costs, [name]))
+        out += [r for r in made if r.plan is not None and r.plan.uses_tensor_parallel]
+    return out
+
+
+def degrees(plan: ex.Plan) -> str:
+    """``"2 x 2 x 1"``: the plan's most replicas, highest tensor degree and stage count."""
+    tp = max(plan.tensor_of(k) for k in range(len(plan.stages)))
+    return f"{plan.data_parallel} x {tp} x {len(plan.stages)}"
+
+
+TENSOR_HEADER = ("model", "devices", "best without splits", "its dp x tp x pp", "its step ms",
+                 "best with tensor splits", "dp x tp x pp", "step ms", "without / with")
+
+
+def tensor_row(model: str, label: str, rows: list[Row], split: list[Row]) -> tuple:
+    """One (model, cluster)'s best plan without tensor splits and the best with, as
+    :data:`TENSOR_HEADER` names them (a tie goes to the plan without)."""
+    def best(rs: list[Row]) -> Row | None:
+        fit = [r for r in rs if r.fits]
+        return min(fit, key=lambda r: r.pred.step_s) if fit else None
+
+    plain = best([r for r in rows if r.plan is not None and not r.plan.uses_tensor_parallel])
+    tp = best(split)
+    cells = []
+    for r in (plain, tp):
+        cells += (["-", "-", "-"] if r is None else
+                  [r.algorithm, degrees(r.plan), f"{r.pred.step_s * 1e3:.3f}"])
+    ratio = (f"{plain.pred.step_s / tp.pred.step_s:.2f}x" if plain is not None and tp is not None
+             else "-")
+    return (model, label, *cells, ratio)
+
+
 GROUP_HEADER = ("algorithm", "step ms", "gap", "max peak MiB", "MiB moved (all-reduce)", "used",
                 "idle", "plan s", "notes")
 
@@ -193,6 +278,10 @@ def main() -> None:
     ap.add_argument("--cpu-costs", default="profiled", choices=("profiled", "roofline"))
     ap.add_argument("--no-cache", action="store_true", help="profile afresh")
     ap.add_argument("--width", type=int, default=400, help="longest note printed")
+    ap.add_argument("--tensor", default="with-tensor",
+                    help="where plans with tensor splits come from: with-tensor (the "
+                         "partitioners' plans split 2, 4 ... ways) and/or registered "
+                         "partitioners, comma-separated; none: no tensor table")
     add_results_option(ap)
     args = ap.parse_args()
     models = ex.model_names() if args.models == "all" else args.models.split(",")
@@ -205,7 +294,11 @@ def main() -> None:
              if args.cpu_costs == "profiled" else "roofline costs")
           + "; GPU presets: roofline costs; load average "
           + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
-    summary, groups, ratio = [], [], defaultdict(list)
+    sources = [] if args.tensor == "none" else args.tensor.split(",")
+    for name in sources:
+        if name not in TENSOR_SOURCES:
+            ex.algorithm(name)  # unknown names raise with the list of known ones
+    summary, groups, tensor, ratio = [], [], [], defaultdict(list)
     wins: dict[str, int] = defaultdict(int)
     for model in models:
         bm = ex.builtin_model(model, args.size)
@@ -239,6 +332,9 @@ def main() -> None:
                 out = group_rows(rows, k, args.width)
                 print(table(GROUP_HEADER, out), flush=True)
                 groups += [(model, label, *r) for r in out]
+                if sources:
+                    tensor.append(tensor_row(model, label, rows, tensor_rows(
+                        graph, cluster, costs, rows, sources)))
                 fit = [r for r in rows if r.fits]
                 if not fit:
                     summary.append((model, label, "-", "-", "-", "-", "-"))
@@ -269,6 +365,9 @@ def main() -> None:
                 "worst step / best")
     print("\nPer algorithm, over the groups where its plan fits")
     print(table(agg_head, agg))
+    if sources:
+        print("\nBest plan with tensor-parallel stages beside the best without")
+        print(table(TENSOR_HEADER, tensor))
     wall = (f"wall {time.perf_counter() - t_start:.0f} s; load average "
             + "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     print("\n" + wall)
@@ -276,6 +375,11 @@ def main() -> None:
                  notes=wall + ".", folder=args.results)
     write_result("quality-algorithms", agg, columns=agg_head,
                  title="Per algorithm, over the groups where its plan fits", folder=args.results)
+    if sources:
+        write_result("quality-tensor", tensor, columns=TENSOR_HEADER,
+                     title="Best plan with tensor-parallel stages beside the best without",
+                     notes=f"Tensor splits from {', '.join(sources)}; {wall}.",
+                     folder=args.results)
     write_result("quality-groups", groups, columns=("model", "devices", *GROUP_HEADER),
                  title="Every partitioner on one (model, cluster)", folder=args.results)
 

@@ -122,3 +122,8 @@ class Explorer(W.VBox):
         """Move the selection to ``target`` (a device, or ``"dev+dev"`` for a replicated
         stage), as the assign button does; the session says what is wrong with a target."""
         self.editing.assign(target)
+
+    def split(self, devices: str) -> None:
+        """Split the selection over ``devices`` (``"dev+dev"``) by tensor parallelism, as the
+        split button does (see :meth:`Session.split`)."""
+        self.editing.split(devices)

@@ -6,12 +6,13 @@ and raises :class:`explorer.ExplorerError` for an edit that cannot be made.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import explorer as ex
 from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
-from explorer.core.plan import DEFAULT_SETTINGS
+from explorer.core.plan import DEFAULT_SETTINGS, StageSettings
 
 
 def targets(plan: ex.Plan, cluster: ex.Cluster) -> list[str]:
@@ -42,7 +43,8 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
 
     A device not used by the plan becomes a new stage (default memory settings); a device
     taken out of a replicated stage becomes a stage of its own (with that stage's memory
-    settings); stages left with nothing on them are dropped.
+    settings; a tensor-parallel degree that no longer divides either stage's devices falls
+    back to 1, :func:`fitted`); stages left with nothing on them are dropped.
     """
     stages = [tuple(s) for s in plan.stages]
     settings = [plan.settings_of(k) for k in range(len(stages))]
@@ -62,12 +64,79 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
             where = len(stages) - 1
         elif len(stages[where]) > 1:  # take the device out of its replicated stage
             stages[where] = tuple(d for d in stages[where] if d != target)
+            settings[where] = fitted(settings[where], len(stages[where]))
             stages.append((target,))
-            settings.append(settings[where])  # it keeps the stage's memory settings
+            settings.append(fitted(settings[where], 1))
             where = len(stages) - 1
     for n in names:
         placement[n] = where
-    # drop stages left with nothing on them, renumbering the rest
+    return rebuilt(plan, graph, cluster, stages, settings, placement)
+
+
+def fitted(settings: StageSettings, n_devices: int) -> StageSettings:
+    """A stage's settings once it has ``n_devices``: a tensor-parallel degree that no longer
+    divides them falls back to 1 (each device holds whole layers again)."""
+    return settings if n_devices % settings.tensor == 0 else replace(settings, tensor=1)
+
+
+def split_targets(plan: ex.Plan, cluster: ex.Cluster) -> list[str]:
+    """Groups of devices a selection can be split over ("dev+dev"): the plan's stages of
+    several devices, then runs of 2, 4, 8 ... consecutive devices of the cluster."""
+    out = ["+".join(s) for s in plan.stages if len(s) > 1]
+    ids = list(cluster.ids)
+    size = 2
+    while size <= len(ids):
+        out += ["+".join(ids[k:k + size]) for k in range(0, len(ids) - size + 1, size)]
+        size *= 2
+    return list(dict.fromkeys(out))
+
+
+def split_over(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list[str],
+               devices: Sequence[str], degree: int | None = None) -> ex.Plan:
+    """``plan`` with ``names`` on a stage of ``devices`` that splits its layers ``degree``
+    ways (default: over all of them) by tensor parallelism.
+
+    When ``devices`` are a stage of the plan, the nodes join it and it takes the degree;
+    otherwise the devices leave the stages they serve for a new stage (the nodes of a stage
+    left without devices come along). Stages left with nothing on them are dropped.
+    """
+    devices = tuple(devices)
+    degree = len(devices) if degree is None else degree
+    for d in devices:
+        cluster.device(d)  # unknown devices raise, listing the known ones
+    if len(set(devices)) != len(devices):
+        raise ExplorerError(f"{'+'.join(devices)} names a device twice; name each once")
+    if degree < 2:
+        raise ExplorerError("a split needs a tensor-parallel degree of 2 or more; to place "
+                            "nodes whole, assign them")
+    if len(devices) % degree:
+        raise ExplorerError(f"a tensor-parallel degree of {degree} does not divide the "
+                            f"{len(devices)} devices of {'+'.join(devices)}; choose a degree "
+                            "that divides them")
+    stages = [tuple(s) for s in plan.stages]
+    settings = [plan.settings_of(k) for k in range(len(stages))]
+    placement = dict(plan.placement)
+    if devices in stages:
+        where = stages.index(devices)
+    else:
+        for k, s in enumerate(stages):
+            stages[k] = tuple(d for d in s if d not in devices)
+            settings[k] = fitted(settings[k], max(len(stages[k]), 1))
+        stages.append(devices)
+        settings.append(DEFAULT_SETTINGS)
+        where = len(stages) - 1
+        placement = {n: where if not stages[s] else s for n, s in placement.items()}
+    settings[where] = replace(settings[where], tensor=degree)
+    for n in names:
+        placement[n] = where
+    return rebuilt(plan, graph, cluster, stages, settings, placement)
+
+
+def rebuilt(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster,
+            stages: list[tuple[str, ...]], settings: list[StageSettings],
+            placement: dict[str, int]) -> ex.Plan:
+    """The edited plan from its stages, their settings and the placement: stages left with
+    nothing on them are dropped (the rest renumbered), and the plan is checked."""
     used = sorted(set(placement.values()))
     renum = {old: new for new, old in enumerate(used)}
     placement = {n: renum[s] for n, s in placement.items()}

@@ -35,6 +35,8 @@ from widgets.edits import (
     memory_label,
     placed_on,
     run_problem,
+    split_over,
+    split_targets,
     targets,
     with_owned,
 )
@@ -42,6 +44,7 @@ from widgets.graphview import GraphView
 from widgets.history import History, Snapshot
 from widgets.measure import BackgroundJob, Work, measured_status
 from widgets.opening import opening
+from widgets.splits import degrees_text
 
 #: most ops "expand all" draws one by one
 EXPAND_ALL_OPS = 3000
@@ -58,7 +61,8 @@ class PlanEntry:
 
     def row(self) -> dict[str, Any]:
         p = self.prediction
-        return {"plan": self.name, "step_ms": p.step_s * 1e3,
+        return {"plan": self.name, "degrees": degrees_text(self.plan),
+                "step_ms": p.step_s * 1e3,
                 "max_memory_mib": max(p.peak_bytes.values(), default=0) / MiB,
                 "fits": p.fits, "cross_mib": p.cross_device_bytes / MiB,
                 "gap_pct": p.gap * 100, "lower_bound_ms": p.lower_bound_s * 1e3,
@@ -385,14 +389,35 @@ class Session:
         plan.validate(self.graph, self.cluster)
         self._commit(plan, self.pins, ", ".join(f"{k}={v}" for k, v in settings.items()))
 
+    def split(self, names: Iterable[str], devices: str | Iterable[str],
+              degree: int | None = None) -> None:
+        """Split nodes over ``devices`` ("dev+dev" or a list) by tensor parallelism: they go
+        to a stage of those devices whose layers are split ``degree`` ways (default: over all
+        of them; see :func:`widgets.edits.split_over`). Pins move with the nodes."""
+        devs = devices.split("+") if isinstance(devices, str) else list(devices)
+        names = with_owned(self.graph, names)
+        if not names:
+            raise ExplorerError("select one or more nodes first, then split them")
+        plan = split_over(self.plan, self.graph, self.cluster, names, devs, degree)
+        pins = {n: first_device(plan, n) for n in self.pins}
+        degree = plan.tensor_of(plan.stage_of(names[0]))
+        self._commit(plan, pins, f"split {count_label(self.graph, names)} over "
+                                 f"{'+'.join(devs)} (tensor {degree})")
+
+    def split_targets(self) -> list[str]:
+        """Device groups a selection can be split over (see :meth:`split`)."""
+        return split_targets(self.plan, self.cluster)
+
     def set_memory(self, zero: int | None = None, recompute: str | None = None,
-                   precision: str | None = None, stages: Iterable[int] | None = None) -> None:
+                   precision: str | None = None, stages: Iterable[int] | None = None,
+                   tensor: int | None = None) -> None:
         """Trade memory for time on ``stages`` (positions in ``plan.stages``; all of them
         when None): ZeRO stage 0-3 over the stage's replicas, activation recomputation
-        (none, selective, full) and precision (fp32, bf16, fp16); what is not given stays."""
+        (none, selective, full) and precision (fp32, bf16, fp16), or split the stages'
+        layers ``tensor`` ways over their devices; what is not given stays."""
         chosen = range(len(self.plan.stages)) if stages is None else sorted(set(stages))
         plan = self.plan.with_memory(zero=zero, recompute=recompute, precision=precision,
-                                     stages=chosen)
+                                     tensor=tensor, stages=chosen)
         if plan == self.plan:
             return
         self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))

@@ -7,6 +7,7 @@ import html
 
 import ipywidgets as W
 
+from explorer.core.errors import ExplorerError
 from explorer.core.plan import OPTIMIZER_STATE
 from widgets.edits import run_problem
 from widgets.panels.base import Panel, button, wrapping
@@ -15,9 +16,20 @@ from widgets.session import Session
 NOTHING_SELECTED = "<i>click, box- or lasso-select nodes in the graph</i>"
 
 
+def renew(menu: W.Dropdown, options: list[str]) -> None:
+    """Give ``menu`` new options, keeping its choice where it is still one of them."""
+    if list(menu.options) != options:
+        keep = menu.value
+        menu.options = options
+        if keep in options:
+            menu.value = keep
+
+
 class EditingPanel(Panel):
     """``widget``: what is selected (``selection``), the ``target`` device with
-    ``assign_button``, and ``pin_button``, ``unpin_button``, ``undo_button``, ``redo_button``.
+    ``assign_button``, the devices to ``split_over`` with ``split_button`` (tensor
+    parallelism over all of them), and ``pin_button``, ``unpin_button``, ``undo_button``,
+    ``redo_button``.
     ``settings``: ``micro_batches``, ``schedule``, ``optimizer`` and ``apply_button``."""
 
     topics = frozenset({"plan", "costs", "view", "selection"})
@@ -33,6 +45,14 @@ class EditingPanel(Panel):
         self.assign_button = button(s, "assign", "move the selection to this device",
                                     lambda *_: self.assign(self.target.value), "pe-assign",
                                     "primary", where="side")
+        self.split_over = W.Dropdown(options=s.split_targets(), description="split over",
+                                     style={"description_width": "initial"},
+                                     layout=W.Layout(width="auto"))
+        self.split_over.add_class("pe-split-over")
+        self.split_button = button(s, "split", "split the selection's layers over these "
+                                   "devices (tensor parallelism)",
+                                   lambda *_: self.split(self.split_over.value), "pe-split",
+                                   where="side")
         self.pin_button = button(s, "pin", "fix the selection to its device",
                                  lambda *_: s.pin(s.selected_names), "pe-pin", where="side")
         self.unpin_button = button(s, "unpin", "release the selection's pins",
@@ -44,6 +64,7 @@ class EditingPanel(Panel):
                                   "pe-redo", where="side")
         self.widget = W.VBox([
             self.selection, wrapping([self.target, self.assign_button]),
+            wrapping([self.split_over, self.split_button]),
             wrapping([self.pin_button, self.unpin_button, self.undo_button, self.redo_button])])
 
         self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
@@ -71,17 +92,21 @@ class EditingPanel(Panel):
             self.target.value = target
         self.session.assign(self.session.selected_names, target)
 
+    def split(self, devices: str) -> None:
+        """Split the selection over ``devices`` ("dev+dev"), as the split button does."""
+        if devices in self.split_over.options:
+            self.split_over.value = devices
+        if not devices:
+            raise ExplorerError("this cluster has one device: there is nothing to split over")
+        self.session.split(self.session.selected_names, devices)
+
     def update(self, what: str) -> None:
         s = self.session
         if what in ("view", "selection", "all"):
             self._show_selection()
         if what in ("plan", "costs", "all"):
-            targets = s.targets()
-            if list(self.target.options) != targets:
-                keep = self.target.value
-                self.target.options = targets
-                if keep in targets:
-                    self.target.value = keep
+            renew(self.target, s.targets())
+            renew(self.split_over, s.split_targets())
             self.undo_button.disabled = not s.can_undo
             self.redo_button.disabled = not s.can_redo
             self.micro_batches.value, self.schedule.value, self.optimizer.value = (

@@ -38,6 +38,7 @@ from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, bokeh_widget, button, swatch
 from widgets.panels.overview import Overview, add_labels
 from widgets.session import Session
+from widgets.splits import SplitView
 
 MIXED = "#b0b0b0"
 CROSS = "#d62728"
@@ -49,7 +50,8 @@ DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442
                  "#882255", "#DDCC77", "#1A85FF", "#117733", "#99DDFF", "#004488", "#EE8866",
                  "#BBCC33", "#AA4499")
 #: columns of the graph's items that depend on the placement
-DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross")
+DYNAMIC = ("device", "color", "hatch", "time", "pinned", "line", "lw", "cross", "split",
+           "short")
 #: most names the find box suggests (modules first, then ops)
 FIND_OPTIONS = 5000
 #: most items with a label drawn on the graph: the ones with the most ops (hover shows all);
@@ -129,6 +131,8 @@ class GraphPanel(Panel):
         super().__init__(session)
         self.colors = {d: DEVICE_COLORS[k % len(DEVICE_COLORS)]
                        for k, d in enumerate(session.cluster.ids)}
+        #: each node's part in its stage's tensor-parallel split (hover text and mark)
+        self.splits = SplitView(session.graph)
         self._relayout()
         self.nodes = ColumnDataSource(self.node_columns())
         self.edges = ColumnDataSource(self.edge_columns(self.nodes.data["device"]))
@@ -141,7 +145,9 @@ class GraphPanel(Panel):
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
         legend = W.HTML(
-            "nodes are colored by device (striped: replicated, data-parallel); "
+            "nodes are colored by device (striped: replicated, data-parallel; upright "
+            "stripes and a mark after the name: split by tensor parallelism, col/row/vocab "
+            "for column-, row- and vocab-parallel, the hover says over which devices); "
             f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
             "a black outline marks pins; the overview on the right shows where the view is "
             "(drag its box, or click). "
@@ -209,6 +215,7 @@ class GraphPanel(Panel):
             HoverTool(renderers=[r], tooltips=[
                 ("", "@label"), ("device", "@device"), ("op", "@op"), ("output", "@shapes"),
                 ("FLOPs fwd / bwd", "@flops"), ("time fwd / bwd", "@time"),
+                ("split", "@split"),
                 ("memory", "@memory"), ("edges", "@links"), ("across devices", "@cross"),
                 ("pinned", "@pinned")]),
             TapTool(renderers=[r]), BoxSelectTool(renderers=[r]),
@@ -297,7 +304,6 @@ class GraphPanel(Panel):
         g = self.session.graph
         items = self.session.view.items
         cols: dict[str, list] = defaultdict(list)
-        shown = labelled(items)
         ins, outs = self._edge_totals()
         for k, it in enumerate(items):
             ff = sum(g.nodes[i].fwd_flops for i in it.ops)
@@ -308,7 +314,6 @@ class GraphPanel(Panel):
             cols["key"].append(it.key)
             cols["label"].append(it.label + (" (select, then expand)" if it.expandable else ""))
             cols["tag"].append(short_label(it.label))
-            cols["short"].append(cols["tag"][-1] if k in shown else "")
             cols["n_ops"].append(len(it.ops))
             cols["op"].append(node.op if len(it.ops) == 1 else f"{len(it.ops)} ops")
             cols["shapes"].append(" ".join(str(list(sh)) for sh in node.shapes[:3])
@@ -342,13 +347,20 @@ class GraphPanel(Panel):
         g = s.graph
         pins = s.pins
         cols: dict[str, list] = {k: [] for k in DYNAMIC}
+        shown = labelled(s.view.items)
         for k, it in enumerate(s.view.items):
             dev, color, rep = self._item_device(it)
+            split = self.splits.of(s.plan, it.ops)
+            tag = short_label(it.label)
+            cols["short"].append((f"{tag} [{split.mark}]" if split.mark else tag)
+                                 if k in shown else "")
+            cols["split"].append(split.text or "none")
             first = dev.split("+")[0] if not dev.startswith("mixed") else s.cluster.ids[0]
             n_pinned = sum(1 for i in it.nodes if g.nodes[i].name in pins) if pins else 0
             cols["device"].append(dev)
             cols["color"].append(color)
-            cols["hatch"].append("/" if rep else " ")
+            cols["hatch"].append("|" if split.mark and split.mark != "rep"
+                                 else "/" if rep else " ")
             cols["time"].append(self._item_time(k, first))
             cols["pinned"].append(f"{n_pinned} node(s)" if n_pinned else "no")
             cols["line"].append("black" if n_pinned else "white")

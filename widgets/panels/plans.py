@@ -78,12 +78,12 @@ class PlansPanel(Panel):
         for e in entries:
             r = e.row()
             mark = " *" if best is not None and e.prediction.step_s == best else ""
-            rows.append((html.escape(e.name) + mark, f"{r['step_ms']:,.2f} ms",
+            rows.append((html.escape(e.name) + mark, r["degrees"], f"{r['step_ms']:,.2f} ms",
                          f"{r['max_memory_mib']:,.1f} MiB", "yes" if r["fits"] else "NO",
                          f"{r['cross_mib']:,.2f} MiB", f"{r['gap_pct']:+.0f} %",
                          f"{r['solve_s']:.2f} s"))
         self.table.value = html_table(
-            ("plan", "step", "max memory", "fits", "across devices", "gap to bound",
+            ("plan", "dp x tp x pp", "step", "max memory", "fits", "across devices", "gap to bound",
              "solved in"), rows, "* fastest that fits")
         self.pick.options = [e.name for e in entries]
         self.pick.value = entries[-1].name

@@ -1,4 +1,4 @@
-"""Memory settings per stage: ZeRO sharding, activation recomputation and precision.
+"""Settings per stage: ZeRO sharding, activation recomputation, precision and tensor parallelism.
 
 Each change is an edit of the plan under edit (undoable, estimated at once by the engine like
 every other edit); the table under the controls shows every stage's settings.
@@ -15,6 +15,17 @@ import ipywidgets as W
 from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES
 from widgets.panels.base import Panel, html_table, wrapping
 from widgets.session import Session
+from widgets.splits import degrees_text
+
+
+def tensor_degrees(n_devices: int) -> list[int]:
+    """The tensor-parallel degrees offered for a cluster of ``n_devices``: 1, 2, 4 ... and
+    ``n_devices`` itself (a degree that does not divide a stage's devices is refused)."""
+    out, d = [], 1
+    while d <= n_devices:
+        out.append(d)
+        d *= 2
+    return sorted({*out, max(n_devices, 1)})
 
 #: the stage choice that applies to every stage
 ALL_STAGES = -1
@@ -22,9 +33,10 @@ ZERO_TEXT = {0: "0: none", 1: "1: optimizer state", 2: "2: + gradients", 3: "3: 
 
 
 class StageSettingsPanel(Panel):
-    """``widget``: the ``stage`` to set (or all of them), ``zero``, ``recompute`` and
-    ``precision``, applied as soon as one changes; ``table`` lists each stage's settings and
-    ``note`` says where a setting has no effect."""
+    """``widget``: the ``stage`` to set (or all of them), ``zero``, ``recompute``,
+    ``precision`` and the ``tensor`` degree, applied as soon as one changes (what the plan
+    cannot do is refused with a message next to the controls); ``table`` lists each stage's
+    settings and ``note`` says where a setting has no effect."""
 
     topics = frozenset({"plan"})
 
@@ -40,8 +52,11 @@ class StageSettingsPanel(Panel):
                                     style=style, layout=W.Layout(width="auto"))
         self.precision = W.Dropdown(options=list(PRECISIONS), description="precision",
                                     style=style, layout=W.Layout(width="auto"))
+        self.tensor = W.Dropdown(options=tensor_degrees(len(session.cluster.ids)),
+                                 description="tensor-parallel degree", style=style,
+                                 layout=W.Layout(width="auto"))
         for w, css in ((self.zero, "pe-zero"), (self.recompute, "pe-recompute"),
-                       (self.precision, "pe-precision")):
+                       (self.precision, "pe-precision"), (self.tensor, "pe-tensor")):
             w.add_class(css)
             w.observe(self._on_setting, "value")
         self.stage.observe(lambda _: self._show_stage(), "value")
@@ -50,17 +65,24 @@ class StageSettingsPanel(Panel):
         self.note = W.HTML("")
         self._syncing = False
         self._apply = session.guarded(self.apply, "settings")
-        title = W.HTML("<b>memory per stage</b>: ZeRO shards the optimizer state (1), the "
-                       "gradients (2) and the weights (3) over a stage's replicas; each change "
-                       "is estimated at once, and undo takes it back")
+        title = W.HTML("<b>per stage</b>: ZeRO shards the optimizer state (1), the "
+                       "gradients (2) and the weights (3) over a stage's replicas; a "
+                       "tensor-parallel degree splits its layers over that many of its "
+                       "devices (replicas x tensor); each change is estimated at once, and "
+                       "undo takes it back")
         self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
-                                               self.precision]), self.note, self.table])
+                                               self.precision, self.tensor]), self.note,
+                              self.table])
 
     def apply(self) -> None:
         """Set the chosen stage(s) to the values the controls show (as changing one does)."""
         k = self.stage.value
-        self.session.set_memory(self.zero.value, self.recompute.value, self.precision.value,
-                                None if k == ALL_STAGES else [k])
+        try:
+            self.session.set_memory(self.zero.value, self.recompute.value,
+                                    self.precision.value, None if k == ALL_STAGES else [k],
+                                    tensor=self.tensor.value)
+        finally:  # a refused change: the controls show the plan's settings again
+            self._show_stage()
 
     def update(self, what: str) -> None:
         plan = self.session.plan
@@ -76,9 +98,11 @@ class StageSettingsPanel(Panel):
         for k, devs in enumerate(plan.stages):
             st = plan.settings_of(k)
             rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
-                         st.recompute, st.precision))
-        self.table.value = html_table(("stage", "devices", "ZeRO", "recompute", "precision"),
-                                      rows)
+                         st.recompute, st.precision,
+                         f"{plan.replicas_of(k)} x {st.tensor}"))
+        self.table.value = html_table(
+            ("stage", "devices", "ZeRO", "recompute", "precision", "replicas x tensor"), rows,
+            f"plan: {degrees_text(plan)}")
         single = [k for k, devs in enumerate(plan.stages)
                   if len(devs) == 1 and plan.settings_of(k).zero]
         self.note.value = (
@@ -92,6 +116,9 @@ class StageSettingsPanel(Panel):
         with self._sync():
             self.zero.value, self.recompute.value, self.precision.value = (
                 st.zero, st.recompute, st.precision)
+            if st.tensor not in self.tensor.options:
+                self.tensor.options = sorted({*self.tensor.options, st.tensor})
+            self.tensor.value = st.tensor
 
     def _on_setting(self, _change) -> None:
         if not self._syncing:
