@@ -59,7 +59,7 @@ def _describe(cand: Candidate, n: int) -> str:
 def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
             pins: Mapping[str, str] | None = None, k: int | None = None,
             tensor_degrees: Sequence[int] | None = None,
-            micro_batches: Sequence[int] | None = None,
+            micro_batches: int | Sequence[int] | None = None,
             schedules: Sequence[str] = ("1f1b", "gpipe"), depth: int | None = None,
             max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
             compare_pipeline_dp: bool = True, compare_baselines: bool = True) -> Plan:
@@ -84,7 +84,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     tensor_degrees : list of int, optional
         Tensor degrees to try (default: the divisors of the device count; those at which the
         layout splits nothing are left out). 1 is always tried.
-    micro_batches : list of int, optional
+    micro_batches : int or list of int, optional
         Micro-batch counts to try (default: every divisor of a replica's share of the batch).
     schedules : list of str
         Pipeline schedules to try (default both).
@@ -118,6 +118,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     opts = Options(k=k, optimizer=optimizer, compare_baselines=compare_baselines)
     ids = opts.devices(cluster)
     pins = dict(pins or {})
+    if isinstance(micro_batches, int):
+        micro_batches = (micro_batches,)
     for m in micro_batches or ():
         check_micro_batches(m)
     if simulate_top < 1:
