@@ -137,7 +137,7 @@ def _rounded(row: dict) -> dict:
     out["ratio"] = None if row["ratio"] is None else round(row["ratio"], 1)
     n = row["space_plans"]
     out["space_plans"] = f"{n:,}" if n < 10**9 else f"{n:.2e}"
-    return out
+    return {k: "-" if v is None else v for k, v in out.items()}
 
 
 def main() -> None:
@@ -151,7 +151,7 @@ def main() -> None:
     add_results_option(ap)
     args = ap.parse_args()
     rows = [_rounded(r) for r in (large_case(args), small_case(args))]
-    print(table(COLUMNS, [["-" if r[k] is None else str(r[k]) for k in COLUMNS] for r in rows]))
+    print(table(COLUMNS, [[str(r[k]) for k in COLUMNS] for r in rows]))
     write_result("degrees", rows, title="Degrees search speed: a 70B shape on 64 H100s, and "
                  "brute force over the same space on a small case",
                  notes=load_average(), folder=args.results)
