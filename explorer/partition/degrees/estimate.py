@@ -78,18 +78,19 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
     fixed_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 0.0), dtype=float)
     full_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 1.0), dtype=float)
     param_cut, grad_cut, opt_bytes_cut, act_cut = (np.zeros(n) for _ in range(4))
-    for name in layout.placements:
-        i = idx[name]
+    def in_order(names) -> list[int]:  # graph order: sums that do not depend on hashing
+        return sorted(idx[name] for name in names)
+
+    for i in in_order(layout.placements):
         param_cut[layer_of[i]] += fixed_mem[i] * keep
         nd = graph.nodes[i]
         if nd.kind == "param" and nd.requires_grad:
             grad_cut[layer_of[i]] += nd.out_bytes * keep
         opt_bytes_cut[layer_of[i]] += nd.param_bytes * keep
     var_cut = np.zeros((len(type_ids), n))
-    for name in layout.split_ops:
-        i = idx[name]
+    for i in in_order(layout.split_ops):
         nd = graph.nodes[i]
-        if name not in layout.reduce_forward:
+        if nd.name not in layout.reduce_forward:
             act_cut[layer_of[i]] += (full_mem[i] - fixed_mem[i]) * keep
         for k, dev in enumerate(type_ids):
             v = costs.fwd_s(i, dev, 1.0) - costs.fwd_s(i, dev, 0.0)
@@ -100,10 +101,10 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
     count, nbytes = np.zeros(n), np.zeros(n)
     for share, reduce in ((1.0, layout.reduce_forward), (1.0, layout.reduce_backward),
                           (0.5, layout.gather_forward)):  # an all-gather: half an all-reduce
-        for name, b in reduce.items():
-            j = layer_of[idx[name]]
+        for i in in_order(reduce):
+            j = layer_of[i]
             count[j] += share
-            nbytes[j] += share * b
+            nbytes[j] += share * reduce[graph.nodes[i].name]
     per_byte = np.array([costs.optimizer_s(dev, optimizer, 1, 0) for dev in type_ids])
     table = replace(base, fixed_s=base.fixed_s + count * lat,
                     var_s=base.var_s - var_cut + nbytes * spb,

@@ -82,8 +82,10 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     Parameters
     ----------
     tensor_degrees : list of int, optional
-        Tensor degrees to try (default: the divisors of the device count; those at which the
-        layout splits nothing are left out). 1 is always tried.
+        Tensor degrees to try (default: the divisors of the device count up to the devices
+        the first one reaches over its fastest link, a node's GPUs on NVLink: tensor within a
+        node, as Megatron-LM advises; those at which the layout splits nothing are left
+        out). 1 is always tried.
     micro_batches : int or list of int, optional
         Micro-batch counts to try (default: every divisor of a replica's share of the batch).
     schedules : list of str

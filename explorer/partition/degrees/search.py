@@ -83,8 +83,9 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 tensor_degrees: Sequence[int] | None, micro_batches: Sequence[int] | None,
                 schedules: Sequence[str], pins: Mapping[str, str], headroom: float) -> Space:
     """The space on devices ``ids``: tensor degrees (default: the divisors of the device
-    count at which the Megatron layout splits some weight), micro-batch counts (default:
-    every divisor of a replica's share of the batch) and schedules."""
+    count up to :func:`fast_group`, at which the Megatron layout splits some weight),
+    micro-batch counts (default: every divisor of a replica's share of the batch) and
+    schedules."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -98,8 +99,9 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
             seen.add(key)
             type_ids.append(dev)
     base = stage_cost_table(graph, costs, type_ids, layers, 1, "1f1b", optimizer, False)
+    fast = fast_group(costs, ids)
     degrees = sorted({1, *(tensor_degrees if tensor_degrees is not None
-                           else (t for t in range(2, n + 1) if n % t == 0))})
+                           else (t for t in range(2, fast + 1) if n % t == 0))})
     by_tensor: dict[int, LayerCosts] = {}
     for tp in degrees:
         if not 1 <= tp <= n:
@@ -118,6 +120,21 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                  None if micro_batches is None else tuple(micro_batches), tuple(schedules),
                  min(cluster.device(d).memory_bytes for d in ids) * headroom,
                  {j: tuple(sorted(p)) for j, p in positions.items()})
+
+
+def fast_group(costs: CostModel, ids: Sequence[str]) -> int:
+    """How many devices from the first on are reached over the first device's fastest link,
+    in a row (a node's GPUs on NVLink in an 8-per-node preset; every device when all links
+    are alike): how far tensor parallelism goes by default, as Megatron-LM advises."""
+    cluster = costs.cluster
+    speeds = [cluster.link(ids[0], d).bandwidth_bytes_per_s for d in ids[1:]]
+    best = max(speeds, default=0.0)
+    count = 1
+    for bw in speeds:
+        if bw < best:
+            break
+        count += 1
+    return count
 
 
 def mesh_costs(space: Space, costs: CostModel, dp: int, tp: int, micro_batches: int,
@@ -155,4 +172,5 @@ def enumerate_candidates(space: Space, costs: CostModel, batch_size: int) -> lis
     return [c for c in out if math.isfinite(c.estimate_s)]
 
 
-__all__ = ["Candidate", "Space", "build_space", "enumerate_candidates", "mesh_costs"]
+__all__ = ["Candidate", "Space", "build_space", "enumerate_candidates", "fast_group",
+           "mesh_costs"]
