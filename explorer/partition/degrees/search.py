@@ -166,7 +166,7 @@ def enumerate_candidates(space: Space, costs: CostModel, batch_size: int) -> lis
                 mesh = mesh_costs(space, costs, dp, tp, m, sched)
                 cuts = best_cuts(space.by_tensor[tp], mesh, most, pin_stage)
                 for s, bounds in enumerate(cuts.bounds, start=1):
-                    if bounds and (sched == space.schedules[0] or s > 1 or m > 1):
+                    if bounds and (sched == space.schedules[0] or m > 1):  # (M = 1: alike)
                         out.append(Candidate(dp, tp, s, m, sched, cuts.score_s(s, m), bounds))
     out.sort(key=lambda c: (c.estimate_s, c.devices, c.pp, c.tp, c.micro_batches))
     return [c for c in out if math.isfinite(c.estimate_s)]
