@@ -254,6 +254,20 @@ class TestPlan:
         assert deg["dp"] == max(p["replicas"])
         assert deg["text"].endswith(f"x{deg['pp']}")
 
+    def test_degrees_takes_the_schedule_and_micro_batches_given(self, capsys, monkeypatch):
+        seen = []
+        real = ex.partition
+
+        def spy(graph, cluster, costs, name, **opts):
+            seen.append(opts)
+            return real(graph, cluster, costs, name, **opts)
+
+        monkeypatch.setattr(ex, "partition", spy)
+        rc, _, err = _run(capsys, *PLAN, "--devices", "4xT4", "--algorithm", "degrees",
+                          "--micro-batches", "2", "--schedule", "gpipe", "--json")
+        assert rc == 0, err
+        assert seen[0]["micro_batches"] == 2 and seen[0]["schedules"] == ["gpipe"]
+
     @pytest.mark.slow
     def test_run_a_tensor_parallel_degrees_plan(self, capsys, tmp_path):
         """A plan of the degrees search's space with a tensor split runs on 2 CPU ranks."""
