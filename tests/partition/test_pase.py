@@ -340,6 +340,7 @@ class TestStrategies:
         assert strat["configs"] == [[1, 4], [1, 4]]
         assert plan.stages == (("d:0", "d:1", "d:2", "d:3"),) and plan.tensor_of(0) == 4
         assert plan.options["degrees"] == "1x4x1"
+        assert plan.options["pase_cost_s"] == strat["cost_s"]  # the whole strategy, as it is
         assert any("runs it as one stage of 1 replicas x tensor 4" in n
                    and "not expressed: nothing" in n for n in plan.notes)
         pred = ex.simulate(g, plan, c)

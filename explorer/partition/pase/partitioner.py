@@ -106,10 +106,12 @@ def _with_features(graph: OpGraph, costs: CostModel, model: PaseModel, res: Pase
     mesh = (f"one stage of {mapping.replicas} replicas x tensor {mapping.tensor} (Megatron "
             f"layout); not expressed: {mapping.note()}")
     if t_pred.fits and (not b_pred.fits or t_pred.step_s <= b_pred.step_s):
+        exact = not (mapping.not_split or mapping.extra_split or mapping.other_batch)
         return tplan.with_settings(notes=(*batch_plan.notes[:1], (
             f"{head}; this plan runs it as {mesh}: simulated {t_pred.step_s:.4g} s per step "
             f"against {_fmt(b_pred.step_s) if b_pred.fits else 'over memory'} for "
-            f"{batch_note}")))
+            f"{batch_note}")), options={**tplan.options,  # (its PaSE cost: known when exact)
+                                        "pase_cost_s": res.cost_s if exact else None})
     return batch_plan.with_settings(notes=(*batch_plan.notes, (
         f"{head}; as a plan, {mesh}, it simulates "
         f"{f'{t_pred.step_s:.4g} s per step' if t_pred.fits else 'over memory'}, so this "
