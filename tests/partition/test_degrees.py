@@ -7,7 +7,8 @@ import math
 from dataclasses import replace
 
 import pytest
-from builders import tiny_builtin_graph
+from builders import cluster, tiny_builtin_graph
+from partition.test_pase import fc_costs, wide_fc
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
@@ -146,3 +147,16 @@ def test_options_are_checked():
                         schedules=["gpipe"], compare_pipeline_dp=False,
                         compare_baselines=False)
     assert plan.micro_batches == 2 and plan.options["tp"] in (1, 2)
+
+
+def test_tensor_split_chosen_where_it_wins_and_agrees_with_pase():
+    """Two big linears on slow links: splitting them (column then row) beats replicating them
+    (64 MiB gradient all-reduces) and pipelining them; PaSE finds the same split."""
+    g = wide_fc(conv_first=False)
+    cl = cluster(4, latency_s=1e-5, bandwidth=1e9, memory=64 * 2**30)
+    costs = fc_costs(g, cl)
+    plan = ex.partition(g, cl, costs, "degrees")
+    assert plan.options["degrees"] == "1x4x1" and plan.tensor_of(0) == 4
+    step = simulate(g, plan, costs).step_s
+    assert step < simulate(g, ex.partition(g, cl, costs, "pipeline-dp"), costs).step_s
+    assert step == pytest.approx(simulate(g, ex.partition(g, cl, costs, "pase"), costs).step_s)
