@@ -74,6 +74,8 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
     for name in names:
         alg = ex.algorithm(name)
         opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
+        if "schedules" in alg.options and settings.get("schedule"):  # (degrees tries several)
+            opts["schedules"] = [settings["schedule"]]
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
@@ -138,18 +140,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for n, p, r in results:
         if p is None:
-            rows.append((n, "-", "-", "-", "-", "-", "-", "error: " + r))
+            rows.append((n, "-", "-", "-", "-", "-", "-", "-", "-", "error: " + r))
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
         if p.uses_memory_settings:  # which settings, before anything else
             note = f"[{_settings_text(p)}] {note}"
+        deg = plan_degrees(p)
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
+                     deg["text"], str(p.micro_batches) + (f" {p.schedule}" if deg["pp"] > 1
+                                                          else ""),
                      f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
                      f"{r.cross_device_bytes / MiB:.2f}",
                      "yes" if r.fits else "NO: " + r.memory_report(),
                      note if len(note) <= 70 else note[:67] + "..."))
-    print(table(("algorithm", "step ms", "lower bound ms", "gap to bound",
+    print(table(("algorithm", "step ms", "dp x tp x pp", "micro-batches", "lower bound ms",
+                 "gap to bound",
                   "peak MiB per device", "MiB across devices", "fits", "notes"), rows))
     print("\nlower bound: total compute on the fastest device type / "
           f"{len(cluster)} devices; no plan can beat it")
@@ -265,10 +271,27 @@ def _plan_json(name: str, plan, r) -> dict[str, Any]:
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
             "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))],
+            "replicas": [plan.replicas_of(s) for s in range(len(plan.stages))],
+            "degrees": plan_degrees(plan),
             "notes": list(plan.notes),
             "memory_settings": [plan.settings_of(s).describe() or "default"
                                 for s in range(len(plan.stages))],
             "peak_memory_by_category": {d: _categories(m) for d, m in r.memory.items()}}
+
+
+def plan_degrees(plan) -> dict[str, Any]:
+    """A plan's data x tensor x pipeline degrees: the largest replica count and tensor degree
+    of any stage, the stage count, and ``"2x4x8"`` (a degree that differs between stages
+    reads ``"1/2"``, stage by stage)."""
+    stages = range(len(plan.stages))
+    dps = [plan.replicas_of(s) for s in stages]
+    tps = [plan.tensor_of(s) for s in stages]
+
+    def text(xs: list[int]) -> str:
+        return str(xs[0]) if len(set(xs)) == 1 else "/".join(map(str, xs))
+
+    return {"dp": max(dps), "tp": max(tps), "pp": len(plan.stages),
+            "text": f"{text(dps)}x{text(tps)}x{len(plan.stages)}"}
 
 
 def _settings_text(plan) -> str:

@@ -99,13 +99,16 @@ def _activation_in(graph: OpGraph, op: int) -> int | None:
     return None
 
 
-def _reach(edges: list[list[int]], start: int) -> set[int]:
-    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded)."""
+def _reach(edges: list[list[int]], start: int, lo: int = 0, hi: int | None = None) -> set[int]:
+    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded) through nodes whose
+    index is in ``lo..hi``: in a graph in topological order, every path between two nodes
+    stays between their indices, so the bounds spare walking the whole graph."""
+    hi = len(edges) if hi is None else hi
     seen: set[int] = set()
     todo = list(edges[start])
     while todo:
         k = todo.pop()
-        if k not in seen:
+        if k not in seen and lo <= k <= hi:
             seen.add(k)
             todo.extend(edges[k])
     return seen
@@ -116,11 +119,13 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
     only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
-    before = _reach(graph.preds, row)
+    if not cols:
+        return None
+    before = _reach(graph.preds, row, lo=min(cols))
     reach = [c for c in cols if c in before]
     if not reach:
         return None
-    between = set().union(*(_reach(graph.succs, c) & before for c in reach))
+    between = set().union(*(_reach(graph.succs, c, hi=row) & before for c in reach))
     if any(nodes[k].op not in POINTWISE for k in between):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]

@@ -14,6 +14,8 @@ with a tensor degree of 1 are untouched.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from explorer.core.graph import OpGraph
@@ -23,10 +25,30 @@ from explorer.costs.model import CostModel
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds
 
+#: the layouts made last, by (graph id, degree): (graph ref, its nodes, the layout)
+_LAYOUTS: dict[tuple[int, int], tuple[weakref.ref, tuple, TensorLayout]] = {}
+_CACHED = 16
+
+
+def cached_layout(graph: OpGraph, degree: int) -> TensorLayout:
+    """:func:`megatron_layout` of ``graph``, kept for the last few graphs and degrees (the
+    simulator needs it several times per plan, and searches simulate one graph many times);
+    an entry serves the same graph object while its nodes are those it was made from."""
+    key = (id(graph), degree)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0]() is graph and hit[1] == tuple(graph.nodes):
+        return hit[2]
+    layout = megatron_layout(graph, degree)
+    _LAYOUTS.pop(key, None)
+    _LAYOUTS[key] = (weakref.ref(graph), tuple(graph.nodes), layout)
+    while len(_LAYOUTS) > _CACHED:
+        del _LAYOUTS[next(iter(_LAYOUTS))]
+    return layout
+
 
 def layouts(graph: OpGraph, plan: Plan) -> dict[int, TensorLayout]:
     """The layout of every tensor-parallel stage, by stage."""
-    return {s: megatron_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
+    return {s: cached_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
             if plan.tensor_of(s) > 1}
 
 

@@ -15,6 +15,7 @@ import explorer.devices.cluster as cl
 from explorer.cli import commands
 from explorer.cli.commands import main
 from explorer.core.plan import Plan
+from explorer.partition.degrees import build_space, candidate_plan, enumerate_candidates
 from explorer.platforms.cpu import host as cpu_host
 
 PLAN = ["plan", "--model", "mlp", "--size", "tiny", "--quiet"]
@@ -238,6 +239,56 @@ class TestPlan:
         rc, out, _ = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "single",
                           "--optimizer", "lion", "--json")
         assert rc == 1 and json.loads(out)["plans"][0]["error"].startswith("unknown optimizer")
+
+    @pytest.mark.parametrize("algorithm", ["degrees", "pase"])
+    def test_degrees_in_the_table_and_the_json(self, capsys, algorithm):
+        rc, out, err = _run(capsys, *PLAN, "--devices", "4xT4", "--algorithm", algorithm)
+        assert rc == 0, err
+        header = next(line for line in out.splitlines() if line.startswith("algorithm"))
+        assert "dp x tp x pp" in header and "micro-batches" in header
+        rc, out, err = _run(capsys, *PLAN, "--devices", "4xT4", "--algorithm", algorithm,
+                            "--json")
+        (p,) = json.loads(out)["plans"]
+        deg = p["degrees"]
+        assert deg["pp"] == len(p["stages"]) and deg["tp"] == max(p["tensor"])
+        assert deg["dp"] == max(p["replicas"])
+        assert deg["text"].endswith(f"x{deg['pp']}")
+
+    def test_degrees_takes_the_schedule_and_micro_batches_given(self, capsys, monkeypatch):
+        seen = []
+        real = ex.partition
+
+        def spy(graph, cluster, costs, name, **opts):
+            seen.append(opts)
+            return real(graph, cluster, costs, name, **opts)
+
+        monkeypatch.setattr(ex, "partition", spy)
+        rc, _, err = _run(capsys, *PLAN, "--devices", "4xT4", "--algorithm", "degrees",
+                          "--micro-batches", "2", "--schedule", "gpipe", "--json")
+        assert rc == 0, err
+        assert seen[0]["micro_batches"] == 2 and seen[0]["schedules"] == ["gpipe"]
+
+    @pytest.mark.slow
+    def test_run_a_tensor_parallel_degrees_plan(self, capsys, tmp_path):
+        """A plan of the degrees search's space with a tensor split runs on 2 CPU ranks."""
+        graph = _mlp_graph()
+        cluster = cl.Cluster.cpu(2, measure=False)
+        costs = ex.profile(graph, cluster, progress=False)
+        space = build_space(graph, costs, cluster.ids, graph.layers(), "adam", [2], None,
+                            ("1f1b",), {}, 1.0)
+        cand = next(c for c in enumerate_candidates(space, costs, graph.batch_size)
+                    if c.tp == 2)
+        plan = candidate_plan(graph, space, cand, "adam", {}, {})
+        path = tmp_path / "plan.json"
+        dataclasses.replace(plan, model={"builtin": "mlp", "size": "tiny",
+                                         "batch_size": graph.batch_size}).save(path)
+        rc, out, err = _run(capsys, "run", "--plan", str(path), "--devices", "cpu:2",
+                            "--steps", "1", "--warmup", "0", "--json", "--quiet", "--force")
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["plan"]["options"]["tp"] == 2
+        assert d["plan"]["stage_settings"][0]["tensor"] == 2
+        assert d["losses"] and all(x == x for x in d["losses"])  # numbers, not NaN
 
     def test_the_plan_records_how_its_model_was_built(self, capsys, tmp_path):
         """A saved plan says which built-in model, size and batch it is for; export rebuilds

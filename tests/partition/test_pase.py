@@ -322,10 +322,41 @@ class TestStrategies:
         strat = plan.options["pase_strategy"]
         assert strat["configs"][1:] == [[1, 4], [1, 4]]
         assert strat["cost_s"] == pytest.approx(pase_search(g, c).cost_s)
-        assert any("PaSE's own cost model only" in n and "cannot run" in n for n in plan.notes)
+        # a plan holds one tensor degree for a stage: the convolution cannot keep its batch
+        # split beside the split linears, so the batch-only strategy simulates faster
+        assert not plan.uses_tensor_parallel
+        assert any("not expressed: 1 layers at another batch split than 1 (conv)" in n
+                   and "best batch-only strategy" in n for n in plan.notes)
         assert plan.options["pase_cost_s"] >= strat["cost_s"]
         plan.validate(g, cl)
         assert ex.Plan.from_dict(plan.to_dict(), g, cl).options == plan.options
+
+    def test_feature_splits_run_as_a_tensor_parallel_stage(self):
+        g = wide_fc(conv_first=False)  # two big linears: column- then row-parallel
+        cl = cluster(4, latency_s=1e-5, bandwidth=1e9, memory=64 * 2**30)
+        c = fc_costs(g, cl)
+        plan = partition(g, cl, c, "pase", compare_baselines=False)
+        strat = plan.options["pase_strategy"]
+        assert strat["configs"] == [[1, 4], [1, 4]]
+        assert plan.stages == (("d:0", "d:1", "d:2", "d:3"),) and plan.tensor_of(0) == 4
+        assert plan.options["degrees"] == "1x4x1"
+        assert plan.options["pase_cost_s"] == strat["cost_s"]  # the whole strategy, as it is
+        assert any("runs it as one stage of 1 replicas x tensor 4" in n
+                   and "not expressed: nothing" in n for n in plan.notes)
+        pred = ex.simulate(g, plan, c)
+        assert pred.step_s == pytest.approx(strat["cost_s"], rel=0.01)
+        batch_only = partition(g, cl, c, "data-parallel")
+        assert pred.step_s < ex.simulate(g, batch_only, c).step_s
+        assert ex.Plan.from_dict(plan.to_dict(), g, cl) == plan
+
+    def test_feature_split_the_layout_cannot_express(self):
+        # a lone linear has no row-parallel partner: the Megatron layout keeps it whole
+        g = wide_fc(n_fc=1, conv_first=False)
+        cl = cluster(4, latency_s=1e-5, bandwidth=1e9, memory=64 * 2**30)
+        plan = partition(g, cl, fc_costs(g, cl), "pase", compare_baselines=False)
+        assert plan.options["pase_strategy"]["configs"] == [[1, 4]]
+        assert not plan.uses_tensor_parallel
+        assert any("cannot be run as a tensor-parallel stage" in n for n in plan.notes)
 
     def test_batch_splits_map_onto_replicated_stages(self):
         g = wide_fc(n_fc=1, weight_bytes=4096)  # small weights: data parallelism wins

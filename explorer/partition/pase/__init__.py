@@ -57,17 +57,19 @@ with a ``Linear`` module or a linear/addmm/mm/matmul op and weights, at ``(1, p)
 other layer data parallel) are points in the space, always kept among a layer's candidates,
 so the search is never worse than them under its own cost model.
 
-Plans: a :class:`~explorer.core.plan.Plan` can express batch splits (a stage with several devices
-holds replicas) but not feature splits, and the runtime cannot execute them. The registered
-partitioner ``pase`` therefore returns the best strategy that a Plan can express (consecutive
-layers sharing a configuration form a stage on consecutive devices, every device in at most
-one stage); when feature splits win, the full strategy and its PaSE cost go to
-``plan.options["pase_strategy"]`` with a note saying it is simulated by PaSE's own cost model
-only.
+Plans: a :class:`~explorer.core.plan.Plan` expresses batch splits as a stage with several
+devices (replicas) and feature splits only as a stage's tensor degree, applied by the Megatron
+layout to every layer of the stage. The registered partitioner ``pase`` returns a batch-only
+strategy as stages (consecutive layers sharing a configuration form a stage on consecutive
+devices, every device in at most one stage); when feature splits win, it also lays the
+strategy out as one tensor-parallel stage (:mod:`.tensor`), keeps whichever the simulator finds
+faster, and says in a note what of the strategy the plan does not express; the full strategy
+and its PaSE cost go to ``plan.options["pase_strategy"]``.
 
 Modules: :mod:`.problem` (the cost table), :mod:`.solver` (the DP), :mod:`.costs` (the cost
 model), :mod:`.model` (a graph's problem), :mod:`.strategy` (the search over depths),
-:mod:`.layout` (strategies as plans), :mod:`.partitioner` (the registered ``pase``).
+:mod:`.layout` (strategies as plans), :mod:`.tensor` (feature splits as a
+tensor-parallel stage), :mod:`.partitioner` (the registered ``pase``).
 """
 
 from __future__ import annotations

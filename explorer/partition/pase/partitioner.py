@@ -15,9 +15,16 @@ from explorer.partition.options import Options
 from explorer.partition.pase.layout import direct_layout, expressible_layout, layout_plan
 from explorer.partition.pase.model import PaseModel, build_model, check_pins
 from explorer.partition.pase.problem import DEFAULT_MAX_CONFIGS, DEFAULT_MAX_TABLE, TIE_S
-from explorer.partition.pase.strategy import model_and_solution, no_fit_error, pase_result
+from explorer.partition.pase.strategy import (
+    PaseResult,
+    model_and_solution,
+    no_fit_error,
+    pase_result,
+)
+from explorer.partition.pase.tensor import tensor_mapping, tensor_plan
 from explorer.partition.registry import register
 from explorer.partition.search.fallback import fit_headrooms, settle
+from explorer.simulate.simulator import simulate
 
 
 def _tolerance(model: PaseModel, cost_s: float) -> float:
@@ -55,16 +62,11 @@ def _pase_plan(graph: OpGraph, costs: CostModel, ids: Sequence[str], pins: Mappi
         if lay is None:
             raise why or ExplorerError("pase: no batch-only strategy found")
         if res.feature_split:
-            split = [name for name, c in zip(res.layer_names, res.configs, strict=True)
-                     if c.feature > 1]
             options["pase_strategy"] = res.to_dict()
-            notes.append(
-                f"PaSE's best strategy splits the features of {len(split)} layers ("
-                f"{', '.join(split[:4])}{', ...' if len(split) > 4 else ''}) for "
-                f"{_fmt(res.cost_s)} per step: simulated by PaSE's own cost model only, it "
-                "cannot run yet (plans and the runtime split the batch only); it is in "
-                "options['pase_strategy']. This plan is the best batch-only strategy, "
-                f"{_fmt(lay.cost_s)} under PaSE's model{lay.note}")
+            options["pase_cost_s"] = lay.cost_s if math.isfinite(lay.cost_s) else None
+            batch_plan = layout_plan(graph, model, lay, optimizer, pins, options, notes)
+            return _with_features(graph, costs, model, res, ids, optimizer, pins, batch_plan,
+                                  lay.cost_s)
         else:
             same = lay.cost_s <= res.cost_s + _tolerance(model, res.cost_s)
             notes.append(
@@ -76,6 +78,44 @@ def _pase_plan(graph: OpGraph, costs: CostModel, ids: Sequence[str], pins: Mappi
                 + ("an equally cheap one" if same else _fmt(lay.cost_s)) + lay.note)
     options["pase_cost_s"] = lay.cost_s if math.isfinite(lay.cost_s) else None
     return layout_plan(graph, model, lay, optimizer, pins, options, notes)
+
+
+def _with_features(graph: OpGraph, costs: CostModel, model: PaseModel, res: PaseResult,
+                   ids: Sequence[str], optimizer: str, pins: Mapping[str, str],
+                   batch_plan: Plan, batch_cost_s: float) -> Plan:
+    """PaSE's feature-splitting strategy as a tensor-parallel plan (:mod:`.tensor`), or
+    ``batch_plan`` (its best batch-only strategy) when that cannot be expressed or the
+    simulator finds it slower or over memory; notes say which and what was left out."""
+    split = [name for name, c in zip(res.layer_names, res.configs, strict=True)
+             if c.feature > 1]
+    head = (f"PaSE's best strategy splits the features of {len(split)} layers ("
+            f"{', '.join(split[:4])}{', ...' if len(split) > 4 else ''}) for "
+            f"{_fmt(res.cost_s)} per step under its model (in options['pase_strategy'])")
+    batch_note = (f"the best batch-only strategy, {_fmt(batch_cost_s)} under PaSE's model")
+    mapping = tensor_mapping(graph, model, res, len(ids))
+    why = "the Megatron layout splits none of the layers it splits"
+    tplan = None
+    if mapping is not None:
+        why = "a pinned device lies outside its devices"
+        tplan = tensor_plan(graph, mapping, ids, optimizer, pins, batch_plan.options, ())
+    if mapping is None or tplan is None:
+        return batch_plan.with_settings(notes=(*batch_plan.notes, (
+            f"{head}; it cannot be run as a tensor-parallel stage ({why}), so this plan is "
+            f"{batch_note}")))
+    t_pred, b_pred = simulate(graph, tplan, costs), simulate(graph, batch_plan, costs)
+    mesh = (f"one stage of {mapping.replicas} replicas x tensor {mapping.tensor} (Megatron "
+            f"layout); not expressed: {mapping.note()}")
+    if t_pred.fits and (not b_pred.fits or t_pred.step_s <= b_pred.step_s):
+        exact = not (mapping.not_split or mapping.extra_split or mapping.other_batch)
+        return tplan.with_settings(notes=(*batch_plan.notes[:1], (
+            f"{head}; this plan runs it as {mesh}: simulated {t_pred.step_s:.4g} s per step "
+            f"against {_fmt(b_pred.step_s) if b_pred.fits else 'over memory'} for "
+            f"{batch_note}")), options={**tplan.options,  # (its PaSE cost: known when exact)
+                                        "pase_cost_s": res.cost_s if exact else None})
+    return batch_plan.with_settings(notes=(*batch_plan.notes, (
+        f"{head}; as a plan, {mesh}, it simulates "
+        f"{f'{t_pred.step_s:.4g} s per step' if t_pred.fits else 'over memory'}, so this "
+        f"plan is {batch_note} ({b_pred.step_s:.4g} s simulated)")))
 
 
 @register("pase", exact=True)
@@ -94,14 +134,16 @@ def pase(graph: OpGraph, cluster: Cluster, costs: CostModel,
     Elango, "PaSE: Parallelization Strategies for Efficient DNN Training", IPDPS 2021;
     Krizhevsky, "One weird trick for parallelizing convolutional neural networks", 2014.
 
-    A plan can hold batch splits (replicated stages) but not feature splits. When the best
-    strategy splits the batch only, consecutive layers sharing a configuration become a stage
-    with that many replicas on consecutive devices; when that needs more devices than there
-    are (every device serves one stage) or cannot honour the pins, the DP runs again over
-    the strategies a plan can express, and a note says so and what that costs. When feature
-    splits win, the plan is the best batch-only strategy, and the full strategy with its PaSE
-    cost is in ``plan.options["pase_strategy"]`` with a note: it is simulated by PaSE's own
-    cost model only and cannot run yet.
+    When the best strategy splits the batch only, consecutive layers sharing a configuration
+    become a stage with that many replicas on consecutive devices; when that needs more
+    devices than there are (every device serves one stage) or cannot honour the pins, the DP
+    runs again over the strategies a plan can express, and a note says so and what that
+    costs. When feature splits win, the strategy becomes one stage of ``replicas x tensor``
+    devices split by the Megatron tensor layout (:mod:`.tensor`: the feature degree and batch
+    split most of its layers use), and a note lists what of the strategy that does not
+    express; the simulator compares it with the best batch-only strategy laid out as above
+    and the faster that fits is returned. The full strategy and its PaSE cost are in
+    ``plan.options["pase_strategy"]``.
 
     Parameters
     ----------

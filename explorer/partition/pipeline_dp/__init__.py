@@ -18,7 +18,12 @@ to a table), :mod:`.partitioner` (the registered ``pipeline-dp``).
 
 from __future__ import annotations
 
-from explorer.partition.pipeline_dp.build import allowed_replicas, choose_layers, stage_cost_table
+from explorer.partition.pipeline_dp.build import (
+    allowed_replicas,
+    choose_layers,
+    linear_fit,
+    stage_cost_table,
+)
 from explorer.partition.pipeline_dp.partitioner import pipeline_dp
 from explorer.partition.pipeline_dp.solver import (
            StageTables,
@@ -29,5 +34,5 @@ from explorer.partition.pipeline_dp.solver import (
 from explorer.partition.pipeline_dp.table import Stage, StageCostTable, StageNet, StageSolution
 
 __all__ = ["Stage", "StageCostTable", "StageNet", "StageSolution", "StageTables",
-           "allowed_replicas", "choose_layers", "dp_cells", "pipeline_dp", "solve_stages",
-           "stage_cost_table", "stage_matrices"]
+           "allowed_replicas", "choose_layers", "dp_cells", "linear_fit", "pipeline_dp",
+           "solve_stages", "stage_cost_table", "stage_matrices"]

@@ -33,7 +33,7 @@ def _homogeneous(cluster: Cluster, ids: Sequence[str]) -> bool:
     return len(links) <= 1
 
 
-def _linear(fn: Callable[[float], float], x: float = float(2**20)) -> tuple[float, float]:
+def linear_fit(fn: Callable[[float], float], x: float = float(2**20)) -> tuple[float, float]:
     """(intercept, slope) of a cost that is linear in its byte count for positive counts."""
     y1, y2 = fn(x), fn(2 * x)
     slope = (y2 - y1) / x
@@ -126,7 +126,7 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     for d in range(n_dev):
         for r in range(2, n_dev - d + 1):
             group = tuple(ids[d:d + r])
-            ar_lat[d, r], ar_spb[d, r] = _linear(lambda x, g=group: costs.allreduce_s(g, int(x)))
+            ar_lat[d, r], ar_spb[d, r] = linear_fit(lambda x, g=group: costs.allreduce_s(g, int(x)))
     reps = allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate)
     by_position = not _homogeneous(cluster, ids)
     layer_pins: tuple[frozenset[int], ...] = ()
@@ -214,5 +214,5 @@ def _layer_limit(max_layers: int, n_devices: int, replicate: bool) -> int:
     return lim
 
 
-__all__ = ["MAX_DP_CELLS", "MAX_LAYERS", "allowed_replicas", "choose_layers",
+__all__ = ["MAX_DP_CELLS", "MAX_LAYERS", "allowed_replicas", "choose_layers", "linear_fit",
            "stage_cost_table"]

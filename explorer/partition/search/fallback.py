@@ -159,8 +159,9 @@ def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: 
         cands.append(("own", plan))
     first = Plan.single(graph, ids[0], **base)
     cands.append(("single", apply_pins(graph, first, pins)))
-    if len(ids) > 1:
-        cands.append(("data-parallel", apply_pins(graph, replicated(graph, ids, **base), pins)))
+    wide = ids[:graph.batch_size] if graph.batch_size > 0 else ids  # a sample per replica
+    if len(wide) > 1:
+        cands.append(("data-parallel", apply_pins(graph, replicated(graph, wide, **base), pins)))
     best = None
     reports = []
     own_s = None

@@ -1,0 +1,207 @@
+"""The degrees partitioner: the estimate's best meshes made into plans, chosen by the
+simulator, never slower than pipeline-dp's plan and the baselines."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from explorer.core.errors import ExplorerError, MemoryExceededError
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.costs.model import CostModel
+from explorer.devices.cluster import Cluster
+from explorer.partition.degrees.search import (
+    Candidate,
+    Space,
+    build_space,
+    enumerate_candidates,
+)
+from explorer.partition.options import Options, check_micro_batches
+from explorer.partition.pipeline_dp import choose_layers, dp_cells
+from explorer.partition.registry import algorithm as lookup_algorithm
+from explorer.partition.registry import register
+from explorer.partition.search.fallback import settle
+from explorer.simulate.simulator import Prediction, simulate
+
+#: pipeline-dp is run for comparison only when its DP has at most this many table cells
+#: (it grows as layers^2 x devices^3: a 70B shape on 64 devices takes a minute)
+PIPELINE_DP_CELLS = 5e7
+#: layers the degrees search cuts at most (its DP grows as layers^2 x devices)
+MAX_LAYERS = 400
+
+
+def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str,
+                   pins: Mapping[str, str], options: Mapping, notes: Sequence[str] = ()
+                   ) -> Plan:
+    """``cand`` as a plan: stage ``k`` on devices ``k x dp x tp .. (k+1) x dp x tp - 1`` of
+    the space, split ``tp`` ways by tensor parallelism."""
+    g = cand.dp * cand.tp
+    stages = [space.ids[k * g:(k + 1) * g] for k in range(cand.pp)]
+    assign = {i: k for k in range(cand.pp) for j in range(cand.bounds[k], cand.bounds[k + 1])
+              for i in space.layers[j]}
+    opts = {**options, "dp": cand.dp, "tp": cand.tp, "pp": cand.pp,
+            "degrees": cand.degrees, "micro_batches": cand.micro_batches,
+            "schedule": cand.schedule, "estimate_s": cand.estimate_s,
+            "stage_layers": [[cand.bounds[k], cand.bounds[k + 1]] for k in range(cand.pp)]}
+    plan = Plan.from_assignment(graph, stages, assign, micro_batches=cand.micro_batches,
+                                schedule=cand.schedule, optimizer=optimizer,
+                                algorithm="degrees", options=opts, pinned=frozenset(pins),
+                                notes=tuple(notes))
+    return plan.with_tensor(cand.tp) if cand.tp > 1 else plan
+
+
+def _describe(cand: Candidate, n: int) -> str:
+    return (f"data {cand.dp} x tensor {cand.tp} x pipeline {cand.pp} on {cand.devices} of {n} "
+            f"devices, {cand.micro_batches} micro-batches, {cand.schedule}")
+
+
+@register("degrees", exact=True)
+def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
+            pins: Mapping[str, str] | None = None, k: int | None = None,
+            tensor_degrees: Sequence[int] | None = None,
+            micro_batches: int | Sequence[int] | None = None,
+            schedules: Sequence[str] = ("1f1b", "gpipe"), depth: int | None = None,
+            max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
+            compare_pipeline_dp: bool = True, compare_baselines: bool = True) -> Plan:
+    """Data x tensor x pipeline degrees, micro-batches and schedule, by exhaustive search.
+
+    The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
+    stages of ``dp x tp`` devices with ``dp x tp x pp <= N`` (``tp`` a tensor degree at which
+    the Megatron layout splits some weight, ``dp`` dividing the batch), every micro-batch
+    count dividing a replica's share of the batch, GPipe and 1F1B; the stages cut the layers
+    (``graph.layers(depth)``) contiguously. For each mesh, micro-batch count and schedule an
+    exact DP finds the cuts with the smallest slowest stage for every ``pp`` at once, under the
+    estimate of :mod:`explorer.partition.degrees.estimate` (pipeline-dp's per-layer costs with
+    the tensor split's shares and all-reduces), rejecting stages over the devices' memory; a
+    split scores ``slowest stage x (M + pp - 1) / M``. The ``simulate_top`` best by estimate
+    that fit are simulated and the fastest by the simulator is kept; it is then compared, by
+    the simulator, with pipeline-dp's plan (no tensor split; when its DP is small enough, see
+    :data:`PIPELINE_DP_CELLS`) and the baselines, and the fastest is returned (a note says
+    which). Tensor-parallel stages run without ZeRO, recomputation or bf16 (not combined yet).
+
+    Parameters
+    ----------
+    tensor_degrees : list of int, optional
+        Tensor degrees to try (default: the divisors of the device count up to the devices
+        the first one reaches over its fastest link, a node's GPUs on NVLink: tensor within a
+        node, as Megatron-LM advises; those at which the layout splits nothing are left
+        out). 1 is always tried.
+    micro_batches : int or list of int, optional
+        Micro-batch counts to try (default: every divisor of a replica's share of the batch).
+    schedules : list of str
+        Pipeline schedules to try (default both).
+    depth, max_layers
+        Module depth of the layers (``None``: the finest depth with at most ``max_layers``
+        layers).
+    simulate_top : int
+        How many of the best candidates by estimate the simulator scores (default 4; more
+        are simulated when those do not fit its memory accounting).
+    compare_pipeline_dp : bool
+        Also run pipeline-dp (stages with any replica counts, no tensor split) when its DP is
+        small enough, and return its plan when the simulator finds it faster.
+    k, optimizer, compare_baselines
+        As in :class:`explorer.partition.options.Options`.
+
+    Returns
+    -------
+    Plan
+        ``options``: ``dp``, ``tp``, ``pp``, ``degrees`` (``"dpxtpxpp"``), ``micro_batches``,
+        ``schedule``, ``stage_layers``, ``estimate_s`` and the size of the search
+        (``candidates``, ``simulated``); ``notes`` the chosen degrees and how it compares.
+
+    Limits
+    ------
+    Work: one DP of ``(L+1)^2 x N / (dp x tp)`` cells per mesh, micro-batch count and
+    schedule (pins make it ``N^2 / 2`` per mesh); a 70B shape (85 layers) on 64 devices
+    enumerates its space in about a second, and the simulator prices ``simulate_top`` plans.
+    Every stage has the same mesh; the estimate takes the slowest link between stages for
+    every boundary and assumes the tensor groups are the stage's consecutive devices.
+    """
+    opts = Options(k=k, optimizer=optimizer, compare_baselines=compare_baselines)
+    ids = opts.devices(cluster)
+    pins = dict(pins or {})
+    if isinstance(micro_batches, int):
+        micro_batches = (micro_batches,)
+    for m in micro_batches or ():
+        check_micro_batches(m)
+    if simulate_top < 1:
+        raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
+    layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
+    space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
+                        schedules, pins, 1.0)
+    cands = enumerate_candidates(space, costs, graph.batch_size)
+    base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
+                 "candidates": len(cands)}
+    best: tuple[Plan, Prediction] | None = None
+    tried = 0
+    fitting = 0
+    for cand in cands:
+        if fitting >= simulate_top or tried >= 3 * simulate_top:
+            break
+        plan = candidate_plan(graph, space, cand, optimizer, pins, base_opts)
+        pred = simulate(graph, plan, costs)
+        tried += 1
+        if pred.fits:
+            fitting += 1
+            if best is None or pred.step_s < best[1].step_s * (1 - 1e-9):
+                best = (plan, pred)
+    failure = "" if best is not None else (
+        f"degrees: none of {tried} candidates the estimate found fitting fits the simulator's "
+        "memory accounting" if cands else "degrees: no mesh, micro-batch count and split fits "
+        "the devices' memory by the estimate")
+    if best is not None:
+        plan, pred = best
+        cand_note = (f"degrees: {_describe(_chosen(plan), len(ids))}: simulated "
+                     f"{pred.step_s:.4g} s per step (estimate {plan.options['estimate_s']:.4g}"
+                     f" s); the fastest of {tried} simulated of {len(cands)} candidates")
+        best = (plan.with_settings(notes=(cand_note,),
+                                   options={**plan.options, "simulated": tried}), pred)
+    if compare_pipeline_dp:
+        best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
+                                    len(layers), len(ids))
+    plan, pred = best if best is not None else (None, None)
+    return settle(graph, cluster, costs, "degrees", plan, pred, failure, pins, opts)
+
+
+def _chosen(plan: Plan) -> Candidate:
+    o = plan.options
+    return Candidate(o["dp"], o["tp"], o["pp"], o["micro_batches"], o["schedule"],
+                     o["estimate_s"], ())
+
+
+def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
+                         best: tuple[Plan, Prediction] | None, pins: Mapping[str, str],
+                         k: int | None, optimizer: str, n_layers: int, n_dev: int
+                         ) -> tuple[Plan, Prediction] | None:
+    """``best``, or pipeline-dp's plan (relabelled, with a note) when the simulator finds it
+    faster; a note on ``best`` when pipeline-dp's DP would take too long to run."""
+    if dp_cells(n_layers, n_dev, True) > PIPELINE_DP_CELLS:
+        if best is None:
+            return None
+        plan, pred = best
+        note = (f"pipeline-dp not compared: its DP over {n_layers} layers on {n_dev} devices "
+                "would take long (the search covers its plans with equal replicas per stage)")
+        return plan.with_settings(notes=(*plan.notes, note)), pred
+    try:
+        other = lookup_algorithm("pipeline-dp").fn(graph, cluster, costs, pins=pins, k=k,
+                                                    optimizer=optimizer,
+                                                    compare_baselines=False)
+    except MemoryExceededError:
+        return best
+    pred = simulate(graph, other, costs)
+    if not pred.fits or (best is not None and best[1].step_s <= pred.step_s * (1 + 1e-9)):
+        return best
+    own = f"{best[1].step_s:.4g} s" if best is not None else "nothing that fits"
+    reps = sorted({other.replicas_of(s) for s in range(len(other.stages))})
+    note = (f"degrees: pipeline-dp's plan without tensor splits ({len(other.stages)} stages, "
+            f"replicas {'/'.join(map(str, reps))}, {other.micro_batches} micro-batches) is "
+            f"faster ({pred.step_s:.4g} s per step against {own} for the best mesh), so this "
+            "is that plan")
+    opts = {**other.options, "dp": other.data_parallel, "tp": 1, "pp": len(other.stages),
+            "degrees": f"{other.data_parallel}x1x{len(other.stages)}",
+            "fallback": "pipeline-dp"}
+    return other.with_settings(algorithm="degrees", notes=(*other.notes, note),
+                               options=opts), pred
+
+
+__all__ = ["MAX_LAYERS", "PIPELINE_DP_CELLS", "candidate_plan", "degrees"]

@@ -1,0 +1,162 @@
+"""The degrees search: exact against brute force on tiny graphs, pins, memory, never worse."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+from builders import cluster, tiny_builtin_graph
+from partition.test_pase import fc_costs, wide_fc
+
+import explorer as ex
+from explorer.core.errors import ExplorerError
+from explorer.models.synthetic import roofline_costs
+from explorer.partition.degrees import (
+    build_space,
+    candidate_plan,
+    enumerate_candidates,
+    mesh_costs,
+)
+from explorer.partition.pipeline_dp import choose_layers
+from explorer.simulate.simulator import simulate
+
+
+def _case(name: str, devices: str):
+    g = tiny_builtin_graph(name)
+    cl = ex.Cluster.preset(devices)
+    return g, cl, roofline_costs(g, cl)
+
+
+def _space(g, cl, costs, depth, pins=None, **kw):
+    layers, _ = choose_layers(g, depth, 400, 1, False)
+    return build_space(g, costs, cl.ids, layers, "adam", kw.get("tensor_degrees"),
+                       kw.get("micro_batches"), ("1f1b", "gpipe"), pins or {}, 1.0)
+
+
+def _brute_estimate(space, costs, batch):
+    """The best score over every mesh, micro-batch count, schedule and every contiguous
+    split, each scored by the reference (stage by stage) estimate."""
+    n_layers = len(space.layers)
+    best = math.inf
+    for dp, tp in space.meshes(batch):
+        pin_stage = space.pin_stages(dp * tp)
+        if pin_stage is None:
+            continue
+        for m in space.micro_batch_choices(batch, dp):
+            for sched in space.schedules:
+                mesh = mesh_costs(space, costs, dp, tp, m, sched)
+                for s in range(1, min(len(space.ids) // (dp * tp), n_layers) + 1):
+                    for cuts in itertools.combinations(range(1, n_layers), s - 1):
+                        score = mesh.score_s(space.by_tensor[tp], (0, *cuts, n_layers),
+                                             pin_stage)
+                        best = min(best, score)
+    return best
+
+
+@pytest.mark.parametrize("name,devices,depth,pin", [
+    ("mlp", "4xH100", 2, False), ("gpt", "4xH100", 2, False), ("gpt", "4xT4", 2, True),
+    ("mlp", "3xT4", 2, True)])
+def test_search_is_exact_for_its_estimate(name, devices, depth, pin):
+    g, cl, costs = _case(name, devices)
+    pins = {}
+    if pin:  # the last op on the last device, the first op on the first
+        ops = [n.name for n in g.nodes if n.kind == "op"]
+        pins = {ops[-1]: cl.ids[-1], ops[0]: cl.ids[0]}
+    space = _space(g, cl, costs, depth, pins)
+    assert len(space.by_tensor) > 1 or name == "mlp"  # some tensor degree splits weights
+    cands = enumerate_candidates(space, costs, g.batch_size)
+    brute = _brute_estimate(space, costs, g.batch_size)
+    assert cands and math.isclose(cands[0].estimate_s, brute, rel_tol=1e-9)
+    # every candidate's cuts score what the DP says under the reference estimate
+    for c in cands[:40]:
+        mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule)
+        assert math.isclose(mesh.score_s(space.by_tensor[c.tp], c.bounds,
+                                         space.pin_stages(c.dp * c.tp)), c.estimate_s,
+                            rel_tol=1e-9)
+
+
+def test_simulating_every_candidate_equals_brute_force_by_the_simulator():
+    g, cl, costs = _case("gpt", "4xH100")
+    space = _space(g, cl, costs, None)
+    cands = enumerate_candidates(space, costs, g.batch_size)
+    brute = min(r.step_s for c in cands
+                for r in [simulate(g, candidate_plan(g, space, c, "adam", {}, {}), costs)]
+                if r.fits)
+    plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands),
+                        compare_pipeline_dp=False, compare_baselines=False)
+    assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
+    o = plan.options
+    assert o["dp"] * o["tp"] * o["pp"] <= len(cl)
+    assert o["degrees"] == f"{o['dp']}x{o['tp']}x{o['pp']}"
+    assert plan.tensor_of(0) == o["tp"] and len(plan.stages) == o["pp"]
+    assert "degrees: data" in plan.notes[0]
+
+
+@pytest.mark.parametrize("name,devices", [("mlp", "4xH100"), ("gpt", "4xT4"),
+                                          ("gpt", "8xH100"), ("mlp", "2xT4")])
+def test_never_worse_than_pipeline_dp_and_the_baselines(name, devices):
+    g, cl, costs = _case(name, devices)
+    got = simulate(g, ex.partition(g, cl, costs, "degrees"), costs)
+    assert got.fits
+    for other in ("pipeline-dp", "single", "data-parallel"):
+        ref = simulate(g, ex.partition(g, cl, costs, other), costs)
+        if ref.fits:
+            assert got.step_s <= ref.step_s * (1 + 1e-9), other
+
+
+def test_pins_are_honoured():
+    g, cl, costs = _case("gpt", "4xT4")
+    ops = [n.name for n in g.nodes if n.kind == "op"]
+    pins = {ops[-1]: cl.ids[3], ops[len(ops) // 2]: cl.ids[2]}
+    plan = ex.partition(g, cl, costs, "degrees", pins=pins)
+    for name, dev in pins.items():
+        assert dev in plan.devices_of(name)
+    assert pins.keys() <= plan.pinned
+
+
+def test_memory_limit_rejects_plans_that_do_not_fit():
+    g = tiny_builtin_graph("gpt")
+    roomy = ex.Cluster.preset("4xT4")
+    costs = roofline_costs(g, roomy)
+    whole = simulate(g, ex.Plan.single(g, roomy.ids[0]), costs).peak_bytes[roomy.ids[0]]
+    tight = replace(roomy, devices=tuple(replace(d, memory_bytes=int(whole * 0.6))
+                                         for d in roomy.devices))
+    costs = roofline_costs(g, tight)
+    space = _space(g, tight, costs, None)
+    cands = enumerate_candidates(space, costs, g.batch_size)
+    assert cands and not any(c.devices == 1 and c.micro_batches == 1 for c in cands)
+    for c in cands:  # every stage of every candidate fits by the estimate
+        mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule)
+        for k in range(c.pp):
+            assert mesh.stage_memory_bytes(space.by_tensor[c.tp], c.bounds[k], c.bounds[k + 1],
+                                           c.pp - k) <= space.capacity_bytes
+    plan = ex.partition(g, tight, costs, "degrees", compare_pipeline_dp=False)
+    pred = simulate(g, plan, costs)
+    assert pred.fits and len(plan.devices) > 1
+
+
+def test_options_are_checked():
+    g, cl, costs = _case("mlp", "2xT4")
+    with pytest.raises(ExplorerError, match="simulate_top"):
+        ex.partition(g, cl, costs, "degrees", simulate_top=0)
+    with pytest.raises(ExplorerError, match="schedule"):
+        ex.partition(g, cl, costs, "degrees", schedules=["zigzag"])
+    plan = ex.partition(g, cl, costs, "degrees", tensor_degrees=[2], micro_batches=[2],
+                        schedules=["gpipe"], compare_pipeline_dp=False,
+                        compare_baselines=False)
+    assert plan.micro_batches == 2 and plan.options["tp"] in (1, 2)
+
+
+def test_tensor_split_chosen_where_it_wins_and_agrees_with_pase():
+    """Two big linears on slow links: splitting them (column then row) beats replicating them
+    (64 MiB gradient all-reduces) and pipelining them; PaSE finds the same split."""
+    g = wide_fc(conv_first=False)
+    cl = cluster(4, latency_s=1e-5, bandwidth=1e9, memory=64 * 2**30)
+    costs = fc_costs(g, cl)
+    plan = ex.partition(g, cl, costs, "degrees")
+    assert plan.options["degrees"] == "1x4x1" and plan.tensor_of(0) == 4
+    step = simulate(g, plan, costs).step_s
+    assert step < simulate(g, ex.partition(g, cl, costs, "pipeline-dp"), costs).step_s
+    assert step == pytest.approx(simulate(g, ex.partition(g, cl, costs, "pase"), costs).step_s)
