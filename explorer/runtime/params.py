@@ -176,10 +176,12 @@ class Weights:
 
     def _take_shards(self, reduced: list[tuple[int, torch.Tensor]]) -> None:
         """ZeRO 2, 3: reduce-scattered gradient shards to their parameters' shards; the full
-        gradients freed."""
+        gradients freed (first: the shards of a bucket share one tensor, counted whole when
+        the first is given)."""
+        for p, _ in reduced:
+            self.drop_grad(self.value[p])
         for p, grad in reduced:
             self._give_shard_grad(p, grad)
-            self.drop_grad(self.value[p])
 
     def _give_shard_grad(self, p: int, grad: torch.Tensor) -> None:
         shard = self.shards.shard[p]
