@@ -19,7 +19,8 @@ describe them:
   gathered copy: what it saves of one is a reference (:class:`GatheredRef`) that gathers again.
   Prefetch depth 1: when an op starts, the gather of the next op's parameters is started
   (``async_op=True``) so it overlaps the op's compute; a prefetched copy nobody took is freed
-  when the micro-batch's backward is done with the parameter.
+  when the micro-batch's backward is done with the parameter. Each weight is gathered by a
+  collective of its own (as the simulator prices it); gradients go as in ZeRO 2.
 
 Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
 gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
