@@ -45,7 +45,7 @@ import dataclasses
 import statistics
 import time
 
-from _common import add_results_option, write_result
+from _common import add_results_option, load_average, write_result
 from scipy.stats import kendalltau
 
 import explorer as ex
@@ -111,6 +111,7 @@ def main() -> None:
     runs = []
     skipped = []
     t_all = time.perf_counter()
+    load_start = load_average()  # (shared machines inflate the measured steps)
     for name in args.models.split(","):
         bm = ex.builtin_model(name, args.size)
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
@@ -226,7 +227,8 @@ def main() -> None:
     totals = ""
     if pairs:
         totals = (f"plans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
-                  f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s")
+                  f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s;"
+                  f" {load_start} at the start, {load_average()} at the end")
         print("\n" + totals)
         summary("as profiled", pairs)
         summary("as profiled, without contention", flat_pairs)

@@ -10,7 +10,10 @@ A stage's memory settings (:class:`~explorer.core.plan.StageSettings`) change th
 the simulator does: ZeRO over ``replicas`` divides the optimizer state (1), the gradients (2)
 and the weights (3) by the replica count; recomputation does not charge the outputs it drops
 (:func:`explorer.costs.strategies.recomputed_outputs`) nor the extra tensors of the ops it
-runs again; bf16/fp16 charge the 2-byte outputs of autocast at their size. The transient
+runs again, but charges the values a recomputation starts from (:func:`recompute_sources`,
+kept until the backward as the simulator keeps them); bf16/fp16 charge the 2-byte outputs of
+autocast at their size, and a matmul-like op the 2-byte copies autocast makes of the fp32
+tensors it saves (weights, fp32 activations) and its extra tensors in 2 bytes. The transient
 copies (ZeRO 3's gathered weights, the recomputed activations in the backward) are not charged:
 they depend on the schedule, which the simulator has.
 """
@@ -23,7 +26,61 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import DEFAULT_SETTINGS, OPTIMIZER_STATE, StageSettings
-from explorer.costs.strategies import activation_bytes, recomputed_outputs, shard_bytes
+from explorer.costs.strategies import (
+    FLOAT_DTYPES,
+    activation_bytes,
+    is_matmul_like,
+    recomputed_outputs,
+    shard_bytes,
+)
+
+
+def view_roots(graph: OpGraph) -> list[int]:
+    """[node] the node whose memory a view shares (its first input's root; itself else)."""
+    root = list(range(len(graph)))
+    for i, n in enumerate(graph.nodes):
+        if n.is_view and n.inputs:
+            root[i] = root[graph.index[n.inputs[0]]]
+    return root
+
+
+def recompute_sources(graph: OpGraph, dropped: list[bool], root: list[int]) -> set[int]:
+    """The kept values (roots) recomputations start from: the inputs of every dropped output
+    some backward saves, through the dropped ones among them, back to values that are kept
+    (weights are always there)."""
+    saved = {graph.index[s] for n in graph.nodes for s in n.saves}
+    out: set[int] = set()
+    todo = [h for h in saved if dropped[h]]
+    seen = set(todo)
+    while todo:
+        for name in graph.nodes[todo.pop()].inputs:
+            q = graph.index[name]
+            if q in seen or graph.nodes[q].kind in ("param", "buffer"):
+                continue
+            seen.add(q)
+            if dropped[q]:
+                todo.append(q)
+            else:
+                out.add(root[q])
+    return out
+
+
+def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int]) -> list[int]:
+    """[node] bytes of the 2-byte copies a matmul-like op saves, under autocast, of the fp32
+    tensors it reads and saves (weights, activations kept in fp32)."""
+    out = [0] * len(graph)
+    for v, n in enumerate(graph.nodes):
+        if n.kind != "op" or not is_matmul_like(n):
+            continue
+        for name in n.saves:
+            q = graph.nodes[root[graph.index[name]]]
+            if q.dtype != "float32" or q.kind == "buffer":
+                continue
+            if q.kind == "param":
+                out[v] += q.param_bytes // 2 or q.out_bytes // 2
+            elif act[root[graph.index[name]]] == q.out_bytes and q.dtype in FLOAT_DTYPES:
+                out[v] += q.out_bytes // 2
+    return out
 
 
 def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 1,
@@ -39,6 +96,11 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
         act = activation_bytes(graph, settings.precision, device_kind).tolist()
         dropped = recomputed_outputs(graph, settings.recompute).tolist()
         no_extras = settings.recompute == "full"
+        root = view_roots(graph)
+        half = settings.precision != "fp32"
+        copies = cast_copy_bytes(graph, act, root) if half else [0] * len(graph)
+        sources = recompute_sources(graph, dropped, root) if settings.recompute != "none" \
+            else set()
     zero = settings.zero if replicas > 1 else 0
 
     def shard(nbytes: int, stage: int) -> int:
@@ -59,8 +121,12 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
                 kept = (0 if n.is_view or n.name not in saved else n.out_bytes) \
                     + n.saved_extra_bytes
             else:
-                kept = (0 if n.is_view or n.name not in saved or dropped[i] else act[i]) + (
-                    0 if no_extras or dropped[i] else n.saved_extra_bytes)
+                extra = n.saved_extra_bytes
+                if half and is_matmul_like(n) and act[i] < n.out_bytes:
+                    extra //= 2  # (made in its 2-byte compute dtype, as its output)
+                charged = not n.is_view and n.name in saved and not dropped[i]
+                kept = (act[i] if charged or (i in sources and not n.is_view) else 0) + (
+                    0 if no_extras or dropped[i] else extra) + copies[i]
             out.append(int(kept * batch_fraction * in_flight))
         else:  # inputs: the batch itself
             out.append(int(n.out_bytes * batch_fraction * in_flight))

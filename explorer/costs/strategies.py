@@ -51,6 +51,27 @@ FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")
 #: the element size parameters are sharded in (fp32 master weights)
 PARAM_ELEMENT_BYTES = 4
+#: ZeRO's collectives of gradients and updated shards move the tensors of several parameters
+#: together, up to about this many bytes at a time (DDP's default gradient bucket)
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def buckets(sizes: list[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Positions in ``sizes`` (bytes of tensors, in the order they are ready) cut into runs
+    of consecutive ones, each closed as soon as it holds ``limit`` bytes or more: the
+    tensors one bucketed collective moves together."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for k, b in enumerate(sizes):
+        cur.append(k)
+        size += b
+        if size >= limit:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
 
 
 def shard_bytes(nbytes: int, replicas: int) -> int:

@@ -13,7 +13,7 @@ from explorer.core.plan import Plan
 from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.sharding import GatheredRef, Shards
+from explorer.runtime.sharding import GatheredRef, ScatterBuckets, Shards
 from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
 
 #: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient
@@ -92,12 +92,14 @@ class Weights:
                      + any(L.stage[c] != L.s for c in L.succs[i])
                      for i in self.value if L.kind[i] == "param"}
         self.uses_left = dict(self.uses)
-        self.scattered: set[int] = set()  # ZeRO 2, 3: gradients reduce-scattered this step
         self.loss_scale = loss_scale(L.plan)
         self.buckets = GradBuckets(
             [(i, self.value[i]) for i in reversed(self.owned)
              if L.kind[i] == "param" and self.value[i].requires_grad],
             group if self.zero < 2 else None)
+        self.scatter = ScatterBuckets(self.shards, [i for i in reversed(self.owned)
+                                                    if i in self.shards.shard]
+                                      if self.zero >= 2 else [])
         self.grads_tracked: set[int] = set()
         self.state_tracked: set[int] = set()
         #: the first step's gradients of this rank's parameters, when the job records them
@@ -111,8 +113,8 @@ class Weights:
         copies it uses."""
         L = self.layout
         self.uses_left = dict(self.uses)
-        self.scattered.clear()
         self.buckets.start_step()
+        self.scatter.start_step()
         for i in self.owned:
             if not L.remote_stages(i):
                 continue
@@ -160,19 +162,26 @@ class Weights:
         self.uses_left[p] -= 1
         if self.uses_left[p] == 0 and self.layout.stage[p] == self.layout.s:
             if self.zero >= 2 and p in self.shards.shard:
-                self._reduce_scatter(p)
+                self.scatter.ready(p, self._grad_of)
+                self._take_shards(self.scatter.done())
             else:
                 self._place_grad(self.value[p])
                 self.buckets.ready(p)
 
-    def _reduce_scatter(self, p: int) -> None:
-        """ZeRO 2, 3: the final gradient of ``p`` reduce-scattered; the full one freed."""
+    def _grad_of(self, p: int) -> torch.Tensor:
+        """The full gradient of sharded parameter ``p`` (zeros where no op made one)."""
         v = self.value[p]
-        grad = v.grad if v.grad is not None else torch.zeros(v.shape, dtype=v.dtype,
+        return v.grad if v.grad is not None else torch.zeros(v.shape, dtype=v.dtype,
                                                                device=v.device)
-        self._give_shard_grad(p, self.shards.reduce_scatter(p, grad))
-        self.drop_grad(v)
-        self.scattered.add(p)
+
+    def _take_shards(self, reduced: list[tuple[int, torch.Tensor]]) -> None:
+        """ZeRO 2, 3: reduce-scattered gradient shards to their parameters' shards; the full
+        gradients freed (first: the shards of a bucket share one tensor, counted whole when
+        the first is given)."""
+        for p, _ in reduced:
+            self.drop_grad(self.value[p])
+        for p, grad in reduced:
+            self._give_shard_grad(p, grad)
 
     def _give_shard_grad(self, p: int, grad: torch.Tensor) -> None:
         shard = self.shards.shard[p]
@@ -226,9 +235,8 @@ class Weights:
                 self.grad_born(p)
             else:
                 local(p.grad).copy_(reduced)
-        if self.zero >= 2:  # parameters no op of the step used
-            for i in sorted(set(self.shards.shard) - self.scattered):
-                self._reduce_scatter(i)
+        if self.zero >= 2:  # (and the buckets of parameters no op of the step used)
+            self._take_shards(self.scatter.flush(self._grad_of))
         if self.loss_scale != 1.0:
             self._unscale()
         if self.record and self.first_grads is None:

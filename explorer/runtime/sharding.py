@@ -7,16 +7,20 @@ describe them:
 
 - ZeRO 1: the full parameter stays, as one padded flat tensor whose shard the optimizer steps
   (a view of it); gradients are all-reduced as without ZeRO, then cut to the shard; after the
-  optimizer, the shards are all-gathered back into the flat tensors.
-- ZeRO 2: as 1, but each gradient is reduce-scattered as soon as it is final (its last use in
-  the step's backward), and the full gradient freed then.
+  optimizer, the shards are all-gathered back into the flat tensors, several parameters' in
+  one collective (buckets of :data:`~explorer.costs.strategies.BUCKET_BYTES`).
+- ZeRO 2: as 1, but the gradients are reduce-scattered in buckets (:class:`ScatterBuckets`):
+  one ``reduce_scatter_tensor`` per bucket, started without waiting as soon as the last of
+  its gradients is final (its last use in the step's backward), the full gradients freed
+  once it is done, as DDP and FSDP do and as the simulator prices it.
 - ZeRO 3: only the shard is stored. A micro-batch's forward all-gathers a parameter before its
   first op and frees it after its last; the backward gathers it again when an op's backward
   needs it and frees it once the micro-batch's gradient of it is made. Autograd never keeps a
   gathered copy: what it saves of one is a reference (:class:`GatheredRef`) that gathers again.
   Prefetch depth 1: when an op starts, the gather of the next op's parameters is started
   (``async_op=True``) so it overlaps the op's compute; a prefetched copy nobody took is freed
-  when the micro-batch's backward is done with the parameter.
+  when the micro-batch's backward is done with the parameter. Each weight is gathered by a
+  collective of its own (as the simulator prices it); gradients go as in ZeRO 2.
 
 Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
 gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
@@ -37,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from explorer.costs.strategies import PARAM_ELEMENT_BYTES, buckets
 from explorer.runtime.accounting import GATHERED, PARAMETERS, MemTracker
 from explorer.runtime.comm import Messenger
 
@@ -118,7 +123,7 @@ class Shards:
         self.ghost[p] = ghost.requires_grad_(True)
         return self.ghost[p]
 
-    def _collective(self, fn: Callable[[], Any]) -> None:
+    def collective(self, fn: Callable[[], Any]) -> None:
         """Run a blocking collective of the replicas, its time counted as waiting."""
         t0 = time.perf_counter()
         with self.messenger.waiting():
@@ -129,7 +134,7 @@ class Shards:
         """All of parameter ``p`` from every replica's shard (not counted here)."""
         shard = self.shard[p].detach()
         out = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=shard.device)
-        self._collective(lambda: dist.all_gather_into_tensor(out, shard, group=self.group))
+        self.collective(lambda: dist.all_gather_into_tensor(out, shard, group=self.group))
         return out[: self.shape[p].numel()].view(self.shape[p])
 
     # -- ZeRO 3: gathered copies -----------------------------------------------------------
@@ -147,7 +152,7 @@ class Shards:
     def _arrived(self, p: int) -> torch.Tensor:
         """The prefetched buffer of ``p``, once its gather is done (waiting counted)."""
         work, out = self.in_flight.pop(p)
-        self._collective(work.wait)
+        self.collective(work.wait)
         return out
 
     def cancel_prefetches(self, only: int | None = None) -> None:
@@ -224,17 +229,10 @@ class Shards:
         return None if p is None else GatheredRef(self, p, t)
 
     # -- gradients and the step --------------------------------------------------------
-    def _padded(self, p: int, full: torch.Tensor) -> torch.Tensor:
+    def padded(self, p: int, full: torch.Tensor) -> torch.Tensor:
         flat = full.detach().reshape(-1)
         extra = self.size(p) * self.replicas - flat.numel()
         return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat.contiguous()
-
-    def reduce_scatter(self, p: int, grad: torch.Tensor) -> torch.Tensor:
-        """This replica's shard of the sum over replicas of gradient ``grad`` of ``p``."""
-        out = grad.new_empty(self.size(p))
-        padded = self._padded(p, grad)
-        self._collective(lambda: dist.reduce_scatter_tensor(out, padded, group=self.group))
-        return out
 
     def local_shard(self, p: int, grad: torch.Tensor) -> torch.Tensor:
         """This replica's shard of an already reduced gradient ``grad`` of ``p``: a view of it
@@ -244,20 +242,95 @@ class Shards:
         flat = grad.detach().reshape(-1)
         if lo + k <= flat.numel():
             return flat[lo: lo + k]
-        return self._padded(p, grad)[lo: lo + k].clone()
+        return self.padded(p, grad)[lo: lo + k].clone()
 
     def full_grad(self, p: int) -> torch.Tensor:
         """The whole gradient of ``p`` from every replica's gradient shard."""
         g = self.shard[p].grad
         g = g.detach() if g is not None else torch.zeros_like(self.shard[p])
         out = g.new_empty(g.numel() * self.replicas)
-        self._collective(lambda: dist.all_gather_into_tensor(out, g, group=self.group))
+        self.collective(lambda: dist.all_gather_into_tensor(out, g, group=self.group))
         return out[: self.shape[p].numel()].view(self.shape[p])
 
     def gather_params(self) -> None:
-        """ZeRO 1, 2: every replica's updated shard back into the full parameters."""
-        for p, flat in self.flat.items():
-            mine = self.shard[p].detach().clone()
-            self._collective(lambda flat=flat, mine=mine: dist.all_gather_into_tensor(
-                flat, mine, group=self.group))
+        """ZeRO 1, 2: every replica's updated shard back into the full parameters, one
+        all-gather per bucket of parameters."""
+        order = list(self.flat)
+        for bucket in buckets([self.shape[p].numel() * PARAM_ELEMENT_BYTES for p in order]):
+            ps = [order[k] for k in bucket]
+            mine = torch.cat([self.shard[p].detach() for p in ps])
+            out = mine.new_empty(mine.numel() * self.replicas)
+            self.collective(lambda out=out, mine=mine: dist.all_gather_into_tensor(
+                out, mine, group=self.group))
+            rows, at = out.view(self.replicas, -1), 0
+            for p in ps:
+                k = self.size(p)
+                self.flat[p].view(self.replicas, k).copy_(rows[:, at: at + k])
+                at += k
 
+
+class ScatterBuckets:
+    """ZeRO 2, 3: the replicas' gradients reduce-scattered in buckets.
+
+    ``params`` are the sharded parameters in the order their gradients are expected to be
+    final (the reverse of the forward's), cut into buckets as the simulator cuts them
+    (:func:`~explorer.costs.strategies.buckets` over the full gradients' bytes). When the
+    last gradient of a bucket is final, its gradients are laid out replica by replica (each
+    replica's shards of them side by side) in one flat tensor and one
+    ``reduce_scatter_tensor`` of it is started without waiting. The full gradients stay
+    until it is done (:meth:`done` reports finished buckets, :meth:`flush` waits for all).
+    """
+
+    def __init__(self, shards: Shards, params: list[int]) -> None:
+        self.shards = shards
+        sizes = [shards.shape[p].numel() * PARAM_ELEMENT_BYTES for p in params]
+        self.buckets = [[params[k] for k in b] for b in buckets(sizes)]
+        self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.left = [len(b) for b in self.buckets]
+        self.started: list[tuple[Any, torch.Tensor, list[int]]] = []
+        self.begun: set[int] = set()
+
+    def ready(self, p: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+        """Parameter ``p``'s gradient is final (``grad_of``: a parameter's full gradient):
+        start its bucket's reduce-scatter if that was the last."""
+        b = self.bucket_of.get(p)
+        if b is None:
+            return
+        self.left[b] -= 1
+        if self.left[b] == 0:
+            self._start(b, grad_of)
+
+    def _start(self, b: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+        sh, R = self.shards, self.shards.replicas
+        ps = self.buckets[b]
+        flat = torch.cat([sh.padded(p, grad_of(p)).view(R, sh.size(p)) for p in ps], dim=1)
+        out = flat.new_empty(flat.shape[1])
+        work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=sh.group, async_op=True)
+        self.started.append((work, out, ps))
+        self.begun.add(b)
+
+    def done(self, wait: bool = False) -> list[tuple[int, torch.Tensor]]:
+        """Each parameter of the buckets whose reduce-scatter is done (all of them, waiting,
+        with ``wait``), with this replica's shard of its summed gradient (a view of the
+        bucket's output)."""
+        out: list[tuple[int, torch.Tensor]] = []
+        while self.started and (wait or self.started[0][0].is_completed()):
+            work, got, ps = self.started.pop(0)
+            self.shards.collective(work.wait)
+            at = 0
+            for p in ps:
+                k = self.shards.size(p)
+                out.append((p, got[at: at + k]))
+                at += k
+        return out
+
+    def flush(self, grad_of: Callable[[int], torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """Start the buckets not started (parameters no op of the step used), then wait for
+        every bucket: :meth:`done`'s pairs."""
+        for b in range(len(self.buckets)):
+            if b not in self.begun:
+                self._start(b, grad_of)
+        return self.done(wait=True)

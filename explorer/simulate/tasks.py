@@ -16,6 +16,7 @@ import numpy as np
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
+from explorer.costs.strategies import BUCKET_BYTES, buckets
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
 from explorer.simulate.effects import (
     ALLGATHER,
@@ -37,8 +38,6 @@ from explorer.simulate.taskgraph import (
     TaskGraph,
 )
 from explorer.simulate.tensor import per_device, split_op_seconds
-
-BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
@@ -323,11 +322,17 @@ class _Builder:
         if eff is not None:
             allreduce_bytes += add_weight_gathers(
                 self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
+        # fp16 anywhere: every stage divides its reduced gradients by the loss scale before
+        # its optimizer step, one elementwise pass over them, priced as an SGD step over
+        # those bytes (also one elementwise pass per gradient)
+        fp16 = any(plan.settings_of(s).precision == "fp16" for s in range(S))
         for s in range(S):
             params = pg[st[pg] == s][::-1].tolist()
             before_opt = [t for p in params for t in sent_home.get(p, ())]
-            d_opt = max(costs.optimizer_s(dv, plan.optimizer, stepped[s],
-                                          trainable_count[s]) * self._opt_slowed(dv)
+            unscaled = (stepped[s] if zero[s] >= 2 else trainable_bytes[s]) if fp16 else 0
+            d_opt = max((costs.optimizer_s(dv, plan.optimizer, stepped[s], trainable_count[s])
+                         + (costs.optimizer_s(dv, "sgd", unscaled, trainable_count[s])
+                            if unscaled else 0.0)) * self._opt_slowed(dv)
                         for dv in types[s].values())
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)
@@ -377,14 +382,17 @@ class _Builder:
                             off_f[ops_by_stage[s]])
             for m in range(M):
                 edges(last, np.full(len(last), t), m)
-            if zero[s] in (1, 2):  # the updated shards gathered into the full weights
-                size = trainable_bytes[s]
-                ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
-                               costs.allgather_s(reps[s], size), self.prio(_LAST),
-                               f"all-gather {size} B", -1, size)
-                allreduce_bytes += int((len(reps[s]) - 1) * size)
-                py_src.append(t)
-                py_dst.append(ag)
+            if zero[s] in (1, 2):  # the updated shards gathered into the full weights,
+                # one all-gather per bucket of them, in turn
+                mine = [int(held[i]) for i in A.trainable if stage[i] == s]
+                for bucket in buckets(mine):
+                    size = sum(mine[k] for k in bucket)
+                    ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
+                                   costs.allgather_s(reps[s], size), self.prio(_LAST),
+                                   f"all-gather {size} B", -1, size)
+                    allreduce_bytes += int((len(reps[s]) - 1) * size)
+                    py_src.append(t)
+                    py_dst.append(ag)
         # successor lists and dependency counts
         T = len(self.kind)
         src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])

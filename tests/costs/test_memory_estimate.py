@@ -55,3 +55,17 @@ def test_stages_each_under_their_settings():
                                                        StageSettings(recompute="full")],
                              replicas=[2, 1])
     assert got == [80 + 800, 0]
+
+
+def test_recomputation_keeps_what_it_recomputes_from():
+    g = chain()
+    # selective: relu's output is recomputed from mm's, which nothing saves otherwise: kept
+    assert node_memory_bytes(g, settings=StageSettings(recompute="selective"))[2] == 160
+    # full: mm is recomputed too, from x (charged as the batch already)
+    assert node_memory_bytes(g, settings=StageSettings(recompute="full"))[2] == 0
+
+
+def test_half_precision_charges_the_copies_matmuls_save():
+    g = chain()
+    # mm saves autocast's 2-byte copy of x (80 B in fp32)
+    assert node_memory_bytes(g, settings=StageSettings(precision="bf16"))[2] == 40

@@ -62,10 +62,14 @@ class TestZero:
         m = pred.memory["d:0"]
         assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.gathered_bytes) == (
             70 * MiB, 70 * MiB, 70 * MiB, 0)
-        # all-reduce 2 (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70 MiB
+        # all-reduce 2 (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70 MiB,
+        # one all-gather per 25 MB bucket of weights (w1's, then w2's), as the runtime does
         assert pred.allreduce_bytes == 140 * MiB + 70 * MiB
         kinds = [iv.kind for iv in pred.timeline if iv.device == "d:0"]
-        assert kinds[-2:] == ["optimizer", "all-gather"]
+        assert kinds[-3:] == ["optimizer", "all-gather", "all-gather"]
+        gathered = [iv.label for iv in pred.timeline
+                    if iv.device == "d:0" and iv.kind == "all-gather"]
+        assert gathered == [f"all-gather {40 * MiB} B", f"all-gather {30 * MiB} B"]
 
     def test_zero_2_frees_each_full_gradient_after_its_reduce_scatter(self):
         _, pred = zero_case(2)
@@ -190,6 +194,20 @@ class TestPrecision:
         c = costs(g, cluster(1, memory=2**40), FWD, BWD)
         pred = simulate(g, Plan.single(g, "d:0").with_memory(precision="bf16"), c)
         assert pred.memory["d:0"].activations_bytes == 5500
+
+    def test_fp16_unscales_the_gradients_before_the_optimizer(self):
+        # fp16's loss scale: one elementwise pass over the stage's gradients (w1 + w2 =
+        # 70 MiB; priced as an SGD step over them) lengthens the optimizer step; bf16 has none
+        g = chain(40 * MiB, 30 * MiB)
+        c = costs(g, cluster(1, memory=2**40), FWD, BWD, opt_per_byte=1e-9)
+        plan = Plan.single(g, "d:0")
+
+        def opt_s(precision: str) -> float:
+            pred = simulate(g, plan.with_memory(precision=precision), c)
+            return next(iv.end_s - iv.start_s for iv in pred.timeline if iv.kind == "optimizer")
+
+        assert opt_s("bf16") == pytest.approx(70 * MiB * 1e-9)
+        assert opt_s("fp16") == pytest.approx(2 * 70 * MiB * 1e-9)
 
     def test_gpu_matmuls_run_at_the_half_peak_other_ops_at_half_the_bytes(self):
         g = chain()

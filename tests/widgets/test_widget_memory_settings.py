@@ -9,6 +9,7 @@ import pytest
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import StageSettings
+from explorer.core.units import format_bytes
 from explorer.models.synthetic import roofline_costs
 from widgets import Session
 
@@ -82,8 +83,15 @@ def test_the_panel_applies_each_change_and_the_bars_have_a_gathered_category(gpt
     w.editing.undo_button.click()
     assert panel.precision.value == "fp32" and panel.zero.value == 3  # the controls follow
     assert len(w.session.history) == 1  # setting the controls from the plan is no edit
+    assert w.memory.source.data["recompute"] == ["none", "none"]
     panel.recompute.value = "full"
     assert w.session.plan.settings_of(0).recompute == "full"
+    # the hover says what recomputation saved at the peak and what it costs per step
+    base = ex.simulate(gpt, w.session.plan.with_memory(recompute="none"), w.session.costs)
+    saved = base.peak_bytes[cl.ids[0]] - w.session.prediction.peak_bytes[cl.ids[0]]
+    assert saved > 0
+    said = w.memory.source.data["recompute"][0]
+    assert said.startswith(f"{format_bytes(saved)} saved at the peak, +")
 
     # gathered-weight buffers and library workspaces show as categories of their own
     assert w.memory.source.data["gathered"] == [0.0, 0.0]

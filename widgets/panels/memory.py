@@ -21,6 +21,7 @@ from bokeh.models import (
 from bokeh.plotting import figure
 from bokeh.transform import dodge
 
+import explorer as ex
 from explorer.core.plan import Plan
 from explorer.core.units import GiB, KiB, MiB, format_bytes
 from widgets.panels.base import Panel, bokeh_widget
@@ -62,6 +63,22 @@ def settings_text(plan: Plan, device: str) -> str:
     return plan.settings_of(plan.stage_of_device(device)).describe() or "defaults"
 
 
+def recompute_text(session: Session) -> dict[str, str]:
+    """Per device of a stage that recomputes, what recomputation saved at its peak and what
+    it costs per step, in words: against the same plan with recomputation off on those
+    stages (one more simulation, only when some stage recomputes)."""
+    plan, pred = session.plan, session.prediction
+    stages = [k for k in range(len(plan.stages)) if plan.settings_of(k).recompute != "none"]
+    if not stages:
+        return {}
+    base = ex.simulate(session.graph, plan.with_memory(recompute="none", stages=stages),
+                       session.costs)
+    added_ms = (pred.step_s - base.step_s) * 1e3
+    return {d: f"{format_bytes(base.peak_bytes.get(d, 0) - pred.peak_bytes.get(d, 0))} saved "
+               f"at the peak, {added_ms:+.2f} ms per step"
+            for k in stages for d in plan.stages[k]}
+
+
 class MemoryPanel(Panel):
     """Stacked bars per device with the capacity as a dashed box (red when over) and the
     numbers in words above each bar; ``source`` holds the columns drawn (one row per device,
@@ -94,7 +111,8 @@ class MemoryPanel(Panel):
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
                                         ("params/grads/opt", "@detail"),
-                                        ("memory settings", "@settings")]))
+                                        ("memory settings", "@settings"),
+                                        ("recomputation", "@recompute")]))
         self.figure = p
         self.update("all")
         self.widget = bokeh_widget(p, "pe-memory")
@@ -119,6 +137,7 @@ class MemoryPanel(Panel):
         pred, plan = self.session.prediction, self.session.plan
         unit = self.unit_bytes
         cols = defaultdict(list)
+        recomputed = recompute_text(self.session)
         for d in self.session.cluster.ids:
             m = pred.memory.get(d)
             vals = tuple(getattr(m, f"{c}_bytes", 0) if m else 0 for c in CATEGORIES)
@@ -135,6 +154,7 @@ class MemoryPanel(Panel):
             cols["cap_width"].append(3.0 if over else 1.0)
             cols["detail"].append(" / ".join(format_bytes(v) for v in vals[:3]))
             cols["settings"].append(settings_text(plan, d))
+            cols["recompute"].append(recomputed.get(d, "none"))
             share = f" ({total / cap:.1%})" if cap > 0 else ""
             cols["summary"].append(f"{d}: {format_bytes(total)} of {format_bytes(cap)}{share}"
                                    + (" OVER" if over else "") if m else f"{d}: unused")
