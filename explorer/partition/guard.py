@@ -22,9 +22,29 @@ from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.simulate.simulator import Prediction, simulate
 
+#: predictions partitioners made of the plans they return, by plan identity, so the final
+#: check does not simulate a plan again (a second at 125,000 nodes); the last few are kept
+_KNOWN: dict[int, tuple[Plan, Prediction]] = {}
+KNOWN_KEPT = 4
+
 #: the options by which a partitioner's caller asks for its own plan, unchecked
 #: (``compare_baselines``: pipeline-dp, min-comm, pase; ``baselines``: the op-level searches)
 BASELINE_SWITCHES = ("compare_baselines", "baselines")
+
+
+def remember(plan: Plan, prediction: Prediction) -> Plan:
+    """Record ``prediction`` as the simulator's for ``plan`` (with the graph and costs it will
+    be checked with), for :func:`never_slower`; returns ``plan``."""
+    _KNOWN[id(plan)] = (plan, prediction)
+    while len(_KNOWN) > KNOWN_KEPT:
+        del _KNOWN[next(iter(_KNOWN))]
+    return plan
+
+
+def _recalled(plan: Plan) -> Prediction | None:
+    """The prediction :func:`remember` recorded for this very plan object, forgotten now."""
+    entry = _KNOWN.pop(id(plan), None)
+    return entry[1] if entry is not None and entry[0] is plan else None
 
 
 def replicated(graph: OpGraph, ids: Sequence[str], **settings: Any) -> Plan:
@@ -92,7 +112,7 @@ def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: S
     to say why). A baseline returned keeps ``name`` as its algorithm, ``plan``'s options with
     ``"fallback"`` set to its label, and a note saying how much faster it is.
     """
-    own = simulate(graph, plan, costs)
+    own = _recalled(plan) or simulate(graph, plan, costs)
     own_fits = fits_within(own, memory_fraction)
     best: tuple[str, Plan, float] | None = None
     left_out = []
@@ -128,6 +148,5 @@ def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: S
                                 options={**plan.options, "fallback": label})
 
 
-__all__ = ["BASELINE_SWITCHES", "apply_pins", "baseline_plans", "broken_pins", "describe",
-           "fits_within",
-           "never_slower", "replicated"]
+__all__ = ["BASELINE_SWITCHES", "KNOWN_KEPT", "apply_pins", "baseline_plans", "broken_pins",
+           "describe", "fits_within", "never_slower", "remember", "replicated"]

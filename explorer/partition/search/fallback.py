@@ -20,7 +20,7 @@ from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES, Plan, StageSe
 from explorer.core.units import format_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition.guard import baseline_plans
+from explorer.partition.guard import baseline_plans, remember
 from explorer.partition.options import Options
 from explorer.simulate.simulator import Prediction, simulate
 
@@ -206,7 +206,7 @@ def settle(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, plan: 
             raise MemoryExceededError(failure)
         return plan
     if plan is not None and (prediction is None or prediction.fits):
-        return plan
+        return plan if prediction is None else remember(plan, prediction)
     return best_of_baselines(graph, cluster, costs, plan, pins, opts.optimizer, name,
                              opts.devices(cluster), failure, prediction)
 
