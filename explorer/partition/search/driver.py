@@ -4,7 +4,8 @@
 :class:`~explorer.partition.search.op_problem.OpProblem`, compares its plan with the
 ``single`` and ``data-parallel`` baselines (by the shared simulator on graphs up to
 ``simulate_max_nodes`` nodes, by :func:`~explorer.partition.search.list_schedule.schedule_s`
-beyond), and returns the best as a Plan.
+beyond), and returns the best as a Plan. The registry's final check
+(:mod:`explorer.partition.guard`) then simulates that plan against the baselines at any size.
 """
 
 from __future__ import annotations
