@@ -101,6 +101,12 @@ def describe(plan: Plan) -> str:
     return words + (f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else "")
 
 
+def milliseconds(seconds: float) -> str:
+    """Seconds as milliseconds in words: "1,639.2 ms", "3.729 ms"."""
+    ms = seconds * 1e3
+    return f"{ms:,.1f} ms" if ms >= 100 else f"{ms:.4g} ms"
+
+
 def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: Sequence[str],
                  pins: Mapping[str, str] | None = None, memory_fraction: float = 1.0) -> Plan:
     """``plan``, or the fastest of the ``single`` and ``data-parallel`` plans on ``ids`` when
@@ -135,13 +141,13 @@ def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: S
     label, chosen, step_s = best
     if own_fits:
         note = (f"{label} is faster than {name}'s own plan ({describe(plan)}): "
-                f"{step_s * 1e3:.4g} ms per step against {own.step_s * 1e3:.4g} ms by the "
+                f"{milliseconds(step_s)} per step against {milliseconds(own.step_s)} by the "
                 f"simulator ({1 - step_s / own.step_s:.1%} less), so this is the {label} plan")
     else:
-        note = (f"{name}'s own plan ({describe(plan)}, {own.step_s * 1e3:.4g} ms per step) "
+        note = (f"{name}'s own plan ({describe(plan)}, {milliseconds(own.step_s)} per step) "
                 f"does not fit the devices' memory by the simulator "
                 f"({own.memory_report() or 'over the memory allowed'}); the {label} plan "
-                f"fits and takes {step_s * 1e3:.4g} ms, so this is the {label} plan")
+                f"fits and takes {milliseconds(step_s)}, so this is the {label} plan")
     if left_out:
         note += "; " + "; ".join(left_out)
     return chosen.with_settings(notes=(*chosen.notes, note),
@@ -149,4 +155,5 @@ def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: S
 
 
 __all__ = ["BASELINE_SWITCHES", "KNOWN_KEPT", "apply_pins", "baseline_plans", "broken_pins",
-           "describe", "fits_within", "never_slower", "remember", "replicated"]
+           "describe", "fits_within", "milliseconds", "never_slower", "remember",
+           "replicated"]
