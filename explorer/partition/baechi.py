@@ -66,7 +66,8 @@ def m_topo(graph: OpGraph, cluster: Cluster, costs: CostModel,
     4, ... devices (``sweep_devices``) and the ``single`` / ``data-parallel`` baselines
     (``baselines``) are simulated and the fastest plan that fits is returned; larger graphs
     are compared by a list-scheduling estimate
-    (:func:`explorer.partition.search.list_schedule.schedule_s`).
+    (:func:`explorer.partition.search.list_schedule.schedule_s`), and the plan chosen is
+    simulated against the baselines by the registry's final check at every size.
 
     Parameters
     ----------

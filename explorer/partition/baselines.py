@@ -12,13 +12,13 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.guard import replicated
 from explorer.partition.options import first_devices
 from explorer.partition.registry import register
-from explorer.partition.search.fallback import replicated
 from explorer.partition.search.layers import contiguous
 
 
-@register("single")
+@register("single", guarded=False)
 def single(graph: OpGraph, cluster: Cluster, costs: CostModel, pins: Mapping | None = None,
            device: str | None = None, optimizer: str = "adam") -> Plan:
     """Everything on one device: the reference every other plan is compared with.
@@ -31,7 +31,7 @@ def single(graph: OpGraph, cluster: Cluster, costs: CostModel, pins: Mapping | N
                        options={"device": dev})
 
 
-@register("data-parallel")
+@register("data-parallel", guarded=False)
 def data_parallel(graph: OpGraph, cluster: Cluster, costs: CostModel,
                   pins: Mapping | None = None, k: int | None = None,
                   optimizer: str = "adam") -> Plan:
@@ -58,7 +58,7 @@ def _staged(graph: OpGraph, cluster: Cluster, k: int | None, depth: int | None,
         options={"k": len(devs), "depth": depth})
 
 
-@register("even-layers")
+@register("even-layers", guarded=False)
 def even_layers(graph: OpGraph, cluster: Cluster, costs: CostModel, pins: Mapping | None = None,
                 k: int | None = None, depth: int | None = None, micro_batches: int = 1,
                 schedule: str = "gpipe", optimizer: str = "adam") -> Plan:
@@ -71,7 +71,7 @@ def even_layers(graph: OpGraph, cluster: Cluster, costs: CostModel, pins: Mappin
                    micro_batches, schedule, optimizer)
 
 
-@register("balanced-params")
+@register("balanced-params", guarded=False)
 def balanced_params(graph: OpGraph, cluster: Cluster, costs: CostModel,
                     pins: Mapping | None = None, k: int | None = None, depth: int | None = None,
                     micro_batches: int = 1, schedule: str = "gpipe",

@@ -33,17 +33,22 @@ class Options:
         (default ``"adam"``: 2 extra bytes of state per parameter byte).
     compare_baselines : bool
         Simulate the plan against ``single`` and ``data-parallel`` (at any graph size) and
-        return the fastest that fits (a note says when it is a baseline). Default True.
+        return the fastest that fits (a note says when it is a baseline): the registry's
+        final check, :mod:`explorer.partition.guard`, and a baseline when no split fits.
+        Default True; False returns the partitioner's own plan unchecked.
         (pipeline-dp, min-comm, pase)
     memory_fraction : float
         Fraction of each device's memory a plan may fill (default 1.0: all of it).
     baselines : bool
-        Also consider the ``single`` and ``data-parallel`` plans and return the best.
+        Also consider the ``single`` and ``data-parallel`` plans and return the best (among
+        the search's candidates, and by the registry's final check at any graph size); False
+        returns the search's own plan unchecked.
     sweep_devices : bool
         On graphs scored by simulation, also try the fastest 2, 4, ... devices.
     simulate_max_nodes : int
         Largest graph whose candidates are compared with the simulator (default 5,000);
-        larger graphs are compared by a list-scheduling estimate and additive memory.
+        larger graphs are compared by a list-scheduling estimate and additive memory, and
+        only the plan chosen is simulated, against the baselines, by the final check.
     """
 
     k: int | None = None

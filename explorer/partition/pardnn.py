@@ -218,7 +218,9 @@ def pardnn(graph: OpGraph, cluster: Cluster, costs: CostModel,
        baselines (``baselines``) go through the shared simulator and the fastest that fits is
        returned, so the result is never slower than those baselines. Larger graphs are scored
        by a list-scheduling estimate
-       (:func:`explorer.partition.search.list_schedule.schedule_s`) and additive memory instead.
+       (:func:`explorer.partition.search.list_schedule.schedule_s`) and additive memory
+       instead; the plan chosen is then simulated against the baselines by the registry's
+       final check (:mod:`explorer.partition.guard`), at every size.
 
     Parameters
     ----------

@@ -24,6 +24,8 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.guard import BASELINE_SWITCHES, apply_pins, never_slower
+from explorer.partition.options import first_devices
 
 
 @dataclass(frozen=True)
@@ -35,21 +37,25 @@ class Algorithm:
     summary: str
     options: Mapping[str, Any] = field(default_factory=dict)
     exact: bool = False  # an exhaustive/DP search: may refuse graphs that are too large
+    #: its plan goes through the final never-slower-than-the-baselines check (see
+    #: :mod:`explorer.partition.guard`); False for the baselines themselves
+    guarded: bool = True
 
 
 _REGISTRY: dict[str, Algorithm] = {}
 
 
-def register(name: str, exact: bool = False
+def register(name: str, exact: bool = False, guarded: bool = True
              ) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
-    """Decorator adding a partitioner to the registry under ``name``."""
+    """Decorator adding a partitioner to the registry under ``name`` (``exact`` and
+    ``guarded`` as in :class:`Algorithm`)."""
 
     def wrap(fn: Callable[..., Plan]) -> Callable[..., Plan]:
         sig = inspect.signature(fn)
         opts = {k: p.default for k, p in list(sig.parameters.items())[3:]
                 if p.default is not inspect.Parameter.empty and k != "pins"}
         doc = (inspect.getdoc(fn) or name).splitlines()[0]
-        _REGISTRY[name] = Algorithm(name, fn, doc, opts, exact)
+        _REGISTRY[name] = Algorithm(name, fn, doc, opts, exact, guarded)
         return fn
 
     return wrap
@@ -71,7 +77,14 @@ def algorithm(name: str) -> Algorithm:
 
 def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name: str,
               pins: Mapping[str, str] | None = None, **options: Any) -> Plan:
-    """Run the partitioner ``algorithm_name`` and return its plan, with pins honoured."""
+    """Run the partitioner ``algorithm_name`` and return its plan, with pins honoured.
+
+    A guarded partitioner's plan (every one but the baselines and WAP) is returned only when
+    the simulator finds it at least as fast as the ``single`` and ``data-parallel`` plans on
+    its devices that fit; otherwise the fastest of those, with a note saying so
+    (:func:`explorer.partition.guard.never_slower`). Its ``compare_baselines`` or
+    ``baselines`` option set to False skips that check.
+    """
     alg = algorithm(algorithm_name)
     costs.check(graph)
     unknown = sorted(set(options) - set(alg.options))
@@ -86,6 +99,11 @@ def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name
         cluster.device(dev)  # raises for unknown devices, listing the known ones
     plan = alg.fn(graph, cluster, costs, pins=pins, **options)
     plan = apply_pins(graph, plan, pins)
+    chosen = {**alg.options, **options}
+    if alg.guarded and all(chosen.get(s, True) for s in BASELINE_SWITCHES):
+        ids = first_devices(cluster, chosen.get("k"))
+        plan = never_slower(graph, costs, plan, alg.name, ids, pins,
+                            chosen.get("memory_fraction", 1.0))
     plan.validate(graph, cluster)
     return plan
 
@@ -161,22 +179,6 @@ def _type_words(hint: Any) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
-def apply_pins(graph: OpGraph, plan: Plan, pins: Mapping[str, str]) -> Plan:
-    """Move pinned nodes to the stage of their device (adding a stage if the plan lacks it)."""
-    if not pins:
-        return plan
-    stages = [list(s) for s in plan.stages]
-    placement = dict(plan.placement)
-    for nm, dev in pins.items():
-        where = next((k for k, s in enumerate(stages) if dev in s), None)
-        if where is None:
-            stages.append([dev])
-            where = len(stages) - 1
-        placement[nm] = where
-    return plan.with_settings(stages=tuple(tuple(s) for s in stages), placement=placement,
-                              pinned=frozenset(pins) | plan.pinned)
-
-
 def _load_builtin() -> None:
     """Import every module of the partition package: each registers its partitioners on import."""
     package = __name__.rpartition(".")[0]
@@ -184,4 +186,4 @@ def _load_builtin() -> None:
         importlib.import_module(f"{package}.{mod.name}")
 
 
-__all__ = ["Algorithm", "algorithm", "algorithms", "apply_pins", "partition", "register"]
+__all__ = ["Algorithm", "algorithm", "algorithms", "partition", "register"]

@@ -309,7 +309,7 @@ def _choose(feasible: list[WapPoint], objective: str, within: float) -> tuple[Wa
     return chosen, why
 
 
-@register("wap")
+@register("wap", guarded=False)  # its objective is samples per joule
 def wap(graph: OpGraph, cluster: Cluster, costs: CostModel,
         pins: Mapping[str, str] | None = None,
         algorithms: Sequence[str] = DEFAULT_ALGORITHMS,

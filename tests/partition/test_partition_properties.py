@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from explorer.core.errors import ExplorerError
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, roofline_costs
-from explorer.partition import algorithms, partition
+from explorer.partition import algorithm, algorithms, partition
 from explorer.simulate.simulator import simulate
 
 NAMES = algorithms()
@@ -108,9 +108,9 @@ def test_never_slower_than_single_or_data_parallel(name, case):
             assert pred.step_s <= other.step_s * (1 + 1e-9), base
 
 
-#: partitioners whose own plan goes through the simulated baseline guard at every graph size
-#: (``explorer.partition.search.fallback.best_of_baselines``)
-GUARDED = ("min-comm", "pase", "pipeline-dp")
+#: partitioners whose plan goes through the registry's final check against the baselines, by
+#: the simulator, at every graph size (``explorer.partition.guard.never_slower``)
+GUARDED = [nm for nm in NAMES if algorithm(nm).guarded]
 
 
 @pytest.mark.parametrize("name", GUARDED)
@@ -119,7 +119,8 @@ GUARDED = ("min-comm", "pase", "pipeline-dp")
 @given(n=st.integers(5_001, 8_000), seed=st.integers(0, 10**6),
        preset=st.sampled_from(["2xT4", "4xH100", "8xH100"]))
 def test_never_slower_than_the_baselines_on_larger_graphs(name, n, seed, preset):
-    """Past the 5,000 nodes up to which the guard once ran: still never slower than
+    """Past the 5,000 nodes up to which the guard once ran (and beyond which the op-level
+    searches rank their candidates by a list-scheduling estimate): still never slower than
     ``single`` and ``data-parallel``, and a note says when a baseline is returned."""
     g, cl = layered_dag(n, seed=seed), Cluster.preset(preset)
     c = roofline_costs(g, cl)
@@ -152,7 +153,7 @@ def test_returns_single_when_single_is_fastest(name):
 _SCRIPT = """
 import json
 from explorer.devices.cluster import Cluster
-from explorer.partition import algorithms, partition
+from explorer.partition import algorithm, algorithms, partition
 from explorer.models.synthetic import layered_dag, roofline_costs
 out = {}
 for n, preset, pins in ((24, "3xT4", {"op5": "T4:2"}), (40, "4xH100", {})):

@@ -72,6 +72,13 @@ def min_comm(graph: OpGraph, cluster: Cluster, costs: CostModel,
     Pins (node name -> device id) are honoured: a pinned node stays on its device; the order
     of parts follows the pins. Pins that force a cycle between two devices raise
     :class:`ExplorerError`. Runs in seconds on 100,000-node graphs.
+
+    Limits: the parts are stages of a pipeline (every edge goes to the same or a later part),
+    so with one micro-batch they run one after another and the step is close to the sum of
+    their compute whatever the balance; only micro-batches overlap them, and each repeats
+    every op's fixed cost. On graphs whose width is the parallelism (random layered DAGs,
+    launch-bound ops) the op-level placers (``m-etf``, ``pardnn``), which spread each layer
+    over the devices, are several times faster.
     """
     check_schedule(schedule)
     check_micro_batches(micro_batches)

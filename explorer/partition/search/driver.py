@@ -4,7 +4,8 @@
 :class:`~explorer.partition.search.op_problem.OpProblem`, compares its plan with the
 ``single`` and ``data-parallel`` baselines (by the shared simulator on graphs up to
 ``simulate_max_nodes`` nodes, by :func:`~explorer.partition.search.list_schedule.schedule_s`
-beyond), and returns the best as a Plan.
+beyond), and returns the best as a Plan. The registry's final check
+(:mod:`explorer.partition.guard`) then simulates that plan against the baselines at any size.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ from explorer.core.units import MiB
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.guard import fits_within, replicated
 from explorer.partition.options import SEARCH_OPTIONS, Options
 from explorer.partition.search.fallback import (
     cheapest_memory_settings,
     memory_keywords,
-    replicated,
     splits_under_settings,
 )
 from explorer.partition.search.list_schedule import schedule_s
 from explorer.partition.search.op_problem import OpProblem, node_seconds, op_problem
-from explorer.simulate.simulator import Prediction, simulate
+from explorer.simulate.simulator import simulate
 
 #: how many times a plan is re-placed with tighter memory when the simulator finds a device over
 SIMULATED_MEMORY_RETRIES = 5
@@ -186,12 +187,6 @@ def _dressed(plan: Plan, settings: dict[str, Any]) -> Plan:
     return plan if memory is None else plan.with_memory(**memory_keywords(memory))
 
 
-def _fits(pred: Prediction, memory_fraction: float) -> bool:
-    """Whether every device's simulated peak stays within its allowed fraction of memory."""
-    return all(pred.peak_bytes[d] <= int(c * memory_fraction)
-               for d, c in pred.capacity_bytes.items())
-
-
 def _own_candidate(graph: OpGraph, costs: CostModel, prob: OpProblem, place: Placement,
                    settings: dict[str, Any], by_sim: bool, name: str, where: str,
                    memory_fraction: float) -> _Candidate:
@@ -209,7 +204,7 @@ def _own_candidate(graph: OpGraph, costs: CostModel, prob: OpProblem, place: Pla
         plan = _dressed(plan_from_placement(graph, p, dev, notes=notes,
                                             **_plan_fields(settings)), settings)
         pred = simulate(graph, plan, costs)
-        if _fits(pred, memory_fraction):
+        if fits_within(pred, memory_fraction):
             return _Candidate(label, lambda plan=plan: plan, True, pred.step_s)
         over = {d: b - int(c * memory_fraction) for d, c in pred.capacity_bytes.items()
                 if (b := pred.peak_bytes[d]) > int(c * memory_fraction)}
@@ -249,8 +244,8 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
     if by_sim:
         plan = make()
         pred = simulate(graph, plan, costs)
-        out.append(_Candidate("single", lambda plan=plan: plan, _fits(pred, memory_fraction),
-                              pred.step_s))
+        out.append(_Candidate("single", lambda plan=plan: plan,
+                              fits_within(pred, memory_fraction), pred.step_s))
     else:
         fits = bool(np.all(base.used_bytes(dev) <= base.cap))
         if pins:
@@ -274,8 +269,8 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
         if by_sim:
             plan = make_dp()
             pred = simulate(graph, plan, costs)
-            out.append(_Candidate(label, lambda plan=plan: plan, _fits(pred, memory_fraction),
-                                  pred.step_s))
+            out.append(_Candidate(label, lambda plan=plan: plan,
+                                  fits_within(pred, memory_fraction), pred.step_s))
         else:
             mem = node_memory_bytes(graph, optimizer, batch_fraction=1.0 / kk,
                                     settings=settings["memory"], replicas=kk,

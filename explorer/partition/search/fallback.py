@@ -1,7 +1,8 @@
-"""Guards every partitioner shares: never slower than the baselines, memory headroom, errors.
+"""Fallbacks every partitioner shares: a baseline when nothing else fits, memory headroom, errors.
 
-:func:`best_of_baselines` keeps a partitioner from returning a plan slower than the
-``single`` and ``data-parallel`` baselines, by the simulator, at any graph size;
+:func:`best_of_baselines` returns the fastest of a partitioner's plan and the ``single`` and
+``data-parallel`` baselines that fits, by the simulator, when its own plan does not fit (the
+registry's final check, :mod:`explorer.partition.guard`, compares plans that do);
 :func:`fit_headrooms` makes a plan again with less memory when the simulator finds it over
 the additive estimate; :func:`memory_error` is the one error for a device that cannot hold
 what a plan puts on it; :func:`cheapest_memory_settings` makes a plan that does not fit fit
@@ -19,8 +20,8 @@ from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES, Plan, StageSe
 from explorer.core.units import format_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.guard import baseline_plans, remember
 from explorer.partition.options import Options
-from explorer.partition.registry import apply_pins
 from explorer.simulate.simulator import Prediction, simulate
 
 #: the memory settings tried, on every stage, where no plan fits: every combination (fp16
@@ -50,12 +51,6 @@ def memory_error(algorithm: str, what: str, device: str, need_bytes: float,
 def default_micro_batches(graph: OpGraph) -> int:
     """4 micro-batches when the batch divides into 4, else 1."""
     return 4 if graph.batch_size >= 4 and graph.batch_size % 4 == 0 else 1
-
-
-def replicated(graph: OpGraph, ids: Sequence[str], **settings: Any) -> Plan:
-    """The whole model on every device of ``ids``, the batch split among them (data parallel)."""
-    return Plan.from_assignment(graph, [tuple(ids)], {i: 0 for i in range(len(graph))},
-                                **settings)
 
 
 def fit_headrooms(graph: OpGraph, costs: CostModel, make: Callable[[float], Plan], what: str,
@@ -153,15 +148,8 @@ def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: 
     """
     ids = tuple(ids or cluster.ids)
     pins = dict(pins or {})
-    base = dict(algorithm=name, optimizer=optimizer)
-    cands: list[tuple[str, Plan]] = []
-    if plan is not None:
-        cands.append(("own", plan))
-    first = Plan.single(graph, ids[0], **base)
-    cands.append(("single", apply_pins(graph, first, pins)))
-    wide = ids[:graph.batch_size] if graph.batch_size > 0 else ids  # a sample per replica
-    if len(wide) > 1:
-        cands.append(("data-parallel", apply_pins(graph, replicated(graph, wide, **base), pins)))
+    cands: list[tuple[str, Plan]] = [("own", plan)] if plan is not None else []
+    cands += baseline_plans(graph, ids, pins, algorithm=name, optimizer=optimizer)
     best = None
     reports = []
     own_s = None
@@ -208,17 +196,21 @@ def best_of_baselines(graph: OpGraph, cluster: Cluster, costs: CostModel, plan: 
 def settle(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, plan: Plan | None,
            prediction: Prediction | None, failure: str, pins: Mapping[str, str],
            opts: Options) -> Plan:
-    """A partitioner's answer: ``plan`` as it is without ``opts.compare_baselines`` (raising
-    :class:`MemoryExceededError` with ``failure`` when it is None), else
-    :func:`best_of_baselines` on ``opts``' devices."""
+    """A partitioner's answer: ``plan`` when it fits (or was not simulated), to be compared
+    with the baselines by the registry's final check; without ``opts.compare_baselines``,
+    ``plan`` as it is (raising :class:`MemoryExceededError` with ``failure`` when it is None);
+    else, when it is None or the simulator finds it over memory, :func:`best_of_baselines`
+    on ``opts``' devices."""
     if not opts.compare_baselines:
         if plan is None:
             raise MemoryExceededError(failure)
         return plan
+    if plan is not None and (prediction is None or prediction.fits):
+        return plan if prediction is None else remember(plan, prediction)
     return best_of_baselines(graph, cluster, costs, plan, pins, opts.optimizer, name,
                              opts.devices(cluster), failure, prediction)
 
 
 __all__ = ["HEADROOMS", "MEMORY_CHOICES", "best_of_baselines", "cheapest_memory_settings",
            "default_micro_batches", "fit_headrooms", "memory_error", "memory_keywords",
-           "replicated", "settle", "splits_under_settings"]
+           "settle", "splits_under_settings"]
