@@ -169,9 +169,10 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
     fb = tasks.fb
     busy_stage = np.bincount(np.tile(fb.stage, M), weights=np.tile(fb.dur_s, M),
                              minlength=S).astype(np.float64).tolist()  # (floats when empty too)
-    res, dur = tasks.res, tasks.dur
-    for t in range(fb.per_mb * M, len(res)):
-        if res[t] < S:
+    res, dur, n_fb = tasks.res, tasks.dur, fb.per_mb * M
+    if len(res) > n_fb:  # (the few tasks on stages, in task order: the same sums)
+        on_stage = np.flatnonzero(np.asarray(res[n_fb:], dtype=np.int64) < S) + n_fb
+        for t in on_stage.tolist():
             busy_stage[res[t]] += dur[t]
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
     cluster = costs.cluster

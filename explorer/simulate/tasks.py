@@ -16,7 +16,7 @@ import numpy as np
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
-from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.arrays import KIND_INPUT, GraphArrays, sums_by_stage
 from explorer.simulate.effects import (
     ALLGATHER,
     REDUCE_SCATTER,
@@ -40,6 +40,7 @@ from explorer.simulate.tensor import per_device, split_op_seconds
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
+_GRAD = np.array("grad ", dtype=object)  # (prefixed to names in object arrays)
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
 
@@ -264,8 +265,7 @@ class _Builder:
             m_task = np.tile(np.arange(M), len(uk))
             tp, ts = ui[k_task], us[k_task]
             enc = sb[ts, m_task] * W - tp + (N + 1)
-            labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
-                               M).tolist()
+            labels = np.repeat(_GRAD + A.names_obj[ui], M).tolist()  # (str + str, in C)
             self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
@@ -316,10 +316,12 @@ class _Builder:
         out_b = per_device(g, plan, out_b)
         zero = [0] * S if eff is None else eff.zero
         stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
-        for i in A.trainable:
-            trainable_bytes[stage[i]] += held[i]
-            trainable_count[stage[i]] += 1
-            stepped[stage[i]] += held[i] if eff is None else int(eff.shard[i])
+        if A.trainable:  # (int64 sums: exact in any order)
+            tr = np.asarray(A.trainable, dtype=np.int64)
+            held_a = A.pbytes if held is A.param_bytes else np.asarray(held, dtype=np.int64)
+            trainable_bytes = sums_by_stage(S, st[tr], held_a[tr])
+            trainable_count = np.bincount(st[tr], minlength=S).tolist()
+            stepped = sums_by_stage(S, st[tr], held_a[tr] if eff is None else eff.shard[tr])
         if eff is not None:
             allreduce_bytes += add_weight_gathers(
                 self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
