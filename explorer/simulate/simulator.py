@@ -140,7 +140,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
         tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     S = len(plan.stages)
     out: Schedule = [[] for _ in plan.stages]
-    kind, res, mb, node = tasks.kind, tasks.res, tasks.mb, tasks.node
+    kind, res, mb, node = tasks.kind.list(), tasks.res, tasks.mb.list(), tasks.node.list()
     for t in timing.order:
         r = res[t]
         if r < S:  # the stages are resources 0 .. S-1
@@ -227,7 +227,7 @@ class _Timeline(Deferred):
     def build(self) -> tuple[Interval, ...]:
         out: list[Interval] = []
         stages, resources, res = self.stages, self.resources, self.res
-        start, end, label, mb = self.start, self.end, self.label, self.mb
+        start, end, label, mb = self.start, self.end, self.label.list(), self.mb.list()
         for t, kind in enumerate(self.kind):
             if kind == GATE:
                 continue

@@ -31,6 +31,7 @@ from explorer.simulate.taskgraph import (
     GATE,
     OPTIMIZER,
     SEND,
+    Column,
     FwdBwdLayout,
     Receives,
     Resource,
@@ -59,14 +60,14 @@ class _Builder:
         self.g, self.plan, self.costs = graph, plan, costs
         self.others = others
         # per task
-        self.kind: list[str] = []
+        self.kind = Column()
         self.res: list[int] = []
         self.dur: list[float] = []
         self.enc: list[int] = []  # the schedule priority (a tuple once) as one order-keeping int
-        self.label: list[str] = []
-        self.mb: list[int] = []
-        self.nbytes: list[int] = []
-        self.node: list[int] = []  # the op of a forward or backward, the producer of a transfer
+        self.label = Column()
+        self.mb = Column()
+        self.nbytes = Column()
+        self.node = Column()  # the op of a forward or backward, the producer of a transfer
         self.resources: list[Resource] = []
         self.res_index: dict[Resource, int] = {}
         self.late_xfer: list[tuple[int, float]] = []  # (transfer, late-receive wait s)
@@ -175,17 +176,16 @@ class _Builder:
                         for s in range(S)], dtype=np.float64)
         if msg.any():
             _message_time(A, st, S, fwd_d, bwd_d, msg)
-        tpl_node_l = tpl_node.tolist()
-        self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
+        self.kind = Column(*[np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)]] * M)
         self.res = tpl_stage.tolist() * M
         fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
                           np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
                           _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
         self.dur = fb.dur_s.tolist() * M
-        self.label = A.names_obj[tpl_node].tolist() * M
-        self.node = tpl_node_l * M
-        self.mb = np.repeat(np.arange(M), per_m).tolist()
-        self.nbytes = [0] * (per_m * M)
+        self.label = Column(*[A.names_obj[tpl_node]] * M)
+        self.node = Column(*[tpl_node] * M)
+        self.mb = Column(*[np.full(per_m, m) for m in range(M)])
+        self.nbytes = Column(np.zeros(per_m * M, dtype=np.int64))
         x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
         sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
         enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
@@ -229,7 +229,7 @@ class _Builder:
             for j in np.flatnonzero(~t_act).tolist():
                 labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
             ob = out_act[tp]
-            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
+            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels,
                             np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
             # edges: producer's forward -> transfer -> consumer's forward (a weight's one
             # transfer feeds every micro-batch)
@@ -265,7 +265,7 @@ class _Builder:
             m_task = np.tile(np.arange(M), len(uk))
             tp, ts = ui[k_task], us[k_task]
             enc = sb[ts, m_task] * W - tp + (N + 1)
-            labels = np.repeat(_GRAD + A.names_obj[ui], M).tolist()  # (str + str, in C)
+            labels = np.repeat(_GRAD + A.names_obj[ui], M)  # (str + str, in C)
             self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
@@ -302,7 +302,7 @@ class _Builder:
             uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
             up, us = uk // S, uk % S
             self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
-                            [f"grad {names[p]}" for p in up.tolist()],
+                            _GRAD + A.names_obj[up],
                             np.full(len(up), -1), up)
             for m in range(M):
                 edges(off_b[gc_], base[k_edge], m)
@@ -461,7 +461,7 @@ class _Builder:
         return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
 
     def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
-                   label: list[str], mb: np.ndarray, node: np.ndarray) -> None:
+                   label: np.ndarray, mb: np.ndarray, node: np.ndarray) -> None:
         """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
 
         Each ordered pair of stages is one link (a resource, made at its first transfer).
@@ -511,14 +511,14 @@ class _Builder:
         late = per_link(llate, np.float64)[inv]
         for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
             self.late_xfer.append((len(self.kind) + k, float(late[k])))
-        self.kind.extend([SEND] * count)
+        self.kind.extend(np.full(count, SEND, dtype=object))
         self.res.extend(res.tolist())
         self.dur.extend(dur)
         self.enc.extend(np.asarray(enc).tolist())
         self.label.extend(label)
-        self.mb.extend(np.asarray(mb).tolist())
-        self.nbytes.extend(np.asarray(nbytes).tolist())
-        self.node.extend(np.asarray(node).tolist())
+        self.mb.extend(np.asarray(mb))
+        self.nbytes.extend(np.asarray(nbytes))
+        self.node.extend(np.asarray(node))
 
 
 def _keys(enc: list[int], first: int, T: int) -> list[int]:
