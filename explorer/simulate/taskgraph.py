@@ -97,6 +97,41 @@ class _Own(list):
     """A chunk a :class:`Column` made itself, which it appends to."""
 
 
+class Repeated(Sequence):
+    """A :class:`Column` chunk: one item ``count`` times."""
+
+    def __init__(self, item: Any, count: int) -> None:
+        self.item_, self.count = item, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: Any) -> Any:
+        return [self.item_] * self.count if isinstance(i, slice) else self.item_
+
+    def __iter__(self) -> Any:
+        return iter([self.item_] * self.count)
+
+
+class Prefixed(Sequence):
+    """A :class:`Column` chunk: ``prefix`` before each of ``names`` (an object array), the
+    strings made when read."""
+
+    def __init__(self, prefix: str, names: np.ndarray) -> None:
+        self.prefix, self.names = prefix, names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.prefix + n for n in self.names[i].tolist()]
+        return self.prefix + self.names[i]
+
+    def __iter__(self) -> Any:
+        return iter([self.prefix + n for n in self.names.tolist()])
+
+
 @dataclass(frozen=True)
 class FwdBwdLayout:
     """Where the forwards and backwards sit among the task ids.

@@ -9,6 +9,7 @@ integer, so the schedule's per-resource queues are heaps of ints
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,9 @@ from explorer.simulate.taskgraph import (
     SEND,
     Column,
     FwdBwdLayout,
+    Prefixed,
     Receives,
+    Repeated,
     Resource,
     TaskGraph,
 )
@@ -41,7 +44,6 @@ from explorer.simulate.tensor import per_device, split_op_seconds
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
-_GRAD = np.array("grad ", dtype=object)  # (prefixed to names in object arrays)
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
 
@@ -265,7 +267,7 @@ class _Builder:
             m_task = np.tile(np.arange(M), len(uk))
             tp, ts = ui[k_task], us[k_task]
             enc = sb[ts, m_task] * W - tp + (N + 1)
-            labels = np.repeat(_GRAD + A.names_obj[ui], M)  # (str + str, in C)
+            labels = Prefixed("grad ", np.repeat(A.names_obj[ui], M))
             self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
@@ -302,7 +304,7 @@ class _Builder:
             uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
             up, us = uk // S, uk % S
             self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
-                            _GRAD + A.names_obj[up],
+                            Prefixed("grad ", A.names_obj[up]),
                             np.full(len(up), -1), up)
             for m in range(M):
                 edges(off_b[gc_], base[k_edge], m)
@@ -461,7 +463,7 @@ class _Builder:
         return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
 
     def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
-                   label: np.ndarray, mb: np.ndarray, node: np.ndarray) -> None:
+                   label: Sequence[str], mb: np.ndarray, node: np.ndarray) -> None:
         """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
 
         Each ordered pair of stages is one link (a resource, made at its first transfer).
@@ -511,7 +513,7 @@ class _Builder:
         late = per_link(llate, np.float64)[inv]
         for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
             self.late_xfer.append((len(self.kind) + k, float(late[k])))
-        self.kind.extend(np.full(count, SEND, dtype=object))
+        self.kind.extend(Repeated(SEND, count))
         self.res.extend(res.tolist())
         self.dur.extend(dur)
         self.enc.extend(np.asarray(enc).tolist())
