@@ -85,6 +85,12 @@ class Column(Sequence):
     def __iter__(self) -> Any:
         return iter(self.list())
 
+    def array(self, dtype: Any) -> np.ndarray:
+        """The items as one numpy array of ``dtype``."""
+        if not self._chunks:
+            return np.zeros(0, dtype=dtype)
+        return np.concatenate([np.asarray(c, dtype=dtype) for c in self._chunks])
+
     def list(self) -> list[Any]:
         """The items as one list (made once)."""
         if self._list is None:

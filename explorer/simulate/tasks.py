@@ -65,7 +65,9 @@ class _Builder:
         self.kind = Column()
         self.res: list[int] = []
         self.dur: list[float] = []
-        self.enc: list[int] = []  # the schedule priority (a tuple once) as one order-keeping int
+        # the schedule priority (a tuple once) as one order-keeping int, of the tasks after
+        # the forward/backward block (whose own are kept as an array)
+        self.enc = Column()
         self.label = Column()
         self.mb = Column()
         self.nbytes = Column()
@@ -192,7 +194,6 @@ class _Builder:
         sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
         enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
                                  for m in range(M)])
-        self.enc = [0] * len(enc_fb)  # (kept as enc_fb; the tasks below append theirs)
 
         # dependencies: blocks of (src, dst) arrays, and pairs collected one by one
         src_parts: list[np.ndarray] = []
@@ -413,7 +414,7 @@ class _Builder:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        key += _keys(self.enc[n_enc:], n_enc, T)
+        key += _keys(self.enc, n_enc, T)
         negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
         return TaskGraph(
@@ -516,18 +517,19 @@ class _Builder:
         self.kind.extend(Repeated(SEND, count))
         self.res.extend(res.tolist())
         self.dur.extend(dur)
-        self.enc.extend(np.asarray(enc).tolist())
+        self.enc.extend(np.asarray(enc, dtype=np.int64))
         self.label.extend(label)
         self.mb.extend(np.asarray(mb))
         self.nbytes.extend(np.asarray(nbytes))
         self.node.extend(np.asarray(node))
 
 
-def _keys(enc: list[int], first: int, T: int) -> list[int]:
+def _keys(enc: Column, first: int, T: int) -> list[int]:
     """``enc[k] * T + first + k`` for every k: as int64 arrays where those hold the result, as
     Python ints (of any size) where not (the optimizer steps' priorities)."""
-    a = np.asarray(enc, dtype=np.int64) if enc and max(enc) < 2**63 else None
-    if a is None:
+    try:
+        a = enc.array(np.int64)
+    except OverflowError:
         return [e * T + t for t, e in enumerate(enc, first)]
     fits = a < (2**62 - first - len(enc)) // T
     key = (np.where(fits, a, 0) * T + np.arange(first, first + len(enc))).tolist()
