@@ -228,3 +228,21 @@ def test_runs_keep_one_event_per_task_waiting_elsewhere(stages, micro_batches, s
         assert np.bincount(dst[off]).max() > 1  # (gates, all-reduces wait for many)
         assert runs.far_succ  # (detached events were made), one per run and task at most
         assert max(Counter(runs.far_succ).values()) <= len(n_runs)
+
+
+def test_task_columns_read_alike_item_by_item_and_whole():
+    """Labels, kinds, micro-batches, bytes and nodes are kept as the chunks they were made of
+    (arrays, repeated items, prefixed names): one item reads as the whole list has it."""
+    g, plan, cm = _pipeline()
+    whole = build_tasks(g, plan, cm)
+    T = len(whole.kind)
+    for name in ("kind", "label", "mb", "nbytes", "node"):
+        want = list(getattr(whole, name))
+        one = getattr(build_tasks(g, plan, cm), name)  # (nothing read whole yet)
+        got = [one[t] for t in range(T)]
+        assert got == want and [type(x) for x in got] == [type(x) for x in want]
+        assert one[-1] == want[-1] and one[1:4] == want[1:4] and len(one) == T
+        with pytest.raises(IndexError):
+            one[T]
+    assert any(x.startswith("grad ") for x in whole.label)  # (prefixed names)
+    assert whole.kind.count("send") > 0  # (repeated items)
