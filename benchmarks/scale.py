@@ -13,13 +13,16 @@ given up after that many seconds) and the plan it returns is simulated, each sim
 
 ``--reference REV`` times a previous simulator side by side in the same run: the git revision
 ``REV`` of this repository (``HEAD``, a branch, a commit) is checked out into a temporary
-``git worktree``; every plan is saved as JSON and simulated there in a child process whose
-``PYTHONPATH`` is that worktree (the same graph is built there from its kind, size and seed).
-Each row then shows the reference's simulate time, new / old, and whether every field of the
-two predictions (step, busy time, peaks, bytes, energy, critical path, bottleneck, lower bound)
-is exactly the same. Times are the best of ``--repeat`` runs, in seconds, from
-``time.perf_counter``; the machine's load average (1, 5, 15 min) is printed with every row,
-since it may be shared.
+``git worktree``; every plan is saved as JSON, and two server processes (one on this tree, one
+on that worktree, each building the same graph from its kind, size and seed) simulate it
+``--repeat`` times each, cold, taking turns (old and new alternate which goes first), so that
+a shared machine's changing load falls on both alike. Each row then shows, for both, the best
+wall time (``time.perf_counter``) and the best process CPU time (``time.process_time``) of
+the simulate call, new / old for each, and whether every field of the predictions (step, busy
+time, peaks, bytes, energy, critical path, bottleneck, lower bound) is exactly the same in
+both servers and in this process. Without it times are the best of ``--repeat`` runs in this
+process, in seconds, from ``time.perf_counter``. The machine's load average (1, 5, 15 min) is
+printed with every row, since it may be shared.
 
 Prints its table and records it under ``benchmarks/results/`` (``--results``) as
 ``--record`` (``scale.json``), which
@@ -53,16 +56,17 @@ from explorer.simulate import simulator as SIM
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: the child run in the reference worktree: builds the graph, simulates each saved plan cold
-#: (best of ``repeat``) and prints, per plan, its time and prediction fields as JSON. It uses
-#: only names every recent version has.
-CHILD = r"""
+#: a simulator server: builds the graph, then for every plan path read from stdin simulates
+#: that plan once, cold, and prints its wall and process CPU seconds and prediction fields as
+#: one JSON line ("ready" first, once the graph is built). It uses only names every recent
+#: version has, so it runs in a reference worktree as in this one.
+SERVER = r"""
 import gc, json, sys, time
 from explorer.core.plan import Plan
 from explorer.devices.cluster import Cluster
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
 from explorer.simulate import simulator as SIM
-spec = json.load(open(sys.argv[1]))
+spec = json.loads(sys.argv[1])
 if spec["kind"] == "layered":
     graph = layered_dag(spec["n"], seed=spec["seed"])
 else:
@@ -74,20 +78,18 @@ else:
 cluster = Cluster.preset(spec["devices"])
 costs = roofline_costs(graph, cluster)
 graph.preds, graph.succs, graph.index
-out = {}
-for name, path in spec["plans"].items():
-    plan = Plan.load(path, graph)
+clear = getattr(SIM, "clear_caches", None)
+print("ready", flush=True)
+for line in sys.stdin:
+    plan = Plan.load(line.strip(), graph)
+    if clear is not None:
+        clear()
     gc.collect()
-    best = float("inf")
-    for _ in range(spec["repeat"]):
-        clear = getattr(SIM, "clear_caches", None)
-        if clear is not None:
-            clear()
-        t0 = time.perf_counter()
-        pred = SIM.simulate(graph, plan, costs)
-        best = min(best, time.perf_counter() - t0)
-    out[name] = {"time_s": best, "fields": prediction_fields(pred)}
-print(json.dumps(out))
+    t0, c0 = time.perf_counter(), time.process_time()
+    pred = SIM.simulate(graph, plan, costs)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "fields": prediction_fields(pred)}),
+          flush=True)
 """
 
 
@@ -173,9 +175,42 @@ def prediction_fields(pred) -> dict:
             "bottleneck": pred.bottleneck, "lower_bound_s": pred.lower_bound_s}
 
 
+class Server:
+    """A simulator server (:data:`SERVER`) running on the source tree ``tree``."""
+
+    def __init__(self, tree: Path, spec: dict) -> None:
+        code = inspect.getsource(prediction_fields) + SERVER
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], cwd=tree,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def _line(self) -> str:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise SystemExit(f"a simulator server (exit code {self.proc.wait()}) died")
+        return line
+
+    def ready(self) -> None:
+        if self._line().strip() != "ready":
+            raise SystemExit("a simulator server did not start")
+
+    def simulate(self, path: str) -> dict:
+        """{"wall_s", "cpu_s", "fields"} of one cold simulation of the plan saved at path."""
+        self.proc.stdin.write(path + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return json.loads(self._line())
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.wait()
+
+
 class Reference:
     """A previous revision of this repository checked out in a temporary git worktree, whose
-    simulator times saved plans in a child process."""
+    simulator is timed against this tree's, each in a server process of its own, alternately
+    on every plan (old and new take turns going first) so that the shared machine's load falls
+    on both alike."""
 
     def __init__(self, rev: str) -> None:
         self.rev = rev
@@ -187,25 +222,34 @@ class Reference:
                                       "HEAD"], check=True, capture_output=True,
                                      text=True).stdout.strip()
 
-    def simulate(self, kind: str, n: int, devices: str, plans: dict[str, str],
-                 repeat: int) -> dict:
-        """Per partitioner, {"time_s", "fields"} of the reference simulating its plan (plan
-        JSON texts by partitioner) on the graph ``kind`` of ``n`` nodes."""
+    def side_by_side(self, kind: str, n: int, devices: str, plans: dict[str, str],
+                     repeat: int) -> dict[str, tuple[dict, dict]]:
+        """Per partitioner, (new, old): each {"wall_s", "cpu_s", "fields"}, the best wall and
+        the best CPU time of ``repeat`` cold simulations of its plan (plan JSON texts by
+        partitioner) on the graph ``kind`` of ``n`` nodes."""
         folder = Path(tempfile.mkdtemp(dir=self.tmp.name))
-        paths = {}
-        for k, (name, text) in enumerate(plans.items()):
-            paths[name] = str(folder / f"plan{k}.json")
-            Path(paths[name]).write_text(text)
-        spec = folder / "spec.json"
-        spec.write_text(json.dumps({"kind": kind, "n": n, "seed": SEED, "devices": devices,
-                                    "plans": paths, "repeat": max(repeat, 1)}))
-        code = inspect.getsource(prediction_fields) + CHILD
-        env = {**os.environ, "PYTHONPATH": str(self.tree)}
-        done = subprocess.run([sys.executable, "-c", code, str(spec)], cwd=self.tree, env=env,
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"the reference simulator ({self.rev}) failed:\n{done.stderr}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        spec = {"kind": kind, "n": n, "seed": SEED, "devices": devices}
+        servers = (Server(ROOT, spec), Server(self.tree, spec))
+        out = {}
+        try:
+            for s in servers:
+                s.ready()
+            for k, (name, text) in enumerate(plans.items()):
+                path = folder / f"plan{k}.json"
+                path.write_text(text)
+                best: list[dict] = [{}, {}]
+                for r in range(max(repeat, 1)):
+                    for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                        got = servers[side].simulate(str(path))
+                        b = best[side]
+                        b["fields"] = got["fields"]
+                        for key in ("wall_s", "cpu_s"):
+                            b[key] = min(b.get(key, math.inf), got[key])
+                out[name] = (best[0], best[1])
+        finally:
+            for s in servers:
+                s.close()
+        return out
 
     def close(self) -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
@@ -263,7 +307,8 @@ def main() -> None:
     first = ("graph", "nodes", "partitioner", "partition s", "simulate s", "step ms", "load",
              "note")
     header = first if ref is None else (
-        *first[:5], "previous s", "new/old", "same prediction", *first[5:])
+        *first[:5], "cpu s", "previous s", "previous cpu s", "new/old", "cpu new/old",
+        "same prediction", *first[5:])
     rows = []
 
     def show(row: tuple) -> None:
@@ -292,18 +337,22 @@ def main() -> None:
                     show(row)
                 if ref is not None:
                     plans = {alg: r[4] for alg, r in done if r[0] == "ok"}
-                    old = ref.simulate(kind, n, args.devices, plans, args.repeat)
+                    timed = ref.side_by_side(kind, n, args.devices, plans, args.repeat)
                     for alg, r in done:
                         if r[0] == "error":
                             rows.append((name, len(graph), alg, "-", "-", "-", "-", "-", "-",
-                                         load(), r[1][:100]))
+                                         "-", "-", "-", load(), r[1][:100]))
                             continue
-                        o = old[alg]
-                        same = "yes" if o["fields"] == json.loads(json.dumps(r[5])) else "NO"
-                        rows.append((name, len(graph), alg, f"{r[1]:.3f}", f"{r[2]:.3f}",
-                                     f"{o['time_s']:.3f}", f"{r[2] / o['time_s']:.2f}", same,
+                        new, old = timed[alg]
+                        here = json.loads(json.dumps(r[5]))
+                        same = "yes" if old["fields"] == new["fields"] == here else "NO"
+                        rows.append((name, len(graph), alg, f"{r[1]:.3f}",
+                                     f"{new['wall_s']:.3f}", f"{new['cpu_s']:.3f}",
+                                     f"{old['wall_s']:.3f}", f"{old['cpu_s']:.3f}",
+                                     f"{new['wall_s'] / old['wall_s']:.2f}",
+                                     f"{new['cpu_s'] / old['cpu_s']:.2f}", same,
                                      f"{r[3] * 1e3:.3f}", load(), _note(r[4])))
-                        print("  reference: " + table(header, rows[-1:]).splitlines()[-1],
+                        print("  side by side: " + table(header, rows[-1:]).splitlines()[-1],
                               flush=True)
     finally:
         if ref is not None:
@@ -313,8 +362,10 @@ def main() -> None:
     title = (f"Wall time of every partitioner and of one simulation of its plan on large "
              f"graphs ({cluster.name} preset, roofline costs, best of {args.repeat})")
     if ref is not None:
-        title += (f"; previous s: the simulator of {args.reference} ({ref.commit}) on the same "
-                  "plans in the same run")
+        title += (f"; simulate s and cpu s: this simulator, previous s and previous cpu s: "
+                  f"that of {args.reference} ({ref.commit}), on the same plans, each in a "
+                  "process of its own, taking turns plan by plan (wall and process CPU "
+                  "seconds, the best of each)")
     write_result(args.record, rows, columns=header, title=title, folder=args.results)
     print(f"\nload average at end {load()}")
 

@@ -190,3 +190,11 @@ def ranges(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     k = np.repeat(np.arange(len(lo)), counts)
     idx = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts) + lo[k]
     return k, idx
+
+
+def sums_by_stage(S: int, stage: np.ndarray, nbytes: np.ndarray) -> list[int]:
+    """``nbytes`` summed by ``stage`` (0 .. S - 1), as Python ints (int64 sums: exact in any
+    order)."""
+    out = np.zeros(S, dtype=np.int64)
+    np.add.at(out, stage, np.asarray(nbytes, dtype=np.int64))
+    return out.tolist()

@@ -9,7 +9,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
-from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM, ranges
+from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM, ranges, sums_by_stage
 from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
@@ -36,18 +36,22 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     params = [0] * S
     bufs = [0] * S
     opt = [0] * S
-    kinds, rg = A.kinds, A.rg
+    rg = A.rg
     param_bytes = per_device(graph, plan, A.param_bytes)  # (split weights: a device's share)
     zero = [0] * S if eff is None else eff.zero
     shard = param_bytes if eff is None else eff.shard.tolist()
-    for i in np.flatnonzero(A.pbytes).tolist():
-        s = stage[i]
-        if kinds[i] == "buffer":
-            bufs[s] += param_bytes[i]
-        else:
-            params[s] += shard[i] if zero[s] == 3 else param_bytes[i]
-            if rg[i] or kinds[i] == "op":
-                opt[s] += (shard[i] if zero[s] else param_bytes[i]) * state_per_byte
+    held = np.flatnonzero(A.pbytes)
+    if len(held):
+        # (sums of int64 arrays: exact, in any order)
+        pb = (A.pbytes if param_bytes is A.param_bytes else
+              np.asarray(param_bytes, dtype=np.int64))[held]
+        sh = pb if shard is param_bytes else np.asarray(shard, dtype=np.int64)[held]
+        hs, z = st[held], np.asarray(zero, dtype=np.int64)[st[held]]
+        buf = kcode[held] == KIND_BUFFER
+        bufs = sums_by_stage(S, hs[buf], pb[buf])
+        params = sums_by_stage(S, hs[~buf], np.where(z == 3, sh, pb)[~buf])
+        stepped = ~buf & (rg[held] | is_op[held])
+        opt = sums_by_stage(S, hs[stepped], np.where(z != 0, sh, pb)[stepped] * state_per_byte)
     # a copy of each weight or buffer on every other stage that reads it
     sel = ((kcode[e_p] == KIND_PARAM) | (kcode[e_p] == KIND_BUFFER)) & (st[e_c] != st[e_p])
     for p, s in set(zip(e_p[sel].tolist(), st[e_c[sel]].tolist(), strict=True)):
@@ -195,7 +199,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     sel = kcode[sv_p_a] == KIND_INPUT
     for p, v in zip(sv_p_a[sel].tolist(), sv_v_a[sel].tolist(), strict=True):
         saved_by.setdefault(p, []).append(v)
-    off_f_l, off_b_l, has_b_l = off_f.tolist(), off_b.tolist(), has_b.tolist()
+    off_f_l, off_b_l, has_b_l = _Items(off_f), _Items(off_b), _Items(has_b)
     py_s: list[int] = []
     py_t0: list[float] = []
     py_t1: list[float] = []
@@ -256,7 +260,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
              (x_nbytes[keep] * M * frac[x_dst[keep]]).astype(np.int64))
     # parameter gradients: from the first backward that reaches a weight until the optimizer
     # step has used it (torch frees them with zero_grad(set_to_none=True))
-    opt_end = [max(end, default=0.0)] * S
+    opt_end = [float(end_a.max()) if len(end_a) else 0.0] * S
     for t in range(len(tasks.kind) - 1, -1, -1):
         if tasks.kind[t] == OPTIMIZER:
             opt_end[tasks.res[t]] = end[t]
@@ -297,20 +301,21 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         g_ev_b = np.concatenate([gsize, -gsize])
     # each stage's peak of activations plus gradients, and what fills it
     w_s, w_t, w_b = _gathered(eff, tasks, start_a, end_a)
-    es = np.concatenate([*ev_s, g_ev_s, w_s]).astype(np.int64)
-    et = np.concatenate([*ev_t, g_ev_t, w_t]).astype(np.float64)
-    eb = np.concatenate([*ev_b, g_ev_b, w_b]).astype(np.int64)
+    es = np.concatenate([*ev_s, g_ev_s, w_s]).astype(np.int16 if S < 2**15 else np.int64)
+    et = np.concatenate([*ev_t, g_ev_t, w_t]).astype(np.float64, copy=False)
+    eb = np.concatenate([*ev_b, g_ev_b, w_b]).astype(np.int64, copy=False)
     n_act = len(es) - len(g_ev_s) - len(w_s)
-    cat = np.concatenate([np.zeros(n_act, dtype=np.int64), np.ones(len(g_ev_s), dtype=np.int64),
-                          np.full(len(w_s), 2, dtype=np.int64)])
     # each event sorts by (time, order, bytes, category) within its stage, order 0 for frees
     # and 1 for allocations; the peak is the first maximum of the running total
     if len(g_ev_s) and (g_ev_b[: len(g_ev_b) // 2] <= 0).any():
+        cat = np.concatenate([np.zeros(n_act, dtype=np.int64),
+                              np.ones(len(g_ev_s), dtype=np.int64),
+                              np.full(len(w_s), 2, dtype=np.int64)])
         order = np.concatenate([eb[:n_act] > 0,  # (activations, gathered: bytes > 0)
                                 np.arange(len(g_ev_s)) < len(g_ev_s) // 2, w_b > 0])
-        peaks = _peaks_in_order(S, es, et, eb, cat, order.astype(np.int64))
+        peaks = _peaks_in_order(S, es.astype(np.int64), et, eb, cat, order.astype(np.int64))
     else:
-        peaks = _peaks(S, es, et, eb, cat)
+        peaks = _peaks(S, es, et, eb, (n_act, n_act + len(g_ev_s)))
     out = {}
     for s in range(S):
         act, grads, gathered = peaks[s]
@@ -320,37 +325,52 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
     return out
 
 
-def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray
+def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, bounds: tuple[int, int]
            ) -> list[tuple[int, int, int]]:
     """Per stage, (activation, gradient, gathered-weight bytes) live at the first peak of
     their total.
 
-    Events (stage, time, bytes, category 0, 1 or 2) with every allocation positive and every
-    free negative. Sorted by (time, frees first, bytes, category) within a stage, the running
+    Events (stage, time, bytes) with every allocation positive and every free negative, the
+    activations' first, then the gradients' from ``bounds[0]``, the gathered weights' from
+    ``bounds[1]``. Sorted by (time, frees first, bytes, category) within a stage, the running
     total falls through one time's frees and then rises through its allocations, so its first
     maximum is at the last event of some time, where what is live does not depend on how that
-    time's events are ordered: sorting by time alone gives the same peak.
+    time's events are ordered: sorting by time alone gives the same peak, and each category's
+    bytes there are the sum of its events up to that time (integers: in any order).
     """
-    o = np.argsort(et)
-    o = o[np.argsort(es[o].astype(np.int16 if S < 2**15 else np.int64), kind="stable")]
-    es, et, eb, cat = es[o], et[o], eb[o], cat[o]
-    cs = [np.cumsum(np.where(cat == c, eb, 0)) for c in range(3)]
-    last = np.ones(len(es), dtype=bool)  # the last event of each (stage, time)
-    last[:-1] = (es[1:] != es[:-1]) | (et[1:] != et[:-1])
-    bounds = np.searchsorted(es, np.arange(S + 1))
+    by_stage = np.argsort(es, kind="stable")  # (a radix sort of small integers)
+    edges = np.searchsorted(es[by_stage], np.arange(S + 1))
     out = []
     for s in range(S):
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        lo, hi = int(edges[s]), int(edges[s + 1])
         got = (0, 0, 0)
         if hi > lo:
-            ends = lo + np.flatnonzero(last[lo:hi])
-            parts = [c[ends] - (c[lo - 1] if lo else 0) for c in cs]
-            tot = parts[0] + parts[1] + parts[2]
-            k = int(np.argmax(tot))
+            ids = by_stage[lo:hi]
+            t = et[ids]
+            o = np.argsort(t)
+            ids, t = ids[o], t[o]
+            tot = np.cumsum(eb[ids])
+            last = np.flatnonzero(np.append(t[1:] != t[:-1], True))  # each time's last event
+            k = int(last[np.argmax(tot[last])])
             if tot[k] > 0:
-                got = tuple(int(x[k]) for x in parts)  # type: ignore[assignment]
+                upto = ids[:k + 1]
+                b = eb[upto]
+                grads = int(b[(upto >= bounds[0]) & (upto < bounds[1])].sum())
+                gathered = int(b[upto >= bounds[1]].sum())
+                got = (int(tot[k]) - grads - gathered, grads, gathered)
         out.append(got)
     return out
+
+
+class _Items:
+    """An array read one item at a time as Python values (for a few items of a long array:
+    cheaper than its ``tolist()``)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.item = a.item
+
+    def __getitem__(self, k: int):
+        return self.item(k)
 
 
 def _peaks_in_order(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, cat: np.ndarray,

@@ -102,24 +102,24 @@ class Runs:
         o = np.argsort(d_[x_], kind="stable")
         self.x_src = s_[x_][o]
         self.x_ptr = np.concatenate(([0], np.cumsum(np.bincount(d_[x_], minlength=n_fb))))
-        self.x_src_l, self.x_ptr_l = self.x_src.tolist(), self.x_ptr.tolist()
-        self.rank = rank.tolist()
+        self.x_src_l, self.x_ptr_l = _items(self.x_src), _items(self.x_ptr)
+        self.rank = _items(rank)
         # stages whose other tasks (optimizer steps) all come after their forwards/backwards
         tail = np.flatnonzero(res[n_fb:] < S) + n_fb
         last_key = [tasks.key[int(q[-1])] if len(q) else -1 for q in fb.queue]
         mixed = {int(res[t]) for t in tail.tolist() if tasks.key[t] < last_key[res[t]]}
         starts = np.zeros(T, dtype=bool)  # tasks after whose start a run may follow
         self.queue_a: list[np.ndarray] = []
-        self.queue: list[list[int]] = []
-        self.hard: list[list[int]] = []
+        self.queue: list[array] = []
+        self.hard: list[array] = []
         self.ptr = [0] * S
         for s, q in enumerate(fb.queue):
             # [k] the first place at or after k whose task is hard, len(q) for none
             at = np.append(np.flatnonzero(hard[q]), len(q))
             nxt = at[np.searchsorted(at, np.arange(len(q) + 1))]
             self.queue_a.append(q)
-            self.queue.append(q.tolist())
-            self.hard.append(nxt.tolist())
+            self.queue.append(_items(q))
+            self.hard.append(_items(nxt))
             if s not in mixed and len(q) > 1:
                 # a run may follow a task when a long stretch does in queue order
                 far = nxt[1:] - np.arange(1, len(q) + 1) >= self.MIN_RUN
@@ -134,8 +134,10 @@ class Runs:
         start the run that follows it, if any. Returns the (end, task) event to wait for: the
         run's last task, or ``u`` when there is no run."""
         start, q = self.loop.start, self.queue[r]
-        k, n = self.rank[u], len(q)
-        p = self.ptr[r] = self._first_not_started(q, self.ptr[r], k)
+        k, n, p = self.rank[u], len(q), self.ptr[r]
+        if p != k and start[q[p]] != start[q[p]]:  # (NaN: the first not started, not ready)
+            return e, u  # u came out of order: its stage has no run now
+        p = self.ptr[r] = self._first_not_started(q, p, k)
         if p != k:  # u came out of order: the first task not started is not ready (so not now)
             return e, u
         p = self._first_not_started(q, k + 1, n)
@@ -158,7 +160,7 @@ class Runs:
         self.rest[r] = self.REST
         return self.schedule_run(r, u, e, run)
 
-    def _first_not_started(self, q: list[int], p: int, stop: int) -> int:
+    def _first_not_started(self, q: array, p: int, stop: int) -> int:
         """The first of queue places ``p`` to ``stop`` whose task has not started, else
         ``stop``."""
         start = self.loop.start
@@ -220,14 +222,29 @@ class Runs:
             np.frombuffer(loop.ready_from, dtype=np.int64)[w] = before[at]
             queue.extend(map(key.__getitem__, w.tolist()))
             heapq.heapify(queue)
-        # ends with successors elsewhere: detached events for those
+        # ends with successors elsewhere: detached events for those. Of several ends in the
+        # run that a successor waits for, only the last one's event can make it ready (the
+        # others end strictly before: all times in a run are positive), so the others are
+        # counted now; likewise all of them where the run's last task (whose own event is
+        # pending) is one it waits for.
         far = before[~self.local_a[before]]
         if len(far):
             k, idx = ranges(self.ptr_a[far], self.ptr_a[far + 1])
             succ = self.flat_a[idx]
             there = self.res_a[succ] != r
-            bounds = np.searchsorted(k[there], np.arange(len(far) + 1)).tolist()
-            succ_l = succ[there].tolist()
+            k, succ = k[there], succ[there]
+            w = run[-1]
+            keep = np.zeros(len(succ), dtype=bool)
+            keep[len(succ) - 1 - np.unique(succ[::-1], return_index=True)[1]] = True
+            keep &= ~np.isin(succ, self.flat_a[self.ptr_a[w]:self.ptr_a[w + 1]])
+            np.subtract.at(deps_a, succ[~keep], 1)
+            k, succ = k[keep], succ[keep]
+            used, k = np.unique(k, return_inverse=True)  # (k ascending: the run's order)
+            far = far[used]
+            if not len(far):
+                return float(ends[-1]), int(run[-1])
+            bounds = np.searchsorted(k, np.arange(len(far) + 1)).tolist()
+            succ_l = succ.tolist()
             far_l = far.tolist()
             at = len(self.far_ptr)
             self.far_ptr.extend([b + len(self.far_succ) for b in bounds])
@@ -237,3 +254,10 @@ class Runs:
             heapq.heapify(loop.events)
         return float(ends[-1]), int(run[-1])
 
+
+def _items(a: np.ndarray) -> array:
+    """An int64 array as an ``array("q")``: read one item at a time as quickly as a list,
+    made without a Python int per item."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return out

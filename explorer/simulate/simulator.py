@@ -140,7 +140,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
         tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     S = len(plan.stages)
     out: Schedule = [[] for _ in plan.stages]
-    kind, res, mb, node = tasks.kind, tasks.res, tasks.mb, tasks.node
+    kind, res, mb, node = tasks.kind.list(), tasks.res, tasks.mb.list(), tasks.node.list()
     for t in timing.order:
         r = res[t]
         if r < S:  # the stages are resources 0 .. S-1
@@ -169,9 +169,10 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
     fb = tasks.fb
     busy_stage = np.bincount(np.tile(fb.stage, M), weights=np.tile(fb.dur_s, M),
                              minlength=S).astype(np.float64).tolist()  # (floats when empty too)
-    res, dur = tasks.res, tasks.dur
-    for t in range(fb.per_mb * M, len(res)):
-        if res[t] < S:
+    res, dur, n_fb = tasks.res, tasks.dur, fb.per_mb * M
+    if len(res) > n_fb:  # (the few tasks on stages, in task order: the same sums)
+        on_stage = np.flatnonzero(np.asarray(res[n_fb:], dtype=np.int64) < S) + n_fb
+        for t in on_stage.tolist():
             busy_stage[res[t]] += dur[t]
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
     cluster = costs.cluster
@@ -226,7 +227,7 @@ class _Timeline(Deferred):
     def build(self) -> tuple[Interval, ...]:
         out: list[Interval] = []
         stages, resources, res = self.stages, self.resources, self.res
-        start, end, label, mb = self.start, self.end, self.label, self.mb
+        start, end, label, mb = self.start, self.end, self.label.list(), self.mb.list()
         for t, kind in enumerate(self.kind):
             if kind == GATE:
                 continue

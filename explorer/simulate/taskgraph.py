@@ -11,7 +11,11 @@ in the order they were made.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +32,110 @@ FWD, BWD, SEND, ALLREDUCE, OPTIMIZER, GATE = "fwd", "bwd", "send", "allreduce", 
 #: order); ("link", a, b) the link from stage a to stage b; ("allreduce", s, -1) stage s's
 #: gradient all-reduce channel; ("gate", s, m) the gate of stage s's micro-batch m
 Resource = tuple[str, int, int]
+
+
+class Column(Sequence):
+    """A per-task attribute kept as the chunks it was made of (lists, or arrays whose items
+    are Python values once read), read as one sequence.
+
+    The event loop reads none of these (labels, kinds, micro-batches ...), and a prediction
+    reads few of them: one item is found in its chunk, and the whole list is made once, on
+    the first read of a slice or an iteration.
+    """
+
+    def __init__(self, *chunks: Sequence[Any]) -> None:
+        self._chunks: list[Any] = []
+        self._ends: list[int] = []
+        self._list: list[Any] | None = None
+        for c in chunks:
+            self.extend(c)
+
+    def extend(self, chunk: Sequence[Any]) -> None:
+        """Add ``chunk``'s items (a list or array the column may keep: not changed after)."""
+        if len(chunk):
+            self._chunks.append(chunk)
+            self._ends.append(len(self) + len(chunk))
+            self._list = None
+
+    def append(self, item: Any) -> None:
+        last = self._chunks[-1] if self._chunks else None
+        if type(last) is _Own:
+            last.append(item)
+            self._ends[-1] += 1
+            self._list = None
+        else:
+            self.extend(_Own([item]))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._list is None and type(i) is int:
+            n = len(self)
+            if i < 0:
+                i += n
+            if not 0 <= i < n:
+                raise IndexError("task index out of range")
+            k = bisect_right(self._ends, i)
+            c = self._chunks[k]
+            i -= self._ends[k] - len(c)
+            return c.item(i) if isinstance(c, np.ndarray) else c[i]
+        return self.list()[i]
+
+    def __iter__(self) -> Any:
+        return iter(self.list())
+
+    def array(self, dtype: Any) -> np.ndarray:
+        """The items as one numpy array of ``dtype``."""
+        if not self._chunks:
+            return np.zeros(0, dtype=dtype)
+        return np.concatenate([np.asarray(c, dtype=dtype) for c in self._chunks])
+
+    def list(self) -> list[Any]:
+        """The items as one list (made once)."""
+        if self._list is None:
+            self._list = list(chain.from_iterable(
+                c.tolist() if isinstance(c, np.ndarray) else c for c in self._chunks))
+        return self._list
+
+
+class _Own(list):
+    """A chunk a :class:`Column` made itself, which it appends to."""
+
+
+class Repeated(Sequence):
+    """A :class:`Column` chunk: one item ``count`` times."""
+
+    def __init__(self, item: Any, count: int) -> None:
+        self.item_, self.count = item, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: Any) -> Any:
+        return [self.item_] * self.count if isinstance(i, slice) else self.item_
+
+    def __iter__(self) -> Any:
+        return iter([self.item_] * self.count)
+
+
+class Prefixed(Sequence):
+    """A :class:`Column` chunk: ``prefix`` before each of ``names`` (an object array), the
+    strings made when read."""
+
+    def __init__(self, prefix: str, names: np.ndarray) -> None:
+        self.prefix, self.names = prefix, names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self.prefix + n for n in self.names[i].tolist()]
+        return self.prefix + self.names[i]
+
+    def __iter__(self) -> Any:
+        return iter([self.prefix + n for n in self.names.tolist()])
 
 
 @dataclass(frozen=True)
@@ -70,13 +178,13 @@ class TaskGraph:
     dependencies, and what memory accounting needs to find them again."""
 
     # per task
-    kind: list[str]  # [task] FWD, BWD, SEND, ALLREDUCE, OPTIMIZER or GATE
+    kind: Column  # [task] FWD, BWD, SEND, ALLREDUCE, OPTIMIZER or GATE
     res: list[int]  # [task] index into ``resources``: where it runs, one task at a time
     dur: list[float]  # [task] seconds (may be negative where calibration fits so)
-    label: list[str]  # [task] the op's name, or what the transfer / all-reduce / step is
-    mb: list[int]  # [task] micro-batch, -1 for tasks of the whole step
-    nbytes: list[int]  # [task] bytes moved (transfers, all-reduces), else 0
-    node: list[int]  # [task] the op of a forward or backward, the producer of a transfer, -1
+    label: Column  # [task] the op's name, or what the transfer / all-reduce / step is
+    mb: Column  # [task] micro-batch, -1 for tasks of the whole step
+    nbytes: Column  # [task] bytes moved (transfers, all-reduces), else 0
+    node: Column  # [task] the op of a forward or backward, the producer of a transfer, -1
     # [task] the ready queues' order: priority * len(kind) + task id, smallest first (the
     # priority is the schedule slot: GPipe all forwards then all backwards, 1F1B warm-up
     # forwards then one backward per forward, transfers with their consumers)

@@ -9,6 +9,7 @@ integer, so the schedule's per-resource queues are heaps of ints
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import BUCKET_BYTES, buckets
-from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.arrays import KIND_INPUT, GraphArrays, sums_by_stage
 from explorer.simulate.effects import (
     ALLGATHER,
     REDUCE_SCATTER,
@@ -32,8 +33,11 @@ from explorer.simulate.taskgraph import (
     GATE,
     OPTIMIZER,
     SEND,
+    Column,
     FwdBwdLayout,
+    Prefixed,
     Receives,
+    Repeated,
     Resource,
     TaskGraph,
 )
@@ -57,14 +61,16 @@ class _Builder:
         self.g, self.plan, self.costs = graph, plan, costs
         self.others = others
         # per task
-        self.kind: list[str] = []
+        self.kind = Column()
         self.res: list[int] = []
         self.dur: list[float] = []
-        self.enc: list[int] = []  # the schedule priority (a tuple once) as one order-keeping int
-        self.label: list[str] = []
-        self.mb: list[int] = []
-        self.nbytes: list[int] = []
-        self.node: list[int] = []  # the op of a forward or backward, the producer of a transfer
+        # the schedule priority (a tuple once) as one order-keeping int, of the tasks after
+        # the forward/backward block (whose own are kept as an array)
+        self.enc = Column()
+        self.label = Column()
+        self.mb = Column()
+        self.nbytes = Column()
+        self.node = Column()  # the op of a forward or backward, the producer of a transfer
         self.resources: list[Resource] = []
         self.res_index: dict[Resource, int] = {}
         self.late_xfer: list[tuple[int, float]] = []  # (transfer, late-receive wait s)
@@ -173,22 +179,20 @@ class _Builder:
                         for s in range(S)], dtype=np.float64)
         if msg.any():
             _message_time(A, st, S, fwd_d, bwd_d, msg)
-        tpl_node_l = tpl_node.tolist()
-        self.kind = np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)].tolist() * M
+        self.kind = Column(*[np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)]] * M)
         self.res = tpl_stage.tolist() * M
         fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
                           np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
                           _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
         self.dur = fb.dur_s.tolist() * M
-        self.label = A.names_obj[tpl_node].tolist() * M
-        self.node = tpl_node_l * M
-        self.mb = np.repeat(np.arange(M), per_m).tolist()
-        self.nbytes = [0] * (per_m * M)
+        self.label = Column(*[A.names_obj[tpl_node]] * M)
+        self.node = Column(*[tpl_node] * M)
+        self.mb = Column(*[np.full(per_m, m) for m in range(M)])
+        self.nbytes = Column(np.zeros(per_m * M, dtype=np.int64))
         x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
         sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
         enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
                                  for m in range(M)])
-        self.enc = [0] * len(enc_fb)  # (kept as enc_fb; the tasks below append theirs)
 
         # dependencies: blocks of (src, dst) arrays, and pairs collected one by one
         src_parts: list[np.ndarray] = []
@@ -227,7 +231,7 @@ class _Builder:
             for j in np.flatnonzero(~t_act).tolist():
                 labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
             ob = out_act[tp]
-            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels.tolist(),
+            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels,
                             np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
             # edges: producer's forward -> transfer -> consumer's forward (a weight's one
             # transfer feeds every micro-batch)
@@ -263,8 +267,7 @@ class _Builder:
             m_task = np.tile(np.arange(M), len(uk))
             tp, ts = ui[k_task], us[k_task]
             enc = sb[ts, m_task] * W - tp + (N + 1)
-            labels = np.repeat(np.array([f"grad {names[i]}" for i in ui.tolist()], dtype=object),
-                               M).tolist()
+            labels = Prefixed("grad ", np.repeat(A.names_obj[ui], M))
             self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
             for m in range(M):
                 edges(base + m, off_b[ui], 0, m)
@@ -301,7 +304,7 @@ class _Builder:
             uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
             up, us = uk // S, uk % S
             self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
-                            [f"grad {names[p]}" for p in up.tolist()],
+                            Prefixed("grad ", A.names_obj[up]),
                             np.full(len(up), -1), up)
             for m in range(M):
                 edges(off_b[gc_], base[k_edge], m)
@@ -315,10 +318,12 @@ class _Builder:
         out_b = per_device(g, plan, out_b)
         zero = [0] * S if eff is None else eff.zero
         stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
-        for i in A.trainable:
-            trainable_bytes[stage[i]] += held[i]
-            trainable_count[stage[i]] += 1
-            stepped[stage[i]] += held[i] if eff is None else int(eff.shard[i])
+        if A.trainable:  # (int64 sums: exact in any order)
+            tr = np.asarray(A.trainable, dtype=np.int64)
+            held_a = A.pbytes if held is A.param_bytes else np.asarray(held, dtype=np.int64)
+            trainable_bytes = sums_by_stage(S, st[tr], held_a[tr])
+            trainable_count = np.bincount(st[tr], minlength=S).tolist()
+            stepped = sums_by_stage(S, st[tr], held_a[tr] if eff is None else eff.shard[tr])
         if eff is not None:
             allreduce_bytes += add_weight_gathers(
                 self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
@@ -417,7 +422,7 @@ class _Builder:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
-        key += _keys(self.enc[n_enc:], n_enc, T)
+        key += _keys(self.enc, n_enc, T)
         negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
         return TaskGraph(
@@ -467,7 +472,7 @@ class _Builder:
         return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
 
     def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
-                   label: list[str], mb: np.ndarray, node: np.ndarray) -> None:
+                   label: Sequence[str], mb: np.ndarray, node: np.ndarray) -> None:
         """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
 
         Each ordered pair of stages is one link (a resource, made at its first transfer).
@@ -517,21 +522,22 @@ class _Builder:
         late = per_link(llate, np.float64)[inv]
         for k in np.flatnonzero((late > 0) & (np.asarray(mb) >= 0)).tolist():
             self.late_xfer.append((len(self.kind) + k, float(late[k])))
-        self.kind.extend([SEND] * count)
+        self.kind.extend(Repeated(SEND, count))
         self.res.extend(res.tolist())
         self.dur.extend(dur)
-        self.enc.extend(np.asarray(enc).tolist())
+        self.enc.extend(np.asarray(enc, dtype=np.int64))
         self.label.extend(label)
-        self.mb.extend(np.asarray(mb).tolist())
-        self.nbytes.extend(np.asarray(nbytes).tolist())
-        self.node.extend(np.asarray(node).tolist())
+        self.mb.extend(np.asarray(mb))
+        self.nbytes.extend(np.asarray(nbytes))
+        self.node.extend(np.asarray(node))
 
 
-def _keys(enc: list[int], first: int, T: int) -> list[int]:
+def _keys(enc: Column, first: int, T: int) -> list[int]:
     """``enc[k] * T + first + k`` for every k: as int64 arrays where those hold the result, as
     Python ints (of any size) where not (the optimizer steps' priorities)."""
-    a = np.asarray(enc, dtype=np.int64) if enc and max(enc) < 2**63 else None
-    if a is None:
+    try:
+        a = enc.array(np.int64)
+    except OverflowError:
         return [e * T + t for t, e in enumerate(enc, first)]
     fits = a < (2**62 - first - len(enc)) // T
     key = (np.where(fits, a, 0) * T + np.arange(first, first + len(enc))).tolist()

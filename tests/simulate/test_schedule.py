@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from builders import cluster, costs, graph
 from test_simulate_speed import cases, make_case
@@ -186,3 +188,61 @@ def test_runs_change_nothing_under_memory_settings(settings, monkeypatch):
     made = _with_runs(monkeypatch, True)
     assert _schedule(tasks) == want
     assert made
+
+
+@pytest.mark.parametrize("stages, micro_batches, schedule",
+                         [(4, 4, "1f1b"), (2, 3, "1f1b"), (2, 2, "gpipe")])
+def test_runs_keep_one_event_per_task_waiting_elsewhere(stages, micro_batches, schedule,
+                                                        monkeypatch):
+    """A 1F1B gate or an all-reduce bucket waits for many backwards of a run: only the last
+    of them keeps an event for it, the others are counted when the run is made; the schedule
+    is the event loop's."""
+    g = layered_dag(1200, seed=11)
+    cl = Cluster.preset("4xH100")
+    costs = roofline_costs(g, cl)
+    ops = [i for i, n in enumerate(g.nodes) if n.kind == "op"]
+    groups = [tuple(cl.ids[k::stages]) for k in range(stages)]  # (replicated when < 4)
+    part = {i: min(k * stages // len(ops), stages - 1) for k, i in enumerate(ops)}
+    plan = Plan.from_assignment(g, groups, part, micro_batches=micro_batches,
+                                schedule=schedule)
+    tasks = build_tasks(g, plan, costs)
+    _with_runs(monkeypatch, False)
+    want = _schedule(tasks)
+    made: list[Runs] = []
+    init = Runs.__init__
+
+    def kept(self, *args):
+        init(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(Runs, "__init__", kept)
+    for shortest in (1, Runs.MIN_RUN):
+        made.clear()
+        n_runs = _with_runs(monkeypatch, True, shortest)
+        assert _schedule(tasks) == want
+        (runs,) = made
+        n_fb = tasks.fb.per_mb * micro_batches
+        src = np.repeat(np.arange(len(tasks.kind)), np.diff(tasks.succ_ptr_a))
+        dst = tasks.succ_flat_a
+        off = (src < n_fb) & (dst >= n_fb)  # forwards and backwards -> tasks off stages
+        assert np.bincount(dst[off]).max() > 1  # (gates, all-reduces wait for many)
+        assert runs.far_succ  # (detached events were made), one per run and task at most
+        assert max(Counter(runs.far_succ).values()) <= len(n_runs)
+
+
+def test_task_columns_read_alike_item_by_item_and_whole():
+    """Labels, kinds, micro-batches, bytes and nodes are kept as the chunks they were made of
+    (arrays, repeated items, prefixed names): one item reads as the whole list has it."""
+    g, plan, cm = _pipeline()
+    whole = build_tasks(g, plan, cm)
+    T = len(whole.kind)
+    for name in ("kind", "label", "mb", "nbytes", "node"):
+        want = list(getattr(whole, name))
+        one = getattr(build_tasks(g, plan, cm), name)  # (nothing read whole yet)
+        got = [one[t] for t in range(T)]
+        assert got == want and [type(x) for x in got] == [type(x) for x in want]
+        assert one[-1] == want[-1] and one[1:4] == want[1:4] and len(one) == T
+        with pytest.raises(IndexError):
+            one[T]
+    assert any(x.startswith("grad ") for x in whole.label)  # (prefixed names)
+    assert whole.kind.count("send") > 0  # (repeated items)
