@@ -195,8 +195,8 @@ def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
     reps = sorted({other.replicas_of(s) for s in range(len(other.stages))})
     note = (f"degrees: pipeline-dp's plan without tensor splits ({len(other.stages)} stages, "
             f"replicas {'/'.join(map(str, reps))}, {other.micro_batches} micro-batches) is "
-            f"faster ({pred.step_s:.4g} s per step against {own} for the best mesh), so this "
-            "is that plan")
+            f"faster than the best mesh ({pred.step_s:.4g} s per step against {own}), so "
+            "this is that plan")
     opts = {**other.options, "dp": other.data_parallel, "tp": 1, "pp": len(other.stages),
             "degrees": f"{other.data_parallel}x1x{len(other.stages)}",
             "fallback": "pipeline-dp"}
