@@ -140,7 +140,9 @@ class Session:
         ``measure`` says when measured numbers come (:mod:`widgets.measure`): "background"
         opens at once on a capture that runs nothing and roofline estimates, then captures
         with real weights and profiles the devices that are here in a thread, and swaps the
-        measured numbers in when they are ready (:meth:`wait_measured` waits for them); "now"
+        measured numbers in: the profile's preliminary ones after its first run
+        (:attr:`preliminary` says so), the final ones when it ends (:meth:`wait_measured`
+        waits for them); "now"
         measures before opening; "never" keeps the roofline estimates and runs nothing."""
         o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
                     measure)
