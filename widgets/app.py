@@ -36,9 +36,10 @@ class Explorer(W.VBox):
 
     ``Explorer(model, example_inputs, cluster=..., loss_fn=..., targets=...)`` captures and
     profiles the model: with ``measure="background"`` (the default) it opens at once on a
-    capture that runs nothing and roofline estimates, and swaps the measured numbers in when
-    the capture with real weights and the profile, run in a thread, are done (the header says
-    how far it is; ``session.wait_measured()`` waits); ``measure="now"`` measures first,
+    capture that runs nothing and roofline estimates, and swaps the measured numbers in: the
+    profile's preliminary ones after its first run, the final ones when the capture with real
+    weights and the profile, run in a thread, are done (the header says how far it is;
+    ``session.wait_measured()`` waits for the final ones); ``measure="now"`` measures first,
     ``"never"`` not at all (see :meth:`Session.open`). ``Explorer(graph, costs, plan)`` (the
     plan optional) opens an already captured graph;
     ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a built-in model.

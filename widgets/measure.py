@@ -6,7 +6,8 @@ the model on fake tensors (the same graph and fingerprint, nothing run) and
 :func:`roofline_model` estimates every device from FLOPs and bytes, so the widget opens in
 seconds. :func:`measuring_work` is what is left to do, which a :class:`BackgroundJob` runs in a
 thread: the capture with real weights (to run steps and export scripts) and, where the devices
-are present, the profile. The session swaps the results in when they are ready.
+are present, the profile. The session swaps the profile's preliminary numbers in as soon as its
+first run is done (:class:`explorer.profiling.Preliminary`), and the final ones when it ends.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import explorer as ex
 from explorer.core.errors import CaptureError, ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.models.synthetic import roofline_costs
+from explorer.profiling import Preliminary
 
 #: when the measured numbers come: "background" (a thread, the widget opens on rooflines),
 #: "now" (before the widget opens) or "never" (rooflines only, nothing run)
 MEASURE_MODES = ("background", "now", "never")
 
-#: the work of a background job: called with a function that reports progress, returns the
-#: real graph and its cost model
-Work = Callable[[Callable[[str], None]], tuple[OpGraph, ex.CostModel]]
+#: told the real graph and a profile's preliminary numbers while the work goes on
+Early = Callable[[OpGraph, Preliminary], None]
+#: the work of a background job: called with a function that reports progress and one told
+#: the preliminary numbers (:data:`Early`), returns the real graph and its final cost model
+Work = Callable[[Callable[[str], None], Early], tuple[OpGraph, ex.CostModel]]
 
 
 def check_mode(measure: str) -> None:
@@ -65,8 +69,9 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
                    fingerprint: str) -> Work:
     """What is left after opening on estimates: the capture with real weights (``real`` when
     it is a function that captures; a graph is already real) and, when devices of
-    ``cluster`` are present, their profile (rooflines for the others)."""
-    def work(report: Callable[[str], None]) -> tuple[OpGraph, ex.CostModel]:
+    ``cluster`` are present, their profile (rooflines for the others), whose preliminary
+    numbers go to ``early`` as soon as its first run is done."""
+    def work(report: Callable[[str], None], early: Early) -> tuple[OpGraph, ex.CostModel]:
         graph = real
         if not isinstance(graph, OpGraph):
             report("capturing the model with real weights")
@@ -79,7 +84,8 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
             return graph, roofline_model(graph, cluster)
         here = ", ".join(d.id for d in cluster.devices if d.present)
         report(f"profiling {len(graph.ops):,} ops on {here}")
-        return graph, ex.profile(graph, cluster, progress=False, report=report)
+        return graph, ex.profile(graph, cluster, progress=False, report=report,
+                                 partial=lambda pre: early(graph, pre))
     return work
 
 
@@ -98,6 +104,12 @@ def opening_costs(graph: OpGraph, capture: Callable[[], OpGraph] | None,
     return roofline_model(graph, cluster), work
 
 
+def numbers_status(preliminary: str) -> str:
+    """What the status line says the numbers are while measuring goes on: roofline
+    estimates, or measured with ``preliminary``'s label (e.g. "preliminary: 1 of 8 runs")."""
+    return f"measured ({preliminary})" if preliminary else "roofline estimates"
+
+
 def measured_status(cluster: ex.Cluster) -> str:
     """What the status line says once the background work is done."""
     here = [d.id for d in cluster.devices if d.present]
@@ -108,16 +120,17 @@ def measured_status(cluster: ex.Cluster) -> str:
 
 
 class BackgroundJob:
-    """``work`` run in a daemon thread: ``report(text)`` says how far it is, ``finish(result)``
-    takes its result and ``fail(error, trace)`` its error (each called from the thread).
-    :meth:`wait` blocks until it is over."""
+    """``work`` run in a daemon thread: ``report(text)`` says how far it is, ``early(graph,
+    preliminary)`` takes preliminary numbers, ``finish(result)`` its result and ``fail(error,
+    trace)`` its error (each called from the thread). :meth:`wait` blocks until it is over."""
 
-    def __init__(self, work: Work, report: Callable[[str], None],
+    def __init__(self, work: Work, report: Callable[[str], None], early: Early,
                  finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
                  fail: Callable[[BaseException, str], None]) -> None:
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(work, report, finish, fail),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(work, report, early, finish, fail),
                                         name="explorer-measure", daemon=True)
 
     def start(self) -> BackgroundJob:
@@ -132,11 +145,11 @@ class BackgroundJob:
         """Whether the job is over (within ``timeout_s`` seconds; None: as long as it takes)."""
         return self._done.wait(timeout_s)
 
-    def _run(self, work: Work, report: Callable[[str], None],
+    def _run(self, work: Work, report: Callable[[str], None], early: Early,
              finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
              fail: Callable[[BaseException, str], None]) -> None:
         try:
-            finish(work(report))
+            finish(work(report, early))
         except BaseException as e:  # the thread must say what went wrong, whatever it is
             self.error = e
             fail(e, traceback.format_exc(limit=6))

@@ -29,6 +29,7 @@ from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.units import MiB
 from explorer.partition import algorithm as get_algorithm
+from explorer.profiling import Preliminary
 from widgets.edits import (
     count_label,
     first_device,
@@ -42,7 +43,7 @@ from widgets.edits import (
 )
 from widgets.graphview import GraphView
 from widgets.history import History, Snapshot
-from widgets.measure import BackgroundJob, Work, measured_status
+from widgets.measure import BackgroundJob, Work, measured_status, numbers_status
 from widgets.opening import opening
 from widgets.splits import degrees_text
 
@@ -112,6 +113,9 @@ class Session:
     measuring: BackgroundJob | None = field(default=None, init=False, repr=False)
     #: how far it is ("" when there is none), for the status line
     measure_status: str = field(default="", init=False)
+    #: while measuring goes on, what the preliminary numbers swapped in are ("preliminary: 1
+    #: of 8 runs"; "" while the numbers are estimates or final)
+    preliminary: str = field(default="", init=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,7 +144,9 @@ class Session:
         ``measure`` says when measured numbers come (:mod:`widgets.measure`): "background"
         opens at once on a capture that runs nothing and roofline estimates, then captures
         with real weights and profiles the devices that are here in a thread, and swaps the
-        measured numbers in when they are ready (:meth:`wait_measured` waits for them); "now"
+        measured numbers in: the profile's preliminary ones after its first run
+        (:attr:`preliminary` says so), the final ones when it ends (:meth:`wait_measured`
+        waits for them); "now"
         measures before opening; "never" keeps the roofline estimates and runs nothing."""
         o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
                     measure)
@@ -155,11 +161,13 @@ class Session:
     def measure_in_background(self, work: Work) -> None:
         """Run ``work`` (see :func:`widgets.measure.measuring_work`) in a thread; its real
         graph and measured costs replace the estimates when it is done (the plan under edit,
-        pins and table stay: the graph is the same). Progress is ``measure_status`` (topic
-        "measure"); an error becomes the message and the estimates stay."""
+        pins, undo history and table stay: the graph is the same), and the profile's
+        preliminary numbers before that, as soon as its first run is done (``preliminary``
+        says so). Progress is ``measure_status`` (topic "measure"); an error becomes the
+        message and the numbers so far stay."""
         self._measure_report("starting")
-        self.measuring = BackgroundJob(work, self._measure_report, self._measured,
-                                       self._measure_failed).start()
+        self.measuring = BackgroundJob(work, self._measure_report, self._measured_early,
+                                       self._measured, self._measure_failed).start()
 
     def wait_measured(self, timeout_s: float | None = None) -> bool:
         """Wait for the background measurement (``timeout_s`` seconds at most; None: as
@@ -174,32 +182,51 @@ class Session:
                                 "numbers change when it is done")
         if job.error is not None:
             raise ExplorerError(f"measuring failed ({type(job.error).__name__}: "
-                                f"{job.error}); the numbers are roofline estimates and real "
+                                f"{job.error}); the numbers are "
+                                f"{numbers_status(self.preliminary)} and real "
                                 "steps cannot run: open with measure='now' to see the error "
                                 "where it happens") from job.error
         return True
 
     def _measure_report(self, text: str) -> None:
-        self.measure_status = (f"roofline estimates; measuring in the background: {text}"
-                               if text else "")
+        self.measure_status = (f"{numbers_status(self.preliminary)}; measuring in the "
+                               f"background: {text}" if text else "")
         self._changed("measure")
 
-    def _measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
-        graph, costs = result
+    def _measured_early(self, graph: OpGraph, pre: Preliminary) -> None:
+        try:
+            self._swap_costs(graph, pre.costs)
+        except Exception as e:  # the final numbers still come: say it, keep measuring
+            self.say(f"the preliminary measured numbers could not be shown "
+                     f"({type(e).__name__}: {e}); the final ones follow", error=True)
+            return
+        self.preliminary = pre.label
+        self.measure_status = numbers_status(self.preliminary)
+        self._changed("costs")
+        self._changed("measure")
+
+    def _swap_costs(self, graph: OpGraph, costs: ex.CostModel) -> None:
+        """Measured ``costs`` (of the real ``graph``) in place of the numbers so far; the plan
+        under edit, pins, undo history and table stay (the graph is the same)."""
         with self._lock:
-            self.graph, self.costs = graph, costs  # same fingerprint: plans and view stay
-            self.plans = [replace(e, prediction=ex.simulate(graph, e.plan, costs))
-                          for e in self.plans]
+            plans = [replace(e, prediction=ex.simulate(graph, e.plan, costs))
+                     for e in self.plans]
+            self.graph, self.costs, self.plans = graph, costs, plans
             self._estimate()
+
+    def _measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
+        self._swap_costs(*result)
+        self.preliminary = ""
         self.measure_status = measured_status(self.cluster)
         self._changed("costs")
         self._changed("measure")
 
     def _measure_failed(self, error: BaseException, trace: str) -> None:
-        self.measure_status = "roofline estimates (measuring failed: see the message)"
+        now = numbers_status(self.preliminary)
+        self.measure_status = f"{now} (measuring failed: see the message)"
         self._changed("measure")
         self.say(f"measuring in the background failed ({type(error).__name__}: {error}); the "
-                 "numbers stay roofline estimates", error=True, detail=trace)
+                 f"numbers stay {now}", error=True, detail=trace)
 
     # -- observers -----------------------------------------------------------------------
     def observe(self, fn: Callable[[Session, str], None]) -> None:

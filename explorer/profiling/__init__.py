@@ -1,5 +1,5 @@
 """Profiling: measure what every op costs on the devices that are here, through real steps."""
 
-from explorer.profiling.profiler import profile
+from explorer.profiling.profiler import Preliminary, profile
 
-__all__ = ["profile"]
+__all__ = ["Preliminary", "profile"]

@@ -58,6 +58,8 @@ ROUNDS = 2
 
 #: a function told how far a profile is, in words ("profiling gpt on cpu:0: 2 of 6 runs")
 Report = Callable[[str], None]
+#: a function given the preliminary costs of a profile's first whole-batch run
+FirstRun = Callable[[DeviceCosts], None]
 
 
 class RunsBar:
@@ -97,16 +99,17 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
 
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
              cache: bool = True, progress: bool = True, pool: RankPool | None = None,
-             report: Report | None = None) -> DeviceCosts:
+             report: Report | None = None, first: FirstRun | None = None) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
     measured (:func:`measure`, its runs on ``pool``'s ranks where given, how far it is told to
-    ``report``) and cached;
+    ``report``, its first run's preliminary costs to ``first``) and cached;
     ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
     usable times is measured again and replaced."""
     path = cache_path(graph, dev, repeats)
     dc = load(path, len(graph), dev.type_key) if cache else None
     if dc is None:
-        dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report)
+        dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report,
+                     first=first)
         if cache:
             store(path, dc)
     return dc
@@ -264,7 +267,7 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
             progress: bool = True, pool: RankPool | None = None,
-            report: Report | None = None) -> DeviceCosts:
+            report: Report | None = None, first: FirstRun | None = None) -> DeviceCosts:
     """Time every op of ``graph`` on ``dev`` (which must be present).
 
     Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
@@ -273,20 +276,26 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
     whole batch, a half, a quarter) is made ``ROUNDS`` times in turn, on ``pool``'s ranks where
     given (else each on processes of its own). Hook-captured graphs time each leaf-module call
     in real forward and backward passes.
+
+    ``first`` (where given) is called with the preliminary costs of the first whole-batch run
+    alone (:func:`first_run_costs`) as soon as that run is done, before the others; what this
+    returns does not depend on it.
     """
     sync = _sync(dev)
     with device_threads(dev), torch.random.fork_rng(devices=[]):
         per_byte, per_tensor = _measure_optimizers(dev, sync)
         tiny = torch.zeros(1, device=dev.torch_device)
         floor = _time(lambda: torch.add(tiny, 1.0), sync, max(repeats, 20), warmup)
+        fractions: list[float] = []
+        fwd_at: list[list[float]] = []
+        bwd_at: list[list[float]] = []
         if graph.source == "hooks":
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
         else:
             # the whole batch, then the same ops on a half and a quarter of it (micro-batches
             # and replicas run there, and small ops do not shrink in proportion)
-            splits = [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
-                            and graph.batch_size % m == 0]
-            bar = RunsBar(ROUNDS * len(splits), f"profiling {graph.name} on {dev.id}",
+            splits = batch_fractions(graph)
+            bar = RunsBar(timing_runs(graph), f"profiling {graph.name} on {dev.id}",
                           progress, report)
             got: dict[int, list[tuple[list[float], list[float], float]]] = {}
             for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
@@ -294,32 +303,70 @@ def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2
                     got.setdefault(m, []).append(measure_in_runtime(
                         graph, dev, repeats, warmup, False, micro_batches=m, pool=pool))
                     bar.update()
+                    if first is not None and bar.done == 1:
+                        first(first_run_costs(graph, dev, got[1][0], floor, per_byte,
+                                              per_tensor))
             bar.close()
             fwd, bwd, opt_s = _mean_of_rounds(got[1])
-            fractions, fwd_at, bwd_at = [], [], []
             for m in splits[1:]:
                 f, b, _ = _mean_of_rounds(got[m])
                 fractions.append(1.0 / m)
                 fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
                 bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
-            # scale the optimizer micro-benchmark to what the real step measured
-            pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
-            ntens = sum(1 for n in graph.nodes if n.kind == "param")
-            model = per_byte["adam"] * pbytes + per_tensor["adam"] * ntens
-            if model > 0 and opt_s > 0:
-                k = opt_s / model
-                per_byte = {o: v * k for o, v in per_byte.items()}
-                per_tensor = {o: v * k for o, v in per_tensor.items()}
+            per_byte, per_tensor = _optimizer_to_step(graph, opt_s, per_byte, per_tensor)
+    return _device_costs(graph, dev, fwd, bwd, floor, per_byte, per_tensor, fractions, fwd_at,
+                         bwd_at)
+
+
+def batch_fractions(graph: OpGraph) -> list[int]:
+    """The micro-batch counts op timing runs ``graph`` at: 1 (the whole batch), then those of
+    ``FRACTION_SPLITS`` its batch splits into."""
+    return [1] + [m for m in FRACTION_SPLITS if batch_splits(graph)
+                  and graph.batch_size % m == 0]
+
+
+def timing_runs(graph: OpGraph) -> int:
+    """How many runs the op timing of ``graph`` makes (:func:`measure`; 0 for hook-captured
+    graphs, timed in this process)."""
+    return 0 if graph.source == "hooks" else ROUNDS * len(batch_fractions(graph))
+
+
+def first_run_costs(graph: OpGraph, dev: Device,
+                    run: tuple[list[float], list[float], float], floor_s: float,
+                    per_byte: dict[str, float], per_tensor: dict[str, float]) -> DeviceCosts:
+    """Preliminary costs from one whole-batch run (per-op times and the optimizer step as
+    measured there): no fractions of the batch (smaller shares scale in proportion) and no
+    contention, which later runs measure."""
+    fwd, bwd, opt_s = run
+    per_byte, per_tensor = _optimizer_to_step(graph, opt_s, per_byte, per_tensor)
+    return _device_costs(graph, dev, list(fwd), list(bwd), floor_s, per_byte, per_tensor)
+
+
+def _optimizer_to_step(graph: OpGraph, opt_s: float, per_byte: dict[str, float],
+                       per_tensor: dict[str, float]
+                       ) -> tuple[dict[str, float], dict[str, float]]:
+    """The optimizer micro-benchmark scaled to what the real step measured (``opt_s``)."""
+    pbytes = sum(n.param_bytes for n in graph.nodes if n.kind == "param")
+    ntens = sum(1 for n in graph.nodes if n.kind == "param")
+    model = per_byte["adam"] * pbytes + per_tensor["adam"] * ntens
+    if model > 0 and opt_s > 0:
+        k = opt_s / model
+        per_byte = {o: v * k for o, v in per_byte.items()}
+        per_tensor = {o: v * k for o, v in per_tensor.items()}
+    return per_byte, per_tensor
+
+
+def _device_costs(graph: OpGraph, dev: Device, fwd: list[float], bwd: list[float],
+                  floor_s: float, per_byte: dict[str, float], per_tensor: dict[str, float],
+                  fractions: list[float] | None = None, fwd_at: list[list[float]] | None = None,
+                  bwd_at: list[list[float]] | None = None) -> DeviceCosts:
     op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
-    overhead = max(floor, op_times[0]) if op_times else floor
+    overhead = max(floor_s, op_times[0]) if op_times else floor_s
     src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
     held = (library_workspace_bytes(torch.device(dev.torch_device)) if dev.kind == "cuda"
             else 0)
-    if graph.source == "hooks":
-        return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
-                           workspace_bytes=held)
     return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
-                       fractions, fwd_at, bwd_at, workspace_bytes=held)
+                       fractions or [], fwd_at or [], bwd_at or [], workspace_bytes=held)
 
 
 

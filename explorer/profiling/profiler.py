@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
@@ -28,9 +30,30 @@ from explorer.runtime.pool import RankPool
 REUSE_RANKS = True
 
 
+@dataclass(frozen=True)
+class Preliminary:
+    """A profile's first usable numbers, while it goes on: every measured device type's costs
+    so far (where its op timing is not done, those of its first whole-batch run alone: per-op
+    times, no batch fractions or contention) and rooflines for the types not reached yet."""
+
+    costs: CostModel
+    #: the runs these numbers come from, of all the runs the profile makes
+    runs_done: int
+    runs_total: int
+
+    @property
+    def label(self) -> str:
+        """How a status line names them, e.g. "preliminary: 1 of 8 runs"."""
+        return f"preliminary: {self.runs_done} of {self.runs_total} runs"
+
+
+#: a function given a profile's preliminary numbers (:class:`Preliminary`)
+Partial = Callable[[Preliminary], None]
+
+
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
             cache: bool = True, progress: bool = True, message: bool = True,
-            report: ops.Report | None = None) -> CostModel:
+            report: ops.Report | None = None, partial: Partial | None = None) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -42,10 +65,14 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     as replicas do (:func:`host.measure_contention`, stored with the profile). Both are host
     measurements: not taken for ``Cluster.cpu(n, measure=False)``. ``report`` (where given)
     is told how far the measuring is, in words, before and after each run (a widget shows it).
+    ``partial`` (where given) gets usable numbers early: a :class:`Preliminary` as soon as
+    the first whole-batch op timing run of a device type that is measured is done. It changes
+    nothing of what is measured or returned, and only the final profile is cached.
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
     per_type: dict[str, DeviceCosts] = {}
+    runs_done = 0
     with contextlib.ExitStack() as stack:
         pools: dict[str, RankPool | None] = {}
         for dev in cluster.devices:
@@ -60,8 +87,13 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 pools[dev.kind] = stack.enter_context(RankPool(2 if contention else 1)) \
                     if REUSE_RANKS else None
             pool = pools[dev.kind]
+            first = None if partial is None else _first_run(
+                graph, cluster, per_type, dev.type_key, partial, runs_done,
+                _runs_total(graph, cluster))
             dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
-                              report=report)
+                              report=report, first=first)
+            runs_done += ops.timing_runs(graph) + (2 * host.CONTENTION_ROUNDS if contention
+                                                   else 0)
             if not dc.contention and contention:
                 try:
                     dc.contention, dc.replica_spread, dc.optimizer_contention = \
@@ -78,6 +110,33 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         if message and graph.runtime is not None:
             message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
+
+
+def _runs_total(graph: OpGraph, cluster: Cluster) -> int:
+    """How many op timing and contention runs profiling ``graph`` on ``cluster`` makes, the
+    cache aside."""
+    total = 0
+    for type_key in dict.fromkeys(d.type_key for d in cluster.devices if d.present):
+        ranks = [d for d in cluster.devices if d.present and d.type_key == type_key]
+        total += ops.timing_runs(graph) + (
+            2 * host.CONTENTION_ROUNDS if _measures_contention(graph, cluster, ranks) else 0)
+    return total
+
+
+def _first_run(graph: OpGraph, cluster: Cluster, per_type: dict[str, DeviceCosts],
+               type_key: str, partial: Partial, runs_before: int, runs_total: int
+               ) -> ops.FirstRun:
+    """What the op timing of ``type_key`` calls with its first run's costs: ``partial``
+    told the whole cluster's preliminary numbers (rooflines for types not reached yet)."""
+    def first(dc: DeviceCosts) -> None:
+        now = dict(per_type)
+        now[type_key] = dc
+        for dev in cluster.devices:
+            if dev.type_key not in now:
+                now[dev.type_key] = roofline(graph, dev)
+        partial(Preliminary(CostModel(graph.fingerprint, cluster, now), runs_before + 1,
+                            max(runs_total, runs_before + 1)))
+    return first
 
 
 def _measures_contention(graph: OpGraph, cluster: Cluster, ranks: list[Device]) -> bool:

@@ -94,7 +94,7 @@ CL = Cluster.cpu(1, measure=False)
 DEV = CL.devices[0]
 
 
-def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None):
+def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None, first=None):
     n = len(graph_)
     return DeviceCosts(dev.type_key, [1e-3] * n, [2e-3] * n, ["measured"] * n, 1e-6,
                        {"adam": 1e-9}, {"adam": 1e-6}, [0.5], [[5e-4] * n], [[1e-3] * n],

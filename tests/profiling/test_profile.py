@@ -70,7 +70,7 @@ def fake(monkeypatch):
     """Replace the real measurement: every op 1 ms forward, 2 ms backward; calls are counted."""
     calls = []
 
-    def measure(graph, dev, repeats, warmup, progress, pool=None, report=None):
+    def measure(graph, dev, repeats, warmup, progress, pool=None, report=None, first=None):
         calls.append((dev.id, repeats))
         ops = [n.kind == "op" for n in graph.nodes]
         return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
@@ -379,6 +379,46 @@ class TestSharedRanks:
         # how far it is, in words, for a widget
         assert said == [f"profiling gpt on cpu:0: {k} of 6 runs" for k in range(7)] + [
             f"contention of gpt on cpu:0+cpu:1: {k} of 4 runs" for k in range(5)]
+
+    def test_preliminary_numbers_after_the_first_run_final_ones_unchanged(
+            self, gpt, runs, host2, cache, monkeypatch):
+        stand_in = ex.runtime.launch.run
+
+        def first_run_slower(graph, plan, **kwargs):  # the first op timing run: 2 ms, then 1
+            meas = stand_in(graph, plan, **kwargs)
+            if len(runs) % 10 == 1:
+                meas.task_s = {"fwd:1": 2e-3}
+            return meas
+
+        monkeypatch.setattr("explorer.runtime.launch.run", first_run_slower)
+        early = []
+        final = ex.profile(gpt, host2, partial=lambda pre: early.append((pre, len(runs))),
+                           **FAST)
+        [(pre, runs_then)] = early
+        assert runs_then == 1  # told after the first run, before the others
+        assert (pre.runs_done, pre.runs_total) == (1, 10)  # 6 op timing, 4 contention
+        assert pre.label == "preliminary: 1 of 10 runs"
+        dc = pre.costs.per_type[CPU_KEY]
+        assert dc.fwd_s[1] == 2e-3 and dc.source[gpt.index[gpt.loss]] == "measured"
+        assert dc.fractions == [] and dc.contention == []  # not measured yet
+        pre.costs.check(gpt)
+        # the final profile: every run, as without ``partial``; only it is cached
+        assert final.per_type[CPU_KEY].fwd_s[1] == pytest.approx(1.5e-3)
+        assert final.per_type[CPU_KEY].fractions == [0.5, 0.25]
+        runs.clear()
+        alone = ex.profile(gpt, host2, cache=False, **FAST).per_type[CPU_KEY]
+        timed_here = ("overhead_s", "optimizer_s_per_byte", "optimizer_s_per_tensor")
+        for f in dataclasses.fields(DeviceCosts):  # those timed in this process aside
+            if f.name not in timed_here:
+                assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
+        cached = ops.load(ops.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
+        assert cached == final.per_type[CPU_KEY]
+
+    def test_no_preliminary_numbers_from_the_cache(self, gpt, runs, host2, cache):
+        ex.profile(gpt, host2, **FAST)
+        early = []
+        ex.profile(gpt, host2, partial=early.append, **FAST)
+        assert early == []
 
     def test_each_run_on_its_own_processes_when_asked(self, gpt, runs, host2, monkeypatch):
         monkeypatch.setattr(profiler, "REUSE_RANKS", False)

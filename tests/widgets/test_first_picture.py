@@ -12,6 +12,7 @@ import explorer as ex
 from explorer.capture.fake import FAKE_NOTE
 from explorer.core.errors import ExplorerError
 from explorer.models.synthetic import roofline_costs
+from explorer.profiling import Preliminary
 from widgets import Session
 
 pytest.importorskip("jupyter_bokeh")
@@ -43,6 +44,29 @@ class BlockingProfiler:
         if self.error is not None:
             raise self.error
         return dataclasses.replace(roofline_costs(graph, cluster), compute_scale=MEASURED_SCALE)
+
+
+class StagedProfiler(BlockingProfiler):
+    """Stands in for ``ex.profile`` with preliminary numbers: after its first run it gives
+    rooflines scaled by ``PRELIMINARY_SCALE`` to ``partial`` (once ``go`` is set), then blocks
+    until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go, self.early = threading.Event(), threading.Event()
+
+    def __call__(self, graph, cluster, report=None, partial=None, **kw):
+        report("profiling mlp on cpu:0: 1 of 6 runs")
+        assert self.go.wait(60), "the test never let the first run end"
+        partial(Preliminary(dataclasses.replace(roofline_costs(graph, cluster),
+                                                compute_scale=PRELIMINARY_SCALE), 1, 8))
+        report("profiling mlp on cpu:0: 2 of 6 runs")
+        self.early.set()
+        return super().__call__(graph, cluster, **kw)
+
+
+#: what the preliminary numbers are scaled by
+PRELIMINARY_SCALE = 2.0
 
 
 @pytest.fixture
@@ -118,3 +142,61 @@ def test_absent_devices_need_no_profile_only_the_real_capture(profiler):
     assert FAKE_NOTE in s.graph.notes
     assert s.wait_measured(60) and s.graph.runtime is not None
     assert profiler.calls == 0 and "roofline estimates" in s.measure_status
+
+
+def test_preliminary_numbers_then_final_ones_and_no_edit_is_lost(monkeypatch):
+    staged = StagedProfiler()
+    monkeypatch.setattr(ex, "profile", staged)
+    try:
+        w = open_mlp()
+        s = w.session
+        ops = [op.name for op in s.graph.ops]
+        s.assign(ops[:1], "cpu:1")  # edits while the rooflines show
+        s.keep("one moved")
+        assert s.costs.compute_scale == 1.0 and "roofline estimates" in s.measure_status
+        staged.go.set()
+        assert staged.early.wait(60)
+        assert s.costs.compute_scale == PRELIMINARY_SCALE and s.graph.runtime is not None
+        assert s.preliminary == "preliminary: 1 of 8 runs"
+        header = w.status.header.value
+        assert "measured (preliminary: 1 of 8 runs); measuring in the background: " \
+               "profiling mlp on cpu:0: 2 of 6 runs" in s.measure_status
+        assert "measured (preliminary: 1 of 8 runs)" in header
+        assert "roofline" not in s.measure_status
+        assert s.plan.devices_of(ops[0]) == ("cpu:1",)  # the edit made before stays
+        assert shown_step_s(w) == pytest.approx(ex.simulate(s.graph, s.plan, s.costs).step_s)
+        kept = s.plans[-1]
+        assert kept.prediction.step_s == pytest.approx(
+            ex.simulate(s.graph, kept.plan, s.costs).step_s)  # the table re-estimated too
+        s.assign(ops[1:2], "cpu:1")  # and edits on the preliminary numbers
+        edited = s.plan
+        staged.release.set()
+        assert s.wait_measured(60)
+        assert s.costs.compute_scale == MEASURED_SCALE and s.preliminary == ""
+        assert s.plan is edited and "preliminary" not in w.status.header.value
+        assert "measured: the numbers are from the profile" in w.status.header.value
+        assert shown_step_s(w) == pytest.approx(ex.simulate(s.graph, edited, s.costs).step_s)
+        s.undo()  # the history made across both swaps is all there
+        assert s.plan.devices_of(ops[1]) != ("cpu:1",) and s.plan.devices_of(ops[0]) == (
+            "cpu:1",)
+        s.undo()
+        assert s.plan.devices_of(ops[0]) != ("cpu:1",)
+        s.redo()
+        s.redo()
+        assert s.plan.devices_of(ops[1]) == ("cpu:1",)
+    finally:
+        staged.go.set()
+        staged.release.set()
+
+
+def test_a_failure_after_preliminary_numbers_keeps_them(monkeypatch):
+    staged = StagedProfiler()
+    staged.error = RuntimeError("a contention run broke")
+    monkeypatch.setattr(ex, "profile", staged)
+    staged.go.set()
+    staged.release.set()
+    w = open_mlp()
+    with pytest.raises(ExplorerError, match=r"numbers are measured \(preliminary: 1 of 8"):
+        w.session.wait_measured(60)
+    assert w.session.costs.compute_scale == PRELIMINARY_SCALE
+    assert "measured (preliminary: 1 of 8 runs) (measuring failed" in w.status.header.value
