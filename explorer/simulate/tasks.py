@@ -36,7 +36,7 @@ from explorer.simulate.taskgraph import (
     Resource,
     TaskGraph,
 )
-from explorer.simulate.tensor import per_device, split_op_seconds
+from explorer.simulate.tensor import optimizer_extra_s, per_device, split_op_seconds
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default gradient bucket
 
@@ -328,6 +328,7 @@ class _Builder:
             before_opt = [t for p in params for t in sent_home.get(p, ())]
             d_opt = max(costs.optimizer_s(dv, plan.optimizer, stepped[s],
                                           trainable_count[s]) * self._opt_slowed(dv)
+                        + optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
                         for dv in types[s].values())
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)

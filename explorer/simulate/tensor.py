@@ -10,6 +10,12 @@ of one tensor group of the stage, as DTensor does it in the runtime: the op wait
 weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
 optimizer state, and the activations the layout keeps split (and their gradients). Stages
 with a tensor degree of 1 are untouched.
+
+Running on DTensors costs more than the plain ops the profile times: where the profile carries
+what DTensor adds (``DeviceCosts.dtensor``, measured by a host probe), a split op's forward and
+backward get its per-op cost, each collective its fixed cost, every other op of the stage the
+cost per weight it reads (the stage's weights are all DTensors), and the optimizer step the
+cost per parameter tensor.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ import numpy as np
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import TensorLayout, megatron_layout
-from explorer.costs.model import CostModel
-from explorer.simulate.arrays import GraphArrays
+from explorer.costs.model import DTENSOR_KEYS, CostModel
+from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
 from explorer.simulate.seconds import Seconds
 
 
@@ -47,12 +53,19 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
     moved = 0
     for s, layout in layouts(graph, plan).items():
         k = layout.degree
+        dt = dtensor_costs(costs, devices[s])
         ops = ops_by_stage[s]
-        split = ops[np.isin(ops, [index[n] for n in layout.split_ops])]
+        is_split = np.isin(ops, [index[n] for n in layout.split_ops])
+        split = ops[is_split]
         if len(split):
-            fwd_s[split] = sec.slowest("fwd_s", split, devices[s], frac[s] / k)
+            fwd_s[split] = sec.slowest("fwd_s", split, devices[s], frac[s] / k) + dt["op_fwd_s"]
             split = split[has_b[split]]
-            bwd_s[split] = sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+            bwd_s[split] = sec.slowest("bwd_s", split, devices[s], frac[s] / k) + dt["op_bwd_s"]
+        whole = ops[~is_split]
+        if len(whole) and (dt["weight_fwd_s"] or dt["weight_bwd_s"]):
+            reads = weights_read(A)[whole]
+            fwd_s[whole] += reads * dt["weight_fwd_s"]
+            bwd_s[whole] += np.where(has_b[whole], reads * dt["weight_bwd_s"], 0.0)
         group = tensor_group(plan, s)
         for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
             for name, nbytes in reduce.items():
@@ -60,14 +73,36 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
-                times[i] += costs.allreduce_s(group, size)
+                times[i] += costs.allreduce_s(group, size) + dt["collective_s"]
                 moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
         for name, nbytes in layout.gather_forward.items():
             if plan.stage_of(name) == s:  # a ring all-gather: half a ring all-reduce
                 size = int(nbytes * frac[s])
-                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2
+                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2 + dt["collective_s"]
                 moved += plan.replicas_of(s) * (k - 1) * size * M
     return moved
+
+
+def weights_read(A: GraphArrays) -> np.ndarray:
+    """Per node, how many weights (parameters and buffers) it reads."""
+    weight = np.isin(A.kcode[A.e_p], (KIND_PARAM, KIND_BUFFER))
+    return np.bincount(A.e_c[weight], minlength=A.n)
+
+
+def dtensor_costs(costs: CostModel, devices) -> dict[str, float]:
+    """What DTensor adds on the slowest of ``devices`` (per :data:`DTENSOR_KEYS`; 0 where the
+    profile did not measure it)."""
+    return {k: max(costs.device_costs(d).dtensor.get(k, 0.0) for d in devices)
+            for k in DTENSOR_KEYS}
+
+
+def optimizer_extra_s(costs: CostModel, plan: Plan, stage: int, device: str,
+                      tensors: int) -> float:
+    """What stepping ``tensors`` DTensor parameters adds to ``device``'s optimizer step on a
+    tensor-parallel ``stage`` (0 on other stages)."""
+    if plan.tensor_of(stage) <= 1:
+        return 0.0
+    return tensors * costs.device_costs(device).dtensor.get("optimizer_tensor_s", 0.0)
 
 
 def per_device(graph: OpGraph, plan: Plan, nbytes):

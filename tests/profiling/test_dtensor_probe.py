@@ -1,0 +1,38 @@
+"""The DTensor cost probe's fit: per kind of op, the median of measured less simulated."""
+
+from __future__ import annotations
+
+import pytest
+
+import explorer as ex
+from explorer.core.tensor_layout import megatron_layout
+from explorer.profiling.dtensor_probe import KEYS, fit, probe_graph
+from explorer.simulate.prediction import Interval
+
+
+def test_fit_takes_medians_per_kind_of_op():
+    g = probe_graph()
+    plan = ex.Plan.from_assignment(g, [("cpu:0", "cpu:1")],
+                                   {n.name: 0 for n in g.nodes if n.kind == "op"}
+                                   ).with_tensor(2)
+    lay = megatron_layout(g, 2)
+    assert len(lay.reduce_forward) == 3 and len(lay.reduce_backward) == 2
+    timeline, task_s = [], {}
+    for i, n in enumerate(g.nodes):
+        if n.kind != "op":
+            continue
+        weights = sum(g.nodes[g.index[p]].kind == "param" for p in n.inputs)
+        for kind, red, op_s in (("fwd", lay.reduce_forward, 0.1),
+                                ("bwd", lay.reduce_backward, 0.2)):
+            timeline.append(Interval("cpu:0", "compute", kind, 0.0, 1.0, n.name))
+            extra = (op_s + (5.0 if n.name in red else 0.0) if n.name in lay.split_ops
+                     else weights * (0.3 if kind == "fwd" else 0.4))
+            task_s[f"{kind}:{i}"] = 1.0 + extra
+    timeline.append(Interval("cpu:0", "compute", "optimizer", 0.0, 1.0, "adam step"))
+    params = sum(n.kind == "param" for n in g.nodes)
+    task_s["optimizer:-1"] = 1.0 + 0.5 * params
+    got = fit(g, plan, timeline, task_s)
+    assert set(got) == set(KEYS)
+    assert got == pytest.approx({"op_fwd_s": 0.1, "op_bwd_s": 0.2, "collective_s": 5.0,
+                                 "weight_fwd_s": 0.3, "weight_bwd_s": 0.4,
+                                 "optimizer_tensor_s": 0.5})
