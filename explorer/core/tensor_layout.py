@@ -17,7 +17,9 @@ Everything else is replicated. Placements are DTensor's, written as text (``"Sha
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
@@ -99,15 +101,17 @@ def _activation_in(graph: OpGraph, op: int) -> int | None:
     return None
 
 
-def _reach(edges: list[list[int]], start: int) -> set[int]:
-    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded)."""
+def _reach(edges: list[list[int]], start: int, lo: int, hi: int) -> set[int]:
+    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded) among the nodes
+    ``lo`` to ``hi``: the nodes are in topological order, so a walk between two nodes never
+    leaves their range, and bounding it keeps a layout of a deep graph linear in its size."""
     seen: set[int] = set()
-    todo = list(edges[start])
+    todo = [k for k in edges[start] if lo <= k <= hi]
     while todo:
         k = todo.pop()
         if k not in seen:
             seen.add(k)
-            todo.extend(edges[k])
+            todo.extend(j for j in edges[k] if lo <= j <= hi)
     return seen
 
 
@@ -116,11 +120,13 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
     only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
-    before = _reach(graph.preds, row)
+    if not cols:
+        return None
+    before = _reach(graph.preds, row, min(cols), row)
     reach = [c for c in cols if c in before]
     if not reach:
         return None
-    between = set().union(*(_reach(graph.succs, c) & before for c in reach))
+    between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
     if any(nodes[k].op not in POINTWISE for k in between):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
@@ -130,9 +136,31 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
 
 
 def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
-    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text)."""
+    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text).
+
+    Kept for the last few graphs, per degree (the simulator asks for it on every simulation
+    of a tensor-parallel plan), while their nodes are the same."""
     if degree <= 1:
         return TensorLayout(degree)
+    hit = _LAYOUTS.get((id(graph), degree))
+    if hit is not None and hit[0]() is graph and hit[1] == tuple(graph.nodes):
+        return hit[2]
+    layout = _layout(graph, degree)
+    try:
+        _LAYOUTS[(id(graph), degree)] = (weakref.ref(graph), tuple(graph.nodes), layout)
+    except TypeError:  # a graph that cannot be referred to weakly: not kept
+        return layout
+    while len(_LAYOUTS) > _KEPT:
+        del _LAYOUTS[next(iter(_LAYOUTS))]
+    return layout
+
+
+#: the layouts of the last graphs asked for: (graph id, degree) -> (graph, its nodes, layout)
+_LAYOUTS: dict[tuple[int, int], tuple[Any, tuple, TensorLayout]] = {}
+_KEPT = 8
+
+
+def _layout(graph: OpGraph, degree: int) -> TensorLayout:
     nodes = graph.nodes
     placements: dict[str, str] = {}
     split: set[str] = set()
