@@ -7,9 +7,14 @@ ones through element-wise ops only is row-parallel (weight split along the input
 ``Shard(1)``; bias whole) and those it reads are column-parallel (weight and bias split along
 the output features, ``Shard(0)``): an MLP's up projection, or a SwiGLU's gate and up, so the
 activations between them stay split and the block all-reduces its output once in the forward
-and its input's gradient once in the backward (Megatron-LM's MLP block). Linears with anything
-but element-wise ops between them (attention, whose split into heads and rotary embedding need
-whole features in DTensor's terms) stay replicated. An embedding of the batch's token ids is
+and its input's gradient once in the backward (Megatron-LM's MLP block). Attention with separate
+query, key and value projections (Llama's) splits by whole heads: the projections are
+column-parallel, the output projection row-parallel, and the ops between them (the views into
+heads, rotary embedding, grouped keys and values, the attention itself) run on each device's
+own heads as plain tensors (``local_ops``: the runtime divides their shape arguments' head or
+feature count by the degree), which needs every head count to divide by the degree. Linears
+with anything else between them (a fused query-key-value projection split into three, whose
+rows no ``Shard`` lays out by heads) stay replicated. An embedding of the batch's token ids is
 vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
 Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
 ``"Replicate()"``) so plans and simulators need no torch.
@@ -39,6 +44,15 @@ POINTWISE = frozenset(f"aten.{op}" for op in (
 #: would), so inside a split block their input is gathered first and they are not split
 RANDOM_OPS = frozenset(("aten.dropout.default", "aten.native_dropout.default",
                         "aten.bernoulli.default", "aten.bernoulli.p", "aten.rand_like.default"))
+#: ops of an attention core that run on a device's own heads unchanged but for the head or
+#: feature count in a view's or reshape's shape (the runtime divides it)
+HEAD_OPS = POINTWISE | frozenset(f"aten.{op}" for op in (
+    "view.default", "reshape.default", "_unsafe_view.default", "transpose.int",
+    "slice.Tensor", "cat.default", "repeat_interleave.self_int", "unsqueeze.default",
+    "scaled_dot_product_attention.default", "expand.default", "contiguous.default"))
+#: the shape ops of :data:`HEAD_OPS`, whose head count the runtime divides
+RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
+                         "aten._unsafe_view.default"))
 LINEAR_OPS = ("aten.linear.default",)
 EMBEDDING_OPS = ("aten.embedding.default",)
 
@@ -72,6 +86,8 @@ class TensorLayout:
     reduce_backward: dict[str, int] = field(default_factory=dict)
     #: random ops inside a split block: bytes of their input all-gathered before them
     gather_forward: dict[str, int] = field(default_factory=dict)
+    #: split ops of head-split attention, run on each device's own heads as plain tensors
+    local_ops: frozenset[str] = frozenset()
 
     def placement(self, param: str) -> str:
         return self.placements.get(param, REPLICATE)
@@ -116,9 +132,10 @@ def _reach(edges: list[list[int]], start: int, lo: int, hi: int) -> set[int]:
 
 
 def _block(graph: OpGraph, cols: list[int], row: int, degree: int
-           ) -> tuple[list[int], set[int]] | None:
+           ) -> tuple[list[int], set[int], bool] | None:
     """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
-    only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
+    only (or through an attention core split by whole heads: then True), and the ops between
+    them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
     if not cols:
         return None
@@ -127,12 +144,26 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     if not reach:
         return None
     between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
-    if any(nodes[k].op not in POINTWISE for k in between):
+    heads = any(nodes[k].op not in POINTWISE for k in between)
+    if heads and not _head_aligned(graph, between, degree):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
             _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
         return None
-    return reach, between
+    return reach, between, heads
+
+
+def _head_aligned(graph: OpGraph, between: set[int], degree: int) -> bool:
+    """Whether the ops between some projections and an output projection are an attention
+    core that splits by whole heads ``degree`` ways: head ops only, no random op, and every
+    view into heads (``(batch, seq, heads, head_dim)``) or back (``(batch, seq, features)``)
+    with a head or feature count ``degree`` divides."""
+    nodes = graph.nodes
+    if any(nodes[k].op not in HEAD_OPS or nodes[k].op in RANDOM_OPS for k in between):
+        return False
+    views = [nodes[k].shapes[0] for k in between if nodes[k].op in RESHAPE_OPS]
+    return any(len(v) == 4 for v in views) and all(
+        len(v) in (3, 4) and v[2 if len(v) == 4 else -1] % degree == 0 for v in views)
 
 
 def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
@@ -167,6 +198,7 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     gather: dict[str, int] = {}
+    local: set[str] = set()
     by_parent: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
@@ -186,7 +218,9 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 cols.append(lin)
                 continue
             cols = []
-            reach, between = block
+            reach, between, heads = block
+            if heads:
+                local.update(nodes[k].name for k in between)
             for col in reach:
                 w, b = _weight(graph, col)  # type: ignore[misc]
                 placements[nodes[w].name] = shard(0)
@@ -205,17 +239,22 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 if x is not None and x not in seen and nodes[x].requires_grad:
                     seen.add(x)
                     bwd[nodes[col].name] = nodes[x].out_bytes
-    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather)
+    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather,
+                        frozenset(local))
 
 
-def plan_placements(graph: OpGraph, plan: Plan) -> tuple[dict[str, str], list[str]]:
-    """The placement of every weight a tensor-parallel stage of ``plan`` splits, and the ops
-    those stages split (in graph order)."""
+def plan_placements(graph: OpGraph, plan: Plan
+                    ) -> tuple[dict[str, str], list[str], list[str]]:
+    """The placement of every weight a tensor-parallel stage of ``plan`` splits, the ops
+    those stages split, and those of them run on local shards (in graph order)."""
     out: dict[str, str] = {}
     ops: set[str] = set()
+    local: set[str] = set()
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) > 1:
             layout = megatron_layout(graph, plan.tensor_of(s))
             out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
             ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
-    return out, [n.name for n in graph.nodes if n.name in ops]
+            local.update(k for k in layout.local_ops if plan.stage_of(k) == s)
+    return (out, [n.name for n in graph.nodes if n.name in ops],
+            [n.name for n in graph.nodes if n.name in local])

@@ -1,8 +1,9 @@
 """Tensor parallelism in the simulator: what a stage's tensor split does to op times, weight
 bytes and communication, as the Megatron-style layout (:mod:`explorer.core.tensor_layout`) says.
 
-An op the layout splits runs at ``1 / tensor`` of its batch fraction's work, its per-op
-overhead unchanged (the cost tables' ``overhead + (t - overhead) x fraction``). Each all-reduce
+An op the layout splits (a head-split attention's core included) runs at ``1 / tensor`` of
+its batch fraction's work, its per-op overhead unchanged (the cost tables' ``overhead +
+(t - overhead) x fraction``). Each all-reduce
 the layout implies (a row-parallel block's output in the forward, a column-parallel block's
 input gradient in the backward, a vocabulary-parallel embedding's output; an all-gather before
 a random op in a split block, which runs whole) runs inside the op that needs it, on the links
@@ -13,9 +14,10 @@ with a tensor degree of 1 are untouched.
 
 Running on DTensors costs more than the plain ops the profile times: where the profile carries
 what DTensor adds (``DeviceCosts.dtensor``, measured by a host probe), a split op's forward and
-backward get its per-op cost, each collective its fixed cost, every other op of the stage the
-cost per weight it reads (the stage's weights are all DTensors), and the optimizer step the
-cost per parameter tensor.
+backward get its per-op cost (but the ops of a head-split attention's core, which run on
+plain shards), each collective its fixed cost, every other op of the stage the cost per
+weight it reads (the stage's weights are all DTensors), and the optimizer step the cost per
+parameter tensor.
 """
 
 from __future__ import annotations
@@ -58,9 +60,13 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
         is_split = np.isin(ops, [index[n] for n in layout.split_ops])
         split = ops[is_split]
         if len(split):
-            fwd_s[split] = sec.slowest("fwd_s", split, devices[s], frac[s] / k) + dt["op_fwd_s"]
-            split = split[has_b[split]]
-            bwd_s[split] = sec.slowest("bwd_s", split, devices[s], frac[s] / k) + dt["op_bwd_s"]
+            # (a head-split attention's core runs on plain shards: no DTensor dispatch)
+            on_dt = ~np.isin(split, [index[n] for n in layout.local_ops])
+            fwd_s[split] = (sec.slowest("fwd_s", split, devices[s], frac[s] / k)
+                            + on_dt * dt["op_fwd_s"])
+            on_dt, split = on_dt[has_b[split]], split[has_b[split]]
+            bwd_s[split] = (sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+                            + on_dt * dt["op_bwd_s"])
         whole = ops[~is_split]
         if len(whole) and (dt["weight_fwd_s"] or dt["weight_bwd_s"]):
             reads = weights_read(A)[whole]
