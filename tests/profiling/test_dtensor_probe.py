@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import explorer as ex
 from explorer.core.tensor_layout import megatron_layout
+from explorer.profiling import dtensor_probe
 from explorer.profiling.dtensor_probe import KEYS, fit, probe_graph
 from explorer.simulate.prediction import Interval
 
@@ -36,3 +39,27 @@ def test_fit_takes_medians_per_kind_of_op():
     assert got == pytest.approx({"op_fwd_s": 0.1, "op_bwd_s": 0.2, "collective_s": 5.0,
                                  "weight_fwd_s": 0.3, "weight_bwd_s": 0.4,
                                  "optimizer_tensor_s": 0.5})
+
+
+def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    value = dict.fromkeys(KEYS, 1e-4)
+    monkeypatch.setattr(dtensor_probe, "measure_dtensor_costs",
+                        lambda pool=None: calls.append(1) or value)
+    nominal = ex.Cluster.cpu(2, measure=False)  # as if this host's link were measured
+    two = dataclasses.replace(nominal, default_link=dataclasses.replace(
+        nominal.default_link, source="measured (stand-in)"))
+    assert dtensor_probe.dtensor_costs(two) == value
+    assert dtensor_probe.dtensor_costs(two) == value and len(calls) == 1  # from the cache
+    assert dtensor_probe.dtensor_costs(two, cache=False) == value and len(calls) == 2
+    # no host measurements for one rank or nominal ranks
+    assert dtensor_probe.dtensor_costs(ex.Cluster.cpu(1, measure=False)) == {}
+    assert dtensor_probe.dtensor_costs(nominal) == {}
+
+    def broken(pool=None):
+        raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(dtensor_probe, "measure_dtensor_costs", broken)
+    assert dtensor_probe.dtensor_costs(two, cache=False) == {}
