@@ -56,7 +56,7 @@ class TensorMesh:
         self.mesh = DeviceMesh(device_type, ranks)
         self.placements = placements
         #: ops without a sharding rule, run on whole values (see :meth:`call`)
-        self.local_ops: set[Any] = set()
+        self.no_rule_ops: set[Any] = set()
 
     @classmethod
     def of_rank(cls, plan: Plan, stage: int, rank: int, device_type: str,
@@ -100,11 +100,11 @@ class TensorMesh:
         (``NotImplementedError``) runs whole too. Differentiable either way."""
         if local:
             return self.on_heads(fn, args, kwargs)
-        if split and fn not in self.local_ops:
+        if split and fn not in self.no_rule_ops:
             try:
                 return fn(*self.enter(args), **self.enter(kwargs))
             except NotImplementedError:
-                self.local_ops.add(fn)
+                self.no_rule_ops.add(fn)
         args, kwargs = tree_map(lambda t: self.whole(t).to_local() if isinstance(t, DTensor)
                                 else t, (args, kwargs))
         out = fn(*args, **kwargs)
@@ -124,7 +124,7 @@ class TensorMesh:
         out = fn(*args, **kwargs)
         return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Shard(t.ndim - 1)],
                                                      run_check=False)
-                        if isinstance(t, torch.Tensor) else t, out)
+                        if isinstance(t, torch.Tensor) and t.ndim else t, out)
 
     def local_shape(self, x: torch.Tensor, shape: list[int]) -> list[int]:
         """``shape`` (of the whole tensor) for this rank's heads of it (see :meth:`on_heads`)."""
