@@ -28,9 +28,10 @@ ROOFLINE_EFFICIENCY = 0.6
 NOMINAL_OVERHEAD_S = {"cuda": 8e-6, "cpu": 4e-6}
 #: what running a tensor-parallel stage on DTensors adds to the plain ops the profile times
 #: (``DeviceCosts.dtensor``, seconds): per split op's forward and backward, per collective
-#: a split op waits for (beyond the link's time), per weight a whole op reads in its forward
-#: and backward, per parameter tensor the optimizer steps
-DTENSOR_KEYS = ("op_fwd_s", "op_bwd_s", "collective_s", "weight_fwd_s", "weight_bwd_s",
+#: a split op waits for (beyond the link's time), per DTensor an unsplit op reads (a weight of
+#: the stage, or a split op's output) in its forward and backward, per parameter tensor the
+#: optimizer steps
+DTENSOR_KEYS = ("op_fwd_s", "op_bwd_s", "collective_s", "read_fwd_s", "read_bwd_s",
                 "optimizer_tensor_s")
 
 

@@ -109,15 +109,16 @@ def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[
     extra: dict[str, list[float]] = {k: [] for k in ("fwd", "bwd", "fwd R", "bwd R", "wfwd",
                                                     "wbwd")}
     for i, n in enumerate(graph.nodes):
-        weights = sum(graph.nodes[graph.index[p]].kind in ("param", "buffer") for p in n.inputs)
+        reads = sum(graph.nodes[graph.index[p]].kind in ("param", "buffer")
+                    or p in lay.split_ops for p in n.inputs)  # DTensors an unsplit op reads
         for kind, reduced in (("fwd", lay.reduce_forward), ("bwd", lay.reduce_backward)):
             if n.kind != "op" or f"{kind}:{i}" not in task_s:
                 continue
             e = task_s[f"{kind}:{i}"] - sim.get((kind, n.name), 0.0)
             if n.name in lay.split_ops:
                 extra[kind + (" R" if n.name in reduced else "")].append(e)
-            elif weights:
-                extra["w" + kind].append(e / weights)
+            elif reads:
+                extra["w" + kind].append(e / reads)
 
     def med(xs: list[float], less: float = 0.0) -> float:
         return max(0.0, statistics.median(xs) - less) if xs else 0.0
@@ -128,5 +129,5 @@ def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[
     return {"op_fwd_s": op_fwd, "op_bwd_s": op_bwd,
             "collective_s": med([e - op_fwd for e in extra["fwd R"]]
                                 + [e - op_bwd for e in extra["bwd R"]]),
-            "weight_fwd_s": med(extra["wfwd"]), "weight_bwd_s": med(extra["wbwd"]),
+            "read_fwd_s": med(extra["wfwd"]), "read_bwd_s": med(extra["wbwd"]),
             "optimizer_tensor_s": max(0.0, opt / tensors)}

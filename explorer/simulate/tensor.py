@@ -16,7 +16,7 @@ Running on DTensors costs more than the plain ops the profile times: where the p
 what DTensor adds (``DeviceCosts.dtensor``, measured by a host probe), a split op's forward and
 backward get its per-op cost (but the ops of a head-split attention's core, which run on
 plain shards), each collective its fixed cost, every other op of the stage the cost per
-weight it reads (the stage's weights are all DTensors), and the optimizer step the cost per
+DTensor it reads (the stage's weights, split ops' outputs), and the optimizer step the cost per
 parameter tensor.
 """
 
@@ -68,10 +68,10 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
             bwd_s[split] = (sec.slowest("bwd_s", split, devices[s], frac[s] / k)
                             + on_dt * dt["op_bwd_s"])
         whole = ops[~is_split]
-        if len(whole) and (dt["weight_fwd_s"] or dt["weight_bwd_s"]):
-            reads = weights_read(A)[whole]
-            fwd_s[whole] += reads * dt["weight_fwd_s"]
-            bwd_s[whole] += np.where(has_b[whole], reads * dt["weight_bwd_s"], 0.0)
+        if len(whole) and (dt["read_fwd_s"] or dt["read_bwd_s"]):
+            reads = dtensors_read(A, ops[is_split])[whole]
+            fwd_s[whole] += reads * dt["read_fwd_s"]
+            bwd_s[whole] += np.where(has_b[whole], reads * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
         for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
             for name, nbytes in reduce.items():
@@ -89,10 +89,13 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
     return moved
 
 
-def weights_read(A: GraphArrays) -> np.ndarray:
-    """Per node, how many weights (parameters and buffers) it reads."""
-    weight = np.isin(A.kcode[A.e_p], (KIND_PARAM, KIND_BUFFER))
-    return np.bincount(A.e_c[weight], minlength=A.n)
+def dtensors_read(A: GraphArrays, split: np.ndarray) -> np.ndarray:
+    """Per node, how many DTensors it reads on a tensor-parallel stage whose split ops are
+    ``split``: weights (parameters and buffers: all are DTensors there) and split ops'
+    outputs."""
+    is_dt = np.isin(A.kcode, (KIND_PARAM, KIND_BUFFER))
+    is_dt[split] = True
+    return np.bincount(A.e_c[is_dt[A.e_p]], minlength=A.n)
 
 
 def dtensor_costs(costs: CostModel, devices) -> dict[str, float]:

@@ -24,12 +24,13 @@ def test_fit_takes_medians_per_kind_of_op():
     for i, n in enumerate(g.nodes):
         if n.kind != "op":
             continue
-        weights = sum(g.nodes[g.index[p]].kind == "param" for p in n.inputs)
+        reads = sum(g.nodes[g.index[p]].kind == "param" or p in lay.split_ops
+                    for p in n.inputs)
         for kind, red, op_s in (("fwd", lay.reduce_forward, 0.1),
                                 ("bwd", lay.reduce_backward, 0.2)):
             timeline.append(Interval("cpu:0", "compute", kind, 0.0, 1.0, n.name))
             extra = (op_s + (5.0 if n.name in red else 0.0) if n.name in lay.split_ops
-                     else weights * (0.3 if kind == "fwd" else 0.4))
+                     else reads * (0.3 if kind == "fwd" else 0.4))
             task_s[f"{kind}:{i}"] = 1.0 + extra
     timeline.append(Interval("cpu:0", "compute", "optimizer", 0.0, 1.0, "adam step"))
     params = sum(n.kind == "param" for n in g.nodes)
@@ -37,7 +38,7 @@ def test_fit_takes_medians_per_kind_of_op():
     got = fit(g, plan, timeline, task_s)
     assert set(got) == set(KEYS)
     assert got == pytest.approx({"op_fwd_s": 0.1, "op_bwd_s": 0.2, "collective_s": 5.0,
-                                 "weight_fwd_s": 0.3, "weight_bwd_s": 0.4,
+                                 "read_fwd_s": 0.3, "read_bwd_s": 0.4,
                                  "optimizer_tensor_s": 0.5})
 
 

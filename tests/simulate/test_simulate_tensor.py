@@ -210,8 +210,9 @@ def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
 
 
 def test_dtensor_costs_from_the_profile_by_hand(block):
-    """What DTensor adds (``DeviceCosts.dtensor``): per split op, per collective, per weight a
-    whole op of the stage reads, per parameter tensor the optimizer steps."""
+    """What DTensor adds (``DeviceCosts.dtensor``): per split op, per collective, per DTensor
+    an unsplit op of the stage reads (norm: fc2's output and its weight), per parameter tensor
+    the optimizer steps."""
     g = OpGraph("normed", [*(n for n in block.nodes if n.name != "loss"),
                            _param("norm.weight", (4,), 16),
                            _op("norm", "aten.mul.Tensor", "norm", ("fc2", "norm.weight"), 1000),
@@ -221,16 +222,16 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
     cm = costs(g, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2)
     a, b, c, w_f, w_b, opt = 0.01, 0.02, 0.3, 0.04, 0.05, 0.06
     for dc in cm.per_type.values():
-        dc.dtensor = {"op_fwd_s": a, "op_bwd_s": b, "collective_s": c, "weight_fwd_s": w_f,
-                      "weight_bwd_s": w_b, "optimizer_tensor_s": opt}
+        dc.dtensor = {"op_fwd_s": a, "op_bwd_s": b, "collective_s": c, "read_fwd_s": w_f,
+                      "read_bwd_s": w_b, "optimizer_tensor_s": opt}
     ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
     plan = ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2)
     pred = ex.simulate(g, plan, cm)
     half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
     allreduce_s = 2 * LAT_S + 1000 / BW
-    f = (1.0 + half(2.0) + half(1.0) + half(2.0) + 3 * a + allreduce_s + c + 0.5 + w_f
+    f = (1.0 + half(2.0) + half(1.0) + half(2.0) + 3 * a + allreduce_s + c + 0.5 + 2 * w_f
          + 0.5)
-    bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 3 * b + allreduce_s + c + 1.0 + w_b
+    bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 3 * b + allreduce_s + c + 1.0 + 2 * w_b
           + 0.5)
     assert pred.step_s == pytest.approx(f + bk + 4 * opt, rel=1e-12)
     # one device: none of it
