@@ -2,7 +2,7 @@
 
 Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...] [--steps 5]
        [--passes 4] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
-       [--strategies]
+       [--strategies | --tensor]
 For every model it profiles afresh (through the runtime, one thread per rank), then makes the
 baseline plans and one plan per registered partitioner. Partitioners that arrive at a plan
 already made (the same placement, stages, micro-batches and schedule) share its row, so every
@@ -31,6 +31,11 @@ references beside it:
 ``--strategies`` runs the memory-strategy plans instead (:data:`STRATEGIES`: ZeRO 1-3 on the
 data-parallel plan, selective and full recomputation on the even-layers pipeline and on one
 device, bf16 on the pipeline), recorded apart (``accuracy-strategies*.json``).
+
+``--tensor`` runs the tensor-parallel plans instead (:data:`TENSOR`: the whole model as one
+stage split two ways, with 1, 2 and 4 micro-batches), recorded apart (``accuracy-tensor*.json``).
+
+Both say whether the plans meet the accuracy targets (:data:`TARGETS`).
 
 Run it on a quiet machine: the ranks share its cores.
 
@@ -71,6 +76,20 @@ STRATEGIES = [
     ("even-layers", {}, {"precision": "bf16"}),
 ]
 
+#: the tensor-parallel plans (``--tensor``): the whole model on one stage of ``--devices``
+#: devices split that many ways, as (micro-batches, schedule)
+TENSOR = [(1, "gpipe"), (2, "gpipe"), (4, "1f1b")]
+#: the accuracy targets: step-time error mean and max over the plans, worst memory error
+TARGETS = {"step-time error mean": 0.10, "step-time error max": 0.20, "memory error": 0.05}
+
+
+def tensor_plan(graph, cluster: ex.Cluster, micro_batches: int, schedule: str) -> ex.Plan:
+    """The whole model as one stage over every device of ``cluster``, split that many ways."""
+    ops = {n.name: 0 for n in graph.nodes if n.kind == "op"}
+    return ex.Plan.from_assignment(graph, [tuple(cluster.ids)], ops, algorithm="tensor",
+                                   micro_batches=micro_batches, schedule=schedule
+                                   ).with_tensor(len(cluster.ids))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -91,11 +110,15 @@ def main() -> None:
     ap.add_argument("--strategies", action="store_true",
                     help="run only the memory-strategy plans (ZeRO 1-3, recomputation, bf16; "
                          "recorded as accuracy-strategies*.json)")
+    ap.add_argument("--tensor", action="store_true",
+                    help="run only the tensor-parallel plans (recorded as "
+                         "accuracy-tensor*.json)")
     add_results_option(ap)
     args = ap.parse_args()
     baselines = {a for a, _ in PLANS}
-    record = "accuracy-strategies" if args.strategies else "accuracy"
-    if args.strategies:
+    record = ("accuracy-strategies" if args.strategies else
+              "accuracy-tensor" if args.tensor else "accuracy")
+    if args.strategies or args.tensor:
         extra = []
     elif args.partitioners == "all":
         extra = [a for a in ex.algorithms() if a not in baselines]
@@ -105,6 +128,8 @@ def main() -> None:
         extra = [a for a in args.partitioners.split(",") if a]
     plans = ([(a, o, {}) for a, o in PLANS] + [(a, {}, {}) for a in extra]
              if not args.strategies else STRATEGIES)
+    if args.tensor:
+        plans = [("tensor", {"micro_batches": m, "schedule": sch}, {}) for m, sch in TENSOR]
     cluster = ex.Cluster.cpu(args.devices)
     # (model, label, graph, costs, plan, pred, meas, per-pass measurements, same plan from,
     #  prediction from the second profile)
@@ -121,7 +146,8 @@ def main() -> None:
         for alg, opts, memory in plans:
             label = alg + "".join(f" {k}={v}" for k, v in {**opts, **memory}.items())
             try:
-                plan = ex.partition(graph, cluster, costs, alg, **opts)
+                plan = (tensor_plan(graph, cluster, **opts) if alg == "tensor" else
+                        ex.partition(graph, cluster, costs, alg, **opts))
                 plan = plan.with_memory(**memory) if memory else plan
             except ex.ExplorerError as exc:
                 skipped.append((name, label, f"skipped: {exc}"[:60]))
@@ -164,7 +190,7 @@ def main() -> None:
 
     # (predicted, measured) per plan for each summary; errors are (p - m) / m as in ex.compare
     rows, mem_err, pairs, flat_pairs, cal_pairs, self_pairs = [], [], [], [], [], []
-    again_pairs, profile_pairs, on_time_pairs = [], [], []
+    again_pairs, profile_pairs, on_time_pairs, plain_pairs = [], [], [], []
     for r in runs:
         name, label, graph, costs, plan, pred, meas, got, same, pred2 = r
         per_pass = [m.step_s for m in got]
@@ -183,6 +209,10 @@ def main() -> None:
             costs, cluster=costs.cluster.without_late_receive()))
         e_on_time = on_time.step_s / meas.step_s - 1
         on_time_pairs.append((on_time.step_s, meas.step_s))
+        if plan.uses_tensor_parallel:  # ... and without what DTensor adds to the ops
+            plain = ex.simulate(graph, plan, dataclasses.replace(costs, per_type={
+                k: dataclasses.replace(v, dtensor={}) for k, v in costs.per_type.items()}))
+            plain_pairs.append((plain.step_s, meas.step_s))
         e_step = rep.step_error
         e_mem = max(rep.memory_errors.values(), key=abs)
         mem_err.append(abs(e_mem))
@@ -231,8 +261,19 @@ def main() -> None:
                   f" {load_start} at the start, {load_average()} at the end")
         print("\n" + totals)
         summary("as profiled", pairs)
+        errs = [abs(p / m - 1) for p, m in pairs]
+        got = {"step-time error mean": statistics.mean(errs), "step-time error max": max(errs),
+               "memory error": max(mem_err)}
+        met = all(got[k] <= v for k, v in TARGETS.items())
+        targets = ("targets (" + ", ".join(f"{k} <= {v * 100:.0f}%: {got[k] * 100:.1f}%"
+                                           for k, v in TARGETS.items())
+                   + ("): met" if met else "): NOT met"))
+        print(targets)
+        totals += "; " + targets
         summary("as profiled, without contention", flat_pairs)
         summary("as profiled, without late receives", on_time_pairs)
+        if plain_pairs:
+            summary("as profiled, without the DTensor costs", plain_pairs)
         summary("from a second profile after the runs", again_pairs)
         summary("profile against itself (second profile's prediction vs first's)",
                 profile_pairs)

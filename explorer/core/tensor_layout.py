@@ -7,9 +7,14 @@ ones through element-wise ops only is row-parallel (weight split along the input
 ``Shard(1)``; bias whole) and those it reads are column-parallel (weight and bias split along
 the output features, ``Shard(0)``): an MLP's up projection, or a SwiGLU's gate and up, so the
 activations between them stay split and the block all-reduces its output once in the forward
-and its input's gradient once in the backward (Megatron-LM's MLP block). Linears with anything
-but element-wise ops between them (attention, whose split into heads and rotary embedding need
-whole features in DTensor's terms) stay replicated. An embedding of the batch's token ids is
+and its input's gradient once in the backward (Megatron-LM's MLP block). Attention with separate
+query, key and value projections (Llama's) splits by whole heads: the projections are
+column-parallel, the output projection row-parallel, and the ops between them (the views into
+heads, rotary embedding, grouped keys and values, the attention itself) run on each device's
+own heads as plain tensors (``local_ops``: the runtime divides their shape arguments' head or
+feature count by the degree), which needs every head count to divide by the degree. Linears
+with anything else between them (a fused query-key-value projection split into three, whose
+rows no ``Shard`` lays out by heads) stay replicated. An embedding of the batch's token ids is
 vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
 Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
 ``"Replicate()"``) so plans and simulators need no torch.
@@ -17,7 +22,9 @@ Everything else is replicated. Placements are DTensor's, written as text (``"Sha
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
@@ -37,6 +44,15 @@ POINTWISE = frozenset(f"aten.{op}" for op in (
 #: would), so inside a split block their input is gathered first and they are not split
 RANDOM_OPS = frozenset(("aten.dropout.default", "aten.native_dropout.default",
                         "aten.bernoulli.default", "aten.bernoulli.p", "aten.rand_like.default"))
+#: ops of an attention core that run on a device's own heads unchanged but for the head or
+#: feature count in a view's or reshape's shape (the runtime divides it)
+HEAD_OPS = POINTWISE | frozenset(f"aten.{op}" for op in (
+    "view.default", "reshape.default", "_unsafe_view.default", "transpose.int",
+    "slice.Tensor", "cat.default", "repeat_interleave.self_int", "unsqueeze.default",
+    "scaled_dot_product_attention.default", "expand.default", "contiguous.default"))
+#: the shape ops of :data:`HEAD_OPS`, whose head count the runtime divides
+RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
+                         "aten._unsafe_view.default"))
 LINEAR_OPS = ("aten.linear.default",)
 EMBEDDING_OPS = ("aten.embedding.default",)
 
@@ -70,6 +86,8 @@ class TensorLayout:
     reduce_backward: dict[str, int] = field(default_factory=dict)
     #: random ops inside a split block: bytes of their input all-gathered before them
     gather_forward: dict[str, int] = field(default_factory=dict)
+    #: split ops of head-split attention, run on each device's own heads as plain tensors
+    local_ops: frozenset[str] = frozenset()
 
     def placement(self, param: str) -> str:
         return self.placements.get(param, REPLICATE)
@@ -99,51 +117,88 @@ def _activation_in(graph: OpGraph, op: int) -> int | None:
     return None
 
 
-def _reach(edges: list[list[int]], start: int, lo: int = 0, hi: int | None = None) -> set[int]:
-    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded) through nodes whose
-    index is in ``lo..hi``: in a graph in topological order, every path between two nodes
-    stays between their indices, so the bounds spare walking the whole graph."""
-    hi = len(edges) if hi is None else hi
+def _reach(edges: list[list[int]], start: int, lo: int, hi: int) -> set[int]:
+    """Nodes reachable from ``start`` along ``edges`` (``start`` excluded) among the nodes
+    ``lo`` to ``hi``: the nodes are in topological order, so a walk between two nodes never
+    leaves their range, and bounding it keeps a layout of a deep graph linear in its size."""
     seen: set[int] = set()
-    todo = list(edges[start])
+    todo = [k for k in edges[start] if lo <= k <= hi]
     while todo:
         k = todo.pop()
         if k not in seen and lo <= k <= hi:
             seen.add(k)
-            todo.extend(edges[k])
+            todo.extend(j for j in edges[k] if lo <= j <= hi)
     return seen
 
 
 def _block(graph: OpGraph, cols: list[int], row: int, degree: int
-           ) -> tuple[list[int], set[int]] | None:
+           ) -> tuple[list[int], set[int], bool] | None:
     """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
-    only, and the ops between them, when ``row`` can be their row-parallel end; else None."""
+    only (or through an attention core split by whole heads: then True), and the ops between
+    them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
     if not cols:
         return None
-    before = _reach(graph.preds, row, lo=min(cols))
+    before = _reach(graph.preds, row, min(cols), row)
     reach = [c for c in cols if c in before]
     if not reach:
         return None
-    between = set().union(*(_reach(graph.succs, c, hi=row) & before for c in reach))
-    if any(nodes[k].op not in POINTWISE for k in between):
+    between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
+    heads = any(nodes[k].op not in POINTWISE for k in between)
+    if heads and not _head_aligned(graph, between, degree):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
             _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
         return None
-    return reach, between
+    return reach, between, heads
+
+
+def _head_aligned(graph: OpGraph, between: set[int], degree: int) -> bool:
+    """Whether the ops between some projections and an output projection are an attention
+    core that splits by whole heads ``degree`` ways: head ops only, no random op, and every
+    view into heads (``(batch, seq, heads, head_dim)``) or back (``(batch, seq, features)``)
+    with a head or feature count ``degree`` divides."""
+    nodes = graph.nodes
+    if any(nodes[k].op not in HEAD_OPS or nodes[k].op in RANDOM_OPS for k in between):
+        return False
+    views = [nodes[k].shapes[0] for k in between if nodes[k].op in RESHAPE_OPS]
+    return any(len(v) == 4 for v in views) and all(
+        len(v) in (3, 4) and v[2 if len(v) == 4 else -1] % degree == 0 for v in views)
 
 
 def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
-    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text)."""
+    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text).
+
+    Kept for the last few graphs, per degree (the simulator asks for it on every simulation
+    of a tensor-parallel plan), while their nodes are the same."""
     if degree <= 1:
         return TensorLayout(degree)
+    hit = _LAYOUTS.get((id(graph), degree))
+    if hit is not None and hit[0]() is graph and hit[1] == tuple(graph.nodes):
+        return hit[2]
+    layout = _layout(graph, degree)
+    try:
+        _LAYOUTS[(id(graph), degree)] = (weakref.ref(graph), tuple(graph.nodes), layout)
+    except TypeError:  # a graph that cannot be referred to weakly: not kept
+        return layout
+    while len(_LAYOUTS) > _KEPT:
+        del _LAYOUTS[next(iter(_LAYOUTS))]
+    return layout
+
+
+#: the layouts of the last graphs asked for: (graph id, degree) -> (graph, its nodes, layout)
+_LAYOUTS: dict[tuple[int, int], tuple[Any, tuple, TensorLayout]] = {}
+_KEPT = 8
+
+
+def _layout(graph: OpGraph, degree: int) -> TensorLayout:
     nodes = graph.nodes
     placements: dict[str, str] = {}
     split: set[str] = set()
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     gather: dict[str, int] = {}
+    local: set[str] = set()
     by_parent: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
@@ -163,7 +218,9 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
                 cols.append(lin)
                 continue
             cols = []
-            reach, between = block
+            reach, between, heads = block
+            if heads:
+                local.update(nodes[k].name for k in between)
             for col in reach:
                 w, b = _weight(graph, col)  # type: ignore[misc]
                 placements[nodes[w].name] = shard(0)
@@ -182,17 +239,22 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
                 if x is not None and x not in seen and nodes[x].requires_grad:
                     seen.add(x)
                     bwd[nodes[col].name] = nodes[x].out_bytes
-    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather)
+    return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather,
+                        frozenset(local))
 
 
-def plan_placements(graph: OpGraph, plan: Plan) -> tuple[dict[str, str], list[str]]:
-    """The placement of every weight a tensor-parallel stage of ``plan`` splits, and the ops
-    those stages split (in graph order)."""
+def plan_placements(graph: OpGraph, plan: Plan
+                    ) -> tuple[dict[str, str], list[str], list[str]]:
+    """The placement of every weight a tensor-parallel stage of ``plan`` splits, the ops
+    those stages split, and those of them run on local shards (in graph order)."""
     out: dict[str, str] = {}
     ops: set[str] = set()
+    local: set[str] = set()
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) > 1:
             layout = megatron_layout(graph, plan.tensor_of(s))
             out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
             ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
-    return out, [n.name for n in graph.nodes if n.name in ops]
+            local.update(k for k in layout.local_ops if plan.stage_of(k) == s)
+    return (out, [n.name for n in graph.nodes if n.name in ops],
+            [n.name for n in graph.nodes if n.name in local])

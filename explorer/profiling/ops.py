@@ -172,7 +172,7 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
               ("source", isinstance(d["source"], list) and len(d["source"]) == n
                and all(isinstance(x, str) for x in d["source"])),
               ("overhead_s", finite_number(d["overhead_s"]))]
-    for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor"):
+    for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor", "dtensor"):
         v = d.get(k, {})
         checks.append((k, isinstance(v, dict) and all(isinstance(o, str) and finite_number(x)
                                                       for o, x in v.items())))
@@ -206,6 +206,7 @@ _WHAT = {"source": "a list of texts, one per node",
          "workspace_bytes": "a whole number of bytes >= 0",
          "optimizer_s_per_byte": "a table of finite numbers >= 0",
          "optimizer_s_per_tensor": "a table of finite numbers >= 0",
+         "dtensor": "a table of finite numbers >= 0",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
          "fwd_at": "one list of times per node for each fraction",
          "bwd_at": "one list of times per node for each fraction"}

@@ -21,7 +21,7 @@ from explorer.core.graph import OpGraph
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
-from explorer.profiling import host, ops
+from explorer.profiling import dtensor_probe, host, ops
 from explorer.profiling.ops import REPEATS
 from explorer.runtime.pool import RankPool
 
@@ -61,13 +61,16 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     device type in ``~/.cache/partition-explorer/profiles``; ``cache=False`` measures afresh.
     With two or more measured CPU ranks (and ``message``), the processor time each tensor
     sent between ranks costs is measured once per host (:func:`host.cpu_message_s`) and set
-    as ``message_s``; and how much each op slows while another rank of the host runs it too,
-    as replicas do (:func:`host.measure_contention`, stored with the profile). Both are host
-    measurements: not taken for ``Cluster.cpu(n, measure=False)``. ``report`` (where given)
-    is told how far the measuring is, in words, before and after each run (a widget shows it).
-    ``partial`` (where given) gets usable numbers early: a :class:`Preliminary` as soon as
-    the first whole-batch op timing run of a device type that is measured is done. It changes
-    nothing of what is measured or returned, and only the final profile is cached.
+    as ``message_s``; what DTensor adds to tensor-parallel stages' ops
+    (:func:`dtensor_probe.dtensor_costs`, ``cache=False`` measures it afresh too, as the
+    host's load at the time moves it); and how much each op slows while another rank of the
+    host runs it too, as replicas do (:func:`host.measure_contention`, stored with the
+    profile). All are host measurements: not taken for ``Cluster.cpu(n, measure=False)``.
+    ``report`` (where given) is told how far the measuring is, in words, before and after
+    each run (a widget shows it). ``partial`` (where given) gets usable numbers early: a
+    :class:`Preliminary` as soon as the first whole-batch op timing run of a device type that
+    is measured is done. It changes nothing of what is measured or returned, and only the
+    final profile is cached.
     """
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
@@ -109,6 +112,10 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         message_s = 0.0
         if message and graph.runtime is not None:
             message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
+            dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report)
+            for dev in cluster.devices:
+                if dtensor and dev.kind == "cpu" and dev.present:
+                    per_type[dev.type_key].dtensor = dtensor
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 

@@ -179,6 +179,8 @@ class Job:
     placements: dict[str, str] = field(default_factory=dict)
     #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
     split_ops: list[str] = field(default_factory=list)
+    #: of those, the ops of head-split attention, run on each rank's own heads (plain shards)
+    local_ops: list[str] = field(default_factory=list)
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
@@ -186,10 +188,10 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
               seed: int = 0, units: list[str] | None = None,
               model: Mapping[str, Any] | None = None,
-              layout: tuple[dict[str, str], list[str]] | None = None) -> None:
+              layout: tuple[dict[str, str], list[str], list[str]] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
     program's parameters and buffers are left out: ranks build them from it. ``layout``: the
-    placements of split weights and the split ops
+    placements of split weights, the split ops and those of them run on local shards
     (:func:`~explorer.core.tensor_layout.plan_placements`)."""
     calls, state = program_calls(program, len(inputs))
     keys = model_keys(program, len(inputs)) if model else {}
@@ -209,7 +211,8 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
         "seed": seed, "units": units, **({"model": dict(model)} if model else {}),
-        "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else []}))
+        "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else [],
+        "local_ops": layout[2] if layout else []}))
 
 
 def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
@@ -244,4 +247,4 @@ def read_job(folder: Path) -> Job:
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
                meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
                meta.get("units"), dict(meta.get("placements", {})),
-               list(meta.get("split_ops", [])))
+               list(meta.get("split_ops", [])), list(meta.get("local_ops", [])))

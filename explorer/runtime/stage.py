@@ -87,6 +87,7 @@ class StageRunner:
                                job.record, self.mesh)
         #: the ops the layout splits (run on DTensors), and per output whether it is one
         self.split = {L.names.index(n) for n in job.split_ops}
+        self.local = {L.names.index(n) for n in job.local_ops}
         self.is_dtensor: dict[Key, list[bool]] = {}
         self.actions = job.schedule[L.s]
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
@@ -237,7 +238,7 @@ class StageRunner:
             args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
             if self.mesh is None:
                 return L.targets[i](*args, **kwargs)
-            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split)
+            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split, i in self.local)
             return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
                     else self.mesh.settled(out))
 

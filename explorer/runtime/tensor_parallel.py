@@ -19,15 +19,23 @@ from torch.utils._pytree import tree_map
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import REPLICATE, shard_dim
+from explorer.core.tensor_layout import REPLICATE, RESHAPE_OPS, megatron_layout, shard_dim
 
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:
     """The runtime runs tensor-parallel stages (replicated or not, in pipelines or alone)
-    whose weights no other stage reads."""
+    whose weights no other stage reads, and that hold the whole of each head-split
+    attention core they hold part of."""
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) == 1:
             continue
+        for name in megatron_layout(graph, plan.tensor_of(s)).local_ops:
+            i = graph.index[name]
+            if plan.stage_of(name) == s and any(
+                    plan.stage_of(graph.nodes[c].name) != s for c in graph.succs[i]):
+                raise ExplorerError(f"{name!r} of a head-split attention on tensor-parallel "
+                                    f"stage {s} sends its value to another stage; the runtime "
+                                    "cannot run that: keep each attention on one stage")
         for i, n in enumerate(graph.nodes):
             crossing = [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name)
                         != plan.stage_of(n.name)]
@@ -48,7 +56,7 @@ class TensorMesh:
         self.mesh = DeviceMesh(device_type, ranks)
         self.placements = placements
         #: ops without a sharding rule, run on whole values (see :meth:`call`)
-        self.local_ops: set[Any] = set()
+        self.no_rule_ops: set[Any] = set()
 
     @classmethod
     def of_rank(cls, plan: Plan, stage: int, rank: int, device_type: str,
@@ -82,22 +90,55 @@ class TensorMesh:
                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
                         value)
 
-    def call(self, fn: Any, args: Any, kwargs: Any, split: bool) -> Any:
-        """``fn(*args, **kwargs)``: a ``split`` op on DTensors (plain inputs enter replicated;
+    def call(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool = False) -> Any:
+        """``fn(*args, **kwargs)``: a ``local`` op (of head-split attention) on this rank's
+        own heads (:meth:`on_heads`); a ``split`` op on DTensors (plain inputs enter replicated;
         its split weights already are DTensors), so DTensor's sharding rules do the work and
         the communication; any other op on every rank on whole plain tensors, as one device
         runs it (DTensor's dispatch costs more than a small op), random ops included (every
         rank draws the mask one device would). A split op DTensor has no rule for
         (``NotImplementedError``) runs whole too. Differentiable either way."""
-        if split and fn not in self.local_ops:
+        if local:
+            return self.on_heads(fn, args, kwargs)
+        if split and fn not in self.no_rule_ops:
             try:
                 return fn(*self.enter(args), **self.enter(kwargs))
             except NotImplementedError:
-                self.local_ops.add(fn)
+                self.no_rule_ops.add(fn)
         args, kwargs = tree_map(lambda t: self.whole(t).to_local() if isinstance(t, DTensor)
                                 else t, (args, kwargs))
         out = fn(*args, **kwargs)
         return self.enter(out) if split else out
+
+    def on_heads(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """``fn`` on the local shards of its DTensor inputs (no communication) and its whole
+        plain ones, a view's or reshape's head count (the third of ``(batch, seq, heads,
+        head_dim)``) or feature count (the last of ``(batch, seq, features)``) divided by the
+        degree; its outputs as DTensors of those shards split along their last dimension,
+        which is how the row-parallel projection that ends the block reads its input (what
+        the others read, their local shards, is the same either way)."""
+        args, kwargs = tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t,
+                                (args, kwargs))
+        if str(fn) in RESHAPE_OPS:
+            args = (args[0], self.local_shape(args[0], list(args[1])), *args[2:])
+        out = fn(*args, **kwargs)
+        return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Shard(t.ndim - 1)],
+                                                     run_check=False)
+                        if isinstance(t, torch.Tensor) and t.ndim else t, out)
+
+    def local_shape(self, x: torch.Tensor, shape: list[int]) -> list[int]:
+        """``shape`` (of the whole tensor) for this rank's heads of it (see :meth:`on_heads`)."""
+        k = self.mesh.size()
+        d = 2 if len(shape) == 4 else len(shape) - 1
+        if len(shape) not in (3, 4) or shape[d] % k:
+            raise ExplorerError(f"cannot split a view to {shape} by heads {k} ways; run the "
+                                "attention whole (tensor degree 1 on its stage)")
+        shape[d] //= k
+        if -1 not in shape and torch.Size(shape).numel() != x.numel():
+            raise ExplorerError(f"a view of this rank's heads ({tuple(x.shape)}) to {shape} "
+                                "does not fit; run the attention whole (tensor degree 1 on "
+                                "its stage)")
+        return shape
 
     def matching(self, grads: list, is_dtensor: list[bool]) -> list:
         """Gradients received from another stage (plain, whole) as the outputs they are for:

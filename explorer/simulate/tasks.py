@@ -41,7 +41,7 @@ from explorer.simulate.taskgraph import (
     Resource,
     TaskGraph,
 )
-from explorer.simulate.tensor import per_device, split_op_seconds
+from explorer.simulate.tensor import optimizer_extra_s, per_device, split_op_seconds
 
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
@@ -338,6 +338,7 @@ class _Builder:
             d_opt = max((costs.optimizer_s(dv, plan.optimizer, stepped[s], trainable_count[s])
                          + (costs.optimizer_s(dv, "sgd", unscaled, trainable_count[s])
                             if unscaled else 0.0)) * self._opt_slowed(dv)
+                        + optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
                         for dv in types[s].values())
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)

@@ -1,8 +1,9 @@
 """Tensor parallelism in the simulator: what a stage's tensor split does to op times, weight
 bytes and communication, as the Megatron-style layout (:mod:`explorer.core.tensor_layout`) says.
 
-An op the layout splits runs at ``1 / tensor`` of its batch fraction's work, its per-op
-overhead unchanged (the cost tables' ``overhead + (t - overhead) x fraction``). Each all-reduce
+An op the layout splits (a head-split attention's core included) runs at ``1 / tensor`` of
+its batch fraction's work, its per-op overhead unchanged (the cost tables' ``overhead +
+(t - overhead) x fraction``). Each all-reduce
 the layout implies (a row-parallel block's output in the forward, a column-parallel block's
 input gradient in the backward, a vocabulary-parallel embedding's output; an all-gather before
 a random op in a split block, which runs whole) runs inside the op that needs it, on the links
@@ -10,45 +11,30 @@ of one tensor group of the stage, as DTensor does it in the runtime: the op wait
 weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
 optimizer state, and the activations the layout keeps split (and their gradients). Stages
 with a tensor degree of 1 are untouched.
+
+Running on DTensors costs more than the plain ops the profile times: where the profile carries
+what DTensor adds (``DeviceCosts.dtensor``, measured by a host probe), a split op's forward and
+backward get its per-op cost (but the ops of a head-split attention's core, which run on
+plain shards), each collective its fixed cost, every other op of the stage the cost per
+DTensor it reads (the stage's weights, split ops' outputs), and the optimizer step the cost per
+parameter tensor.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import TensorLayout, megatron_layout
-from explorer.costs.model import CostModel
-from explorer.simulate.arrays import GraphArrays
+from explorer.costs.model import DTENSOR_KEYS, CostModel
+from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
 from explorer.simulate.seconds import Seconds
-
-#: the layouts made last, by (graph id, degree): (graph ref, its nodes, the layout)
-_LAYOUTS: dict[tuple[int, int], tuple[weakref.ref, tuple, TensorLayout]] = {}
-_CACHED = 16
-
-
-def cached_layout(graph: OpGraph, degree: int) -> TensorLayout:
-    """:func:`megatron_layout` of ``graph``, kept for the last few graphs and degrees (the
-    simulator needs it several times per plan, and searches simulate one graph many times);
-    an entry serves the same graph object while its nodes are those it was made from."""
-    key = (id(graph), degree)
-    hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0]() is graph and hit[1] == tuple(graph.nodes):
-        return hit[2]
-    layout = megatron_layout(graph, degree)
-    _LAYOUTS.pop(key, None)
-    _LAYOUTS[key] = (weakref.ref(graph), tuple(graph.nodes), layout)
-    while len(_LAYOUTS) > _CACHED:
-        del _LAYOUTS[next(iter(_LAYOUTS))]
-    return layout
 
 
 def layouts(graph: OpGraph, plan: Plan) -> dict[int, TensorLayout]:
     """The layout of every tensor-parallel stage, by stage."""
-    return {s: cached_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
+    return {s: megatron_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
             if plan.tensor_of(s) > 1}
 
 
@@ -69,12 +55,23 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
     moved = 0
     for s, layout in layouts(graph, plan).items():
         k = layout.degree
+        dt = dtensor_costs(costs, devices[s])
         ops = ops_by_stage[s]
-        split = ops[np.isin(ops, [index[n] for n in layout.split_ops])]
+        is_split = np.isin(ops, [index[n] for n in layout.split_ops])
+        split = ops[is_split]
         if len(split):
-            fwd_s[split] = sec.slowest("fwd_s", split, devices[s], frac[s] / k)
-            split = split[has_b[split]]
-            bwd_s[split] = sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+            # (a head-split attention's core runs on plain shards: no DTensor dispatch)
+            on_dt = ~np.isin(split, [index[n] for n in layout.local_ops])
+            fwd_s[split] = (sec.slowest("fwd_s", split, devices[s], frac[s] / k)
+                            + on_dt * dt["op_fwd_s"])
+            on_dt, split = on_dt[has_b[split]], split[has_b[split]]
+            bwd_s[split] = (sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+                            + on_dt * dt["op_bwd_s"])
+        whole = ops[~is_split]
+        if len(whole) and (dt["read_fwd_s"] or dt["read_bwd_s"]):
+            reads = dtensors_read(A, ops[is_split])[whole]
+            fwd_s[whole] += reads * dt["read_fwd_s"]
+            bwd_s[whole] += np.where(has_b[whole], reads * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
         for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
             for name, nbytes in reduce.items():
@@ -82,14 +79,39 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
-                times[i] += costs.allreduce_s(group, size)
+                times[i] += costs.allreduce_s(group, size) + dt["collective_s"]
                 moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
         for name, nbytes in layout.gather_forward.items():
             if plan.stage_of(name) == s:  # a ring all-gather: half a ring all-reduce
                 size = int(nbytes * frac[s])
-                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2
+                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2 + dt["collective_s"]
                 moved += plan.replicas_of(s) * (k - 1) * size * M
     return moved
+
+
+def dtensors_read(A: GraphArrays, split: np.ndarray) -> np.ndarray:
+    """Per node, how many DTensors it reads on a tensor-parallel stage whose split ops are
+    ``split``: weights (parameters and buffers: all are DTensors there) and split ops'
+    outputs."""
+    is_dt = np.isin(A.kcode, (KIND_PARAM, KIND_BUFFER))
+    is_dt[split] = True
+    return np.bincount(A.e_c[is_dt[A.e_p]], minlength=A.n)
+
+
+def dtensor_costs(costs: CostModel, devices) -> dict[str, float]:
+    """What DTensor adds on the slowest of ``devices`` (per :data:`DTENSOR_KEYS`; 0 where the
+    profile did not measure it)."""
+    return {k: max(costs.device_costs(d).dtensor.get(k, 0.0) for d in devices)
+            for k in DTENSOR_KEYS}
+
+
+def optimizer_extra_s(costs: CostModel, plan: Plan, stage: int, device: str,
+                      tensors: int) -> float:
+    """What stepping ``tensors`` DTensor parameters adds to ``device``'s optimizer step on a
+    tensor-parallel ``stage`` (0 on other stages)."""
+    if plan.tensor_of(stage) <= 1:
+        return 0.0
+    return tensors * costs.device_costs(device).dtensor.get("optimizer_tensor_s", 0.0)
 
 
 def per_device(graph: OpGraph, plan: Plan, nbytes):

@@ -27,6 +27,7 @@ from explorer.runtime import RankPool
 ops = importlib.import_module("explorer.profiling.ops")
 host = importlib.import_module("explorer.profiling.host")
 profiler = importlib.import_module("explorer.profiling.profiler")
+dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -308,6 +309,7 @@ class TestContention:
                             lambda g, ranks, *a, **kw: calls.append([d.id for d in ranks])
                             or ([1.25] * len(g), 0.05, 1.3))
         monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, **kw: 0.0)
+        monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: {})
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -334,6 +336,7 @@ class TestContention:
 
         monkeypatch.setattr(host, "measure_contention", broken)
         monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, **kw: 0.0)
+        monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: {})
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []
@@ -358,6 +361,9 @@ class TestSharedRanks:
         monkeypatch.setattr(host, "cpu_message_s",
                             lambda cl, pool=None, report=None:
                             got.append(("message", pool)) or 0.0)
+        monkeypatch.setattr(dtensor_probe, "dtensor_costs",
+                            lambda cl, cache, pool=None, report=None:
+                            got.append(("dtensor", pool)) or {"op_fwd_s": 1e-4})
         return got
 
     @pytest.fixture
@@ -371,10 +377,11 @@ class TestSharedRanks:
         closed = []
         monkeypatch.setattr(RankPool, "close", lambda self: closed.append(self))
         said = []
-        ex.profile(gpt, host2, report=said.append, **FAST)
+        costs = ex.profile(gpt, host2, report=said.append, **FAST)
         pools = {id(p) for _, p in runs}
         assert len(pools) == 1 and runs[0][1] is not None
-        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message"]
+        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message", "dtensor"]
+        assert costs.per_type[CPU_KEY].dtensor == {"op_fwd_s": 1e-4}
         assert closed == [runs[0][1]] and runs[0][1].size == 2
         # how far it is, in words, for a widget
         assert said == [f"profiling gpt on cpu:0: {k} of 6 runs" for k in range(7)] + [

@@ -10,6 +10,7 @@ from torch import nn
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.runtime.launch import reference
+from explorer.runtime.tensor_parallel import check_supported
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
@@ -39,8 +40,9 @@ def _check(name: str, plan, shards: int) -> None:
 
 @pytest.mark.parametrize("name", ["mlp", "llama"])
 def test_tensor_parallel_stage_matches_one_device(name):
-    """The Llama's SwiGLU splits (gate and up column-, down row-parallel); its fused attention
-    has no sharding rule in DTensor on CPU and runs on whole values."""
+    """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
+    heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys
+    and values and the attention itself on each rank's own heads)."""
     _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
@@ -85,3 +87,14 @@ def test_a_weight_read_across_a_tensor_parallel_stage_is_refused_before_starting
                                    ).with_tensor(2, stages=[0])
     with pytest.raises(ExplorerError, match=r"weight 'head\.weight' is read on another stage"):
         ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
+
+
+def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
+    graph = tiny_builtin_graph("llama")
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    cut = ops.index("view")  # the query's view into heads: the first op on local heads
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                   {nm: int(k > cut) for k, nm in enumerate(ops)}
+                                   ).with_tensor(2, stages=[0])
+    with pytest.raises(ExplorerError, match=r"'view' of a head-split attention"):
+        check_supported(graph, plan)

@@ -116,16 +116,69 @@ def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
     assert len(lay.reduce_forward) == 1 + 2 and len(lay.reduce_backward) == 2
 
 
-def test_llama_swiglu_splits_gate_and_up_into_down():
+def test_llama_splits_swiglu_and_attention_by_heads():
     bm = ex.builtin_model("llama", "tiny")
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="llama")
     lay = megatron_layout(graph, 2)
     for b in range(2):
-        mlp = f"layers.{b}.mlp"
+        mlp, attn = f"layers.{b}.mlp", f"layers.{b}.attn"
         assert [lay.placement(f"{mlp}.{w}_proj.weight") for w in ("gate", "up", "down")] == [
             "Shard(0)", "Shard(0)", "Shard(1)"]
-    # the gate's and up's shared input: one all-reduce of its gradient per block
-    assert len(lay.reduce_backward) == 2 and len(lay.reduce_forward) == 1 + 2
+        assert [lay.placement(f"{attn}.{w}_proj.weight") for w in "qkvo"] == [
+            "Shard(0)", "Shard(0)", "Shard(0)", "Shard(1)"]
+    # per block: the attention's and the SwiGLU's shared inputs' gradients, their outputs
+    assert len(lay.reduce_backward) == 2 * 2 and len(lay.reduce_forward) == 1 + 2 * 2
+    ops = {graph.nodes[graph.index[n]].op for n in lay.local_ops}
+    assert "aten.scaled_dot_product_attention.default" in ops and lay.local_ops < lay.split_ops
+    assert megatron_layout(graph, 8).local_ops == frozenset()  # 4 heads: not 8 ways
+
+
+@pytest.fixture(scope="module")
+def attention() -> OpGraph:
+    """pre -> q, k, v (column) -> views into 2 heads -> attention -> reshape -> o (row)."""
+    heads = (2, 4, 2, 4)
+    return OpGraph("attention", [
+        OpNode("x", "input", "input", out_bytes=1000),
+        *(_param(f"attn.{w}.weight", (8, 8), 256) for w in "qkvo"),
+        _op("pre", "aten.relu.default", "pre", ("x",), 1000),
+        *(_op(w, LINEAR, f"attn.{w}", ("pre", f"attn.{w}.weight"), 1000) for w in "qkv"),
+        *(OpNode(f"view_{w}", "op", "aten.view.default", module_path="attn", inputs=(w,),
+                 out_bytes=1000, shapes=(heads,), requires_grad=True) for w in "qkv"),
+        _op("att", "aten.scaled_dot_product_attention.default", "attn",
+            ("view_q", "view_k", "view_v"), 1000),
+        OpNode("back", "op", "aten.reshape.default", module_path="attn", inputs=("att",),
+               out_bytes=1000, shapes=((2, 4, 8),), requires_grad=True),
+        _op("o", LINEAR, "attn.o", ("back", "attn.o.weight"), 1000),
+        _op("loss", "aten.sum.default", "", ("o",), 4),
+    ], batch_size=2, loss="loss")
+
+
+def test_attention_split_by_heads_by_hand(attention):
+    lay = megatron_layout(attention, 2)
+    assert lay.placements == {"attn.q.weight": "Shard(0)", "attn.k.weight": "Shard(0)",
+                              "attn.v.weight": "Shard(0)", "attn.o.weight": "Shard(1)"}
+    assert lay.local_ops == {"view_q", "view_k", "view_v", "att", "back"}
+    assert lay.split_ops == lay.local_ops | {"q", "k", "v", "o"}
+    assert lay.reduce_forward == {"o": 1000} and lay.reduce_backward == {"q": 1000}
+    assert megatron_layout(attention, 4).placements == {}  # 2 heads: not 4 ways
+    fwd = {"pre": 1.0, "q": 2.0, "k": 2.0, "v": 2.0, "view_q": 0.5, "view_k": 0.5,
+           "view_v": 0.5, "att": 3.0, "back": 0.5, "o": 2.0, "loss": 0.5}
+    bwd = {k: 2 * v for k, v in fwd.items()}
+    cm = costs(attention, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2)
+    for dc in cm.per_type.values():  # DTensor's per-op cost: not on the heads' own ops
+        dc.dtensor = {"op_fwd_s": 0.01, "op_bwd_s": 0.02}
+    ops = {n.name: 0 for n in attention.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(attention, [("d:0", "d:1")], ops).with_tensor(2)
+    pred = ex.simulate(attention, plan, cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    allreduce_s = 2 * LAT_S + 1000 / BW
+    f = (1.0 + 3 * half(2.0) + 3 * half(0.5) + half(3.0) + half(0.5) + half(2.0)
+         + 4 * 0.01 + allreduce_s + 0.5)
+    b = (2.0 + 3 * half(4.0) + 3 * half(1.0) + half(6.0) + half(1.0) + half(4.0)
+         + 4 * 0.02 + allreduce_s + 1.0)
+    assert pred.step_s == pytest.approx(f + b, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * (2 * 1 * 1000)
+    assert pred.memory["d:0"].params_bytes == 4 * 256 // 2
 
 
 def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
@@ -154,3 +207,33 @@ def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
     b = 2.0 + half(4.0) + reduce_1000 + 2.0 + half(4.0) + 1.0
     assert pred.step_s == pytest.approx(f + b, rel=1e-12)
     assert pred.allreduce_bytes == 2 * 1000 * 2 + 1 * 2000
+
+
+def test_dtensor_costs_from_the_profile_by_hand(block):
+    """What DTensor adds (``DeviceCosts.dtensor``): per split op, per collective, per DTensor
+    an unsplit op of the stage reads (norm: fc2's output and its weight), per parameter tensor
+    the optimizer steps."""
+    g = OpGraph("normed", [*(n for n in block.nodes if n.name != "loss"),
+                           _param("norm.weight", (4,), 16),
+                           _op("norm", "aten.mul.Tensor", "norm", ("fc2", "norm.weight"), 1000),
+                           _op("loss", "aten.sum.default", "", ("norm",), 4)],
+                batch_size=8, loss="loss")
+    fwd, bwd = {**FWD, "norm": 0.5}, {**BWD, "norm": 1.0}
+    cm = costs(g, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2)
+    a, b, c, w_f, w_b, opt = 0.01, 0.02, 0.3, 0.04, 0.05, 0.06
+    for dc in cm.per_type.values():
+        dc.dtensor = {"op_fwd_s": a, "op_bwd_s": b, "collective_s": c, "read_fwd_s": w_f,
+                      "read_bwd_s": w_b, "optimizer_tensor_s": opt}
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2)
+    pred = ex.simulate(g, plan, cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    allreduce_s = 2 * LAT_S + 1000 / BW
+    f = (1.0 + half(2.0) + half(1.0) + half(2.0) + 3 * a + allreduce_s + c + 0.5 + 2 * w_f
+         + 0.5)
+    bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 3 * b + allreduce_s + c + 1.0 + 2 * w_b
+          + 0.5)
+    assert pred.step_s == pytest.approx(f + bk + 4 * opt, rel=1e-12)
+    # one device: none of it
+    one = ex.simulate(g, ex.Plan.from_assignment(g, [("d:0",)], ops), cm)
+    assert one.step_s == pytest.approx(sum(fwd.values()) + sum(bwd.values()), rel=1e-12)

@@ -5,8 +5,8 @@ Per layer, the costs are pipeline-dp's (:func:`~explorer.partition.pipeline_dp.s
 fixed per-op seconds per micro-batch, the seconds that shrink with the batch, the optimizer
 step, parameter and activation bytes, the gradient bytes all-reduced, the tensors crossing
 layers), changed by the Megatron layout of a ``tp``-way split
-(:func:`explorer.core.tensor_layout.megatron_layout`, kept by
-:func:`explorer.simulate.tensor.cached_layout`), as the simulator prices it: a split op's
+(:func:`explorer.core.tensor_layout.megatron_layout`, kept per graph and degree), as the
+simulator prices it: a split op's
 shrinking part at ``1 / tp``, split weights' bytes, gradients, optimizer state and optimizer
 step at ``1 / tp``, split activations at ``1 / tp``, and the block all-reduces (and the
 all-gathers before random ops) on one tensor group, linear in bytes (latency per micro-batch,
@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from explorer.core.graph import OpGraph
+from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
-from explorer.simulate.tensor import cached_layout
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
     if tp == 1:
         return LayerCosts(1, base, StageTables(base), np.zeros(len(layers)),
                           np.zeros(len(layers)), (0.0, 0.0))
-    layout = cached_layout(graph, tp)
+    layout = megatron_layout(graph, tp)
     if not layout.placements:
         return None
     n = len(layers)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.tensor_layout import megatron_layout
 from explorer.partition.pase.model import PaseModel
 from explorer.partition.pase.strategy import PaseResult
-from explorer.simulate.tensor import cached_layout
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def tensor_mapping(graph: OpGraph, model: PaseModel, res: PaseResult, n_devices:
     for f in sorted({c.feature for c in res.configs if c.feature > 1}):
         if n_devices % f:
             continue
-        layout = cached_layout(graph, f)
+        layout = megatron_layout(graph, f)
         split_ops[f] = layout.split_ops
         votes[f] = sum(1 for j, c in enumerate(res.configs) if c.feature == f
                        and _splits(graph, model, j, layout.split_ops))

@@ -1,0 +1,133 @@
+"""What running ops on DTensors costs CPU ranks beyond the plain ops the profile times: a host
+probe that runs a tensor-parallel plan for real and compares each op with its profile.
+
+The runtime runs a tensor-parallel stage's split ops on DTensors (sharding propagation, the
+wrapping of plain inputs), reduces partial sums with DTensor's collectives, reads the stage's
+weights through DTensors in its other ops, and steps an optimizer over DTensor parameters. The
+profile times ops on plain tensors, so none of that is in it. The probe measures it once per
+host (or afresh, as the profile is): a small MLP of three Megatron blocks with layer norms
+between them, split two ways over two CPU ranks, run through the runtime; per op, the measured
+time less the simulator's time for it (without these costs) is what DTensor added, and the
+medians per kind of op are the costs :data:`KEYS` names (``DeviceCosts.dtensor``), which the
+simulator adds to tensor-parallel stages (:mod:`explorer.simulate.tensor`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from explorer.capture.tracing import capture
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan
+from explorer.core.tensor_layout import megatron_layout
+from explorer.costs.model import DTENSOR_KEYS, CostModel
+from explorer.devices.cluster import Cluster
+from explorer.platforms.cpu.host_cache import (
+    cache_file,
+    cache_key,
+    finite_number,
+    read_cache,
+    write_cache,
+)
+from explorer.profiling import ops
+from explorer.runtime import launch
+from explorer.runtime.pool import RankPool
+from explorer.simulate.simulator import simulate
+
+#: the probe's entry in the host measurement cache
+PROBE_KEY = "DTensor op, weight, collective and optimizer costs on 2 CPU ranks"
+KEYS = DTENSOR_KEYS
+
+
+def probe_graph() -> OpGraph:
+    """Three column/row blocks with layer norms (whole ops reading weights) between them; the
+    later blocks' inputs need gradients, so their backward all-reduces too."""
+    torch.manual_seed(0)
+    width, hidden = 64, 256
+    layers: list[nn.Module] = []
+    for act in (nn.ReLU(), nn.GELU(), nn.ReLU()):
+        layers += [nn.Linear(width, hidden), act, nn.Linear(hidden, width), nn.LayerNorm(width)]
+    model = nn.Sequential(*layers, nn.Linear(width, 10))
+    x, y = torch.randn(16, width), torch.randint(0, 10, (16,))
+    return capture(model, (x,), nn.functional.cross_entropy, (y,), name="dtensor-probe")
+
+
+def dtensor_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None = None,
+                  report: ops.Report | None = None) -> dict[str, float]:
+    """The DTensor costs of this host's CPU ranks ({} with fewer than two measured CPU ranks,
+    or when the probe fails): from the host measurement cache, or measured (``cache=False``
+    measures afresh and replaces the entry)."""
+    cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
+    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
+        return {}
+    path, key = cache_file(), f"{cache_key()}|{PROBE_KEY}"
+    if cache:
+        cached = read_cache(path).get(key)
+        if isinstance(cached, dict) and all(finite_number(cached.get(k)) for k in KEYS):
+            return {k: float(cached[k]) for k in KEYS}
+    if report is not None:
+        report("measuring what DTensor adds to ops on CPU ranks")
+    try:
+        value = measure_dtensor_costs(pool=pool)
+    except Exception:  # a probe that cannot run leaves these costs unknown (0), not an error
+        return {}
+    write_cache(path, key, {**value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            "how": "3-block MLP split 2 ways on 2 CPU ranks, per op: "
+                                   "measured less simulated, medians per kind of op"})
+    return value
+
+
+def measure_dtensor_costs(steps: int = 10, warmup: int = 3, pool: RankPool | None = None
+                          ) -> dict[str, float]:
+    """Run the probe (a few seconds): its profile on ``pool``'s ranks where given, its
+    tensor-parallel run on ranks started for it, as ``ex.run`` makes the runs predictions are
+    compared with."""
+    graph = probe_graph()
+    two = Cluster.cpu(2)
+    dev = two.devices[0]
+    dc = ops.measured(graph, dev, progress=False, pool=pool)
+    costs = CostModel(graph.fingerprint, two, {dev.type_key: replace(dc, dtensor={})})
+    ops_ = {n.name: 0 for n in graph.nodes if n.kind == "op"}
+    plan = Plan.from_assignment(graph, [tuple(two.ids)], ops_, optimizer="adam").with_tensor(2)
+    meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
+                      progress=False)
+    return fit(graph, plan, simulate(graph, plan, costs).timeline, meas.task_s)
+
+
+def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[str, float]:
+    """The costs from one run: per op, measured (``task_s``, keyed ``"fwd:i"``) less
+    simulated (``timeline``'s compute intervals of the first device), medians per kind."""
+    first = plan.stages[0][0]
+    sim = {(iv.kind, iv.label): iv.end_s - iv.start_s for iv in timeline
+           if iv.device == first and iv.lane == "compute"}
+    lay = megatron_layout(graph, plan.tensor_of(0))
+    extra: dict[str, list[float]] = {k: [] for k in ("fwd", "bwd", "fwd R", "bwd R", "wfwd",
+                                                    "wbwd")}
+    for i, n in enumerate(graph.nodes):
+        reads = sum(graph.nodes[graph.index[p]].kind in ("param", "buffer")
+                    or p in lay.split_ops for p in n.inputs)  # DTensors an unsplit op reads
+        for kind, reduced in (("fwd", lay.reduce_forward), ("bwd", lay.reduce_backward)):
+            if n.kind != "op" or f"{kind}:{i}" not in task_s:
+                continue
+            e = task_s[f"{kind}:{i}"] - sim.get((kind, n.name), 0.0)
+            if n.name in lay.split_ops:
+                extra[kind + (" R" if n.name in reduced else "")].append(e)
+            elif reads:
+                extra["w" + kind].append(e / reads)
+
+    def med(xs: list[float], less: float = 0.0) -> float:
+        return max(0.0, statistics.median(xs) - less) if xs else 0.0
+
+    op_fwd, op_bwd = med(extra["fwd"]), med(extra["bwd"])
+    tensors = sum(1 for n in graph.nodes if n.kind == "param")
+    opt = task_s.get("optimizer:-1", 0.0) - sim.get(("optimizer", f"{plan.optimizer} step"), 0.0)
+    return {"op_fwd_s": op_fwd, "op_bwd_s": op_bwd,
+            "collective_s": med([e - op_fwd for e in extra["fwd R"]]
+                                + [e - op_bwd for e in extra["bwd R"]]),
+            "read_fwd_s": med(extra["wfwd"]), "read_bwd_s": med(extra["wbwd"]),
+            "optimizer_tensor_s": max(0.0, opt / tensors)}

@@ -1,0 +1,66 @@
+"""The DTensor cost probe's fit: per kind of op, the median of measured less simulated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import explorer as ex
+from explorer.core.tensor_layout import megatron_layout
+from explorer.profiling import dtensor_probe
+from explorer.profiling.dtensor_probe import KEYS, fit, probe_graph
+from explorer.simulate.prediction import Interval
+
+
+def test_fit_takes_medians_per_kind_of_op():
+    g = probe_graph()
+    plan = ex.Plan.from_assignment(g, [("cpu:0", "cpu:1")],
+                                   {n.name: 0 for n in g.nodes if n.kind == "op"}
+                                   ).with_tensor(2)
+    lay = megatron_layout(g, 2)
+    assert len(lay.reduce_forward) == 3 and len(lay.reduce_backward) == 2
+    timeline, task_s = [], {}
+    for i, n in enumerate(g.nodes):
+        if n.kind != "op":
+            continue
+        reads = sum(g.nodes[g.index[p]].kind == "param" or p in lay.split_ops
+                    for p in n.inputs)
+        for kind, red, op_s in (("fwd", lay.reduce_forward, 0.1),
+                                ("bwd", lay.reduce_backward, 0.2)):
+            timeline.append(Interval("cpu:0", "compute", kind, 0.0, 1.0, n.name))
+            extra = (op_s + (5.0 if n.name in red else 0.0) if n.name in lay.split_ops
+                     else reads * (0.3 if kind == "fwd" else 0.4))
+            task_s[f"{kind}:{i}"] = 1.0 + extra
+    timeline.append(Interval("cpu:0", "compute", "optimizer", 0.0, 1.0, "adam step"))
+    params = sum(n.kind == "param" for n in g.nodes)
+    task_s["optimizer:-1"] = 1.0 + 0.5 * params
+    got = fit(g, plan, timeline, task_s)
+    assert set(got) == set(KEYS)
+    assert got == pytest.approx({"op_fwd_s": 0.1, "op_bwd_s": 0.2, "collective_s": 5.0,
+                                 "read_fwd_s": 0.3, "read_bwd_s": 0.4,
+                                 "optimizer_tensor_s": 0.5})
+
+
+def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    value = dict.fromkeys(KEYS, 1e-4)
+    monkeypatch.setattr(dtensor_probe, "measure_dtensor_costs",
+                        lambda pool=None: calls.append(1) or value)
+    nominal = ex.Cluster.cpu(2, measure=False)  # as if this host's link were measured
+    two = dataclasses.replace(nominal, default_link=dataclasses.replace(
+        nominal.default_link, source="measured (stand-in)"))
+    assert dtensor_probe.dtensor_costs(two) == value
+    assert dtensor_probe.dtensor_costs(two) == value and len(calls) == 1  # from the cache
+    assert dtensor_probe.dtensor_costs(two, cache=False) == value and len(calls) == 2
+    # no host measurements for one rank or nominal ranks
+    assert dtensor_probe.dtensor_costs(ex.Cluster.cpu(1, measure=False)) == {}
+    assert dtensor_probe.dtensor_costs(nominal) == {}
+
+    def broken(pool=None):
+        raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(dtensor_probe, "measure_dtensor_costs", broken)
+    assert dtensor_probe.dtensor_costs(two, cache=False) == {}
