@@ -171,10 +171,10 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     checks = [("fwd_s", _times(d["fwd_s"], n)), ("bwd_s", _times(d["bwd_s"], n)),
               ("source", isinstance(d["source"], list) and len(d["source"]) == n
                and all(isinstance(x, str) for x in d["source"])),
-              ("overhead_s", finite_number(d["overhead_s"]))]
+              ("overhead_s", _bounded(d["overhead_s"]))]
     for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor", "dtensor"):
         v = d.get(k, {})
-        checks.append((k, isinstance(v, dict) and all(isinstance(o, str) and finite_number(x)
+        checks.append((k, isinstance(v, dict) and all(isinstance(o, str) and _bounded(x)
                                                       for o, x in v.items())))
     fractions = d.get("fractions", [])
     checks.append(("fractions", isinstance(fractions, list)
@@ -187,9 +187,9 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     contention = d.get("contention", [])
     checks.append(("contention", contention == [] or (
         _times(contention, n) and all(x > 0 for x in contention))))
-    checks.append(("replica_spread", finite_number(d.get("replica_spread", 0.0))))
+    checks.append(("replica_spread", _bounded(d.get("replica_spread", 0.0))))
     opt = d.get("optimizer_contention", 1.0)
-    checks.append(("optimizer_contention", finite_number(opt) and opt > 0))
+    checks.append(("optimizer_contention", _bounded(opt) and opt > 0))
     held = d.get("workspace_bytes", 0)
     checks.append(("workspace_bytes", isinstance(held, int) and not isinstance(held, bool)
                    and 0 <= held < 2**50))
@@ -201,12 +201,12 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
 
 
 _WHAT = {"source": "a list of texts, one per node",
-         "overhead_s": "a finite number >= 0", "replica_spread": "a finite number >= 0",
-         "optimizer_contention": "a finite number > 0",
+         "overhead_s": "a number of 0 to 1e6", "replica_spread": "a number of 0 to 1e6",
+         "optimizer_contention": "a number above 0, at most 1e6",
          "workspace_bytes": "a whole number of bytes >= 0",
-         "optimizer_s_per_byte": "a table of finite numbers >= 0",
-         "optimizer_s_per_tensor": "a table of finite numbers >= 0",
-         "dtensor": "a table of finite numbers >= 0",
+         "optimizer_s_per_byte": "a table of numbers of 0 to 1e6",
+         "optimizer_s_per_tensor": "a table of numbers of 0 to 1e6",
+         "dtensor": "a table of numbers of 0 to 1e6",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
          "fwd_at": "one list of times per node for each fraction",
          "bwd_at": "one list of times per node for each fraction"}
@@ -216,9 +216,14 @@ _WHAT = {"source": "a list of texts, one per node",
 MAX_OP_S = 1e6
 
 
+def _bounded(x: Any) -> bool:
+    """A finite number of 0 to ``MAX_OP_S``: larger costs or factors are damage (and would
+    overflow the simulator's sums)."""
+    return finite_number(x) and x <= MAX_OP_S
+
+
 def _times(xs: Any, n: int) -> bool:
-    return isinstance(xs, list) and len(xs) == n and all(finite_number(x) and x <= MAX_OP_S
-                                                         for x in xs)
+    return isinstance(xs, list) and len(xs) == n and all(_bounded(x) for x in xs)
 
 
 def store(path: Path, dc: DeviceCosts) -> None:

@@ -146,7 +146,9 @@ def test_the_valid_entry_is_used(cache_home, monkeypatch):
     ({"workspace_bytes": -1}, r"workspace_bytes is not a whole number of bytes"),
     ({"workspace_bytes": "32 MiB"}, r"workspace_bytes is not a whole number of bytes"),
     ({"bwd_s": ["1e-3"] * 5}, r"bwd_s is not a list of 5"),
-    ({"overhead_s": float("nan")}, r"overhead_s is not a finite number >= 0"),
+    ({"overhead_s": float("nan")}, r"overhead_s is not a number of 0 to 1e6"),
+    ({"optimizer_s_per_byte": {"adam": 1e308}}, r"optimizer_s_per_byte is not a table of "
+                                                  r"numbers of 0 to 1e6"),
     ({"fwd_at": [[float("inf")] * 5]}, r"fwd_at is not one list of times per node"),
     ({"fractions": [1.0]}, r"fractions is not a decreasing list"),
     ({"type_key": "T4"}, r"it is for 'T4'"),

@@ -419,7 +419,8 @@ class TestSharedRanks:
             if f.name not in timed_here:
                 assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
         cached = ops.load(ops.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
-        assert cached == final.per_type[CPU_KEY]
+        # (DTensor's costs are a host measurement, cached apart and set on every profile)
+        assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={})
 
     def test_no_preliminary_numbers_from_the_cache(self, gpt, runs, host2, cache):
         ex.profile(gpt, host2, **FAST)
