@@ -74,6 +74,17 @@ def buckets(sizes: list[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
     return out
 
 
+def gather_groups(first_reader: dict[int, int]) -> list[list[int]]:
+    """ZeRO 3's weights (keys of ``first_reader``: weight node -> the first op of its stage
+    that reads it) cut into the groups one all-gather moves together, as FSDP2 gathers a
+    wrapped module's parameters at once: the weights whose first reader is the same op
+    (a layer's weight and bias). Groups in their first reader's order, members by node."""
+    by_op: dict[int, list[int]] = {}
+    for w in sorted(first_reader):
+        by_op.setdefault(first_reader[w], []).append(w)
+    return [by_op[o] for o in sorted(by_op)]
+
+
 def shard_bytes(nbytes: int, replicas: int) -> int:
     """Bytes of one rank's shard of a tensor of ``nbytes`` split over ``replicas`` ranks
     (flattened, padded to a multiple of ``replicas`` elements)."""

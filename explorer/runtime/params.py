@@ -83,6 +83,8 @@ class Weights:
                 t.requires_grad_(True)
             self.value[i] = t
             tracker.add(t, PARAMETERS if L.kind[i] == "param" else BUFFERS)
+        self.shards.set_groups({i: min(c for c in L.succs[i] if L.stage[c] == L.s)
+                                for i in self.shards.ghost if L.local_consumers(i)})
         params = [self.shards.shard.get(i, self.value[i]) for i in self.owned
                   if L.kind[i] == "param"]
         self.optimizer = make_optimizer(L.plan.optimizer, params, lr) if params else None
@@ -115,6 +117,7 @@ class Weights:
         self.uses_left = dict(self.uses)
         self.buckets.start_step()
         self.scatter.start_step()
+        self.shards.start_step()
         for i in self.owned:
             if not L.remote_stages(i):
                 continue
