@@ -14,8 +14,8 @@ describe them:
   its gradients is final (its last use in the step's backward), the full gradients freed
   once it is done, as DDP and FSDP do and as the simulator prices it.
 - ZeRO 3: only the shard is stored. The parameters are gathered in groups, one
-  ``all_gather_into_tensor`` per group as FSDP2 gathers a module's parameters: those whose
-  first reader is the same op (a layer's weight and bias,
+  ``all_gather_into_tensor`` per group as FSDP2 gathers a wrapped module's parameters: those
+  first read in the same recomputation unit (a repeated block, or a top-level module;
   :func:`~explorer.costs.strategies.gather_groups`, as the simulator prices them). A
   micro-batch's forward gathers a group before its first op and frees it after the last op
   that reads one of its parameters; the backward gathers it again when an op's backward needs
@@ -150,10 +150,13 @@ class Shards:
         return out[: self.shape[p].numel()].view(self.shape[p])
 
     # -- ZeRO 3: gathered copies -----------------------------------------------------------
-    def set_groups(self, first_reader: dict[int, int]) -> None:
+    def set_groups(self, first_reader: dict[int, int], units: list[str] | None) -> None:
         """Cut the sharded parameters into gather groups (``first_reader``: parameter -> the
-        first op of the stage that reads it), each gathered by one collective."""
-        for ps in gather_groups({p: first_reader[p] for p in self.ghost if p in first_reader}):
+        first op of the stage that reads it; ``units``: each node's recomputation unit, None:
+        a group per op), each gathered by one collective."""
+        unit = units.__getitem__ if units is not None else None
+        for ps in gather_groups({p: first_reader[p] for p in self.ghost if p in first_reader},
+                                unit):
             self.members[ps[0]] = ps
             for p in ps:
                 self.group_of[p] = ps[0]

@@ -5,7 +5,7 @@ A plan without settings never reaches this module (its predictions are those of 
 simulator). With settings, :func:`stage_effects` derives per node and stage what changes;
 :meth:`StageEffects.apply_compute` scales the op times (precision) and adds the recomputed
 forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
-micro-batch all-gathers of the weights, a layer's weights in one, one op ahead of their use
+micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead of their use
 (prefetch depth 1);
 :mod:`explorer.simulate.tasks` makes the reduce-scatters and post-optimizer all-gathers, and
 :mod:`explorer.simulate.memory` reads the rest (shards, dropped activations, gathered copies).
@@ -63,6 +63,9 @@ class StageEffects:
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    #: [node] its recomputation unit (:func:`recompute_units`; where a stage has ZeRO 3: its
+    #: weights are gathered a unit at a time)
+    units: list[str] = field(default_factory=list)
     #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
     #: recomputes from them (:func:`recompute_sources`)
     sources: tuple[np.ndarray, np.ndarray] = field(
@@ -163,7 +166,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
-                        casts=(cv[:, 0], cv[:, 1]))
+                        casts=(cv[:, 0], cv[:, 1]),
+                        units=recompute_units(graph) if 3 in zero else [])
 
 
 def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
@@ -196,8 +200,8 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
                        succs: list[list[int]], ops_by_stage: list[np.ndarray],
                        fb: Any, slots: tuple[np.ndarray, np.ndarray], M: int,
                        py_src: list[int], py_dst: list[int]) -> int:
-    """ZeRO 3: per micro-batch, one all-gather of each group of weights (those whose first
-    reader is the same op, :func:`gather_groups`, as the runtime gathers them) before the
+    """ZeRO 3: per micro-batch, one all-gather of each group of weights (those first read in
+    the same recomputation unit, :func:`gather_groups`, as the runtime gathers them) before the
     forward of the first op that reads one and another before the backward of the last one
     (the first to run backward), on the stage's replica channel; the group's gathered copy
     lives until its last reader is done. Prefetch depth 1: each may start once the op
@@ -222,7 +226,8 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
         read_by = {w: [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
                    for w in weights.tolist()}
-        for group in gather_groups({w: min(r) for w, r in read_by.items() if r}):
+        for group in gather_groups({w: min(r) for w, r in read_by.items() if r},
+                                   eff.units.__getitem__):
             readers = sorted({c for w in group for c in read_by[w]})
             nbytes = int(A.pbytes[group].sum())
             label = "all-gather " + ", ".join(A.names[w] for w in group)
