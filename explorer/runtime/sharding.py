@@ -198,8 +198,8 @@ class Shards:
     def _unpack(self, g: int, out: torch.Tensor) -> torch.Tensor:
         """Group ``g``'s gathered buffer (replica by replica, each replica's shards of the
         members side by side) laid out member by member, and each member's full copy a view
-        of it. One member: the buffer itself; else copied out (as FSDP2 does), the gathered
-        buffer freed for the copy."""
+        of it. One member: the buffer itself; else copied out (as FSDP2 does), the copy
+        counted in place of the gathered buffer, which is freed once copied."""
         ps = self.members[g]
         if len(ps) == 1:
             buf = out
@@ -210,8 +210,7 @@ class Shards:
                 k = self.size(p)
                 buf[R * at: R * (at + k)].view(R, k).copy_(rows[:, at: at + k])
                 at += k
-            self.tracker.drop(out)
-            self.tracker.add(buf, GATHERED)
+            self.tracker.move(out, buf)
         at = 0
         for p in ps:
             k = self.size(p) * self.replicas

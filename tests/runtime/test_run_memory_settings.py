@@ -74,19 +74,17 @@ def test_zero_equals_one_device(name, zero):
 
 
 def test_zero_lowers_the_measured_peak():
-    """ZeRO 1 and 2 each hold less at their peak than the stage before on the same plan, and
-    ZeRO 3 less than no ZeRO; ZeRO 3 holds the gathered copies of the weights a block's at a
-    time, never all of them (so on a model of two blocks and large embeddings it may hold
-    more than ZeRO 2, as FSDP2 would)."""
+    """Each ZeRO stage holds less at its peak than the one before on the same plan; ZeRO 3
+    holds the gathered copies of the weights, and only a few at a time."""
     base = _run("gpt", "data-parallel")
     peaks = [base.peak_bytes["cpu:0"]] + [_run("gpt", "data-parallel", zero=z).peak_bytes["cpu:0"]
                                           for z in (1, 2, 3)]
-    assert peaks[:3] == sorted(peaks[:3], reverse=True) and peaks[3] < peaks[0]
+    assert peaks == sorted(peaks, reverse=True) and peaks[3] < peaks[0]
     by = {z: _run("gpt", "data-parallel", **({"zero": z} if z else {})).peak_by_category["cpu:0"]
           for z in (0, 1, 3)}
     assert by[1]["optimizer state"] * 2 == by[0]["optimizer state"]
     assert by[3]["parameters"] * 2 <= by[0]["parameters"] + 2 * 64
-    assert 0 < by[3]["gathered"] < by[0]["parameters"]
+    assert 0 < by[3]["gathered"] < by[0]["parameters"] / 2
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
