@@ -17,6 +17,7 @@ read the same rules (the runtime follows them too):
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -72,6 +73,22 @@ def buckets(sizes: list[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
     if cur:
         out.append(cur)
     return out
+
+
+def gather_groups(first_reader: dict[int, int],
+                  unit: Callable[[int], str] | None = None) -> list[list[int]]:
+    """ZeRO 3's weights (keys of ``first_reader``: weight node -> the first op of its stage
+    that reads it) cut into the groups one all-gather moves together, as FSDP2's
+    ``fully_shard`` gathers a wrapped module's parameters at once: the weights whose first
+    readers are in the same recomputation unit (``unit``: an op's unit, :func:`unit_of` of its
+    module path: a repeated block, or a top-level module), or without ``unit`` read first by
+    the same op (a layer's weight and bias). Groups in the order of their first reader,
+    members by their first reader, then node."""
+    groups: dict[object, list[int]] = {}
+    for w in sorted(first_reader, key=lambda w: (first_reader[w], w)):
+        o = first_reader[w]
+        groups.setdefault(unit(o) if unit is not None else o, []).append(w)
+    return list(groups.values())
 
 
 def shard_bytes(nbytes: int, replicas: int) -> int:

@@ -79,6 +79,18 @@ class MemTracker:
             self.live_by[ref[2]] -= ref[1]
             del self.refs[key]
 
+    def move(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Count ``new``'s storage in place of ``old``'s, at once (a copy that replaces the
+        tensor it is made from: its references and category carry over, also inside
+        :meth:`deferred`)."""
+        ref = self.refs.pop(_storage(old).data_ptr(), None)
+        if ref is None:
+            return
+        nbytes = _storage(new).nbytes()
+        self.refs[_storage(new).data_ptr()] = [ref[0], nbytes, ref[2]]
+        self.live += nbytes - ref[1]
+        self.live_by[ref[2]] += nbytes - ref[1]
+
     def reset_peak(self) -> None:
         self.peak = self.live
         self.peak_by = dict(self.live_by)

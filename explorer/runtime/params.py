@@ -53,12 +53,13 @@ class Weights:
     uses: a copy, refreshed from its owner before each step, whose gradient goes back to the
     owner at the end of the step. Gradients, optimizer state and the copies are counted in
     ``tracker``. With the stage's ZeRO setting (replicated stages only), its trainable
-    parameters are sharded over the replicas (``shards``).
+    parameters are sharded over the replicas (``shards``); ZeRO 3 gathers them a
+    recomputation unit at a time (``units``: each node's; None: an op's weights at a time).
     """
 
     def __init__(self, layout: RankLayout, state: dict[str, torch.Tensor], lr: float,
                  messenger: Messenger, tracker: MemTracker, group: Any, record: bool,
-                 mesh: TensorMesh | None = None) -> None:
+                 mesh: TensorMesh | None = None, units: list[str] | None = None) -> None:
         L = self.layout = layout
         self.messenger, self.tracker, self.record = messenger, tracker, record
         weight = [k in ("param", "buffer") for k in L.kind]
@@ -83,6 +84,8 @@ class Weights:
                 t.requires_grad_(True)
             self.value[i] = t
             tracker.add(t, PARAMETERS if L.kind[i] == "param" else BUFFERS)
+        self.shards.set_groups({i: min(c for c in L.succs[i] if L.stage[c] == L.s)
+                                for i in self.shards.ghost if L.local_consumers(i)}, units)
         params = [self.shards.shard.get(i, self.value[i]) for i in self.owned
                   if L.kind[i] == "param"]
         self.optimizer = make_optimizer(L.plan.optimizer, params, lr) if params else None
@@ -115,6 +118,7 @@ class Weights:
         self.uses_left = dict(self.uses)
         self.buckets.start_step()
         self.scatter.start_step()
+        self.shards.start_step()
         for i in self.owned:
             if not L.remote_stages(i):
                 continue

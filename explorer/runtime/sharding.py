@@ -13,14 +13,18 @@ describe them:
   one ``reduce_scatter_tensor`` per bucket, started without waiting as soon as the last of
   its gradients is final (its last use in the step's backward), the full gradients freed
   once it is done, as DDP and FSDP do and as the simulator prices it.
-- ZeRO 3: only the shard is stored. A micro-batch's forward all-gathers a parameter before its
-  first op and frees it after its last; the backward gathers it again when an op's backward
-  needs it and frees it once the micro-batch's gradient of it is made. Autograd never keeps a
-  gathered copy: what it saves of one is a reference (:class:`GatheredRef`) that gathers again.
-  Prefetch depth 1: when an op starts, the gather of the next op's parameters is started
-  (``async_op=True``) so it overlaps the op's compute; a prefetched copy nobody took is freed
-  when the micro-batch's backward is done with the parameter. Each weight is gathered by a
-  collective of its own (as the simulator prices it); gradients go as in ZeRO 2.
+- ZeRO 3: only the shard is stored. The parameters are gathered in groups, one
+  ``all_gather_into_tensor`` per group as FSDP2 gathers a wrapped module's parameters: those
+  first read in the same recomputation unit (a repeated block, or a top-level module;
+  :func:`~explorer.costs.strategies.gather_groups`, as the simulator prices them). A
+  micro-batch's forward gathers a group before its first op and frees it after the last op
+  that reads one of its parameters; the backward gathers it again when an op's backward needs
+  one and frees it once the micro-batch's gradients of its parameters are made. Autograd
+  never keeps a gathered copy: what it saves of one is a reference (:class:`GatheredRef`)
+  that gathers again. Prefetch depth 1: when an op starts, the gather of the next op's
+  groups is started (``async_op=True``) so it overlaps the op's compute; a prefetched copy
+  nobody took is freed when the micro-batch's backward is done with the group. Gradients go
+  as in ZeRO 2.
 
 Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
 gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from explorer.costs.strategies import PARAM_ELEMENT_BYTES, buckets
+from explorer.costs.strategies import PARAM_ELEMENT_BYTES, buckets, gather_groups
 from explorer.runtime.accounting import GATHERED, PARAMETERS, MemTracker
 from explorer.runtime.comm import Messenger
 
@@ -63,17 +67,19 @@ class _Gathered(torch.autograd.Function):
 
 
 class GatheredRef:
-    """What autograd keeps of a saved gathered weight (or a view of it): which parameter and
-    where in it; unpacked in the backward by gathering the parameter again."""
+    """What autograd keeps of a saved gathered weight (or a view of it): which gather group
+    and where in its buffer; unpacked in the backward by gathering the group again."""
 
-    __slots__ = ("offset", "p", "shards", "size", "stride")
+    __slots__ = ("g", "offset", "p", "shards", "size", "stride")
 
-    def __init__(self, shards: Shards, p: int, t: torch.Tensor) -> None:
-        self.shards, self.p = shards, p
+    def __init__(self, shards: Shards, g: int, t: torch.Tensor) -> None:
+        self.shards, self.g, self.p = shards, g, shards.members[g][0]
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def unpack(self) -> torch.Tensor:
-        return self.shards.for_backward(self.p).as_strided(self.size, self.stride, self.offset)
+        self.shards.for_backward(self.p)
+        buf = self.shards.gathered[self.g]
+        return buf.as_strided(self.size, self.stride, self.offset)
 
 
 class Shards:
@@ -90,12 +96,18 @@ class Shards:
         self.flat: dict[int, torch.Tensor] = {}  # ZeRO 1, 2: the padded full parameter
         self.ghost: dict[int, torch.Tensor] = {}  # ZeRO 3: receives the full gradient
         self.shape: dict[int, torch.Size] = {}
-        self.gathered: dict[int, torch.Tensor] = {}  # ZeRO 3: full copies alive
-        self.in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # prefetches: (work, buffer)
-        self.by_storage: dict[int, int] = {}  # storage address of a gathered copy: parameter
-        self.holders: dict[int, set[tuple[str, int, int]]] = {}
+        #: ZeRO 3: each sharded parameter's gather group (:func:`gather_groups`) and its members
+        self.group_of: dict[int, int] = {}
+        self.members: dict[int, list[int]] = {}
+        self.gathered: dict[int, torch.Tensor] = {}  # group -> its gathered buffer
+        self.views: dict[int, torch.Tensor] = {}  # parameter -> its full copy (in the buffer)
+        self.in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # group -> (work, buffer)
+        self.by_storage: dict[int, int] = {}  # storage address of a gathered buffer: group
+        #: group -> (why, members whose uses for it are not done yet) while it is held
+        self.holders: dict[int, dict[tuple[str, int, int], set[int]]] = {}
         self.fwd_left: dict[tuple[int, int, int], int] = {}
         self.bwd_left: dict[tuple[int, int, int], int] = {}
+        self.bwd_done: set[tuple[int, int, int]] = set()  # (p, m, u) whose backward is done
         #: the (micro-batch, shard) whose backward runs now
         self.current: At = (0, 0)
 
@@ -138,54 +150,106 @@ class Shards:
         return out[: self.shape[p].numel()].view(self.shape[p])
 
     # -- ZeRO 3: gathered copies -----------------------------------------------------------
-    def prefetch(self, p: int) -> None:
-        """Start gathering parameter ``p`` (if it is sharded here and not gathered or on its
-        way): an op about to run reads it."""
-        if p not in self.ghost or p in self.gathered or p in self.in_flight:
-            return
-        shard = self.shard[p].detach()
-        out = torch.empty(shard.numel() * self.replicas, dtype=shard.dtype, device=shard.device)
-        work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=True)
-        self.in_flight[p] = (work, out)
-        self.tracker.add(out, GATHERED)
+    def set_groups(self, first_reader: dict[int, int], units: list[str] | None) -> None:
+        """Cut the sharded parameters into gather groups (``first_reader``: parameter -> the
+        first op of the stage that reads it; ``units``: each node's recomputation unit, None:
+        a group per op), each gathered by one collective."""
+        unit = units.__getitem__ if units is not None else None
+        for ps in gather_groups({p: first_reader[p] for p in self.ghost if p in first_reader},
+                                unit):
+            self.members[ps[0]] = ps
+            for p in ps:
+                self.group_of[p] = ps[0]
+        for p in self.ghost:  # (parameters no op of the stage reads: alone)
+            if p not in self.group_of:
+                self.members[p], self.group_of[p] = [p], p
 
-    def _arrived(self, p: int) -> torch.Tensor:
-        """The prefetched buffer of ``p``, once its gather is done (waiting counted)."""
-        work, out = self.in_flight.pop(p)
+    def start_step(self) -> None:
+        self.bwd_done.clear()
+
+    def _start_gather(self, g: int) -> tuple[Any, torch.Tensor]:
+        """Start the all-gather of group ``g``'s shards into one buffer (counted from now)."""
+        mine = torch.cat([self.shard[p].detach() for p in self.members[g]])
+        out = mine.new_empty(mine.numel() * self.replicas)
+        work = dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
+        self.tracker.add(out, GATHERED)
+        return work, out
+
+    def prefetch(self, p: int) -> None:
+        """Start gathering parameter ``p``'s group (if it is sharded here and not gathered or
+        on its way): an op about to run reads it."""
+        g = self.group_of.get(p)
+        if g is None or g in self.gathered or g in self.in_flight:
+            return
+        self.in_flight[g] = self._start_gather(g)
+
+    def _arrived(self, g: int) -> torch.Tensor:
+        """The gathered buffer of group ``g``, once its gather is done (waiting counted)."""
+        work, out = self.in_flight.pop(g)
         self.collective(work.wait)
         return out
 
     def cancel_prefetches(self, only: int | None = None) -> None:
-        """Free prefetched copies nobody took (of ``only``, or all)."""
-        for p in [only] if only is not None else list(self.in_flight):
-            if p in self.in_flight:
-                self.tracker.drop(self._arrived(p))
+        """Free prefetched buffers nobody took (of group ``only``, or all)."""
+        for g in [only] if only is not None else list(self.in_flight):
+            if g in self.in_flight:
+                self.tracker.drop(self._arrived(g))
+
+    def _unpack(self, g: int, out: torch.Tensor) -> torch.Tensor:
+        """Group ``g``'s gathered buffer (replica by replica, each replica's shards of the
+        members side by side) laid out member by member, and each member's full copy a view
+        of it. One member: the buffer itself; else copied out (as FSDP2 does), the copy
+        counted in place of the gathered buffer, which is freed once copied."""
+        ps = self.members[g]
+        if len(ps) == 1:
+            buf = out
+        else:
+            rows, R = out.view(self.replicas, -1), self.replicas
+            buf, at = out.new_empty(out.numel()), 0
+            for p in ps:
+                k = self.size(p)
+                buf[R * at: R * (at + k)].view(R, k).copy_(rows[:, at: at + k])
+                at += k
+            self.tracker.move(out, buf)
+        at = 0
+        for p in ps:
+            k = self.size(p) * self.replicas
+            self.views[p] = buf[at: at + self.shape[p].numel()].view(self.shape[p])
+            at += k
+        return buf
 
     def _hold(self, p: int, why: tuple[str, int, int]) -> torch.Tensor:
-        full = self.gathered.get(p)
-        if full is None:
-            if p in self.in_flight:
-                out = self._arrived(p)  # (counted since the prefetch started)
-                full = out[: self.shape[p].numel()].view(self.shape[p])
-            else:
-                full = self.gather_full(p)
-                self.tracker.add(full, GATHERED)
-            self.gathered[p] = full
-            self.by_storage[full.untyped_storage().data_ptr()] = p
-            self.holders[p] = set()
-        self.holders[p].add(why)
-        return full
+        g = self.group_of[p]
+        if g not in self.gathered:
+            if g not in self.in_flight:
+                self.in_flight[g] = self._start_gather(g)
+            buf = self._unpack(g, self._arrived(g))
+            self.gathered[g] = buf
+            self.by_storage[buf.untyped_storage().data_ptr()] = g
+            self.holders[g] = {}
+        held = self.holders[g]
+        if why not in held:
+            _, m, u = why
+            held[why] = {q for q in self.members[g]
+                         if why[0] == "f" or (q, m, u) not in self.bwd_done}
+        return self.views[p]
 
     def _let_go(self, p: int, why: tuple[str, int, int]) -> None:
-        held = self.holders.get(p)
-        if held is None:
+        g = self.group_of[p]
+        held = self.holders.get(g)
+        if held is None or why not in held:
             return
-        held.discard(why)
+        held[why].discard(p)
+        if held[why]:
+            return
+        del held[why]
         if not held:
-            full = self.gathered.pop(p)
-            del self.holders[p]
-            del self.by_storage[full.untyped_storage().data_ptr()]
-            self.tracker.drop(full)
+            buf = self.gathered.pop(g)
+            del self.holders[g]
+            del self.by_storage[buf.untyped_storage().data_ptr()]
+            for q in self.members[g]:
+                del self.views[q]
+            self.tracker.drop(buf)
 
     def use(self, p: int, m: int, u: int) -> torch.Tensor:
         """Parameter ``p`` for an op's forward on micro-batch ``m``, shard ``u``: gathered
@@ -217,16 +281,17 @@ class Shards:
         self.bwd_left[key] = left
         if left == 0:
             del self.bwd_left[key]
+            self.bwd_done.add(key)
             self._let_go(p, ("b", m, u))
-            if p not in self.gathered:
-                self.cancel_prefetches(p)
+            if self.group_of[p] not in self.gathered:
+                self.cancel_prefetches(self.group_of[p])
 
     def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
         """What autograd keeps instead of ``t`` when it is (a view of) a gathered copy."""
         if not self.by_storage:
             return None
-        p = self.by_storage.get(t.untyped_storage().data_ptr())
-        return None if p is None else GatheredRef(self, p, t)
+        g = self.by_storage.get(t.untyped_storage().data_ptr())
+        return None if g is None else GatheredRef(self, g, t)
 
     # -- gradients and the step --------------------------------------------------------
     def padded(self, p: int, full: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ class StageRunner:
         #: every value an op reads is a DTensor on it
         self.mesh = TensorMesh.of_rank(L.plan, L.s, rank, L.tdev.type, job.placements)
         self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
-                               job.record, self.mesh)
+                               job.record, self.mesh, job.units)
         #: the ops the layout splits (run on DTensors), and per output whether it is one
         self.split = {L.names.index(n) for n in job.split_ops}
         self.local = {L.names.index(n) for n in job.local_ops}

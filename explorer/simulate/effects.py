@@ -5,7 +5,8 @@ A plan without settings never reaches this module (its predictions are those of 
 simulator). With settings, :func:`stage_effects` derives per node and stage what changes;
 :meth:`StageEffects.apply_compute` scales the op times (precision) and adds the recomputed
 forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
-micro-batch all-gathers of the weights, one op ahead of their use (prefetch depth 1);
+micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead of their use
+(prefetch depth 1);
 :mod:`explorer.simulate.tasks` makes the reduce-scatters and post-optimizer all-gathers, and
 :mod:`explorer.simulate.memory` reads the rest (shards, dropped activations, gathered copies).
 """
@@ -21,6 +22,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
 from explorer.costs.strategies import (
     activation_bytes,
+    gather_groups,
     is_matmul_like,
     precision_time_factors,
     recompute_units,
@@ -36,10 +38,11 @@ REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
 
 @dataclass(frozen=True)
 class Gather:
-    """A ZeRO-3 all-gather of one weight for one micro-batch's forward or backward uses."""
+    """A ZeRO-3 all-gather of a group of weights (:func:`gather_groups`) for one
+    micro-batch's forward or backward uses."""
 
     task: int
-    weight: int  # the parameter node
+    weights: tuple[int, ...]  # the parameter nodes
     stage: int
     mb: int
     readers: np.ndarray  # template slots of the forwards (or backwards) that use it
@@ -60,6 +63,9 @@ class StageEffects:
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
+    #: [node] its recomputation unit (:func:`recompute_units`; where a stage has ZeRO 3: its
+    #: weights are gathered a unit at a time)
+    units: list[str] = field(default_factory=list)
     #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
     #: recomputes from them (:func:`recompute_sources`)
     sources: tuple[np.ndarray, np.ndarray] = field(
@@ -160,7 +166,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
-                        casts=(cv[:, 0], cv[:, 1]))
+                        casts=(cv[:, 0], cv[:, 1]),
+                        units=recompute_units(graph) if 3 in zero else [])
 
 
 def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
@@ -193,9 +200,11 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
                        succs: list[list[int]], ops_by_stage: list[np.ndarray],
                        fb: Any, slots: tuple[np.ndarray, np.ndarray], M: int,
                        py_src: list[int], py_dst: list[int]) -> int:
-    """ZeRO 3: per micro-batch, an all-gather of each weight before the forward of the first
-    op that reads it and another before the backward of the last one (the first to run
-    backward), on the stage's replica channel. Prefetch depth 1: each may start once the op
+    """ZeRO 3: per micro-batch, one all-gather of each group of weights (those first read in
+    the same recomputation unit, :func:`gather_groups`, as the runtime gathers them) before the
+    forward of the first op that reads one and another before the backward of the last one
+    (the first to run backward), on the stage's replica channel; the group's gathered copy
+    lives until its last reader is done. Prefetch depth 1: each may start once the op
     two places before its first user (in running order) is done, so it overlaps the op
     between (the two weights used first in a micro-batch's backward, once the backward
     before it is done, or for the first, the forward that runs last before it). ``b`` is the
@@ -215,11 +224,13 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
         bpos = {o: k for k, o in enumerate(bops)}
         weights = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
-        for w in weights.tolist():
-            readers = [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
-            if not readers:
-                continue
-            nbytes = int(A.pbytes[w])
+        read_by = {w: [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
+                   for w in weights.tolist()}
+        for group in gather_groups({w: min(r) for w, r in read_by.items() if r},
+                                   eff.units.__getitem__):
+            readers = sorted({c for w in group for c in read_by[w]})
+            nbytes = int(A.pbytes[group].sum())
+            label = "all-gather " + ", ".join(A.names[w] for w in group)
             dur = b.costs.allgather_s(devs, nbytes)
             first = min(pos[c] for c in readers)
             breaders = [c for c in readers if c in bpos]
@@ -229,7 +240,7 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
             for m in range(M):
                 mo = m * per_m
                 t = b.task(ALLGATHER, chan, dur, sf[s, m] * b.W + min(readers) + N + 1,
-                           f"all-gather {A.names[w]}", m, nbytes)
+                           label, m, nbytes)
                 k = first - 2
                 if k >= 0:
                     py_src.append(int(off_f[ops[k]]) + mo)
@@ -239,12 +250,12 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
                     py_dst.append(t)
                 py_src.extend([t] * len(f_slots))
                 py_dst.extend((f_slots + mo).tolist())
-                eff.gathers.append(Gather(t, w, s, m, f_slots))
+                eff.gathers.append(Gather(t, tuple(group), s, m, f_slots))
                 moved += (len(devs) - 1) * nbytes
                 if last < 0:
                     continue
                 t = b.task(ALLGATHER, chan, dur, sb[s, m] * b.W - bops[last] + N + 1,
-                           f"all-gather {A.names[w]} (backward)", m, nbytes)
+                           f"{label} (backward)", m, nbytes)
                 if last + 2 < len(bops):
                     after = int(off_b[bops[last + 2]]) + mo
                 elif m:  # the stage's backward of the micro-batch before
@@ -255,6 +266,6 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
                 py_dst.append(t)
                 py_src.extend([t] * len(b_slots))
                 py_dst.extend((b_slots + mo).tolist())
-                eff.gathers.append(Gather(t, w, s, m, b_slots))
+                eff.gathers.append(Gather(t, tuple(group), s, m, b_slots))
                 moved += (len(devs) - 1) * nbytes
     return moved

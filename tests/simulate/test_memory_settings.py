@@ -97,6 +97,39 @@ class TestZero:
         assert sorted(gathers) == ["all-gather w1", "all-gather w1 (backward)",
                                    "all-gather w2", "all-gather w2 (backward)"]
 
+    def test_zero_3_gathers_a_layers_weights_in_one_collective(self):
+        # mm2 reads w2 (30 MiB) and a bias b2 (2 MiB): both move in one all-gather, as FSDP2
+        # gathers a module's parameters, for the forward and again for the backward
+        g = chain(40 * MiB, 30 * MiB)
+        nodes = list(g.nodes)
+        k = next(i for i, n in enumerate(nodes) if n.name == "mm2")
+        nodes[k] = dataclasses.replace(nodes[k], inputs=("relu1", "w2", "b2"))
+        nodes.insert(k, dataclasses.replace(nodes[k - 1], name="b2", out_bytes=2 * MiB,
+                                            param_bytes=2 * MiB))
+        g = OpGraph("chain", nodes, 8, "export", "loss")
+        cl = cluster(2, bandwidth=10 * MiB, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+        pred = simulate(g, plan.with_memory(zero=3), costs(g, cl, FWD, BWD))
+        ivs = {iv.label: iv for iv in pred.timeline if iv.kind == "all-gather"
+               and iv.device == "d:0"}
+        assert sorted(ivs) == ["all-gather w1", "all-gather w1 (backward)",
+                               "all-gather w2, b2", "all-gather w2, b2 (backward)"]
+        # half of 32 MiB at 10 MiB/s
+        assert ivs["all-gather w2, b2"].end_s - ivs["all-gather w2, b2"].start_s == \
+            pytest.approx(1.6)
+
+    def test_zero_3_gathers_a_blocks_weights_in_one_collective(self):
+        # mm2 in the same block as mm1 (layers.0): w1 and w2 move in one all-gather before
+        # mm1, and live together until mm2's forward is done; again for the backward
+        g = chain(40 * MiB, 30 * MiB, mm2_module="layers.0.out")
+        cl = cluster(2, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+        pred = simulate(g, plan.with_memory(zero=3), costs(g, cl, FWD, BWD))
+        gathers = [iv.label for iv in pred.timeline if iv.kind == "all-gather"
+                   and iv.device == "d:0"]
+        assert sorted(gathers) == ["all-gather w1, w2", "all-gather w1, w2 (backward)"]
+        assert pred.memory["d:0"].gathered_bytes == 70 * MiB
+
     def test_gathers_are_priced_as_half_a_ring_all_reduce_and_prefetched(self):
         # 10 MiB/s: gathering w1 (40 MiB) over 2 ranks moves half of it: 2 s
         _, pred = zero_case(3, bandwidth=10 * MiB)
