@@ -160,3 +160,21 @@ def test_tensor_split_chosen_where_it_wins_and_agrees_with_pase():
     step = simulate(g, plan, costs).step_s
     assert step < simulate(g, ex.partition(g, cl, costs, "pipeline-dp"), costs).step_s
     assert step == pytest.approx(simulate(g, ex.partition(g, cl, costs, "pase"), costs).step_s)
+
+
+def test_a_graph_too_deep_for_stage_cuts_gets_one_stage_meshes_with_a_note():
+    from explorer.models.synthetic import layered_dag
+    g = layered_dag(400, seed=3)
+    cl = ex.Cluster.preset("4xH100")
+    costs = roofline_costs(g, cl)
+    with pytest.raises(ExplorerError, match="too many layers"):
+        choose_layers(g, None, 2, 1, False)
+    plan = ex.partition(g, cl, costs, "degrees", max_layers=2)
+    assert len(plan.stages) == 1
+    assert any("one pipeline stage only" in nt and "too many layers" in nt
+               for nt in plan.notes)
+    for base in ("single", "data-parallel"):  # and no slower than the baselines
+        other = ex.partition(g, cl, costs, base)
+        assert simulate(g, plan, costs).step_s <= simulate(g, other, costs).step_s * (1 + 1e-9)
+    with pytest.raises(ExplorerError, match="too many"):  # an explicit depth still says
+        ex.partition(g, cl, costs, "degrees", max_layers=2, depth=1)

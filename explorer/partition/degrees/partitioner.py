@@ -126,7 +126,16 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         check_micro_batches(m)
     if simulate_top < 1:
         raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
-    layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
+    whole = ""
+    try:
+        layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
+    except ExplorerError as exc:
+        if depth is not None:
+            raise
+        # no module depth has few enough layers to cut into stages: one stage, split by
+        # data and tensor degrees only
+        layers, used_depth = [list(range(len(graph.nodes)))], 0
+        whole = f"degrees: one pipeline stage only ({exc})"
     space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
                         schedules, pins, 1.0)
     cands = enumerate_candidates(space, costs, graph.batch_size)
@@ -154,7 +163,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         cand_note = (f"degrees: {_describe(_chosen(plan), len(ids))}: simulated "
                      f"{pred.step_s:.4g} s per step (estimate {plan.options['estimate_s']:.4g}"
                      f" s); the fastest of {tried} simulated of {len(cands)} candidates")
-        best = (plan.with_settings(notes=(cand_note,),
+        best = (plan.with_settings(notes=(cand_note, *([whole] if whole else [])),
                                    options={**plan.options, "simulated": tried}), pred)
     if compare_pipeline_dp:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
