@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import megatron_layout
+from explorer.partition.guard import replicated
 from explorer.partition.pase.model import PaseModel
 from explorer.partition.pase.strategy import PaseResult
 
@@ -106,9 +107,8 @@ def tensor_plan(graph: OpGraph, mapping: TensorMapping, ids: Sequence[str], opti
     opts = {**options, "stage_layers": [[0, options.get("layers", 0)]],
             "replicas": [mapping.replicas], "dp": mapping.replicas, "tp": mapping.tensor,
             "pp": 1, "degrees": f"{mapping.replicas}x{mapping.tensor}x1"}
-    plan = Plan.from_assignment(graph, [devices], dict.fromkeys(range(len(graph)), 0),
-                                algorithm="pase", optimizer=optimizer, options=opts,
-                                pinned=frozenset(pins), notes=tuple(notes))
+    plan = replicated(graph, devices, algorithm="pase", optimizer=optimizer, options=opts,
+                      pinned=frozenset(pins), notes=tuple(notes))
     return plan.with_tensor(mapping.tensor)
 
 
