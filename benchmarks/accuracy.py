@@ -140,7 +140,11 @@ def main() -> None:
     for name in args.models.split(","):
         bm = ex.builtin_model(name, args.size)
         graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
-        costs = ex.profile(graph, cluster, progress=False, cache=args.cached)
+        # the half precisions the plans compute in are timed too, as `explorer plan
+        # --precision` does
+        half = tuple(sorted({m["precision"] for _, _, m in plans
+                             if m.get("precision", "fp32") != "fp32"}))
+        costs = ex.profile(graph, cluster, progress=False, cache=args.cached, precisions=half)
         todo = []
         seen: dict[tuple, int] = {}  # a plan's signature -> its row in todo
         for alg, opts, memory in plans:
@@ -166,7 +170,7 @@ def main() -> None:
                 got.append(ex.run(graph, plan=plan, costs=costs, steps=args.steps,
                                   warmup=args.warmup, progress=False))
         # the profile again, a few minutes later: how much a prediction moves with it
-        again = ex.profile(graph, cluster, progress=False, cache=False)
+        again = ex.profile(graph, cluster, progress=False, cache=False, precisions=half)
         for label, plan, got, same in todo:
             runs.append((name, label, graph, costs, plan, ex.simulate(graph, plan, costs),
                          _pooled(got), got, same, ex.simulate(graph, plan, again)))

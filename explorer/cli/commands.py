@@ -61,7 +61,9 @@ def _prepare(args: argparse.Namespace):
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
     t_capture = time.perf_counter() - t0
     t0 = time.perf_counter()
-    costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet)
+    half = getattr(args, "precision", None)  # timed too, so that stages in it are measured
+    costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet,
+                       precisions=(half,) if half not in (None, "fp32") else ())
     t_profile = time.perf_counter() - t0
     return bm, graph, cluster, costs, t_capture, t_profile
 

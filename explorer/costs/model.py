@@ -17,6 +17,7 @@ import numpy as np
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE
+from explorer.costs.strategies import precision_time_factors
 from explorer.devices.cluster import Cluster, Device
 from explorer.devices.presets import KindFit, roofline_fit
 from explorer.platforms import Platform, platform_of
@@ -71,6 +72,11 @@ class DeviceCosts:
     #: what DTensor adds to a tensor-parallel stage's ops (:data:`DTENSOR_KEYS`), measured by
     #: a host probe; empty where not measured (then nothing is added)
     dtensor: dict[str, float] = field(default_factory=dict)
+    #: per precision other than fp32 ("bf16", "fp16") the device was also timed at (the same
+    #: steps under ``torch.autocast``, casts included): ``[fwd_s, bwd_s]``, per node; empty
+    #: where not measured (then :func:`~explorer.costs.strategies.precision_time_factors`'
+    #: rule prices that precision)
+    precision_s: dict[str, list[list[float]]] = field(default_factory=dict)
 
     @property
     def replica_effects(self) -> ReplicaEffects:
@@ -181,6 +187,26 @@ class CostModel:
     def bwd_s(self, i: int, device_id: str, fraction: float = 1.0) -> float:
         dc = self._dc(device_id)
         return self._scaled(dc.at(dc.bwd_s, dc.bwd_at, i, fraction))
+
+    def precision_factors(self, graph: OpGraph, device_id: str, precision: str
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """[node] factors on each op's forward and backward seconds when its stage computes in
+        ``precision`` on ``device_id``: the ratio of the times measured at that precision to the
+        fp32 ones where the device was timed at it (``DeviceCosts.precision_s``), else
+        :func:`~explorer.costs.strategies.precision_time_factors`' rule for both."""
+        dc = self._dc(device_id)
+        timed = dc.precision_s.get(precision) if precision != "fp32" else None
+        if not timed:
+            dev = self.cluster.device(device_id)
+            f = precision_time_factors(graph, precision, dev.kind, dev.flops_per_s,
+                                       dev.half_flops_per_s)
+            return f, f
+
+        def ratio(half: list[float], full: np.ndarray) -> np.ndarray:
+            h = np.asarray(half, dtype=np.float64)
+            return np.divide(h, full, out=np.ones(len(full)), where=full > 0.0)
+
+        return ratio(timed[0], dc.array("fwd_s")), ratio(timed[1], dc.array("bwd_s"))
 
     def _scaled(self, t: float) -> float:
         """Apply the calibration factors to a profiled time."""

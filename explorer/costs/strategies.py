@@ -10,8 +10,10 @@ read the same rules (the runtime follows them too):
   path cut after its repeated-block index (:func:`recompute_units`).
 - Precision bf16/fp16 runs ops under ``torch.autocast``: matmul-like ops make 2-byte outputs,
   the ops autocast keeps in fp32 make 4-byte ones, the others follow the widest floating input
-  (:func:`half_outputs`). On GPUs matmul-like ops run at the half-precision peak and other ops
-  move half the bytes (:func:`precision_time_factors`); on CPUs the fp32 times stand.
+  (:func:`half_outputs`). Where the profile timed the device in that precision, those times
+  price it (``DeviceCosts.precision_s``); otherwise on GPUs matmul-like ops run at the
+  half-precision peak and other ops move half the bytes (:func:`precision_time_factors`), and on
+  CPUs the fp32 times stand.
 """
 
 from __future__ import annotations

@@ -180,6 +180,10 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     checks.append(("fractions", isinstance(fractions, list)
                    and all(finite_number(f) and 0 < f < 1 for f in fractions)
                    and all(a > b for a, b in itertools.pairwise(fractions))))
+    timed = d.get("precision_s", {})
+    checks.append(("precision_s", isinstance(timed, dict) and all(
+        isinstance(k, str) and isinstance(v, list) and len(v) == 2
+        and all(_times(t, n) for t in v) for k, v in timed.items())))
     for k in ("fwd_at", "bwd_at"):
         v = d.get(k, [])
         checks.append((k, isinstance(v, list) and isinstance(fractions, list)
@@ -208,6 +212,7 @@ _WHAT = {"source": "a list of texts, one per node",
          "optimizer_s_per_tensor": "a table of numbers of 0 to 1e6",
          "dtensor": "a table of numbers of 0 to 1e6",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
+         "precision_s": "a table of [forward, backward] times per node for each precision",
          "fwd_at": "one list of times per node for each fraction",
          "bwd_at": "one list of times per node for each fraction"}
 
@@ -390,13 +395,44 @@ def _at_most(times: list[float], bigger: list[float]) -> list[float]:
 
 
 
+def measure_precision(graph: OpGraph, dev: Device, precision: str, base: DeviceCosts,
+                      repeats: int = REPEATS, warmup: int = 2, pool: RankPool | None = None,
+                      report: Report | None = None) -> list[list[float]]:
+    """``[fwd_s, bwd_s]`` per node of ``graph`` on ``dev`` with every op under
+    ``torch.autocast`` in ``precision`` ("bf16" or "fp16"), as a plan's stage in that
+    precision runs them (casts included); what :attr:`DeviceCosts.precision_s` holds.
+
+    Each of ``ROUNDS`` rounds times the whole batch in fp32 and then in ``precision``, back to
+    back, so both see the host alike; each op's ratio of the two (means over the rounds)
+    scales its times in ``base``, the fp32 profile the result goes with, which may have been
+    measured at another moment.
+    """
+    bar = RunsBar(2 * ROUNDS, f"profiling {graph.name} on {dev.id} in {precision}", False,
+                  report)
+    full, half = [], []
+    for _ in range(ROUNDS):
+        for p, got in (("fp32", full), (precision, half)):
+            got.append(measure_in_runtime(graph, dev, repeats, warmup, False, pool=pool,
+                                          precision=p))
+            bar.update()
+    bar.close()
+    (f32, b32, _), (f16, b16, _) = _mean_of_rounds(full), _mean_of_rounds(half)
+
+    def scaled(times: list[float], new: list[float], old: list[float]) -> list[float]:
+        return [t * n / o if o > 0.0 else t for t, n, o in zip(times, new, old, strict=True)]
+
+    return [scaled(base.fwd_s, f16, f32), scaled(base.bwd_s, b16, b32)]
+
+
 def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
-                       progress: bool, micro_batches: int = 1, pool: RankPool | None = None
-                       ) -> tuple[list[float], list[float], float]:
-    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank:
-    each op's median over steps and micro-batches, scaled so that together they make the
-    median step's busy time."""
+                       progress: bool, micro_batches: int = 1, pool: RankPool | None = None,
+                       precision: str = "fp32") -> tuple[list[float], list[float], float]:
+    """Per-op forward/backward seconds and the optimizer step, from real steps on one rank
+    (its ops in ``precision``): each op's median over steps and micro-batches, scaled so
+    that together they make the median step's busy time."""
     plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
+    if precision != "fp32":
+        plan = plan.with_memory(precision=precision)
     meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
                       device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0,
                       pool=pool)

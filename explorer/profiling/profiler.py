@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
+from explorer.core.plan import PRECISIONS
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
@@ -25,6 +26,8 @@ from explorer.profiling import dtensor_probe, host, ops
 from explorer.profiling.ops import REPEATS
 from explorer.runtime.pool import RankPool
 
+#: the precisions a profile can also time devices at (besides fp32)
+HALF_PRECISIONS = tuple(p for p in PRECISIONS if p != "fp32")
 #: whether a profile's runs share rank processes (:class:`RankPool`) rather than each start
 #: its own, which costs seconds per run
 REUSE_RANKS = True
@@ -53,7 +56,8 @@ Partial = Callable[[Preliminary], None]
 
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
             cache: bool = True, progress: bool = True, message: bool = True,
-            report: ops.Report | None = None, partial: Partial | None = None) -> CostModel:
+            report: ops.Report | None = None, partial: Partial | None = None,
+            precisions: tuple[str, ...] = ()) -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -70,8 +74,14 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     each run (a widget shows it). ``partial`` (where given) gets usable numbers early: a
     :class:`Preliminary` as soon as the first whole-batch op timing run of a device type that
     is measured is done. It changes nothing of what is measured or returned, and only the
-    final profile is cached.
+    final profile is cached. ``precisions`` (e.g. ``("bf16",)``): measured devices are also
+    timed with their ops in those precisions (:func:`ops.measure_precision`, kept with the
+    profile), so stages set to compute in them are predicted from what they cost here rather
+    than from a rule (which on CPUs leaves the fp32 times).
     """
+    if bad := sorted(set(precisions) - set(HALF_PRECISIONS)):
+        raise ExplorerError(f"precision {bad[0]!r} is not one a profile can time: "
+                            f"use {' or '.join(HALF_PRECISIONS)}")
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
     per_type: dict[str, DeviceCosts] = {}
@@ -97,6 +107,13 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                               report=report, first=first)
             runs_done += ops.timing_runs(graph) + (2 * host.CONTENTION_ROUNDS if contention
                                                    else 0)
+            if missing := [p for p in precisions if p not in dc.precision_s
+                           and graph.source == "export"]:
+                for p in missing:
+                    dc.precision_s[p] = ops.measure_precision(graph, dev, p, dc, repeats, warmup,
+                                                              pool=pool, report=report)
+                if cache:
+                    ops.store(ops.cache_path(graph, dev, repeats), dc)
             if not dc.contention and contention:
                 try:
                     dc.contention, dc.replica_spread, dc.optimizer_contention = \

@@ -20,11 +20,11 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
+from explorer.costs.model import CostModel
 from explorer.costs.strategies import (
     activation_bytes,
     gather_groups,
     is_matmul_like,
-    precision_time_factors,
     recompute_units,
     recomputed_outputs,
     shard_bytes,
@@ -76,22 +76,22 @@ class StageEffects:
     casts: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
 
-    def apply_compute(self, graph: OpGraph, cluster: Cluster, plan: Plan, A: GraphArrays,
+    def apply_compute(self, graph: OpGraph, costs: CostModel, plan: Plan, A: GraphArrays,
                       st: np.ndarray, fwd_d: np.ndarray, bwd_d: np.ndarray) -> None:
         """Scale ``fwd_d`` and ``bwd_d`` (seconds per node, in place) by each stage's
-        precision on its slowest device type, then add every recomputed forward to the
+        precision on its slowest device type (:meth:`CostModel.precision_factors`: measured
+        where the profile timed that precision), then add every recomputed forward to the
         backward that runs it."""
         is_op, has_b = A.is_op, A.has_b
         for s, sett in enumerate(self.settings):
             if sett.precision == "fp32":
                 continue
-            devs = {cluster.device(d).type_key: cluster.device(d) for d in plan.stages[s]}
-            f = np.max([precision_time_factors(graph, sett.precision, dev.kind, dev.flops_per_s,
-                                               dev.half_flops_per_s) for dev in devs.values()],
-                       axis=0)
+            one_of_each = {costs.cluster.device(d).type_key: d for d in plan.stages[s]}
+            factors = [costs.precision_factors(graph, d, sett.precision)
+                       for d in one_of_each.values()]
             on = (st == s) & is_op
-            fwd_d[on] *= f[on]
-            bwd_d[on] *= f[on]
+            fwd_d[on] *= np.max([f for f, _ in factors], axis=0)[on]
+            bwd_d[on] *= np.max([b for _, b in factors], axis=0)[on]
         # every op with a recomputing backward runs its forward again there
         extra = np.zeros(A.n)
         rc = np.flatnonzero(is_op & (self.rc_op >= 0))

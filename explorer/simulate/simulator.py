@@ -49,7 +49,6 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
-from explorer.costs.strategies import precision_time_factors
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.memory import memory_at_peaks
@@ -196,19 +195,21 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
         critical_path=_CriticalPath(tasks, timing, last),  # type: ignore[arg-type]
         bottleneck=bottleneck,
         lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs),
-                                           _half_factors(graph, plan, cluster)),
+                                           _half_factors(graph, plan, costs)),
         algorithm=plan.algorithm)
 
 
-def _half_factors(graph: OpGraph, plan: Plan, cluster: Cluster
+def _half_factors(graph: OpGraph, plan: Plan, costs: CostModel
                   ) -> dict[str, np.ndarray] | None:
     """Where a stage computes in bf16 or fp16, every op's time factor in that precision per
-    device type (so the lower bound stays below what the plan can reach); None otherwise."""
+    device type, the smaller of its forward's and backward's (so the lower bound stays below
+    what the plan can reach); None otherwise."""
     half = [st.precision for st in plan.stage_settings if st.precision != "fp32"]
     if not half:
         return None
-    return {d.type_key: precision_time_factors(graph, half[0], d.kind, d.flops_per_s,
-                                               d.half_flops_per_s) for d in cluster.devices}
+    one_of_each = {d.type_key: d.id for d in costs.cluster.devices}
+    return {k: np.minimum(*costs.precision_factors(graph, d, half[0]))
+            for k, d in one_of_each.items()}
 
 
 class _Timeline(Deferred):

@@ -173,7 +173,7 @@ class _Builder:
                if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
         out_act = A.out_b if eff is None else eff.act_bytes  # activations' bytes
         if eff is not None:
-            eff.apply_compute(g, costs.cluster, plan, A, st, fwd_d, bwd_d)
+            eff.apply_compute(g, costs, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
         msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
                         for s in range(S)], dtype=np.float64)

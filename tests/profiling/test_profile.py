@@ -176,6 +176,40 @@ class TestMeasured:
         assert dc.fractions == [0.5, 0.25]
         assert dc.fwd_at[1][i] == pytest.approx(1.25e-3 / 4)
 
+    def test_a_precision_is_timed_in_rounds_beside_fp32(self, gpt, monkeypatch):
+        # each round times fp32 then bf16 back to back; the ratio of the two scales the fp32
+        # profile the times go with, even if that was measured at a slower moment
+        calls = []
+
+        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1, pool=None,
+                     precision="fp32"):
+            calls.append(precision)
+            slow = 1.0 + (len(calls) > 2)  # the host slows down in the second round
+            k = slow * (3.0 if precision == "bf16" else 1.0)
+            ops_ = [k * (n.kind == "op") * 1e-3 for n in graph.nodes]
+            return ops_, [2 * t for t in ops_], 1e-3
+
+        monkeypatch.setattr(ops, "measure_in_runtime", fake_run)
+        monkeypatch.setattr(ops, "ROUNDS", 2)
+        ones = [5e-3 * (n.kind == "op") for n in gpt.nodes]
+        base = DeviceCosts(CPU_KEY, ones, ones, ["measured"] * len(gpt), 1e-6)
+        fwd, bwd = ops.measure_precision(gpt, Cluster.cpu(1, measure=False).devices[0],
+                                         "bf16", base, 2, 0)
+        assert calls == ["fp32", "bf16", "fp32", "bf16"]
+        i = gpt.index[gpt.loss]
+        assert fwd[i] == pytest.approx(15e-3) and bwd[i] == pytest.approx(15e-3)
+        assert fwd[gpt.index[next(n.name for n in gpt.nodes if n.kind == "input")]] == 0.0
+
+    def test_bf16_measured_beside_the_profile(self, gpt, measured):
+        costs = ex.profile(gpt, Cluster.cpu(2, measure=False), precisions=("bf16",), **FAST)
+        fwd, bwd = costs.per_type[CPU_KEY].precision_s["bf16"]
+        timed = [i for i, n in enumerate(gpt.nodes) if n.kind == "op"]
+        assert all(fwd[i] > 0 for i in timed)
+        assert sum(bwd) > 0
+        plan = ex.Plan.single(gpt, "cpu:0").with_memory(precision="bf16")
+        f, b = costs.precision_factors(gpt, "cpu:0", "bf16")
+        assert ex.simulate(gpt, plan, costs).step_s > 0 and (f != 1).any()
+
     def test_bad_repeats(self, gpt):
         cl = Cluster.cpu(1, measure=False)
         with pytest.raises(ExplorerError, match="repeats must be >= 1"):
@@ -249,6 +283,27 @@ class TestCache:
         assert costs.fwd_s(gpt.index[gpt.loss], "cpu:0") == pytest.approx(1e-3)
         assert json.loads(entry.read_text())["version"] == ops.PROFILE_VERSION
         assert [p.name for p in cache.iterdir()] == [entry.name]  # no .tmp left behind
+
+    def test_precisions_are_measured_once_and_kept_with_the_profile(self, gpt, fake, cache,
+                                                                     monkeypatch):
+        timed = []
+
+        def measure_precision(graph, dev, precision, base, *args, **kwargs):
+            timed.append(precision)
+            return [[2 * t for t in base.fwd_s], [2 * t for t in base.bwd_s]]
+
+        monkeypatch.setattr(ops, "measure_precision", measure_precision)
+        cl = Cluster.cpu(1, measure=False)
+        ex.profile(gpt, cl, **FAST)
+        costs = ex.profile(gpt, cl, precisions=("bf16",), **FAST)
+        again = ex.profile(gpt, cl, precisions=("bf16",), **FAST)
+        assert len(fake) == 1 and timed == ["bf16"]  # the fp32 profile and bf16 from cache
+        assert again.per_type[CPU_KEY].precision_s == costs.per_type[CPU_KEY].precision_s
+        plan = ex.Plan.single(gpt, "cpu:0")
+        assert ex.simulate(gpt, plan.with_memory(precision="bf16"), again).step_s \
+            == pytest.approx(2 * ex.simulate(gpt, plan, again).step_s, rel=0.05)
+        with pytest.raises(ExplorerError, match="use bf16 or fp16"):
+            ex.profile(gpt, cl, precisions=("fp8",), **FAST)
 
     def test_unwritable_cache_does_not_stop_profiling(self, gpt, fake, tmp_path, monkeypatch):
         blocker = tmp_path / "file"

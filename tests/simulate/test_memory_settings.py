@@ -257,6 +257,28 @@ class TestPrecision:
         assert half_outputs(g, "cuda").tolist() == [False, False, True, True, False, True,
                                                    False]
 
+    def test_times_measured_in_the_precision_replace_the_rule(self):
+        # a device timed in bf16 (its profile's precision_s) is predicted from those times,
+        # forward and backward each, on CPU ranks and GPUs alike; the lower bound follows
+        g = chain()
+        dev = Device("g:0", "cuda", "gpu", 2**40, 1e12, 4e12, 1e12, 100.0, 10.0, False, "",
+                     "test")
+        for cl in (cluster(1, memory=2**40), Cluster("gpu", (dev,), Link(0.0, 1.0, "t"))):
+            c = costs(g, cl, FWD, BWD)
+            dc = c.per_type[cl.devices[0].type_key]
+            dc.precision_s["bf16"] = [[2 * t for t in dc.fwd_s], [3 * t for t in dc.bwd_s]]
+            pred = simulate(g, Plan.single(g, cl.devices[0].id).with_memory(precision="bf16"),
+                            c)
+            want = 2 * sum(FWD.values()) + 3 * sum(BWD.values())
+            assert pred.step_s == pytest.approx(want)
+            assert pred.lower_bound_s == pytest.approx(2 * sum(FWD.values())
+                                                       + 2 * sum(BWD.values()))
+            f, b = c.precision_factors(g, cl.devices[0].id, "bf16")
+            assert f[g.index["mm1"]] == 2 and b[g.index["mm1"]] == 3
+            assert f[g.index["x"]] == 1  # (no time: no factor)
+            # another precision the device was not timed in keeps the rule
+            assert c.precision_factors(g, cl.devices[0].id, "fp16")[0][g.index["x"]] == 1
+
 
 def test_default_settings_change_nothing():
     g, _ = zero_case(0)
