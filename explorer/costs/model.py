@@ -77,6 +77,10 @@ class DeviceCosts:
     #: where not measured (then :func:`~explorer.costs.strategies.precision_time_factors`'
     #: rule prices that precision)
     precision_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: processor seconds each of ZeRO's collectives costs a rank of this type beyond the
+    #: link's time (issuing it, a communication thread taking the rank's core, waking the
+    #: rank that waits for it), measured by a host probe on CPU ranks; 0 where not measured
+    collective_s: float = 0.0
 
     @property
     def replica_effects(self) -> ReplicaEffects:

@@ -192,6 +192,7 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     checks.append(("contention", contention == [] or (
         _times(contention, n) and all(x > 0 for x in contention))))
     checks.append(("replica_spread", _bounded(d.get("replica_spread", 0.0))))
+    checks.append(("collective_s", _bounded(d.get("collective_s", 0.0))))
     opt = d.get("optimizer_contention", 1.0)
     checks.append(("optimizer_contention", _bounded(opt) and opt > 0))
     held = d.get("workspace_bytes", 0)
@@ -206,6 +207,7 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
 
 _WHAT = {"source": "a list of texts, one per node",
          "overhead_s": "a number of 0 to 1e6", "replica_spread": "a number of 0 to 1e6",
+         "collective_s": "a number of 0 to 1e6",
          "optimizer_contention": "a number above 0, at most 1e6",
          "workspace_bytes": "a whole number of bytes >= 0",
          "optimizer_s_per_byte": "a table of numbers of 0 to 1e6",

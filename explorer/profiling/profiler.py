@@ -22,7 +22,7 @@ from explorer.core.plan import PRECISIONS
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
-from explorer.profiling import dtensor_probe, host, ops
+from explorer.profiling import collective_probe, dtensor_probe, host, ops
 from explorer.profiling.ops import REPEATS
 from explorer.runtime.pool import RankPool
 
@@ -130,9 +130,13 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         if message and graph.runtime is not None:
             message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
             dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report)
+            collective_s = collective_probe.collective_costs(cluster, cache, pools.get("cpu"),
+                                                             report)
             for dev in cluster.devices:
-                if dtensor and dev.kind == "cpu" and dev.present:
-                    per_type[dev.type_key].dtensor = dtensor
+                if dev.kind == "cpu" and dev.present:
+                    if dtensor:
+                        per_type[dev.type_key].dtensor = dtensor
+                    per_type[dev.type_key].collective_s = collective_s
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 

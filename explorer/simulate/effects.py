@@ -13,6 +13,7 @@ micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead 
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,19 @@ class StageEffects:
         np.add.at(extra, self.rc_op[rc], fwd_d[rc])
         self.recompute_s = np.bincount(st, weights=extra, minlength=len(self.settings)).tolist()
         bwd_d += np.where(has_b, extra, 0.0)
+        # ZeRO 3: what each gather costs the rank's processor beyond the link (measured on
+        # CPU ranks, DeviceCosts.collective_s), in the op that waits for it: the group's
+        # first reader in the forward, the first to run backward in the backward
+        for s, z in enumerate(self.zero):
+            cost = max(costs.device_costs(d).collective_s for d in plan.stages[s]) \
+                if z == 3 else 0.0
+            if cost <= 0.0:
+                continue
+            stage_ops = set(np.flatnonzero((st == s) & is_op).tolist())
+            for _, readers in weight_groups(A, st, s, graph.succs, stage_ops, self.units):
+                fwd_d[readers[0]] += cost
+                if back := [c for c in readers if has_b[c]]:
+                    bwd_d[back[-1]] += cost
 
 
 def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
@@ -196,6 +210,19 @@ def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: n
     return pv[:, 0], pv[:, 1]
 
 
+def weight_groups(A: GraphArrays, st: np.ndarray, s: int, succs: list[list[int]],
+                  stage_ops: Container[int], units: list[str]
+                  ) -> list[tuple[list[int], list[int]]]:
+    """ZeRO 3's gather groups of stage ``s`` (:func:`gather_groups` over ``units``), each with
+    the ops of the stage (``stage_ops``) that read one of its weights, in node order."""
+    weights = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
+    read_by = {w: [w] if A.is_op[w] else [c for c in succs[w] if c in stage_ops]
+               for w in weights.tolist()}
+    return [(group, sorted({c for w in group for c in read_by[w]}))
+            for group in gather_groups({w: min(r) for w, r in read_by.items() if r},
+                                       units.__getitem__)]
+
+
 def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray,
                        succs: list[list[int]], ops_by_stage: list[np.ndarray],
                        fb: Any, slots: tuple[np.ndarray, np.ndarray], M: int,
@@ -222,13 +249,8 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
         pos = {int(o): k for k, o in enumerate(ops.tolist())}
         bops = ops[A.has_b[ops]].tolist()
         bpos = {o: k for k, o in enumerate(bops)}
-        weights = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
-        read_by = {w: [w] if A.is_op[w] else [c for c in succs[w] if c in pos]
-                   for w in weights.tolist()}
-        for group in gather_groups({w: min(r) for w, r in read_by.items() if r},
-                                   eff.units.__getitem__):
-            readers = sorted({c for w in group for c in read_by[w]})
+        for group, readers in weight_groups(A, st, s, succs, pos, eff.units):
             nbytes = int(A.pbytes[group].sum())
             label = "all-gather " + ", ".join(A.names[w] for w in group)
             dur = b.costs.allgather_s(devs, nbytes)

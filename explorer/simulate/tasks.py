@@ -340,6 +340,7 @@ class _Builder:
                             if unscaled else 0.0)) * self._opt_slowed(dv)
                         + optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
                         for dv in types[s].values())
+            zero_calls = 0  # ZeRO's collectives of the stage's buckets
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)
                 has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
@@ -356,6 +357,7 @@ class _Builder:
                         k_ = len(group)
                         if zero[s] >= 2:  # each rank keeps 1/k of the gradient
                             d = costs.reduce_scatter_s(group, size) + lag
+                            zero_calls += 1
                             allreduce_bytes += int((k_ - 1) * size)
                             t = self.task(REDUCE_SCATTER, chan, d, self.prio(k),
                                           f"reduce-scatter {size} B", -1, size)
@@ -380,6 +382,12 @@ class _Builder:
                         bucket, size = [], 0
             if not trainable_count[s]:
                 continue
+            mine = [int(held[i]) for i in A.trainable if stage[i] == s] \
+                if zero[s] in (1, 2) else []
+            zero_calls += len(buckets(mine)) if mine else 0
+            if zero_calls:  # what each costs the ranks' processors beyond the link, waited
+                # for around the step (DeviceCosts.collective_s, measured on CPU ranks)
+                d_opt += zero_calls * max(costs.device_costs(d).collective_s for d in reps[s])
             t = self.task(OPTIMIZER, stage_res[s], d_opt, self.prio(_LAST),
                           f"{plan.optimizer} step")
             py_src.extend(before_opt)
@@ -390,7 +398,6 @@ class _Builder:
                 edges(last, np.full(len(last), t), m)
             if zero[s] in (1, 2):  # the updated shards gathered into the full weights,
                 # one all-gather per bucket of them, in turn
-                mine = [int(held[i]) for i in A.trainable if stage[i] == s]
                 for bucket in buckets(mine):
                     size = sum(mine[k] for k in bucket)
                     ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),

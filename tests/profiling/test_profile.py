@@ -28,6 +28,7 @@ ops = importlib.import_module("explorer.profiling.ops")
 host = importlib.import_module("explorer.profiling.host")
 profiler = importlib.import_module("explorer.profiling.profiler")
 dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
+collective_probe = importlib.import_module("explorer.profiling.collective_probe")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -208,7 +209,7 @@ class TestMeasured:
         assert sum(bwd) > 0
         plan = ex.Plan.single(gpt, "cpu:0").with_memory(precision="bf16")
         f, b = costs.precision_factors(gpt, "cpu:0", "bf16")
-        assert ex.simulate(gpt, plan, costs).step_s > 0 and (f != 1).any()
+        assert ex.simulate(gpt, plan, costs).step_s > 0 and (f != 1).any() and (b != 1).any()
 
     def test_bad_repeats(self, gpt):
         cl = Cluster.cpu(1, measure=False)
@@ -419,6 +420,9 @@ class TestSharedRanks:
         monkeypatch.setattr(dtensor_probe, "dtensor_costs",
                             lambda cl, cache, pool=None, report=None:
                             got.append(("dtensor", pool)) or {"op_fwd_s": 1e-4})
+        monkeypatch.setattr(collective_probe, "collective_costs",
+                            lambda cl, cache, pool=None, report=None:
+                            got.append(("collective", pool)) or 2e-4)
         return got
 
     @pytest.fixture
@@ -435,8 +439,10 @@ class TestSharedRanks:
         costs = ex.profile(gpt, host2, report=said.append, **FAST)
         pools = {id(p) for _, p in runs}
         assert len(pools) == 1 and runs[0][1] is not None
-        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message", "dtensor"]
+        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message", "dtensor",
+                                                               "collective"]
         assert costs.per_type[CPU_KEY].dtensor == {"op_fwd_s": 1e-4}
+        assert costs.per_type[CPU_KEY].collective_s == 2e-4
         assert closed == [runs[0][1]] and runs[0][1].size == 2
         # how far it is, in words, for a widget
         assert said == [f"profiling gpt on cpu:0: {k} of 6 runs" for k in range(7)] + [
@@ -474,8 +480,10 @@ class TestSharedRanks:
             if f.name not in timed_here:
                 assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
         cached = ops.load(ops.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
-        # (DTensor's costs are a host measurement, cached apart and set on every profile)
-        assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={})
+        # (DTensor's and ZeRO's collective costs are host measurements, cached apart and set
+        # on every profile)
+        assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={},
+                                             collective_s=0.0)
 
     def test_no_preliminary_numbers_from_the_cache(self, gpt, runs, host2, cache):
         ex.profile(gpt, host2, **FAST)

@@ -71,6 +71,33 @@ class TestZero:
                     if iv.device == "d:0" and iv.kind == "all-gather"]
         assert gathered == [f"all-gather {40 * MiB} B", f"all-gather {30 * MiB} B"]
 
+    @pytest.mark.parametrize("zero, optimizer_calls", [(1, 2), (2, 4), (3, 2)])
+    def test_each_collective_costs_the_ranks_what_the_host_probe_measured(
+            self, zero, optimizer_calls):
+        # DeviceCosts.collective_s per ZeRO collective, on the rank's processor: ZeRO 3's
+        # gathers in the ops that wait for them (mm1 and mm2 each read one group, forward and
+        # backward), the buckets' reduce-scatters (ZeRO 2, 3) and all-gathers of updated
+        # shards (ZeRO 1, 2; w1's and w2's buckets) in the optimizer step
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(2, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+        plan = plan.with_memory(zero=zero)
+        c = costs(g, cl, FWD, BWD)
+
+        def durations(pred) -> dict[tuple[str, str], float]:
+            return {(iv.kind, iv.label): iv.end_s - iv.start_s for iv in pred.timeline
+                    if iv.device == "d:0" and iv.kind in ("fwd", "bwd", "optimizer")}
+
+        before = durations(simulate(g, plan, c))
+        for dc in c.per_type.values():
+            dc.collective_s = 100.0
+        extra = {k: v - before[k] for k, v in durations(simulate(g, plan, c)).items()
+                 if v != before[k]}
+        want = {("optimizer", "adam step"): 100.0 * optimizer_calls}
+        if zero == 3:
+            want.update({(k, op): 100.0 for k in ("fwd", "bwd") for op in ("mm1", "mm2")})
+        assert extra == pytest.approx(want)
+
     def test_zero_2_frees_each_full_gradient_after_its_reduce_scatter(self):
         _, pred = zero_case(2)
         m = pred.memory["d:0"]
