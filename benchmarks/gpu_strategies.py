@@ -145,8 +145,8 @@ def preset_clusters(nvml_name: str, cluster: ex.Cluster, dry: bool
 
 
 class Models:
-    """Each model captured and profiled once per command (the profile comes from the cache
-    when an earlier command on this machine took it), with its presets' roofline costs."""
+    """Each model captured and profiled once per command (on the GPU afresh, as gpu_check.py
+    does; a dry run reuses cached CPU profiles), with its presets' roofline costs."""
 
     def __init__(self, size: str, cluster: ex.Cluster, presets: list[tuple[str, ex.Cluster]],
                  dry: bool) -> None:
@@ -177,7 +177,7 @@ class Models:
         t0 = time.perf_counter()
         try:
             costs, profile_error = ex.profile(graph, self.cluster, repeats=3 if self.dry
-                                              else 10, progress=False), None
+                                              else 10, cache=self.dry, progress=False), None
         except Exception as exc:  # the runs and the presets' predictions go on without it
             costs, profile_error = None, f"{type(exc).__name__}: {exc}"
         return {"graph": graph, "costs": costs, "profile_error": profile_error,
