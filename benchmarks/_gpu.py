@@ -54,6 +54,25 @@ def common_args(ap: argparse.ArgumentParser, default_budget_s: float) -> None:
                          "and rewrite its summary (the rows benchmarks/report.py renders)")
 
 
+def parse(ap: argparse.ArgumentParser, name: str, summarize_fn: Callable[[dict], None],
+          report_fn: Callable[[dict], None]) -> tuple[argparse.Namespace, Path]:
+    """The command line and the results file of script ``name``. With --report: print the
+    file's tables, rewrite its summary (``summarize_fn``) and exit; without a GPU (and not a
+    dry run): exit saying so."""
+    args = ap.parse_args()
+    out = out_path(args, name)
+    if args.report:
+        data = load(out)
+        summarize_fn(data)
+        save(out, data)
+        report_fn(data)
+        sys.exit(0)
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit(f"{name} needs a CUDA GPU (torch.cuda.is_available() is False); use "
+                 "--dry-run to try the same code paths on CPU")
+    return args, out
+
+
 def out_path(args: argparse.Namespace, name: str) -> Path:
     """Where the results go: --out, else a temporary file for a dry run (never the real
     results), else benchmarks/results/<name>.json."""
@@ -199,16 +218,17 @@ class Results:
         save(self.path, self.data)
 
     def work(self, cases: Iterable[tuple[str, Callable[[], dict[str, Any]]]],
-             budget_s: float) -> bool:
+             budget_s: float, kind: Callable[[str], str] = lambda key: "") -> bool:
         """Run every case not already done, in order, saving after each; stop before one that
         the budget (seconds since this command started) may not cover. True when all are done.
 
         A case that raises, or whose command was killed inside it, is recorded with an error
         and not retried on resume (--fresh does). The estimate for the next case is the
-        longest case so far in this command."""
+        longest case so far in this command of the same ``kind(key)`` (all one kind unless
+        told: a script whose cases differ in length, a profile and the short runs using it,
+        names their kinds)."""
         t_start = STARTED_S
-        longest_s = FIRST_CASE_ESTIMATE_S
-        timed = False
+        longest_s: dict[str, float] = {}
         for key, fn in cases:
             if self.cases.get(key, {}).get("unfinished"):
                 self.cases[key] = {**self.cases[key], "unfinished": False, "error":
@@ -218,7 +238,7 @@ class Results:
                 self.run["skipped"].append(key)
                 continue
             elapsed = time.perf_counter() - t_start
-            if elapsed + longest_s > budget_s:
+            if elapsed + longest_s.get(kind(key), FIRST_CASE_ESTIMATE_S) > budget_s:
                 self.run["not_reached"].append(key)
                 continue
             print(f"[{elapsed:6.0f} s] {key}", flush=True)
@@ -233,8 +253,7 @@ class Results:
                 entry = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"    failed: {entry['error']}", flush=True)
             took = time.perf_counter() - t0
-            longest_s = max(longest_s, took) if timed else took
-            timed = True
+            longest_s[kind(key)] = max(longest_s.get(kind(key), 0.0), took)
             self.cases[key] = {**entry, "wall_s": round(took, 3), "command": command_line(),
                                "measured_at": _now()}
             self.run["done"].append(key)
@@ -273,6 +292,13 @@ def summarize(data: dict[str, Any], title: str, rows: list[dict[str, Any]],
                 command=commands[0] if commands else command_line(), rows=rows, notes=notes)
 
 
+def not_run_notes(data: dict[str, Any]) -> list[str]:
+    """A note naming the cases some command left out for time and none has done since."""
+    done = set(data["cases"])
+    left = sorted({k for r in data.get("runs", []) for k in r.get("not_reached", [])} - done)
+    return [f"Not run (device time ran out): {', '.join(left)}."] if left else []
+
+
 def load(path: Path) -> dict[str, Any]:
     """A results file, or exit saying that there is none."""
     if not path.is_file():
@@ -287,6 +313,22 @@ def save(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
     tmp.replace(path)
+
+
+def fmt_ms(v: Any) -> str:
+    """Seconds as milliseconds, or "-" where there is no number."""
+    return f"{v * 1e3:.2f}" if isinstance(v, (int, float)) else "-"
+
+
+def fmt_mib(v: Any) -> str:
+    """Bytes as MiB, or "-" where there is no number."""
+    return f"{v / 2**20:.1f}" if isinstance(v, (int, float)) else "-"
+
+
+def fmt_error(p: Any, m: Any) -> str:
+    """(predicted - measured) / measured in percent, or "-" where either is missing."""
+    ok = isinstance(p, (int, float)) and isinstance(m, (int, float)) and m
+    return f"{(p - m) / m * 100:+.0f}%" if ok else "-"
 
 
 def failure(case: dict[str, Any]) -> str | None:

@@ -40,9 +40,11 @@ from _gpu import (
     device_info,
     device_line,
     failure,
-    load,
-    out_path,
-    save,
+    fmt_error,
+    fmt_mib,
+    fmt_ms,
+    not_run_notes,
+    parse,
     summarize,
 )
 
@@ -77,18 +79,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=None, help="default: default,large (dry run: tiny)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=None, help="default 20 (dry run: 3)")
-    args = ap.parse_args()
+    args, out = parse(ap, "gpu_check", summarize_check, report)
     dry = args.dry_run
-    out = out_path(args, "gpu_check")
-    if args.report:
-        data = load(out)
-        summarize_check(data)
-        save(out, data)
-        report(data)
-        return
-    if not dry and not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False); "
-                 "use --dry-run to try the same code paths on CPU")
     models = (args.models or ("mlp" if dry else ",".join(ex.model_names()))).split(",")
     sizes = (args.sizes or ("tiny" if dry else "default,large")).split(",")
     dtypes = args.dtypes.split(",")
@@ -235,21 +227,8 @@ def unmeasured_energy(energy: EnergyCounter, cuda: bool) -> str:
     return f"{NOT_AVAILABLE} ({energy.status if cuda else 'CPU rank: NVML measures GPUs'})"
 
 
-def _ms(v: Any) -> str:
-    return f"{v * 1e3:.2f}" if isinstance(v, (int, float)) else "-"
-
-
-def _mib(v: Any) -> str:
-    return f"{v / 2**20:.1f}" if isinstance(v, (int, float)) else "-"
-
-
 def _j(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, (int, float)) else "-"
-
-
-def _err(p: Any, m: Any) -> str:
-    ok = isinstance(p, (int, float)) and isinstance(m, (int, float)) and m
-    return f"{(p - m) / m * 100:+.0f}%" if ok else "-"
 
 
 def _per_figure(c: dict[str, Any]) -> list[tuple[str, Any, Any, Any, str]]:
@@ -264,7 +243,7 @@ def _per_figure(c: dict[str, Any]) -> list[tuple[str, Any, Any, Any, str]]:
 def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per model case and figure: predicted vs measured, the error, its target and
     whether it is met; the eager PyTorch figure beside them."""
-    show = {"ms": _ms, "MiB": _mib, "J": _j}
+    show = {"ms": fmt_ms, "MiB": fmt_mib, "J": _j}
     rows: list[dict[str, Any]] = []
     for key, c in data["cases"].items():
         if key == "pytest -m gpu":
@@ -289,11 +268,8 @@ def summary_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 def summarize_check(data: dict[str, Any]) -> None:
     """The record fields benchmarks/report.py renders (see ``summarize``)."""
     py = data["cases"].get("pytest -m gpu", {})
-    done = set(data["cases"])
-    left = sorted({k for r in data.get("runs", []) for k in r.get("not_reached", [])} - done)
-    notes = [f"`pytest -m gpu`: {py.get('summary') or py.get('error') or 'not run'}."]
-    if left:
-        notes.append(f"Not run (device time ran out): {', '.join(left)}.")
+    notes = [f"`pytest -m gpu`: {py.get('summary') or py.get('error') or 'not run'}.",
+             *not_run_notes(data)]
     notes.append("Measured: `ex.run` of the single-device plan, median of "
                  f"{data['steps']} steps; memory: torch.cuda.max_memory_allocated; energy: "
                  "NVML's counter over all measured steps, per step. Eager PyTorch: the same "
@@ -319,10 +295,11 @@ def report(data: dict[str, Any]) -> None:
             rows.append((key, "error: " + failure(c)[:70], *["-"] * 10))
             continue
         p, m, e = c["predicted"], c["measured"], c["eager"]
-        rows.append((key, _ms(p["step_s"]), _ms(m["step_s"]), _err(p["step_s"], m["step_s"]),
-                     _ms(e["step_s"]), _mib(p["peak_bytes"]), _mib(m["peak_allocated_bytes"]),
-                     _err(p["peak_bytes"], m["peak_allocated_bytes"]),
-                     _mib(e["peak_reserved_bytes"]), _j(p["energy_j"]), _j(m["energy_j"]),
+        rows.append((key, fmt_ms(p["step_s"]), fmt_ms(m["step_s"]),
+                     fmt_error(p["step_s"], m["step_s"]), fmt_ms(e["step_s"]),
+                     fmt_mib(p["peak_bytes"]), fmt_mib(m["peak_allocated_bytes"]),
+                     fmt_error(p["peak_bytes"], m["peak_allocated_bytes"]),
+                     fmt_mib(e["peak_reserved_bytes"]), _j(p["energy_j"]), _j(m["energy_j"]),
                      _j(e["energy_j_per_step"])))
     if rows:
         print(table(("case", "pred ms", "run ms", "err", "eager ms", "pred MiB", "run MiB",

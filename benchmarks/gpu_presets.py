@@ -44,10 +44,8 @@ from _gpu import (
     device_info,
     device_line,
     failure,
-    load,
     median_time_s,
-    out_path,
-    save,
+    parse,
     summarize,
 )
 from scipy.optimize import least_squares, nnls
@@ -98,18 +96,9 @@ def main() -> None:
                     help="preset whose datasheet predicts (default: the one named like the GPU)")
     ap.add_argument("--kinds", default=",".join(GPU_SHAPES))
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
-    args = ap.parse_args()
+    args, out = parse(ap, "gpu_presets", summarize_presets, report)
     dry = args.dry_run
-    out = out_path(args, "gpu_presets")
-    if args.report:
-        data = load(out)
-        summarize_presets(data)
-        save(out, data)
-        report(data)
-        return
     cuda = torch.cuda.is_available() and not dry
-    if not dry and not cuda:
-        sys.exit("gpu_presets needs a CUDA GPU; use --dry-run to try it on CPU")
     kinds = args.kinds.split(",")
     precisions = args.precisions.split(",")
     for name, got, known in (("kind", kinds, GPU_SHAPES), ("precision", precisions, PRECISIONS)):

@@ -1,5 +1,5 @@
-"""benchmarks/gpu_check.py and gpu_presets.py: their dry runs on CPU write the results file a
-lent GPU would, and a second run resumes it without doing any case again."""
+"""benchmarks/gpu_check.py, gpu_presets.py and gpu_strategies.py: their dry runs on CPU write
+the results file a lent GPU would, and a second run resumes it without doing any case again."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     return p
 
 
-def _twice(script: str, out: Path) -> dict:
+def _twice(script: str, out: Path, *args: str) -> dict:
     """Run the dry run twice into ``out``: the second run must skip every case."""
-    _run(script, "--dry-run", "--out", str(out))
+    _run(script, "--dry-run", "--out", str(out), *args)
     first = json.loads(out.read_text())
     assert first["dry_run"] is True
     assert first["runs"][0]["done"] and not first["runs"][0]["not_reached"]
-    _run(script, "--dry-run", "--out", str(out))
+    _run(script, "--dry-run", "--out", str(out), *args)
     second = json.loads(out.read_text())
     assert second["cases"] == first["cases"]
     last = second["runs"][-1]
@@ -85,6 +85,31 @@ def test_gpu_presets_dry_run_writes_results_and_resumes(tmp_path):
     for fit in data["fits"].values():
         assert fit["source"].startswith("fitted, measured on ")
         assert fit["overhead_s"] >= 0
+
+
+@pytest.mark.slow
+def test_gpu_strategies_dry_run_writes_results_and_resumes(tmp_path):
+    out = tmp_path / "x.json"
+    data = _twice("gpu_strategies.py", out, "--models", "mlp,gpt")
+    keys = list(data["cases"])
+    assert keys[:2] == ["gpt/profile", "gpt/fp32"]  # gpt runs first, its fp32 run before the rest
+    settings = {k.split("/", 1)[1] for k in keys if k.startswith("gpt/")}
+    assert settings >= {"fp32", "bf16", "fp16", "recompute selective", "recompute full",
+                        "zero 3", "zero 3 + recompute full + bf16"}
+    assert "mlp/zero 3" not in keys  # the code-path settings run on the first model only
+    for key, c in data["cases"].items():
+        if key.endswith("/profile"):
+            assert c["ops"] > 0 and c["profile_s"] >= 0
+            continue
+        assert c["predicted"]["step_s"] > 0 and c["presets"]["H100"]["step_s"] > 0
+        assert c["measured"]["step_s"] > 0 and c["measured"]["peak_bytes"] > 0
+        assert len(c["measured"]["losses"]) == data["warmup"] + data["steps"]
+    assert data["cases"]["gpt/bf16"]["plan_settings"] == "bf16"
+    assert len(data["rows"]) == len(keys) - 2
+    assert all(r["loss within"].endswith("yes") for r in data["rows"]), data["rows"]
+    assert any("NCCL refuses two ranks on one device" in n for n in data["notes"])
+    _run("gpu_strategies.py", "--report", "--out", str(out))
+    assert json.loads(out.read_text())["rows"] == data["rows"]
 
 
 @pytest.mark.slow
