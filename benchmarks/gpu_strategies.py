@@ -29,6 +29,7 @@ the cases already there (see benchmarks/_gpu.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -176,8 +177,10 @@ class Models:
         capture_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
+            # the half precisions timed too, as `explorer plan --precision` does
             costs, profile_error = ex.profile(graph, self.cluster, repeats=3 if self.dry
-                                              else 10, cache=self.dry, progress=False), None
+                                              else 10, cache=self.dry, progress=False,
+                                              precisions=("bf16", "fp16")), None
         except Exception as exc:  # the runs and the presets' predictions go on without it
             costs, profile_error = None, f"{type(exc).__name__}: {exc}"
         return {"graph": graph, "costs": costs, "profile_error": profile_error,
@@ -220,6 +223,10 @@ def setting_case(models: Models, name: str, setting: str, steps: int) -> dict[st
         pred = ex.simulate(graph, plan, costs)
         out["predicted"] = {"step_s": pred.step_s, "peak_bytes": pred.peak_bytes[dev],
                             "fits": pred.fits}
+        if plan.settings_of(0).precision != "fp32":  # the precision's rule on the fp32 times
+            rule = dataclasses.replace(costs, per_type={
+                k: dataclasses.replace(v, precision_s={}) for k, v in costs.per_type.items()})
+            out["predicted"]["rule_step_s"] = ex.simulate(graph, plan, rule).step_s
     for label, (pc, pcosts) in m["presets"].items():
         pp = ex.simulate(graph, single_plan(graph, pc, SETTINGS[setting]), pcosts)
         out["presets"][label] = {"step_s": pp.step_s, "peak_bytes": pp.peak_bytes[pc.ids[0]]}
