@@ -111,7 +111,12 @@ def op_base_name(op: str) -> str:
 
 
 def is_matmul_like(node: OpNode) -> bool:
-    name = node.op.lower()
+    return op_is_matmul_like(node.op)
+
+
+def op_is_matmul_like(op: str) -> bool:
+    """Whether an op, by its ATen name, is matmul-like (:data:`MATMUL_MARKERS`)."""
+    name = op.lower()
     return any(m in name for m in MATMUL_MARKERS)
 
 
@@ -180,17 +185,12 @@ def recompute_units(graph: OpGraph) -> list[str]:
     return [unit_of(n.module_path) for n in graph.nodes]
 
 
-def recomputed_outputs(graph: OpGraph, recompute: str,
+def saved_across_units(graph: OpGraph,
                        saved: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """[node] whether an op's output, where backwards save it, is not kept but recomputed:
-    "selective" for ops that are not matmul-like, "full" where every op saving it is in the
-    op's own unit (a unit's inputs are kept). ``saved``: (producer, saver) pairs, by default
-    from the nodes' ``saves``."""
-    is_op = np.array([n.kind == "op" for n in graph.nodes], dtype=bool)
-    if recompute == "none":
-        return np.zeros(len(graph), dtype=bool)
-    if recompute == "selective":
-        return is_op & ~np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
+    """[node] whether an op of another recomputation unit saves the node's output for its
+    backward: recomputation keeps such an output (a unit recomputes only what its own ops
+    save), under "selective" and "full" alike, as the runtime does. ``saved``: (producer,
+    saver) pairs, by default from the nodes' ``saves``."""
     if saved is None:
         pairs = [(graph.index[p], v) for v, n in enumerate(graph.nodes) for p in n.saves]
         saved = (np.array([p for p, _ in pairs], dtype=np.int64),
@@ -200,4 +200,19 @@ def recomputed_outputs(graph: OpGraph, recompute: str,
     p, v = saved
     kept = np.zeros(len(graph), dtype=bool)
     kept[p[code[p] != code[v]]] = True
+    return kept
+
+
+def recomputed_outputs(graph: OpGraph, recompute: str,
+                       saved: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[node] whether an op's output, where backwards save it, is not kept but recomputed:
+    "selective" for ops that are not matmul-like, "full" for every op, in both cases but
+    those an op of another unit saves (:func:`saved_across_units`; a unit's inputs are
+    kept). ``saved``: (producer, saver) pairs, by default from the nodes' ``saves``."""
+    is_op = np.array([n.kind == "op" for n in graph.nodes], dtype=bool)
+    if recompute == "none":
+        return np.zeros(len(graph), dtype=bool)
+    kept = saved_across_units(graph, saved)
+    if recompute == "selective":
+        kept |= np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
     return is_op & ~kept

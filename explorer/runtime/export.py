@@ -30,9 +30,9 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
+from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.modelsource import model_source
-from explorer.runtime.recompute import unit_key
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
@@ -151,7 +151,8 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     try:
         write_job(job, program, plan, order, inputs, targets, int(steps), int(warmup),
                   float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
-                  graph.loss, 0, [unit_key(n.module_path) for n in graph.nodes],
+                  graph.loss, 0, recompute_units(graph),
+                  saved_across_units(graph).tolist(),
                   model=source, layout=plan_placements(graph, plan))
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)

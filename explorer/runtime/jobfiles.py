@@ -173,8 +173,11 @@ class Job:
     #: where the weights come from when the folder holds none: ``{"factory": ...}`` or a
     #: built-in model (empty: they are in ``program.pt``)
     model: dict[str, Any] = field(default_factory=dict)
-    #: per node, its recomputation unit (:func:`explorer.runtime.recompute.unit_key`)
+    #: per node, its recomputation unit (:func:`explorer.costs.strategies.recompute_units`)
     units: list[str] | None = None
+    #: per node, whether recomputation keeps its output (an op of another unit saves it:
+    #: :func:`explorer.costs.strategies.saved_across_units`); None: none is
+    kept_outputs: list[bool] | None = None
     #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
     placements: dict[str, str] = field(default_factory=dict)
     #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
@@ -187,6 +190,7 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
               steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
               device_map: dict[str, str], requires_grad: list[bool], loss: str,
               seed: int = 0, units: list[str] | None = None,
+              kept_outputs: list[bool] | None = None,
               model: Mapping[str, Any] | None = None,
               layout: tuple[dict[str, str], list[str], list[str]] | None = None) -> None:
     """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
@@ -210,7 +214,8 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
         "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
         "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, "units": units, **({"model": dict(model)} if model else {}),
+        "seed": seed, "units": units, "kept_outputs": kept_outputs,
+        **({"model": dict(model)} if model else {}),
         "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else [],
         "local_ops": layout[2] if layout else []}))
 
@@ -246,5 +251,5 @@ def read_job(folder: Path) -> Job:
                Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
                meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
-               meta.get("units"), dict(meta.get("placements", {})),
+               meta.get("units"), meta.get("kept_outputs"), dict(meta.get("placements", {})),
                list(meta.get("split_ops", [])), list(meta.get("local_ops", [])))

@@ -27,12 +27,12 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
+from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port
 from explorer.runtime.folders import job_folder
 from explorer.runtime.jobfiles import write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
-from explorer.runtime.recompute import unit_key
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -152,7 +152,8 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         folder = job_folder(stack) if keep is None else Path(keep)
         write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
                   record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
-                  seed, [unit_key(n.module_path) for n in graph.nodes],
+                  seed, recompute_units(graph),
+                  saved_across_units(graph).tolist(),
                   layout=plan_placements(graph, plan))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)

@@ -2,11 +2,14 @@
 replaced by a reference, and the value recomputed from the unit's kept inputs when the backward
 needs it.
 
-A unit is a node's module path cut to its repeated block (:func:`unit_key`). With "full", only
-a unit's inputs (values made outside it) are kept through the forward; whatever its ops save
-that one of its own ops made is recomputed. With "selective", outputs of matmul-like ops
-(:func:`matmul_like`) are kept too, and only the other ops (norms, activations, softmax,
-dropout, views) are run again.
+A unit is a node's module path cut to its repeated block
+(:func:`~explorer.costs.strategies.unit_of`). With "full", only a unit's inputs (values made
+outside it) are kept through the forward; whatever its ops save that one of its own ops made is
+recomputed, but for outputs an op of another unit saves too, which are kept
+(:func:`~explorer.costs.strategies.saved_across_units`). With "selective", outputs of
+matmul-like ops (:func:`~explorer.costs.strategies.op_is_matmul_like`) are kept too, and only
+the other ops (norms, activations, softmax, dropout, views) are run again. The simulator reads
+the same rules.
 
 Why not ``torch.utils.checkpoint``: it recomputes one Python callable's whole forward on the
 first unpack, with its own saved-tensor hooks innermost, so it needs the unit's forward as one
@@ -27,29 +30,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from explorer.costs.strategies import op_is_matmul_like
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.layout import RankLayout
-
-#: op names that mark an op whose output "selective" keeps (matmuls, convolutions, attention)
-MATMUL_LIKE = ("mm", "matmul", "conv", "linear", "addmm", "bmm", "baddbmm",
-               "scaled_dot_product")
-
-
-def unit_key(module_path: str) -> str:
-    """The recomputation unit of a node in module ``module_path``: the path cut after the
-    repeated block's index (``blocks.3.attn.qkv`` -> ``blocks.3``); a node in no repeated block
-    is in the unit of its top-level module (``lm_head``; ``""`` for the model's own ops)."""
-    parts = module_path.split(".") if module_path else []
-    for k, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: k + 1])
-    return parts[0] if parts else ""
-
-
-def matmul_like(op_name: str) -> bool:
-    """Whether an op (by its ATen name) is one whose output selective recomputation keeps."""
-    return any(s in op_name for s in MATMUL_LIKE)
-
 
 # (micro-batch, shard, unit): one unit's forward on one block of the batch
 UnitKey = tuple[int, int, str]
@@ -87,14 +70,17 @@ class Recomputer:
     forward and backward actions of the stage's schedule a micro-batch runs in that unit;
     ``call(m, u, i, lookup)`` runs op ``i`` as the forward did (seed, autocast) on the values
     ``lookup`` gives by node name;
-    ``weight(p)`` is parameter or buffer ``p`` for the backward running now.
+    ``weight(p)`` is parameter or buffer ``p`` for the backward running now;
+    ``kept_outputs[i]``: node ``i``'s output is kept, not recomputed, as an op of another unit
+    saves it too.
     """
 
     def __init__(self, layout: RankLayout, mode: str, units: list[str],
                  fwd_ops: dict[str, int], bwd_ops: dict[str, int], tracker: MemTracker,
                  call: Callable[[int, int, int, dict[str, Any]], Any],
-                 weight: Callable[[int], torch.Tensor]) -> None:
+                 weight: Callable[[int], torch.Tensor], kept_outputs: list[bool]) -> None:
         self.L, self.mode, self.units = layout, mode, units
+        self.kept_outputs = kept_outputs
         self.fwd_ops, self.bwd_ops = fwd_ops, bwd_ops
         self.tracker, self.call, self.weight = tracker, call, weight
         # storage address of an op output alive in the forward: [m, u, node, flat index,
@@ -126,7 +112,7 @@ class Recomputer:
                         self.tracker.add(t)
 
     def _kept_op(self, p: int) -> bool:
-        return matmul_like(self.L.calls[p].target)
+        return op_is_matmul_like(self.L.calls[p].target)
 
     def stand_in(self, t: torch.Tensor) -> SavedRef:
         """What autograd keeps of ``t`` while an op's forward runs; settled after the op."""
@@ -158,7 +144,7 @@ class Recomputer:
             if entry is None or (entry[0], entry[1]) != (m, u):
                 continue
             h = entry[2]
-            if self.units[h] == unit and h not in kept:
+            if self.units[h] == unit and h not in kept and not self.kept_outputs[h]:
                 ref.to_reference((m, u, h, entry[3]))
                 self.pending[(m, u, h)] += 1
                 self.referenced[(m, u, unit)].add(h)

@@ -106,7 +106,8 @@ class StageRunner:
                         for kind in (FWD, BWD)}
             self.recompute = Recomputer(L, settings.recompute, job.units, per_unit[FWD],
                                         per_unit[BWD], self.tracker, self._call,
-                                        self.weights.for_recompute)
+                                        self.weights.for_recompute,
+                                        job.kept_outputs or [False] * len(job.units))
         self.generator = (torch.cuda.default_generators[L.tdev.index or 0]
                           if L.tdev.type == "cuda" else torch.default_generator)
 

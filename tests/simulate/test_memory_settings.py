@@ -14,7 +14,13 @@ from builders import cluster, costs
 
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
-from explorer.costs.strategies import half_outputs, shard_bytes, unit_of
+from explorer.costs.strategies import (
+    half_outputs,
+    recomputed_outputs,
+    saved_across_units,
+    shard_bytes,
+    unit_of,
+)
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.simulator import simulate
 
@@ -191,22 +197,34 @@ class TestRecompute:
         return simulate(g, plan, costs(g, cl, FWD, BWD))
 
     def test_selective_recomputes_cheap_ops_before_the_backward_that_needs_them(self):
-        # relu1 is recomputed at the start of mm2's backward (2 s more); the matmuls not
-        pred = self.run(chain(), 1, recompute="selective")
+        # mm2 in relu1's unit: relu1 is recomputed at the start of mm2's backward (2 s more);
+        # the matmuls not
+        pred = self.run(chain(mm2_module="layers.0.fc2"), 1, recompute="selective")
         assert pred.step_s == pytest.approx(110.0 + 2.0)
         assert backward_s(pred, "mm2") == pytest.approx(32.0)
 
+    @pytest.mark.parametrize("mode", ["selective", "full"])
+    def test_an_output_another_unit_saves_is_kept(self, mode):
+        # relu1 (unit layers.0) is saved by mm2 of unit layers.1: kept as it is without
+        # recomputation (and so is the input x, which mm1 saves); nothing else is saved
+        g = chain()
+        assert saved_across_units(g).tolist() == [True, False, False, True, False, False,
+                                                  False]
+        assert not recomputed_outputs(g, mode)[g.index["relu1"]]
+        assert self.run(g, 1, recompute=mode).memory["d:0"].activations_bytes == \
+            self.run(g, 1).memory["d:0"].activations_bytes
+
     def test_selective_keeps_what_it_recomputes_from(self):
-        # GPipe, 2 micro-batches (half the bytes each). Without recomputation the peak is in
+        # (mm2 in relu1's unit) GPipe, 2 micro-batches (half the bytes each). Without recomputation the peak is in
         # micro-batch 0's relu1 backward: its x 400, relu1 800, relu1's and mm1's gradients
         # 800 each, and micro-batch 1's x 400, relu1 800 and loss 2 = 4002. Recomputed,
         # relu1 is not kept but mm1 (which nobody saves otherwise) is, until mm2's backward
         # recomputes relu1 from it; in micro-batch 0's mm2 backward: x 400, mm1 800, relu1
         # again 800, mm2's gradient 400, relu1's 800, and micro-batch 1's x 400, mm1 800 and
         # loss 2 = 4402 (relu1 and its source are the same size: selective saves nothing)
-        assert self.run(chain(), 2).memory["d:0"].activations_bytes == 4002
-        assert self.run(chain(), 2, recompute="selective").memory["d:0"].activations_bytes \
-            == 4402
+        g = chain(mm2_module="layers.0.fc2")
+        assert self.run(g, 2).memory["d:0"].activations_bytes == 4002
+        assert self.run(g, 2, recompute="selective").memory["d:0"].activations_bytes == 4402
 
     def test_full_reruns_every_unit_forward(self):
         # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss): every forward once more
