@@ -1,11 +1,14 @@
-"""Tensor parallelism on one stage: its weights as DTensors on a device mesh of each tensor
-group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says; the ops the
-layout splits read DTensors, so the exported program's ATen calls run unchanged and DTensor's
-sharding propagation and redistribution do the communication, and the others run on whole
-plain tensors.
+"""Tensor parallelism on one stage: its split weights as DTensors on a device mesh of each
+tensor group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and
+the ops the layout splits run Megatron-style on local shards: a column-parallel linear on its
+weight's shard and its whole input, the ops between on their local shards (a head-split
+attention's on the rank's own heads), a row-parallel linear's partial sums all-reduced right
+after it. The only communication is the layout's collectives (and DTensor's, for the
+vocabulary-parallel embedding, whose masked lookup it runs): no per-op DTensor dispatch. Other
+ops run on whole plain tensors, as one device runs them.
 
-A split op's partial sums are all-reduced once, right after it; what a whole op, another
-stage or the memory accounting (each rank's local shard) reads of a DTensor is made plain.
+The gradient of a whole value that split ops read is a partial sum on every rank; the stage
+all-reduces it once, after the last of those ops' backward (:mod:`explorer.runtime.stage`).
 """
 
 from __future__ import annotations
