@@ -1,15 +1,16 @@
-"""What running ops on DTensors costs CPU ranks beyond the plain ops the profile times: a host
+"""What a tensor-parallel stage costs CPU ranks beyond the plain ops the profile times: a host
 probe that runs a tensor-parallel plan for real and compares each op with its profile.
 
-The runtime runs a tensor-parallel stage's split ops on DTensors (sharding propagation, the
-wrapping of plain inputs), reduces partial sums with DTensor's collectives, reads the stage's
-weights through DTensors in its other ops, and steps an optimizer over DTensor parameters. The
-profile times ops on plain tensors, so none of that is in it. The probe measures it once per
-host (or afresh, as the profile is): a small MLP of three Megatron blocks with layer norms
-between them, split two ways over two CPU ranks, run through the runtime; per op, the measured
-time less the simulator's time for it (without these costs) is what DTensor added, and the
-medians per kind of op are the costs :data:`KEYS` names (``DeviceCosts.dtensor``), which the
-simulator adds to tensor-parallel stages (:mod:`explorer.simulate.tensor`).
+The runtime runs a tensor-parallel stage's split ops on local shards, reading split weights
+through DTensors (and the vocabulary-parallel embedding on them), waits in the layout's
+collectives for the other ranks of its group, and steps an optimizer over DTensor parameters.
+The profile times ops on plain tensors on one rank, so none of that is in it. The probe
+measures it once per host (or afresh, as the profile is): a small MLP of three Megatron blocks
+with layer norms between them, split two ways over two CPU ranks, run through the runtime; per
+op that reads a split weight, the measured time less the simulator's time for it (without
+these costs) is what the runtime added, and the medians per kind of op are the costs
+:data:`KEYS` names (``DeviceCosts.dtensor``), which the simulator adds to tensor-parallel
+stages (:mod:`explorer.simulate.tensor`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = "DTensor op, weight, collective and optimizer costs on 2 CPU ranks"
+PROBE_KEY = "split-weight op, collective and optimizer costs on 2 CPU ranks (local shards)"
 KEYS = DTENSOR_KEYS
 
 
@@ -109,15 +110,14 @@ def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[
     extra: dict[str, list[float]] = {k: [] for k in ("fwd", "bwd", "fwd R", "bwd R", "wfwd",
                                                     "wbwd")}
     for i, n in enumerate(graph.nodes):
-        reads = sum(graph.nodes[graph.index[p]].kind in ("param", "buffer")
-                    or p in lay.split_ops for p in n.inputs)  # DTensors an unsplit op reads
+        reads = sum(p in lay.placements for p in n.inputs)  # split weights (DTensors) it reads
         for kind, reduced in (("fwd", lay.reduce_forward), ("bwd", lay.reduce_backward)):
-            if n.kind != "op" or f"{kind}:{i}" not in task_s:
+            if n.kind != "op" or f"{kind}:{i}" not in task_s or not reads:
                 continue
             e = task_s[f"{kind}:{i}"] - sim.get((kind, n.name), 0.0)
             if n.name in lay.split_ops:
                 extra[kind + (" R" if n.name in reduced else "")].append(e)
-            elif reads:
+            else:
                 extra["w" + kind].append(e / reads)
 
     def med(xs: list[float], less: float = 0.0) -> float:
