@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
 from explorer.core.schedule import BWD, FWD, OPTIMIZER
+from explorer.core.tensor_layout import EMBEDDING_OPS
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
 from explorer.runtime.jobfiles import Job, fill_refs
@@ -80,15 +80,21 @@ class StageRunner:
         self.tracker = MemTracker()
         self.messenger = Messenger(L.tdev)
         group = replica_group(L.plan, L.s, rank)
-        #: the mesh of this rank's tensor group (None unless its stage is tensor-parallel):
-        #: every value an op reads is a DTensor on it
+        #: the mesh of this rank's tensor group (None unless its stage is tensor-parallel)
         self.mesh = TensorMesh.of_rank(L.plan, L.s, rank, L.tdev.type, job.placements)
         self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
                                job.record, self.mesh, job.units)
-        #: the ops the layout splits (run on DTensors), and per output whether it is one
+        #: the ops the layout splits (run on local shards), those of them whose outputs are
+        #: local shards (known after their first forward), and per output whether it is one
         self.split = {L.names.index(n) for n in job.split_ops}
         self.local = {L.names.index(n) for n in job.local_ops}
-        self.is_dtensor: dict[Key, list[bool]] = {}
+        self.shard_out: set[int] = set()
+        self.is_shard: dict[Key, list[bool]] = {}
+        #: the partial sums of the gradients of whole values split ops read, until the last
+        #: of those ops' backward on the micro-batch (then all-reduced once), and how many
+        #: of those backwards are left
+        self.partial: dict[Key, list] = {}
+        self.partial_left: dict[Key, int] = {}
         self.actions = job.schedule[L.s]
         self.anchor = torch.zeros((), requires_grad=True, device=L.tdev)
         self.slots: dict[Key, list] = {}
@@ -214,6 +220,8 @@ class StageRunner:
                 slot: list = []
                 slots.append((p, len(wrapped), slot))
                 wrapped.append(_Entry.apply(self.anchor, t.detach(), slot))
+                if self.mesh is not None and self.mesh.is_shard(t):
+                    self.mesh.marked(wrapped[-1])
             else:
                 wrapped.append(t)
         return tree_unflatten(wrapped, spec)
@@ -274,7 +282,9 @@ class StageRunner:
                                  and t.requires_grad else None for t in flat]
         self.slots[(m, u, i)] = slots
         if self.mesh is not None:
-            self.is_dtensor[(m, u, i)] = [isinstance(t, DTensor) for t in flat]
+            self.is_shard[(m, u, i)] = [self.mesh.is_shard(t) for t in flat]
+            if any(self.is_shard[(m, u, i)]):
+                self.shard_out.add(i)
         self.fwd_left[(m, u, i)] = L.local_consumers(i)
         remote = L.remote_stages(i)
         sent = self.mesh.plain(out) if remote and self.mesh is not None else out
@@ -334,7 +344,7 @@ class StageRunner:
         for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
             got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, i))
             if self.mesh is not None:
-                got = self.mesh.matching(got, self.is_dtensor.get(key, []))
+                got = self.mesh.matching(got, self.is_shard.get(key, []))
             self._store_grad(key, got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:
@@ -379,6 +389,8 @@ class StageRunner:
             if L.kind[p] != "op" or not L.requires_grad[p]:
                 continue
             gk = (m, u, p)
+            if self._partial(i, p):
+                self._hold_partial(gk, per_pred.pop(p, None))
             if p in per_pred:
                 self._store_grad(gk, per_pred[p])
             if L.stage[p] != L.s:
@@ -398,9 +410,40 @@ class StageRunner:
                         if x is not None:
                             self.tracker.drop(x)
 
-    def _store_grad(self, key: Key, new: list) -> None:
-        """Add gradients to what is held for ``key``, keeping the memory accounting exact."""
-        old = self.grad.get(key)
+    def _partial(self, i: int, p: int) -> bool:
+        """Whether op ``i``'s gradient of its input ``p`` is this rank's partial sum: ``i``
+        ran on local shards (a vocabulary-parallel embedding does not) and ``p`` is whole."""
+        return (self.mesh is not None and (i in self.split or i in self.local)
+                and p not in self.shard_out
+                and str(self.layout.targets[i]) not in EMBEDDING_OPS)
+
+    def _hold_partial(self, key: Key, new: list | None) -> None:
+        """Add a partial sum of ``key``'s gradient to those held; after the last split op
+        that reads ``key`` on this micro-batch, all-reduce their sum once and add it to
+        ``key``'s gradient."""
+        L = self.layout
+        if key not in self.partial_left:
+            p = key[2]
+            self.partial_left[key] = sum(1 for c in L.succs[p] if L.stage[c] == L.s
+                                         and L.requires_grad[c] and self._partial(c, p))
+        if new is not None:
+            self._store_grad(key, new, self.partial)
+        self.partial_left[key] -= 1
+        if self.partial_left[key] == 0:
+            del self.partial_left[key]
+            held = self.partial.pop(key, None)
+            if held is not None:
+                assert self.mesh is not None
+                for x in held:
+                    if x is not None:
+                        self.tracker.drop(x)
+                self._store_grad(key, self.mesh.reduced_sum(held))
+
+    def _store_grad(self, key: Key, new: list, into: dict[Key, list] | None = None) -> None:
+        """Add gradients to what is held for ``key`` (in ``into``: the gradients by default),
+        keeping the memory accounting exact."""
+        into = self.grad if into is None else into
+        old = into.get(key)
         total = _add(old, new, self.layout.nflat[key[2]])
         for x in old or []:
             if x is not None:
@@ -408,7 +451,7 @@ class StageRunner:
         for x in total:
             if x is not None:
                 self.tracker.add(x)
-        self.grad[key] = total
+        into[key] = total
 
 
 def _add(acc: list | None, new: list, n: int) -> list:

@@ -1,25 +1,37 @@
-"""Tensor parallelism on one stage: its weights as DTensors on a device mesh of each tensor
-group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says; the ops the
-layout splits read DTensors, so the exported program's ATen calls run unchanged and DTensor's
-sharding propagation and redistribution do the communication, and the others run on whole
-plain tensors.
+"""Tensor parallelism on one stage: its split weights as DTensors on a device mesh of each
+tensor group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and
+the ops the layout splits run Megatron-style on local shards: a column-parallel linear on its
+weight's shard and its whole input, the ops between on their local shards (a head-split
+attention's on the rank's own heads), a row-parallel linear's partial sums all-reduced right
+after it. The only communication is the layout's collectives (and DTensor's, for the
+vocabulary-parallel embedding, whose masked lookup it runs): no per-op DTensor dispatch. Other
+ops run on whole plain tensors, as one device runs them.
 
-A split op's partial sums are all-reduced once, right after it; what a whole op, another
-stage or the memory accounting (each rank's local shard) reads of a DTensor is made plain.
+The gradient of a whole value that split ops read is a partial sum on every rank; the stage
+all-reduces it once, after the last of those ops' backward (:mod:`explorer.runtime.stage`).
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import REPLICATE, RESHAPE_OPS, megatron_layout, shard_dim
+from explorer.core.tensor_layout import (
+    EMBEDDING_OPS,
+    REPLICATE,
+    RESHAPE_OPS,
+    megatron_layout,
+    shard_dim,
+)
 
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:
@@ -49,14 +61,29 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
 
 
 class TensorMesh:
-    """One rank's view of its stage's tensor mesh and the layout of its weights."""
+    """One rank's view of its stage's tensor mesh and the layout of its weights.
+
+    Split weights are DTensors (each rank holds its shard); replicated weights are plain
+    tensors. Values between ops are plain tensors: whole, or (the outputs of split ops that no
+    all-reduce ends) this rank's local shard, which :meth:`call` marks (:meth:`is_shard`)."""
 
     def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]
                  ) -> None:
         self.mesh = DeviceMesh(device_type, ranks)
+        self.degree = self.mesh.size()
         self.placements = placements
-        #: ops without a sharding rule, run on whole values (see :meth:`call`)
-        self.no_rule_ops: set[Any] = set()
+        #: id -> weak reference of every local shard of a split op's output alive
+        self.shards: dict[int, weakref.ref] = {}
+
+    @functools.cached_property
+    def group(self) -> Any:
+        """The process group of the mesh (asked for on its ranks only)."""
+        return self.mesh.get_group()
+
+    @functools.cached_property
+    def index(self) -> int:
+        """This rank's place in the mesh."""
+        return self.mesh.get_local_rank()
 
     @classmethod
     def of_rank(cls, plan: Plan, stage: int, rank: int, device_type: str,
@@ -75,60 +102,86 @@ class TensorMesh:
                 mine = mesh if s == stage and rank in ranks else mine
         return mine
 
-    def distribute(self, name: str, t: torch.Tensor) -> DTensor:
-        """Weight ``name`` (the same whole tensor on every rank) as its placement says; each
-        rank keeps its shard, nothing is sent."""
+    def distribute(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Weight ``name`` (the same whole tensor on every rank) as its placement says: a
+        DTensor of this rank's shard where it is split, else ``t`` itself; nothing is sent."""
         dim = shard_dim(self.placements.get(name, REPLICATE))
-        placement = Replicate() if dim is None else Shard(dim)
-        return distribute_tensor(t, self.mesh, [placement], src_data_rank=None)
+        if dim is None:
+            return t
+        return distribute_tensor(t, self.mesh, [Shard(dim)], src_data_rank=None)
 
-    def enter(self, value: Any) -> Any:
-        """``value`` with every plain tensor in it as a replicated DTensor (the batch, buffers,
-        constants the program makes)."""
-        return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Replicate()],
-                                                     run_check=False)
-                        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
-                        value)
-
+    # -- ops -------------------------------------------------------------------------------
     def call(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool = False) -> Any:
-        """``fn(*args, **kwargs)``: a ``local`` op (of head-split attention) on this rank's
-        own heads (:meth:`on_heads`); a ``split`` op on DTensors (plain inputs enter replicated;
-        its split weights already are DTensors), so DTensor's sharding rules do the work and
-        the communication; any other op on every rank on whole plain tensors, as one device
-        runs it (DTensor's dispatch costs more than a small op), random ops included (every
-        rank draws the mask one device would). A split op DTensor has no rule for
-        (``NotImplementedError``) runs whole too. Differentiable either way."""
+        """``fn(*args, **kwargs)``, differentiable: a ``local`` op (of head-split attention)
+        on this rank's own heads (:meth:`on_heads`); a ``split`` op on this rank's shards
+        (:meth:`on_shards`), but a vocabulary-parallel embedding, which DTensor runs (its
+        masked lookup; :meth:`settled` reduces its partial sums); any other op on whole plain
+        tensors, as one device runs it, a local shard it reads gathered first (a random op in
+        a split block: every rank draws the mask one device would)."""
         if local:
             return self.on_heads(fn, args, kwargs)
-        if split and fn not in self.no_rule_ops:
-            try:
-                return fn(*self.enter(args), **self.enter(kwargs))
-            except NotImplementedError:
-                self.no_rule_ops.add(fn)
-        args, kwargs = tree_map(lambda t: self.whole(t).to_local() if isinstance(t, DTensor)
-                                else t, (args, kwargs))
+        if split and str(fn) in EMBEDDING_OPS:
+            return fn(*self.enter(args), **self.enter(kwargs))
+        if split:
+            return self.on_shards(fn, args, kwargs)
+        return fn(*mapped(self.whole_plain, args), **mapped(self.whole_plain, kwargs))
+
+    def on_shards(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """A split op on local shards, Megatron-style: split weights' shards, the local shards
+        of split ops' outputs as they are, whole inputs as they are where the op reads them
+        whole (a column-parallel linear's input, what broadcasts) or narrowed to this rank's
+        part of their last dimension where it reads them split (a row-parallel linear's input
+        after a random op ran whole). A row-parallel linear's partial sums are all-reduced
+        right away and its bias added after; any other output is a local shard."""
+        args, kwargs = list(args), dict(kwargs)
+        weight = next((t for t in args if isinstance(t, DTensor)), None)
+        row = weight is not None and weight.placements[0] == Shard(1)
+        bias = None
+        if row:  # (linear(input, weight, bias))
+            bias = kwargs.pop("bias", None) if "bias" in kwargs else (
+                args.pop(2) if len(args) > 2 else None)
+            if not self.is_shard(args[0]):
+                args[0] = self.narrowed(args[0])
+        args = [self.local(t) for t in args]
+        if weight is None:  # an element-wise op
+            tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim]
+            ref = next((t for t in tensors if self.is_shard(t)), None)
+            width = (ref.shape[-1] if ref is not None else
+                     max((t.shape[-1] for t in tensors), default=0) // self.degree)
+            args = [self.narrowed(t) if isinstance(t, torch.Tensor) and t.ndim and
+                    not self.is_shard(t) and width > 1 and t.shape[-1] == width * self.degree
+                    else t for t in args]
         out = fn(*args, **kwargs)
-        return self.enter(out) if split else out
+        if row:
+            out = AllReduced.apply(out, self.group)
+            return out if bias is None else out + bias
+        return self.marked(out)
 
     def on_heads(self, fn: Any, args: Any, kwargs: Any) -> Any:
-        """``fn`` on the local shards of its DTensor inputs (no communication) and its whole
+        """``fn`` on the local shards of its split inputs (no communication) and its whole
         plain ones, a view's or reshape's head count (the third of ``(batch, seq, heads,
         head_dim)``) or feature count (the last of ``(batch, seq, features)``) divided by the
-        degree; its outputs as DTensors of those shards split along their last dimension,
-        which is how the row-parallel projection that ends the block reads its input (what
-        the others read, their local shards, is the same either way)."""
-        args, kwargs = tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t,
-                                (args, kwargs))
+        degree; its outputs local shards (split along the last dimension where they are
+        ``(batch, seq, features)``, which is how the row-parallel projection that ends the
+        block reads its input)."""
+        args, kwargs = mapped(self.local, args), mapped(self.local, kwargs)
         if str(fn) in RESHAPE_OPS:
             args = (args[0], self.local_shape(args[0], list(args[1])), *args[2:])
-        out = fn(*args, **kwargs)
-        return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Shard(t.ndim - 1)],
-                                                     run_check=False)
-                        if isinstance(t, torch.Tensor) and t.ndim else t, out)
+        return self.marked(fn(*args, **kwargs))
+
+    def local(self, t: Any) -> Any:
+        """What a split op run on local shards reads of ``t``: a split weight's shard; a
+        replicated parameter with its gradient all-reduced (every rank's is a partial sum,
+        Megatron's ``f``); anything else as it is."""
+        if isinstance(t, DTensor):
+            return t.to_local()
+        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad:
+            return PartialGrad.apply(t, self.group)
+        return t
 
     def local_shape(self, x: torch.Tensor, shape: list[int]) -> list[int]:
         """``shape`` (of the whole tensor) for this rank's heads of it (see :meth:`on_heads`)."""
-        k = self.mesh.size()
+        k = self.degree
         d = 2 if len(shape) == 4 else len(shape) - 1
         if len(shape) not in (3, 4) or shape[d] % k:
             raise ExplorerError(f"cannot split a view to {shape} by heads {k} ways; run the "
@@ -140,30 +193,136 @@ class TensorMesh:
                                 "its stage)")
         return shape
 
-    def matching(self, grads: list, is_dtensor: list[bool]) -> list:
+    # -- values ----------------------------------------------------------------------------
+    def marked(self, value: Any) -> Any:
+        """``value`` with every tensor in it remembered as a local shard."""
+        if isinstance(value, (list, tuple)):
+            for t in value:
+                self.marked(t)
+        elif isinstance(value, torch.Tensor) and value.ndim:
+            key = id(value)
+            self.shards[key] = weakref.ref(value, lambda _, key=key: self.shards.pop(key, None))
+        return value
+
+    def is_shard(self, t: Any) -> bool:
+        """Whether ``t`` is this rank's local shard of a split op's output."""
+        ref = self.shards.get(id(t))
+        return ref is not None and ref() is t
+
+    def narrowed(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of whole ``t``'s last dimension (differentiable: the gradient of
+        ``t`` is then this rank's partial sum)."""
+        width = t.shape[-1] // self.degree
+        return t.narrow(-1, self.index * width, width)
+
+    def gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole of local shard ``t`` (all-gathered along its last dimension;
+        differentiable: the gradient of the shard is its part of the whole's)."""
+        return Gathered.apply(t, self.group, self.index, self.degree)
+
+    def whole_plain(self, t: Any) -> Any:
+        """``t`` as the whole plain tensor an unsplit op reads."""
+        if isinstance(t, DTensor):
+            return self.whole(t).to_local()
+        return self.gathered(t) if self.is_shard(t) else t
+
+    def enter(self, value: Any) -> Any:
+        """``value`` with every plain tensor in it as a replicated DTensor (what DTensor's
+        own ops read)."""
+        return tree_map(lambda t: DTensor.from_local(t, self.mesh, [Replicate()],
+                                                     run_check=False)
+                        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
+                        value)
+
+    def matching(self, grads: list, shard: list[bool]) -> list:
         """Gradients received from another stage (plain, whole) as the outputs they are for:
-        replicated DTensors where those are DTensors."""
-        return [self.enter(g) if dt and isinstance(g, torch.Tensor) else g
-                for g, dt in zip(grads, is_dtensor, strict=False)]
+        this rank's part where those are local shards."""
+        return [self.narrowed(g) if s and isinstance(g, torch.Tensor) and g.ndim else g
+                for g, s in zip(grads, shard, strict=False)]
 
     def settled(self, value: Any) -> Any:
-        """``value`` with its partial sums all-reduced: an op's output is reduced once, right
-        after the op (as the simulator counts it), however many ops read it; a
-        vocabulary-parallel embedding's masked partial sums can be reduced only once."""
-        return tree_map(lambda t: _Reduced.apply(t) if isinstance(t, DTensor)
+        """``value`` with a DTensor's partial sums all-reduced and made plain: an op's output
+        is reduced once, right after the op (as the simulator counts it), however many ops
+        read it; a vocabulary-parallel embedding's masked partial sums can be reduced only
+        once."""
+        return tree_map(lambda t: _Reduced.apply(t).to_local() if isinstance(t, DTensor)
                         and any(p.is_partial() for p in t.placements) else t, value)
+
+    def reduced_sum(self, grads: list) -> list:
+        """Partial sums (the gradients of a whole value split ops read) all-reduced in place."""
+        for g in grads:
+            if isinstance(g, torch.Tensor):
+                dist.all_reduce(g, group=self.group)
+        return grads
 
     def whole(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` replicated on every rank (all-reduced or all-gathered as its placement needs);
         differentiable."""
         return t.redistribute(self.mesh, [Replicate()]) if isinstance(t, DTensor) else t
 
-
     def plain(self, value: Any) -> Any:
-        """``value`` with every DTensor in it as the whole plain tensor (what is sent to
-        another stage); every rank of the mesh must call it (it gathers)."""
-        return tree_map(lambda t: self.whole(t.detach()).to_local()
-                        if isinstance(t, DTensor) else t, value)
+        """``value`` with every DTensor or local shard in it as the whole plain tensor (what
+        is sent to another stage); every rank of the mesh must call it (it gathers)."""
+        with torch.no_grad():
+            return tree_map(lambda t: self.whole_plain(t.detach()) if isinstance(t, DTensor)
+                            else self.gathered(t) if self.is_shard(t) else t, value)
+
+
+def mapped(fn: Any, value: Any) -> Any:
+    """``fn`` of every leaf of an op's arguments (tuples, lists and dicts of them): a
+    cheaper :func:`~torch.utils._pytree.tree_map` for the few shapes ATen calls take."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(mapped(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: mapped(fn, v) for k, v in value.items()}
+    return fn(value)
+
+
+class AllReduced(torch.autograd.Function):
+    """Partial sums all-reduced (in place) over a tensor group; the gradient of every rank's
+    part is the (replicated) gradient of the sum, as it is (Megatron's ``g``)."""
+
+    @staticmethod
+    def forward(ctx, t, group):  # type: ignore[override]
+        ctx.mark_dirty(t)
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g, None
+
+
+class PartialGrad(torch.autograd.Function):
+    """A whole tensor as it is; its gradient (every rank's partial sum) all-reduced
+    (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, t, group):  # type: ignore[override]
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class Gathered(torch.autograd.Function):
+    """Local shards all-gathered along their last dimension; the gradient of a rank's shard
+    is its part of the (replicated) gradient of the whole."""
+
+    @staticmethod
+    def forward(ctx, t, group, index, degree):  # type: ignore[override]
+        ctx.index, ctx.width = index, t.shape[-1]
+        parts = [torch.empty_like(t) for _ in range(degree)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g.narrow(-1, ctx.index * ctx.width, ctx.width), None, None, None
 
 
 class _Reduced(torch.autograd.Function):

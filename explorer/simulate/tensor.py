@@ -12,12 +12,13 @@ weights hold ``1 / tensor`` of their bytes on each device, and so do their gradi
 optimizer state, and the activations the layout keeps split (and their gradients). Stages
 with a tensor degree of 1 are untouched.
 
-Running on DTensors costs more than the plain ops the profile times: where the profile carries
-what DTensor adds (``DeviceCosts.dtensor``, measured by a host probe), a split op's forward and
-backward get its per-op cost (but the ops of a head-split attention's core, which run on
-plain shards), each collective its fixed cost, every other op of the stage the cost per
-DTensor it reads (the stage's weights, split ops' outputs), and the optimizer step the cost per
-parameter tensor.
+The runtime runs split ops on local shards (Megatron-style), but reads split weights through
+DTensors and runs the vocabulary-parallel embedding and the optimizer on them: where the
+profile carries what that adds (``DeviceCosts.dtensor``, measured by a host probe), a split op
+that reads a split weight gets its per-op cost in its forward and backward, each collective
+its fixed cost (beyond the link's time: on a shared host, mostly the wait for the other ranks
+to be scheduled), an unsplit op the cost per split weight it reads (gathered whole), and the
+optimizer step the cost per parameter tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import TensorLayout, megatron_layout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
-from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
+from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds
 
 
@@ -59,9 +60,9 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
         ops = ops_by_stage[s]
         is_split = np.isin(ops, [index[n] for n in layout.split_ops])
         split = ops[is_split]
+        reads = split_weights_read(A, [index[n] for n in layout.placements])
         if len(split):
-            # (a head-split attention's core runs on plain shards: no DTensor dispatch)
-            on_dt = ~np.isin(split, [index[n] for n in layout.local_ops])
+            on_dt = reads[split] > 0  # (the others run on plain local shards)
             fwd_s[split] = (sec.slowest("fwd_s", split, devices[s], frac[s] / k)
                             + on_dt * dt["op_fwd_s"])
             on_dt, split = on_dt[has_b[split]], split[has_b[split]]
@@ -69,9 +70,8 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                             + on_dt * dt["op_bwd_s"])
         whole = ops[~is_split]
         if len(whole) and (dt["read_fwd_s"] or dt["read_bwd_s"]):
-            reads = dtensors_read(A, ops[is_split])[whole]
-            fwd_s[whole] += reads * dt["read_fwd_s"]
-            bwd_s[whole] += np.where(has_b[whole], reads * dt["read_bwd_s"], 0.0)
+            fwd_s[whole] += reads[whole] * dt["read_fwd_s"]
+            bwd_s[whole] += np.where(has_b[whole], reads[whole] * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
         for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
             for name, nbytes in reduce.items():
@@ -89,12 +89,11 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
     return moved
 
 
-def dtensors_read(A: GraphArrays, split: np.ndarray) -> np.ndarray:
-    """Per node, how many DTensors it reads on a tensor-parallel stage whose split ops are
-    ``split``: weights (parameters and buffers: all are DTensors there) and split ops'
-    outputs."""
-    is_dt = np.isin(A.kcode, (KIND_PARAM, KIND_BUFFER))
-    is_dt[split] = True
+def split_weights_read(A: GraphArrays, weights: list[int]) -> np.ndarray:
+    """Per node, how many of the split ``weights`` (the DTensors of a tensor-parallel stage)
+    it reads."""
+    is_dt = np.zeros(A.n, dtype=bool)
+    is_dt[weights] = True
     return np.bincount(A.e_c[is_dt[A.e_p]], minlength=A.n)
 
 

@@ -210,12 +210,15 @@ def test_dropout_in_a_split_block_runs_whole_after_an_all_gather():
 
 
 def test_dtensor_costs_from_the_profile_by_hand(block):
-    """What DTensor adds (``DeviceCosts.dtensor``): per split op, per collective, per DTensor
-    an unsplit op of the stage reads (norm: fc2's output and its weight), per parameter tensor
-    the optimizer steps."""
+    """What the runtime adds to the plain ops (``DeviceCosts.dtensor``): per split op that
+    reads a split weight (fc1 and fc2; not act, which runs on its local shard), per
+    collective, per split weight an unsplit op reads (norm reads fc2's weight, tied; its
+    replicated weight and fc2's output are plain), per parameter tensor the optimizer
+    steps."""
     g = OpGraph("normed", [*(n for n in block.nodes if n.name != "loss"),
                            _param("norm.weight", (4,), 16),
-                           _op("norm", "aten.mul.Tensor", "norm", ("fc2", "norm.weight"), 1000),
+                           _op("norm", "aten.mul.Tensor", "norm",
+                               ("fc2", "norm.weight", "mlp.fc2.weight"), 1000),
                            _op("loss", "aten.sum.default", "", ("norm",), 4)],
                 batch_size=8, loss="loss")
     fwd, bwd = {**FWD, "norm": 0.5}, {**BWD, "norm": 1.0}
@@ -229,9 +232,9 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
     pred = ex.simulate(g, plan, cm)
     half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
     allreduce_s = 2 * LAT_S + 1000 / BW
-    f = (1.0 + half(2.0) + half(1.0) + half(2.0) + 3 * a + allreduce_s + c + 0.5 + 2 * w_f
+    f = (1.0 + half(2.0) + half(1.0) + half(2.0) + 2 * a + allreduce_s + c + 0.5 + w_f
          + 0.5)
-    bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 3 * b + allreduce_s + c + 1.0 + 2 * w_b
+    bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 2 * b + allreduce_s + c + 1.0 + w_b
           + 0.5)
     assert pred.step_s == pytest.approx(f + bk + 4 * opt, rel=1e-12)
     # one device: none of it
