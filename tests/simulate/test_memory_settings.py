@@ -215,13 +215,14 @@ class TestRecompute:
             self.run(g, 1).memory["d:0"].activations_bytes
 
     def test_selective_keeps_what_it_recomputes_from(self):
-        # (mm2 in relu1's unit) GPipe, 2 micro-batches (half the bytes each). Without recomputation the peak is in
-        # micro-batch 0's relu1 backward: its x 400, relu1 800, relu1's and mm1's gradients
-        # 800 each, and micro-batch 1's x 400, relu1 800 and loss 2 = 4002. Recomputed,
-        # relu1 is not kept but mm1 (which nobody saves otherwise) is, until mm2's backward
-        # recomputes relu1 from it; in micro-batch 0's mm2 backward: x 400, mm1 800, relu1
-        # again 800, mm2's gradient 400, relu1's 800, and micro-batch 1's x 400, mm1 800 and
-        # loss 2 = 4402 (relu1 and its source are the same size: selective saves nothing)
+        # (mm2 in relu1's unit) GPipe, 2 micro-batches (half the bytes each). Without
+        # recomputation the peak is in micro-batch 0's relu1 backward: its x 400, relu1 800,
+        # relu1's and mm1's gradients 800 each, and micro-batch 1's x 400, relu1 800 and
+        # loss 2 = 4002. Recomputed, relu1 is not kept but mm1 (which nobody saves otherwise)
+        # is, until mm2's backward recomputes relu1 from it; in micro-batch 0's mm2 backward:
+        # x 400, mm1 800, relu1 again 800, mm2's gradient 400, relu1's 800, and micro-batch
+        # 1's x 400, mm1 800 and loss 2 = 4402 (relu1 and its source are the same size:
+        # selective saves nothing)
         g = chain(mm2_module="layers.0.fc2")
         assert self.run(g, 2).memory["d:0"].activations_bytes == 4002
         assert self.run(g, 2, recompute="selective").memory["d:0"].activations_bytes == 4402
