@@ -89,6 +89,44 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
     return work
 
 
+def precision_work(graph: OpGraph, cluster: ex.Cluster, precision: str) -> Work:
+    """Time the present devices in ``precision`` too (``ex.profile(..., precisions=)``: the
+    cached fp32 profile, then the ops under autocast), so stages set to compute in it are
+    estimated from what it costs here rather than from the fp32 times."""
+    def work(report: Callable[[str], None], early: Early) -> tuple[OpGraph, ex.CostModel]:
+        report(f"timing the ops in {precision} on "
+               + ", ".join(d.id for d in cluster.devices if d.present))
+        return graph, ex.profile(graph, cluster, progress=False, report=report,
+                                 precisions=(precision,))
+    return work
+
+
+def add_precision_times(costs: ex.CostModel, timed: ex.CostModel) -> None:
+    """Copy the half-precision times of ``timed`` (:func:`precision_work`'s profile) into
+    ``costs``, in place."""
+    for key, dc in costs.per_type.items():
+        got = timed.per_type.get(key)
+        if got is not None and got.precision_s:
+            dc.precision_s = {**dc.precision_s, **got.precision_s}
+
+
+def untimed_precision(graph: OpGraph, costs: ex.CostModel, plan: ex.Plan) -> str | None:
+    """A half precision a stage of ``plan`` computes in on a present, measured device whose
+    profile was not timed in it (None: none): what :func:`precision_work` would time."""
+    if graph.runtime is None:
+        return None
+    for k, devs in enumerate(plan.stages):
+        precision = plan.settings_of(k).precision
+        if precision == "fp32":
+            continue
+        for d in devs:
+            dc = costs.device_costs(d)
+            if (costs.cluster.device(d).present and "measured" in dc.source
+                    and precision not in dc.precision_s):
+                return precision
+    return None
+
+
 def opening_costs(graph: OpGraph, capture: Callable[[], OpGraph] | None,
                   cluster: ex.Cluster, measure: str, progress: bool
                   ) -> tuple[ex.CostModel, Work | None]:

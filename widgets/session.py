@@ -43,7 +43,15 @@ from widgets.edits import (
 )
 from widgets.graphview import GraphView
 from widgets.history import History, Snapshot
-from widgets.measure import BackgroundJob, Work, measured_status, numbers_status
+from widgets.measure import (
+    BackgroundJob,
+    Work,
+    add_precision_times,
+    measured_status,
+    numbers_status,
+    precision_work,
+    untimed_precision,
+)
 from widgets.opening import opening
 from widgets.splits import degrees_text
 
@@ -220,6 +228,10 @@ class Session:
         self.measure_status = measured_status(self.cluster)
         self._changed("costs")
         self._changed("measure")
+
+    def _precision_measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
+        add_precision_times(self.costs, result[1])  # (calibration and all else kept)
+        self._measured((self.graph, self.costs))
 
     def _measure_failed(self, error: BaseException, trace: str) -> None:
         now = numbers_status(self.preliminary)
@@ -448,6 +460,12 @@ class Session:
         if plan == self.plan:
             return
         self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))
+        precision = untimed_precision(self.graph, self.costs, plan)
+        if precision is not None and (self.measuring is None or not self.measuring.running):
+            self._measure_report("starting")  # estimates from the fp32 times till then
+            self.measuring = BackgroundJob(
+                precision_work(self.graph, self.cluster, precision), self._measure_report,
+                self._measured_early, self._precision_measured, self._measure_failed).start()
 
     def load(self, plan: ex.Plan | str | Path, name: str | None = None) -> None:
         """Make ``plan`` (a Plan, or a path to a plan JSON file) the plan under edit."""

@@ -105,3 +105,36 @@ def test_the_panel_applies_each_change_and_the_bars_have_a_gathered_category(gpt
     assert d["gathered"][0] * w.memory.unit_bytes == 5 * 2**20
     assert d["workspace"][0] * w.memory.unit_bytes == 2**20
     assert memory.CATEGORIES[-2:] == ("gathered", "workspace")
+
+
+def test_a_half_precision_on_measured_devices_is_timed_in_the_background(gpt, monkeypatch):
+    # the CPU rank's profile has no bf16 times: setting bf16 times the ops in it (a profile
+    # with precisions=) in the background, and the estimate follows; costs otherwise kept
+    cl = ex.Cluster.cpu(1, measure=False)
+    costs = roofline_costs(gpt, cl)
+    key = cl.devices[0].type_key
+    costs.per_type[key] = dataclasses.replace(
+        costs.per_type[key], source=["measured" if n.kind == "op" else "free"
+                                     for n in gpt.nodes])
+    calls = []
+
+    def profile(graph, cluster, precisions=(), **kwargs):
+        calls.append(precisions)
+        timed = dataclasses.replace(costs, per_type=dict(costs.per_type))
+        dc = costs.per_type[key]
+        timed.per_type[key] = dataclasses.replace(
+            dc, precision_s={"bf16": [[3 * t for t in dc.fwd_s], [3 * t for t in dc.bwd_s]]})
+        return timed
+
+    monkeypatch.setattr(ex, "profile", profile)
+    session = Session(gpt, cl, costs)
+    before = session.prediction.step_s
+    session.set_memory(precision="bf16")
+    assert session.wait_measured(60)
+    assert calls == [("bf16",)]
+    assert session.costs.per_type[key].precision_s["bf16"][0][gpt.index[gpt.loss]] > 0
+    assert session.prediction.step_s > 2 * before
+    assert session.prediction == ex.simulate(gpt, session.plan, session.costs)
+    session.set_memory(precision="fp32")
+    session.set_memory(precision="bf16")  # timed already: nothing measured again
+    assert calls == [("bf16",)]
