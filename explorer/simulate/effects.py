@@ -153,9 +153,22 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
         for i in np.flatnonzero(A.has_b & (mode == "full")).tolist():
             designee[int(key[i])] = i  # (ops in node order: the last one wins)
         full_ops = A.is_op & (mode == "full")
-        for i in np.flatnonzero(full_ops).tolist():
-            rc_op[i] = designee.get(int(key[i]), -1)
         d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
+        # what runs again is what the unit's backward unpacks (outputs its own ops save that
+        # are not kept) and the unit's ops those are made from, as the runtime recomputes
+        own = same & full_ops[sv_p] & (key[sv_p] == key[sv_v])
+        todo = np.unique(sv_p[own & d[sv_p]]).tolist()
+        rerun = np.zeros(A.n, dtype=bool)
+        rerun[todo] = True
+        while todo:
+            h = todo.pop()
+            for name in graph.nodes[h].inputs:
+                q = graph.index[name]
+                if full_ops[q] and key[q] == key[h] and not rerun[q]:
+                    rerun[q] = True
+                    todo.append(q)
+        for i in np.flatnonzero(rerun).tolist():
+            rc_op[i] = designee.get(int(key[i]), -1)
         dropped |= full_ops & d & (rc_op >= 0)
     sources = recompute_sources(graph, A, st, dropped, rc_op)
     half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]

@@ -96,7 +96,7 @@ def test_its_placement_gets_its_cheapest_settings(seed, name):
 
 
 def test_baselines_fall_back_on_settings_with_a_note_on_their_cost():
-    g, cl, c = tight_case(0, 2, squeeze=0.5)
+    g, cl, c = tight_case(0, 2, squeeze=0.53)
     plan = best_of_baselines(g, cl, c, None, None, "adam", "test")
     pred = simulate(g, plan, c)
     assert pred.fits and plan.uses_memory_settings and plan.algorithm == "test"

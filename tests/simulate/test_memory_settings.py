@@ -227,20 +227,26 @@ class TestRecompute:
         assert self.run(g, 2).memory["d:0"].activations_bytes == 4002
         assert self.run(g, 2, recompute="selective").memory["d:0"].activations_bytes == 4402
 
-    def test_full_reruns_every_unit_forward(self):
-        # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss): every forward once more
+    def test_full_reruns_what_a_units_backward_needs(self):
+        # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss). mm1 saves x (made outside
+        # its unit), relu1 saves its output, which mm2 of another unit saves too: kept. Nothing
+        # a unit's backward unpacks is recomputed: no forward runs again
         pred = self.run(chain(), 1, recompute="full")
-        assert pred.step_s == pytest.approx(110.0 + 10.0)
-        assert backward_s(pred, "relu1") == pytest.approx(23.0)
+        assert pred.step_s == pytest.approx(110.0)
+        # mm2 in layers.0 too: relu1 is saved inside its unit only, so it runs again (2 s),
+        # and mm1 it is made from (1 s), at the start of the unit's first backward (mm2's);
+        # mm2's output and the loss are saved by nobody: not run again
+        pred = self.run(chain(mm2_module="layers.0.fc2"), 1, recompute="full")
+        assert pred.step_s == pytest.approx(110.0 + 3.0)
+        assert backward_s(pred, "mm2") == pytest.approx(33.0)
 
     def test_full_keeps_only_unit_inputs(self):
-        # mm2 in layers.0 too: relu1 is inside its unit, not kept (as selective above); the
-        # unit's forward (3 s per micro-batch) runs again in mm2's backward, loss's (2 s) in
-        # its own
+        # mm2 in layers.0 too: relu1 is inside its unit, not kept (as selective above); mm1
+        # and relu1 (1.5 s per micro-batch) run again in mm2's backward
         g = chain(mm2_module="layers.0.fc2")
         pred = self.run(g, 2, recompute="full")
         assert pred.memory["d:0"].activations_bytes == 3202
-        assert pred.step_s == pytest.approx(110.0 + 2 * (3.0 + 2.0))
+        assert pred.step_s == pytest.approx(110.0 + 2 * 1.5)
 
     def test_units_are_repeated_blocks(self):
         assert unit_of("model.layers.3.attn.q") == "model.layers.3"
