@@ -66,6 +66,10 @@ PLANS = [
 ]
 #: the memory-strategy plans (``--strategies``): (algorithm, options, memory settings)
 STRATEGIES = [
+    # each plan without settings too, measured beside them: what the settings add
+    ("data-parallel", {}, {}),
+    ("even-layers", {}, {}),
+    ("single", {}, {}),
     ("data-parallel", {}, {"zero": 1}),
     ("data-parallel", {}, {"zero": 2}),
     ("data-parallel", {}, {"zero": 3}),
