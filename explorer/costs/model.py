@@ -246,31 +246,37 @@ class CostModel:
 
     def reduce_scatter_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
         """Ring reduce-scatter of ``nbytes`` (each rank keeps 1/k): half a ring all-reduce,
-        (k-1)/k of the bytes over the slowest link and k-1 latencies."""
-        return self._ring_s(device_ids, nbytes, 1)
+        (k-1)/k of the bytes over the slowest link and k-1 latencies; where the links carry a
+        measured two-rank reduce-scatter (``Link.reduce_scatter_*``), that scaled as a ring."""
+        return self._ring_s(device_ids, nbytes, 1, "reduce_scatter")
 
     def allgather_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int) -> float:
         """Ring all-gather of a tensor of ``nbytes`` from 1/k shards: the other half of a ring
-        all-reduce, priced as :meth:`reduce_scatter_s`."""
-        return self._ring_s(device_ids, nbytes, 1)
+        all-reduce, priced as :meth:`reduce_scatter_s` (from ``Link.allgather_*`` where
+        measured)."""
+        return self._ring_s(device_ids, nbytes, 1, "allgather")
 
     def _ring_s(self, device_ids: list[str] | tuple[str, ...], nbytes: int,
-                passes: int) -> float:
-        """``passes`` ring passes (2: all-reduce, 1: reduce-scatter or all-gather)."""
+                passes: int, kind: str = "allreduce") -> float:
+        """``passes`` ring passes (2: all-reduce, 1: reduce-scatter or all-gather); ``kind``
+        names the links' measured two-rank collective that is the k = 2 case, where they all
+        have it (else the all-reduce's, for half its time per pass, else the ring's terms)."""
         k = len(device_ids)
         if k <= 1 or nbytes <= 0:
             return 0.0
         links = [self.cluster.link(a, b) for a, b in
                  zip(device_ids, [*list(device_ids[1:]), device_ids[0]], strict=True)]
-        if all(lk.allreduce_latency_s > 0 and lk.allreduce_bandwidth_bytes_per_s > 0
-               for lk in links):
-            lat = max(lk.allreduce_latency_s for lk in links)
-            bw = min(lk.allreduce_bandwidth_bytes_per_s for lk in links)
-            return (k - 1) * lat * (passes / 2) + passes * (k - 1) / k * nbytes / bw \
-                * self.link_scale
-        bw = min(lk.bandwidth_bytes_per_s for lk in links)
-        lat = max(lk.latency_s for lk in links)
-        return passes * (k - 1) * lat + passes * (k - 1) / k * nbytes / bw * self.link_scale
+        for name, share in ((kind, 1.0), ("allreduce", passes / 2)):
+            lat = [getattr(lk, f"{name}_latency_s") for lk in links]
+            bw = [getattr(lk, f"{name}_bandwidth_bytes_per_s") for lk in links]
+            if all(x > 0 for x in lat + bw):
+                # the measured k = 2 case (latency + bytes / bandwidth), scaled as a ring
+                return share * ((k - 1) * max(lat) + 2 * (k - 1) / k * nbytes / min(bw)
+                                * self.link_scale)
+        bw_link = min(lk.bandwidth_bytes_per_s for lk in links)
+        lat_link = max(lk.latency_s for lk in links)
+        return passes * (k - 1) * lat_link + passes * (k - 1) / k * nbytes / bw_link \
+            * self.link_scale
 
     def optimizer_s(self, device_id: str, optimizer: str, param_bytes: int,
                     n_tensors: int) -> float:

@@ -223,7 +223,9 @@ class Cluster:
         )
         link = Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"],
                     prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"],
-                    prof["late_receive_s"])
+                    prof["late_receive_s"], prof["reduce_scatter_latency_s"],
+                    prof["reduce_scatter_bandwidth_bytes_per_s"], prof["allgather_latency_s"],
+                    prof["allgather_bandwidth_bytes_per_s"])
         return cls(f"cpu:{n}", devices, link)
 
     @classmethod

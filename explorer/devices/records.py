@@ -70,6 +70,11 @@ class Link:
     library's collective is not two point-to-point transfers (gloo on CPU ranks reduces in
     its own threads, in chunks); 0 means "derive it from the link as a ring".
 
+    ``reduce_scatter_*`` and ``allgather_*`` are the same for a two-rank reduce-scatter and
+    all-gather (ZeRO's collectives), where the library's own differ from half an all-reduce
+    (gloo's reduce-scatter reduces whole tensors and then scatters); 0 means "half the
+    all-reduce".
+
     ``late_receive_s`` is how long a message waits, beyond the transfer, when its receive is
     posted after it was sent while the sender computes: gloo moves a message only once the
     receive is posted, and then the sender's communication thread must get a core, which on
@@ -83,6 +88,10 @@ class Link:
     allreduce_latency_s: float = 0.0
     allreduce_bandwidth_bytes_per_s: float = 0.0
     late_receive_s: float = 0.0
+    reduce_scatter_latency_s: float = 0.0
+    reduce_scatter_bandwidth_bytes_per_s: float = 0.0
+    allgather_latency_s: float = 0.0
+    allgather_bandwidth_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.latency_s >= 0:

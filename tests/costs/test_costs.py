@@ -290,9 +290,31 @@ class TestMeasuredAllReduce:
         assert cm.allreduce_s(ids[:2], 100) == pytest.approx(0.25 + 100 / 50)
         assert cm.allreduce_s(ids, 100) == pytest.approx(3 * 0.25 + 1.5 * 100 / 50)
 
+    def test_measured_reduce_scatter_and_all_gather_price_zeros_collectives(self, chain3):
+        from dataclasses import replace as _replace
+
+        cl = cluster(4, latency_s=0.5, bandwidth=100.0)
+        cm = costs(chain3, cl, {"a": 1.0}, {})
+        ids = cl.ids
+        ar = _replace(cl.default_link, allreduce_latency_s=0.25,
+                      allreduce_bandwidth_bytes_per_s=50.0)
+        cm.cluster = _replace(cl, default_link=ar)
+        # without their own measurement: half the measured all-reduce
+        assert cm.reduce_scatter_s(ids[:2], 100) == pytest.approx((0.25 + 100 / 50) / 2)
+        both = _replace(ar, reduce_scatter_latency_s=0.1,
+                        reduce_scatter_bandwidth_bytes_per_s=20.0, allgather_latency_s=0.05,
+                        allgather_bandwidth_bytes_per_s=200.0)
+        cm.cluster = _replace(cl, default_link=both)
+        # measured: k = 2 is the measurement, k = 4 scaled as a ring; the all-reduce unchanged
+        assert cm.reduce_scatter_s(ids[:2], 100) == pytest.approx(0.1 + 100 / 20)
+        assert cm.reduce_scatter_s(ids, 100) == pytest.approx(3 * 0.1 + 1.5 * 100 / 20)
+        assert cm.allgather_s(ids[:2], 100) == pytest.approx(0.05 + 100 / 200)
+        assert cm.allreduce_s(ids[:2], 100) == pytest.approx(0.25 + 100 / 50)
+
     def test_cluster_json_from_before_the_field_still_loads(self):
         d = cluster(2).to_dict()
-        for k in ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s", "late_receive_s"):
+        for k in ("allreduce_latency_s", "allreduce_bandwidth_bytes_per_s", "late_receive_s",
+                  "reduce_scatter_latency_s", "allgather_bandwidth_bytes_per_s"):
             del d["default_link"][k]
         back = type(cluster(2)).from_dict(d)
         assert back.default_link.allreduce_latency_s == 0.0

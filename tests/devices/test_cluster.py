@@ -283,7 +283,7 @@ def test_a_cached_profile_from_before_the_late_receive_wait_is_measured_again(
 
     def link():
         calls.append(1)
-        return 1e-4, 1e9, 2e-4, 5e8, 3e-3
+        return 1e-4, 1e9, 3e-3, 2e-4, 5e8, 3e-4, 4e8, 1e-4, 6e8
 
     monkeypatch.setattr(cpu_host, "measure_gloo_link", link)
     old = {k: 1.0 for k in cpu_host.PROFILE_KEYS} | {"compute_source": "old", "link_source": "old",
@@ -306,8 +306,11 @@ def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_host, "measure_matmul_flops", lambda: 1e10)
     monkeypatch.setattr(cpu_host, "measure_copy_bandwidth", lambda: 2e9)
     monkeypatch.setattr(cpu_host, "LINK_PROBES", 4)
-    probes = iter([(1e-4, 2e9, 2e-4, 1.0e9, 3e-4), (3e-4, 1e9, 9e-4, 0.5e9, 9e-3),
-                   None, (2e-4, 3e9, 1e-4, 1.1e9, 4e-4)])
+    # (latency, bandwidth, late wait, then latency and bandwidth of the all-reduce,
+    # reduce-scatter and all-gather)
+    probes = iter([(1e-4, 2e9, 3e-4, 2e-4, 1.0e9, 5e-4, 3e8, 1e-4, 2e9),
+                   (3e-4, 1e9, 9e-3, 9e-4, 0.5e9, 9e-4, 1e8, 8e-4, 1e9),
+                   None, (2e-4, 3e9, 4e-4, 1e-4, 1.1e9, 4e-4, 4e8, 2e-4, 3e9)])
 
     def link():
         got = next(probes)
@@ -320,6 +323,8 @@ def test_the_link_is_the_median_of_its_probes(monkeypatch, tmp_path):
     assert (lk.latency_s, lk.bandwidth_bytes_per_s) == (2e-4, 2e9)
     assert (lk.allreduce_latency_s, lk.allreduce_bandwidth_bytes_per_s) == (2e-4, 1.0e9)
     assert lk.late_receive_s == 4e-4
+    assert (lk.reduce_scatter_latency_s, lk.reduce_scatter_bandwidth_bytes_per_s) == (5e-4, 3e8)
+    assert (lk.allgather_latency_s, lk.allgather_bandwidth_bytes_per_s) == (2e-4, 2e9)
     assert "median of 3 probes" in lk.source  # the three that ran
 
 

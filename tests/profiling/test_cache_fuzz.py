@@ -179,8 +179,9 @@ def test_profile_cache_fuzz_long(cache_home, monkeypatch):
 def _host_measured() -> dict:
     return {**cpu_host.nominal_profile(), "compute_source": "measured (fake)",
             "link_source": "measured (fake)", "link_probes": 3, "link_measured": True,
-            "late_receive_s": 1e-4, "allreduce_latency_s": 1e-4,
-            "allreduce_bandwidth_bytes_per_s": 1e9}
+            "late_receive_s": 1e-4,
+            **{f"{name}_{fig}": v for name, _ in cpu_host.COLLECTIVES
+               for fig, v in (("latency_s", 1e-4), ("bandwidth_bytes_per_s", 1e9))}}
 
 
 def _host_cases(n: int, seed: int, monkeypatch) -> None:

@@ -3,9 +3,9 @@
 Run as ``python -m explorer.platforms.cpu.gloo_probe RANK PORT TIMEOUT_S`` (two of them, ranks
 0 and 1, by :func:`explorer.platforms.cpu.host.measure_gloo_link`). Each sets itself up as the
 runtime sets up its CPU ranks, then both measure: send/recv ping-pong latency and bandwidth,
-a two-rank all-reduce, and the late-receive wait (a message sent before its receive is posted
-while both ranks compute). Rank 0 prints one JSON line. A watchdog ends the process at
-``TIMEOUT_S`` should its parent be gone.
+a two-rank all-reduce, reduce-scatter and all-gather, and the late-receive wait (a message sent
+before its receive is posted while both ranks compute). Rank 0 prints one JSON line. A
+watchdog ends the process at ``TIMEOUT_S`` should its parent be gone.
 """
 
 from __future__ import annotations
@@ -64,19 +64,34 @@ def main(argv: list[str]) -> None:
     pingpong(big, 2)
     one_way = pingpong(big, BULK_REPS)
 
-    def allreduce(t: torch.Tensor, reps: int) -> float:
+    def timed(fn, reps: int) -> float:
+        """The median of ``reps`` calls of collective ``fn``, both ranks starting together."""
         times = []
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
+
+    def allreduce(t: torch.Tensor, reps: int) -> float:
+        return timed(lambda: dist.all_reduce(t), reps)
 
     allreduce(small, 10)
     ar_small = allreduce(small, PING_REPS // 2)
     allreduce(big, 2)
     ar_big = allreduce(big, BULK_REPS)
+
+    # ZeRO's collectives: a whole tensor of the size above reduce-scattered into halves, and
+    # halves all-gathered into it
+    figures = {}
+    for name, size in (("small", 2), ("big", big.numel())):
+        whole, half = torch.zeros(size), torch.zeros(size // 2)
+        reps = PING_REPS // 2 if name == "small" else BULK_REPS
+        for kind, fn in (("rs", lambda h=half, w=whole: dist.reduce_scatter_tensor(h, w)),
+                         ("ag", lambda h=half, w=whole: dist.all_gather_into_tensor(w, h))):
+            timed(fn, 2)
+            figures[f"{kind}_{name}_s"] = timed(fn, reps)
     # late receive: both ranks compute (small matrix products); rank 1 sends LATE_AHEAD_S
     # before rank 0 posts the receive, and computes on until LATE_TAIL_S after it; the data
     # was there, so rank 0's whole wait is lateness
@@ -110,7 +125,7 @@ def main(argv: list[str]) -> None:
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps({"latency_s": latency, "one_way_s": one_way, "ar_small_s": ar_small,
-                          "ar_big_s": ar_big, "late_s": late_s}), flush=True)
+                          "ar_big_s": ar_big, "late_s": late_s, **figures}), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,14 @@ PROFILE_KEYS = (
     "link_bandwidth_bytes_per_s",
     "allreduce_latency_s",
     "allreduce_bandwidth_bytes_per_s",
+    "reduce_scatter_latency_s",
+    "reduce_scatter_bandwidth_bytes_per_s",
+    "allgather_latency_s",
+    "allgather_bandwidth_bytes_per_s",
 )
+#: the collectives the link probe times as a whole besides send/recv (a host profile's
+#: ``<name>_latency_s`` and ``<name>_bandwidth_bytes_per_s``; the probe's keys)
+COLLECTIVES = (("allreduce", "ar"), ("reduce_scatter", "rs"), ("allgather", "ag"))
 #: profiles measured in this process, by (cache file, key), including failed link measurements
 _MEMO: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -86,11 +93,17 @@ def nominal_profile() -> dict[str, Any]:
         ),
         "link_latency_s": GLOO_NOMINAL_LATENCY_S,
         "link_bandwidth_bytes_per_s": GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
-        "allreduce_latency_s": 0.0,
-        "allreduce_bandwidth_bytes_per_s": 0.0,
+        **unmeasured_collectives(),
         "late_receive_s": 0.0,
         "link_source": _nominal_link_source("not measured"),
     }
+
+
+def unmeasured_collectives() -> dict[str, float]:
+    """A host profile's collective figures when the link is not measured: 0 (derived from the
+    link as a ring)."""
+    return {f"{name}_{fig}": 0.0 for name, _ in COLLECTIVES
+            for fig in ("latency_s", "bandwidth_bytes_per_s")}
 
 
 def _nominal_link_source(why: str) -> str:
@@ -164,13 +177,12 @@ def measure_host_profile() -> dict[str, Any]:
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:
-        (latency, bandwidth, ar_latency, ar_bandwidth, late), probes = median_link()
+        (latency, bandwidth, late, *collectives), probes = median_link()
     except LinkMeasureError as e:
         prof.update(
             link_latency_s=GLOO_NOMINAL_LATENCY_S,
             link_bandwidth_bytes_per_s=GLOO_NOMINAL_BANDWIDTH_BYTES_PER_S,
-            allreduce_latency_s=0.0,
-            allreduce_bandwidth_bytes_per_s=0.0,
+            **unmeasured_collectives(),
             late_receive_s=0.0,
             link_source=_nominal_link_source(f"gloo measurement failed: {e}"),
             link_measured=False,
@@ -180,18 +192,19 @@ def measure_host_profile() -> dict[str, Any]:
     prof.update(
         link_latency_s=latency,
         link_bandwidth_bytes_per_s=bandwidth,
-        allreduce_latency_s=ar_latency,
-        allreduce_bandwidth_bytes_per_s=ar_bandwidth,
+        **{f"{name}_{fig}": v for (name, _), pair in zip(COLLECTIVES, zip(
+            collectives[::2], collectives[1::2], strict=True), strict=True)
+           for fig, v in zip(("latency_s", "bandwidth_bytes_per_s"), pair, strict=True)},
         late_receive_s=late,
         link_probes=probes,
         link_source=(
             f"measured on {host}, each figure the median of {probes} probes (a pair of "
             "fresh processes each): torch.distributed gloo send/recv ping-pong between two local "
             f"processes over 127.0.0.1, median of {g.PING_REPS} x 4 B (latency) and "
-            f"{g.BULK_REPS} x {g.BULK_BYTES // 2**20} MiB (bandwidth); all-reduce of the same "
-            f"sizes between the two, medians; late receive: {g.LATE_REPS} messages sent "
-            f"{g.LATE_AHEAD_S * 1e3:g} ms before their receive was posted, both ranks computing, "
-            "trimmed mean of the wait"
+            f"{g.BULK_REPS} x {g.BULK_BYTES // 2**20} MiB (bandwidth); all-reduce, "
+            "reduce-scatter and all-gather of the same sizes between the two, medians; late "
+            f"receive: {g.LATE_REPS} messages sent {g.LATE_AHEAD_S * 1e3:g} ms before their "
+            "receive was posted, both ranks computing, trimmed mean of the wait"
         ),
         link_measured=True,
     )
@@ -244,7 +257,7 @@ def measure_copy_bandwidth() -> float:
         torch.set_num_threads(threads)
 
 
-def median_link() -> tuple[tuple[float, float, float, float, float], int]:
+def median_link() -> tuple[tuple[float, ...], int]:
     """:func:`measure_gloo_link` :data:`LINK_PROBES` times, each figure the median of the
     probes that succeeded, and how many did; raises the last failure when none did."""
     got, failure = [], None
@@ -259,11 +272,10 @@ def median_link() -> tuple[tuple[float, float, float, float, float], int]:
     return figures, len(got)  # type: ignore[return-value]
 
 
-def measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
-                      ) -> tuple[float, float, float, float, float]:
-    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes, the same
-    two figures for an all-reduce between them, and the late-receive wait
-    (``Link.late_receive_s``; a trimmed mean over the middle 80 % of the messages).
+def measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S) -> tuple[float, ...]:
+    """``(latency_s, bandwidth_bytes_per_s)`` between two local gloo processes, the
+    late-receive wait (``Link.late_receive_s``; a trimmed mean over the middle 80 % of the
+    messages), then latency and bandwidth of each of :data:`COLLECTIVES` between them.
 
     The children (:mod:`explorer.platforms.cpu.gloo_probe`) are killed at ``timeout_s`` (and
     kill themselves shortly after it should the parent die); none outlives this call.
@@ -311,21 +323,22 @@ def measure_gloo_link(timeout_s: float = LINK_MEASURE_TIMEOUT_S
     return _link_figures(outs[0])
 
 
-def _link_figures(out: str) -> tuple[float, float, float, float, float]:
-    """The five link figures from rank 0's JSON line."""
+def _link_figures(out: str) -> tuple[float, ...]:
+    """The link figures (:func:`measure_gloo_link`) from rank 0's JSON line."""
     try:
         res = json.loads(out.strip().splitlines()[-1])
-        latency, one_way = float(res["latency_s"]), float(res["one_way_s"])
-        ar_small, ar_big = float(res["ar_small_s"]), float(res["ar_big_s"])
-        late = float(res["late_s"])
+        latency, one_way, late = (float(res[k]) for k in ("latency_s", "one_way_s", "late_s"))
+        timings = [(float(res[f"{key}_small_s"]), float(res[f"{key}_big_s"]))
+                   for _, key in COLLECTIVES]
     except (ValueError, KeyError, IndexError, TypeError):
         raise LinkMeasureError("unreadable result from the gloo processes") from None
-    if not (latency > 0 and one_way > 0 and ar_small > 0 and ar_big > 0
+    if not (latency > 0 and one_way > 0 and all(a > 0 and b > 0 for a, b in timings)
             and math.isfinite(late) and late >= 0):
-        raise LinkMeasureError(f"implausible timings {latency!r}, {one_way!r}, "
-                               f"{ar_small!r}, {ar_big!r}, {late!r}")
+        raise LinkMeasureError(f"implausible timings {latency!r}, {one_way!r}, {late!r}, "
+                               f"{timings!r}")
     # one_way = latency + bytes / bandwidth; guard against noise making the difference tiny
     bulk = gloo_probe.BULK_BYTES
-    bandwidth = bulk / max(one_way - latency, one_way / 10)
-    ar_bandwidth = bulk / max(ar_big - ar_small, ar_big / 10)
-    return latency, bandwidth, ar_small, ar_bandwidth, late
+    figures = [latency, bulk / max(one_way - latency, one_way / 10), late]
+    for small, big in timings:
+        figures += [small, bulk / max(big - small, big / 10)]
+    return tuple(figures)
