@@ -159,7 +159,7 @@ class TensorMesh:
             width = (ref.shape[dim] if ref is not None else
                      max((t.shape[-1] for t in tensors), default=0) // self.degree)
             args = [self.narrowed(t, dim) if isinstance(t, torch.Tensor) and t.ndim >= -dim
-                    and not self.is_shard(t) and width > 1
+                    and not self.is_shard(t) and (ref is not None or width > 1)
                     and t.shape[dim] == width * self.degree else t for t in args]
         out = fn(*args, **kwargs)
         if row:

@@ -143,3 +143,28 @@ def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
                                    ).with_tensor(2, stages=[0])
     with pytest.raises(ExplorerError, match=r"'view' of a head-split attention"):
         check_supported(graph, plan)
+
+
+class _ScaledBlock(nn.Module):
+    """conv (column) -> relu -> x per-channel scale, + a whole value -> conv (row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Conv2d(3, 2, 3, padding=1), nn.Conv2d(2, 3, 1)
+        self.scale = nn.Parameter(torch.rand(2, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = x[:, :2] * 0.5  # (read on every rank's channels: narrowed, 1 each)
+        return self.down(torch.relu(self.up(x)) * self.scale + whole) + x
+
+
+def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), _ScaledBlock(), nn.Flatten(),
+                          nn.Linear(3 * 4 * 4, 5))
+    x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 5, (4,))
+    graph = ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="scaled")
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    assert set(plan_placements(graph, plan)[0]) == {"1.up.weight", "1.up.bias",
+                                                    "1.down.weight"}
+    _same_as_one_device(graph, plan)
