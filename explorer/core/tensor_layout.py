@@ -23,7 +23,8 @@ module reads through element-wise ops only (a ReLU) is column-parallel (weight `
 (weight split along the input channels, ``Shard(1)``; bias added once after the all-reduce);
 the activations between are split along their channel dimension (1 of NCHW, :func:`split_dim`
 counts it from the end). Only ungrouped convolutions pair, and only with element-wise ops and
-no random op between: a pool or a batch norm between two convolutions keeps them whole.
+no random op between: a pool, a batch norm or a dropout between two convolutions keeps them
+whole.
 Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
 ``"Replicate()"``) so plans and simulators need no torch.
 """
@@ -158,9 +159,9 @@ def _reach(edges: list[list[int]], start: int, lo: int, hi: int) -> set[int]:
 
 def _block(graph: OpGraph, cols: list[int], row: int, degree: int
            ) -> tuple[list[int], set[int], bool] | None:
-    """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
-    only (or through an attention core split by whole heads: then True), and the ops between
-    them, when ``row`` can be their row-parallel end; else None."""
+    """The column-parallel linears (or convolutions) among ``cols`` that ``row`` reads through
+    element-wise ops only (or through an attention core split by whole heads: then True), and
+    the ops between them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
     if not cols:
         return None
@@ -171,7 +172,7 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
     heads = any(nodes[k].op not in POINTWISE for k in between)
     if nodes[row].op in CONV_OPS and (heads or any(nodes[k].op in RANDOM_OPS for k in between)):
-        return None  # (channels split through element-wise ops only, drawn on the shards)
+        return None  # (a random op runs whole: what follows it could not find the channels)
     if heads and not _head_aligned(graph, between, degree):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
@@ -244,7 +245,7 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
         for lin in ops:
             block = _block(graph, cols, lin, degree)
             if block is None:
-                if conv:  # a convolution read through a pool: no later one pairs with it
+                if conv:  # what this one reads through a pool pairs with none after it
                     before = _reach(graph.preds, lin, min(cols, default=lin), lin)
                     cols = [c for c in cols if c not in before]
                 cols.append(lin)

@@ -39,12 +39,14 @@ def _check(name: str, plan, shards: int) -> None:
 
 
 
-@pytest.mark.parametrize("name", ["mlp", "llama", "alexnet"])
+@pytest.mark.parametrize("name", ["mlp", "llama", "alexnet", "vgg16", "inception"])
 def test_tensor_parallel_stage_matches_one_device(name):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
     heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys
-    and values and the attention itself on each rank's own heads). The AlexNet's third and
-    fourth convolutions (a ReLU between) split by channels; the others have a pool after."""
+    and values and the attention itself on each rank's own heads). Convolutions with a ReLU
+    between split by channels: the AlexNet's third and fourth (the others have a pool after),
+    each VGG block's first two, the Inception's 1x1 reductions (their shared input's gradient
+    all-reduced once) and the convolutions after them."""
     _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
