@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import (
+    CONV_OPS,
     EMBEDDING_OPS,
     LINEAR_OPS,
     TensorLayout,
@@ -101,9 +102,10 @@ class SplitView:
         dim = shard_dim(placement) if placement else None
         if node.op in EMBEDDING_OPS and dim == 0:
             return "vocab-parallel", placement
-        if node.op in LINEAR_OPS and dim == 0:
+        paired = node.op in LINEAR_OPS or node.op in CONV_OPS
+        if paired and dim == 0:
             return "column-parallel", placement
-        if node.op in LINEAR_OPS and dim == 1:
+        if paired and dim == 1:
             return "row-parallel", placement
         return "split", placement
 

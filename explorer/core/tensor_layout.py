@@ -16,6 +16,15 @@ feature count by the degree), which needs every head count to divide by the degr
 with anything else between them (a fused query-key-value projection split into three, whose
 rows no ``Shard`` lays out by heads) stay replicated. An embedding of the batch's token ids is
 vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
+
+Convolutions pair the same way, on channels: a convolution that another one of the same parent
+module reads through element-wise ops only (a ReLU) is column-parallel (weight ``(out, in,
+*kernel)`` and bias split along the output channels, ``Shard(0)``), the reader row-parallel
+(weight split along the input channels, ``Shard(1)``; bias added once after the all-reduce);
+the activations between are split along their channel dimension (1 of NCHW, :func:`split_dim`
+counts it from the end). Only ungrouped convolutions pair, and only with element-wise ops and
+no random op between: a pool, a batch norm or a dropout between two convolutions keeps them
+whole.
 Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
 ``"Replicate()"``) so plans and simulators need no torch.
 """
@@ -54,6 +63,8 @@ HEAD_OPS = POINTWISE | frozenset(f"aten.{op}" for op in (
 RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
                          "aten._unsafe_view.default"))
 LINEAR_OPS = ("aten.linear.default",)
+#: convolutions that pair like linears, on channels, by their weight's number of dimensions
+CONV_OPS = {"aten.conv1d.default": 3, "aten.conv2d.default": 4, "aten.conv3d.default": 5}
 EMBEDDING_OPS = ("aten.embedding.default",)
 
 
@@ -66,6 +77,14 @@ def shard_dim(placement: str) -> int | None:
     if placement.startswith("Shard(") and placement.endswith(")"):
         return int(placement[len("Shard("):-1])
     return None
+
+
+def split_dim(weight_ndim: int) -> int:
+    """The dimension, counted from the end, along which a column-parallel op with a weight of
+    ``weight_ndim`` dimensions splits its output (and a row-parallel one its input): the
+    features of a linear (-1), the channels of a convolution's ``(batch, channels, *space)``
+    (-3 for a 2-D one), which counts the same for an unbatched input."""
+    return 1 - weight_ndim
 
 
 @dataclass(frozen=True)
@@ -97,11 +116,18 @@ class TensorLayout:
 
 
 def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
-    """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter."""
+    """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter,
+    or of an ungrouped convolution whose weight is a parameter."""
     node = graph.nodes[op]
     params = [graph.index[p] for p in node.inputs if graph.nodes[graph.index[p]].kind == "param"]
-    if not params or len(graph.nodes[params[0]].shapes[0]) != 2:
+    ndim = CONV_OPS.get(node.op, 2)
+    if not params or len(graph.nodes[params[0]].shapes[0]) != ndim:
         return None
+    if node.op in CONV_OPS:  # ungrouped: the weight's input channels are all the input's
+        x = _activation_in(graph, op)
+        shape = graph.nodes[x].shapes[0] if x is not None and graph.nodes[x].shapes else ()
+        if len(shape) < ndim - 1 or shape[split_dim(ndim)] != graph.nodes[params[0]].shapes[0][1]:
+            return None
     return params[0], params[1] if len(params) > 1 else None
 
 
@@ -133,9 +159,9 @@ def _reach(edges: list[list[int]], start: int, lo: int, hi: int) -> set[int]:
 
 def _block(graph: OpGraph, cols: list[int], row: int, degree: int
            ) -> tuple[list[int], set[int], bool] | None:
-    """The column-parallel linears among ``cols`` that ``row`` reads through element-wise ops
-    only (or through an attention core split by whole heads: then True), and the ops between
-    them, when ``row`` can be their row-parallel end; else None."""
+    """The column-parallel linears (or convolutions) among ``cols`` that ``row`` reads through
+    element-wise ops only (or through an attention core split by whole heads: then True), and
+    the ops between them, when ``row`` can be their row-parallel end; else None."""
     nodes = graph.nodes
     if not cols:
         return None
@@ -145,6 +171,8 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
         return None
     between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
     heads = any(nodes[k].op not in POINTWISE for k in between)
+    if nodes[row].op in CONV_OPS and (heads or any(nodes[k].op in RANDOM_OPS for k in between)):
+        return None  # (a random op runs whole: what follows it could not find the channels)
     if heads and not _head_aligned(graph, between, degree):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
@@ -199,10 +227,12 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
     bwd: dict[str, int] = {}
     gather: dict[str, int] = {}
     local: set[str] = set()
-    by_parent: dict[str, list[int]] = {}
+    by_parent: dict[tuple[str, bool], list[int]] = {}  # (parent, convolutions?) -> ops
     for i, n in enumerate(nodes):
-        if n.kind == "op" and n.op in LINEAR_OPS and _weight(graph, i) is not None:
-            by_parent.setdefault(n.module_path.rpartition(".")[0], []).append(i)
+        if n.kind == "op" and (n.op in LINEAR_OPS or n.op in CONV_OPS) and \
+                _weight(graph, i) is not None:
+            by_parent.setdefault((n.module_path.rpartition(".")[0], n.op in CONV_OPS),
+                                 []).append(i)
         if n.kind == "op" and n.op in EMBEDDING_OPS:
             w = _weight(graph, i)
             ids = [graph.index[p] for p in n.inputs if nodes[graph.index[p]].kind == "input"]
@@ -210,11 +240,14 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 placements[nodes[w[0]].name] = shard(0)
                 split.add(n.name)
                 fwd[n.name] = n.out_bytes
-    for ops in by_parent.values():
+    for (_, conv), ops in by_parent.items():
         cols: list[int] = []  # column candidates waiting for the linear that reads them
         for lin in ops:
             block = _block(graph, cols, lin, degree)
             if block is None:
+                if conv:  # what this one reads through a pool pairs with none after it
+                    before = _reach(graph.preds, lin, min(cols, default=lin), lin)
+                    cols = [c for c in cols if c not in before]
                 cols.append(lin)
                 continue
             cols = []

@@ -85,11 +85,12 @@ class StageRunner:
         self.weights = Weights(L, job.state, job.lr, self.messenger, self.tracker, group,
                                job.record, self.mesh, job.units)
         #: the ops the layout splits (run on local shards), those of them whose outputs are
-        #: local shards (known after their first forward), and per output whether it is one
+        #: local shards (known after their first forward), and per output the dimension it
+        #: is split along, from the end (None: whole)
         self.split = {L.names.index(n) for n in job.split_ops}
         self.local = {L.names.index(n) for n in job.local_ops}
         self.shard_out: set[int] = set()
-        self.is_shard: dict[Key, list[bool]] = {}
+        self.shard_dims: dict[Key, list[int | None]] = {}
         #: the partial sums of the gradients of whole values split ops read, until the last
         #: of those ops' backward on the micro-batch (then all-reduced once), and how many
         #: of those backwards are left
@@ -221,7 +222,7 @@ class StageRunner:
                 slots.append((p, len(wrapped), slot))
                 wrapped.append(_Entry.apply(self.anchor, t.detach(), slot))
                 if self.mesh is not None and self.mesh.is_shard(t):
-                    self.mesh.marked(wrapped[-1])
+                    self.mesh.marked(wrapped[-1], self.mesh.split_dim(t))
             else:
                 wrapped.append(t)
         return tree_unflatten(wrapped, spec)
@@ -282,8 +283,8 @@ class StageRunner:
                                  and t.requires_grad else None for t in flat]
         self.slots[(m, u, i)] = slots
         if self.mesh is not None:
-            self.is_shard[(m, u, i)] = [self.mesh.is_shard(t) for t in flat]
-            if any(self.is_shard[(m, u, i)]):
+            self.shard_dims[(m, u, i)] = [self.mesh.split_dim(t) for t in flat]
+            if any(d is not None for d in self.shard_dims[(m, u, i)]):
                 self.shard_out.add(i)
         self.fwd_left[(m, u, i)] = L.local_consumers(i)
         remote = L.remote_stages(i)
@@ -344,7 +345,7 @@ class StageRunner:
         for t in sorted({L.stage[c] for c in L.succs[i] if L.requires_grad[c]} - {L.s}):
             got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, i))
             if self.mesh is not None:
-                got = self.mesh.matching(got, self.is_shard.get(key, []))
+                got = self.mesh.matching(got, self.shard_dims.get(key, []))
             self._store_grad(key, got)
         grads = self.grad.pop(key, None)
         if L.names[i] == L.loss_name:

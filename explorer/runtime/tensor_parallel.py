@@ -1,11 +1,12 @@
 """Tensor parallelism on one stage: its split weights as DTensors on a device mesh of each
 tensor group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and
-the ops the layout splits run Megatron-style on local shards: a column-parallel linear on its
-weight's shard and its whole input, the ops between on their local shards (a head-split
-attention's on the rank's own heads), a row-parallel linear's partial sums all-reduced right
-after it. The only communication is the layout's collectives (and DTensor's, for the
-vocabulary-parallel embedding, whose masked lookup it runs): no per-op DTensor dispatch. Other
-ops run on whole plain tensors, as one device runs them.
+the ops the layout splits run Megatron-style on local shards: a column-parallel linear or
+convolution on its weight's shard and its whole input, the ops between on their local shards
+(split along the features, or a convolution's channels; a head-split attention's on the rank's
+own heads), a row-parallel one's partial sums all-reduced right after it. The only
+communication is the layout's collectives (and DTensor's, for the vocabulary-parallel
+embedding, whose masked lookup it runs): no per-op DTensor dispatch. Other ops run on whole
+plain tensors, as one device runs them.
 
 The gradient of a whole value that split ops read is a partial sum on every rank; the stage
 all-reduces it once, after the last of those ops' backward (:mod:`explorer.runtime.stage`).
@@ -31,6 +32,7 @@ from explorer.core.tensor_layout import (
     RESHAPE_OPS,
     megatron_layout,
     shard_dim,
+    split_dim,
 )
 
 
@@ -65,15 +67,17 @@ class TensorMesh:
 
     Split weights are DTensors (each rank holds its shard); replicated weights are plain
     tensors. Values between ops are plain tensors: whole, or (the outputs of split ops that no
-    all-reduce ends) this rank's local shard, which :meth:`call` marks (:meth:`is_shard`)."""
+    all-reduce ends) this rank's local shard, which :meth:`call` marks with the dimension it
+    splits (:meth:`split_dim`)."""
 
     def __init__(self, device_type: str, ranks: list[int], placements: dict[str, str]
                  ) -> None:
         self.mesh = DeviceMesh(device_type, ranks)
         self.degree = self.mesh.size()
         self.placements = placements
-        #: id -> weak reference of every local shard of a split op's output alive
-        self.shards: dict[int, weakref.ref] = {}
+        #: id -> (weak reference, split dimension from the end) of every local shard of a
+        #: split op's output alive
+        self.shards: dict[int, tuple[weakref.ref, int]] = {}
 
     @functools.cached_property
     def group(self) -> Any:
@@ -129,33 +133,39 @@ class TensorMesh:
     def on_shards(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """A split op on local shards, Megatron-style: split weights' shards, the local shards
         of split ops' outputs as they are, whole inputs as they are where the op reads them
-        whole (a column-parallel linear's input, what broadcasts) or narrowed to this rank's
-        part of their last dimension where it reads them split (a row-parallel linear's input
-        after a random op ran whole). A row-parallel linear's partial sums are all-reduced
-        right away and its bias added after; any other output is a local shard."""
+        whole (a column-parallel op's input, what broadcasts) or narrowed to this rank's part
+        of their split dimension where it reads them split (a row-parallel linear's input
+        after a random op ran whole). A row-parallel op's partial sums are all-reduced right
+        away and its bias added after (along a convolution's channels); any other output is
+        a local shard, split along the features (a linear's), the channels (a
+        convolution's), or as the local shards it reads are."""
         args, kwargs = list(args), dict(kwargs)
         weight = next((t for t in args if isinstance(t, DTensor)), None)
+        dim = -1 if weight is None else split_dim(weight.ndim)
         row = weight is not None and weight.placements[0] == Shard(1)
         bias = None
-        if row:  # (linear(input, weight, bias))
-            bias = kwargs.pop("bias", None) if "bias" in kwargs else (
-                args.pop(2) if len(args) > 2 else None)
+        if row:  # (linear(input, weight, bias), conv2d(input, weight, bias, stride, ...))
+            if "bias" in kwargs:
+                bias, kwargs["bias"] = kwargs["bias"], None
+            elif len(args) > 2:
+                bias, args[2] = args[2], None
             if not self.is_shard(args[0]):
-                args[0] = self.narrowed(args[0])
+                args[0] = self.narrowed(args[0], dim)
         args = [self.local(t) for t in args]
         if weight is None:  # an element-wise op
             tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim]
             ref = next((t for t in tensors if self.is_shard(t)), None)
-            width = (ref.shape[-1] if ref is not None else
+            dim = self.split_dim(ref) if ref is not None else -1
+            width = (ref.shape[dim] if ref is not None else
                      max((t.shape[-1] for t in tensors), default=0) // self.degree)
-            args = [self.narrowed(t) if isinstance(t, torch.Tensor) and t.ndim and
-                    not self.is_shard(t) and width > 1 and t.shape[-1] == width * self.degree
-                    else t for t in args]
+            args = [self.narrowed(t, dim) if isinstance(t, torch.Tensor) and t.ndim >= -dim
+                    and not self.is_shard(t) and (ref is not None or width > 1)
+                    and t.shape[dim] == width * self.degree else t for t in args]
         out = fn(*args, **kwargs)
         if row:
             out = AllReduced.apply(out, self.group)
-            return out if bias is None else out + bias
-        return self.marked(out)
+            return out if bias is None else out + bias.view(-1, *(1,) * (-dim - 1))
+        return self.marked(out, dim)
 
     def on_heads(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """``fn`` on the local shards of its split inputs (no communication) and its whole
@@ -194,31 +204,39 @@ class TensorMesh:
         return shape
 
     # -- values ----------------------------------------------------------------------------
-    def marked(self, value: Any) -> Any:
-        """``value`` with every tensor in it remembered as a local shard."""
+    def marked(self, value: Any, dim: int = -1) -> Any:
+        """``value`` with every tensor in it remembered as a local shard split along ``dim``
+        (from the end)."""
         if isinstance(value, (list, tuple)):
             for t in value:
-                self.marked(t)
+                self.marked(t, dim)
         elif isinstance(value, torch.Tensor) and value.ndim:
             key = id(value)
-            self.shards[key] = weakref.ref(value, lambda _, key=key: self.shards.pop(key, None))
+            self.shards[key] = (weakref.ref(value, lambda _, key=key: self.shards.pop(key, None)),
+                                dim)
         return value
+
+    def split_dim(self, t: Any) -> int | None:
+        """The dimension (from the end) along which ``t`` is this rank's local shard of a
+        split op's output; None where it is not one."""
+        hit = self.shards.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
 
     def is_shard(self, t: Any) -> bool:
         """Whether ``t`` is this rank's local shard of a split op's output."""
-        ref = self.shards.get(id(t))
-        return ref is not None and ref() is t
+        return self.split_dim(t) is not None
 
-    def narrowed(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's part of whole ``t``'s last dimension (differentiable: the gradient of
-        ``t`` is then this rank's partial sum)."""
-        width = t.shape[-1] // self.degree
-        return t.narrow(-1, self.index * width, width)
+    def narrowed(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """This rank's part of whole ``t``'s dimension ``dim`` (differentiable: the gradient
+        of ``t`` is then this rank's partial sum)."""
+        width = t.shape[dim] // self.degree
+        return t.narrow(dim, self.index * width, width)
 
     def gathered(self, t: torch.Tensor) -> torch.Tensor:
-        """The whole of local shard ``t`` (all-gathered along its last dimension;
+        """The whole of local shard ``t`` (all-gathered along its split dimension;
         differentiable: the gradient of the shard is its part of the whole's)."""
-        return Gathered.apply(t, self.group, self.index, self.degree)
+        dim = self.split_dim(t)
+        return Gathered.apply(t, self.group, self.index, self.degree, -1 if dim is None else dim)
 
     def whole_plain(self, t: Any) -> Any:
         """``t`` as the whole plain tensor an unsplit op reads."""
@@ -234,11 +252,11 @@ class TensorMesh:
                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t,
                         value)
 
-    def matching(self, grads: list, shard: list[bool]) -> list:
+    def matching(self, grads: list, dims: list[int | None]) -> list:
         """Gradients received from another stage (plain, whole) as the outputs they are for:
-        this rank's part where those are local shards."""
-        return [self.narrowed(g) if s and isinstance(g, torch.Tensor) and g.ndim else g
-                for g, s in zip(grads, shard, strict=False)]
+        this rank's part where those are local shards (split along ``dims``, from the end)."""
+        return [self.narrowed(g, d) if d is not None and isinstance(g, torch.Tensor) and g.ndim
+                else g for g, d in zip(grads, dims, strict=False)]
 
     def settled(self, value: Any) -> Any:
         """``value`` with a DTensor's partial sums all-reduced and made plain: an op's output
@@ -310,19 +328,19 @@ class PartialGrad(torch.autograd.Function):
 
 
 class Gathered(torch.autograd.Function):
-    """Local shards all-gathered along their last dimension; the gradient of a rank's shard
-    is its part of the (replicated) gradient of the whole."""
+    """Local shards all-gathered along their dimension ``dim`` (from the end); the gradient
+    of a rank's shard is its part of the (replicated) gradient of the whole."""
 
     @staticmethod
-    def forward(ctx, t, group, index, degree):  # type: ignore[override]
-        ctx.index, ctx.width = index, t.shape[-1]
+    def forward(ctx, t, group, index, degree, dim):  # type: ignore[override]
+        ctx.index, ctx.width, ctx.dim = index, t.shape[dim], dim
         parts = [torch.empty_like(t) for _ in range(degree)]
         dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return g.narrow(-1, ctx.index * ctx.width, ctx.width), None, None, None
+        return g.narrow(ctx.dim, ctx.index * ctx.width, ctx.width), None, None, None, None
 
 
 class _Reduced(torch.autograd.Function):

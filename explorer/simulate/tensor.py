@@ -9,8 +9,9 @@ input gradient in the backward, a vocabulary-parallel embedding's output; an all
 a random op in a split block, which runs whole) runs inside the op that needs it, on the links
 of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it. Split
 weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
-optimizer state, and the activations the layout keeps split (and their gradients). Stages
-with a tensor degree of 1 are untouched.
+optimizer state, and the activations the layout keeps split (and their gradients; a
+convolution's along its channels, which divides its bytes the same). Stages with a tensor
+degree of 1 are untouched.
 
 The runtime runs split ops on local shards (Megatron-style), but reads split weights through
 DTensors and runs the vocabulary-parallel embedding and the optimizer on them: where the

@@ -9,6 +9,7 @@ from torch import nn
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.core.tensor_layout import plan_placements
 from explorer.runtime.launch import reference
 from explorer.runtime.tensor_parallel import check_supported
 
@@ -38,11 +39,14 @@ def _check(name: str, plan, shards: int) -> None:
 
 
 
-@pytest.mark.parametrize("name", ["mlp", "llama"])
+@pytest.mark.parametrize("name", ["mlp", "llama", "alexnet", "vgg16", "inception"])
 def test_tensor_parallel_stage_matches_one_device(name):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
     heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys
-    and values and the attention itself on each rank's own heads)."""
+    and values and the attention itself on each rank's own heads). Convolutions with a ReLU
+    between split by channels: the AlexNet's third and fourth (the others have a pool after),
+    each VGG block's first two, the Inception's 1x1 reductions (their shared input's gradient
+    all-reduced once) and the convolutions after them."""
     _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
@@ -52,6 +56,49 @@ def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device():
     devices = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
     plan = _one_stage(tiny_builtin_graph("gpt"), devices).with_tensor(2)
     _check("gpt", plan, 2)
+
+
+def _conv_graph():
+    """conv (whole: a pool follows) -> pool -> conv (column) -> relu -> conv (row) -> linear."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2),
+                          nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(6 * 4 * 4, 10))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    return ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="convs")
+
+
+def _same_as_one_device(graph, plan) -> None:
+    runs = [ex.run(graph, plan=p, steps=STEPS, warmup=WARMUP, progress=False, record=True,
+                   timeout_s=180) for p in (plan, _one_stage(graph, ("cpu:0",)))]
+    torch.testing.assert_close(torch.tensor(runs[0].losses), torch.tensor(runs[1].losses),
+                               rtol=1e-5, atol=1e-6)
+    assert set(runs[0].grads) == set(runs[1].grads)
+    for k, g in runs[1].grads.items():
+        torch.testing.assert_close(runs[0].grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_convolutions_split_by_channels_match_one_device():
+    """The second convolution column-, the third row-parallel: the ReLU between on each
+    rank's channels, the pooled input's gradient all-reduced, the row's bias added once."""
+    graph = _conv_graph()
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias", "4.weight"}
+    _same_as_one_device(graph, plan)
+
+
+def test_a_stage_boundary_after_split_channels_matches_one_device():
+    """3 ranks: the convolutions up to the ReLU split over two, the rest on one: the ReLU's
+    channels are gathered whole to the next stage, its gradient narrowed back to them."""
+    graph = _conv_graph()
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    cut = ops.index("relu")
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                   {**{nm: int(k > cut) for k, nm in enumerate(ops)},
+                                    "4.weight": 1, "4.bias": 1}).with_tensor(2, stages=[0])
+    assert plan_placements(graph, plan)[1] == ["conv2d_1", "relu"]
+    _same_as_one_device(graph, plan)
 
 
 def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws():
@@ -98,3 +145,28 @@ def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
                                    ).with_tensor(2, stages=[0])
     with pytest.raises(ExplorerError, match=r"'view' of a head-split attention"):
         check_supported(graph, plan)
+
+
+class _ScaledBlock(nn.Module):
+    """conv (column) -> relu -> x per-channel scale, + a whole value -> conv (row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Conv2d(3, 2, 3, padding=1), nn.Conv2d(2, 3, 1)
+        self.scale = nn.Parameter(torch.rand(2, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = x[:, :2] * 0.5  # (read on every rank's channels: narrowed, 1 each)
+        return self.down(torch.relu(self.up(x)) * self.scale + whole) + x
+
+
+def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), _ScaledBlock(), nn.Flatten(),
+                          nn.Linear(3 * 4 * 4, 5))
+    x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 5, (4,))
+    graph = ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="scaled")
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    assert set(plan_placements(graph, plan)[0]) == {"1.up.weight", "1.up.bias",
+                                                    "1.down.weight"}
+    _same_as_one_device(graph, plan)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.tensor_layout import megatron_layout
+from explorer.simulate.tensor import activations_per_device
 from tests.builders import cluster, costs
 
 LINEAR = "aten.linear.default"
@@ -240,3 +242,63 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
     # one device: none of it
     one = ex.simulate(g, ex.Plan.from_assignment(g, [("d:0",)], ops), cm)
     assert one.step_s == pytest.approx(sum(fwd.values()) + sum(bwd.values()), rel=1e-12)
+
+
+CONV = "aten.conv2d.default"
+
+
+def _shaped(name: str, op: str, inputs: tuple[str, ...], shape: tuple[int, ...]) -> OpNode:
+    """An op of NCHW output ``shape`` in fp32, in module ``name`` of a Sequential ``net``."""
+    return OpNode(name, "op", op, module_path=f"net.{name}", inputs=inputs, shapes=(shape,),
+                  out_bytes=4 * shape[0] * shape[1] * shape[2] * shape[3], requires_grad=True)
+
+
+@pytest.fixture(scope="module")
+def convs() -> OpGraph:
+    """pre -> conv1 (column: 3 -> 8 channels) -> act -> conv2 (row: 8 -> 4) -> loss, on
+    (2, C, 6, 6) fp32 activations."""
+    return OpGraph("convs", [
+        OpNode("x", "input", "input", shapes=((2, 3, 6, 6),), out_bytes=864),
+        _param("net.conv1.weight", (8, 3, 3, 3), 864), _param("net.conv1.bias", (8,), 32),
+        _param("net.conv2.weight", (4, 8, 3, 3), 1152), _param("net.conv2.bias", (4,), 16),
+        _shaped("pre", "aten.relu.default", ("x",), (2, 3, 6, 6)),
+        _shaped("conv1", CONV, ("pre", "net.conv1.weight", "net.conv1.bias"), (2, 8, 6, 6)),
+        _shaped("act", "aten.relu.default", ("conv1",), (2, 8, 6, 6)),
+        _shaped("conv2", CONV, ("act", "net.conv2.weight", "net.conv2.bias"), (2, 4, 6, 6)),
+        _op("loss", "aten.sum.default", "", ("conv2",), 4),
+    ], batch_size=2, loss="loss")
+
+
+def test_convolutions_split_by_channels_by_hand(convs):
+    """The weights split along output (conv1, and its bias) and input channels (conv2; its
+    bias whole); conv2's (2, 4, 6, 6) output (1152 B) all-reduced in the forward, pre's (864
+    B) gradient in the backward; conv1's and act's (2, 8, 6, 6) outputs (2304 B) halved."""
+    lay = megatron_layout(convs, 2)
+    assert lay.placements == {"net.conv1.weight": "Shard(0)", "net.conv1.bias": "Shard(0)",
+                              "net.conv2.weight": "Shard(1)"}
+    assert lay.split_ops == {"conv1", "act", "conv2"}
+    assert lay.reduce_forward == {"conv2": 1152} and lay.reduce_backward == {"conv1": 864}
+    assert megatron_layout(convs, 3).placements == {}  # 3 divides neither 8 nor 4
+    fwd = {"pre": 1.0, "conv1": 2.0, "act": 1.0, "conv2": 2.0, "loss": 0.5}
+    bwd = {k: 2 * v for k, v in fwd.items()}
+    cm = costs(convs, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2, opt_per_byte=0.0)
+    ops = {n.name: 0 for n in convs.nodes if n.kind == "op"}
+    pred = ex.simulate(convs, ex.Plan.from_assignment(convs, [("d:0", "d:1")], ops)
+                       .with_tensor(2), cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    f = 1.0 + half(2.0) + half(1.0) + half(2.0) + (2 * LAT_S + 1152 / BW) + 0.5
+    b = 2.0 + half(4.0) + (2 * LAT_S + 864 / BW) + half(2.0) + half(4.0) + 1.0
+    assert pred.step_s == pytest.approx(f + b, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * 1 * 1152 + 2 * 1 * 864  # a ring of 2, both ways
+    mem = pred.memory["d:0"]
+    assert mem.params_bytes == 864 // 2 + 32 // 2 + 1152 // 2 + 16
+    plan = ex.Plan.from_assignment(convs, [("d:0", "d:1")], ops).with_tensor(2)
+    out = activations_per_device(convs, plan, np.array([n.out_bytes for n in convs.nodes]))
+    assert {n.name: int(out[i]) for i, n in enumerate(convs.nodes) if n.kind == "op"} == {
+        "pre": 864, "conv1": 1152, "act": 1152, "conv2": 1152, "loss": 4}
+    # the peaks the simulator finds: one device in conv2's backward (its weight and bias
+    # gradients, 1168 B, and conv1's and act's outputs, 4608 B), the split stage at the end of
+    # the backward (every weight gradient's share), as for the linears' block above
+    one = ex.simulate(convs, ex.Plan.from_assignment(convs, [("d:0",)], ops), cm)
+    assert (one.memory["d:0"].grads_bytes, one.memory["d:0"].activations_bytes) == (1168, 4608)
+    assert (mem.grads_bytes, mem.activations_bytes) == (1040, 2016)

@@ -130,3 +130,13 @@ def test_the_widget_shows_splits_and_the_table_shows_degrees(gpt):
     assert w.stages.zero.value == 0
     w.session.keep("split")
     assert "dp 1 x tp 2 x pp 2" in w.plans.table.value
+
+
+def test_split_convolutions_say_column_and_row_parallel():
+    alexnet = tiny_builtin_graph("alexnet")
+    ops = {n.name: 0 for n in alexnet.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(alexnet, [("cpu:0", "cpu:1")], ops).with_tensor(2)
+    view = SplitView(alexnet)
+    assert view.of(plan, [op_named(alexnet, "features.6.weight")]).role == "column-parallel"
+    assert view.of(plan, [op_named(alexnet, "features.8.weight")]).role == "row-parallel"
+    assert view.of(plan, [op_named(alexnet, "features.0.weight")]).role == "replicated"
