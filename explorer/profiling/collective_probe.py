@@ -16,7 +16,6 @@ the rank's processor for each (:mod:`explorer.simulate.effects`).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 
 import torch
@@ -27,14 +26,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.platforms.cpu.host_cache import (
-    cache_file,
-    cache_key,
-    finite_number,
-    read_cache,
-    write_cache,
-)
-from explorer.profiling import ops
+from explorer.profiling import host, ops
 from explorer.runtime import launch
 from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
@@ -62,26 +54,13 @@ def collective_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None
     """Seconds per ZeRO collective on this host's CPU ranks (0.0 with fewer than two measured
     CPU ranks, or when the probe fails): from the host measurement cache, or measured
     (``cache=False`` measures afresh and replaces the entry)."""
-    cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
-    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
-        return 0.0
-    path, key = cache_file(), f"{cache_key()}|{PROBE_KEY}"
-    if cache:
-        cached = read_cache(path).get(key)
-        if isinstance(cached, dict) and finite_number(cached.get("collective_s")):
-            return float(cached["collective_s"])
-    if report is not None:
-        report("measuring what ZeRO's collectives cost CPU ranks")
-    try:
-        value = measure_collective_s(pool=pool)
-    except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error
-        return 0.0
-    write_cache(path, key, {"collective_s": value,
-                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                            "how": "4-block MLP data-parallel on 2 CPU ranks, plain and ZeRO 3 "
-                                   f"in turn x {ROUNDS}: ZeRO 3's step error beyond the plain "
-                                   "one's, per collective on a rank's path"})
-    return value
+    got = host.measured_once(
+        cluster, cache, PROBE_KEY, ("collective_s",),
+        lambda: {"collective_s": measure_collective_s(pool=pool)},
+        "measuring what ZeRO's collectives cost CPU ranks",
+        f"4-block MLP data-parallel on 2 CPU ranks, plain and ZeRO 3 in turn x {ROUNDS}: "
+        "ZeRO 3's step error beyond the plain one's, per collective on a rank's path", report)
+    return got["collective_s"] if got else 0.0
 
 
 def measure_collective_s(steps: int = 8, warmup: int = 3, pool: RankPool | None = None,

@@ -16,7 +16,6 @@ stages (:mod:`explorer.simulate.tensor`).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 
 import torch
@@ -28,14 +27,7 @@ from explorer.core.plan import Plan
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
 from explorer.devices.cluster import Cluster
-from explorer.platforms.cpu.host_cache import (
-    cache_file,
-    cache_key,
-    finite_number,
-    read_cache,
-    write_cache,
-)
-from explorer.profiling import ops
+from explorer.profiling import host, ops
 from explorer.runtime import launch
 from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
@@ -63,25 +55,11 @@ def dtensor_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None = 
     """The DTensor costs of this host's CPU ranks ({} with fewer than two measured CPU ranks,
     or when the probe fails): from the host measurement cache, or measured (``cache=False``
     measures afresh and replaces the entry)."""
-    cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
-    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
-        return {}
-    path, key = cache_file(), f"{cache_key()}|{PROBE_KEY}"
-    if cache:
-        cached = read_cache(path).get(key)
-        if isinstance(cached, dict) and all(finite_number(cached.get(k)) for k in KEYS):
-            return {k: float(cached[k]) for k in KEYS}
-    if report is not None:
-        report("measuring what DTensor adds to ops on CPU ranks")
-    try:
-        value = measure_dtensor_costs(pool=pool)
-    except Exception:  # a probe that cannot run leaves these costs unknown (0), not an error
-        return {}
-    write_cache(path, key, {**value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                            "how": "3-block MLP split 2 ways on 2 CPU ranks, per op: "
-                                   "measured less simulated, medians per kind of op; "
-                                   "collectives to the step's median"})
-    return value
+    return host.measured_once(
+        cluster, cache, PROBE_KEY, KEYS, lambda: measure_dtensor_costs(pool=pool),
+        "measuring what DTensor adds to ops on CPU ranks",
+        "3-block MLP split 2 ways on 2 CPU ranks, per op: measured less simulated, medians "
+        "per kind of op; collectives to the step's median", report) or {}
 
 
 def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,33 @@ from explorer.simulate.simulator import simulate
 CONTENTION_ROUNDS = 2
 #: the message probe's entry in the host measurement cache
 PROBE_KEY = "runtime message cost, stages not slowing each other"
+
+
+def measured_once(cluster: Cluster, cache: bool, probe_key: str, fields: tuple[str, ...],
+                  measure: Callable[[], dict[str, float]], saying: str, how: str,
+                  report: ops.Report | None = None) -> dict[str, float] | None:
+    """A host probe's figures (``fields``, seconds) for this host's CPU ranks: from the host
+    measurement cache under ``probe_key``, or ``measure()``d and cached with ``how`` it was
+    measured (``cache=False`` measures afresh and replaces the entry; ``report`` is told
+    ``saying`` first). None with fewer than two measured CPU ranks, or when the probe fails:
+    a probe that cannot run leaves its costs unknown, not an error."""
+    cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
+    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
+        return None
+    path, key = cache_file(), f"{cache_key()}|{probe_key}"
+    if cache:
+        cached = read_cache(path).get(key)
+        if isinstance(cached, dict) and all(finite_number(cached.get(k)) for k in fields):
+            return {k: float(cached[k]) for k in fields}
+    if report is not None:
+        report(saying)
+    try:
+        value = measure()
+    except Exception:
+        return None
+    write_cache(path, key, {**value, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                            "how": how})
+    return value
 
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.REPEATS,
