@@ -107,24 +107,24 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                               report=report, first=first)
             runs_done += ops.timing_runs(graph) + (2 * host.CONTENTION_ROUNDS if contention
                                                    else 0)
-            if missing := [p for p in precisions if p not in dc.precision_s
-                           and graph.source == "export"]:
-                for p in missing:
+            # what the cached op timing lacks, measured now and cached with it (once)
+            added = False
+            for p in precisions:
+                if p not in dc.precision_s and graph.source == "export":
                     dc.precision_s[p] = ops.measure_precision(graph, dev, p, dc, repeats, warmup,
                                                               pool=pool, report=report)
-                if cache:
-                    ops.store(ops.cache_path(graph, dev, repeats), dc)
+                    added = True
             if not dc.contention and contention:
                 try:
                     dc.contention, dc.replica_spread, dc.optimizer_contention = \
                         host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
                                                 pool=pool, report=report)
+                    added = True
                 except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
                     warnings.warn(f"could not measure how CPU ranks of this host slow each "
                                   f"other ({exc}); predictions leave it out", stacklevel=2)
-                else:
-                    if cache:
-                        ops.store(ops.cache_path(graph, dev, repeats), dc)
+            if added and cache:
+                ops.store(ops.cache_path(graph, dev, repeats), dc)
             per_type[dev.type_key] = dc
         message_s = 0.0
         if message and graph.runtime is not None:
