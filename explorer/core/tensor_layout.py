@@ -7,15 +7,18 @@ ones through element-wise ops only is row-parallel (weight split along the input
 ``Shard(1)``; bias whole) and those it reads are column-parallel (weight and bias split along
 the output features, ``Shard(0)``): an MLP's up projection, or a SwiGLU's gate and up, so the
 activations between them stay split and the block all-reduces its output once in the forward
-and its input's gradient once in the backward (Megatron-LM's MLP block). Attention with separate
-query, key and value projections (Llama's) splits by whole heads: the projections are
-column-parallel, the output projection row-parallel, and the ops between them (the views into
-heads, rotary embedding, grouped keys and values, the attention itself) run on each device's
-own heads as plain tensors (``local_ops``: the runtime divides their shape arguments' head or
-feature count by the degree), which needs every head count to divide by the degree. Linears
-with anything else between them (a fused query-key-value projection split into three, whose
-rows no ``Shard`` lays out by heads) stay replicated. An embedding of the batch's token ids is
-vocabulary-parallel (``Shard(0)``: each device looks up its rows, the output is all-reduced).
+and its input's gradient once in the backward (Megatron-LM's MLP block). Attention splits by whole
+heads: the query, key and value projections are column-parallel, the output projection
+row-parallel, and the ops between them (the views into heads, rotary embedding, grouped keys
+and values, the attention itself, written as one op or as matmuls, a mask and a softmax) run on
+each device's own heads as plain tensors (``local_ops``: the runtime divides their shape
+arguments' head or feature count by the degree), which needs every head count to divide by the
+degree. A fused query-key-value projection (a GPT's, its output split into three equal parts)
+is split by heads within each part: each device holds its heads' rows of the query, of the key
+and of the value (DTensor's ``_StridedShard(dim=0, sf=3)``), and the split's sizes are divided
+by the degree. Linears with anything else between them stay replicated. An embedding of the
+batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up its rows, the
+output is all-reduced).
 
 Convolutions pair the same way, on channels: a convolution that another one of the same parent
 module reads through element-wise ops only (a ReLU) is column-parallel (weight ``(out, in,
@@ -31,6 +34,7 @@ Everything else is replicated. Placements are DTensor's, written as text (``"Sha
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +62,12 @@ RANDOM_OPS = frozenset(("aten.dropout.default", "aten.native_dropout.default",
 HEAD_OPS = POINTWISE | frozenset(f"aten.{op}" for op in (
     "view.default", "reshape.default", "_unsafe_view.default", "transpose.int",
     "slice.Tensor", "cat.default", "repeat_interleave.self_int", "unsqueeze.default",
-    "scaled_dot_product_attention.default", "expand.default", "contiguous.default"))
+    "scaled_dot_product_attention.default", "expand.default", "contiguous.default",
+    "split.Tensor", "split_with_sizes.default", "matmul.default", "bmm.default",
+    "masked_fill.Scalar", "softmax.int", "_softmax.default")) | {"getitem"}
+#: splits of a fused projection's output into its parts (a GPT's query, key and value): the
+#: runtime divides their sizes
+SPLIT_OPS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default"))
 #: the shape ops of :data:`HEAD_OPS`, whose head count the runtime divides
 RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
                          "aten._unsafe_view.default"))
@@ -72,11 +81,29 @@ def shard(dim: int) -> str:
     return f"Shard({dim})"
 
 
+def strided_shard(dim: int, parts: int) -> str:
+    """The placement of a fused projection's weight of ``parts`` equal parts (a GPT's query,
+    key and value rows) split by heads: each device holds its share of every part, as DTensor's
+    ``_StridedShard`` lays it out (written as its ``repr``)."""
+    return f"_StridedShard(dim={dim}, sf={parts})"
+
+
+_STRIDED = re.compile(r"_StridedShard\(dim=(\d+), sf=(\d+)\)")
+
+
 def shard_dim(placement: str) -> int | None:
-    """The dimension a ``"Shard(d)"`` placement splits; None for ``"Replicate()"``."""
+    """The dimension a ``"Shard(d)"`` (or strided) placement splits; None for
+    ``"Replicate()"``."""
     if placement.startswith("Shard(") and placement.endswith(")"):
         return int(placement[len("Shard("):-1])
-    return None
+    strided = _STRIDED.fullmatch(placement)
+    return int(strided.group(1)) if strided else None
+
+
+def shard_parts(placement: str) -> int:
+    """How many equal parts a strided placement splits each of (1 for any other)."""
+    strided = _STRIDED.fullmatch(placement)
+    return int(strided.group(2)) if strided else 1
 
 
 def split_dim(weight_ndim: int) -> int:
@@ -173,7 +200,7 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     heads = any(nodes[k].op not in POINTWISE for k in between)
     if nodes[row].op in CONV_OPS and (heads or any(nodes[k].op in RANDOM_OPS for k in between)):
         return None  # (a random op runs whole: what follows it could not find the channels)
-    if heads and not _head_aligned(graph, between, degree):
+    if heads and not _head_aligned(graph, reach, between, degree):
         return None
     if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
             _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
@@ -181,17 +208,38 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     return reach, between, heads
 
 
-def _head_aligned(graph: OpGraph, between: set[int], degree: int) -> bool:
+def _head_aligned(graph: OpGraph, cols: list[int], between: set[int], degree: int) -> bool:
     """Whether the ops between some projections and an output projection are an attention
     core that splits by whole heads ``degree`` ways: head ops only, no random op, and every
     view into heads (``(batch, seq, heads, head_dim)``) or back (``(batch, seq, features)``)
-    with a head or feature count ``degree`` divides."""
+    with a head or feature count ``degree`` divides; a split only of a projection's output
+    into equal parts of its features."""
     nodes = graph.nodes
     if any(nodes[k].op not in HEAD_OPS or nodes[k].op in RANDOM_OPS for k in between):
+        return False
+    if any(nodes[k].op in SPLIT_OPS and not any(_equal_parts(graph, c, k) > 1 for c in cols)
+           for k in between):
         return False
     views = [nodes[k].shapes[0] for k in between if nodes[k].op in RESHAPE_OPS]
     return any(len(v) == 4 for v in views) and all(
         len(v) in (3, 4) and v[2 if len(v) == 4 else -1] % degree == 0 for v in views)
+
+
+def _fused_parts(graph: OpGraph, col: int) -> int:
+    """Into how many equal parts a split of a head-split projection's output divides its
+    features (3 for a fused query-key-value projection), or 1 where nothing splits it."""
+    return max((_equal_parts(graph, col, k) for k in graph.succs[col]), default=1)
+
+
+def _equal_parts(graph: OpGraph, col: int, op: int) -> int:
+    """How many equal parts of its features ``op`` splits projection ``col``'s output into,
+    where it is a split of that output alone; else 1."""
+    out = graph.nodes[col].shapes[0] if graph.nodes[col].shapes else ()
+    parts = graph.nodes[op].shapes
+    if graph.nodes[op].op not in SPLIT_OPS or graph.preds[op] != [col] or len(parts) < 2 \
+            or not out or out[-1] % len(parts):
+        return 1
+    return len(parts) if all(p == (*out[:-1], out[-1] // len(parts)) for p in parts) else 1
 
 
 def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
@@ -256,9 +304,11 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 local.update(nodes[k].name for k in between)
             for col in reach:
                 w, b = _weight(graph, col)  # type: ignore[misc]
-                placements[nodes[w].name] = shard(0)
+                parts = _fused_parts(graph, col) if heads else 1
+                placement = shard(0) if parts == 1 else strided_shard(0, parts)
+                placements[nodes[w].name] = placement
                 if b is not None:
-                    placements[nodes[b].name] = shard(0)
+                    placements[nodes[b].name] = placement
             placements[nodes[_weight(graph, lin)[0]].name] = shard(1)  # type: ignore[index]
             random = {k for k in between if nodes[k].op in RANDOM_OPS}
             split.update(nodes[k].name for k in {*reach, lin, *between} - random)

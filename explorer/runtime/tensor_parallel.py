@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
 from explorer.core.errors import ExplorerError
@@ -30,8 +31,10 @@ from explorer.core.tensor_layout import (
     EMBEDDING_OPS,
     REPLICATE,
     RESHAPE_OPS,
+    SPLIT_OPS,
     megatron_layout,
     shard_dim,
+    shard_parts,
     split_dim,
 )
 
@@ -109,10 +112,13 @@ class TensorMesh:
     def distribute(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Weight ``name`` (the same whole tensor on every rank) as its placement says: a
         DTensor of this rank's shard where it is split, else ``t`` itself; nothing is sent."""
-        dim = shard_dim(self.placements.get(name, REPLICATE))
+        placement = self.placements.get(name, REPLICATE)
+        dim, parts = shard_dim(placement), shard_parts(placement)
         if dim is None:
             return t
-        return distribute_tensor(t, self.mesh, [Shard(dim)], src_data_rank=None)
+        return distribute_tensor(t, self.mesh, [Shard(dim) if parts == 1 else
+                                                _StridedShard(dim, split_factor=parts)],
+                                 src_data_rank=None)
 
     # -- ops -------------------------------------------------------------------------------
     def call(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool = False) -> Any:
@@ -177,6 +183,10 @@ class TensorMesh:
         args, kwargs = mapped(self.local, args), mapped(self.local, kwargs)
         if str(fn) in RESHAPE_OPS:
             args = (args[0], self.local_shape(args[0], list(args[1])), *args[2:])
+        elif str(fn) in SPLIT_OPS:
+            sizes = args[1]
+            args = (args[0], [n // self.degree for n in sizes] if isinstance(sizes, (list, tuple))
+                    else sizes // self.degree, *args[2:])
         return self.marked(fn(*args, **kwargs))
 
     def local(self, t: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Tensor-parallel layouts of convolutions: which pairs split by channels, which stay whole."""
+"""Tensor-parallel layouts: which convolutions split by channels, which fused projections by
+heads, and which stay whole."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from builders import tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
-from explorer.core.tensor_layout import megatron_layout, split_dim
+from explorer.core.graph import OpGraph, OpNode
+from explorer.core.tensor_layout import megatron_layout, shard_dim, shard_parts, split_dim
+
+LINEAR = "aten.linear.default"
+
+
+def _par(name: str, shape: tuple[int, ...]) -> OpNode:
+    return OpNode(name, "param", "param", module_path=name.rpartition(".")[0], shapes=(shape,),
+                  requires_grad=True)
 
 
 def _layout(*layers: nn.Module, degree: int = 2):
@@ -69,3 +78,47 @@ def test_builtin_conv_nets():
         assert [vgg.get(f"features.block{b}.conv{c}.weight") for c in (1, 2, 3)] == [
             "Shard(0)", "Shard(1)", None]
     assert megatron_layout(tiny_builtin_graph("resnet"), 2).placements == {}
+
+
+def _fused_attention(parts: tuple[int, ...]) -> OpGraph:
+    """pre -> qkv (one linear of 3 x 8 features) -> split into ``parts`` widths -> views into
+    2 heads -> attention -> reshape -> o."""
+    width = sum(parts)
+    nodes = [OpNode("x", "input", "input", out_bytes=1000, shapes=((2, 4, 8),)),
+             _par("attn.qkv.weight", (width, 8)), _par("attn.o.weight", (8, 8)),
+             OpNode("pre", "op", "aten.relu.default", "pre", inputs=("x",), shapes=((2, 4, 8),),
+                    requires_grad=True),
+             OpNode("qkv", "op", LINEAR, "attn.qkv", inputs=("pre", "attn.qkv.weight"),
+                    shapes=((2, 4, width),), requires_grad=True),
+             OpNode("split", "op", "aten.split.Tensor", "attn", inputs=("qkv",),
+                    shapes=tuple((2, 4, p) for p in parts), requires_grad=True)]
+    for i, w in enumerate("qkv"):
+        nodes += [OpNode(f"get_{w}", "op", "getitem", "attn", inputs=("split",),
+                         shapes=((2, 4, parts[i]),), requires_grad=True),
+                  OpNode(f"view_{w}", "op", "aten.view.default", "attn", inputs=(f"get_{w}",),
+                         shapes=((2, 4, 2, parts[i] // 2),), requires_grad=True)]
+    nodes += [OpNode("att", "op", "aten.scaled_dot_product_attention.default", "attn",
+                     inputs=("view_q", "view_k", "view_v"), shapes=((2, 4, 2, 4),),
+                     requires_grad=True),
+              OpNode("back", "op", "aten.reshape.default", "attn", inputs=("att",),
+                     shapes=((2, 4, 8),), requires_grad=True),
+              OpNode("o", "op", LINEAR, "attn.o", inputs=("back", "attn.o.weight"),
+                     shapes=((2, 4, 8),), requires_grad=True),
+              OpNode("loss", "op", "aten.sum.default", "", inputs=("o",), shapes=((),),
+                     requires_grad=True)]
+    return OpGraph("fused", nodes, batch_size=2, loss="loss")
+
+
+def test_a_fused_projection_split_into_equal_parts_splits_by_heads_within_each():
+    lay = megatron_layout(_fused_attention((8, 8, 8)), 2)
+    assert lay.placements == {"attn.qkv.weight": "_StridedShard(dim=0, sf=3)",
+                              "attn.o.weight": "Shard(1)"}
+    assert {"split", "get_q", "view_v", "att", "back"} <= lay.local_ops
+    assert shard_dim(lay.placement("attn.qkv.weight")) == 0
+    assert shard_parts(lay.placement("attn.qkv.weight")) == 3
+    assert shard_parts("Shard(0)") == 1 and shard_dim("Replicate()") is None
+
+
+def test_a_fused_projection_split_into_unequal_parts_stays_whole():
+    """(Grouped keys and values fused with the query: no one stride lays their heads out.)"""
+    assert megatron_layout(_fused_attention((8, 4, 4)), 2).placements == {}

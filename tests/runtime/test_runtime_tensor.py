@@ -50,6 +50,16 @@ def test_tensor_parallel_stage_matches_one_device(name):
     _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
+def test_a_fused_qkv_split_by_heads_matches_one_device():
+    """The GPT's fused query-key-value projection: each rank holds its head's rows of the
+    query, the key and the value (a strided shard), splits its output in three of a third of
+    the width and runs the matmuls, the causal mask and the softmax on its own head."""
+    plan = _one_stage(tiny_builtin_graph("gpt"), ("cpu:0", "cpu:1")).with_tensor(2)
+    placements = plan_placements(tiny_builtin_graph("gpt"), plan)[0]
+    assert placements["blocks.1.attn.qkv.weight"] == "_StridedShard(dim=0, sf=3)"
+    _check("gpt", plan, 1)
+
+
 def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device():
     """4 ranks: 2 replicas x 2 tensor devices. The split embedding's gradient comes out of the
     backward whole; each rank keeps its shard, all-reduced with the other replica's."""

@@ -100,9 +100,10 @@ def test_tensor_and_data_parallel_in_one_stage(block):
     assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
 
 
-def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
-    """The attention's fused qkv is split into heads (a split and views between its linears):
-    it stays whole."""
+def test_gpt_layout_splits_every_block_and_the_token_embedding():
+    """The attention's fused qkv is split by heads within each of its three parts (each device
+    holds its heads' query, key and value rows); the split into q, k, v, the views, the
+    matmuls, the mask and the softmax run on each device's own heads."""
     bm = ex.builtin_model("gpt", "tiny")
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
     lay = megatron_layout(graph, 2)
@@ -111,11 +112,19 @@ def test_gpt_layout_splits_every_mlp_and_the_token_embedding():
         assert lay.placement(f"blocks.{b}.mlp.fc.bias") == "Shard(0)"
         assert lay.placement(f"blocks.{b}.mlp.proj.weight") == "Shard(1)"
         assert lay.placement(f"blocks.{b}.mlp.proj.bias") == "Replicate()"
-        assert not any(lay.is_sharded(f"blocks.{b}.attn.{w}.weight") for w in ("qkv", "proj"))
+        for w in ("weight", "bias"):
+            assert lay.placement(f"blocks.{b}.attn.qkv.{w}") == "_StridedShard(dim=0, sf=3)"
+        assert lay.placement(f"blocks.{b}.attn.proj.weight") == "Shard(1)"
     assert lay.placement("tok_emb.weight") == "Shard(0)"
-    assert not lay.is_sharded("pos_emb.weight") and not lay.is_sharded("lm_head.weight")
-    # forward: the embedding and each MLP's output; backward: each MLP's input gradient
-    assert len(lay.reduce_forward) == 1 + 2 and len(lay.reduce_backward) == 2
+    assert not lay.is_sharded("pos_emb.weight")
+    ops = {graph.nodes[graph.index[n]].op for n in lay.local_ops}
+    assert {"aten.split.Tensor", "getitem", "aten.matmul.default", "aten.masked_fill.Scalar",
+            "aten.softmax.int"} <= ops
+    # the tiny GPT's 2 heads split 2 ways, not 4: its attention stays whole then
+    assert not megatron_layout(graph, 4).is_sharded("blocks.0.attn.qkv.weight")
+    assert megatron_layout(graph, 4).is_sharded("blocks.0.mlp.fc.weight")
+    # forward: the embedding and each block's two outputs; backward: their inputs' gradients
+    assert len(lay.reduce_forward) == 1 + 2 * 2 and len(lay.reduce_backward) == 2 * 2
 
 
 def test_llama_splits_swiglu_and_attention_by_heads():

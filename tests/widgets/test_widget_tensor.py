@@ -101,8 +101,11 @@ def test_each_node_says_its_part_in_the_split(session, gpt):
     assert proj.text == "row-parallel over H100:0+H100:1, weight Shard(1)"
     emb = view.of(plan, [op_named(gpt, "tok_emb.weight")])
     assert emb.text == "vocab-parallel over H100:0+H100:1, weight Shard(0)"
-    attn = view.of(plan, [op_named(gpt, "blocks.0.attn.qkv.weight")])
-    assert attn.mark == "rep" and attn.text.startswith("replicated: each of H100:0+H100:1")
+    qkv = view.of(plan, [op_named(gpt, "blocks.0.attn.qkv.weight")])
+    assert qkv.text == ("column-parallel over H100:0+H100:1, weight "
+                        "_StridedShard(dim=0, sf=3)")
+    norm = view.of(plan, [op_named(gpt, "blocks.0.ln1.weight")])
+    assert norm.mark == "rep" and norm.text.startswith("replicated: each of H100:0+H100:1")
     mlp = view.of(plan, [i for i, n in enumerate(gpt.nodes) if n.kind == "op"
                          and n.module_path.startswith("blocks.0.mlp")])
     assert mlp.mark == "tp2" and "1 column-parallel" in mlp.role and "1 row-parallel" in mlp.role
