@@ -39,11 +39,12 @@ def _check(name: str, plan, shards: int) -> None:
 
 
 
-@pytest.mark.parametrize("name", ["mlp", "llama", "alexnet", "vgg16", "inception"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "alexnet", "vgg16", "inception"])
 def test_tensor_parallel_stage_matches_one_device(name):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
     heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys
-    and values and the attention itself on each rank's own heads). Convolutions with a ReLU
+    and values and the attention itself on each rank's own heads). The GPT's and the Llama's
+    LM head and the MLP's classifier split by classes, their cross-entropy vocabulary-parallel. Convolutions with a ReLU
     between split by channels: the AlexNet's third and fourth (the others have a pool after),
     each VGG block's first two, the Inception's 1x1 reductions (their shared input's gradient
     all-reduced once) and the convolutions after them."""
@@ -84,7 +85,8 @@ def test_convolutions_split_by_channels_match_one_device():
     rank's channels, the pooled input's gradient all-reduced, the row's bias added once."""
     graph = _conv_graph()
     plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
-    assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias", "4.weight"}
+    assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias", "4.weight",
+                                                    "7.weight", "7.bias"}  # (7: by classes)
     _same_as_one_device(graph, plan)
 
 
@@ -145,6 +147,25 @@ def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
                                    ).with_tensor(2, stages=[0])
     with pytest.raises(ExplorerError, match=r"'view' of a head-split attention"):
         check_supported(graph, plan)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(reduction):
+    """Logits (batch, seq, 12) split by classes, shifted along the sequence and reshaped on each
+    rank's 6 classes; targets of -100 count for nothing (nor in the mean's count)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 12))
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 12, (4, 5))
+    y[0, 2], y[1, :] = -100, -100
+
+    def loss_fn(logits, target):
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 12),
+                                           target[:, 1:].reshape(-1), reduction=reduction)
+
+    graph = ex.capture(model, (x,), loss_fn, (y,), name="ignored")
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias"}
+    _same_as_one_device(graph, plan)
 
 
 class _ScaledBlock(nn.Module):
