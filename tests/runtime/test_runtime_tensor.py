@@ -44,10 +44,11 @@ def test_tensor_parallel_stage_matches_one_device(name):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
     heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys
     and values and the attention itself on each rank's own heads). The GPT's and the Llama's
-    LM head and the MLP's classifier split by classes, their cross-entropy vocabulary-parallel. Convolutions with a ReLU
-    between split by channels: the AlexNet's third and fourth (the others have a pool after),
-    each VGG block's first two, the Inception's 1x1 reductions (their shared input's gradient
-    all-reduced once) and the convolutions after them."""
+    LM head and the other models' classifiers split by classes, their cross-entropy
+    vocabulary-parallel. Convolutions with a ReLU between split by channels: the AlexNet's
+    third and fourth (the others have a pool after), each VGG block's first two, the
+    Inception's 1x1 reductions (their shared input's gradient all-reduced once) and the
+    convolutions after them."""
     _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
 
 
@@ -149,10 +150,12 @@ def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
         check_supported(graph, plan)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(reduction):
+@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"label_smoothing": 0.1}],
+                         ids=["mean", "sum", "label_smoothing"])
+def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(options):
     """Logits (batch, seq, 12) split by classes, shifted along the sequence and reshaped on each
-    rank's 6 classes; targets of -100 count for nothing (nor in the mean's count)."""
+    rank's 6 classes; targets of -100 count for nothing (nor in the mean's count). With label
+    smoothing (which the graph does not show) the loss runs whole on gathered logits."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 12))
     x, y = torch.randn(4, 5, 8), torch.randint(0, 12, (4, 5))
@@ -160,7 +163,7 @@ def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(reduction):
 
     def loss_fn(logits, target):
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 12),
-                                           target[:, 1:].reshape(-1), reduction=reduction)
+                                           target[:, 1:].reshape(-1), **options)
 
     graph = ex.capture(model, (x,), loss_fn, (y,), name="ignored")
     plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
