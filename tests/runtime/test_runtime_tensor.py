@@ -108,14 +108,17 @@ def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5),  # column, split
                           nn.Linear(64, 64), nn.Dropout(0.3),  # row, on its partial sums
-                          nn.ReLU(), nn.Linear(64, 10))
+                          nn.ReLU(), nn.Linear(64, 10))  # by classes
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
     graph = ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="dropout")
     runs = [ex.run(graph, plan=plan, steps=STEPS, warmup=0, progress=False, timeout_s=120,
                    seed=3)
             for plan in (_one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2),
                          _one_stage(graph, ("cpu:0",)))]
-    assert runs[0].losses == runs[1].losses
+    # (the vocabulary-parallel loss sums in another order than one device: equal to rounding;
+    # another mask would change the loss far more)
+    torch.testing.assert_close(torch.tensor(runs[0].losses), torch.tensor(runs[1].losses),
+                               rtol=1e-6, atol=0.0)
 
 
 def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
