@@ -19,6 +19,16 @@ and of the value (DTensor's ``_StridedShard(dim=0, sf=3)``), and the split's siz
 by the degree. Linears with anything else between them stay replicated. An embedding of the
 batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up its rows, the
 output is all-reduced).
+A linear whose output reaches a cross-entropy loss only through shape ops that keep the classes
+last (a reshape to ``(N, classes)``, a slice along the sequence), its weight not split by another
+rule, is vocabulary-parallel too, Megatron-LM's ``vocab_parallel_cross_entropy``: the linear is
+column-parallel (each device holds its share of the logits, the biggest activation of a language
+model), the shape ops and the loss are split ops run on that share (:data:`VOCAB_OPS`,
+:data:`LOSS_OPS`: the runtime tells them by their op, they are not ``local_ops``), and the loss
+all-reduces three numbers per row (the maximum logit, the target's logit, the sum of
+exponentials); its output is the whole loss. Only a loss with class-index targets and no class
+weights splits: one with label smoothing (which the graph does not record) runs whole in the
+runtime, on gathered logits.
 
 Convolutions pair the same way, on channels: a convolution that another one of the same parent
 module reads through element-wise ops only (a ReLU) is column-parallel (weight ``(out, in,
@@ -75,6 +85,14 @@ LINEAR_OPS = ("aten.linear.default",)
 #: convolutions that pair like linears, on channels, by their weight's number of dimensions
 CONV_OPS = {"aten.conv1d.default": 3, "aten.conv2d.default": 4, "aten.conv3d.default": 5}
 EMBEDDING_OPS = ("aten.embedding.default",)
+#: cross-entropy losses whose logits a column-parallel linear may split along the classes
+LOSS_OPS = ("aten.cross_entropy_loss.default",)
+#: ops that may lie between such a linear and its loss: they keep the classes last, and run on
+#: a device's share of them unchanged but for a view's or reshape's class count
+VOCAB_OPS = RESHAPE_OPS | frozenset(("aten.slice.Tensor", "aten.contiguous.default",
+                                     "aten.clone.default", "aten.alias.default"))
+#: bytes per row a vocabulary-parallel loss all-reduces: three fp32 numbers
+VOCAB_LOSS_ROW_BYTES = 3 * 4
 
 
 def shard(dim: int) -> str:
@@ -322,8 +340,45 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 if x is not None and x not in seen and nodes[x].requires_grad:
                     seen.add(x)
                     bwd[nodes[col].name] = nodes[x].out_bytes
+    for lin, path, loss in _vocab_losses(graph, degree, placements):
+        w, b = _weight(graph, lin)  # type: ignore[misc]
+        placements.update({nodes[k].name: shard(0) for k in (w, b) if k is not None})
+        split.update(nodes[k].name for k in (lin, *path, loss))
+        fwd[nodes[loss].name] = VOCAB_LOSS_ROW_BYTES * nodes[graph.preds[loss][0]].shapes[0][0]
+        x = _activation_in(graph, lin)
+        if x is not None and nodes[x].requires_grad:
+            bwd[nodes[lin].name] = nodes[x].out_bytes
     return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather,
                         frozenset(local))
+
+
+def _vocab_losses(graph: OpGraph, degree: int, placed: dict[str, str]
+                  ) -> list[tuple[int, list[int], int]]:
+    """(linear, the shape ops between, loss) of every cross-entropy loss that reads a linear's
+    output through :data:`VOCAB_OPS` only, each read by nothing else and keeping the classes
+    last, as ``(N, classes)`` logits and ``(N,)`` class indices (no class weights: a third
+    input), where the linear's weight (read by it alone) is not in ``placed`` and ``degree``
+    divides the classes."""
+    nodes, out = graph.nodes, []
+    for loss, n in enumerate(nodes):
+        if n.kind != "op" or n.op not in LOSS_OPS or len(graph.preds[loss]) != 2:
+            continue
+        logits, target = graph.preds[loss]
+        shape = nodes[logits].shapes[0] if nodes[logits].shapes else ()
+        if len(shape) != 2 or nodes[target].shapes[:1] != ((shape[0],),) or shape[1] % degree:
+            continue
+        path, k = [], logits
+        while nodes[k].op in VOCAB_OPS and len(graph.preds[k]) == 1:
+            path.append(k)
+            k = graph.preds[k][0]
+        w = _weight(graph, k) if nodes[k].op in LINEAR_OPS else None
+        if w is None or nodes[w[0]].name in placed or len(graph.succs[w[0]]) != 1 \
+                or nodes[w[0]].shapes[0][0] != shape[1] \
+                or any(len(graph.succs[j]) != 1 or not nodes[j].shapes
+                       or nodes[j].shapes[0][-1:] != shape[1:] for j in (k, *path)):
+            continue
+        out.append((k, path[::-1], loss))
+    return out
 
 
 def plan_placements(graph: OpGraph, plan: Plan

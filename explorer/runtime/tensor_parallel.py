@@ -5,7 +5,8 @@ convolution on its weight's shard and its whole input, the ops between on their 
 (split along the features, or a convolution's channels; a head-split attention's on the rank's
 own heads), a row-parallel one's partial sums all-reduced right after it. The only
 communication is the layout's collectives (and DTensor's, for the vocabulary-parallel
-embedding, whose masked lookup it runs): no per-op DTensor dispatch. Other ops run on whole
+embedding, whose masked lookup it runs, and a vocabulary-parallel loss's,
+:mod:`explorer.runtime.vocab_loss`): no per-op DTensor dispatch. Other ops run on whole
 plain tensors, as one device runs them.
 
 The gradient of a whole value that split ops read is a partial sum on every rank; the stage
@@ -37,6 +38,7 @@ from explorer.core.tensor_layout import (
     shard_parts,
     split_dim,
 )
+from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
 
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:
@@ -125,13 +127,17 @@ class TensorMesh:
         """``fn(*args, **kwargs)``, differentiable: a ``local`` op (of head-split attention)
         on this rank's own heads (:meth:`on_heads`); a ``split`` op on this rank's shards
         (:meth:`on_shards`), but a vocabulary-parallel embedding, which DTensor runs (its
-        masked lookup; :meth:`settled` reduces its partial sums); any other op on whole plain
-        tensors, as one device runs it, a local shard it reads gathered first (a random op in
-        a split block: every rank draws the mask one device would)."""
+        masked lookup; :meth:`settled` reduces its partial sums) and a vocabulary-parallel
+        loss and the shape ops before it (:func:`~explorer.runtime.vocab_loss.on_vocab`); any
+        other op on whole plain tensors, as one device runs it, a local shard it reads
+        gathered first (a random op in a split block: every rank draws the mask one device
+        would)."""
         if local:
             return self.on_heads(fn, args, kwargs)
         if split and str(fn) in EMBEDDING_OPS:
             return fn(*self.enter(args), **self.enter(kwargs))
+        if split and str(fn) in VOCAB_CALLS:
+            return on_vocab(self, fn, args, kwargs)
         if split:
             return self.on_shards(fn, args, kwargs)
         return fn(*mapped(self.whole_plain, args), **mapped(self.whole_plain, kwargs))

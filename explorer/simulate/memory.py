@@ -14,7 +14,7 @@ from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
-from explorer.simulate.tensor import activations_per_device, per_device
+from explorer.simulate.tensor import activations_per_device, per_device, saved_extra_per_device
 
 
 def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
@@ -123,7 +123,7 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics): made by the forward, kept
     # until the backward
-    extra = activations_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
+    extra = saved_extra_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
         # (recomputed ones from their recomputation)

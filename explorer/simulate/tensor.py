@@ -5,12 +5,14 @@ An op the layout splits (a head-split attention's core included) runs at ``1 / t
 its batch fraction's work, its per-op overhead unchanged (the cost tables' ``overhead +
 (t - overhead) x fraction``). Each all-reduce
 the layout implies (a row-parallel block's output in the forward, a column-parallel block's
-input gradient in the backward, a vocabulary-parallel embedding's output; an all-gather before
+input gradient in the backward, a vocabulary-parallel embedding's output, a vocabulary-parallel
+loss's three numbers per row; an all-gather before
 a random op in a split block, which runs whole) runs inside the op that needs it, on the links
 of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it. Split
 weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
 optimizer state, and the activations the layout keeps split (and their gradients; a
-convolution's along its channels, which divides its bytes the same). Stages with a tensor
+convolution's along its channels, which divides its bytes the same; a vocabulary-parallel
+loss's saved softmax, not its output). Stages with a tensor
 degree of 1 are untouched.
 
 The runtime runs split ops on local shards (Megatron-style), but reads split weights through
@@ -28,7 +30,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import TensorLayout, megatron_layout
+from explorer.core.tensor_layout import LOSS_OPS, TensorLayout, megatron_layout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds
@@ -126,6 +128,16 @@ def activations_per_device(graph: OpGraph, plan: Plan, nbytes):
     row-parallel linear's or an embedding's partial sums are whole tensors)."""
     return _divided(graph, plan, nbytes,
                     lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward])
+
+
+def saved_extra_per_device(graph: OpGraph, plan: Plan, nbytes):
+    """``nbytes`` (per node: what an op saves for its backward beyond its inputs and output)
+    divided as :func:`activations_per_device` divides outputs, and a vocabulary-parallel
+    loss's too: it keeps the softmax of the device's share of the classes (its output, the
+    loss, is whole)."""
+    return _divided(graph, plan, nbytes,
+                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward
+                                 or graph.nodes[graph.index[n]].op in LOSS_OPS])
 
 
 def _divided(graph: OpGraph, plan: Plan, nbytes, names):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.tensor_layout import megatron_layout
-from explorer.simulate.tensor import activations_per_device
+from explorer.simulate.tensor import activations_per_device, saved_extra_per_device
 from tests.builders import cluster, costs
 
 LINEAR = "aten.linear.default"
@@ -100,10 +102,11 @@ def test_tensor_and_data_parallel_in_one_stage(block):
     assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
 
 
-def test_gpt_layout_splits_every_block_and_the_token_embedding():
+def test_gpt_layout_splits_every_block_the_token_embedding_and_the_lm_head():
     """The attention's fused qkv is split by heads within each of its three parts (each device
     holds its heads' query, key and value rows); the split into q, k, v, the views, the
-    matmuls, the mask and the softmax run on each device's own heads."""
+    matmuls, the mask and the softmax run on each device's own heads. The LM head splits by
+    vocabulary, its cross-entropy too."""
     bm = ex.builtin_model("gpt", "tiny")
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
     lay = megatron_layout(graph, 2)
@@ -116,15 +119,20 @@ def test_gpt_layout_splits_every_block_and_the_token_embedding():
             assert lay.placement(f"blocks.{b}.attn.qkv.{w}") == "_StridedShard(dim=0, sf=3)"
         assert lay.placement(f"blocks.{b}.attn.proj.weight") == "Shard(1)"
     assert lay.placement("tok_emb.weight") == "Shard(0)"
-    assert not lay.is_sharded("pos_emb.weight")
+    assert not lay.is_sharded("pos_emb.weight") and lay.placement("lm_head.weight") == "Shard(0)"
+    assert {"linear_8", "reshape_2", "cross_entropy_loss"} <= lay.split_ops
     ops = {graph.nodes[graph.index[n]].op for n in lay.local_ops}
     assert {"aten.split.Tensor", "getitem", "aten.matmul.default", "aten.masked_fill.Scalar",
             "aten.softmax.int"} <= ops
     # the tiny GPT's 2 heads split 2 ways, not 4: its attention stays whole then
     assert not megatron_layout(graph, 4).is_sharded("blocks.0.attn.qkv.weight")
     assert megatron_layout(graph, 4).is_sharded("blocks.0.mlp.fc.weight")
-    # forward: the embedding and each block's two outputs; backward: their inputs' gradients
-    assert len(lay.reduce_forward) == 1 + 2 * 2 and len(lay.reduce_backward) == 2 * 2
+    # forward: the embedding, each block's two outputs and the loss's 3 numbers per row of
+    # (8 x 16); backward: each block's two input gradients and the LM head's (8, 16, 32) fp32
+    # input's
+    assert len(lay.reduce_forward) == 1 + 2 * 2 + 1 and len(lay.reduce_backward) == 2 * 2 + 1
+    assert lay.reduce_forward["cross_entropy_loss"] == 3 * 8 * 16 * 4
+    assert lay.reduce_backward["linear_8"] == 8 * 16 * 32 * 4
 
 
 def test_llama_splits_swiglu_and_attention_by_heads():
@@ -137,8 +145,10 @@ def test_llama_splits_swiglu_and_attention_by_heads():
             "Shard(0)", "Shard(0)", "Shard(1)"]
         assert [lay.placement(f"{attn}.{w}_proj.weight") for w in "qkvo"] == [
             "Shard(0)", "Shard(0)", "Shard(0)", "Shard(1)"]
-    # per block: the attention's and the SwiGLU's shared inputs' gradients, their outputs
-    assert len(lay.reduce_backward) == 2 * 2 and len(lay.reduce_forward) == 1 + 2 * 2
+    assert lay.placement("lm_head.weight") == "Shard(0)"  # (by vocabulary)
+    # per block: the attention's and the SwiGLU's shared inputs' gradients, their outputs;
+    # the embedding's output, the loss's statistics and the LM head's input gradient
+    assert len(lay.reduce_backward) == 2 * 2 + 1 and len(lay.reduce_forward) == 1 + 2 * 2 + 1
     ops = {graph.nodes[graph.index[n]].op for n in lay.local_ops}
     assert "aten.scaled_dot_product_attention.default" in ops and lay.local_ops < lay.split_ops
     assert megatron_layout(graph, 8).local_ops == frozenset()  # 4 heads: not 8 ways
@@ -311,3 +321,44 @@ def test_convolutions_split_by_channels_by_hand(convs):
     one = ex.simulate(convs, ex.Plan.from_assignment(convs, [("d:0",)], ops), cm)
     assert (one.memory["d:0"].grads_bytes, one.memory["d:0"].activations_bytes) == (1168, 4608)
     assert (mem.grads_bytes, mem.activations_bytes) == (1040, 2016)
+
+
+def test_vocabulary_parallel_loss_by_hand():
+    """pre -> head (column: 6 classes, 3 each) -> reshape (8, 6) -> cross-entropy: the head,
+    the reshape and the loss at half their work; the loss all-reduces 3 fp32 numbers per row
+    (96 B) in the forward, pre's (8, 4) gradient (128 B) in the backward; the logits halved,
+    the loss's saved softmax too, its output (the whole loss) not."""
+    def sized(node: OpNode, shape: tuple[int, ...], **more) -> OpNode:
+        return dataclasses.replace(node, shapes=(shape,), **more)
+
+    g = OpGraph("vocab", [
+        OpNode("x", "input", "input", shapes=((2, 4, 4),), out_bytes=128),
+        OpNode("y", "input", "input", shapes=((8,),), dtype="int64", out_bytes=64),
+        _param("head.weight", (6, 4), 96),
+        sized(_op("pre", "aten.relu.default", "pre", ("x",), 128), (2, 4, 4)),
+        sized(_op("head", LINEAR, "head", ("pre", "head.weight"), 192), (2, 4, 6)),
+        sized(_op("flat", "aten.reshape.default", "", ("head",), 192), (8, 6)),
+        sized(_op("loss", "aten.cross_entropy_loss.default", "", ("flat", "y"), 4), (),
+              saved_extra_bytes=196),  # (the softmax, and the count)
+    ], batch_size=2, loss="loss")
+    lay = megatron_layout(g, 2)
+    assert lay.placements == {"head.weight": "Shard(0)"}
+    assert lay.split_ops == {"head", "flat", "loss"}
+    assert lay.reduce_forward == {"loss": 3 * 8 * 4} and lay.reduce_backward == {"head": 128}
+    assert megatron_layout(g, 4).placements == {}  # 4 does not divide 6 classes
+    fwd = {"pre": 1.0, "head": 2.0, "flat": 0.4, "loss": 1.0}
+    bwd = {k: 2 * v for k, v in fwd.items()}
+    cm = costs(g, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2, opt_per_byte=0.0)
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2)
+    pred = ex.simulate(g, plan, cm)
+    half = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731
+    f = 1.0 + half(2.0) + half(0.4) + half(1.0) + (2 * LAT_S + 96 / BW)
+    b = half(2.0) + half(0.8) + half(4.0) + (2 * LAT_S + 128 / BW) + 2.0
+    assert pred.step_s == pytest.approx(f + b, rel=1e-12)
+    assert pred.allreduce_bytes == 2 * 1 * 96 + 2 * 1 * 128  # a ring of 2, both ways
+    assert pred.memory["d:0"].params_bytes == 96 // 2
+    out = activations_per_device(g, plan, np.array([n.out_bytes for n in g.nodes]))
+    assert out.tolist() == [128, 64, 96, 128, 96, 96, 4]
+    extra = saved_extra_per_device(g, plan, np.array([n.saved_extra_bytes for n in g.nodes]))
+    assert extra.tolist() == [0, 0, 0, 0, 0, 0, 98]
