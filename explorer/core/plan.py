@@ -46,12 +46,15 @@ __all__ = ["DEFAULT_SETTINGS", "OPTIMIZER_STATE", "PRECISIONS", "RECOMPUTE", "SC
 class StageSettings:
     """How one stage runs: sharded state, recomputation, precision, and its tensor-parallel
     degree (the stage's devices form a mesh of ``devices / tensor`` replicas x ``tensor``
-    devices that split each layer, device ``k`` in replica ``k // tensor``)."""
+    devices that split each layer, device ``k`` in replica ``k // tensor``); ``sequence``:
+    the ops between the split blocks (norms, residual adds) also split, along the sequence
+    (Megatron-LM's sequence parallelism; only with a tensor degree above 1)."""
 
     zero: int = 0
     recompute: str = "none"
     precision: str = "fp32"
     tensor: int = 1
+    sequence: bool = False
 
     def __post_init__(self) -> None:
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
@@ -62,6 +65,11 @@ class StageSettings:
             raise PlanError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if isinstance(self.tensor, bool) or not isinstance(self.tensor, int) or self.tensor < 1:
             raise PlanError(f"tensor-parallel degree {self.tensor!r} must be a whole number >= 1")
+        if not isinstance(self.sequence, bool):
+            raise PlanError(f"sequence {self.sequence!r} must be true or false")
+        if self.sequence and self.tensor == 1:
+            raise PlanError("sequence parallelism splits the ops between tensor-parallel "
+                            "blocks: set a tensor degree above 1 with it")
 
     @property
     def is_default(self) -> bool:
@@ -72,7 +80,8 @@ class StageSettings:
         parts = ([f"zero {self.zero}"] if self.zero else []) + (
             [f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
             [self.precision] if self.precision != "fp32" else []) + (
-            [f"tensor {self.tensor}"] if self.tensor > 1 else [])
+            [f"tensor {self.tensor}"] if self.tensor > 1 else []) + (
+            ["sequence"] if self.sequence else [])
         return ", ".join(parts)
 
 
@@ -83,7 +92,7 @@ def check_tensor_alone(settings: tuple[StageSettings, ...]) -> None:
     """Refuse tensor-parallel stages in a plan with ZeRO, recomputation or reduced precision
     (the simulator and runtime do not model them together yet)."""
     if any(st.tensor > 1 for st in settings) and any(
-            replace(st, tensor=1) != DEFAULT_SETTINGS for st in settings):
+            replace(st, tensor=1, sequence=False) != DEFAULT_SETTINGS for st in settings):
         raise PlanError("tensor-parallel stages cannot be combined with ZeRO, recompute or "
                         "bf16/fp16 yet: set zero=0, recompute='none', precision='fp32' or tensor=1")
 
@@ -171,6 +180,11 @@ class Plan:
     def uses_tensor_parallel(self) -> bool:
         return any(st.tensor > 1 for st in self.stage_settings)
 
+    def sequence_of(self, stage: int) -> bool:
+        """Whether ``stage``'s tensor split also splits the ops between its blocks along the
+        sequence."""
+        return self.settings_of(stage).sequence
+
     def tensor_of(self, stage: int) -> int:
         """The tensor-parallel degree of ``stage`` (1: each device holds whole layers)."""
         return self.settings_of(stage).tensor
@@ -204,13 +218,16 @@ class Plan:
     def with_settings(self, **settings: Any) -> Plan:
         return replace(self, **settings)
 
-    def with_tensor(self, degree: int, stages: Iterable[int] | None = None) -> Plan:
+    def with_tensor(self, degree: int, stages: Iterable[int] | None = None,
+                    sequence: bool = False) -> Plan:
         """This plan with ``stages`` (default: all) split ``degree`` ways by tensor
-        parallelism; the degree must divide each chosen stage's device count."""
-        return self.with_memory(tensor=degree, stages=stages)
+        parallelism (``sequence``: and the ops between the split blocks along the sequence);
+        the degree must divide each chosen stage's device count."""
+        return self.with_memory(tensor=degree, stages=stages, sequence=sequence and degree > 1)
 
     def with_memory(self, *, zero: int | None = None, recompute: str | None = None,
                     precision: str | None = None, tensor: int | None = None,
+                    sequence: bool | None = None,
                     stages: Iterable[int] | None = None) -> Plan:
         """This plan with ZeRO, recomputation, precision or the tensor-parallel degree set on
         ``stages`` (default: all); what is not given stays as it was."""
@@ -224,7 +241,9 @@ class Plan:
                 old.zero if zero is None else zero,
                 old.recompute if recompute is None else recompute,
                 old.precision if precision is None else precision,
-                old.tensor if tensor is None else tensor)
+                old.tensor if tensor is None else tensor,
+                (old.sequence if sequence is None else sequence)
+                and (old.tensor if tensor is None else tensor) > 1)
             if len(self.stages[s]) % current[s].tensor:
                 raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which a "
                                 f"tensor-parallel degree of {current[s].tensor} does not "
@@ -337,7 +356,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         settings = ({"stage_settings": [{"zero": st.zero, "recompute": st.recompute,
                                          "precision": st.precision,
-                                         **({"tensor": st.tensor} if st.tensor > 1 else {})}
+                                         **({"tensor": st.tensor} if st.tensor > 1 else {}),
+                                         **({"sequence": True} if st.sequence else {})}
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
         version = (TENSOR_VERSION if self.uses_tensor_parallel

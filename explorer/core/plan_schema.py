@@ -94,6 +94,12 @@ def one_of(choices: Iterable[str]) -> Check:
     return check
 
 
+def boolean(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise _refuse(where, "true or false", v)
+    return v
+
+
 def string(v: Any, where: str) -> str:
     if not isinstance(v, str) or len(v) > MAX_TEXT_CHARS:
         raise _refuse(where, f"a string of at most {MAX_TEXT_CHARS} characters", v)
@@ -195,7 +201,9 @@ PLAN_SCHEMA = obj({
                                     "recompute": (one_of(RECOMPUTE), "none"),
                                     "precision": (one_of(PRECISIONS), "fp32"),
                                     # version 3: the stage's tensor-parallel degree
-                                    "tensor": (whole(1, MAX_DEVICES), 1)}),
+                                    "tensor": (whole(1, MAX_DEVICES), 1),
+                                    # version 3: sequence parallelism with it
+                                    "sequence": (boolean, False)}),
                                0, MAX_DEVICES), []),
 })
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from explorer.core.graph import OpGraph
@@ -81,6 +81,12 @@ SPLIT_OPS = frozenset(("aten.split.Tensor", "aten.split_with_sizes.default"))
 #: the shape ops of :data:`HEAD_OPS`, whose head count the runtime divides
 RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
                          "aten._unsafe_view.default"))
+#: ops that act on each token (position) alone: between the split blocks they run on a
+#: sequence shard as they are (Megatron-LM's sequence parallelism): element-wise ops, norms
+#: over the features, a mean over them (an RMS norm written out), casts
+TOKENWISE = (POINTWISE - RANDOM_OPS) | frozenset(f"aten.{op}" for op in (
+    "layer_norm.default", "native_layer_norm.default", "rms_norm.default", "mean.dim",
+    "rsqrt.default", "sqrt.default", "to.dtype", "_to_copy.default", "type_as.default"))
 LINEAR_OPS = ("aten.linear.default",)
 #: convolutions that pair like linears, on channels, by their weight's number of dimensions
 CONV_OPS = {"aten.conv1d.default": 3, "aten.conv2d.default": 4, "aten.conv3d.default": 5}
@@ -140,7 +146,18 @@ class TensorLayout:
     whose work is shared by the tensor devices (1/degree each). ``reduce_forward`` /
     ``reduce_backward``: bytes all-reduced over the tensor devices after an op's forward, or in
     its backward (the gradient of its input). ``gather_forward``: bytes all-gathered before a
-    random op's forward.
+    random op's forward (or, under sequence parallelism, before an op that reads a sequence
+    shard whole).
+
+    Under sequence parallelism (:func:`megatron_layout` with ``sequence``): ``sequence_ops``,
+    the ops between the split blocks that run on sequence shards (also in ``split_ops``);
+    ``scatter_forward``: bytes of partial sums reduce-scattered along the sequence after an
+    op's forward (a row-parallel block's output, a vocabulary-parallel embedding's), instead of
+    all-reduced; ``gather_backward``: bytes all-gathered in an op's backward (the gradient of
+    such an output; a column-parallel linear's sequence-split input, gathered again);
+    ``scatter_backward``: bytes reduce-scattered in an op's backward (that input's gradient);
+    ``sequence_params``: the weights those ops read whole, whose gradients (partial sums) are
+    all-reduced over the tensor devices once a step.
     """
 
     degree: int
@@ -152,6 +169,11 @@ class TensorLayout:
     gather_forward: dict[str, int] = field(default_factory=dict)
     #: split ops of head-split attention, run on each device's own heads as plain tensors
     local_ops: frozenset[str] = frozenset()
+    sequence_ops: frozenset[str] = frozenset()
+    scatter_forward: dict[str, int] = field(default_factory=dict)
+    gather_backward: dict[str, int] = field(default_factory=dict)
+    scatter_backward: dict[str, int] = field(default_factory=dict)
+    sequence_params: frozenset[str] = frozenset()
 
     def placement(self, param: str) -> str:
         return self.placements.get(param, REPLICATE)
@@ -260,19 +282,22 @@ def _equal_parts(graph: OpGraph, col: int, op: int) -> int:
     return len(parts) if all(p == (*out[:-1], out[-1] // len(parts)) for p in parts) else 1
 
 
-def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
-    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text).
+def megatron_layout(graph: OpGraph, degree: int, sequence: bool = False) -> TensorLayout:
+    """The Megatron-style layout of ``graph`` split ``degree`` ways (see the module's text);
+    ``sequence``: with sequence parallelism (:func:`sequence_split`).
 
     Kept for the last few graphs, per degree (the simulator asks for it on every simulation
     of a tensor-parallel plan), while their nodes are the same."""
     if degree <= 1:
         return TensorLayout(degree)
-    hit = _LAYOUTS.get((id(graph), degree))
+    key = (id(graph), degree, sequence)
+    hit = _LAYOUTS.get(key)
     if hit is not None and hit[0]() is graph and hit[1] == tuple(graph.nodes):
         return hit[2]
-    layout = _layout(graph, degree)
+    layout = (sequence_split(graph, megatron_layout(graph, degree)) if sequence
+              else _layout(graph, degree))
     try:
-        _LAYOUTS[(id(graph), degree)] = (weakref.ref(graph), tuple(graph.nodes), layout)
+        _LAYOUTS[key] = (weakref.ref(graph), tuple(graph.nodes), layout)
     except TypeError:  # a graph that cannot be referred to weakly: not kept
         return layout
     while len(_LAYOUTS) > _KEPT:
@@ -280,8 +305,9 @@ def megatron_layout(graph: OpGraph, degree: int) -> TensorLayout:
     return layout
 
 
-#: the layouts of the last graphs asked for: (graph id, degree) -> (graph, its nodes, layout)
-_LAYOUTS: dict[tuple[int, int], tuple[Any, tuple, TensorLayout]] = {}
+#: the layouts of the last graphs asked for:
+#: (graph id, degree, sequence) -> (graph, its nodes, layout)
+_LAYOUTS: dict[tuple[int, int, bool], tuple[Any, tuple, TensorLayout]] = {}
 _KEPT = 8
 
 
@@ -381,18 +407,119 @@ def _vocab_losses(graph: OpGraph, degree: int, placed: dict[str, str]
     return out
 
 
+def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
+    """``base`` with sequence parallelism (Megatron-LM's): the output of a row-parallel linear
+    or a vocabulary-parallel embedding that is ``(batch, seq, features)`` is reduce-scattered
+    along the sequence instead of all-reduced, and the token-wise ops (:data:`TOKENWISE`)
+    that read such shards run on them (norms, residual adds); a column-parallel linear that
+    reads one all-gathers it in its forward and again in its backward, and reduce-scatters
+    its gradient (no all-reduce); any other op that reads one gathers it first. A token-wise
+    op's whole inputs (a position embedding) are narrowed to the device's positions, their
+    gradients all-reduced; the weights those ops read (a norm's scale) and the row-parallel
+    linears' biases get partial gradients, all-reduced once a step. Only what fits this is split; the rest keeps ``base``'s layout."""
+    nodes, idx, k = graph.nodes, graph.index, base.degree
+    split = {idx[n] for n in base.split_ops}
+
+    def rows_of(i: int) -> tuple[int, ...] | None:  # (batch, seq) of a 3-D output
+        shape = nodes[i].shapes[0] if nodes[i].shapes else ()
+        return tuple(shape[:2]) if len(shape) == 3 else None
+
+    def column(c: int) -> bool:
+        w = _weight(graph, c) if nodes[c].op in LINEAR_OPS and c in split else None
+        return w is not None and shard_dim(base.placement(nodes[w[0]].name)) == 0
+
+    seeds = [idx[n] for n in base.reduce_forward
+             if nodes[idx[n]].op in (*LINEAR_OPS, *EMBEDDING_OPS)
+             and rows_of(idx[n]) is not None and rows_of(idx[n])[1] % k == 0]  # type: ignore[index]
+    if not seeds:
+        return base
+    bt = rows_of(seeds[0])
+
+    def tokenwise(j: int) -> bool:
+        n = nodes[j]
+        return (n.kind == "op" and n.op in TOKENWISE and j not in split and rows_of(j) == bt
+                and all(all(tokenwise_op(c) for c in graph.succs[p]) for p in graph.preds[j]
+                        if nodes[p].kind == "param"))
+
+    def tokenwise_op(j: int) -> bool:
+        return nodes[j].op in TOKENWISE and rows_of(j) == bt
+
+    def readers_fit(j: int) -> bool:  # each reader runs on the shard, gathers it, or is column
+        return all(tokenwise(c) or c not in split or (column(c) and _activation_in(graph, c) == j)
+                   for c in graph.succs[j])
+
+    seeds = [i for i in seeds if rows_of(i) == bt and readers_fit(i)]
+    shards, seq = set(seeds), []
+    for j in range(min(seeds, default=len(nodes)), len(nodes)):
+        if tokenwise(j) and any(p in shards for p in graph.preds[j]) and readers_fit(j):
+            shards.add(j)
+            seq.append(j)
+    params = {p for j in seq for p in graph.preds[j] if nodes[p].kind == "param"}
+    mixed = {p for p in params if any(c not in shards for c in graph.succs[p])}
+    if mixed:  # a weight also read whole: its readers stay whole too
+        seq = [j for j in seq if not mixed & set(graph.preds[j])]
+        shards, params = {*seeds, *seq}, params - mixed
+    for i in seeds:  # a row-parallel linear's bias, added to its positions only
+        w = _weight(graph, i) if nodes[i].op in LINEAR_OPS else None
+        if w is not None and w[1] is not None:
+            params.add(w[1])
+    fwd, bwd = dict(base.reduce_forward), dict(base.reduce_backward)
+    gather, scatter_f, gather_b, scatter_b = dict(base.gather_forward), {}, {}, {}
+
+    def add(into: dict[str, int], name: str, nbytes: int) -> None:
+        into[name] = into.get(name, 0) + nbytes
+
+    for i in seeds:
+        scatter_f[nodes[i].name] = gather_b[nodes[i].name] = fwd.pop(nodes[i].name)
+    for p in sorted(shards):
+        for c in graph.succs[p]:
+            if c in shards:
+                continue
+            name, nbytes = nodes[c].name, nodes[p].out_bytes
+            add(gather, name, nbytes)
+            if column(c) and _activation_in(graph, c) == p:
+                bwd.pop(name, None)
+                add(gather_b, name, nbytes)
+                add(scatter_b, name, nbytes)
+    narrowed: set[int] = set()  # whole activations read by sequence ops: gradients all-reduced
+    for j in seq:
+        for p in graph.preds[j]:
+            if p not in shards and p not in narrowed and nodes[p].kind in ("op", "input") \
+                    and nodes[p].requires_grad and len(nodes[p].shapes[0] if nodes[p].shapes
+                                                        else ()) >= 2:
+                narrowed.add(p)
+                add(bwd, nodes[j].name, nodes[p].out_bytes)
+    names = frozenset(nodes[j].name for j in seq)
+    return replace(base, split_ops=base.split_ops | names, reduce_forward=fwd,
+                   reduce_backward=bwd, gather_forward=gather, sequence_ops=names,
+                   scatter_forward=scatter_f, gather_backward=gather_b,
+                   scatter_backward=scatter_b,
+                   sequence_params=frozenset(nodes[p].name for p in sorted(params)))
+
+
+def stage_layout(graph: OpGraph, plan: Plan, stage: int) -> TensorLayout:
+    """The layout of ``plan``'s ``stage`` (its tensor degree, with sequence parallelism or
+    not)."""
+    return megatron_layout(graph, plan.tensor_of(stage), plan.sequence_of(stage))
+
+
 def plan_placements(graph: OpGraph, plan: Plan
-                    ) -> tuple[dict[str, str], list[str], list[str]]:
+                    ) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     """The placement of every weight a tensor-parallel stage of ``plan`` splits, the ops
-    those stages split, and those of them run on local shards (in graph order)."""
+    those stages split, those of them run on local shards, and those whose output is a
+    sequence shard (the sequence-parallel ops and the ops that scatter into them; in graph
+    order)."""
     out: dict[str, str] = {}
     ops: set[str] = set()
     local: set[str] = set()
+    seq: set[str] = set()
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) > 1:
-            layout = megatron_layout(graph, plan.tensor_of(s))
+            layout = stage_layout(graph, plan, s)
             out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
             ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
             local.update(k for k in layout.local_ops if plan.stage_of(k) == s)
-    return (out, [n.name for n in graph.nodes if n.name in ops],
-            [n.name for n in graph.nodes if n.name in local])
+            seq.update(k for k in (*layout.sequence_ops, *layout.scatter_forward)
+                       if plan.stage_of(k) == s)
+    return (out, *([n.name for n in graph.nodes if n.name in names]
+                   for names in (ops, local, seq)))

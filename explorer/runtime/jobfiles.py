@@ -184,6 +184,8 @@ class Job:
     split_ops: list[str] = field(default_factory=list)
     #: of those, the ops of head-split attention, run on each rank's own heads (plain shards)
     local_ops: list[str] = field(default_factory=list)
+    #: of those, the ops whose output is split along the sequence (sequence parallelism)
+    sequence_ops: list[str] = field(default_factory=list)
 
 
 def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
@@ -192,10 +194,12 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
               seed: int = 0, units: list[str] | None = None,
               kept_outputs: list[bool] | None = None,
               model: Mapping[str, Any] | None = None,
-              layout: tuple[dict[str, str], list[str], list[str]] | None = None) -> None:
+              layout: tuple[dict[str, str], list[str], list[str], list[str]] | None = None
+              ) -> None:
     """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
     program's parameters and buffers are left out: ranks build them from it. ``layout``: the
-    placements of split weights, the split ops and those of them run on local shards
+    placements of split weights, the split ops, those of them run on local shards and those
+    whose outputs are split along the sequence
     (:func:`~explorer.core.tensor_layout.plan_placements`)."""
     calls, state = program_calls(program, len(inputs))
     keys = model_keys(program, len(inputs)) if model else {}
@@ -217,7 +221,8 @@ def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs
         "seed": seed, "units": units, "kept_outputs": kept_outputs,
         **({"model": dict(model)} if model else {}),
         "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else [],
-        "local_ops": layout[2] if layout else []}))
+        "local_ops": layout[2] if layout else [],
+        "sequence_ops": layout[3] if layout else []}))
 
 
 def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
@@ -252,4 +257,5 @@ def read_job(folder: Path) -> Job:
                meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
                meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
                meta.get("units"), meta.get("kept_outputs"), dict(meta.get("placements", {})),
-               list(meta.get("split_ops", [])), list(meta.get("local_ops", [])))
+               list(meta.get("split_ops", [])), list(meta.get("local_ops", [])),
+               list(meta.get("sequence_ops", [])))

@@ -61,7 +61,7 @@ class Weights:
                  messenger: Messenger, tracker: MemTracker, group: Any, record: bool,
                  mesh: TensorMesh | None = None, units: list[str] | None = None) -> None:
         L = self.layout = layout
-        self.messenger, self.tracker, self.record = messenger, tracker, record
+        self.messenger, self.tracker, self.record, self.mesh = messenger, tracker, record, mesh
         weight = [k in ("param", "buffer") for k in L.kind]
         self.owned = [i for i in range(len(L.names)) if weight[i] and L.stage[i] == L.s]
         self.used_remote = [i for i in range(len(L.names)) if weight[i] and L.stage[i] != L.s
@@ -241,6 +241,8 @@ class Weights:
                 local(p.grad).copy_(reduced)
         if self.zero >= 2:  # (and the buckets of parameters no op of the step used)
             self._take_shards(self.scatter.flush(self._grad_of))
+        if self.mesh is not None:  # (sequence parallelism: partial sums of norms' weights)
+            self.mesh.reduce_sequence_grads()
         if self.loss_scale != 1.0:
             self._unscale()
         if self.record and self.first_grads is None:

@@ -89,6 +89,7 @@ class StageRunner:
         #: is split along, from the end (None: whole)
         self.split = {L.names.index(n) for n in job.split_ops}
         self.local = {L.names.index(n) for n in job.local_ops}
+        self.sequence = {L.names.index(n) for n in job.sequence_ops}
         self.shard_out: set[int] = set()
         self.shard_dims: dict[Key, list[int | None]] = {}
         #: the partial sums of the gradients of whole values split ops read, until the last
@@ -248,9 +249,10 @@ class StageRunner:
             args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
             if self.mesh is None:
                 return L.targets[i](*args, **kwargs)
-            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split, i in self.local)
+            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split, i in self.local,
+                                 i in self.sequence)
             return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
-                    else self.mesh.settled(out))
+                    else self.mesh.settled(out, i in self.sequence))
 
     def _stand_in(self, t: torch.Tensor) -> Any:
         """What autograd keeps instead of ``t``: a reference to a gathered weight (ZeRO 3) or

@@ -33,10 +33,16 @@ from explorer.core.tensor_layout import (
     REPLICATE,
     RESHAPE_OPS,
     SPLIT_OPS,
-    megatron_layout,
     shard_dim,
     shard_parts,
     split_dim,
+    stage_layout,
+)
+from explorer.runtime.sequence_parallel import (
+    SEQ_DIM,
+    ScatteredSequence,
+    SequenceColumnLinear,
+    reduce_partial_grads,
 )
 from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
 
@@ -48,7 +54,7 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) == 1:
             continue
-        for name in megatron_layout(graph, plan.tensor_of(s)).local_ops:
+        for name in stage_layout(graph, plan, s).local_ops:
             i = graph.index[name]
             if plan.stage_of(name) == s and any(
                     plan.stage_of(graph.nodes[c].name) != s for c in graph.succs[i]):
@@ -83,6 +89,8 @@ class TensorMesh:
         #: id -> (weak reference, split dimension from the end) of every local shard of a
         #: split op's output alive
         self.shards: dict[int, tuple[weakref.ref, int]] = {}
+        #: id -> weight read whole by a sequence-parallel op (its gradient a partial sum)
+        self.sequence_params: dict[int, torch.Tensor] = {}
 
     @functools.cached_property
     def group(self) -> Any:
@@ -123,7 +131,8 @@ class TensorMesh:
                                  src_data_rank=None)
 
     # -- ops -------------------------------------------------------------------------------
-    def call(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool = False) -> Any:
+    def call(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool = False,
+             sequence: bool = False) -> Any:
         """``fn(*args, **kwargs)``, differentiable: a ``local`` op (of head-split attention)
         on this rank's own heads (:meth:`on_heads`); a ``split`` op on this rank's shards
         (:meth:`on_shards`), but a vocabulary-parallel embedding, which DTensor runs (its
@@ -131,7 +140,11 @@ class TensorMesh:
         loss and the shape ops before it (:func:`~explorer.runtime.vocab_loss.on_vocab`); any
         other op on whole plain tensors, as one device runs it, a local shard it reads
         gathered first (a random op in a split block: every rank draws the mask one device
-        would)."""
+        would). ``sequence``: the op's output is split along the sequence (a row-parallel
+        linear's reduce-scattered; a token-wise op's, on sequence shards, as it is).
+
+        A column-parallel linear reading a sequence shard gathers it
+        (:class:`~explorer.runtime.sequence_parallel.SequenceColumnLinear`)."""
         if local:
             return self.on_heads(fn, args, kwargs)
         if split and str(fn) in EMBEDDING_OPS:
@@ -139,10 +152,10 @@ class TensorMesh:
         if split and str(fn) in VOCAB_CALLS:
             return on_vocab(self, fn, args, kwargs)
         if split:
-            return self.on_shards(fn, args, kwargs)
+            return self.on_shards(fn, args, kwargs, sequence)
         return fn(*mapped(self.whole_plain, args), **mapped(self.whole_plain, kwargs))
 
-    def on_shards(self, fn: Any, args: Any, kwargs: Any) -> Any:
+    def on_shards(self, fn: Any, args: Any, kwargs: Any, sequence: bool = False) -> Any:
         """A split op on local shards, Megatron-style: split weights' shards, the local shards
         of split ops' outputs as they are, whole inputs as they are where the op reads them
         whole (a column-parallel op's input, what broadcasts) or narrowed to this rank's part
@@ -150,11 +163,20 @@ class TensorMesh:
         after a random op ran whole). A row-parallel op's partial sums are all-reduced right
         away and its bias added after (along a convolution's channels); any other output is
         a local shard, split along the features (a linear's), the channels (a
-        convolution's), or as the local shards it reads are."""
+        convolution's), or as the local shards it reads are. Under sequence parallelism
+        (``sequence``) a row-parallel op's partial sums are reduce-scattered along the
+        sequence instead, and the replicated weights a token-wise op reads get their partial
+        gradients all-reduced once a step (:meth:`reduce_sequence_grads`)."""
         args, kwargs = list(args), dict(kwargs)
         weight = next((t for t in args if isinstance(t, DTensor)), None)
         dim = -1 if weight is None else split_dim(weight.ndim)
         row = weight is not None and weight.placements[0] == Shard(1)
+        if weight is not None and not row and self.split_dim(args[0]) == SEQ_DIM:
+            return self.marked(SequenceColumnLinear.apply(
+                args[0], *(self.local(t) for t in args[1:3]),
+                *([None] if len(args) < 3 else []), self.group, self.degree))
+        if sequence and weight is None:
+            return self.on_positions(fn, args, kwargs)
         bias = None
         if row:  # (linear(input, weight, bias), conv2d(input, weight, bias, stride, ...))
             if "bias" in kwargs:
@@ -174,10 +196,43 @@ class TensorMesh:
                     and not self.is_shard(t) and (ref is not None or width > 1)
                     and t.shape[dim] == width * self.degree else t for t in args]
         out = fn(*args, **kwargs)
+        if row and sequence:  # (the bias's gradient: this rank's positions' partial sum)
+            out = self.marked(ScatteredSequence.apply(out, self.group, self.degree), SEQ_DIM)
+            if bias is None:
+                return out
+            if bias.is_leaf and bias.requires_grad:
+                self.sequence_params.setdefault(id(bias), bias)
+            return self.marked(out + bias, SEQ_DIM)
         if row:
             out = AllReduced.apply(out, self.group)
             return out if bias is None else out + bias.view(-1, *(1,) * (-dim - 1))
         return self.marked(out, dim)
+
+    def on_positions(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """A token-wise op on this rank's positions: its sequence shards as they are, its whole
+        ``(..., seq, features)`` inputs narrowed to the positions (their gradients then partial
+        sums, which the stage all-reduces), the replicated weights it reads as they are, their
+        gradients remembered for :meth:`reduce_sequence_grads`; its output a sequence shard."""
+        tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim >= -SEQ_DIM]
+        ref = next((t for t in tensors if self.is_shard(t)), None)
+        positions = (ref.shape[SEQ_DIM] if ref is not None else  # (all whole: from elsewhere)
+                     max(t.shape[SEQ_DIM] for t in tensors) // self.degree)
+
+        def read(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or self.is_shard(t):
+                return t
+            if t.is_leaf and t.requires_grad:
+                self.sequence_params.setdefault(id(t), t)
+                return t
+            if t.ndim >= -SEQ_DIM and t.shape[SEQ_DIM] == positions * self.degree:
+                return self.narrowed(t, SEQ_DIM)
+            return t
+        return self.marked(fn(*mapped(read, args), **mapped(read, kwargs)), SEQ_DIM)
+
+    def reduce_sequence_grads(self) -> None:
+        """All-reduce the partial gradients of the weights token-wise ops read (once a step,
+        before the optimizer; every rank of the mesh calls it)."""
+        reduce_partial_grads(list(self.sequence_params.values()), self.group, local)
 
     def on_heads(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """``fn`` on the local shards of its split inputs (no communication) and its whole
@@ -274,13 +329,19 @@ class TensorMesh:
         return [self.narrowed(g, d) if d is not None and isinstance(g, torch.Tensor) and g.ndim
                 else g for g, d in zip(grads, dims, strict=False)]
 
-    def settled(self, value: Any) -> Any:
-        """``value`` with a DTensor's partial sums all-reduced and made plain: an op's output
-        is reduced once, right after the op (as the simulator counts it), however many ops
-        read it; a vocabulary-parallel embedding's masked partial sums can be reduced only
-        once."""
-        return tree_map(lambda t: _Reduced.apply(t).to_local() if isinstance(t, DTensor)
-                        and any(p.is_partial() for p in t.placements) else t, value)
+    def settled(self, value: Any, sequence: bool = False) -> Any:
+        """``value`` with a DTensor's partial sums all-reduced and made plain (``sequence``:
+        reduce-scattered along the sequence, a sequence shard): an op's output is reduced
+        once, right after the op (as the simulator counts it), however many ops read it; a
+        vocabulary-parallel embedding's masked partial sums can be reduced only once."""
+        def settle(t: Any) -> Any:
+            if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+                return t
+            if sequence:
+                return self.marked(_Reduced.apply(t, Shard(t.ndim + SEQ_DIM)).to_local(),
+                                   SEQ_DIM)
+            return _Reduced.apply(t).to_local()
+        return tree_map(settle, value)
 
     def reduced_sum(self, grads: list) -> list:
         """Partial sums (the gradients of a whole value split ops read) all-reduced in place."""
@@ -360,17 +421,18 @@ class Gathered(torch.autograd.Function):
 
 
 class _Reduced(torch.autograd.Function):
-    """Partial sums all-reduced; the gradient of every rank's part is the (replicated)
-    gradient of the sum. (DTensor's own backward would lay that gradient out as the partial
-    input, which it cannot do for an embedding's masked partial sums.)"""
+    """Partial sums all-reduced (or reduce-scattered to ``placement``); the gradient of every
+    rank's part is the (replicated) gradient of the sum. (DTensor's own backward would lay
+    that gradient out as the partial input, which it cannot do for an embedding's masked
+    partial sums.)"""
 
     @staticmethod
-    def forward(ctx, t):  # type: ignore[override]
-        return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
+    def forward(ctx, t, placement=None):  # type: ignore[override]
+        return t.redistribute(t.device_mesh, [placement or Replicate()] * t.device_mesh.ndim)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim)
+        return g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim), None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
