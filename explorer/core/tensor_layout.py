@@ -416,7 +416,8 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
     its gradient (no all-reduce); any other op that reads one gathers it first. A token-wise
     op's whole inputs (a position embedding) are narrowed to the device's positions, their
     gradients all-reduced; the weights those ops read (a norm's scale) and the row-parallel
-    linears' biases get partial gradients, all-reduced once a step. Only what fits this is split; the rest keeps ``base``'s layout."""
+    linears' biases get partial gradients, all-reduced once a step. Only what fits this is
+    split; the rest keeps ``base``'s layout."""
     nodes, idx, k = graph.nodes, graph.index, base.degree
     split = {idx[n] for n in base.split_ops}
 

@@ -41,7 +41,12 @@ from explorer.simulate.taskgraph import (
     Resource,
     TaskGraph,
 )
-from explorer.simulate.tensor import optimizer_extra_s, per_device, split_op_seconds
+from explorer.simulate.tensor import (
+    optimizer_extra_s,
+    per_device,
+    sequence_grads,
+    split_op_seconds,
+)
 
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
 
@@ -340,6 +345,9 @@ class _Builder:
                             if unscaled else 0.0)) * self._opt_slowed(dv)
                         + optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
                         for dv in types[s].values())
+            seq_s, seq_bytes = sequence_grads(self.g, plan, costs, s)
+            d_opt += seq_s
+            allreduce_bytes += seq_bytes
             zero_calls = 0  # ZeRO's collectives of the stage's buckets
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)

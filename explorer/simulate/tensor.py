@@ -30,7 +30,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import LOSS_OPS, TensorLayout, megatron_layout
+from explorer.core.tensor_layout import LOSS_OPS, TensorLayout, stage_layout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds
@@ -38,7 +38,7 @@ from explorer.simulate.seconds import Seconds
 
 def layouts(graph: OpGraph, plan: Plan) -> dict[int, TensorLayout]:
     """The layout of every tensor-parallel stage, by stage."""
-    return {s: megatron_layout(graph, plan.tensor_of(s)) for s in range(len(plan.stages))
+    return {s: stage_layout(graph, plan, s) for s in range(len(plan.stages))
             if plan.tensor_of(s) > 1}
 
 
@@ -76,19 +76,17 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
             fwd_s[whole] += reads[whole] * dt["read_fwd_s"]
             bwd_s[whole] += np.where(has_b[whole], reads[whole] * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
-        for reduce, times in ((layout.reduce_forward, fwd_s), (layout.reduce_backward, bwd_s)):
-            for name, nbytes in reduce.items():
-                i = index[name]
+        # (a ring all-gather or reduce-scatter: half a ring all-reduce)
+        for collectives, times, share in (
+                (layout.reduce_forward, fwd_s, 1.0), (layout.reduce_backward, bwd_s, 1.0),
+                (layout.gather_forward, fwd_s, 0.5), (layout.scatter_forward, fwd_s, 0.5),
+                (layout.gather_backward, bwd_s, 0.5), (layout.scatter_backward, bwd_s, 0.5)):
+            for name, nbytes in collectives.items():
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
-                times[i] += costs.allreduce_s(group, size) + dt["collective_s"]
-                moved += plan.replicas_of(s) * 2 * (k - 1) * size * M  # (every group's)
-        for name, nbytes in layout.gather_forward.items():
-            if plan.stage_of(name) == s:  # a ring all-gather: half a ring all-reduce
-                size = int(nbytes * frac[s])
-                fwd_s[index[name]] += costs.allreduce_s(group, size) / 2 + dt["collective_s"]
-                moved += plan.replicas_of(s) * (k - 1) * size * M
+                times[index[name]] += costs.allreduce_s(group, size) * share + dt["collective_s"]
+                moved += int(plan.replicas_of(s) * 2 * share * (k - 1) * size * M)  # (all's)
     return moved
 
 
@@ -114,6 +112,24 @@ def optimizer_extra_s(costs: CostModel, plan: Plan, stage: int, device: str,
     if plan.tensor_of(stage) <= 1:
         return 0.0
     return tensors * costs.device_costs(device).dtensor.get("optimizer_tensor_s", 0.0)
+
+
+def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int
+                   ) -> tuple[float, int]:
+    """Seconds and bytes (every device's sends, all tensor groups) of the all-reduce, once a
+    step before the optimizer, of the gradients of the weights a sequence-parallel
+    ``stage``'s token-wise ops read whole (one all-reduce per weight); (0, 0) elsewhere."""
+    if not plan.sequence_of(stage):
+        return 0.0, 0
+    layout = stage_layout(graph, plan, stage)
+    sizes = [graph.nodes[graph.index[p]].out_bytes for p in sorted(layout.sequence_params)
+             if plan.stage_of(p) == stage]
+    if not sizes:
+        return 0.0, 0
+    group, k = tensor_group(plan, stage), plan.tensor_of(stage)
+    fixed = max(dtensor_costs(costs, plan.stages[stage])["collective_s"], 0.0)
+    seconds = sum(costs.allreduce_s(group, b) + fixed for b in sizes)
+    return seconds, plan.replicas_of(stage) * 2 * (k - 1) * sum(sizes)
 
 
 def per_device(graph: OpGraph, plan: Plan, nbytes):

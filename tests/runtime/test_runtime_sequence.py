@@ -1,0 +1,65 @@
+"""Sequence-parallel stages on CPU ranks: losses and gradients equal one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from builders import tiny_builtin_graph
+
+import explorer as ex
+from explorer.core.tensor_layout import plan_placements
+from explorer.runtime.launch import reference
+
+# every test here starts rank processes
+pytestmark = pytest.mark.slow
+
+STEPS, WARMUP = 2, 1
+
+
+def _check(name: str, plan, shards: int) -> None:
+    meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=STEPS, warmup=WARMUP,
+                  progress=False, record=True, timeout_s=180)
+    ref = reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
+                    optimizer=plan.optimizer)
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    assert set(meas.grads) == set(ref.grads)
+    for k, g in ref.grads.items():
+        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _stages(name: str, devices: list[tuple[str, ...]], micro_batches: int = 1) -> ex.Plan:
+    graph = tiny_builtin_graph(name)
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    cut = len(ops) // 2 if len(devices) > 1 else len(ops)
+    return ex.Plan.from_assignment(graph, devices, {nm: int(k >= cut) for k, nm in
+                                                    enumerate(ops)},
+                                   micro_batches=micro_batches,
+                                   schedule="1f1b" if micro_batches > 1 else "gpipe")
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_sequence_parallel_stage_matches_one_device(name):
+    """Norms and residual adds on each rank's half of the positions; every row-parallel
+    output and the token embedding reduce-scattered, every column-parallel input gathered
+    (the GPT's fused qkv, the Llama's q, k, v, gate and up, both LM heads); the norms' weights
+    and the row-parallel biases all-reduced once a step."""
+    plan = _stages(name, [("cpu:0", "cpu:1")]).with_tensor(2, sequence=True)
+    assert plan_placements(tiny_builtin_graph(name), plan)[3]  # (sequence-split ops)
+    _check(name, plan, 1)
+
+
+def test_two_replicas_of_a_sequence_parallel_gpt_match_one_device():
+    plan = _stages("gpt", [("cpu:0", "cpu:1", "cpu:2", "cpu:3")]).with_tensor(2, sequence=True)
+    _check("gpt", plan, 2)
+
+
+@pytest.mark.parametrize("split_stage", [0, 1])
+def test_sequence_shards_cross_a_stage_boundary_whole(split_stage):
+    """3 ranks, 2 micro-batches: a sequence-parallel stage sends its positions' shards
+    gathered (and narrows the gradients it gets back), or reads whole values from a plain
+    stage, narrowed to its positions."""
+    devices = [("cpu:0",), ("cpu:1", "cpu:2")][::1 if split_stage else -1]
+    plan = _stages("gpt", devices, micro_batches=2).with_tensor(2, stages=[split_stage],
+                                                                sequence=True)
+    _check("gpt", plan, 2)
