@@ -47,25 +47,27 @@ from explorer.partition.pipeline_dp import choose_layers
 from explorer.simulate.simulator import simulate
 
 COLUMNS = ("case", "devices", "layers", "space_plans", "search_s", "brute_s", "ratio",
-           "degrees", "micro_batches", "schedule", "search_step_s", "brute_step_s",
+           "degrees", "sequence", "micro_batches", "schedule", "search_step_s", "brute_step_s",
            "estimate_exact")
 
 
 def _cuts(space, batch: int):
-    """Every (mesh costs, layer costs, bounds, dp, tp, M, schedule) of the space."""
+    """Every (dp, tp, sequence parallelism?, M, schedule, bounds) of the space."""
     n_layers = len(space.layers)
     for dp, tp in space.meshes(batch):
         for m in space.micro_batch_choices(batch, dp):
             for sched in space.schedules:
                 for s in range(1, min(len(space.ids) // (dp * tp), n_layers) + 1):
                     for cut in itertools.combinations(range(1, n_layers), s - 1):
-                        yield dp, tp, m, sched, (0, *cut, n_layers)
+                        for seq, _ in space.splits(tp):
+                            yield dp, tp, seq, m, sched, (0, *cut, n_layers)
 
 
 def space_size(space, batch: int) -> int:
     """Plans in the space, counted without making them."""
     n_layers = len(space.layers)
     return sum(len(space.micro_batch_choices(batch, dp)) * len(space.schedules)
+               * len(space.splits(tp))
                * sum(math.comb(n_layers - 1, s - 1)
                      for s in range(1, min(len(space.ids) // (dp * tp), n_layers) + 1))
                for dp, tp in space.meshes(batch))
@@ -89,6 +91,7 @@ def large_case(args) -> dict:
             "devices": args.devices, "layers": len(layers),
             "space_plans": space_size(space, graph.batch_size), "search_s": search_s,
             "brute_s": None, "ratio": None, "degrees": o.get("degrees"),
+            "sequence": bool(o.get("sequence")),
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
             "search_step_s": simulate(graph, plan, costs).step_s, "brute_step_s": None,
             "estimate_exact": None}
@@ -107,11 +110,11 @@ def small_case(args) -> dict:
     space = build_space(graph, costs, cluster.ids, layers, "adam", None, None,
                         ("1f1b", "gpipe"), {}, 1.0)
     best_est, best_sim, count = math.inf, math.inf, 0
-    for dp, tp, m, sched, bounds in _cuts(space, graph.batch_size):
+    for dp, tp, seq, m, sched, bounds in _cuts(space, graph.batch_size):
         count += 1
         mesh = mesh_costs(space, costs, dp, tp, m, sched)
-        best_est = min(best_est, mesh.score_s(space.by_tensor[tp], bounds))
-        cand = Candidate(dp, tp, len(bounds) - 1, m, sched, math.nan, bounds)
+        best_est = min(best_est, mesh.score_s(space.layer_costs(tp, seq), bounds))
+        cand = Candidate(dp, tp, len(bounds) - 1, m, sched, math.nan, bounds, seq)
         pred = simulate(graph, candidate_plan(graph, space, cand, "adam", {}, {}), costs)
         if pred.fits:
             best_sim = min(best_sim, pred.step_s)
@@ -121,7 +124,8 @@ def small_case(args) -> dict:
     return {"case": f"{args.small} tiny (brute force: {count} plans)",
             "devices": args.small_devices, "layers": len(layers), "space_plans": count,
             "search_s": search_s, "brute_s": brute_s, "ratio": brute_s / search_s,
-            "degrees": o.get("degrees"), "micro_batches": plan.micro_batches,
+            "degrees": o.get("degrees"),
+            "sequence": bool(o.get("sequence")), "micro_batches": plan.micro_batches,
             "schedule": plan.schedule, "search_step_s": simulate(graph, plan, costs).step_s,
             "brute_step_s": best_sim, "estimate_exact": math.isclose(est, best_est,
                                                                      rel_tol=1e-9)}

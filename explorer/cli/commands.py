@@ -82,8 +82,7 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
                 plan = _with_memory(plan, memory)
-            if (settings.get("tensor") or 1) > 1:
-                plan = tensor_split(plan, settings["tensor"])
+            plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"))
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
@@ -99,6 +98,33 @@ def tensor_split(plan, degree: int):
                             f"stages ({', '.join(str(len(d)) for d in plan.stages)} devices); "
                             "use a degree that divides a stage's device count")
     return plan.with_tensor(degree, stages=stages)
+
+
+def split_options(plan, tensor: int, sequence: bool | None):
+    """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`) and
+    ``--sequence-parallel`` (on every tensor-parallel stage) applied."""
+    if tensor > 1:
+        plan = tensor_split(plan, tensor)
+    if sequence:
+        stages = [s for s in range(len(plan.stages)) if plan.tensor_of(s) > 1]
+        if not stages:
+            raise ExplorerError("--sequence-parallel splits the ops between tensor-parallel "
+                                "blocks, and this plan has no tensor-parallel stage: add "
+                                "--tensor N (N dividing a stage's device count) or use "
+                                "--algorithm degrees")
+        plan = plan.with_memory(sequence=True, stages=stages)
+    return plan
+
+
+def add_split_options(parser: argparse.ArgumentParser) -> None:
+    """``--tensor`` and ``--sequence-parallel``."""
+    parser.add_argument("--tensor", type=_positive_int, default=1,
+                        help="split each layer of every stage whose device count it divides "
+                             "this many ways (tensor parallelism, Megatron-style); default 1")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="on tensor-parallel stages, also split the norms and residual "
+                             "adds between the split blocks along the sequence (Megatron-LM's "
+                             "sequence parallelism)")
 
 
 def _with_memory(plan, memory: dict[str, Any]):
@@ -119,7 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ex.algorithm(n)  # unknown names fail before any work is done
     bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
-                "optimizer": args.optimizer, "tensor": args.tensor}
+                "optimizer": args.optimizer, "tensor": args.tensor,
+                "sequence": args.sequence_parallel}
     results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
@@ -213,6 +240,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory = memory_settings(args)
     if memory:
         plan = plan.with_memory(**memory)
+    plan = split_options(plan, args.tensor, args.sequence_parallel)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet)
@@ -359,9 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--micro-batches", type=_positive_int, default=None)
     pl.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
-    pl.add_argument("--tensor", type=_positive_int, default=1,
-                    help="split each layer of every stage whose device count it divides this "
-                         "many ways (tensor parallelism, Megatron-style); default 1")
+    add_split_options(pl)
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")
@@ -383,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--micro-batches", type=_positive_int, default=None)
     r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
+    add_split_options(r)
     add_memory_options(r)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")

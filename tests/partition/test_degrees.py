@@ -49,9 +49,8 @@ def _brute_estimate(space, costs, batch):
                 mesh = mesh_costs(space, costs, dp, tp, m, sched)
                 for s in range(1, min(len(space.ids) // (dp * tp), n_layers) + 1):
                     for cuts in itertools.combinations(range(1, n_layers), s - 1):
-                        score = mesh.score_s(space.by_tensor[tp], (0, *cuts, n_layers),
-                                             pin_stage)
-                        best = min(best, score)
+                        for _, lc in space.splits(tp):
+                            best = min(best, mesh.score_s(lc, (0, *cuts, n_layers), pin_stage))
     return best
 
 
@@ -66,13 +65,14 @@ def test_search_is_exact_for_its_estimate(name, devices, depth, pin):
         pins = {ops[-1]: cl.ids[-1], ops[0]: cl.ids[0]}
     space = _space(g, cl, costs, depth, pins)
     assert len(space.by_tensor) > 1 or name == "mlp"  # some tensor degree splits weights
+    assert bool(space.by_sequence) == (name == "gpt")  # and the GPT's sequence too
     cands = enumerate_candidates(space, costs, g.batch_size)
     brute = _brute_estimate(space, costs, g.batch_size)
     assert cands and math.isclose(cands[0].estimate_s, brute, rel_tol=1e-9)
     # every candidate's cuts score what the DP says under the reference estimate
     for c in cands[:40]:
         mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule)
-        assert math.isclose(mesh.score_s(space.by_tensor[c.tp], c.bounds,
+        assert math.isclose(mesh.score_s(space.layer_costs(c.tp, c.sequence), c.bounds,
                                          space.pin_stages(c.dp * c.tp)), c.estimate_s,
                             rel_tol=1e-9)
 
@@ -130,8 +130,8 @@ def test_memory_limit_rejects_plans_that_do_not_fit():
     for c in cands:  # every stage of every candidate fits by the estimate
         mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule)
         for k in range(c.pp):
-            assert mesh.stage_memory_bytes(space.by_tensor[c.tp], c.bounds[k], c.bounds[k + 1],
-                                           c.pp - k) <= space.capacity_bytes
+            assert mesh.stage_memory_bytes(space.layer_costs(c.tp, c.sequence), c.bounds[k],
+                                           c.bounds[k + 1], c.pp - k) <= space.capacity_bytes
     plan = ex.partition(g, tight, costs, "degrees", compare_pipeline_dp=False)
     pred = simulate(g, plan, costs)
     assert pred.fits and len(plan.devices) > 1

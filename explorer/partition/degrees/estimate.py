@@ -59,14 +59,16 @@ class LayerCosts:
 
 def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                 layers: Sequence[Sequence[int]], tp: int, tensor_group: Sequence[str],
-                optimizer: str, type_ids: Sequence[str]) -> LayerCosts | None:
+                optimizer: str, type_ids: Sequence[str], sequence: bool = False
+                ) -> LayerCosts | None:
     """The per-layer costs of ``base`` (pipeline-dp's table of ``layers`` on the device types
-    ``type_ids``) with the graph split ``tp`` ways on ``tensor_group``; None when the layout
-    splits no weight at that degree."""
+    ``type_ids``) with the graph split ``tp`` ways on ``tensor_group`` (``sequence``: with
+    sequence parallelism; its once-a-step all-reduce of the norms' weights is left to the
+    simulator); None when the layout splits no weight at that degree."""
     if tp == 1:
         return LayerCosts(1, base, StageTables(base), np.zeros(len(layers)),
                           np.zeros(len(layers)), (0.0, 0.0))
-    layout = megatron_layout(graph, tp)
+    layout = megatron_layout(graph, tp, sequence)
     if not layout.placements:
         return None
     n = len(layers)
@@ -100,7 +102,9 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
     lat, spb = linear_fit(lambda x: costs.allreduce_s(tuple(tensor_group), int(x)))
     count, nbytes = np.zeros(n), np.zeros(n)
     for share, reduce in ((1.0, layout.reduce_forward), (1.0, layout.reduce_backward),
-                          (0.5, layout.gather_forward)):  # an all-gather: half an all-reduce
+                          (0.5, layout.gather_forward), (0.5, layout.scatter_forward),
+                          (0.5, layout.gather_backward), (0.5, layout.scatter_backward)):
+        # (an all-gather or a reduce-scatter: half an all-reduce)
         for i in in_order(reduce):
             j = layer_of[i]
             count[j] += share

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
+from explorer.core.plan import Plan, StageSettings
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.degrees.search import (
@@ -34,7 +34,8 @@ def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str
                    pins: Mapping[str, str], options: Mapping, notes: Sequence[str] = ()
                    ) -> Plan:
     """``cand`` as a plan: stage ``k`` on devices ``k x dp x tp .. (k+1) x dp x tp - 1`` of
-    the space, split ``tp`` ways by tensor parallelism."""
+    the space, split ``tp`` ways by tensor parallelism (with sequence parallelism where the
+    candidate says so)."""
     g = cand.dp * cand.tp
     stages = [space.ids[k * g:(k + 1) * g] for k in range(cand.pp)]
     assign = {i: k for k in range(cand.pp) for j in range(cand.bounds[k], cand.bounds[k + 1])
@@ -42,17 +43,19 @@ def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str
     opts = {**options, "dp": cand.dp, "tp": cand.tp, "pp": cand.pp,
             "degrees": cand.degrees, "micro_batches": cand.micro_batches,
             "schedule": cand.schedule, "estimate_s": cand.estimate_s,
+            "sequence": cand.sequence,
             "stage_layers": [[cand.bounds[k], cand.bounds[k + 1]] for k in range(cand.pp)]}
-    plan = Plan.from_assignment(graph, stages, assign, micro_batches=cand.micro_batches,
+    split = (StageSettings(tensor=cand.tp, sequence=cand.sequence),) * cand.pp
+    return Plan.from_assignment(graph, stages, assign, micro_batches=cand.micro_batches,
                                 schedule=cand.schedule, optimizer=optimizer,
                                 algorithm="degrees", options=opts, pinned=frozenset(pins),
-                                notes=tuple(notes))
-    return plan.with_tensor(cand.tp) if cand.tp > 1 else plan
+                                notes=tuple(notes), stage_settings=split if cand.tp > 1 else ())
 
 
 def _describe(cand: Candidate, n: int) -> str:
-    return (f"data {cand.dp} x tensor {cand.tp} x pipeline {cand.pp} on {cand.devices} of {n} "
-            f"devices, {cand.micro_batches} micro-batches, {cand.schedule}")
+    return (f"data {cand.dp} x tensor {cand.tp}{' (and sequence)' if cand.sequence else ''} x "
+            f"pipeline {cand.pp} on {cand.devices} of {n} devices, {cand.micro_batches} "
+            f"micro-batches, {cand.schedule}")
 
 
 @register("degrees", exact=True)
@@ -67,7 +70,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
     stages of ``dp x tp`` devices with ``dp x tp x pp <= N`` (``tp`` a tensor degree at which
-    the Megatron layout splits some weight, ``dp`` dividing the batch), every micro-batch
+    the Megatron layout splits some weight, with and without sequence parallelism where that
+    splits more, ``dp`` dividing the batch), every micro-batch
     count dividing a replica's share of the batch, GPipe and 1F1B; the stages cut the layers
     (``graph.layers(depth)``) contiguously. For each mesh, micro-batch count and schedule an
     exact DP finds the cuts with the smallest slowest stage for every ``pp`` at once, under the
@@ -105,7 +109,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     Returns
     -------
     Plan
-        ``options``: ``dp``, ``tp``, ``pp``, ``degrees`` (``"dpxtpxpp"``), ``micro_batches``,
+        ``options``: ``dp``, ``tp``, ``pp``, ``degrees`` (``"dpxtpxpp"``), ``sequence``
+        (sequence parallelism on the tensor split), ``micro_batches``,
         ``schedule``, ``stage_layers``, ``estimate_s`` and the size of the search
         (``candidates``, ``simulated``); ``notes`` the chosen degrees and how it compares.
 
@@ -175,7 +180,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
 def _chosen(plan: Plan) -> Candidate:
     o = plan.options
     return Candidate(o["dp"], o["tp"], o["pp"], o["micro_batches"], o["schedule"],
-                     o["estimate_s"], ())
+                     o["estimate_s"], (), bool(o.get("sequence")))
 
 
 def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,

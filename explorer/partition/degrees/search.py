@@ -1,16 +1,18 @@
 """The degrees search's space and its exact enumeration under the estimate: every mesh
-``dp x tp x pp <= N``, micro-batch count and schedule, each with its best stage cuts."""
+``dp x tp x pp <= N`` (tensor splits with and without sequence parallelism), micro-batch count
+and schedule, each with its best stage cuts."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import SCHEDULES
 from explorer.core.plan_schema import MAX_MICRO_BATCHES
+from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.model import CostModel
 from explorer.partition.degrees.estimate import LayerCosts, MeshCosts, best_cuts, layer_costs
 from explorer.partition.pipeline_dp import linear_fit, stage_cost_table
@@ -28,6 +30,8 @@ class Candidate:
     schedule: str
     estimate_s: float
     bounds: tuple[int, ...]
+    #: the tensor split with sequence parallelism
+    sequence: bool = False
 
     @property
     def degrees(self) -> str:
@@ -49,6 +53,17 @@ class Space:
     schedules: tuple[str, ...]
     capacity_bytes: float
     pin_positions: Mapping[int, tuple[int, ...]]  # layer -> positions of its pinned devices
+    #: per tensor degree, the estimate's inputs with sequence parallelism (where it splits
+    #: something more)
+    by_sequence: Mapping[int, LayerCosts] = field(default_factory=dict)
+
+    def splits(self, tp: int) -> list[tuple[bool, LayerCosts]]:
+        """The tensor splits of degree ``tp`` to try: (sequence parallelism?, costs)."""
+        return [(False, self.by_tensor[tp]),
+                *([(True, self.by_sequence[tp])] if tp in self.by_sequence else [])]
+
+    def layer_costs(self, tp: int, sequence: bool) -> LayerCosts:
+        return self.by_sequence[tp] if sequence else self.by_tensor[tp]
 
     def meshes(self, batch_size: int) -> list[tuple[int, int]]:
         """Every ``(dp, tp)`` with ``dp x tp <= N`` whose ``dp`` divides the batch."""
@@ -83,9 +98,9 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 tensor_degrees: Sequence[int] | None, micro_batches: Sequence[int] | None,
                 schedules: Sequence[str], pins: Mapping[str, str], headroom: float) -> Space:
     """The space on devices ``ids``: tensor degrees (default: the divisors of the device
-    count up to :func:`fast_group`, at which the Megatron layout splits some weight),
-    micro-batch counts (default: every divisor of a replica's share of the batch) and
-    schedules."""
+    count up to :func:`fast_group`, at which the Megatron layout splits some weight), each
+    with and without sequence parallelism (where it splits something more), micro-batch
+    counts (default: every divisor of a replica's share of the batch) and schedules."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -103,12 +118,18 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     degrees = sorted({1, *(tensor_degrees if tensor_degrees is not None
                            else (t for t in range(2, fast + 1) if n % t == 0))})
     by_tensor: dict[int, LayerCosts] = {}
+    by_sequence: dict[int, LayerCosts] = {}
     for tp in degrees:
         if not 1 <= tp <= n:
             raise ExplorerError(f"tensor degree {tp} is not between 1 and the {n} devices")
         lc = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids)
         if lc is not None:
             by_tensor[tp] = lc
+        if lc is not None and tp > 1 and megatron_layout(graph, tp, True).sequence_ops:
+            seq = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids,
+                              sequence=True)
+            if seq is not None:
+                by_sequence[tp] = seq
     layer_of = {i: j for j, layer in enumerate(layers) for i in layer}
     positions: dict[int, set[int]] = {}
     for name, dev in pins.items():
@@ -119,7 +140,7 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     return Space(tuple(ids), tuple(tuple(x) for x in layers), by_tensor,
                  None if micro_batches is None else tuple(micro_batches), tuple(schedules),
                  min(cluster.device(d).memory_bytes for d in ids) * headroom,
-                 {j: tuple(sorted(p)) for j, p in positions.items()})
+                 {j: tuple(sorted(p)) for j, p in positions.items()}, by_sequence)
 
 
 def fast_group(costs: CostModel, ids: Sequence[str]) -> int:
@@ -164,11 +185,13 @@ def enumerate_candidates(space: Space, costs: CostModel, batch_size: int) -> lis
         for m in space.micro_batch_choices(batch_size, dp):
             for sched in space.schedules:
                 mesh = mesh_costs(space, costs, dp, tp, m, sched)
-                cuts = best_cuts(space.by_tensor[tp], mesh, most, pin_stage)
-                for s, bounds in enumerate(cuts.bounds, start=1):
-                    if bounds and (sched == space.schedules[0] or m > 1):  # (M = 1: alike)
-                        out.append(Candidate(dp, tp, s, m, sched, cuts.score_s(s, m), bounds))
-    out.sort(key=lambda c: (c.estimate_s, c.devices, c.pp, c.tp, c.micro_batches))
+                for seq, lc in space.splits(tp):
+                    cuts = best_cuts(lc, mesh, most, pin_stage)
+                    for s, bounds in enumerate(cuts.bounds, start=1):
+                        if bounds and (sched == space.schedules[0] or m > 1):  # (M=1: alike)
+                            out.append(Candidate(dp, tp, s, m, sched, cuts.score_s(s, m),
+                                                 bounds, seq))
+    out.sort(key=lambda c: (c.estimate_s, c.devices, c.pp, c.tp, c.micro_batches, c.sequence))
     return [c for c in out if math.isfinite(c.estimate_s)]
 
 
