@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from builders import tiny_builtin_graph
 
 import explorer as ex
 import explorer.runtime.export as export
@@ -173,6 +174,20 @@ def test_a_hostile_plan_in_the_job_folder_is_refused_at_start(mlp, tmp_path):
     assert not (tmp_path / "PWN").exists()
 
 
+def _two_ranks(script) -> list[str]:
+    """Run ``script`` as torchrun would on two CPU ranks for one step; their outputs."""
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), "--steps", "1", "--warmup", "0"], cwd=script.parent,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+        for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    return [o for o, _ in outs]
+
+
 @pytest.mark.slow
 def test_a_tensor_parallel_plan_runs_under_two_ranks(mlp, tmp_path):
     """The job carries the split weights' placements; two ranks train a step of the plan."""
@@ -182,17 +197,23 @@ def test_a_tensor_parallel_plan_runs_under_two_ranks(mlp, tmp_path):
     script = export_script(plan, tmp_path / "train.py", graph=mlp)
     placements = json.loads((tmp_path / "train_job" / "job.json").read_text())["placements"]
     assert placements["layers.0.weight"] == "Shard(0)"
-    port = str(_free_port())
-    procs = [subprocess.Popen(
-        [sys.executable, str(script), "--steps", "1", "--warmup", "0"], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
-        for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     ref = ex.reference(ex.builtin_model("mlp", "tiny"), 1)
-    assert f"step 1/1: loss {ref.losses[0]:.4f}" in outs[0][0]
+    assert f"step 1/1: loss {ref.losses[0]:.4f}" in _two_ranks(script)[0]
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_gpt_runs_under_two_ranks(tmp_path):
+    """The GPT split two ways with its norms and residual adds on sequence shards."""
+    gpt = tiny_builtin_graph("gpt")
+    plan = ex.Plan.from_assignment(gpt, [("cpu:0", "cpu:1")],
+                                   {n.name: 0 for n in gpt.nodes if n.kind == "op"}
+                                   ).with_tensor(2, sequence=True)
+    script = export_script(plan, tmp_path / "train.py", graph=gpt)
+    job = json.loads((tmp_path / "train_job" / "job.json").read_text())
+    assert job["placements"]["blocks.0.attn.qkv.weight"] == "_StridedShard(dim=0, sf=3)"
+    assert "layer_norm" in job["sequence_ops"] and "embedding" in job["sequence_ops"]
+    ref = ex.reference(ex.builtin_model("gpt", "tiny"), 1)
+    assert f"step 1/1: loss {ref.losses[0]:.4f}" in _two_ranks(script)[0]
 
 
 # -- model factories: the ranks build the model from the user's code ---------------------------

@@ -131,6 +131,14 @@ def test_the_widget_shows_splits_and_the_table_shows_degrees(gpt):
     w.stages.zero.value = 1  # refused next to the control, which goes back
     assert "cannot be combined" in w.session.message and w.session.message_where == "settings"
     assert w.stages.zero.value == 0
+    stage = w.stages.stage.value
+    assert not w.stages.sequence.value and not w.stages.sequence.disabled
+    before = w.session.prediction.memory["H100:2"].activations_bytes
+    w.stages.sequence.value = True  # norms and residual adds split along the sequence
+    assert w.session.plan.sequence_of(stage) and "1 x 2 (sequence)" in w.stages.table.value
+    assert w.session.prediction.memory["H100:2"].activations_bytes < before
+    w.session.undo()
+    assert not w.session.plan.sequence_of(stage) and not w.stages.sequence.value
     w.session.keep("split")
     assert "dp 1 x tp 2 x pp 2" in w.plans.table.value
 

@@ -1,4 +1,5 @@
-"""Settings per stage: ZeRO sharding, activation recomputation, precision and tensor parallelism.
+"""Settings per stage: ZeRO sharding, activation recomputation, precision, tensor parallelism
+and sequence parallelism with it.
 
 Each change is an edit of the plan under edit (undoable, estimated at once by the engine like
 every other edit); the table under the controls shows every stage's settings.
@@ -34,7 +35,8 @@ ZERO_TEXT = {0: "0: none", 1: "1: optimizer state", 2: "2: + gradients", 3: "3: 
 
 class StageSettingsPanel(Panel):
     """``widget``: the ``stage`` to set (or all of them), ``zero``, ``recompute``,
-    ``precision`` and the ``tensor`` degree, applied as soon as one changes (what the plan
+    ``precision``, the ``tensor`` degree and ``sequence`` parallelism with it, applied as soon
+    as one changes (what the plan
     cannot do is refused with a message next to the controls); ``table`` lists each stage's
     settings and ``note`` says where a setting has no effect."""
 
@@ -55,8 +57,11 @@ class StageSettingsPanel(Panel):
         self.tensor = W.Dropdown(options=tensor_degrees(len(session.cluster.ids)),
                                  description="tensor-parallel degree", style=style,
                                  layout=W.Layout(width="auto"))
+        self.sequence = W.Checkbox(description="sequence-parallel", indent=False,
+                                   layout=W.Layout(width="auto"))
         for w, css in ((self.zero, "pe-zero"), (self.recompute, "pe-recompute"),
-                       (self.precision, "pe-precision"), (self.tensor, "pe-tensor")):
+                       (self.precision, "pe-precision"), (self.tensor, "pe-tensor"),
+                       (self.sequence, "pe-sequence")):
             w.add_class(css)
             w.observe(self._on_setting, "value")
         self.stage.observe(lambda _: self._show_stage(), "value")
@@ -68,11 +73,12 @@ class StageSettingsPanel(Panel):
         title = W.HTML("<b>per stage</b>: ZeRO shards the optimizer state (1), the "
                        "gradients (2) and the weights (3) over a stage's replicas; a "
                        "tensor-parallel degree splits its layers over that many of its "
-                       "devices (replicas x tensor); each change is estimated at once, and "
-                       "undo takes it back")
+                       "devices (replicas x tensor), and sequence parallelism also splits "
+                       "the norms and residual adds between its blocks along the sequence; "
+                       "each change is estimated at once, and undo takes it back")
         self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
-                                               self.precision, self.tensor]), self.note,
-                              self.table])
+                                               self.precision, self.tensor, self.sequence]),
+                              self.note, self.table])
 
     def apply(self) -> None:
         """Set the chosen stage(s) to the values the controls show (as changing one does)."""
@@ -80,7 +86,8 @@ class StageSettingsPanel(Panel):
         try:
             self.session.set_memory(self.zero.value, self.recompute.value,
                                     self.precision.value, None if k == ALL_STAGES else [k],
-                                    tensor=self.tensor.value)
+                                    tensor=self.tensor.value,
+                                    sequence=self.sequence.value and self.tensor.value > 1)
         finally:  # a refused change: the controls show the plan's settings again
             self._show_stage()
 
@@ -99,7 +106,8 @@ class StageSettingsPanel(Panel):
             st = plan.settings_of(k)
             rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
                          st.recompute, st.precision,
-                         f"{plan.replicas_of(k)} x {st.tensor}"))
+                         f"{plan.replicas_of(k)} x {st.tensor}"
+                         + (" (sequence)" if st.sequence else "")))
         self.table.value = html_table(
             ("stage", "devices", "ZeRO", "recompute", "precision", "replicas x tensor"), rows,
             f"plan: {degrees_text(plan)}")
@@ -119,6 +127,8 @@ class StageSettingsPanel(Panel):
             if st.tensor not in self.tensor.options:
                 self.tensor.options = sorted({*self.tensor.options, st.tensor})
             self.tensor.value = st.tensor
+            self.sequence.value = st.sequence
+            self.sequence.disabled = st.tensor == 1
 
     def _on_setting(self, _change) -> None:
         if not self._syncing:
