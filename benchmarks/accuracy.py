@@ -33,7 +33,8 @@ data-parallel plan, selective and full recomputation on the even-layers pipeline
 device, bf16 on the pipeline), recorded apart (``accuracy-strategies*.json``).
 
 ``--tensor`` runs the tensor-parallel plans instead (:data:`TENSOR`: the whole model as one
-stage split two ways, with 1, 2 and 4 micro-batches), recorded apart (``accuracy-tensor*.json``).
+stage split two ways, with 1, 2 and 4 micro-batches, and with sequence parallelism where it
+splits more), recorded apart (``accuracy-tensor*.json``).
 
 Both say whether the plans meet the accuracy targets (:data:`TARGETS`).
 
@@ -54,6 +55,7 @@ from _common import add_results_option, load_average, write_result
 from scipy.stats import kendalltau
 
 import explorer as ex
+from explorer.core.tensor_layout import megatron_layout
 from explorer.core.units import table
 
 PLANS = [
@@ -81,18 +83,24 @@ STRATEGIES = [
 ]
 
 #: the tensor-parallel plans (``--tensor``): the whole model on one stage of ``--devices``
-#: devices split that many ways, as (micro-batches, schedule)
-TENSOR = [(1, "gpipe"), (2, "gpipe"), (4, "1f1b")]
+#: devices split that many ways, as (micro-batches, schedule, sequence parallelism)
+TENSOR = [(1, "gpipe", False), (2, "gpipe", False), (4, "1f1b", False), (1, "gpipe", True),
+          (2, "gpipe", True)]
 #: the accuracy targets: step-time error mean and max over the plans, worst memory error
 TARGETS = {"step-time error mean": 0.10, "step-time error max": 0.20, "memory error": 0.05}
 
 
-def tensor_plan(graph, cluster: ex.Cluster, micro_batches: int, schedule: str) -> ex.Plan:
-    """The whole model as one stage over every device of ``cluster``, split that many ways."""
+def tensor_plan(graph, cluster: ex.Cluster, micro_batches: int, schedule: str,
+                sequence: bool = False) -> ex.Plan:
+    """The whole model as one stage over every device of ``cluster``, split that many ways
+    (``sequence``: with sequence parallelism, where that splits anything more)."""
+    k = len(cluster.ids)
+    if sequence and not megatron_layout(graph, k, True).sequence_ops:
+        raise ex.ExplorerError("nothing splits along the sequence")
     ops = {n.name: 0 for n in graph.nodes if n.kind == "op"}
     return ex.Plan.from_assignment(graph, [tuple(cluster.ids)], ops, algorithm="tensor",
                                    micro_batches=micro_batches, schedule=schedule
-                                   ).with_tensor(len(cluster.ids))
+                                   ).with_tensor(k, sequence=sequence)
 
 
 def main() -> None:
@@ -133,7 +141,9 @@ def main() -> None:
     plans = ([(a, o, {}) for a, o in PLANS] + [(a, {}, {}) for a in extra]
              if not args.strategies else STRATEGIES)
     if args.tensor:
-        plans = [("tensor", {"micro_batches": m, "schedule": sch}, {}) for m, sch in TENSOR]
+        plans = [("tensor", {"micro_batches": m, "schedule": sch,
+                             **({"sequence": True} if seq else {})}, {})
+                 for m, sch, seq in TENSOR]
     cluster = ex.Cluster.cpu(args.devices)
     # (model, label, graph, costs, plan, pred, meas, per-pass measurements, same plan from,
     #  prediction from the second profile)

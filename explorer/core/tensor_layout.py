@@ -181,6 +181,12 @@ class TensorLayout:
     def is_sharded(self, param: str) -> bool:
         return param in self.placements
 
+    def collective_ops(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The ops that run collectives in their forward, and in their backward."""
+        return (frozenset({*self.reduce_forward, *self.gather_forward, *self.scatter_forward}),
+                frozenset({*self.reduce_backward, *self.gather_backward,
+                           *self.scatter_backward}))
+
 
 def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
     """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter,

@@ -33,7 +33,8 @@ from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = "split-weight op, collective and optimizer costs on 2 CPU ranks (local shards)"
+PROBE_KEY = ("split-weight op, collective and optimizer costs on 2 CPU ranks (local shards, a "
+             "classifier split by classes, one fixed cost per op and direction)")
 KEYS = DTENSOR_KEYS
 
 
@@ -88,9 +89,10 @@ def to_step(graph: OpGraph, plan: Plan, value: dict[str, float], predicted_s: fl
 
     A collective waits for the other ranks of its group, which on a shared host now and then
     wait to be scheduled: the per-op medians :func:`fit` takes miss that tail, and the step's
-    median (what runs are compared by) does not."""
+    median (what runs are compared by) does not. (The simulator charges the fixed cost once
+    per op and direction, however many collectives the op runs.)"""
     lay = megatron_layout(graph, plan.tensor_of(0))
-    collectives = (len(lay.reduce_forward) + len(lay.reduce_backward)) * plan.micro_batches
+    collectives = sum(map(len, lay.collective_ops())) * plan.micro_batches
     if not collectives:
         return value
     extra = (measured_s - predicted_s) / collectives

@@ -76,7 +76,11 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
             fwd_s[whole] += reads[whole] * dt["read_fwd_s"]
             bwd_s[whole] += np.where(has_b[whole], reads[whole] * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
-        # (a ring all-gather or reduce-scatter: half a ring all-reduce)
+        # (a ring all-gather or reduce-scatter: half a ring all-reduce; the fixed cost once
+        # per op and direction: a collective right after another on the same ranks, as a
+        # column-parallel linear's backward gathers its input and reduce-scatters its
+        # gradient, finds them in step)
+        fixed: set[tuple[int, int]] = set()
         for collectives, times, share in (
                 (layout.reduce_forward, fwd_s, 1.0), (layout.reduce_backward, bwd_s, 1.0),
                 (layout.gather_forward, fwd_s, 0.5), (layout.scatter_forward, fwd_s, 0.5),
@@ -85,7 +89,10 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
-                times[index[name]] += costs.allreduce_s(group, size) * share + dt["collective_s"]
+                key = (index[name], id(times))
+                times[index[name]] += (costs.allreduce_s(group, size) * share
+                                       + (dt["collective_s"] if key not in fixed else 0.0))
+                fixed.add(key)
                 moved += int(plan.replicas_of(s) * 2 * share * (k - 1) * size * M)  # (all's)
     return moved
 
