@@ -28,7 +28,10 @@ model), the shape ops and the loss are split ops run on that share (:data:`VOCAB
 all-reduces three numbers per row (the maximum logit, the target's logit, the sum of
 exponentials); its output is the whole loss. Only a loss with class-index targets and no class
 weights splits: one with label smoothing (which the graph does not record) runs whole in the
-runtime, on gathered logits.
+runtime, on gathered logits. And only a classifier with at least as many classes as input
+features splits (a language model's vocabulary, not ten classes of an image): then its logits,
+which the split divides, weigh at least as much as its input's gradient, which the split
+all-reduces.
 
 Convolutions pair the same way, on channels: a convolution that another one of the same parent
 module reads through element-wise ops only (a ReLU) is column-parallel (weight ``(out, in,
@@ -389,8 +392,8 @@ def _vocab_losses(graph: OpGraph, degree: int, placed: dict[str, str]
     """(linear, the shape ops between, loss) of every cross-entropy loss that reads a linear's
     output through :data:`VOCAB_OPS` only, each read by nothing else and keeping the classes
     last, as ``(N, classes)`` logits and ``(N,)`` class indices (no class weights: a third
-    input), where the linear's weight (read by it alone) is not in ``placed`` and ``degree``
-    divides the classes."""
+    input), where the linear's weight (read by it alone) is not in ``placed``, has at least
+    as many classes as input features, and ``degree`` divides the classes."""
     nodes, out = graph.nodes, []
     for loss, n in enumerate(nodes):
         if n.kind != "op" or n.op not in LOSS_OPS or len(graph.preds[loss]) != 2:
@@ -405,6 +408,7 @@ def _vocab_losses(graph: OpGraph, degree: int, placed: dict[str, str]
             k = graph.preds[k][0]
         w = _weight(graph, k) if nodes[k].op in LINEAR_OPS else None
         if w is None or nodes[w[0]].name in placed or len(graph.succs[w[0]]) != 1 \
+                or nodes[w[0]].shapes[0][0] < nodes[w[0]].shapes[0][1] \
                 or nodes[w[0]].shapes[0][0] != shape[1] \
                 or any(len(graph.succs[j]) != 1 or not nodes[j].shapes
                        or nodes[j].shapes[0][-1:] != shape[1:] for j in (k, *path)):

@@ -33,8 +33,8 @@ from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = ("split-weight op, collective and optimizer costs on 2 CPU ranks (local shards, a "
-             "classifier split by classes, one fixed cost per op and direction)")
+PROBE_KEY = ("split-weight op, collective and optimizer costs on 2 CPU ranks (local shards, "
+             "one fixed cost per op and direction)")
 KEYS = DTENSOR_KEYS
 
 

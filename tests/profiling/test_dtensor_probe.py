@@ -19,9 +19,7 @@ def test_fit_takes_medians_per_kind_of_op():
                                    {n.name: 0 for n in g.nodes if n.kind == "op"}
                                    ).with_tensor(2)
     lay = megatron_layout(g, 2)
-    # three blocks and the classifier's cross-entropy (split by classes), forward; the later
-    # blocks' and the classifier's inputs' gradients, backward
-    assert len(lay.reduce_forward) == 3 + 1 and len(lay.reduce_backward) == 2 + 1
+    assert len(lay.reduce_forward) == 3 and len(lay.reduce_backward) == 2
     timeline, task_s = [], {}
     for i, n in enumerate(g.nodes):
         if n.kind != "op":
@@ -75,8 +73,8 @@ def test_what_the_fit_misses_of_the_step_goes_to_the_collectives():
                                    {n.name: 0 for n in g.nodes if n.kind == "op"}
                                    ).with_tensor(2)
     value = dict.fromkeys(KEYS, 1e-3)
-    # 4 forward and 3 backward all-reduces a step: 7 ms missed is 1 ms more each
-    got = dtensor_probe.to_step(g, plan, value, predicted_s=0.010, measured_s=0.017)
+    # 3 forward and 2 backward all-reduces a step: 5 ms missed is 1 ms more each
+    got = dtensor_probe.to_step(g, plan, value, predicted_s=0.010, measured_s=0.015)
     assert got == pytest.approx({**value, "collective_s": 2e-3})
     # never below nothing
     assert dtensor_probe.to_step(g, plan, value, 0.020, 0.010)["collective_s"] == 0.0
