@@ -77,8 +77,18 @@ class SequenceColumnLinear(torch.autograd.Function):
 
 def reduce_partial_grads(params: list[torch.Tensor], group: Any, local: Any) -> None:
     """All-reduce, over a tensor group, the gradients of the weights that sequence-parallel
-    ops read whole (each rank's is the partial sum of its positions), once a step; ``local``
-    gives the tensor a rank holds of a gradient."""
+    ops read whole (each rank's is the partial sum of its positions), once a step and in one
+    collective per dtype (a norm's weights are small: one all-reduce each would be mostly its
+    fixed cost); ``local`` gives the tensor a rank holds of a gradient."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(local(p.grad), group=group)
+            g = local(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

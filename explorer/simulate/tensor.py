@@ -125,7 +125,7 @@ def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int
                    ) -> tuple[float, int]:
     """Seconds and bytes (every device's sends, all tensor groups) of the all-reduce, once a
     step before the optimizer, of the gradients of the weights a sequence-parallel
-    ``stage``'s token-wise ops read whole (one all-reduce per weight); (0, 0) elsewhere."""
+    ``stage``'s token-wise ops read whole (one all-reduce of them all); (0, 0) elsewhere."""
     if not plan.sequence_of(stage):
         return 0.0, 0
     layout = stage_layout(graph, plan, stage)
@@ -135,7 +135,7 @@ def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int
         return 0.0, 0
     group, k = tensor_group(plan, stage), plan.tensor_of(stage)
     fixed = max(dtensor_costs(costs, plan.stages[stage])["collective_s"], 0.0)
-    seconds = sum(costs.allreduce_s(group, b) + fixed for b in sizes)
+    seconds = costs.allreduce_s(group, sum(sizes)) + fixed
     return seconds, plan.replicas_of(stage) * 2 * (k - 1) * sum(sizes)
 
 
