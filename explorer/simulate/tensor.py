@@ -76,21 +76,24 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
             fwd_s[whole] += reads[whole] * dt["read_fwd_s"]
             bwd_s[whole] += np.where(has_b[whole], reads[whole] * dt["read_bwd_s"], 0.0)
         group = tensor_group(plan, s)
-        # (a ring all-gather or reduce-scatter: half a ring all-reduce; the fixed cost once
-        # per op and direction: a collective right after another on the same ranks, as a
-        # column-parallel linear's backward gathers its input and reduce-scatters its
-        # gradient, finds them in step)
+        # (an all-gather or a reduce-scatter moves half a ring all-reduce's bytes, priced as
+        # the link measured it where it did; the fixed cost once per op and direction: a
+        # collective right after another on the same ranks, as a column-parallel linear's
+        # backward gathers its input and reduce-scatters its gradient, finds them in step)
         fixed: set[tuple[int, int]] = set()
-        for collectives, times, share in (
-                (layout.reduce_forward, fwd_s, 1.0), (layout.reduce_backward, bwd_s, 1.0),
-                (layout.gather_forward, fwd_s, 0.5), (layout.scatter_forward, fwd_s, 0.5),
-                (layout.gather_backward, bwd_s, 0.5), (layout.scatter_backward, bwd_s, 0.5)):
+        for collectives, times, share, price in (
+                (layout.reduce_forward, fwd_s, 1.0, costs.allreduce_s),
+                (layout.reduce_backward, bwd_s, 1.0, costs.allreduce_s),
+                (layout.gather_forward, fwd_s, 0.5, costs.allgather_s),
+                (layout.scatter_forward, fwd_s, 0.5, costs.reduce_scatter_s),
+                (layout.gather_backward, bwd_s, 0.5, costs.allgather_s),
+                (layout.scatter_backward, bwd_s, 0.5, costs.reduce_scatter_s)):
             for name, nbytes in collectives.items():
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
                 key = (index[name], id(times))
-                times[index[name]] += (costs.allreduce_s(group, size) * share
+                times[index[name]] += (price(group, size)
                                        + (dt["collective_s"] if key not in fixed else 0.0))
                 fixed.add(key)
                 moved += int(plan.replicas_of(s) * 2 * share * (k - 1) * size * M)  # (all's)
@@ -115,10 +118,11 @@ def dtensor_costs(costs: CostModel, devices) -> dict[str, float]:
 def optimizer_extra_s(costs: CostModel, plan: Plan, stage: int, device: str,
                       tensors: int) -> float:
     """What stepping ``tensors`` DTensor parameters adds to ``device``'s optimizer step on a
-    tensor-parallel ``stage`` (0 on other stages)."""
+    tensor-parallel ``stage``, with the stage's cost per step (0 on other stages)."""
     if plan.tensor_of(stage) <= 1:
         return 0.0
-    return tensors * costs.device_costs(device).dtensor.get("optimizer_tensor_s", 0.0)
+    dt = costs.device_costs(device).dtensor
+    return tensors * dt.get("optimizer_tensor_s", 0.0) + dt.get("step_s", 0.0)
 
 
 def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int
