@@ -33,8 +33,8 @@ from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = ("split-weight op, collective, optimizer and step costs on 2 CPU ranks (local "
-             "shards, one fixed cost per op and direction, 1 and 2 micro-batches)")
+PROBE_KEY = ("split-weight op, collective and optimizer costs on 2 CPU ranks (local shards, "
+             "one fixed cost per op and direction)")
 KEYS = DTENSOR_KEYS
 
 
@@ -60,8 +60,7 @@ def dtensor_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None = 
         cluster, cache, PROBE_KEY, KEYS, lambda: measure_dtensor_costs(pool=pool),
         "measuring what DTensor adds to ops on CPU ranks",
         "3-block MLP split 2 ways on 2 CPU ranks, per op: measured less simulated, medians "
-        "per kind of op; collectives and steps to the steps' medians at 1 and 2 "
-        "micro-batches", report) or {}
+        "per kind of op; collectives to the step's median", report) or {}
 
 
 def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | None = None
@@ -76,41 +75,28 @@ def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | Non
     costs = CostModel(graph.fingerprint, two, {dev.type_key: replace(dc, dtensor={})})
     ops_ = {n.name: 0 for n in graph.nodes if n.kind == "op"}
     plan = Plan.from_assignment(graph, [tuple(two.ids)], ops_, optimizer="adam").with_tensor(2)
-    runs = [(p, launch.run(graph, plan=p, costs=costs, steps=steps, warmup=warmup,
-                           progress=False))
-            for p in (plan, plan.with_settings(micro_batches=2))]
-    value = fit(graph, plan, simulate(graph, plan, costs).timeline, runs[0][1].task_s)
+    meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
+                      progress=False)
+    value = fit(graph, plan, simulate(graph, plan, costs).timeline, meas.task_s)
     with_value = CostModel(graph.fingerprint, two, {dev.type_key: replace(dc, dtensor=value)})
-    return to_step(graph, value, [(p, simulate(graph, p, with_value).step_s, meas.step_s)
-                                  for p, meas in runs])
+    return to_step(graph, plan, value, simulate(graph, plan, with_value).step_s, meas.step_s)
 
 
-def to_step(graph: OpGraph, value: dict[str, float],
-            runs: list[tuple[Plan, float, float]]) -> dict[str, float]:
-    """``value`` with what its predictions of the probe's steps miss of the measured steps
-    (``runs``: plan, predicted seconds, measured seconds, a median of steps) fitted as a
-    cost per collective call and a cost per step: ``residual = step_s + calls x extra``.
+def to_step(graph: OpGraph, plan: Plan, value: dict[str, float], predicted_s: float,
+            measured_s: float) -> dict[str, float]:
+    """``value`` with what its prediction of the probe's step (``predicted_s``) misses of the
+    measured step (``measured_s``, a median of steps) spread over the step's collectives.
 
     A collective waits for the other ranks of its group, which on a shared host now and then
     wait to be scheduled: the per-op medians :func:`fit` takes miss that tail, and the step's
-    median (what runs are compared by) does not. Runs with 1 and 2 micro-batches tell the
-    part that grows with the calls from the part that comes once a step (with one run, all of
-    it goes to the calls). The simulator charges the fixed cost once per op and direction,
-    however many collectives the op runs, and the step's once per tensor-parallel stage."""
-    points = [(sum(map(len, megatron_layout(graph, plan.tensor_of(0)).collective_ops()))
-               * plan.micro_batches, measured_s - predicted_s)
-              for plan, predicted_s, measured_s in runs]
-    points = [(n, r) for n, r in points if n]
-    if not points:
+    median (what runs are compared by) does not. (The simulator charges the fixed cost once
+    per op and direction, however many collectives the op runs.)"""
+    lay = megatron_layout(graph, plan.tensor_of(0))
+    collectives = sum(map(len, lay.collective_ops())) * plan.micro_batches
+    if not collectives:
         return value
-    step_s, extra = 0.0, sum(r for _, r in points) / sum(n for n, _ in points)
-    if len({n for n, _ in points}) > 1:
-        (n1, r1), (n2, r2) = points[0], points[-1]
-        slope = (r2 - r1) / (n2 - n1)
-        if r1 - slope * n1 >= 0.0:
-            step_s, extra = r1 - slope * n1, slope
-    return {**value, "collective_s": max(0.0, value["collective_s"] + extra),
-            "step_s": max(0.0, value.get("step_s", 0.0) + step_s)}
+    extra = (measured_s - predicted_s) / collectives
+    return {**value, "collective_s": max(0.0, value["collective_s"] + extra)}
 
 
 def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[str, float]:
@@ -143,4 +129,4 @@ def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[
             "collective_s": med([e - op_fwd for e in extra["fwd R"]]
                                 + [e - op_bwd for e in extra["bwd R"]]),
             "read_fwd_s": med(extra["wfwd"]), "read_bwd_s": med(extra["wbwd"]),
-            "optimizer_tensor_s": max(0.0, opt / tensors), "step_s": 0.0}
+            "optimizer_tensor_s": max(0.0, opt / tensors)}
