@@ -18,6 +18,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import BUCKET_BYTES, buckets
+from explorer.simulate import tensor as split
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays, sums_by_stage
 from explorer.simulate.effects import (
     ALLGATHER,
@@ -40,12 +41,6 @@ from explorer.simulate.taskgraph import (
     Repeated,
     Resource,
     TaskGraph,
-)
-from explorer.simulate.tensor import (
-    optimizer_extra_s,
-    per_device,
-    sequence_grads,
-    split_op_seconds,
 )
 
 _LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
@@ -169,7 +164,7 @@ class _Builder:
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
         tensor_bytes = 0
         if plan.uses_tensor_parallel:
-            tensor_bytes = split_op_seconds(g, plan, costs, sec, ops_by_stage,
+            tensor_bytes = split.split_op_seconds(g, plan, costs, sec, ops_by_stage,
                                             [list(types[s].values()) for s in range(S)], frac,
                                             fwd_d, bwd_d)
         # the plan's memory settings: precision and recomputed forwards change op times
@@ -319,8 +314,8 @@ class _Builder:
         pg = A.pg
         trainable_bytes = [0] * S
         trainable_count = [0] * S
-        held = per_device(g, plan, A.param_bytes)  # (split weights: one device's share)
-        out_b = per_device(g, plan, out_b)
+        held = split.per_device(g, plan, A.param_bytes)  # (split weights: a device's share)
+        out_b = split.per_device(g, plan, out_b)
         zero = [0] * S if eff is None else eff.zero
         stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
         if A.trainable:  # (int64 sums: exact in any order)
@@ -343,11 +338,10 @@ class _Builder:
             d_opt = max((costs.optimizer_s(dv, plan.optimizer, stepped[s], trainable_count[s])
                          + (costs.optimizer_s(dv, "sgd", unscaled, trainable_count[s])
                             if unscaled else 0.0)) * self._opt_slowed(dv)
-                        + optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
+                        + split.optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
                         for dv in types[s].values())
-            seq_s, seq_bytes = sequence_grads(self.g, plan, costs, s)
-            d_opt += seq_s
-            allreduce_bytes += seq_bytes
+            seq_s, seq_bytes = split.sequence_grads(self.g, plan, costs, s)  # (norms' grads)
+            d_opt, allreduce_bytes = d_opt + seq_s, allreduce_bytes + seq_bytes
             zero_calls = 0  # ZeRO's collectives of the stage's buckets
             if plan.replicas_of(s) > 1 and params:
                 group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)
