@@ -109,7 +109,7 @@ def test_a_split_stage_shows_its_marks_hover_degrees_and_estimate(lab):
     blocks = next(k for k, s in zip(shown_split["key"], shown_split["short"], strict=True)
                   if s.startswith("blocks"))
     fc = next(k for k, t in zip(shown_all["key"], shown_all["split"], strict=True)
-              if t.startswith("column-parallel"))
+              if t.startswith("column-parallel") and t.endswith("Shard(0)"))  # (not the qkv)
     over = "+".join(cl.ids)
 
     tb.OUT.mkdir(parents=True, exist_ok=True)
@@ -162,7 +162,7 @@ def test_a_split_stage_shows_its_marks_hover_degrees_and_estimate(lab):
             # the hover says what the devices do with the node, and over which devices
             tip = hover_text(page, blocks)
             assert f"split: {shown_split['split'][k]}" in tip, tip
-            assert f"2 column-parallel, 50 replicated, 2 row-parallel, 2 split over {over}" \
+            assert f"4 column-parallel, 10 replicated, 4 row-parallel, 38 split over {over}" \
                 in tip
 
             # every op: the linears say col / row, the hover names the devices and the weight
