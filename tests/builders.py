@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.costs.model import CostModel, DeviceCosts
@@ -53,3 +55,18 @@ def tiny_builtin_graph(name: str) -> OpGraph:
     """A built-in model's tiny size, captured once per test process (runs only read it)."""
     bm = ex.builtin_model(name, "tiny")
     return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+
+
+def check_matches_one_device(name: str, plan: ex.Plan, shards: int, steps: int = 2,
+                             warmup: int = 1) -> None:
+    """Run ``plan`` on the built-in ``name`` (tiny) and assert its losses and first step's
+    gradients equal one device's over the same ``shards`` of each batch (rtol 1e-5)."""
+    meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=steps, warmup=warmup,
+                  progress=False, record=True, timeout_s=180)
+    ref = ex.reference(ex.builtin_model(name, "tiny"), steps + warmup, shards,
+                       optimizer=plan.optimizer)
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
+                               rtol=1e-5, atol=1e-6)
+    assert set(meas.grads) == set(ref.grads)
+    for k, g in ref.grads.items():
+        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)

@@ -184,11 +184,22 @@ class TensorLayout:
     def is_sharded(self, param: str) -> bool:
         return param in self.placements
 
+    def collectives(self) -> tuple[tuple[bool, str, dict[str, int]], ...]:
+        """Every collective the layout implies, as (in the backward?, kind, bytes by op);
+        kinds ``"allreduce"``, ``"allgather"`` and ``"reduce_scatter"`` (which move half
+        an all-reduce's bytes)."""
+        return ((False, "allreduce", self.reduce_forward),
+                (True, "allreduce", self.reduce_backward),
+                (False, "allgather", self.gather_forward),
+                (False, "reduce_scatter", self.scatter_forward),
+                (True, "allgather", self.gather_backward),
+                (True, "reduce_scatter", self.scatter_backward))
+
     def collective_ops(self) -> tuple[frozenset[str], frozenset[str]]:
         """The ops that run collectives in their forward, and in their backward."""
-        return (frozenset({*self.reduce_forward, *self.gather_forward, *self.scatter_forward}),
-                frozenset({*self.reduce_backward, *self.gather_backward,
-                           *self.scatter_backward}))
+        ops = [(backward, op) for backward, _, by_op in self.collectives() for op in by_op]
+        return (frozenset(op for backward, op in ops if not backward),
+                frozenset(op for backward, op in ops if backward))
 
 
 def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
@@ -446,14 +457,13 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
         return base
     bt = rows_of(seeds[0])
 
-    def tokenwise(j: int) -> bool:
-        n = nodes[j]
-        return (n.kind == "op" and n.op in TOKENWISE and j not in split and rows_of(j) == bt
-                and all(all(tokenwise_op(c) for c in graph.succs[p]) for p in graph.preds[j]
-                        if nodes[p].kind == "param"))
-
     def tokenwise_op(j: int) -> bool:
         return nodes[j].op in TOKENWISE and rows_of(j) == bt
+
+    def tokenwise(j: int) -> bool:  # ... and not split yet, its weights read by such ops only
+        return (nodes[j].kind == "op" and j not in split and tokenwise_op(j)
+                and all(all(tokenwise_op(c) for c in graph.succs[p]) for p in graph.preds[j]
+                        if nodes[p].kind == "param"))
 
     def readers_fit(j: int) -> bool:  # each reader runs on the shard, gathers it, or is column
         return all(tokenwise(c) or c not in split or (column(c) and _activation_in(graph, c) == j)

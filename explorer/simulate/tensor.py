@@ -80,19 +80,15 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
         # the link measured it where it did; the fixed cost once per op and direction: a
         # collective right after another on the same ranks, as a column-parallel linear's
         # backward gathers its input and reduce-scatters its gradient, finds them in step)
-        fixed: set[tuple[int, int]] = set()
-        for collectives, times, share, price in (
-                (layout.reduce_forward, fwd_s, 1.0, costs.allreduce_s),
-                (layout.reduce_backward, bwd_s, 1.0, costs.allreduce_s),
-                (layout.gather_forward, fwd_s, 0.5, costs.allgather_s),
-                (layout.scatter_forward, fwd_s, 0.5, costs.reduce_scatter_s),
-                (layout.gather_backward, bwd_s, 0.5, costs.allgather_s),
-                (layout.scatter_backward, bwd_s, 0.5, costs.reduce_scatter_s)):
-            for name, nbytes in collectives.items():
+        fixed: set[tuple[int, bool]] = set()
+        for backward, kind, by_op in layout.collectives():
+            times, price = bwd_s if backward else fwd_s, getattr(costs, f"{kind}_s")
+            share = 1.0 if kind == "allreduce" else 0.5
+            for name, nbytes in by_op.items():
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s])
-                key = (index[name], id(times))
+                key = (index[name], backward)
                 times[index[name]] += (price(group, size)
                                        + (dt["collective_s"] if key not in fixed else 0.0))
                 fixed.add(key)
@@ -137,7 +133,7 @@ def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int
     if not sizes:
         return 0.0, 0
     group, k = tensor_group(plan, stage), plan.tensor_of(stage)
-    fixed = max(dtensor_costs(costs, plan.stages[stage])["collective_s"], 0.0)
+    fixed = dtensor_costs(costs, plan.stages[stage])["collective_s"]
     seconds = costs.allreduce_s(group, sum(sizes)) + fixed
     return seconds, plan.replicas_of(stage) * 2 * (k - 1) * sum(sizes)
 

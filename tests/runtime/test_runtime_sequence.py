@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from builders import tiny_builtin_graph
+from builders import check_matches_one_device, tiny_builtin_graph
 
 import explorer as ex
 from explorer.core.tensor_layout import plan_placements
-from explorer.runtime.launch import reference
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
@@ -17,15 +15,7 @@ STEPS, WARMUP = 2, 1
 
 
 def _check(name: str, plan, shards: int) -> None:
-    meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=STEPS, warmup=WARMUP,
-                  progress=False, record=True, timeout_s=180)
-    ref = reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
-                    optimizer=plan.optimizer)
-    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
-                               rtol=1e-5, atol=1e-6)
-    assert set(meas.grads) == set(ref.grads)
-    for k, g in ref.grads.items():
-        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+    check_matches_one_device(name, plan, shards, STEPS, WARMUP)
 
 
 def _stages(name: str, devices: list[tuple[str, ...]], micro_batches: int = 1) -> ex.Plan:

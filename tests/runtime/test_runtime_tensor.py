@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from builders import tiny_builtin_graph
+from builders import check_matches_one_device, tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.tensor_layout import plan_placements
-from explorer.runtime.launch import reference
 from explorer.runtime.tensor_parallel import check_supported
 
 # every test here starts rank processes
@@ -25,18 +24,7 @@ def _one_stage(graph, devices):
 
 
 def _check(name: str, plan, shards: int) -> None:
-    meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
-                  record=True, timeout_s=180)
-    ref = reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
-                    optimizer=plan.optimizer)
-    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
-                               rtol=1e-5, atol=1e-6)
-    assert set(meas.grads) == set(ref.grads)
-    for k, g in ref.grads.items():
-        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
-
-
-
+    check_matches_one_device(name, plan, shards, STEPS, WARMUP)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "alexnet", "vgg16", "inception"])

@@ -101,10 +101,8 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
             var_cut[k, layer_of[i]] += v * keep
     lat, spb = linear_fit(lambda x: costs.allreduce_s(tuple(tensor_group), int(x)))
     count, nbytes = np.zeros(n), np.zeros(n)
-    for share, reduce in ((1.0, layout.reduce_forward), (1.0, layout.reduce_backward),
-                          (0.5, layout.gather_forward), (0.5, layout.scatter_forward),
-                          (0.5, layout.gather_backward), (0.5, layout.scatter_backward)):
-        # (an all-gather or a reduce-scatter: half an all-reduce)
+    for _, kind, reduce in layout.collectives():
+        share = 1.0 if kind == "allreduce" else 0.5  # (an all-gather or a reduce-scatter)
         for i in in_order(reduce):
             j = layer_of[i]
             count[j] += share
