@@ -189,6 +189,20 @@ class TestPlan:
                             "--tensor", "2", "--json")
         assert rc == 1 and "--tensor 2 divides the devices of none" in err
 
+    def test_sequence_parallel_needs_a_tensor_split_and_lowers_memory(self, capsys):
+        gpt = ["plan", "--model", "gpt", "--size", "tiny", "--quiet", "--devices", "2xT4",
+               "--algorithm", "data-parallel", "--tensor", "2", "--json"]
+        plans = []
+        for extra in ([], ["--sequence-parallel"]):
+            rc, out, err = _run(capsys, *gpt, *extra)
+            assert rc == 0, err
+            plans += json.loads(out)["plans"]
+        assert [p["memory_settings"] for p in plans] == [["tensor 2"], ["tensor 2, sequence"]]
+        assert (plans[1]["peak_memory_by_category"]["T4:0"]["activations"]
+                < plans[0]["peak_memory_by_category"]["T4:0"]["activations"])
+        rc, _, err = _run(capsys, *gpt[:-3], "--sequence-parallel", "--json")
+        assert rc == 1 and "this plan has no tensor-parallel stage: add --tensor N" in err
+
     def test_memory_settings_apply_to_every_stage_and_memory_comes_by_category(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",
                             "--json")
