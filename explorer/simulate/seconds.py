@@ -29,14 +29,24 @@ class Seconds:
         self.plain = plain_costs(costs)
         self.others = others or {}
 
-    def on(self, which: str, idx: np.ndarray, device: str, fraction: float) -> np.ndarray:
-        """[len(idx)] seconds of nodes ``idx`` on ``device`` at ``fraction`` of the batch."""
+    def on(self, which: str, idx: np.ndarray, device: str, fraction: float,
+           share: float = 1.0) -> np.ndarray:
+        """[len(idx)] seconds of nodes ``idx`` on ``device`` at ``fraction`` of the batch;
+        ``share`` < 1: each device's part of an op split that many ways by its features
+        (weights, heads, channels), which runs ``share`` of the op's work at that fraction
+        with the per-op overhead unchanged. (Not the op at ``fraction x share`` of the
+        batch: a split op reads ``share`` of its weights, where the same op on fewer rows
+        reads them all, which is most of a small batch's time.)"""
         costs = self.costs
         if not self.plain:
             fn = costs.fwd_s if which == "fwd_s" else costs.bwd_s
-            return np.array([fn(i, device, fraction) for i in idx.tolist()], dtype=np.float64)
+            return np.array([fn(i, device, fraction * share) for i in idx.tolist()],
+                            dtype=np.float64)
         dc = costs.per_type[costs.cluster.device(device).type_key]
         t = dc.at_many(which, idx, fraction)  # DeviceCosts.at, elementwise
+        if share < 1.0:
+            ovh = np.minimum(dc.overhead_s, t)
+            t = ovh + (t - ovh) * share
         busy_others = self.others.get(device, 0.0)
         if busy_others and dc.contention:
             slow = costs.platform(device).op_slowdown(dc.array("contention")[idx], busy_others)
@@ -45,10 +55,11 @@ class Seconds:
         s = t * costs.compute_scale + costs.extra_op_s  # CostModel._scaled, elementwise
         return np.where(t <= 0.0, 0.0, s)
 
-    def slowest(self, which: str, idx: np.ndarray, devices, fraction: float) -> np.ndarray:
+    def slowest(self, which: str, idx: np.ndarray, devices, fraction: float,
+                share: float = 1.0) -> np.ndarray:
         out = None
         for dv in devices:
-            s = self.on(which, idx, dv, fraction)
+            s = self.on(which, idx, dv, fraction, share)
             out = s if out is None else np.maximum(out, s)
         return out if out is not None else np.zeros(len(idx))
 

@@ -112,15 +112,22 @@ def _contended(plan: Plan, costs: CostModel) -> dict[str, float]:
     stage's other replicas compute beside it, which is all of them, all the time (replicas run
     the same op at the same moment). What that does to each op is the device's platform's to
     say; different stages computing at once are not counted.
+
+    The contention is measured between data-parallel replicas (each with the whole weights,
+    half the batch), so it is charged between replicas only: the ranks of one tensor-parallel
+    group run different shards, and what they add to each other's ops and optimizer step is
+    measured on a split run of their own (``DeviceCosts.dtensor``), not estimated from the
+    replicas' figure.
     """
     if not plain_costs(costs):
         return {}
     cluster = costs.cluster
     out: dict[str, float] = {}
-    for st in plan.stages:
+    for s, st in enumerate(plan.stages):
+        replicas = plan.replicas_of(s)
         shared = [d for d in st if costs.per_type[cluster.device(d).type_key].contention]
-        if len(shared) > 1:
-            out.update(dict.fromkeys(shared, float(len(shared) - 1)))
+        if replicas > 1 and len(shared) > 1:
+            out.update(dict.fromkeys(shared, float(min(replicas, len(shared)) - 1)))
     return out
 
 

@@ -1,9 +1,9 @@
 """Tensor parallelism in the simulator: what a stage's tensor split does to op times, weight
 bytes and communication, as the Megatron-style layout (:mod:`explorer.core.tensor_layout`) says.
 
-An op the layout splits (a head-split attention's core included) runs at ``1 / tensor`` of
-its batch fraction's work, its per-op overhead unchanged (the cost tables' ``overhead +
-(t - overhead) x fraction``). Each all-reduce
+An op the layout splits (a head-split attention's core included) runs ``1 / tensor`` of its
+work at its batch fraction, its per-op overhead unchanged: ``overhead + (t(fraction) -
+overhead) / tensor`` (:meth:`explorer.simulate.seconds.Seconds.on`'s ``share``). Each all-reduce
 the layout implies (a row-parallel block's output in the forward, a column-parallel block's
 input gradient in the backward, a vocabulary-parallel embedding's output, a vocabulary-parallel
 loss's three numbers per row; an all-gather before
@@ -66,10 +66,10 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
         reads = split_weights_read(A, [index[n] for n in layout.placements])
         if len(split):
             on_dt = reads[split] > 0  # (the others run on plain local shards)
-            fwd_s[split] = (sec.slowest("fwd_s", split, devices[s], frac[s] / k)
+            fwd_s[split] = (sec.slowest("fwd_s", split, devices[s], frac[s], 1.0 / k)
                             + on_dt * dt["op_fwd_s"])
             on_dt, split = on_dt[has_b[split]], split[has_b[split]]
-            bwd_s[split] = (sec.slowest("bwd_s", split, devices[s], frac[s] / k)
+            bwd_s[split] = (sec.slowest("bwd_s", split, devices[s], frac[s], 1.0 / k)
                             + on_dt * dt["op_bwd_s"])
         whole = ops[~is_split]
         if len(whole) and (dt["read_fwd_s"] or dt["read_bwd_s"]):

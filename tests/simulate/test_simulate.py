@@ -386,6 +386,19 @@ class TestContention:
         assert pred.busy_s == {"d:0": pytest.approx(9.0), "d:1": pytest.approx(9.0),
                                "d:2": pytest.approx(9.0)}
 
+    def test_a_tensor_group_is_not_slowed_by_the_replicas_figure(self, chain3):
+        # contention is measured between data-parallel replicas (whole weights, half the
+        # batch each); a tensor group's ranks run different shards, and what they add to
+        # each other is the split run's (DeviceCosts.dtensor). Two devices split 2 ways:
+        # none of it; 4 devices as 2 replicas x 2: the replicas slow each other
+        for n, ratio in ((2, 1.0), (4, 1.5)):
+            cl = cluster(n)
+            plan = Plan.from_assignment(chain3, [tuple(cl.ids)], {"a": 0, "b": 0, "c": 0})
+            plan = plan.with_tensor(2)
+            cm = self._contended(chain3, cl, 1.5)
+            flat = simulate(chain3, plan, cm.without_contention())
+            assert simulate(chain3, plan, cm).step_s == pytest.approx(flat.step_s * ratio)
+
     def test_replicas_step_their_optimizers_together(self):
         # a on x with weight w (1000 bytes, Adam 0.004 s per byte: a 4 s step). Two replicas
         # step every parameter at the same moment: measured 1.25 x slower beside each

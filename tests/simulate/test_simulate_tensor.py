@@ -102,6 +102,33 @@ def test_tensor_and_data_parallel_in_one_stage(block):
     assert pred.allreduce_bytes == 2 * tensor_bytes + 2 * 1 * 144
 
 
+def test_split_ops_take_their_share_at_the_micro_batch_not_a_smaller_batch(block):
+    """With batch fractions measured, a split op runs 1/k of its time at its micro-batch's
+    fraction (beyond the per-op overhead): fc1 and fc2 read their whole weights at any batch,
+    which is most of their time at half of it (2.0 s at 1, 1.6 s at 0.5), and the split
+    halves that read; the same op on a quarter of the batch would still read it all."""
+    cm = costs(block, cluster(2, LAT_S, BW), FWD, BWD, overhead_s=0.2)
+    at_half = {"pre": 0.6, "fc1": 1.6, "act": 0.6, "fc2": 1.6, "loss": 0.35}
+    bwd_half = {"pre": 0.6, "fc1": 3.0, "act": 1.1, "fc2": 3.0, "loss": 0.35}
+    for dc in cm.per_type.values():
+        dc.fractions = [0.5]
+        dc.fwd_at = [[at_half.get(n.name, 0.0) for n in block.nodes]]
+        dc.bwd_at = [[bwd_half.get(n.name, 0.0) for n in block.nodes]]
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(block, [("d:0", "d:1")], ops, micro_batches=2,
+                                   schedule="gpipe").with_tensor(2)
+    share = lambda t: 0.2 + (t - 0.2) / 2  # noqa: E731  (of the time at fraction 0.5)
+    allreduce_s = 2 * LAT_S + 500 / BW
+    fwd = 0.6 + share(1.6) + share(0.6) + share(1.6) + allreduce_s + 0.35
+    bwd = 0.6 + share(3.0) + allreduce_s + share(1.1) + share(3.0) + 0.35
+    pred = ex.simulate(block, plan, cm)
+    assert pred.step_s == pytest.approx(2 * (fwd + bwd), rel=1e-12)
+    # (fc1 at a quarter of the batch, the old reading, extrapolates to 1.4 s, not 0.9 s)
+    dc = next(iter(cm.per_type.values()))
+    assert dc.at(dc.fwd_s, dc.fwd_at, block.index["fc1"], 0.25) == pytest.approx(1.4)
+    assert share(1.6) == pytest.approx(0.9)
+
+
 def test_gpt_layout_splits_every_block_the_token_embedding_and_the_lm_head():
     """The attention's fused qkv is split by heads within each of its three parts (each device
     holds its heads' query, key and value rows); the split into q, k, v, the views, the

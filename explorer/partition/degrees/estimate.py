@@ -6,11 +6,11 @@ fixed per-op seconds per micro-batch, the seconds that shrink with the batch, th
 step, parameter and activation bytes, the gradient bytes all-reduced, the tensors crossing
 layers), changed by the Megatron layout of a ``tp``-way split
 (:func:`explorer.core.tensor_layout.megatron_layout`, kept per graph and degree), as the
-simulator prices it: a split op's
-shrinking part at ``1 / tp``, split weights' bytes, gradients, optimizer state and optimizer
-step at ``1 / tp``, split activations at ``1 / tp``, and the block all-reduces (and the
-all-gathers before random ops) on one tensor group, linear in bytes (latency per micro-batch,
-bytes at the batch fraction).
+simulator prices it: a split op's time beyond its per-op overhead at ``1 / tp`` (its
+fixed part too, which for a small batch is mostly reading the weights), split weights'
+bytes, gradients, optimizer state and optimizer step at ``1 / tp``, split activations at
+``1 / tp``, and the block all-reduces (and the all-gathers before random ops) on one tensor
+group, linear in bytes (latency per micro-batch, bytes at the batch fraction).
 
 A stage ``[j0, j1)`` on a ``dp x tp`` mesh then takes, per step (:meth:`MeshCosts.stage_time_s`)
 
@@ -89,16 +89,20 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
         if nd.kind == "param" and nd.requires_grad:
             grad_cut[layer_of[i]] += nd.out_bytes * keep
         opt_bytes_cut[layer_of[i]] += nd.param_bytes * keep
-    var_cut = np.zeros((len(type_ids), n))
+    var_cut, fixed_cut = np.zeros((len(type_ids), n)), np.zeros((len(type_ids), n))
     for i in in_order(layout.split_ops):
         nd = graph.nodes[i]
         if nd.name not in layout.reduce_forward:
             act_cut[layer_of[i]] += (full_mem[i] - fixed_mem[i]) * keep
         for k, dev in enumerate(type_ids):
-            v = costs.fwd_s(i, dev, 1.0) - costs.fwd_s(i, dev, 0.0)
-            if nd.requires_grad:
-                v += costs.bwd_s(i, dev, 1.0) - costs.bwd_s(i, dev, 0.0)
-            var_cut[k, layer_of[i]] += v * keep
+            # the split op's part: 1 / tp of its work at any batch fraction, the per-op
+            # overhead whole (as the simulator's Seconds.on with a share)
+            ovh = costs.device_costs(dev).overhead_s * costs.compute_scale + costs.extra_op_s
+            passes = [costs.fwd_s] + ([costs.bwd_s] if nd.requires_grad else [])
+            for fn in passes:
+                t0 = fn(i, dev, 0.0)
+                var_cut[k, layer_of[i]] += (fn(i, dev, 1.0) - t0) * keep
+                fixed_cut[k, layer_of[i]] += max(0.0, t0 - ovh) * keep
     lat, spb = linear_fit(lambda x: costs.allreduce_s(tuple(tensor_group), int(x)))
     count, nbytes = np.zeros(n), np.zeros(n)
     for _, kind, reduce in layout.collectives():
@@ -108,7 +112,7 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
             count[j] += share
             nbytes[j] += share * reduce[graph.nodes[i].name]
     per_byte = np.array([costs.optimizer_s(dev, optimizer, 1, 0) for dev in type_ids])
-    table = replace(base, fixed_s=base.fixed_s + count * lat,
+    table = replace(base, fixed_s=base.fixed_s - fixed_cut + count * lat,
                     var_s=base.var_s - var_cut + nbytes * spb,
                     optimizer_s=base.optimizer_s - per_byte[:, None] * opt_bytes_cut,
                     param_bytes=base.param_bytes - param_cut,
