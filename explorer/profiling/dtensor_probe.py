@@ -25,7 +25,7 @@ from explorer.capture.tracing import capture
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.tensor_layout import megatron_layout
-from explorer.costs.model import DTENSOR_KEYS, CostModel
+from explorer.costs.model import DTENSOR_KEYS, CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster
 from explorer.profiling import host, ops
 from explorer.runtime import launch
@@ -69,16 +69,54 @@ def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | Non
     tensor-parallel run on ranks started for it, as ``ex.run`` makes the runs predictions are
     compared with."""
     graph = probe_graph()
+    dc = ops.measured(graph, Cluster.cpu(2).devices[0], progress=False, pool=pool)
+    return split_run_costs(graph, dc, steps, warmup)
+
+
+def model_dtensor_costs(graph: OpGraph, dc: DeviceCosts, report: ops.Report | None = None
+                        ) -> dict[str, float]:
+    """The costs of :data:`KEYS` fitted on ``graph`` itself (``dc``: its profile on one CPU
+    rank): the whole graph as one stage split two ways over two CPU ranks, run for about
+    :data:`MODEL_RUN_S` seconds of steps. {} where a two-way split splits nothing of it, or
+    the run fails (the host probe's figures stand then).
+
+    The host probe's small MLP tells what reading a split weight adds to an op, but the
+    wait in a collective (on a shared host, mostly for the other rank to be scheduled) and
+    what two ranks computing their shards at once do to each other follow the model's own
+    ops and the host's moment; measured on the model, as its contention is, they do not have
+    to carry over from another graph."""
+    if not megatron_layout(graph, 2).placements:
+        return {}
+    one_rank_s = sum(dc.fwd_s) + sum(dc.bwd_s)
+    steps = int(min(30, max(8, MODEL_RUN_S / max(one_rank_s, 1e-6))))
+    if report is not None:
+        report(f"timing {graph.name} split 2 ways on 2 CPU ranks ({steps} steps)")
+    try:
+        return split_run_costs(graph, dc, steps, 3)
+    except Exception:  # an optional refinement: the host probe's costs stand
+        return {}
+
+
+#: about how many seconds of steps :func:`model_dtensor_costs` runs (8 to 30 steps)
+MODEL_RUN_S = 2.0
+
+
+def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
+                    ) -> dict[str, float]:
+    """``graph`` as one stage split two ways over two CPU ranks, run ``steps`` steps on ranks
+    started for it, against the simulator on ``dc`` (its profile on one rank) without any
+    of these costs: per kind of op the medians (:func:`fit`), the collectives fitted to the
+    median step (:func:`to_step`)."""
     two = Cluster.cpu(2)
-    dev = two.devices[0]
-    dc = ops.measured(graph, dev, progress=False, pool=pool)
-    costs = CostModel(graph.fingerprint, two, {dev.type_key: replace(dc, dtensor={})})
+    key = two.devices[0].type_key
+    dc = replace(dc, type_key=key, dtensor={})
+    costs = CostModel(graph.fingerprint, two, {key: dc})
     ops_ = {n.name: 0 for n in graph.nodes if n.kind == "op"}
     plan = Plan.from_assignment(graph, [tuple(two.ids)], ops_, optimizer="adam").with_tensor(2)
     meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
                       progress=False)
     value = fit(graph, plan, simulate(graph, plan, costs).timeline, meas.task_s)
-    with_value = CostModel(graph.fingerprint, two, {dev.type_key: replace(dc, dtensor=value)})
+    with_value = CostModel(graph.fingerprint, two, {key: replace(dc, dtensor=value)})
     return to_step(graph, plan, value, simulate(graph, plan, with_value).step_s, meas.step_s)
 
 

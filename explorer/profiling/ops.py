@@ -40,8 +40,9 @@ from explorer.runtime.pool import RankPool
 # 2: ops timed through the runtime; 3: also at fractions of the batch; 4: op medians scaled
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
 # pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
-# step's contention is measured
-PROFILE_VERSION = 8
+# step's contention is measured; 9: a tensor-parallel split's costs fitted on the graph's own
+# split run (kept with the profile, as the contention is)
+PROFILE_VERSION = 9
 #: steps timed in each run of the profile (after the warm-up). A run costs seconds to start
 #: its processes and its steps only tens of milliseconds each on the built-in models, so more
 #: steps per run are cheap; 15 rather than 5 make repeated profiles of one model agree

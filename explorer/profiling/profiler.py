@@ -67,7 +67,9 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     sent between ranks costs is measured once per host (:func:`host.cpu_message_s`) and set
     as ``message_s``; what DTensor adds to tensor-parallel stages' ops
     (:func:`dtensor_probe.dtensor_costs`, ``cache=False`` measures it afresh too, as the
-    host's load at the time moves it); and how much each op slows while another rank of the
+    host's load at the time moves it), fitted on ``graph``'s own run split two ways where
+    a split splits it (:func:`dtensor_probe.model_dtensor_costs`, stored with the profile);
+    and how much each op slows while another rank of the
     host runs it too, as replicas do (:func:`host.measure_contention`, stored with the
     profile). All are host measurements: not taken for ``Cluster.cpu(n, measure=False)``.
     ``report`` (where given) is told how far the measuring is, in words, before and after
@@ -123,6 +125,9 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
                     warnings.warn(f"could not measure how CPU ranks of this host slow each "
                                   f"other ({exc}); predictions leave it out", stacklevel=2)
+            if not dc.dtensor and contention:  # (the host probe's costs where this finds none)
+                dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, report)
+                added = added or bool(dc.dtensor)
             if added and cache:
                 ops.store(ops.cache_path(graph, dev, repeats), dc)
             per_type[dev.type_key] = dc
@@ -134,7 +139,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                                                              report)
             for dev in cluster.devices:
                 if dev.kind == "cpu" and dev.present:
-                    if dtensor:
+                    if dtensor and not per_type[dev.type_key].dtensor:
                         per_type[dev.type_key].dtensor = dtensor
                     per_type[dev.type_key].collective_s = collective_s
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from builders import tiny_builtin_graph
 
 import explorer as ex
 from explorer.core.tensor_layout import megatron_layout
@@ -78,3 +79,29 @@ def test_what_the_fit_misses_of_the_step_goes_to_the_collectives():
     assert got == pytest.approx({**value, "collective_s": 2e-3})
     # never below nothing
     assert dtensor_probe.to_step(g, plan, value, 0.020, 0.010)["collective_s"] == 0.0
+
+
+def test_model_costs_from_its_own_split_run(monkeypatch):
+    """The tiny GPT split two ways on two real CPU ranks: every cost, at least 0; a graph
+    that a two-way split leaves whole runs nothing; a run that fails leaves the host probe's
+    figures (nothing from here)."""
+    g = tiny_builtin_graph("gpt")
+    dc = ex.profile(g, ex.Cluster.cpu(1), repeats=2, warmup=1, progress=False,
+                    cache=False).per_type[ex.Cluster.cpu(1).devices[0].type_key]
+    got = dtensor_probe.model_dtensor_costs(g, dc)
+    assert set(got) == set(KEYS) and all(0.0 <= v < 1.0 for v in got.values())
+    assert got["op_fwd_s"] > 0.0 or got["op_bwd_s"] > 0.0  # reading split weights costs
+
+    def never(*args, **kwargs):
+        raise AssertionError("ran")
+
+    monkeypatch.setattr(dtensor_probe, "split_run_costs", never)
+    resnet = tiny_builtin_graph("resnet")  # (its blocks' channels do not split two ways)
+    assert not megatron_layout(resnet, 2).placements
+    assert dtensor_probe.model_dtensor_costs(resnet, dc) == {}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(dtensor_probe, "split_run_costs", broken)
+    assert dtensor_probe.model_dtensor_costs(g, dc) == {}
