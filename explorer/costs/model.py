@@ -31,9 +31,9 @@ NOMINAL_OVERHEAD_S = {"cuda": 8e-6, "cpu": 4e-6}
 #: (``DeviceCosts.dtensor``, seconds): per split op that reads a split weight (a DTensor), in
 #: its forward and backward, per collective a split op waits for (beyond the link's time),
 #: per split weight an unsplit op reads in its forward and backward, per parameter tensor the
-#: optimizer steps
+#: optimizer steps, and per step of a tensor-parallel stage
 DTENSOR_KEYS = ("op_fwd_s", "op_bwd_s", "collective_s", "read_fwd_s", "read_bwd_s",
-                "optimizer_tensor_s")
+                "optimizer_tensor_s", "step_s")
 
 
 @dataclass

@@ -33,8 +33,8 @@ from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = ("split-weight op, collective and optimizer costs on 2 CPU ranks (local shards, "
-             "one fixed cost per op and direction)")
+PROBE_KEY = ("split-weight op, collective, optimizer and step costs on 2 CPU ranks (local "
+             "shards, one fixed cost per op and direction, 1 and 2 micro-batches)")
 KEYS = DTENSOR_KEYS
 
 
@@ -60,7 +60,8 @@ def dtensor_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None = 
         cluster, cache, PROBE_KEY, KEYS, lambda: measure_dtensor_costs(pool=pool),
         "measuring what DTensor adds to ops on CPU ranks",
         "3-block MLP split 2 ways on 2 CPU ranks, per op: measured less simulated, medians "
-        "per kind of op; collectives to the step's median", report) or {}
+        "per kind of op; collectives and steps to the steps' medians at 1 and 2 "
+        "micro-batches", report) or {}
 
 
 def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | None = None
@@ -103,38 +104,55 @@ MODEL_RUN_S = 2.0
 
 def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
                     ) -> dict[str, float]:
-    """``graph`` as one stage split two ways over two CPU ranks, run ``steps`` steps on ranks
-    started for it, against the simulator on ``dc`` (its profile on one rank) without any
-    of these costs: per kind of op the medians (:func:`fit`), the collectives fitted to the
-    median step (:func:`to_step`)."""
+    """``graph`` as one stage split two ways over two CPU ranks, run ``steps`` steps with one
+    micro-batch and with two (where the batch splits) on ranks started for it, against the
+    simulator on ``dc`` (its profile on one rank) without any of these costs: per kind of op
+    the medians of the one-micro-batch run (:func:`fit`), then what the predictions miss of
+    the median steps, to the collectives and the step (:func:`to_step`)."""
     two = Cluster.cpu(2)
     key = two.devices[0].type_key
     dc = replace(dc, type_key=key, dtensor={})
     costs = CostModel(graph.fingerprint, two, {key: dc})
     ops_ = {n.name: 0 for n in graph.nodes if n.kind == "op"}
     plan = Plan.from_assignment(graph, [tuple(two.ids)], ops_, optimizer="adam").with_tensor(2)
-    meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
-                      progress=False)
-    value = fit(graph, plan, simulate(graph, plan, costs).timeline, meas.task_s)
+    plans = [plan] + ([plan.with_settings(micro_batches=2)] if graph.batch_size % 2 == 0
+                      else [])
+    runs = [(p, launch.run(graph, plan=p, costs=costs, steps=steps, warmup=warmup,
+                           progress=False)) for p in plans]
+    value = fit(graph, plan, simulate(graph, plan, costs).timeline, runs[0][1].task_s)
     with_value = CostModel(graph.fingerprint, two, {key: replace(dc, dtensor=value)})
-    return to_step(graph, plan, value, simulate(graph, plan, with_value).step_s, meas.step_s)
+    return to_step(graph, value, [(p, simulate(graph, p, with_value).step_s, meas.step_s)
+                                  for p, meas in runs])
 
 
-def to_step(graph: OpGraph, plan: Plan, value: dict[str, float], predicted_s: float,
-            measured_s: float) -> dict[str, float]:
-    """``value`` with what its prediction of the probe's step (``predicted_s``) misses of the
-    measured step (``measured_s``, a median of steps) spread over the step's collectives.
+def to_step(graph: OpGraph, value: dict[str, float],
+            runs: list[tuple[Plan, float, float]]) -> dict[str, float]:
+    """``value`` with what its predictions of the split runs miss of their measured steps
+    (``runs``: plan, predicted seconds, measured seconds, a median of steps) fitted as a
+    cost per collective and a cost per step: ``missed = step_s + collectives x extra``.
 
     A collective waits for the other ranks of its group, which on a shared host now and then
     wait to be scheduled: the per-op medians :func:`fit` takes miss that tail, and the step's
-    median (what runs are compared by) does not. (The simulator charges the fixed cost once
-    per op and direction, however many collectives the op runs.)"""
-    lay = megatron_layout(graph, plan.tensor_of(0))
-    collectives = sum(map(len, lay.collective_ops())) * plan.micro_batches
-    if not collectives:
+    median (what runs are compared by) does not. Runs with one and two micro-batches (twice
+    the collectives, about the same work) tell the part that grows with the collectives from
+    the part that does not; with one run, or where the fit would make the step's part
+    negative, all of it goes to the collectives. The simulator charges the collective's once
+    per op and direction, however many collectives the op runs, and the step's once per
+    tensor-parallel stage."""
+    points = [(sum(map(len, megatron_layout(graph, plan.tensor_of(0)).collective_ops()))
+               * plan.micro_batches, measured_s - predicted_s)
+              for plan, predicted_s, measured_s in runs]
+    points = [(n, r) for n, r in points if n]
+    if not points:
         return value
-    extra = (measured_s - predicted_s) / collectives
-    return {**value, "collective_s": max(0.0, value["collective_s"] + extra)}
+    step_s, extra = 0.0, sum(r for _, r in points) / sum(n for n, _ in points)
+    if len({n for n, _ in points}) > 1:
+        (n1, r1), (n2, r2) = points[0], points[-1]
+        slope = (r2 - r1) / (n2 - n1)
+        if r1 - slope * n1 >= 0.0:
+            step_s, extra = r1 - slope * n1, slope
+    return {**value, "collective_s": max(0.0, value["collective_s"] + extra),
+            "step_s": max(0.0, value.get("step_s", 0.0) + step_s)}
 
 
 def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[str, float]:
@@ -167,4 +185,4 @@ def fit(graph: OpGraph, plan: Plan, timeline, task_s: dict[str, float]) -> dict[
             "collective_s": med([e - op_fwd for e in extra["fwd R"]]
                                 + [e - op_bwd for e in extra["bwd R"]]),
             "read_fwd_s": med(extra["wfwd"]), "read_bwd_s": med(extra["wbwd"]),
-            "optimizer_tensor_s": max(0.0, opt / tensors)}
+            "optimizer_tensor_s": max(0.0, opt / tensors), "step_s": 0.0}

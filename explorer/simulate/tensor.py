@@ -114,10 +114,11 @@ def dtensor_costs(costs: CostModel, devices) -> dict[str, float]:
 def optimizer_extra_s(costs: CostModel, plan: Plan, stage: int, device: str,
                       tensors: int) -> float:
     """What stepping ``tensors`` DTensor parameters adds to ``device``'s optimizer step on a
-    tensor-parallel ``stage`` (0 on other stages)."""
+    tensor-parallel ``stage``, with the stage's cost per step (0 on other stages)."""
     if plan.tensor_of(stage) <= 1:
         return 0.0
-    return tensors * costs.device_costs(device).dtensor.get("optimizer_tensor_s", 0.0)
+    dt = costs.device_costs(device).dtensor
+    return tensors * dt.get("optimizer_tensor_s", 0.0) + dt.get("step_s", 0.0)
 
 
 def sequence_grads(graph: OpGraph, plan: Plan, costs: CostModel, stage: int

@@ -41,7 +41,7 @@ def test_fit_takes_medians_per_kind_of_op():
     # (no unsplit op of the probe reads a split weight)
     assert got == pytest.approx({"op_fwd_s": 0.1, "op_bwd_s": 0.2, "collective_s": 5.0,
                                  "read_fwd_s": 0.0, "read_bwd_s": 0.0,
-                                 "optimizer_tensor_s": 0.5})
+                                 "optimizer_tensor_s": 0.5, "step_s": 0.0})
 
 
 def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_path,
@@ -68,17 +68,24 @@ def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_
     assert dtensor_probe.dtensor_costs(two, cache=False) == {}
 
 
-def test_what_the_fit_misses_of_the_step_goes_to_the_collectives():
+def test_what_the_fit_misses_of_the_step_goes_to_the_collectives_and_the_step():
     g = probe_graph()
     plan = ex.Plan.from_assignment(g, [("cpu:0", "cpu:1")],
                                    {n.name: 0 for n in g.nodes if n.kind == "op"}
                                    ).with_tensor(2)
+    two = plan.with_settings(micro_batches=2)
     value = dict.fromkeys(KEYS, 1e-3)
     # 3 forward and 2 backward all-reduces a step: 5 ms missed is 1 ms more each
-    got = dtensor_probe.to_step(g, plan, value, predicted_s=0.010, measured_s=0.015)
-    assert got == pytest.approx({**value, "collective_s": 2e-3})
+    got = dtensor_probe.to_step(g, value, [(plan, 0.010, 0.015)])
+    assert got == pytest.approx({**value, "collective_s": 2e-3, "step_s": 1e-3})
+    # 5 collectives missed 7 ms, 10 of them 12 ms: 1 ms each, and 2 ms once a step
+    got = dtensor_probe.to_step(g, value, [(plan, 0.010, 0.017), (two, 0.020, 0.032)])
+    assert got == pytest.approx({**value, "collective_s": 2e-3, "step_s": 3e-3})
+    # a step's part below nothing: all of it per collective (19 ms over 15)
+    got = dtensor_probe.to_step(g, value, [(plan, 0.010, 0.013), (two, 0.020, 0.036)])
+    assert got == pytest.approx({**value, "collective_s": 1e-3 + 19e-3 / 15, "step_s": 1e-3})
     # never below nothing
-    assert dtensor_probe.to_step(g, plan, value, 0.020, 0.010)["collective_s"] == 0.0
+    assert dtensor_probe.to_step(g, value, [(plan, 0.020, 0.010)])["collective_s"] == 0.0
 
 
 def test_model_costs_from_its_own_split_run(monkeypatch):

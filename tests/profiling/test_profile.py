@@ -452,6 +452,8 @@ class TestSharedRanks:
         monkeypatch.setattr(dtensor_probe, "dtensor_costs",
                             lambda cl, cache, pool=None, report=None:
                             got.append(("dtensor", pool)) or {"op_fwd_s": 1e-4})
+        # (the model's split runs start ranks of their own, as ex.run does: not one of these)
+        monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(collective_probe, "collective_costs",
                             lambda cl, cache, pool=None, report=None:
                             got.append(("collective", pool)) or 2e-4)

@@ -262,7 +262,7 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
     reads a split weight (fc1 and fc2; not act, which runs on its local shard), per
     collective, per split weight an unsplit op reads (norm reads fc2's weight, tied; its
     replicated weight and fc2's output are plain), per parameter tensor the optimizer
-    steps."""
+    steps, and once a step."""
     g = OpGraph("normed", [*(n for n in block.nodes if n.name != "loss"),
                            _param("norm.weight", (4,), 16),
                            _op("norm", "aten.mul.Tensor", "norm",
@@ -271,10 +271,10 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
                 batch_size=8, loss="loss")
     fwd, bwd = {**FWD, "norm": 0.5}, {**BWD, "norm": 1.0}
     cm = costs(g, cluster(2, LAT_S, BW), fwd, bwd, overhead_s=0.2)
-    a, b, c, w_f, w_b, opt = 0.01, 0.02, 0.3, 0.04, 0.05, 0.06
+    a, b, c, w_f, w_b, opt, step = 0.01, 0.02, 0.3, 0.04, 0.05, 0.06, 0.07
     for dc in cm.per_type.values():
         dc.dtensor = {"op_fwd_s": a, "op_bwd_s": b, "collective_s": c, "read_fwd_s": w_f,
-                      "read_bwd_s": w_b, "optimizer_tensor_s": opt}
+                      "read_bwd_s": w_b, "optimizer_tensor_s": opt, "step_s": step}
     ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
     plan = ex.Plan.from_assignment(g, [("d:0", "d:1")], ops).with_tensor(2)
     pred = ex.simulate(g, plan, cm)
@@ -284,7 +284,7 @@ def test_dtensor_costs_from_the_profile_by_hand(block):
          + 0.5)
     bk = (1.0 + half(4.0) + half(2.0) + half(4.0) + 2 * b + allreduce_s + c + 1.0 + w_b
           + 0.5)
-    assert pred.step_s == pytest.approx(f + bk + 4 * opt, rel=1e-12)
+    assert pred.step_s == pytest.approx(f + bk + 4 * opt + step, rel=1e-12)
     # one device: none of it
     one = ex.simulate(g, ex.Plan.from_assignment(g, [("d:0",)], ops), cm)
     assert one.step_s == pytest.approx(sum(fwd.values()) + sum(bwd.values()), rel=1e-12)
