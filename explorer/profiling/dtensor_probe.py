@@ -105,10 +105,11 @@ MODEL_RUN_S = 2.0
 def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
                     ) -> dict[str, float]:
     """``graph`` as one stage split two ways over two CPU ranks, run ``steps`` steps with one
-    micro-batch and with two (where the batch splits) on ranks started for it, against the
-    simulator on ``dc`` (its profile on one rank) without any of these costs: per kind of op
-    the medians of the one-micro-batch run (:func:`fit`), then what the predictions miss of
-    the median steps, to the collectives and the step (:func:`to_step`)."""
+    micro-batch and with two (where the batch splits; in turn, in :data:`SPLIT_ROUNDS` runs
+    each) on ranks started for it, against the simulator on ``dc`` (its profile on one rank)
+    without any of these costs: per kind of op the medians of the one-micro-batch runs
+    (:func:`fit`), then what the predictions miss of the median steps, to the collectives
+    and the step (:func:`to_step`)."""
     two = Cluster.cpu(2)
     key = two.devices[0].type_key
     dc = replace(dc, type_key=key, dtensor={})
@@ -117,12 +118,25 @@ def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
     plan = Plan.from_assignment(graph, [tuple(two.ids)], ops_, optimizer="adam").with_tensor(2)
     plans = [plan] + ([plan.with_settings(micro_batches=2)] if graph.batch_size % 2 == 0
                       else [])
-    runs = [(p, launch.run(graph, plan=p, costs=costs, steps=steps, warmup=warmup,
-                           progress=False)) for p in plans]
-    value = fit(graph, plan, simulate(graph, plan, costs).timeline, runs[0][1].task_s)
+    # in turn, SPLIT_ROUNDS times: a host that speeds up or slows down over the seconds
+    # this takes moves both plans' steps alike, not the difference the fit reads
+    got: list[list] = [[] for _ in plans]
+    for _ in range(SPLIT_ROUNDS):
+        for p, ms in zip(plans, got, strict=True):
+            ms.append(launch.run(graph, plan=p, costs=costs, warmup=warmup, progress=False,
+                                 steps=max(5, steps // SPLIT_ROUNDS)))
+    first = got[0]
+    task_s = {k: statistics.fmean(m.task_s.get(k, 0.0) for m in first)
+              for k in first[0].task_s}
+    value = fit(graph, plan, simulate(graph, plan, costs).timeline, task_s)
     with_value = CostModel(graph.fingerprint, two, {key: replace(dc, dtensor=value)})
-    return to_step(graph, value, [(p, simulate(graph, p, with_value).step_s, meas.step_s)
-                                  for p, meas in runs])
+    return to_step(graph, value, [(p, simulate(graph, p, with_value).step_s,
+                                   statistics.fmean(m.step_s for m in ms))
+                                  for p, ms in zip(plans, got, strict=True)])
+
+
+#: how many times :func:`split_run_costs` runs each of its plans, in turn
+SPLIT_ROUNDS = 2
 
 
 def to_step(graph: OpGraph, value: dict[str, float],
