@@ -134,7 +134,10 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         message_s = 0.0
         if message and graph.runtime is not None:
             message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
-            dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report)
+            cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
+            # (the host probe only where the model's own split run gave no costs)
+            dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report) \
+                if any(not per_type[d.type_key].dtensor for d in cpus) else {}
             collective_s = collective_probe.collective_costs(cluster, cache, pools.get("cpu"),
                                                              report)
             for dev in cluster.devices:

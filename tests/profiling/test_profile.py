@@ -395,23 +395,26 @@ class TestContention:
     def test_split_costs_fitted_on_the_model_are_kept_with_the_profile(self, gpt, fake, cache,
                                                                         monkeypatch):
         """What a two-way split adds is fitted on the model's own split run where that
-        works, stored with its profile; the host probe's figures where it does not."""
+        works, stored with its profile; the host probe's figures (measured only then) where
+        it does not."""
         model = dict.fromkeys(dtensor_probe.KEYS, 2e-3)
         probe = dict.fromkeys(dtensor_probe.KEYS, 1e-3)
-        fits = []
+        fits, probes = [], []
         monkeypatch.setattr(host, "measure_contention",
                             lambda g, ranks, *a, **kw: ([1.0] * len(g), 0.0, 1.0))
         monkeypatch.setattr("explorer.profiling.host.cpu_message_s", lambda cl, **kw: 0.0)
-        monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: probe)
+        monkeypatch.setattr(dtensor_probe, "dtensor_costs",
+                            lambda *a, **kw: probes.append(1) or probe)
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs",
                             lambda g, dc, report=None: fits.append(g.name) or model)
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
         two = Cluster.cpu(2)
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model  # cached
-        assert fits == [gpt.name]
+        assert fits == [gpt.name] and probes == []  # (the host probe not needed)
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
         assert ex.profile(gpt, two, cache=False, **FAST).per_type[CPU_KEY].dtensor == probe
+        assert probes == [1]
 
     def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
                                                                monkeypatch):
