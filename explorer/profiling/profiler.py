@@ -134,17 +134,17 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         message_s = 0.0
         if message and graph.runtime is not None:
             message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
-            cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
-            # (the host probe only where the model's own split run gave no costs)
-            dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report) \
-                if any(not per_type[d.type_key].dtensor for d in cpus) else {}
+            cpus = [per_type[d.type_key] for d in cluster.devices
+                    if d.kind == "cpu" and d.present]
+            # the host probe's costs where the model's own split run gave none
+            if lacking := [dc for dc in cpus if not dc.dtensor]:
+                dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report)
+                for dc in lacking:
+                    dc.dtensor = dtensor
             collective_s = collective_probe.collective_costs(cluster, cache, pools.get("cpu"),
                                                              report)
-            for dev in cluster.devices:
-                if dev.kind == "cpu" and dev.present:
-                    if dtensor and not per_type[dev.type_key].dtensor:
-                        per_type[dev.type_key].dtensor = dtensor
-                    per_type[dev.type_key].collective_s = collective_s
+            for dc in cpus:
+                dc.collective_s = collective_s
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 

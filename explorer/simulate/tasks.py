@@ -164,9 +164,9 @@ class _Builder:
                 bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
         tensor_bytes = 0
         if plan.uses_tensor_parallel:
-            tensor_bytes = split.split_op_seconds(g, plan, costs, sec, ops_by_stage,
-                                            [list(types[s].values()) for s in range(S)], frac,
-                                            fwd_d, bwd_d)
+            tensor_bytes = split.split_op_seconds(
+                g, plan, costs, sec, ops_by_stage, [list(types[s].values()) for s in range(S)],
+                frac, fwd_d, bwd_d)
         # the plan's memory settings: precision and recomputed forwards change op times
         # (a plan with tensor-parallel stages has none: Plan refuses the two together)
         eff = (stage_effects(g, plan, A, st, costs.cluster)

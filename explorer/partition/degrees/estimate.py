@@ -90,15 +90,16 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
             grad_cut[layer_of[i]] += nd.out_bytes * keep
         opt_bytes_cut[layer_of[i]] += nd.param_bytes * keep
     var_cut, fixed_cut = np.zeros((len(type_ids), n)), np.zeros((len(type_ids), n))
+    # the split op's part: 1 / tp of its work at any batch fraction, the per-op overhead
+    # whole (as the simulator's Seconds.on with a share)
+    overhead = [costs.device_costs(dev).overhead_s * costs.compute_scale + costs.extra_op_s
+                for dev in type_ids]
     for i in in_order(layout.split_ops):
         nd = graph.nodes[i]
         if nd.name not in layout.reduce_forward:
             act_cut[layer_of[i]] += (full_mem[i] - fixed_mem[i]) * keep
-        for k, dev in enumerate(type_ids):
-            # the split op's part: 1 / tp of its work at any batch fraction, the per-op
-            # overhead whole (as the simulator's Seconds.on with a share)
-            ovh = costs.device_costs(dev).overhead_s * costs.compute_scale + costs.extra_op_s
-            passes = [costs.fwd_s] + ([costs.bwd_s] if nd.requires_grad else [])
+        passes = [costs.fwd_s] + ([costs.bwd_s] if nd.requires_grad else [])
+        for k, (dev, ovh) in enumerate(zip(type_ids, overhead, strict=True)):
             for fn in passes:
                 t0 = fn(i, dev, 0.0)
                 var_cut[k, layer_of[i]] += (fn(i, dev, 1.0) - t0) * keep
