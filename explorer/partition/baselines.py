@@ -12,7 +12,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition.guard import replicated
+from explorer.partition.guard import most_replicas, replicated
 from explorer.partition.options import first_devices
 from explorer.partition.registry import register
 from explorer.partition.search.layers import contiguous
@@ -38,11 +38,16 @@ def data_parallel(graph: OpGraph, cluster: Cluster, costs: CostModel,
     """The whole model replicated on ``k`` devices, the batch split k ways, gradients all-reduced.
 
     Gradients are all-reduced with a ring (2(k-1)/k x gradient bytes over the slowest link) in
-    buckets that overlap the backward pass, as PyTorch DDP does.
+    buckets that overlap the backward pass, as PyTorch DDP does. A batch of fewer samples than
+    ``k`` is split over as many devices as it has samples (a note says so).
     """
     devs = first_devices(cluster, k)
-    return replicated(graph, devs, algorithm="data-parallel", optimizer=optimizer,
-                      options={"k": len(devs)})
+    used = devs[:most_replicas(graph, len(devs))]
+    notes = () if used == devs else (
+        f"data-parallel: the batch of {graph.batch_size} samples splits over at most "
+        f"{len(used)} replicas, so {len(used)} of the {len(devs)} devices are used",)
+    return replicated(graph, used, algorithm="data-parallel", optimizer=optimizer,
+                      options={"k": len(used)}, notes=notes)
 
 
 def _staged(graph: OpGraph, cluster: Cluster, k: int | None, depth: int | None,

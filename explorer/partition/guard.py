@@ -47,6 +47,14 @@ def _recalled(plan: Plan) -> Prediction | None:
     return entry[1] if entry is not None and entry[0] is plan else None
 
 
+def most_replicas(graph: OpGraph, k: int) -> int:
+    """How many of ``k`` devices can hold a replica of the whole model: at most one per sample
+    of the batch (:meth:`Plan.check_sizes`; a batch of ``b < k`` samples splits into ``b``
+    replicas of one sample, which also divides it for a real run), all ``k`` when the batch
+    size is unknown (0)."""
+    return min(k, graph.batch_size) if graph.batch_size > 0 else k
+
+
 def replicated(graph: OpGraph, ids: Sequence[str], **settings: Any) -> Plan:
     """The whole model on every device of ``ids``, the batch split among them (data parallel)."""
     return Plan.from_assignment(graph, [tuple(ids)], {i: 0 for i in range(len(graph))},
@@ -77,7 +85,7 @@ def baseline_plans(graph: OpGraph, ids: Sequence[str], pins: Mapping[str, str] |
     device, so both honour every pin)."""
     pins = dict(pins or {})
     out = [("single", apply_pins(graph, Plan.single(graph, ids[0], **settings), pins))]
-    wide = ids[:graph.batch_size] if graph.batch_size > 0 else ids
+    wide = ids[:most_replicas(graph, len(ids))]
     if len(wide) > 1:
         out.append(("data-parallel", apply_pins(graph, replicated(graph, wide, **settings),
                                                 pins)))
@@ -157,5 +165,5 @@ def never_slower(graph: OpGraph, costs: CostModel, plan: Plan, name: str, ids: S
 
 
 __all__ = ["BASELINE_SWITCHES", "KNOWN_KEPT", "apply_pins", "baseline_plans", "broken_pins",
-           "describe", "fits_within", "milliseconds", "never_slower", "remember",
-           "replicated"]
+           "describe", "fits_within", "milliseconds", "most_replicas", "never_slower",
+           "remember", "replicated"]

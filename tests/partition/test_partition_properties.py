@@ -182,3 +182,41 @@ def test_same_plans_in_processes_with_other_string_hashes():
     assert runs[0].keys() == runs[1].keys()
     differ = [k for k in runs[0] if runs[0][k] != runs[1][k]]
     assert not differ, differ
+
+
+def _small_batch_graph(batch: int):
+    """A tiny chain with a weight, for ``batch`` samples (builders' exact-number graph)."""
+    return graph([("x", "input", [], 1000), ("w", "param", [], 40_000),
+                  ("a", "op", ["x", "w"], 1000), ("b", "op", ["a"], 1000),
+                  ("v", "param", [], 40_000), ("c", "op", ["b", "v"], 1000),
+                  ("d", "op", ["c"], 4)], batch=batch)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("devices", [4, 8])
+def test_a_plan_for_a_batch_smaller_than_the_devices(name, batch, devices):
+    """Every partitioner returns a valid plan when the batch has fewer samples than the
+    cluster has devices: no stage holds more replicas than samples, and replicas x
+    micro-batches divide the batch (what a real run needs)."""
+    g = _small_batch_graph(batch)
+    cl = cluster(devices, latency_s=1e-6, bandwidth=1e11)
+    c = costs(g, cl, {"a": 1e-3, "b": 2e-3, "c": 1e-3, "d": 1e-4},
+              {"a": 2e-3, "b": 4e-3, "c": 2e-3, "d": 2e-4})
+    plan = partition(g, cl, c, name)
+    check_valid(plan, g, cl, c)
+    assert plan.data_parallel <= batch
+    plan.check_batch(batch)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(2, 24), seed=st.integers(0, 10**6), batch=st.integers(1, 3),
+       preset=st.sampled_from(["4xH100", "8xH100"]))
+def test_random_graphs_with_a_batch_smaller_than_the_devices(name, n, seed, batch, preset):
+    g, cl = layered_dag(n, width=3, seed=seed, batch_size=batch), Cluster.preset(preset)
+    c = roofline_costs(g, cl)
+    plan = partition(g, cl, c, name)
+    check_valid(plan, g, cl, c)
+    assert plan.data_parallel <= batch

@@ -25,7 +25,7 @@ from explorer.core.units import MiB
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
-from explorer.partition.guard import fits_within, replicated
+from explorer.partition.guard import fits_within, most_replicas, replicated
 from explorer.partition.options import SEARCH_OPTIONS, Options
 from explorer.partition.search.fallback import (
     cheapest_memory_settings,
@@ -255,12 +255,14 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
                 base.param_bytes.sum() * base.opt_s_per_byte[fastest]
                 + base.param_tensors.sum() * base.opt_s_per_tensor[fastest])
         out.append(_Candidate("single", make, fits, score))
-    # data parallel over a prefix of the cluster (not with pins: replicas cannot honour them)
-    if pins or devs != list(cluster.ids[: len(devs)]) or len(devs) < 2:
+    # data parallel over a prefix of the cluster (not with pins: replicas cannot honour them),
+    # at most one replica per sample of the batch
+    widest = most_replicas(graph, len(devs))
+    if pins or devs != list(cluster.ids[: len(devs)]) or widest < 2:
         return out
-    sizes = [len(devs)]
+    sizes = [widest]
     if by_sim and sweep_devices:
-        sizes += [s for s in (2, 4, 8, 16, 32, 64) if s < len(devs)]
+        sizes += [s for s in (2, 4, 8, 16, 32, 64) if s < widest]
     for kk in sizes:
         def make_dp(kk: int = kk) -> Plan:
             return _dressed(replicated(graph, cluster.ids[:kk], algorithm="data-parallel",
