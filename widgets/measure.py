@@ -8,10 +8,20 @@ seconds. :func:`measuring_work` is what is left to do, which a :class:`Backgroun
 thread: the capture with real weights (to run steps and export scripts) and, where the devices
 are present, the profile. The session swaps the profile's preliminary numbers in as soon as its
 first run is done (:class:`explorer.profiling.Preliminary`), and the final ones when it ends.
+
+A job never outlives the interpreter while inside torch: a daemon thread that is in a torch
+call when Python finalizes is ended there and aborts the whole process ("terminate called
+without an active exception"). Each running job is stopped at exit (:mod:`atexit`, which a
+Jupyter kernel's shutdown runs too): :meth:`BackgroundJob.stop` asks its work to end at the
+next progress report and raises :class:`MeasuringStopped` in its thread, whose unwinding ends
+the profile's rank processes, and waits a bounded time for the thread to leave.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import logging
 import threading
 import traceback
 from collections.abc import Callable
@@ -23,9 +33,15 @@ from explorer.core.graph import OpGraph
 from explorer.models.synthetic import roofline_costs
 from explorer.profiling import Preliminary
 
+_log = logging.getLogger(__name__)
+
 #: when the measured numbers come: "background" (a thread, the widget opens on rooflines),
 #: "now" (before the widget opens) or "never" (rooflines only, nothing run)
 MEASURE_MODES = ("background", "now", "never")
+
+#: how long stopping a job waits for its thread to leave the work (seconds): the time one op,
+#: a rank run's clean-up or a rank's kill takes, not a whole profile
+STOP_WAIT_S = 20.0
 
 #: told the real graph and a profile's preliminary numbers while the work goes on
 Early = Callable[[OpGraph, Preliminary], None]
@@ -56,12 +72,16 @@ def first_graph(module: Any, inputs: Any, loss_fn: Any, targets: Any, name: str 
     """The graph to open on, and whether it was captured without running (fake tensors).
 
     With ``measure="now"``, or when the model cannot be traced on fake tensors (code that reads
-    tensor values), the model is captured by running it."""
+    tensor values, or a tensor made outside the trace that fake tensors refuse), the model is
+    captured by running it."""
     if measure != "now":
         try:
             return ex.capture(module, inputs, loss_fn, targets, name=name, fake=True), True
         except CaptureError:
             pass  # e.g. data-dependent code: the real capture below says what is wrong
+        except Exception as e:  # torch refused the fake trace: the real capture is the one
+            _log.debug("the capture on fake tensors failed (%s: %s); capturing by running",
+                       type(e).__name__, e)
     return ex.capture(module, inputs, loss_fn, targets, name=name), False
 
 
@@ -157,23 +177,38 @@ def measured_status(cluster: ex.Cluster) -> str:
             "and export are ready)")
 
 
+class MeasuringStopped(BaseException):
+    """Ends a background job's work early (:meth:`BackgroundJob.stop`). A ``BaseException``,
+    like ``KeyboardInterrupt``, so that no ``except Exception`` on the way (a capture's
+    fallback, a profile's warning) takes it for a failure and carries on measuring."""
+
+
 class BackgroundJob:
     """``work`` run in a daemon thread: ``report(text)`` says how far it is, ``early(graph,
     preliminary)`` takes preliminary numbers, ``finish(result)`` its result and ``fail(error,
-    trace)`` its error (each called from the thread). :meth:`wait` blocks until it is over."""
+    trace)`` its error (each called from the thread). :meth:`wait` blocks until it is over;
+    :meth:`stop` ends it early (done for every running job at interpreter exit)."""
 
     def __init__(self, work: Work, report: Callable[[str], None], early: Early,
                  finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
                  fail: Callable[[BaseException, str], None]) -> None:
         self.error: BaseException | None = None
+        #: whether :meth:`stop` ended the work before it was done
+        self.stopped = False
         self._done = threading.Event()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run,
                                         args=(work, report, early, finish, fail),
                                         name="explorer-measure", daemon=True)
 
     def start(self) -> BackgroundJob:
+        atexit.register(self.stop)  # (unregistered when the work is over)
         self._thread.start()
         return self
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
 
     @property
     def running(self) -> bool:
@@ -183,13 +218,52 @@ class BackgroundJob:
         """Whether the job is over (within ``timeout_s`` seconds; None: as long as it takes)."""
         return self._done.wait(timeout_s)
 
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> bool:
+        """End the work early and wait (``timeout_s`` seconds at most) until the thread has
+        left it; whether it has. The work stops at its next progress report, or where it is
+        (:class:`MeasuringStopped` raised in the thread: a torch call it is in finishes first,
+        and the profile's rank processes are ended as the error unwinds). Nothing is
+        reported, finished or failed after a stop; the numbers so far stay."""
+        if not self.started or self._done.is_set():
+            return True
+        self._stopping.set()
+        thread = self._thread
+        if thread.ident is not None and thread.is_alive() and not self._done.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(MeasuringStopped))
+        thread.join(timeout_s)
+        if thread.is_alive():
+            _log.warning("the background measuring did not stop within %g s", timeout_s)
+            return False
+        return True
+
+    def _checked(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn``, which first ends the work when :meth:`stop` was asked (a step boundary)."""
+        def call(*args: object) -> None:
+            if self._stopping.is_set():
+                raise MeasuringStopped
+            fn(*args)
+        return call
+
     def _run(self, work: Work, report: Callable[[str], None], early: Early,
              finish: Callable[[tuple[OpGraph, ex.CostModel]], None],
              fail: Callable[[BaseException, str], None]) -> None:
         try:
-            finish(work(report, early))
-        except BaseException as e:  # the thread must say what went wrong, whatever it is
-            self.error = e
-            fail(e, traceback.format_exc(limit=6))
-        finally:
-            self._done.set()
+            try:
+                result = work(self._checked(report), self._checked(early))
+                if self._stopping.is_set():
+                    raise MeasuringStopped
+                finish(result)
+            except MeasuringStopped:
+                self.stopped = True
+            except BaseException as e:  # the thread must say what went wrong, whatever it is
+                if self._stopping.is_set():  # (an error of the stop's unwinding: stopped)
+                    self.stopped = True
+                else:
+                    self.error = e
+                    fail(e, traceback.format_exc(limit=6))
+            finally:
+                self._done.set()
+                atexit.unregister(self.stop)
+        except MeasuringStopped:  # raised in the thread just as the work ended by itself
+            self.stopped = True
