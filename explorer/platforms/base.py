@@ -10,7 +10,12 @@ adds nothing): the profiler, cost model and simulator consult the platform of ea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from explorer.platforms.load import HostLoad
 
 
 class Platform:
@@ -55,6 +60,12 @@ class Platform:
     def hold_freed_memory(self) -> bool:
         """Set up the rank process's allocator to keep what it frees; whether it did."""
         return False
+
+    def busy_host(self, load: HostLoad) -> str | None:
+        """Why the host, under ``load`` while a profile was measured, was too busy for the
+        profile of this platform's devices to hold once it is quiet (words for a warning), or
+        None when it was not."""
+        return None
 
     def rank_settings_tag(self) -> str:
         """How this platform's rank processes are set up, as a cache key suffix ("" when

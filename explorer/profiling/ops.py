@@ -5,13 +5,14 @@ Graphs captured with torch.export run a few real training steps through the runt
 and each op's forward and backward is timed there, after warm-up, as it runs in a real step.
 Hook-captured graphs time each leaf module in real forward and backward passes. CPU ranks
 are measured with one thread, as they run. Results are cached per graph fingerprint, device
-type and rank settings (:func:`measured`).
+type and rank settings (:func:`measured`; files read and written through
+:mod:`explorer.core.cachefile`), with the host's load while they were measured and what a
+cached profile is re-checked against before it is used (:mod:`explorer.profiling.recheck`).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import statistics
@@ -19,7 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from explorer.capture.tracing import CaptureRuntime, batch_splits, keep_buffers, training_mode
+from explorer.core import cachefile
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE, Plan
 from explorer.costs.model import DeviceCosts
@@ -34,6 +36,8 @@ from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
 from explorer.platforms.cpu.host_cache import finite_number
 from explorer.platforms.gpu import library_workspace_bytes
+from explorer.platforms.load import HostLoad, ShareMeter, load_per_core, usable_cores
+from explorer.profiling import recheck
 from explorer.runtime import launch
 from explorer.runtime.pool import RankPool
 
@@ -41,8 +45,9 @@ from explorer.runtime.pool import RankPool
 # to the median step; 5: the replicas' spread measured with the contention; 6: CPU ranks
 # pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
 # step's contention is measured; 9: a tensor-parallel split's costs fitted on the graph's own
-# split run (kept with the profile, as the contention is)
-PROFILE_VERSION = 9
+# split run (kept with the profile, as the contention is); 10: the host's load while it was
+# measured and the re-check's reference kept with it
+PROFILE_VERSION = 10
 #: steps timed in each run of the profile (after the warm-up). A run costs seconds to start
 #: its processes and its steps only tens of milliseconds each on the built-in models, so more
 #: steps per run are cheap; 15 rather than 5 make repeated profiles of one model agree
@@ -98,22 +103,103 @@ def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
     return cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{tag}.json"
 
 
+@dataclass(frozen=True)
+class CachedProfile:
+    """A profile as the cache keeps it: the costs, and what they were measured under."""
+
+    costs: DeviceCosts
+    #: the host's load while it was measured (None: not recorded, e.g. an older entry)
+    load: HostLoad | None = None
+    #: what it is re-checked against before it is used again (None: it cannot be)
+    reference: recheck.Reference | None = None
+
+
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
              cache: bool = True, progress: bool = True, pool: RankPool | None = None,
-             report: Report | None = None, first: FirstRun | None = None) -> DeviceCosts:
+             report: Report | None = None, first: FirstRun | None = None,
+             complete: Complete | None = None) -> DeviceCosts:
     """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
     measured (:func:`measure`, its runs on ``pool``'s ranks where given, how far it is told to
     ``report``, its first run's preliminary costs to ``first``) and cached;
     ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
-    usable times is measured again and replaced."""
+    usable times is measured again and replaced, and so is one whose ops, timed again here
+    (:mod:`explorer.profiling.recheck`, a fraction of a second), no longer take what it says.
+    A profile measured while the host was busy (:meth:`~explorer.platforms.Platform.busy_host`)
+    comes with a warning. ``complete`` (where given) may add what the profile lacks, in
+    place, saying whether it did; what it adds is cached with the profile."""
     path = cache_path(graph, dev, repeats)
-    dc = load(path, len(graph), dev.type_key) if cache else None
-    if dc is None:
-        dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report,
-                     first=first)
-        if cache:
-            store(path, dc)
-    return dc
+    got = load_entry(path, len(graph), dev.type_key) if cache else None
+    if got is not None and not _still_holds(graph, dev, got, path):
+        got = None
+    fresh = got is None
+    if got is None:
+        got = measure_recorded(graph, dev, repeats, warmup, progress, pool=pool, report=report,
+                               first=first)
+    if got.load is not None and (busy := platform_of(dev.kind).busy_host(got.load)):
+        where = "" if fresh else f" (cached in {path})"
+        warnings.warn(f"the profile of {graph.name} on {dev.id}{where} was measured on a "
+                      f"busy machine ({busy}): its times are likely too long for a quiet one. "
+                      "Profile again when the machine is quiet, with cache=False (or "
+                      "--no-cache)", stacklevel=3)
+    if cache and fresh:  # (kept should what ``complete`` measures fail)
+        store(path, got.costs, got.load, got.reference)
+    if complete is not None and complete(got.costs) and cache:
+        store(path, got.costs, got.load, got.reference)
+    return got.costs
+
+
+#: a function that adds what a profile lacks to it, in place, and says whether it did
+Complete = Callable[[DeviceCosts], bool]
+
+
+def measure_recorded(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
+                     progress: bool = True, pool: RankPool | None = None,
+                     report: Report | None = None, first: FirstRun | None = None
+                     ) -> CachedProfile:
+    """:func:`measure`, with the host's load while it ran and the re-check's reference: a
+    few of the graph's ops timed in this process just before and just after its runs
+    (:mod:`explorer.profiling.recheck`; their processor share is the load's)."""
+    nodes = recheck.reference_nodes(graph)
+    meter = ShareMeter()
+    start_load = load_per_core()
+    before = _look(graph, dev, nodes, meter)
+    dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report, first=first)
+    after = _look(graph, dev, nodes, meter)
+    under = HostLoad(meter.share, start_load, usable_cores())
+    return CachedProfile(dc, under, recheck.reference(dc, nodes, [before, after]))
+
+
+#: how long a profile whose ops cannot be timed alone samples the processor share it gets,
+#: before and after its runs
+LOAD_SAMPLE_S = 0.02
+
+
+def _look(graph: OpGraph, dev: Device, nodes: tuple[int, ...], meter: ShareMeter
+          ) -> recheck.Look | None:
+    """A look at the reference ops ``nodes`` (:func:`recheck.look`), or where they cannot be
+    timed a loop of ``LOAD_SAMPLE_S``, measured by ``meter``."""
+    got = recheck.look(graph, dev, nodes, meter)
+    if got is None:
+        meter.sample(LOAD_SAMPLE_S)
+    return got
+
+
+def _still_holds(graph: OpGraph, dev: Device, got: CachedProfile, path: Path) -> bool:
+    """Whether the cached profile ``got`` passes its re-check on ``dev`` now (a second look
+    confirms a first that is off); else with a warning."""
+    if got.reference is None:
+        return True
+    first = recheck.drift(graph, dev, got.costs, got.reference)
+    if first is None or first.holds:
+        return True
+    again = recheck.drift(graph, dev, got.costs, got.reference)
+    if again is None or again.holds:
+        return True
+    warnings.warn(f"the cached profile {path} no longer holds on this host: "
+                  f"{len(got.reference.nodes)} of its ops, timed again, ran {again.describe()} "
+                  "than it says (it was measured while the host was busier, or the host or the "
+                  "file changed); measuring again and replacing it", stacklevel=4)
+    return False
 
 
 def _slug(text: str) -> str:
@@ -127,25 +213,67 @@ def load(path: Path, nodes: int | None = None, type_key: str | None = None
     ``type_key`` (None: any); None when there is none,
     it is of another format or torch, or it is damaged (then with a warning: the caller
     measures again and replaces it)."""
+    got = load_entry(path, nodes, type_key)
+    return None if got is None else got.costs
+
+
+def load_entry(path: Path, nodes: int | None = None, type_key: str | None = None
+               ) -> CachedProfile | None:
+    """:func:`load`, with what the profile was measured under."""
     try:
-        text = path.read_text()
-    except OSError:
+        d = cachefile.read(path)
+    except cachefile.DamagedFile as exc:
+        return _damaged(path, str(exc))
+    if d is None:
         return None
-    try:
-        d = json.loads(text)
-    except ValueError:
-        return _damaged(path, "it is not JSON")
     if not isinstance(d, dict):
         return _damaged(path, "it is not a JSON object")
     if d.get("version") != PROFILE_VERSION or d.get("torch") != torch.__version__:
         return None  # an older format or another torch: measured again, nothing is wrong
-    d = {k: v for k, v in d.items() if k not in ("version", "torch")}
+    under, reference = d.get("load"), d.get("reference")
+    d = {k: v for k, v in d.items() if k not in ("version", "torch", "load", "reference")}
     problem = costs_problem(d, nodes)
     if not problem and type_key is not None and d["type_key"] != type_key:
         problem = f"it is for {d['type_key']!r}, not {type_key!r}"
+    if not problem:
+        problem = _load_problem(under) or _reference_problem(reference, len(d["fwd_s"]))
     if problem:
         return _damaged(path, problem)
-    return DeviceCosts(**d)
+    return CachedProfile(
+        DeviceCosts(**d),
+        None if under is None else HostLoad(float(under["cpu_share"]),
+                                            float(under["load_per_core"]), int(under["cores"])),
+        None if reference is None else recheck.Reference(tuple(reference["nodes"]),
+                                                         float(reference["ratio"])))
+
+
+def _load_problem(load: Any) -> str | None:
+    """What is wrong with an entry's record of the host's load, or None (also when absent)."""
+    if load is None:
+        return None
+    if not (isinstance(load, dict) and set(load) == {"cpu_share", "load_per_core", "cores"}
+            and finite_number(load["cpu_share"]) and load["cpu_share"] <= 1
+            and _bounded(load["load_per_core"])
+            and isinstance(load["cores"], int) and 1 <= load["cores"] <= 2**20):
+        return ("load is not a record of cpu_share (0 to 1), load_per_core (0 to 1e6) and "
+                "cores (a whole number >= 1)")
+    return None
+
+
+def _reference_problem(ref: Any, n: int) -> str | None:
+    """What is wrong with an entry's re-check reference for a graph of ``n`` nodes, or None
+    (also when absent)."""
+    if ref is None:
+        return None
+    nodes = ref.get("nodes") if isinstance(ref, dict) else None
+    if not (isinstance(ref, dict) and set(ref) == {"nodes", "ratio"}
+            and isinstance(nodes, list) and 1 <= len(nodes) <= recheck.RECHECK_OPS
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+                    for i in nodes)
+            and _bounded(ref["ratio"]) and ref["ratio"] > 0):
+        return (f"reference is not a record of 1 to {recheck.RECHECK_OPS} node indices and a "
+                "ratio above 0")
+    return None
 
 
 def _damaged(path: Path, why: str) -> None:
@@ -234,16 +362,20 @@ def _times(xs: Any, n: int) -> bool:
     return isinstance(xs, list) and len(xs) == n and all(_bounded(x) for x in xs)
 
 
-def store(path: Path, dc: DeviceCosts) -> None:
+def store(path: Path, dc: DeviceCosts, load: HostLoad | None = None,
+          reference: recheck.Reference | None = None) -> None:
+    """Cache the profile ``dc`` at ``path`` (written atomically) with the host's ``load``
+    while it was measured and its re-check ``reference``, where known."""
+    entry = {"version": PROFILE_VERSION, "torch": torch.__version__,
+             **asdict(dc)}  # the fields, not cached arrays
+    if load is not None:
+        entry["load"] = load.to_dict()
+    if reference is not None:
+        entry["reference"] = reference.to_dict()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": PROFILE_VERSION, "torch": torch.__version__,
-                                   **asdict(dc)}))  # the fields, not cached arrays
-        tmp.replace(path)
+        cachefile.write(path, entry)
     except OSError:
         pass  # caching is a convenience; a read-only home must not stop profiling
-
 
 
 @contextmanager

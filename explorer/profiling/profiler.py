@@ -11,6 +11,7 @@ All the runs of one profile on a device type share rank processes started once
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,30 +107,14 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 graph, cluster, per_type, dev.type_key, partial, runs_done,
                 _runs_total(graph, cluster))
             dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
-                              report=report, first=first)
+                              report=report, first=first,
+                              complete=functools.partial(
+                                  _complete, graph=graph, dev=dev, ranks=ranks,
+                                  contention=contention, precisions=precisions,
+                                  repeats=repeats, warmup=warmup, progress=progress,
+                                  pool=pool, report=report))
             runs_done += ops.timing_runs(graph) + (2 * host.CONTENTION_ROUNDS if contention
                                                    else 0)
-            # what the cached op timing lacks, measured now and cached with it (once)
-            added = False
-            for p in precisions:
-                if p not in dc.precision_s and graph.source == "export":
-                    dc.precision_s[p] = ops.measure_precision(graph, dev, p, dc, repeats, warmup,
-                                                              pool=pool, report=report)
-                    added = True
-            if not dc.contention and contention:
-                try:
-                    dc.contention, dc.replica_spread, dc.optimizer_contention = \
-                        host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
-                                                pool=pool, report=report)
-                    added = True
-                except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
-                    warnings.warn(f"could not measure how CPU ranks of this host slow each "
-                                  f"other ({exc}); predictions leave it out", stacklevel=2)
-            if not dc.dtensor and contention:  # (the host probe's costs where this finds none)
-                dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, report)
-                added = added or bool(dc.dtensor)
-            if added and cache:
-                ops.store(ops.cache_path(graph, dev, repeats), dc)
             per_type[dev.type_key] = dc
         message_s = 0.0
         if message and graph.runtime is not None:
@@ -146,6 +131,34 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
             for dc in cpus:
                 dc.collective_s = collective_s
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
+
+
+def _complete(dc: DeviceCosts, graph: OpGraph, dev: Device, ranks: list[Device],
+              contention: bool, precisions: tuple[str, ...], repeats: int, warmup: int,
+              progress: bool, pool: RankPool | None, report: ops.Report | None) -> bool:
+    """Measure what the op timing ``dc`` of ``dev`` (cached or new) lacks, into it: the
+    ``precisions`` not timed yet, how ``ranks`` slow each other (where it ``contention`` is
+    measured) and the model's own split costs; whether anything was added (then
+    :func:`ops.measured` caches it with the op timing)."""
+    added = False
+    for p in precisions:
+        if p not in dc.precision_s and graph.source == "export":
+            dc.precision_s[p] = ops.measure_precision(graph, dev, p, dc, repeats, warmup,
+                                                      pool=pool, report=report)
+            added = True
+    if not dc.contention and contention:
+        try:
+            dc.contention, dc.replica_spread, dc.optimizer_contention = \
+                host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
+                                        pool=pool, report=report)
+            added = True
+        except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
+            warnings.warn(f"could not measure how CPU ranks of this host slow each "
+                          f"other ({exc}); predictions leave it out", stacklevel=4)
+    if not dc.dtensor and contention:  # (the host probe's costs where this finds none)
+        dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, report)
+        added = added or bool(dc.dtensor)
+    return added
 
 
 def _runs_total(graph: OpGraph, cluster: Cluster) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import multiprocessing
+import os
 import random
 import warnings
 from dataclasses import asdict, replace
@@ -25,7 +27,7 @@ import explorer as ex
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster
 from explorer.platforms.cpu import host as cpu_host
-from explorer.platforms.cpu.host_cache import cache_file, cache_key
+from explorer.platforms.cpu.host_cache import cache_file, cache_key, read_cache, write_cache
 
 ops = importlib.import_module("explorer.profiling.ops")
 probe = importlib.import_module("explorer.profiling.host")
@@ -231,3 +233,109 @@ def test_a_wrong_host_entry_is_measured_again_with_a_warning(cache_home, monkeyp
     with pytest.warns(UserWarning, match=r"damaged or incomplete \(flops_per_s is not a finite"):
         assert cpu_host.host_profile(True)["compute_source"].startswith("measured (fake)")
     assert json.loads(path.read_text())[key]["flops_per_s"] > 0
+
+
+# ---- damaged bytes, and several processes at once
+
+#: damage that parses as no JSON value of ours: bytes that are not UTF-8, nesting deeper than
+#: any parser's stack, a number no float holds (as 10**400 would be written)
+DAMAGED_BYTES = {
+    "bad UTF-8": (b'{"version": \xff\xfe}', "not UTF-8"),
+    "100k-deep [": (b"[" * 100_000, "nests deeper than"),
+}
+HUGE = 10**400
+
+
+def _with_huge(text: str, field: str) -> bytes:
+    """``text`` (JSON) with the number of ``field`` replaced by 10**400, digit by digit."""
+    d = json.loads(text)
+    d[field] = "HUGE"
+    return json.dumps(d).replace('"HUGE"', str(HUGE)).encode()
+
+
+@pytest.mark.parametrize("kind", [*DAMAGED_BYTES, "10**400"])
+def test_damaged_bytes_in_a_profile_entry_are_measured_again(cache_home, monkeypatch, kind):
+    monkeypatch.setattr(ops, "measure", _fresh)
+    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path.parent.mkdir(parents=True)
+    if kind == "10**400":
+        data, why = _with_huge(json.dumps(_valid_entry()), "overhead_s"), "overhead_s is not"
+    else:
+        data, why = DAMAGED_BYTES[kind]
+    path.write_bytes(data)
+    for attempt in range(2):  # not only once: the entry is replaced
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert ops.measured(G, DEV, progress=False) == _fresh(G, DEV, 1, 0, False)
+        said = [str(w.message) for w in caught if " is damaged" in str(w.message)]
+        if attempt == 0:
+            assert len(said) == 1 and why in said[0], said
+        else:
+            assert said == []  # read back as measured
+    assert ops.load(path, len(G), DEV.type_key) == _fresh(G, DEV, 1, 0, False)
+
+
+def _host_file_damaged(kind: str, good: dict, key: str, message_key: str) -> bytes:
+    if kind == "10**400 in the host profile":
+        whole = {key: {**good, "flops_per_s": "HUGE"}, message_key: {"message_s": 1e-5}}
+    elif kind == "10**400 in the message cost":
+        whole = {key: good, message_key: {"message_s": "HUGE"}}
+    else:
+        return DAMAGED_BYTES[kind][0]
+    return json.dumps(whole).replace('"HUGE"', str(HUGE)).encode()
+
+
+@pytest.mark.parametrize("kind", [*DAMAGED_BYTES, "10**400 in the host profile",
+                                  "10**400 in the message cost"])
+def test_damaged_bytes_in_the_host_cache_are_measured_again(cache_home, monkeypatch, kind):
+    monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
+    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: 2e-5)
+    path, key = cache_file(), cache_key()
+    message_key = f"{key}|{probe.PROBE_KEY}"
+    path.parent.mkdir(parents=True)
+    good = {k: v for k, v in _host_measured().items() if k != "link_measured"}
+    path.write_bytes(_host_file_damaged(kind, good, key, message_key))
+    two = Cluster.cpu(2, measure=False)
+    two = replace(two, default_link=replace(two.default_link, source="measured (fake)"))
+    cpu_host.forget_measurements()
+    probe.forget_message_s()
+    with pytest.warns(UserWarning, match="damaged"):
+        prof = cpu_host.host_profile(True)
+        message_s = probe.cpu_message_s(two)
+    assert cpu_host.valid_profile(prof)
+    assert message_s in (1e-5, 2e-5)  # (kept where only the host profile was damaged)
+    stored = json.loads(path.read_text())  # replaced by what was measured: valid again
+    assert cpu_host.valid_profile(stored[key])
+    assert stored[message_key]["message_s"] == message_s
+
+
+def _writer(args) -> tuple[int, int]:
+    """One of several processes sharing one cache folder: stores its own host cache entries
+    and the profile entry, reading both back after each write; how many reads it found
+    damaged (or a profile not whole) and how many host entries it wrote."""
+    root, me, rounds = args
+    os.environ["XDG_CACHE_HOME"] = root
+    damaged = 0
+    path = ops.cache_path(G, DEV, ops.REPEATS)
+    mine = _fresh(G, DEV, 1, 0, False)
+    for i in range(rounds):
+        write_cache(cache_file(), f"{me}|{i}", {"message_s": float(i)})
+        ops.store(path, replace(mine, overhead_s=1e-6 * (me + 1)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = ops.load(path, len(G), DEV.type_key)
+            entries = read_cache(cache_file())
+        damaged += bool(caught) or got is None or f"{me}|{i}" not in entries
+    return damaged, rounds
+
+
+def test_concurrent_writers_neither_damage_nor_lose_entries(tmp_path):
+    writers, rounds = 4, 40
+    with multiprocessing.get_context("fork").Pool(writers) as pool:
+        results = pool.map(_writer, [(str(tmp_path), me, rounds) for me in range(writers)])
+    assert [damaged for damaged, _ in results] == [0] * writers
+    entries = json.loads((tmp_path / "partition-explorer" / cache_file().name).read_text())
+    assert sorted(entries) == sorted(f"{me}|{i}" for me in range(writers) for i in range(rounds))
+    # no temporary file left behind beside the caches
+    assert [p.name for p in (tmp_path / "partition-explorer" / "profiles").iterdir()] == [
+        ops.cache_path(G, DEV, ops.REPEATS).name]

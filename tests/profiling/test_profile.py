@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import types
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.costs.model import DeviceCosts, roofline
 from explorer.devices.cluster import Cluster
+from explorer.platforms import CPU_PLATFORM, NO_PLATFORM
 from explorer.platforms.cpu import rank_settings_tag
+from explorer.platforms.load import HostLoad
 from explorer.runtime import RankPool
 
 ops = importlib.import_module("explorer.profiling.ops")
@@ -29,6 +32,7 @@ host = importlib.import_module("explorer.profiling.host")
 profiler = importlib.import_module("explorer.profiling.profiler")
 dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
 collective_probe = importlib.import_module("explorer.profiling.collective_probe")
+recheck = importlib.import_module("explorer.profiling.recheck")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
 
@@ -532,3 +536,98 @@ class TestSharedRanks:
         monkeypatch.setattr(profiler, "REUSE_RANKS", False)
         ex.profile(gpt, host2, **FAST)
         assert {p for _, p in runs} == {None}
+
+
+class TestLoadAndRecheck:
+    """A profile records how busy the host was; a cached one is re-checked before use."""
+
+    @pytest.fixture
+    def looks(self, monkeypatch):
+        """Stand-in looks at the re-check's ops (nothing timed): each op takes ``wall`` and
+        ``cpu`` seconds, as set; the looks are counted."""
+        state = {"wall": 1e-4, "cpu": 1e-4, "looks": 0}
+
+        def look(graph, dev, nodes, meter=None, budget_s=recheck.RECHECK_BUDGET_S):
+            state["looks"] += 1
+            if meter is not None:  # as a loop that got cpu/wall of its core
+                meter.wall_s += state["wall"] * len(nodes)
+                meter.cpu_s += state["cpu"] * len(nodes)
+            return recheck.Look((state["wall"],) * len(nodes), (state["cpu"],) * len(nodes))
+
+        monkeypatch.setattr(recheck, "look", look)
+        monkeypatch.setattr(ops, "load_per_core", lambda: 0.25)  # a quiet host's
+        return state
+
+    @staticmethod
+    def _said(caught, what: str) -> list[str]:
+        return [str(w.message) for w in caught if what in str(w.message)]
+
+    def _profile(self, gpt, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            costs = ex.profile(gpt, Cluster.cpu(1, measure=False), **FAST, **kwargs)
+        return costs, caught
+
+    def test_the_reference_ops_are_the_largest_and_run_alone(self, gpt):
+        nodes = recheck.reference_nodes(gpt)
+        assert len(nodes) == recheck.RECHECK_OPS
+        flops = sorted((n.fwd_flops for n in gpt.nodes if n.kind == "op"), reverse=True)
+        assert sorted(gpt.nodes[i].fwd_flops for i in nodes) == sorted(
+            flops[:recheck.RECHECK_OPS])
+        got = recheck.look(gpt, Cluster.cpu(1, measure=False).devices[0], nodes)
+        assert got is not None and all(t > 0 for t in got.wall_s + got.cpu_s)
+        assert recheck.reference_nodes(ex.OpGraph("empty", [], batch_size=1)) == ()
+
+    def test_a_busy_host_is_told_by_the_cpu_platform(self):
+        quiet = HostLoad(cpu_share=0.98, load_per_core=0.5, cores=2)
+        assert CPU_PLATFORM.busy_host(quiet) is None
+        assert NO_PLATFORM.busy_host(HostLoad(0.3, 4.0, 2)) is None  # (neutral: never)
+        assert "got 40% of a core" in CPU_PLATFORM.busy_host(HostLoad(0.4, 0.5, 2))
+        assert "load average 3.0 per core" in CPU_PLATFORM.busy_host(HostLoad(1.0, 3.0, 2))
+
+    def test_a_profile_measured_under_load_warns_and_records_it(self, gpt, fake, cache, looks):
+        looks["wall"] = 2.5e-4  # the timing loops got 40 % of their core
+        _, caught = self._profile(gpt)
+        (said,) = self._said(caught, "busy machine")
+        assert "got 40% of a core" in said and "cache=False" in said
+        (entry,) = cache.iterdir()
+        assert json.loads(entry.read_text())["load"]["cpu_share"] == pytest.approx(0.4)
+        # used again while as busy (it holds by wall time): used, and said again
+        _, caught = self._profile(gpt)
+        assert len(fake) == 1 and "cached in" in self._said(caught, "busy machine")[0]
+
+    def test_a_faithful_cached_profile_is_used_as_it_is(self, gpt, fake, cache, looks):
+        first, caught = self._profile(gpt)
+        assert not self._said(caught, "busy machine")
+        looks["wall"] = 3e-4  # busy now, but its ops take the processor time they took
+        again, caught = self._profile(gpt)
+        assert len(fake) == 1 and again == first
+        assert not self._said(caught, "no longer holds")
+        assert looks["looks"] == 3  # two when measured, one re-check
+
+    @pytest.mark.parametrize("scaled", [3.0, 1 / 3])
+    def test_a_cached_profile_far_off_is_measured_again(self, gpt, fake, cache, looks,
+                                                        scaled):
+        self._profile(gpt)
+        (entry,) = cache.iterdir()
+        d = json.loads(entry.read_text())
+        d["fwd_s"] = [t * scaled for t in d["fwd_s"]]
+        d["bwd_s"] = [t * scaled for t in d["bwd_s"]]
+        entry.write_text(json.dumps(d))
+        costs, caught = self._profile(gpt)
+        (said,) = self._said(caught, "no longer holds")
+        assert ("3.0x faster" if scaled > 1 else "3.0x slower") in said
+        assert len(fake) == 2  # measured again, and replaced
+        i = gpt.index[gpt.loss]
+        assert costs.fwd_s(i, "cpu:0") == pytest.approx(1e-3)
+        assert json.loads(entry.read_text())["fwd_s"][i] == pytest.approx(1e-3)
+
+    def test_a_profile_measured_busy_is_measured_again_once_quiet(self, gpt, fake, cache,
+                                                                  looks):
+        looks["wall"] = 3e-4  # its ops (and so its times) took 3x their processor time
+        self._profile(gpt)
+        looks["wall"] = 1e-4  # quiet now
+        _, caught = self._profile(gpt)
+        assert len(fake) == 2 and "3.0x faster" in self._said(caught, "no longer holds")[0]
+        _, caught = self._profile(gpt)  # and the new one holds
+        assert len(fake) == 2 and not self._said(caught, "busy machine")

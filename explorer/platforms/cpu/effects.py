@@ -16,6 +16,7 @@ from scipy.special import ndtr
 
 from explorer.platforms.base import Platform
 from explorer.platforms.cpu.ranks import hold_freed_memory, pin_cpu_rank, rank_settings_tag
+from explorer.platforms.load import HostLoad
 
 
 class ReplicaEffects(NamedTuple):
@@ -92,6 +93,11 @@ class CpuPlatform(Platform):
 
     def rank_settings_tag(self) -> str:
         return rank_settings_tag()
+
+    def busy_host(self, load: HostLoad) -> str | None:
+        from explorer.platforms.cpu.host import busy_problem
+
+        return busy_problem(load)
 
 
 CPU_PLATFORM = CpuPlatform()

@@ -27,6 +27,7 @@ from explorer.platforms.cpu.host_cache import (
     warn_damaged,
     write_cache,
 )
+from explorer.platforms.load import HostLoad
 from explorer.platforms.net import free_port, loopback_ifname
 
 #: nominal power of one busy / idle CPU core running one rank (no portable way to measure it)
@@ -43,6 +44,14 @@ LINK_MEASURE_TIMEOUT_S = 15.0
 #: median. The link is cached for good, and a single probe on a shared host can come out
 #: well off the host's usual figures, which would bias every data-parallel prediction there
 LINK_PROBES = 3
+
+#: a profile whose timing loops got less of a core than this was kept waiting by other
+#: processes: CPU ranks, one per core, then shared their cores too (a loop that computes
+#: without pause gets all of its core when no other process wants it)
+BUSY_CPU_SHARE = 0.8
+#: a one-minute load average above this per core when a profile started: more processes
+#: wanted to run than the host has cores, beyond the profile's own rank on each
+BUSY_LOAD_PER_CORE = 1.5
 
 CPU_RANK_NAME = "CPU rank (1 thread)"
 CPU_POWER_NOTE = (
@@ -158,6 +167,14 @@ def profile_problem(p: Any) -> str | None:
             return f"{k} is not a finite number > 0"
     return None
 
+
+
+def busy_problem(load: HostLoad) -> str | None:
+    """Why CPU ranks measured under ``load`` ran slower than they will on a quiet host (other
+    processes competing for the ranks' cores), in words; None when they did not."""
+    if load.cpu_share < BUSY_CPU_SHARE or load.load_per_core > BUSY_LOAD_PER_CORE:
+        return f"other processes competed for its cores: {load.describe()}"
+    return None
 
 
 def measure_host_profile() -> dict[str, Any]:
