@@ -115,22 +115,21 @@ def look(graph: OpGraph, dev: Device, nodes: tuple[int, ...],
             calls = [_call(graph, i, device) for i in nodes]
             wall, cpu = [], []
             for fn in calls:
-                fn()  # warm-up, and the time of one call
                 t0 = time.perf_counter()
-                fn()
+                fn()  # warm-up, and the time of one call
                 sync()
                 once = max(time.perf_counter() - t0, 1e-7)
-                reps = max(3, min(1000, int(budget_s / len(calls) / once)))
+                reps = max(1, min(1000, int(budget_s / len(calls) / once)))
+                samples = 3 if reps >= 3 else 1  # medians of three where there is time
                 walls, cpus = [], []
-                for _ in range(3):  # three samples of a third each: their medians
+                for _ in range(samples):
                     with meter or ShareMeter():
                         w0, c0 = time.perf_counter(), time.thread_time()
-                        for _ in range(max(1, reps // 3)):
+                        for _ in range(reps // samples):
                             fn()
                         sync()
-                        n = max(1, reps // 3)
-                        walls.append((time.perf_counter() - w0) / n)
-                        cpus.append((time.thread_time() - c0) / n)
+                        walls.append((time.perf_counter() - w0) / (reps // samples))
+                        cpus.append((time.thread_time() - c0) / (reps // samples))
                 wall.append(statistics.median(walls))
                 cpu.append(statistics.median(cpus))
     except Exception:  # (an op that needs inputs of its own: no re-check, not an error)
