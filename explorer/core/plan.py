@@ -428,7 +428,10 @@ class Plan:
     @classmethod
     def from_json(cls, data: str | bytes, graph: OpGraph | None = None, cluster: Any = None,
                   source: str = "the plan") -> Plan:
-        """A plan from the text of a plan file (UTF-8 JSON)."""
+        """A plan from the text of a plan file (UTF-8 JSON) of at most ``MAX_PLAN_BYTES``,
+        refused by its size before it is parsed."""
+        if _utf8_bytes_over(data, MAX_PLAN_BYTES):
+            raise PlanError(f"{source} is larger than {MAX_PLAN_BYTES // 2**20} MiB: not a plan")
         try:
             d = json.loads(data)
         except json.JSONDecodeError as exc:
@@ -439,6 +442,21 @@ class Plan:
             raise PlanError(f"{source} is not UTF-8 JSON of reasonable depth ({exc}); the "
                             "file is damaged, export the plan again") from exc
         return cls.from_dict(d, graph, cluster)
+
+
+def _utf8_bytes_over(data: Any, limit: int) -> bool:
+    """Whether ``data`` (bytes, or text as UTF-8) holds more than ``limit`` bytes, counted a
+    chunk at a time (never a copy of a large text)."""
+    if not isinstance(data, str):
+        return len(data) > limit
+    if len(data) > limit or data.isascii():
+        return len(data) > limit
+    chunk, total = 2**20, 0
+    for i in range(0, len(data), chunk):
+        total += len(data[i:i + chunk].encode("utf-8", "surrogatepass"))
+        if total > limit:
+            return True
+    return False
 
 
 def _jsonable(x: Any) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 from explorer.core.errors import PlanError
 from explorer.core.factory import FACTORY_PATTERN
+from explorer.core.limits import MAX_BATCH_SIZE, MAX_DEVICES
 
 #: bytes of optimizer state per byte of trainable parameters (torch.optim defaults)
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -37,7 +38,6 @@ NAME_PATTERN = r"[A-Za-z0-9_.:+/-]{1,128}"
 #: the graph's name is a label ("layered-1200 (24 groups)"), possibly empty: one line of
 #: printable text, never control characters
 GRAPH_NAME_PATTERN = r"[^\x00-\x1f\x7f-\x9f]{0,256}"
-MAX_DEVICES = 4096
 MAX_MICRO_BATCHES = 1024
 MAX_TEXT_CHARS = 100_000  # a node name, pin or note
 MAX_JSON_DEPTH = 32  # nesting of the algorithm's options
@@ -164,7 +164,7 @@ def obj(fields: Mapping[str, tuple[Check, Any]]) -> Check:
 _name = matching(NAME_PATTERN, "a name of 1 to 128 letters, digits or _ . : + / -")
 
 _builtin_record = obj({"builtin": (_name, REQUIRED), "size": (_name, REQUIRED),
-                       "batch_size": (whole(1, 2**31), REQUIRED)})
+                       "batch_size": (whole(1, MAX_BATCH_SIZE), REQUIRED)})
 _factory_record = obj({"factory": (matching(FACTORY_PATTERN, "a function name of the form "
                                             "module:function"), REQUIRED)})
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any
 
 from explorer.core.errors import ExplorerError, UnknownNameError, unknown_name
+from explorer.core.limits import MAX_DEVICES
 from explorer.devices import discovery, presets
 from explorer.devices.records import SAME_DEVICE_LINK, Device, GiB, Link, json_safe, record
 from explorer.platforms.cpu import host as cpu_host
@@ -57,6 +59,10 @@ class Cluster:
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "links", tuple(tuple(x) for x in self.links))
+        if len(self.devices) > MAX_DEVICES:
+            raise ExplorerError(f"cluster {self.name!r} has {len(self.devices):,} devices, more "
+                                f"than the {MAX_DEVICES:,} a cluster (and a plan) may have; "
+                                "use fewer")
         if not self.devices:
             raise ExplorerError(f"cluster {self.name!r} has no devices")
         seen: set[str] = set()
@@ -313,6 +319,8 @@ def max_cpu_ranks() -> tuple[int, str]:
     memory = discovery.total_memory_bytes()
     by_cores = MAX_CPU_RANKS_PER_CORE * cores
     by_memory = max(1, memory // MIN_CPU_RANK_MEMORY_BYTES)
+    if min(by_cores, by_memory) > MAX_DEVICES:
+        return MAX_DEVICES, f"the {MAX_DEVICES:,} devices a cluster may have"
     why = (f"{MAX_CPU_RANKS_PER_CORE} per core on {cores} cores" if by_cores <= by_memory
            else f"{MIN_CPU_RANK_MEMORY_BYTES // 2**20} MiB each of {memory / GiB:.1f} GiB of "
                 "memory")
@@ -336,9 +344,15 @@ def parse_devices(spec: str) -> Cluster:
         return Cluster.cpu()
     if s.startswith("cpu:"):
         n = s[4:].strip()
-        if not n.isdigit():
-            raise ExplorerError(f"bad device spec {spec!r}: in 'cpu:N', N must be an integer >= 1")
-        return Cluster.cpu(int(n) if len(n) <= 9 else 10**9)  # (refused there: too many)
+        if not re.fullmatch(r"[0-9]+", n):  # ASCII digits only: int() reads other scripts' too
+            raise ExplorerError(f"bad device spec {shown_spec(spec)}: in 'cpu:N', N must be an "
+                                "integer >= 1 written in the digits 0-9")
+        digits = len(n.lstrip("0"))
+        if digits > 9:  # (never int() of thousands of digits)
+            limit, why = max_cpu_ranks()
+            raise ExplorerError(f"cpu:N with N of {digits:,} digits is more than this machine "
+                                f"can run: at most {limit} ({why}); ask for fewer")
+        return Cluster.cpu(int(n))
     if s in ("gpu", "gpus", "auto"):
         return Cluster.discover()
     try:
@@ -347,6 +361,12 @@ def parse_devices(spec: str) -> Cluster:
         raise UnknownNameError(
             f"unknown device spec {spec!r}: {e}. Accepted forms: {forms}"
         ) from None
+
+
+def shown_spec(spec: str) -> str:
+    """A device spec as an error message shows it: quoted, cut short when long."""
+    text = repr(spec)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _fmt_flops(x: float) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from explorer.core.errors import ExplorerError, unknown_name
+from explorer.core.limits import MAX_DEVICES
 from explorer.devices.records import Device, GiB, Link
 from explorer.platforms.gpu import NCCL_LATENCY_NOTE, NCCL_NOMINAL_LATENCY_S
 
@@ -218,8 +219,9 @@ def roofline_fit(device_name: str) -> RooflineFit | None:
 _SPEC_LOOKUP = {re.sub(r"[-_ ]", "", k.upper()): s for k, s in GPU_SPECS.items()}
 
 
-#: the most GPUs a preset cluster may have (a bound on what is built and simulated)
-MAX_PRESET_GPUS = 65_536
+#: the most GPUs a preset cluster may have (a bound on what is built and simulated): as many
+#: devices as a plan may use
+MAX_PRESET_GPUS = MAX_DEVICES
 
 
 def parse_preset_spec(spec: str) -> list[tuple[int, GpuSpec]]:
@@ -227,7 +229,8 @@ def parse_preset_spec(spec: str) -> list[tuple[int, GpuSpec]]:
         raise unknown_name("GPU preset", str(spec), GPU_SPECS)
     out = []
     for part in spec.split("+"):
-        m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?([A-Za-z][\w\- ]*?)\s*", part)
+        m = re.fullmatch(r"\s*(?:([0-9]+)\s*[xX*]\s*)?([A-Za-z][\w\- ]*?)\s*", part,
+                         re.ASCII)
         if not m:
             raise unknown_name("GPU preset", part.strip(), GPU_SPECS)
         digits = m.group(1) or "1"

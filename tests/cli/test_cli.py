@@ -346,7 +346,7 @@ class TestErrors:
 
     @pytest.mark.parametrize("spec,message", [
         ("cpu:100000000", "100000000 CPU ranks are more than this machine can run: at most "),
-        ("100000000xH100", "preset '100000000xH100' has 100000000 GPUs, more than the 65,536"),
+        ("100000000xH100", "preset '100000000xH100' has 100000000 GPUs, more than the 4,096"),
     ])
     def test_devices_beyond_the_limits(self, capsys, spec, message):
         rc, out, err = _run(capsys, "devices", "--devices", spec)

@@ -9,9 +9,16 @@ from dataclasses import replace
 import pytest
 from builders import cluster, graph
 
+from explorer.core import plan as plan_module
 from explorer.core.errors import PlanError
+from explorer.core.limits import MAX_BATCH_SIZE
 from explorer.core.plan import Plan, StageSettings
-from explorer.core.plan_schema import MAX_DEVICES, MAX_MICRO_BATCHES, PLAN_VERSION
+from explorer.core.plan_schema import (
+    MAX_DEVICES,
+    MAX_MICRO_BATCHES,
+    MAX_PLAN_BYTES,
+    PLAN_VERSION,
+)
 
 
 @pytest.fixture
@@ -453,6 +460,39 @@ class TestBounds:
     def test_huge_micro_batches_refused_in_memory(self, chain3, mb):
         with pytest.raises(PlanError, match="micro_batches must be a whole number >= 1 and"):
             Plan.single(chain3, "d:0", micro_batches=mb)
+
+
+class TestSizeLimits:
+    """What a plan file can ask for is bounded before the work it asks for."""
+
+    @pytest.mark.parametrize("batch", [MAX_BATCH_SIZE + 1, 2**22, 2**31])
+    def test_a_model_batch_beyond_the_limit_is_refused(self, two_stage, batch):
+        d = {**two_stage.to_dict(), "model": {"builtin": "mlp", "size": "tiny",
+                                              "batch_size": batch}}
+        with pytest.raises(PlanError, match=rf"plan field model\.batch_size must be a whole "
+                                            rf"number >= 1 and <= {MAX_BATCH_SIZE}"):
+            Plan.from_json(json.dumps(d))
+
+    @pytest.mark.parametrize("as_text", [False, True])
+    def test_from_json_refuses_input_over_the_size_limit_before_parsing(
+            self, two_stage, monkeypatch, as_text):
+        """The limit is the documented 256 MiB; lowered here so that the test need not build
+        256 MiB: a valid plan one byte over it is refused, one at it loads."""
+        assert MAX_PLAN_BYTES == 256 * 2**20
+        text = json.dumps(two_stage.to_dict())
+        data = text if as_text else text.encode()
+        monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", len(data) - 1)
+        with pytest.raises(PlanError, match=r"the plan is larger than 0 MiB: not a plan"):
+            Plan.from_json(data)
+        monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", len(data))
+        assert Plan.from_json(data) == two_stage
+
+    def test_text_is_measured_in_utf8_bytes(self, two_stage, monkeypatch):
+        text = json.dumps({**two_stage.to_dict(), "notes": ["é" * 100]},
+                          ensure_ascii=False)
+        monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", len(text) + 50)  # < its 100 more
+        with pytest.raises(PlanError, match="larger than"):
+            Plan.from_json(text)
 
 
 class TestTensorWithMemorySettings:

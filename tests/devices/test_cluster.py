@@ -9,10 +9,12 @@ import os
 import sys
 import time
 import types
+from dataclasses import replace
 
 import pytest
 
 from explorer.core.errors import ExplorerError, UnknownNameError
+from explorer.core.limits import MAX_DEVICES
 from explorer.devices import discovery
 from explorer.devices.cluster import (
     MAX_CPU_RANKS_PER_CORE,
@@ -250,9 +252,42 @@ def test_more_cpu_ranks_than_the_machine_can_run_are_refused(spec):
         Cluster.cpu(limit + 1, measure=False)
 
 
-@pytest.mark.parametrize("spec", ["100000000xH100", "65536xH100+1xT4", "9" * 5000 + "xH100"])
+@pytest.mark.parametrize("spec", ["100000000xH100", "65536xH100+1xT4", "9" * 5000 + "xH100",
+                                  "4097xH100", "4096xH100+1xT4"])
 def test_presets_with_too_many_gpus_are_refused(spec):
-    with pytest.raises(ExplorerError, match="more than the 65,536 a cluster may have"):
+    """A cluster may have as many devices as a plan may use (one limit for both)."""
+    with pytest.raises(ExplorerError, match="more than the 4,096 a cluster may have"):
+        Cluster.preset(spec)
+
+
+def test_a_cluster_has_at_most_the_devices_a_plan_may_use():
+    assert len(Cluster.preset("4096xH100")) == MAX_DEVICES
+    one = Cluster.preset("H100").devices[0]
+    devices = tuple(replace(one, id=f"H100:{i}") for i in range(MAX_DEVICES + 1))
+    with pytest.raises(ExplorerError, match=r"cluster 'big' has 4,097 devices, more than the "
+                                            r"4,096 a cluster \(and a plan\) may have"):
+        Cluster("big", devices, Cluster.preset("H100").default_link)
+
+
+@pytest.mark.parametrize("spec", ["cpu:\u0661\u0662", "cpu:\uff12", "cpu:\u00b2", "cpu:1_0",
+                                  "cpu:+2", "cpu: 2 2"])
+def test_cpu_ranks_are_written_in_ascii_digits(spec):
+    with pytest.raises(ExplorerError, match=r"in 'cpu:N', N must be an integer >= 1 "
+                                            r"written in the digits 0-9"):
+        parse_devices(spec)
+
+
+def test_a_cpu_count_of_thousands_of_digits_says_the_real_limit():
+    limit, why = max_cpu_ranks()
+    with pytest.raises(ExplorerError) as err:
+        parse_devices("cpu:" + "9" * 5000)
+    assert str(err.value) == (f"cpu:N with N of 5,000 digits is more than this machine can "
+                              f"run: at most {limit} ({why}); ask for fewer")
+
+
+@pytest.mark.parametrize("spec", ["\u0664xH100", "\uff14xH100"])
+def test_preset_counts_are_written_in_ascii_digits(spec):
+    with pytest.raises(ExplorerError, match="unknown GPU preset"):
         Cluster.preset(spec)
 
 
