@@ -544,13 +544,16 @@ class Session:
     def save(self, path: str | Path) -> Path:
         return self.plan.save(path)
 
-    def export(self, path: str | Path, steps: int = 10, overwrite: bool = False) -> Path:
+    def export(self, path: str | Path, steps: int = 10, overwrite: bool = False,
+               factory: str | None = None) -> Path:
         """Write the torchrun script (and its plan JSON and job folder) for the plan under edit;
         an existing script is replaced only with ``overwrite`` (after the background
-        measurement: the script needs the capture with real weights)."""
+        measurement: the script needs the capture with real weights). ``factory``: the
+        user's ``"module:function"`` that builds the model on every rank (a factory a loaded
+        plan names is used only when the user names it here)."""
         self.wait_measured()
         return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps,
-                                overwrite=overwrite)
+                                overwrite=overwrite, factory=factory or None)
 
     # -- internals -----------------------------------------------------------------------
     def _keys(self, keys: Iterable[str] | None) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Any
 import explorer as ex
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
-from explorer.core.factory import load_factory
+from explorer.core.factory import load_factory, untrusted_factory
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
@@ -53,12 +53,14 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(args: argparse.Namespace):
-    """Build the model, capture, choose the cluster and profile: shared by plan and friends."""
+def _prepare(args: argparse.Namespace, made: Any = None):
+    """Build the model (unless ``made``: one built already), capture, choose the cluster and
+    profile: shared by plan and friends."""
     cluster = parse_devices(args.devices)  # a bad device spec fails before any work
     t0 = time.perf_counter()
-    bm = ex.builtin_model(args.model, args.size, args.batch_size)
-    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=bm.name)
+    bm = made if made is not None else ex.builtin_model(args.model, args.size, args.batch_size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
+                       name=getattr(bm, "name", None))
     t_capture = time.perf_counter() - t0
     t0 = time.perf_counter()
     half = getattr(args, "precision", None)  # timed too, so that stages in it are measured
@@ -225,9 +227,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.plan is None:
         ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
         args.model, args.size = args.model or "gpt", args.size or "default"
-    else:
-        _model_from_plan(args, ex.Plan.load(args.plan))  # checked before any work is done
-    bm, graph, cluster, costs, _, _ = _prepare(args)
+        made = _from_factory(args.factory) if args.factory else None
+    else:  # the plan is checked before any work is done; its factory is never imported
+        made, _ = _plan_model(args, ex.Plan.load(args.plan))
+    bm, graph, cluster, costs, _, _ = _prepare(args, made)
     if args.plan:
         plan = ex.Plan.load(args.plan, graph, cluster)
     else:
@@ -246,13 +249,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet)
     report = ex.compare(pred, meas)
     if args.json:
-        print(json.dumps({"model": bm.name, "size": bm.size, "plan": plan.to_dict(),
+        print(json.dumps({"model": getattr(bm, "name", args.factory),
+                          "size": getattr(bm, "size", None), "plan": plan.to_dict(),
                           "losses": list(meas.losses), **report.to_dict(),
                           "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
     settings = "; ".join(f"stage {k}: {st.describe()}" for k, st in enumerate(
         plan.settings_of(s) for s in range(len(plan.stages))) if not st.is_default)
-    print(f"{bm.name} ({bm.size}) under {plan.algorithm} on {', '.join(plan.devices)}: "
+    print(f"{getattr(bm, 'name', args.factory)} ({getattr(bm, 'size', 'factory')}) under "
+          f"{plan.algorithm} on {', '.join(plan.devices)}: "
           f"{args.steps} steps after {args.warmup} warm-up"
           + (f" ({settings})" if settings else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
@@ -260,19 +265,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_model(args: argparse.Namespace, plan) -> Any:
+    """The model to capture for ``plan``: the user's ``--factory``, else the built-in model
+    (``--model`` or the plan's record). A factory the plan names is never imported: unless
+    the user names one (or a ``--model``), it is refused, saying how to allow it; with
+    ``--model`` the plan's factory is dropped (the captured weights are exported)."""
+    if args.factory:
+        return _from_factory(args.factory), plan
+    asked = (plan.model or {}).get("factory")
+    if asked and args.model is None:
+        raise untrusted_factory(asked, f"pass --factory {asked} (or --model to rebuild a "
+                                "built-in model instead)")
+    if asked:
+        plan = replace(plan, model=None)
+    _model_from_plan(args, plan)
+    return ex.builtin_model(args.model, args.size, args.batch_size), plan
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
-    factory = args.factory or (plan.model or {}).get("factory")
-    if factory:
-        bm = _from_factory(factory)
-    else:
-        _model_from_plan(args, plan)
-        bm = ex.builtin_model(args.model, args.size, args.batch_size)
+    bm, plan = _plan_model(args, plan)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
-                       name=getattr(bm, "name", None), factory=factory)
+                       name=getattr(bm, "name", None), factory=args.factory)
     plan.validate(graph)
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
-                              overwrite=args.force, factory=factory)
+                              overwrite=args.force, factory=args.factory)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
@@ -404,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--devices", default="cpu:2", help="cpu:N (CPU ranks) or gpu")
     r.add_argument("--algorithm", default="even-layers", help="a partitioner name")
     r.add_argument("--plan", help="run this plan JSON instead of partitioning")
+    r.add_argument("--factory", default=None,
+                   help="module:function that builds the model with its example batch (like "
+                        "ex.builtin_model) instead of a built-in model; a factory a plan "
+                        "names is used only when you name it here")
     r.add_argument("--steps", type=_positive_int, default=5)
     r.add_argument("--warmup", type=_whole, default=2)
     r.add_argument("--micro-batches", type=_positive_int, default=None)
@@ -426,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=_positive_int, default=None)
     e.add_argument("--factory", default=None,
                    help="module:function that builds the model on every rank instead of "
-                        "weights in the job folder (default: the plan's, if it records one); "
-                        "it returns the model with its example batch, like ex.builtin_model")
+                        "weights in the job folder; it returns the model with its example "
+                        "batch, like ex.builtin_model (a factory the plan names is used only "
+                        "when you name it here)")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
     e.add_argument("--force", action="store_true",
                    help="overwrite an existing script and job folder")

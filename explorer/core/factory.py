@@ -3,12 +3,21 @@
 A plan may record the factory its model came from; an exported script imports and calls it on
 every rank to build the model (on the meta device or with real weights, as the function
 decides), so no weights are ever pickled into a job folder.
+
+A factory is code. The explorer imports one only when the user names it (``factory=``,
+``--factory``, the widget's factory box), never because a plan file names it
+(:func:`untrusted_factory` is the error that says so), and imports it as named: a module in
+the current folder does not stand in for an installed module of the same name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,9 +44,51 @@ def check_factory(text: Any) -> str:
     return text
 
 
+def untrusted_factory(asked: str, how: str) -> FactoryError:
+    """The error for a factory that only a plan names (the user did not): ``how`` says how
+    the user names it where they are (an argument, a command-line option, a box)."""
+    return FactoryError(
+        f"the plan asks for model factory {asked!r}: using it imports that module and calls "
+        "the function (here and on every rank), and a plan file is data, so the explorer "
+        f"runs no code it names. If you trust that code, name it yourself: {how}")
+
+
+def _shadowing(top: str) -> str | None:
+    """Why importing top-level module ``top`` would take a file of the current folder in
+    place of an installed module of that name (None when it would not)."""
+    if top in sys.modules:
+        return None
+    cwd = os.path.realpath(os.getcwd())
+    here = [p for p in sys.path if isinstance(p, str) and os.path.realpath(p or ".") == cwd]
+    if not here:
+        return None
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.has_location or not spec.origin:
+        return None
+    path = os.path.realpath(spec.origin)
+    if spec.submodule_search_locations is not None:  # a package: the folder of __init__.py
+        path = os.path.dirname(path)
+    if os.path.dirname(path) != cwd:
+        return None
+    others = [p for p in sys.path if isinstance(p, str) and p not in here]
+    installed = importlib.machinery.PathFinder.find_spec(top, others)
+    if installed is None:
+        return None
+    return (f"{os.path.basename(path)} in the current folder ({cwd}) hides "
+            f"the installed module {top!r} ({installed.origin}); rename the local file or "
+            "start from another folder")
+
+
 def load_factory(text: str) -> Callable[[], Any]:
-    """The function ``text`` names, imported; :class:`FactoryError` saying what is wrong."""
+    """The function ``text`` names, imported; :class:`FactoryError` saying what is wrong.
+    Call it only with a name the user gave (never one read from a plan file)."""
     module_name, attr = check_factory(text).split(":")
+    shadow = _shadowing(module_name.split(".")[0])
+    if shadow:
+        raise FactoryError(f"model factory {text!r}: {shadow}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:

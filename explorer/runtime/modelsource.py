@@ -19,22 +19,43 @@ import torch
 from torch import nn
 
 from explorer.core.errors import ExplorerError
-from explorer.core.factory import check_factory, load_factory
+from explorer.core.factory import check_factory, load_factory, untrusted_factory
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.models.builtin import build, shape_names
+from explorer.models.builtin import build, model_config, shape_names
 
 
 def model_source(plan: Plan, graph: OpGraph, factory: str | None = None) -> dict[str, Any]:
-    """How ranks build the model of ``plan``: ``{"factory": ...}`` (the argument, else the
-    plan's, else the graph's) or the plan's built-in model; empty when there is none."""
-    text = factory or (plan.model or {}).get("factory") or graph.factory
+    """How ranks build the model of ``plan``: ``{"factory": ...}`` (the user's: the argument,
+    else the one the graph was captured with) or the plan's built-in model; empty when there
+    is none. A factory that only the plan names is never imported: :class:`FactoryError`
+    saying how to name it. A built-in model of an unknown name or size is refused here, not
+    on every rank at launch."""
+    text = factory or graph.factory
     if text:
         load_factory(text)  # a bad name fails at export, not on every rank at launch
         return {"factory": check_factory(text)}
+    asked = (plan.model or {}).get("factory")
+    if asked:
+        raise untrusted_factory(
+            asked, f"ex.export_script(..., factory={asked!r}) or ex.capture(..., "
+            "factory=...); to export the captured weights instead, drop it from the plan "
+            "(dataclasses.replace(plan, model=None))")
     if plan.model and "builtin" in plan.model:
+        check_builtin(plan.model)
         return dict(plan.model)
     return {}
+
+
+def check_builtin(record: Mapping[str, Any]) -> None:
+    """:class:`ExplorerError` unless ``record`` names a built-in model and size the ranks can
+    build (the known names and sizes in the message)."""
+    name, size = record.get("builtin"), record.get("size")
+    try:
+        model_config(name, size)  # type: ignore[arg-type]
+    except ExplorerError as exc:
+        raise type(exc)(f"the plan's model record (built-in {name!r}, size {size!r}) is "
+                        f"not a model this explorer builds: {exc}") from None
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import ipywidgets as W
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.core.factory import untrusted_factory
 from explorer.core.units import format_seconds
 from explorer.partition import algorithm as get_algorithm
 from widgets.panels.base import Panel, button, checkbox, html_table, wrapping
@@ -24,7 +25,8 @@ class PlansPanel(Panel):
     """``solvers``: the ``algorithm`` with its ``options`` (JSON), ``around_pins``,
     ``solve_button``, ``keep_button``, the plans ``table``, and ``pick`` with
     ``load_button``. ``files``: ``path`` with ``save_button`` and ``load_file_button``,
-    ``script_path`` with ``export_button`` (``overwrite`` replaces an existing script)."""
+    ``script_path`` with ``export_button`` (``overwrite`` replaces an existing script;
+    ``factory``: the user's model factory, the only way one is imported)."""
 
     topics = frozenset({"plans", "costs"})
 
@@ -65,8 +67,13 @@ class PlansPanel(Panel):
                                        "pe-load", where="export")
         self.export_button = button(s, "export script", "write a torchrun training script",
                                     self._export, "pe-export", where="export")
+        # empty unless the user types a factory: one a loaded plan names is never imported
+        self.factory = W.Text(value="", placeholder="module:function (optional)",
+                              description="factory")
+        self.factory.add_class("pe-factory")
         self.files = W.VBox([wrapping([self.path, self.save_button, self.load_file_button]),
-                             wrapping([self.script_path, self.overwrite, self.export_button])])
+                             wrapping([self.script_path, self.factory, self.overwrite,
+                                       self.export_button])])
 
     def update(self, what: str) -> None:
         entries = self.session.plans
@@ -127,9 +134,19 @@ class PlansPanel(Panel):
     def _load_file(self, *_) -> None:
         path = Path(self.path.value)
         self.session.load(path, path.name)
-        self.session.say(f"loaded {path}")
+        asked = (self.session.plan.model or {}).get("factory")
+        self.session.say(f"loaded {path}" + (
+            f"; it asks for model factory {asked!r}, which exporting would import and call "
+            "on every rank: type it in the factory box only if you trust that code"
+            if asked else ""))
 
     def _export(self, *_) -> None:
-        p = self.session.export(self.script_path.value, overwrite=self.overwrite.value)
+        factory = self.factory.value.strip() or None
+        asked = (self.session.plan.model or {}).get("factory")
+        if asked and factory is None:
+            raise untrusted_factory(asked, f"type {asked} in the factory box beside the "
+                                    "export button")
+        p = self.session.export(self.script_path.value, overwrite=self.overwrite.value,
+                                factory=factory)
         self.session.say(f"wrote {p}: run it with torchrun --nproc_per_node "
                          f"{len(self.session.plan.devices)} {p.name}")
