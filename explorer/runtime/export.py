@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from explorer.core.plan import Plan
 from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
-from explorer.runtime.jobfiles import write_job
+from explorer.runtime.jobfiles import Job, job_problem, program_parts, write_job
 from explorer.runtime.modelsource import model_source
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
@@ -50,8 +51,15 @@ On a cluster, e.g. two nodes of %(half)d processes each:
 
 Options: --steps N, --warmup N, --lr X (defaults: the job folder's job.json).
 The model, the plan and the task order are data in the folder beside this script named after
-it with `_job` added (plan.json is the plan); they are read and checked when it starts. Nothing
-here needs editing except `batches`, which feeds each step's data.
+it with `_job` added (plan.json is the plan); they are read and checked when it starts: a
+plan.json other than the one program.pt was exported for, or a job.json value out of range,
+is refused. Nothing here needs editing except `batches`, which feeds each step's data. A rank
+that fails says why on stderr.
+
+THE JOB FOLDER IS CODE, NOT DATA: program.pt and batch.pt are pickles, read with
+torch.load(weights_only=False), and loading a pickle can run any code in it (as can a model
+factory that plan.json names). A job folder is as dangerous as a script: run only one you
+exported yourself, or trust like any other program.
 """
 
 import sys
@@ -74,6 +82,10 @@ if __name__ == "__main__":
 '''
 
 
+#: the time limit of an exported job's collectives (torch.distributed's time-out), seconds
+JOB_TIMEOUT_S = 1800.0
+
+
 def script_text(n_processes: int) -> str:
     """The launcher's text: fixed, but for the process count (a number) in its usage note."""
     n = int(n_processes)
@@ -91,7 +103,25 @@ def launch(job: Path, argv: list[str], batches: Any = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"plan {plan.algorithm} for graph {plan.graph_name or plan.graph_fingerprint} "
               f"on {len(plan.devices)} devices ({', '.join(plan.devices)})", flush=True)
-    return worker_main([str(job), *argv], batches=batches, verbose=True)
+    return worker_main([str(job), *argv], batches=batches, verbose=True,
+                       on_fail=report_failure)
+
+
+def report_failure(rank: int, exc: BaseException) -> None:
+    """What a rank of an exported script does as it fails: say why on stderr (torchrun shows
+    each rank's stderr; ``error-RANK.txt`` in the job folder has it too) and in torchrun's
+    error file, so its ``ChildFailedError`` summary names the cause."""
+    if isinstance(exc, ExplorerError):
+        text = f"error: rank {rank}: {exc}"
+    else:
+        kind = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
+        tail = "".join(traceback.format_exception(exc)[-6:])
+        text = f"error: rank {rank} failed: {kind}: {exc}\n{tail}"
+    print(text, file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
 
 
 def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
@@ -148,12 +178,21 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     order = execution_order(graph, plan, costs)
     rt = graph.runtime
     inputs, targets = (rt.inputs, rt.targets) if rt is not None else placeholder_batch(graph)
+    calls, state = program_parts(program, len(inputs), source)
+    placements, split_ops, local_ops, sequence_ops = plan_placements(graph, plan)
+    record = Job(
+        calls=calls, state=state, plan=plan, schedule=order, inputs=list(inputs),
+        targets=list(targets), steps=int(steps), warmup=int(warmup), lr=float(lr),
+        record=False, timeout_s=JOB_TIMEOUT_S, device_map=kinds,
+        requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=0,
+        model=source, units=recompute_units(graph),
+        kept_outputs=saved_across_units(graph).tolist(), placements=placements,
+        split_ops=split_ops, local_ops=local_ops, sequence_ops=sequence_ops)
+    problem = job_problem(record)  # before anything is written
+    if problem:
+        raise ExplorerError(f"cannot export this job: {problem}")
     try:
-        write_job(job, program, plan, order, inputs, targets, int(steps), int(warmup),
-                  float(lr), False, 1800.0, kinds, [n.requires_grad for n in graph.nodes],
-                  graph.loss, 0, recompute_units(graph),
-                  saved_across_units(graph).tolist(),
-                  model=source, layout=plan_placements(graph, plan))
+        write_job(job, record)
         path.write_text(script_text(len(plan.devices)))
         path.chmod(0o755)
     except (OSError, ExplorerError) as exc:

@@ -7,13 +7,21 @@ format version; a folder written before versioning (as an older exported script 
 too. A job written with a model source (``job.json``'s ``model``: the user's factory or a
 built-in model) holds no parameters or buffers: each rank builds them from that source
 (:mod:`explorer.runtime.modelsource`).
+
+A job is one typed record, :class:`Job`, written by name (:func:`write_job`) and read back
+checked (:func:`read_job`) before any rank computes: ``plan.json`` must be the plan
+``program.pt`` was exported with (its graph fingerprint and every node's stage), the schedule
+must run each node on the stage the plan places it, and every value of ``job.json`` must have
+its type and range (:func:`job_problem`), or :class:`JobError` names the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import operator
 import pickle
+import re
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,8 +35,10 @@ from torch.utils._pytree import tree_flatten, treespec_dumps
 from explorer.capture.step import strip_wrapper
 from explorer.capture.tracing import program_state, program_structure
 from explorer.core.errors import ExplorerError
+from explorer.core.factory import FACTORY_PATTERN
 from explorer.core.plan import Plan
-from explorer.core.schedule import Schedule, schedule_from_json, schedule_to_json
+from explorer.core.schedule import OPTIMIZER, Schedule, schedule_from_json, schedule_to_json
+from explorer.models.builtin import SIZES, model_names, shape_names
 from explorer.runtime.modelsource import SourceWeights
 
 #: version of ``job.json``; the schedule inside has a version of its own
@@ -188,41 +198,73 @@ class Job:
     sequence_ops: list[str] = field(default_factory=list)
 
 
-def write_job(folder: Path, program: Any, plan: Plan, schedule: Schedule, inputs, targets,
-              steps: int, warmup: int, lr: float, record: bool, timeout_s: float,
-              device_map: dict[str, str], requires_grad: list[bool], loss: str,
-              seed: int = 0, units: list[str] | None = None,
-              kept_outputs: list[bool] | None = None,
-              model: Mapping[str, Any] | None = None,
-              layout: tuple[dict[str, str], list[str], list[str], list[str]] | None = None
-              ) -> None:
-    """Write the job folder ranks read with :func:`read_job`. With a ``model`` source, the
-    program's parameters and buffers are left out: ranks build them from it. ``layout``: the
-    placements of split weights, the split ops, those of them run on local shards and those
-    whose outputs are split along the sequence
-    (:func:`~explorer.core.tensor_layout.plan_placements`)."""
-    calls, state = program_calls(program, len(inputs))
-    keys = model_keys(program, len(inputs)) if model else {}
-    state = {k: v for k, v in state.items() if k not in keys}
-    for k, v in state.items():
+class JobError(ExplorerError):
+    """A job folder whose files do not belong together or hold values a rank cannot run."""
+
+
+#: a rank's torch device in ``job.json``'s ``device_map``
+DEVICE_PATTERN = r"cpu|cuda(:[0-9]{1,4})?"
+#: the most steps, warm-up steps and seconds of time limit a job may ask for
+MAX_STEPS = 10**9
+MAX_TIMEOUT_S = 10**7
+
+
+def program_parts(program: Any, n_inputs: int, model: Mapping[str, Any] | None = None,
+                  seed: int = 0) -> tuple[list[OpCall], Mapping[str, torch.Tensor]]:
+    """A job's ``calls`` and ``state`` from the exported program: with a ``model`` source the
+    state holds only the program's own constants and builds the model's tensors from the
+    source (:class:`~explorer.runtime.modelsource.SourceWeights`)."""
+    calls, state = program_calls(program, n_inputs)
+    if not model:
+        return calls, state
+    keys = model_keys(program, n_inputs)
+    return calls, SourceWeights({k: v for k, v in state.items() if k not in keys}, keys,
+                                dict(model), seed)
+
+
+def write_job(folder: Path, job: Job) -> None:
+    """Write the job folder ranks read with :func:`read_job`: ``job`` checked first
+    (:func:`job_problem`), its program and the plan it was made for in ``program.pt`` (so
+    that an edited ``plan.json`` is refused), the plan, the batch and the settings. With a
+    model source (``job.model``, ``job.state`` a ``SourceWeights``), the model's parameters
+    and buffers are left out: ranks build them from it."""
+    problem = job_problem(job)
+    if problem:
+        raise JobError(f"cannot write this job: {problem}")
+    if isinstance(job.state, SourceWeights):
+        constants, keys = dict(job.state.constants), dict(job.state.keys)
+    else:
+        constants, keys = dict(job.state), {}
+    for k, v in constants.items():
         if isinstance(v, FakeTensor):
             raise ExplorerError(f"{k} of this graph has no value (it was captured on fake "
                                 "tensors) and the model does not make it; capture with real "
                                 "weights to export it")
     folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"calls": [c.__dict__ for c in calls], "state": state, "keys": keys},
+    torch.save({"calls": [c.__dict__ for c in job.calls], "state": constants, "keys": keys,
+                "fingerprint": job.plan.graph_fingerprint, "plan": _plan_record(job.plan)},
                folder / "program.pt")
-    plan.save(folder / "plan.json")
-    torch.save({"inputs": list(inputs), "targets": list(targets)}, folder / "batch.pt")
+    job.plan.save(folder / "plan.json")
+    torch.save({"inputs": list(job.inputs), "targets": list(job.targets)}, folder / "batch.pt")
     (folder / "job.json").write_text(json.dumps({
-        "format": JOB_FORMAT, "schedule": schedule_to_json(schedule), "steps": steps,
-        "warmup": warmup, "lr": lr, "record": record, "timeout_s": timeout_s,
-        "device_map": device_map, "requires_grad": requires_grad, "loss": loss,
-        "seed": seed, "units": units, "kept_outputs": kept_outputs,
-        **({"model": dict(model)} if model else {}),
-        "placements": layout[0] if layout else {}, "split_ops": layout[1] if layout else [],
-        "local_ops": layout[2] if layout else [],
-        "sequence_ops": layout[3] if layout else []}))
+        "format": JOB_FORMAT, "schedule": schedule_to_json(job.schedule),
+        **{name: getattr(job, name) for name in _SETTINGS},
+        **({"model": dict(job.model)} if job.model else {})}))
+
+
+#: the fields of :class:`Job` that ``job.json`` holds as they are (besides format, schedule
+#: and model), with what each defaults to when an older folder lacks it (required: no entry)
+_SETTINGS = ("steps", "warmup", "lr", "record", "timeout_s", "device_map", "requires_grad",
+             "loss", "seed", "units", "kept_outputs", "placements", "split_ops", "local_ops",
+             "sequence_ops")
+_DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None,
+                             "placements": {}, "split_ops": [], "local_ops": [],
+                             "sequence_ops": []}
+
+
+def _plan_record(plan: Plan) -> Any:
+    """``plan`` as its JSON reads (lists, not tuples): what ``plan.json`` is compared with."""
+    return json.loads(json.dumps(plan.to_dict()))
 
 
 def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
@@ -234,28 +276,208 @@ def model_keys(program: Any, n_inputs: int) -> dict[str, str]:
 
 
 def read_job(folder: Path) -> Job:
-    """The job :func:`write_job` wrote in ``folder``."""
-    meta = json.loads((folder / "job.json").read_text())
+    """The job :func:`write_job` wrote in ``folder``, checked: :class:`JobError` (naming the
+    file and the field) when its files do not belong together or a value is out of range."""
+    meta = _job_json(folder)
     version = meta.get("format")
     if version is None:  # before versioning: the schedule was a bare list under "order"
-        schedule = schedule_from_json(meta["order"])
+        schedule = _schedule(folder, meta, "order")
     elif version == JOB_FORMAT:
-        schedule = schedule_from_json(meta["schedule"])
+        schedule = _schedule(folder, meta, "schedule")
     else:
         raise ExplorerError(f"job folder {folder} has format {version!r}, but this version of "
                             f"the explorer reads format {JOB_FORMAT}; export the plan again "
                             "(ex.export_script) or run it with ex.run")
+    missing = [k for k in _SETTINGS if k not in meta and k not in _DEFAULTS]
+    if missing:
+        raise JobError(f"{folder / 'job.json'} has no field {missing[0]!r}; export the plan "
+                       "again")
     batch = torch.load(folder / "batch.pt", weights_only=False)
     prog = torch.load(folder / "program.pt", weights_only=False,  # written by write_job
                       pickle_module=_PROGRAM_PICKLE)
+    plan = Plan.load(folder / "plan.json")
+    _check_plan(folder, plan, prog)
     source = meta.get("model") or {}
-    seed = int(meta.get("seed", 0))
-    state = (SourceWeights(prog["state"], prog["keys"], source, seed) if source
-             else prog["state"])
-    return Job([OpCall(**c) for c in prog["calls"]], state,
-               Plan.load(folder / "plan.json"), schedule, batch["inputs"], batch["targets"],
-               meta["steps"], meta["warmup"], meta["lr"], meta["record"], meta["timeout_s"],
-               meta["device_map"], meta["requires_grad"], meta["loss"], seed, source,
-               meta.get("units"), meta.get("kept_outputs"), dict(meta.get("placements", {})),
-               list(meta.get("split_ops", [])), list(meta.get("local_ops", [])),
-               list(meta.get("sequence_ops", [])))
+    problem = _model_problem(source)
+    if problem:
+        raise JobError(f"{folder / 'job.json'}: field 'model' {problem}; fix it or export the "
+                       "plan again")
+    seed = meta.get("seed", 0)
+    calls = [OpCall(**c) for c in prog["calls"]]
+    job = Job(calls=calls,
+              state=(SourceWeights(prog["state"], prog["keys"], source, seed) if source
+                     else prog["state"]),
+              plan=plan, schedule=schedule, inputs=batch["inputs"], targets=batch["targets"],
+              model=source, **{k: meta.get(k, _DEFAULTS.get(k)) for k in _SETTINGS})
+    problem = job_problem(job)
+    if problem:
+        raise JobError(f"{folder / 'job.json'}: {problem}; fix it or export the plan again")
+    return job
+
+
+def _job_json(folder: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((folder / "job.json").read_text())
+    except OSError as exc:
+        raise JobError(f"cannot read {folder / 'job.json'}: {exc.strerror or exc}; is "
+                       f"{folder} a job folder?") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and bad UTF-8 among them
+        raise JobError(f"{folder / 'job.json'} is not JSON ({exc}); export the plan "
+                       "again") from exc
+    if not isinstance(meta, dict):
+        raise JobError(f"{folder / 'job.json'} is not a JSON object; export the plan again")
+    return meta
+
+
+def _schedule(folder: Path, meta: dict[str, Any], key: str) -> Schedule:
+    try:
+        return schedule_from_json(meta[key])
+    except ExplorerError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise JobError(f"{folder / 'job.json'}: field {key!r} is not a schedule ({exc!r}); "
+                       "export the plan again") from exc
+
+
+def _check_plan(folder: Path, plan: Plan, prog: Mapping[str, Any]) -> None:
+    """Refuse a ``plan.json`` other than the plan ``program.pt`` was exported with: another
+    graph, a node moved to another stage (each rank would wait for work the others never
+    send), or any other setting. Folders written before the plan was recorded pass."""
+    fingerprint = prog.get("fingerprint")
+    if fingerprint is not None and plan.graph_fingerprint != fingerprint:
+        raise JobError(f"{folder / 'plan.json'} is a plan for graph {plan.graph_fingerprint}, "
+                       f"but {folder / 'program.pt'} holds the program of graph "
+                       f"{fingerprint}: the files of this job folder do not belong together; "
+                       "export the plan again")
+    recorded = prog.get("plan")
+    got = _plan_record(plan)
+    if recorded is None or got == recorded:
+        return
+    was, now = recorded.get("placement", {}), got.get("placement", {})
+    moved = [n for n in was if now.get(n) != was[n]]
+    if moved:
+        what = (f"node {moved[0]!r} is on stage {now.get(moved[0])} instead of "
+                f"{was[moved[0]]}" + (f" (and {len(moved) - 1} more nodes moved)"
+                                      if len(moved) > 1 else ""))
+    else:
+        what = "its " + ", ".join(sorted(k for k in {*recorded, *got}
+                                         if recorded.get(k) != got.get(k))) + " changed"
+    raise JobError(f"{folder / 'plan.json'} is not the plan this job was exported with "
+                   f"({what}): the ranks would not run the same plan; plan.json is not to be "
+                   "edited, export the edited plan again instead")
+
+
+# -- checking a job's values -------------------------------------------------------------
+def _whole(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _positive(hi: float = math.inf) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and math.isfinite(v) and 0 < v <= hi)
+
+
+def _text_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str)
+                                       for k, x in v.items())
+
+
+def _list_of(kind: type, n: int | None = None) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, list) and (n is None or len(v) == n)
+                      and all(isinstance(x, kind) for x in v))
+
+
+def _shown(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def job_problem(job: Job) -> str | None:
+    """What is wrong with ``job``'s values (the field, what it holds and what it must hold),
+    or None: types, finite numbers in range, per-node lists one entry per node, the devices
+    of the plan, a known model source, and a schedule that runs each node on its stage."""
+    n = len(job.calls)
+    names = {c.name for c in job.calls}
+    rules: list[tuple[str, Callable[[Any], bool], str]] = [
+        ("steps", _whole(1, MAX_STEPS), f"a whole number from 1 to {MAX_STEPS}"),
+        ("warmup", _whole(0, MAX_STEPS), f"a whole number from 0 to {MAX_STEPS}"),
+        ("lr", _positive(), "a finite number > 0"),
+        ("record", lambda v: isinstance(v, bool), "true or false"),
+        ("timeout_s", _positive(MAX_TIMEOUT_S), f"a finite number of seconds > 0 (at most "
+                                                f"{MAX_TIMEOUT_S})"),
+        ("seed", _whole(0, 2**63 - 1), "a whole number >= 0"),
+        ("device_map", lambda v: _text_map(v) and set(v) == set(job.plan.devices) and all(
+            re.fullmatch(DEVICE_PATTERN, x) for x in v.values()),
+         f"the torch device of each of the plan's devices ({', '.join(job.plan.devices)}): "
+         "cpu, cuda or cuda:N"),
+        ("requires_grad", _list_of(bool, n), f"one true or false per node ({n})"),
+        ("loss", lambda v: isinstance(v, str) and v in names, "the name of a node"),
+        ("units", lambda v: v is None or _list_of(str, n)(v),
+         f"null or one unit name per node ({n})"),
+        ("kept_outputs", lambda v: v is None or _list_of(bool, n)(v),
+         f"null or one true or false per node ({n})"),
+        ("placements", _text_map, "an object of weight names and placements (text)"),
+        ("split_ops", _list_of(str), "a list of op names"),
+        ("local_ops", _list_of(str), "a list of op names"),
+        ("sequence_ops", _list_of(str), "a list of op names"),
+    ]
+    for name, ok, what in rules:
+        value = getattr(job, name)
+        if not ok(value):
+            return f"field {name!r} is {_shown(value)}, but it must be {what}"
+    for name in ("inputs", "targets"):
+        if not _list_of(torch.Tensor)(getattr(job, name)):
+            return f"the batch's {name} are not a list of tensors"
+    problem = _model_problem(job.model)
+    if problem:
+        return f"field 'model' {problem}"
+    return _schedule_problem(job)
+
+
+def _model_problem(source: Any) -> str | None:
+    """What is wrong with a job's model source (empty, a factory or a built-in model)."""
+    if not isinstance(source, dict):
+        return f"is {_shown(source)}, not an object"
+    if not source:
+        return None
+    if set(source) == {"factory"}:
+        ok = isinstance(source["factory"], str) and re.fullmatch(FACTORY_PATTERN,
+                                                                 source["factory"])
+        return None if ok else (f"names factory {_shown(source['factory'])}, not one of the "
+                                "form module:function")
+    if set(source) != {"builtin", "size", "batch_size"}:
+        return (f"is {_shown(source)}; it must be {{\"factory\": \"module:function\"}} or "
+                "a built-in model {\"builtin\", \"size\", \"batch_size\"}")
+    name, size, batch = source["builtin"], source["size"], source["batch_size"]
+    if name not in model_names() and name not in shape_names():
+        return (f"names built-in model {_shown(name)}; known models: "
+                f"{', '.join(sorted([*model_names(), *shape_names()]))}")
+    sizes = ("default",) if name in shape_names() else SIZES
+    if size not in sizes:
+        return f"names size {_shown(size)} of {name}; known sizes: {', '.join(sizes)}"
+    if not _whole(1, 2**31)(batch):
+        return f"has batch_size {_shown(batch)}, not a whole number >= 1"
+    return None
+
+
+def _schedule_problem(job: Job) -> str | None:
+    """Whether the schedule runs each node on the stage the plan places it, on the plan's
+    micro-batches: a schedule of another plan would leave ranks waiting on each other."""
+    plan, calls = job.plan, job.calls
+    if len(job.schedule) != len(plan.stages):
+        return (f"the schedule has {len(job.schedule)} stages but plan.json has "
+                f"{len(plan.stages)}")
+    for stage, actions in enumerate(job.schedule):
+        for a in actions:
+            if a.kind == OPTIMIZER:
+                continue
+            if not 0 <= a.node < len(calls) or not 0 <= a.micro_batch < plan.micro_batches:
+                return (f"the schedule's stage {stage} has a {a.kind} of node {a.node} on "
+                        f"micro-batch {a.micro_batch}, outside the program's {len(calls)} "
+                        f"nodes and the plan's {plan.micro_batches} micro-batches")
+            name = calls[a.node].name
+            if plan.placement.get(name) != stage:
+                return (f"the schedule runs node {name!r} on stage {stage}, but plan.json "
+                        f"places it on stage {plan.placement.get(name)}: they are not of "
+                        "the same plan")
+    return None

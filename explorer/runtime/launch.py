@@ -30,7 +30,7 @@ from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port
 from explorer.runtime.folders import job_folder
-from explorer.runtime.jobfiles import write_job
+from explorer.runtime.jobfiles import Job, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
 from explorer.runtime.tensor_parallel import check_supported
@@ -150,11 +150,16 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     rt = graph.runtime
     with contextlib.ExitStack() as stack:
         folder = job_folder(stack) if keep is None else Path(keep)
-        write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, steps, warmup, lr,
-                  record, timeout_s, dmap, [n.requires_grad for n in graph.nodes], graph.loss,
-                  seed, recompute_units(graph),
-                  saved_across_units(graph).tolist(),
-                  layout=plan_placements(graph, plan))
+        calls, state = program_parts(rt.program, len(rt.inputs))
+        placements, split_ops, local_ops, sequence_ops = plan_placements(graph, plan)
+        write_job(folder, Job(
+            calls=calls, state=state, plan=plan, schedule=schedule, inputs=list(rt.inputs),
+            targets=list(rt.targets), steps=steps, warmup=warmup, lr=lr, record=record,
+            timeout_s=timeout_s, device_map=dmap,
+            requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=seed,
+            units=recompute_units(graph), kept_outputs=saved_across_units(graph).tolist(),
+            placements=placements, split_ops=split_ops, local_ops=local_ops,
+            sequence_ops=sequence_ops))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)

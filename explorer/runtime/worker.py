@@ -16,6 +16,7 @@ MASTER_PORT environment, or call :func:`main` with a ``batches`` function.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from explorer.platforms import platform_of
 from explorer.runtime import heartbeat
 from explorer.runtime.heartbeat import Heartbeat
-from explorer.runtime.jobfiles import Job, read_job
+from explorer.runtime.jobfiles import Job, JobError, job_problem, read_job
 from explorer.runtime.stage import StageRunner
 
 
@@ -52,12 +54,14 @@ def _watch_parent() -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
-def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = False) -> int:
+def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = False,
+         on_fail: Callable[[int, BaseException], None] | None = None) -> int:
     """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X]``, or ``--serve
     POOL_DIR``: run the jobs a :class:`explorer.runtime.pool.RankPool` sends (:func:`serve`).
 
     ``batches(step)`` (optional) returns (inputs, targets) for each step, or None to reuse the
     job's example batch. With ``verbose``, the rank holding the loss prints each step.
+    ``on_fail(rank, exc)`` is told a failure before it is reported in ``error-RANK.txt``.
     """
     ap = argparse.ArgumentParser(prog="explorer.runtime.rank")
     ap.add_argument("job")
@@ -80,10 +84,16 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         for k in ("steps", "warmup", "lr"):
             if getattr(args, k) is not None:
                 setattr(job, k, getattr(args, k))
+        problem = job_problem(job)  # the command line's values too (--lr nan)
+        if problem:
+            raise JobError(f"{problem}; give the option a value in range")
         run_job(job, rank, world, local_rank, out, batches, verbose, pulse)
         sys.stdout.flush()
         os._exit(0)  # results are on disk: skip the interpreter's slow teardown
     except BaseException as exc:
+        if on_fail is not None:
+            with contextlib.suppress(Exception):  # the report in error-RANK.txt comes first
+                on_fail(rank, exc)
         _fail(out, rank, exc)
 
 

@@ -51,6 +51,12 @@ class TestScriptText:
                 assert s not in text
         assert os.access(one, os.X_OK)
 
+    def test_the_header_says_the_job_folder_is_code(self):
+        text = script_text(2)
+        assert "THE JOB FOLDER IS CODE, NOT DATA" in text
+        assert "pickles" in text and "torch.load(weights_only=False)" in text
+        assert "as dangerous as a script" in text
+
     def test_process_count_is_a_number(self):
         with pytest.raises(ValueError):
             script_text('1"""\nimport os\n"""')  # type: ignore[arg-type]
@@ -172,6 +178,88 @@ def test_a_hostile_plan_in_the_job_folder_is_refused_at_start(mlp, tmp_path):
     assert "error: plan field algorithm must be a name" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "PWN").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_says_why_on_stderr(mlp, tmp_path):
+    """A failure while the script runs (here its ``batches`` raises) is printed by the rank,
+    not only written to error-0.txt; a job.json value out of range (or an option's) is
+    refused before any step, naming the field."""
+    script = export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp)
+    text = script.read_text()
+    script.write_text(text.replace("    return None\n", "    raise ValueError('no data "
+                                   "for step %d' % step)\n", 1))
+    proc = _run_script(script, tmp_path)
+    assert proc.returncode == 1
+    assert "error: rank 0 failed: ValueError: no data for step 0" in proc.stderr
+    script.write_text(text)
+    job_json = tmp_path / "train_job" / "job.json"
+    job_json.write_text(json.dumps({**json.loads(job_json.read_text()), "lr": "fast"}))
+    proc = _run_script(script, tmp_path)
+    assert proc.returncode == 1
+    assert "error: rank 0: " in proc.stderr and "field 'lr' is 'fast'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "step 1/1" not in proc.stdout
+    job_json.write_text(json.dumps({**json.loads(job_json.read_text()), "lr": 0.01}))
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "1", "--warmup", "0", "--lr", "nan"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_rank_env())
+    assert proc.returncode == 1 and "field 'lr' is nan" in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_op_moved_in_plan_json_is_refused_not_a_deadlock(mlp, tmp_path):
+    """Both ranks of a two-stage plan refuse a plan.json with one op moved to the other
+    stage, and say so, instead of waiting on each other until the time limit."""
+    cpu2 = ex.Cluster.cpu(2, measure=False)
+    from explorer.models.synthetic import roofline_costs
+
+    costs = roofline_costs(mlp, cpu2)
+    plan = ex.partition(mlp, cpu2, costs, "even-layers")
+    assert len(plan.stages) == 2
+    script = export_script(plan, tmp_path / "train.py", graph=mlp, costs=costs)
+    op = next(n.name for n in mlp.nodes if n.kind == "op" and plan.placement[n.name] == 0)
+    plan_json = tmp_path / "train_job" / "plan.json"
+    data = json.loads(plan_json.read_text())
+    data["placement"][op] = 1
+    plan_json.write_text(json.dumps(data))
+    procs = _start_ranks(script, 2)
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:  # a deadlock: end the ranks this test started
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1]
+    for r, (_, err) in enumerate(outs):
+        assert f"error: rank {r}: " in err
+        assert f"is not the plan this job was exported with (node '{op}' is on stage 1" in err
+
+
+@pytest.mark.slow
+def test_torchrun_shows_the_cause_of_a_failed_rank(mlp, tmp_path):
+    """Under torchrun, a failed rank's cause is on stderr and in torchrun's own summary."""
+    script = export_script(ex.Plan.single(mlp, "cpu:0"), tmp_path / "train.py", graph=mlp)
+    job_json = tmp_path / "train_job" / "job.json"
+    job_json.write_text(json.dumps({**json.loads(job_json.read_text()), "warmup": -1}))
+    proc = _torchrun(script, tmp_path, n=1)
+    assert proc.returncode != 0
+    assert "error: rank 0: " in proc.stderr and "field 'warmup' is -1" in proc.stderr
+    summary = proc.stderr[proc.stderr.index("ChildFailedError"):]
+    assert "field 'warmup' is -1" in summary
+
+
+def _rank_env(rank=0, world=1, port=None):
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or _free_port()),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _start_ranks(script, world):
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, str(script), "--steps", "1", "--warmup", "0"],
+                             cwd=script.parent, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=_rank_env(r, world, port)) for r in range(world)]
 
 
 def _two_ranks(script) -> list[str]:

@@ -20,7 +20,16 @@ from explorer.core.schedule import (
     schedule_to_json,
 )
 from explorer.models.synthetic import roofline_costs
-from explorer.runtime.jobfiles import JOB_FORMAT, on_device, program_calls, read_job, write_job
+from explorer.runtime.jobfiles import (
+    JOB_FORMAT,
+    Job,
+    JobError,
+    on_device,
+    program_calls,
+    program_parts,
+    read_job,
+    write_job,
+)
 from explorer.simulate.simulator import execution_order
 
 
@@ -35,11 +44,20 @@ def pipeline():
     return graph, plan, costs
 
 
-def _write(folder, graph, plan, schedule):
+def _job(graph, plan, schedule, **fields) -> Job:
+    """The job of ``plan`` over ``graph``, built by name; ``fields`` replace its values."""
     rt = graph.runtime
-    write_job(folder, rt.program, plan, schedule, rt.inputs, rt.targets, 2, 1, 1e-3, False,
-              60.0, {d: "cpu" for d in plan.devices}, [n.requires_grad for n in graph.nodes],
-              graph.loss)
+    calls, state = program_parts(rt.program, len(rt.inputs))
+    values = dict(calls=calls, state=state, plan=plan, schedule=schedule,
+                  inputs=list(rt.inputs), targets=list(rt.targets), steps=2, warmup=1,
+                  lr=1e-3, record=False, timeout_s=60.0,
+                  device_map={d: "cpu" for d in plan.devices},
+                  requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss)
+    return Job(**{**values, **fields})
+
+
+def _write(folder, graph, plan, schedule):
+    write_job(folder, _job(graph, plan, schedule))
 
 
 class TestSchedule:
@@ -126,6 +144,109 @@ class TestJobFolder:
         (tmp_path / "job.json").write_text(json.dumps(meta))
         with pytest.raises(ExplorerError, match=rf"has format {JOB_FORMAT + 1}.*ex\.export_script"):
             read_job(tmp_path)
+
+
+class TestAnEditedFolderIsRefused:
+    """What a rank reads is checked before it computes: plan.json must be the plan the
+    program was exported for, and every value of job.json must be in range."""
+
+    @pytest.fixture
+    def folder(self, pipeline, tmp_path):
+        graph, plan, costs = pipeline
+        _write(tmp_path, graph, plan, execution_order(graph, plan, costs))
+        return tmp_path
+
+    def _edit(self, path, **changes):
+        data = json.loads(path.read_text())
+        data.update(changes)
+        path.write_text(json.dumps(data))
+
+    def test_a_plan_of_another_graph(self, folder):
+        plan = json.loads((folder / "plan.json").read_text())
+        self._edit(folder / "plan.json", graph={**plan["graph"], "fingerprint": "0123abcd"})
+        with pytest.raises(JobError, match=r"plan.json is a plan for graph 0123abcd, but "
+                                           r".*program.pt holds the program of graph "):
+            read_job(folder)
+
+    def test_an_op_moved_to_the_other_stage(self, pipeline, folder):
+        graph, plan, _ = pipeline
+        op = next(n.name for n in graph.nodes if n.kind == "op" and plan.placement[n.name] == 0)
+        self._edit(folder / "plan.json", placement={**plan.placement, op: 1})
+        with pytest.raises(JobError, match=rf"not the plan this job was exported with \(node "
+                                           rf"'{op}' is on stage 1 instead of 0\)"):
+            read_job(folder)
+
+    def test_another_setting_of_the_plan(self, folder):
+        self._edit(folder / "plan.json", micro_batches=4)
+        with pytest.raises(JobError, match=r"\(its micro_batches changed\)"):
+            read_job(folder)
+
+    def test_a_schedule_of_another_plan(self, pipeline, folder):
+        """A job.json whose schedule runs a node on a stage the plan does not place it on
+        (the ranks would wait on each other until the time limit) is refused."""
+        graph, plan, costs = pipeline
+        schedule = execution_order(graph, plan, costs)
+        self._edit(folder / "job.json", schedule=schedule_to_json(schedule[::-1]))
+        with pytest.raises(JobError, match=r"the schedule runs node '.*' on stage 0, but "
+                                           r"plan.json places it on stage 1"):
+            read_job(folder)
+
+    @pytest.mark.parametrize(("field", "value", "words"), [
+        ("lr", "0.001", "field 'lr' is '0.001', but it must be a finite number > 0"),
+        ("lr", float("nan"), "field 'lr' is nan, but it must be a finite number > 0"),
+        ("timeout_s", float("inf"), "field 'timeout_s' is inf"),
+        ("steps", 0, "field 'steps' is 0, but it must be a whole number from 1"),
+        ("steps", True, "field 'steps' is True"),
+        ("warmup", 2.5, "field 'warmup' is 2.5"),
+        ("record", "no", "field 'record' is 'no', but it must be true or false"),
+        ("seed", -1, "field 'seed' is -1"),
+        ("device_map", {"cpu:0": "cpu"}, "field 'device_map' .* each of the plan's devices"),
+        ("device_map", {"cpu:0": "cpu", "cpu:1": "tpu"}, "field 'device_map'"),
+        ("requires_grad", [True], "field 'requires_grad' is \\[True\\], but it must be one "
+                                  "true or false per node"),
+        ("loss", "no_such_node", "field 'loss' is 'no_such_node', but it must be the name"),
+        ("units", ["a"], "field 'units'"),
+        ("placements", {"w": 0}, "field 'placements'"),
+        ("split_ops", "linear", "field 'split_ops'"),
+        ("model", {"builtin": "nope", "size": "tiny", "batch_size": 8},
+         "field 'model' names built-in model 'nope'; known models: .*mlp"),
+        ("model", {"builtin": "mlp", "size": "huge", "batch_size": 8},
+         "field 'model' names size 'huge' of mlp; known sizes: tiny, small"),
+        ("model", {"factory": "os.system"}, "field 'model' names factory 'os.system', not"),
+    ])
+    def test_a_value_out_of_range_names_its_field(self, folder, field, value, words):
+        self._edit(folder / "job.json", **{field: value})
+        with pytest.raises(JobError, match=rf"job.json: {words}"):
+            read_job(folder)
+
+    def test_a_missing_field_or_damaged_file(self, folder):
+        meta = json.loads((folder / "job.json").read_text())
+        del meta["steps"]
+        (folder / "job.json").write_text(json.dumps(meta))
+        with pytest.raises(JobError, match=r"job\.json has no field 'steps'"):
+            read_job(folder)
+        (folder / "job.json").write_text("{not json")
+        with pytest.raises(JobError, match=r"job\.json is not JSON"):
+            read_job(folder)
+
+    def test_a_job_out_of_range_is_not_written(self, pipeline, tmp_path):
+        graph, plan, costs = pipeline
+        job = _job(graph, plan, execution_order(graph, plan, costs), lr=float("nan"))
+        with pytest.raises(JobError, match="cannot write this job: field 'lr' is nan"):
+            write_job(tmp_path / "job", job)
+        assert not (tmp_path / "job").exists()
+
+    def test_the_job_read_is_the_job_written(self, pipeline, tmp_path):
+        graph, plan, costs = pipeline
+        job = _job(graph, plan, execution_order(graph, plan, costs), seed=3,
+                   units=["u"] * len(graph.nodes), placements={"w": "Shard(0)"})
+        write_job(tmp_path, job)
+        back = read_job(tmp_path)
+        for name in ("steps", "warmup", "lr", "record", "timeout_s", "device_map",
+                     "requires_grad", "loss", "seed", "units", "kept_outputs", "placements",
+                     "split_ops", "local_ops", "sequence_ops", "model", "schedule"):
+            assert getattr(back, name) == getattr(job, name), name
+        assert back.plan == plan and back.calls == job.calls
 
 
 def test_a_programs_device_constants_follow_the_rank():
