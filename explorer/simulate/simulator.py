@@ -51,6 +51,7 @@ from explorer.core.schedule import Action, Schedule
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
+from explorer.simulate.budget import check_simulation_size
 from explorer.simulate.memory import memory_at_peaks
 from explorer.simulate.prediction import Deferred, Interval, MemoryBreakdown, Prediction
 from explorer.simulate.schedule import Timing, run
@@ -103,6 +104,7 @@ def clear_caches() -> None:
 def _schedule(graph: OpGraph, plan: Plan, costs: CostModel) -> tuple[TaskGraph, Timing]:
     """The step's tasks, list-scheduled; where replicas of a stage slow each other (measured
     contention), their ops slowed as their platform says."""
+    check_simulation_size(graph, plan)  # before any task is built
     tasks = build_tasks(graph, plan, costs, _contended(plan, costs))
     return tasks, run(tasks)
 
