@@ -8,13 +8,14 @@ import copy
 import json
 import random
 import signal
+import sys
 from contextlib import contextmanager
 
 import pytest
 from builders import cluster, costs, graph
 
 import explorer as ex
-from explorer.core.errors import ExplorerError
+from explorer.core.errors import ExplorerError, PlanError
 from explorer.core.plan import Plan
 from explorer.models.synthetic import layered_dag, roofline_costs
 from widgets import Session
@@ -27,6 +28,22 @@ HOSTILE = ['x"""\nopen("/tmp/PWN","w")\n"""', "'); import os; os.system('true') 
 VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 8, 1024, 1025, 10**6, 10**30, -(10**30), 1.5,
           float("nan"), float("inf"), [], {}, [1], [[]], [["cpu:0"]], {"a": 1}, [None],
           *HOSTILE]
+#: a module on the test's path whose import leaves a mark: a factory a plan names must never
+#: be imported by load, validate, simulate or export
+PROBE = "plan_fuzz_factory_probe"
+FACTORIES = [f"{PROBE}:build", f"{PROBE}:build.__call__", "os:system", "builtins:exec",
+             "subprocess:run", "x:y; import os", "a:b\nimport os", "__import__('os'):x", 3,
+             None, ["os:system"], {"factory": "os:system"}, "", "m:"]
+#: the ``model`` record: how the plan's model is built (names, sizes, batch sizes, factories)
+MODELS = [{"builtin": "mlp", "size": "tiny", "batch_size": 8},
+          {"builtin": "gpt", "size": "tiny", "batch_size": 8},
+          {"builtin": "mlp", "size": "huge", "batch_size": 8},
+          {"builtin": "__import__('os').system('true')", "size": "tiny", "batch_size": 8},
+          {"builtin": "mlp", "size": "tiny"}, {"builtin": "mlp"}, {}, [], "mlp", 8]
+MODEL_VALUES = {"builtin": ["mlp", "gpt", "llama-70b", *HOSTILE], "size": ["tiny", *HOSTILE],
+                "batch_size": [1, 8, 2**20, 2**20 + 1, 2**22, 2**31, 2**63, 10**30, 0, -1, 1.5,
+                               float("inf"), "8", True, None, [8]],
+                "factory": FACTORIES}
 
 
 @contextmanager
@@ -111,9 +128,26 @@ def _delete(d, path):
     del d[last]
 
 
+def model_record(rng: random.Random):
+    """A ``model`` record: a known one, or one with a field set to a hostile value (huge
+    batches, code in names, factories of modules that must never be imported)."""
+    record = copy.deepcopy(rng.choice(MODELS))
+    if isinstance(record, dict) and rng.random() < 0.8:
+        key = rng.choice(list(MODEL_VALUES))
+        record[key] = copy.deepcopy(rng.choice(MODEL_VALUES[key]))
+        if key == "factory" and rng.random() < 0.7:
+            record = {"factory": record["factory"]}
+    return record
+
+
 def mutate(plan: dict, rng: random.Random) -> bytes:
-    """One to three mutations of a plan's JSON: values, types, keys, or its bytes."""
+    """One to three mutations of a plan's JSON: values, types, keys, or its bytes; often a
+    ``model`` record first (mutated like the rest)."""
     d = copy.deepcopy(plan)
+    if rng.random() < 0.4:
+        d["model"] = model_record(rng)
+        if rng.random() < 0.5:
+            d["version"] = 2
     for _ in range(rng.randint(1, 3)):
         paths = [p for p in _paths(d) if p]
         path = rng.choice(paths)
@@ -191,6 +225,21 @@ def session_case(subject: Subject, data: bytes, out) -> str:
     return "loaded"
 
 
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """``PROBE``, importable: importing it records itself in ``sys.modules`` (checked after
+    every case) and calling its ``build`` writes a file."""
+    folder = tmp_path / "probe"
+    folder.mkdir()
+    (folder / f"{PROBE}.py").write_text(
+        "import pathlib\n"
+        f"def build():\n    pathlib.Path({str(folder / 'called')!r}).write_text('x')\n")
+    monkeypatch.syspath_prepend(str(folder))
+    sys.modules.pop(PROBE, None)
+    yield folder
+    sys.modules.pop(PROBE, None)
+
+
 def fuzz(subjects, tmp_path, cases: int, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     seen: dict[str, int] = {}
@@ -204,6 +253,10 @@ def fuzz(subjects, tmp_path, cases: int, seed: int) -> dict[str, int]:
         except Exception as exc:  # not an ExplorerError: a bug
             raise AssertionError(f"case {k} (seed {seed}) raised {type(exc).__name__}: {exc}\n"
                                  f"plan file: {data[:2000]!r}") from exc
+        imported = PROBE in sys.modules
+        assert not imported, f"case {k} (seed {seed}) imported a plan's factory: {data[:500]!r}"
+        if b'"model"' in data:
+            seen["with a model record"] = seen.get("with a model record", 0) + 1
         seen[what] = seen.get(what, 0) + 1
         seen[f"session {loaded}"] = seen.get(f"session {loaded}", 0) + 1
     return seen
@@ -216,14 +269,39 @@ def test_the_unmutated_plans_work(subjects, tmp_path):
             assert session_case(s, json.dumps(p).encode(), tmp_path) == "loaded"
 
 
-def test_mutated_plans_work_or_raise_explorer_errors(subjects, tmp_path):
+def test_mutated_plans_work_or_raise_explorer_errors(subjects, tmp_path, probe):
     seen = fuzz(subjects, tmp_path, 300, seed=0)
     assert seen.get("refused", 0) > 100  # most mutations are caught...
     assert seen.get("simulated", 0) + seen.get("exported", 0) > 10  # ...some are harmless
     assert seen["session refused"] > 100 and seen["session loaded"] > 10
+    assert seen["with a model record"] > 60
+
+
+def test_model_records_are_checked_and_factories_never_imported(subjects, tmp_path, probe):
+    """Every kind of ``model`` record on a plan that is otherwise sound: one of a known
+    built-in model loads and exports; a batch beyond the limit, a name with code, a factory
+    (even one that imports) is refused or carried as a name, never imported."""
+    mlp = subjects[0]
+    seen = {}
+    records = [*MODELS, *({"factory": f} for f in FACTORIES),
+               *({**MODELS[0], key: v} for key, vs in MODEL_VALUES.items() for v in vs)]
+    for k, record in enumerate(records):
+        d = {**copy.deepcopy(mlp.plans[0]), "version": 2, "model": record}
+        data = json.dumps(d).encode()
+        with time_limit(CASE_LIMIT_S):
+            what = run_case(mlp, data, tmp_path)
+            session_case(mlp, data, tmp_path)
+        imported = PROBE in sys.modules
+        assert not imported, f"record {k} ({record!r}) imported a factory"
+        assert not (probe / "called").exists()
+        seen[what] = seen.get(what, 0) + 1
+    assert seen["exported"] >= 2 and seen["refused"] > len(records) // 2
+    huge = {**mlp.plans[0], "model": {**MODELS[0], "batch_size": 2**22}}
+    with pytest.raises(PlanError, match=r"model\.batch_size must be a whole number"):
+        Plan.from_json(json.dumps(huge))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
-def test_many_mutated_plans(subjects, tmp_path, seed):
+def test_many_mutated_plans(subjects, tmp_path, seed, probe):
     fuzz(subjects, tmp_path, 5000, seed=seed)
