@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,9 @@ SILENT_S = 20.0
 STARTUP_S = 120.0
 #: the environment variable that asks a rank to beat (set by the launcher)
 ENV = "EXPLORER_HEARTBEAT"
+#: the environment variable that holds the launcher's process id (set by the launcher): a rank
+#: whose parent is another process has lost its launcher
+PARENT_ENV = "EXPLORER_PARENT_PID"
 #: ``waiting_for`` of a rank blocked in a collective (barrier, all-reduce)
 EVERYONE = -1
 #: a rank computing while all others wait on it is taken as hung after this many times the
@@ -58,6 +62,9 @@ class Heartbeat:
         self.period_s = period_s
         self._lock = threading.Lock()
         self.messenger: Any = None
+        #: the rank it waits for while it has no messenger (:data:`EVERYONE` while it joins
+        #: the process group, which waits for every rank)
+        self.waiting_for: int | None = None
         self.longest_step_s = 0.0  # of the steps this rank finished
         self._step = 0
         self._step_began: float | None = None
@@ -82,6 +89,7 @@ class Heartbeat:
             self.path = beat_path(folder, self.rank)
             self.longest_step_s, self._step, self._step_began = 0.0, 0, None
             self.messenger = None
+            self.waiting_for = None
 
     def start(self) -> Heartbeat:
         threading.Thread(target=self._loop, daemon=True, name="heartbeat").start()
@@ -91,7 +99,7 @@ class Heartbeat:
         while True:
             with self._lock:
                 try:
-                    peer = getattr(self.messenger, "waiting_for", None)
+                    peer = getattr(self.messenger, "waiting_for", self.waiting_for)
                     tmp = self.path.with_suffix(".tmp")
                     tmp.write_text(json.dumps({"step": self.step, "waiting_for": peer,
                                                "longest_step_s": self.longest_step_s,
@@ -118,15 +126,22 @@ def last_beat(folder: Path, rank: int) -> tuple[float | None, dict[str, Any]]:
     return when, said if isinstance(said, dict) else {}
 
 
-def silent_ranks(folder: Path, running: list[int], started: float, now: float) -> list[int]:
+def silent_ranks(folder: Path, running: list[int], started: float, now: float,
+                 stopped_since: Mapping[int, float] | None = None) -> list[int]:
     """Of the ``running`` ranks (processes alive, started at ``started``, wall clock), those
     whose beat stopped: none for :data:`SILENT_S`, or none at all :data:`STARTUP_S` after
-    the start."""
+    the start, or none yet from a process seen stopped (``stopped_since``: rank -> when its
+    process was first seen stopped, SIGSTOP or a debugger, and ever since) for
+    :data:`SILENT_S`, as long as a rank that beat and stopped is given."""
+    stopped_since = stopped_since or {}
     out = []
     for r in running:
         when, _ = last_beat(folder, r)
-        if (when is None and now - started > STARTUP_S) or \
-                (when is not None and now - when > SILENT_S):
+        if when is None:
+            held = stopped_since.get(r)
+            if now - started > STARTUP_S or (held is not None and now - held > SILENT_S):
+                out.append(r)
+        elif now - when > SILENT_S:
             out.append(r)
     return out
 

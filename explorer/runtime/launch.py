@@ -29,7 +29,7 @@ from explorer.core.tensor_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port
-from explorer.runtime.folders import job_folder
+from explorer.runtime.folders import job_folder, space_errors
 from explorer.runtime.jobfiles import Job, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
@@ -150,6 +150,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     rt = graph.runtime
     with contextlib.ExitStack() as stack:
         folder = job_folder(stack) if keep is None else Path(keep)
+        stack.enter_context(space_errors(folder))  # a full folder said so, not torch's error
         calls, state = program_parts(rt.program, len(rt.inputs))
         placements, split_ops, local_ops, sequence_ops = plan_placements(graph, plan)
         write_job(folder, Job(

@@ -10,7 +10,10 @@ part exactly as a rank started for that run would (same pinning through the plat
 and waits for the next. Runs are watched as the launcher's own (:func:`explorer.runtime.watch.
 watch`: failures, heartbeats, stalls, the time limit); whatever goes wrong, or an interrupt,
 ends every rank of the pool, and the next run starts fresh ones. Ranks also end when the pool's
-process does (their input closes, and each watches its parent), so none outlives it.
+process does, at any moment from their start (:data:`explorer.runtime.watch.RANK_ENTRY`; their
+input closes too), so none outlives it. On Linux they also end with the thread that started them
+(the kernel's parent-death signal follows that thread): use a pool from the thread that runs it
+first, or it only starts its ranks afresh.
 """
 
 from __future__ import annotations

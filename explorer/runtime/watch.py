@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
-from explorer.runtime import heartbeat
+from explorer.runtime import folders, heartbeat
 
 
 class RunFailed(ExplorerError):
@@ -46,6 +46,7 @@ def watch(folder: Path, procs: list[subprocess.Popen], plan: Plan, total_steps: 
     try:
         started = next_check = time.time()
         stalls = heartbeat.StallWatch(folder)
+        stopped: dict[int, float] = {}  # ranks not beaten yet, stopped since (wall clock)
         shown = 0
         while True:
             codes = [p.poll() for p in procs]
@@ -61,7 +62,8 @@ def watch(folder: Path, procs: list[subprocess.Popen], plan: Plan, total_steps: 
             running = [r for r, c in enumerate(codes) if c is None and not done[r]]
             if time.time() >= next_check:  # (beats come each second: look as often)
                 next_check = time.time() + heartbeat.PERIOD_S
-                silent = heartbeat.silent_ranks(folder, running, started, time.time())
+                stopped = stopped_unbeaten(folder, procs, running, stopped, time.time())
+                silent = heartbeat.silent_ranks(folder, running, started, time.time(), stopped)
                 if silent:
                     raise RunFailed(silent_message(folder, silent, procs, plan))
                 stuck = stalls.stalled(running, time.time())
@@ -131,6 +133,9 @@ def failure(folder: Path, rank: int, codes: list[int | None], plan: Plan,
     it, or the end of its output (in ``logs``, default ``folder``)."""
     dev = plan.devices[rank]
     code = codes[rank] if codes[rank] is not None else -9
+    if code == folders.FULL_EXIT:
+        return f"rank {rank} ({dev}) failed: {folders.full_message(folder)}; all ranks have " \
+            "been stopped"
     err = folder / f"error-{rank}.txt"
     if err.exists():
         text = err.read_text().strip().splitlines()
@@ -152,9 +157,11 @@ def silent_message(folder: Path, ranks: list[int], procs: list[subprocess.Popen]
     parts = []
     for r in ranks:
         state = process_state(procs[r].pid)
-        how = " (its process is stopped: SIGSTOP or a debugger)" if state == "T" else ""
-        parts.append(f"rank {r} ({plan.devices[r]}) stopped responding{how}, last "
-                     f"{heartbeat.describe(folder, r)}")
+        how = " (its process is stopped: SIGSTOP or a debugger)" if state in STOPPED else ""
+        last = f"last {heartbeat.describe(folder, r)}" \
+            if heartbeat.last_beat(folder, r)[0] is not None \
+            else "while starting, before its first sign of life"
+        parts.append(f"rank {r} ({plan.devices[r]}) stopped responding{how}, {last}")
     return (f"{'; '.join(parts)}: no sign of life for {heartbeat.SILENT_S:.0f} s; all ranks "
             "have been stopped. A stopped, frozen or swapped-out process does this; check "
             "the machine's load and memory")
@@ -167,6 +174,22 @@ def stuck_message(rank: int, step: int, waited_s: float, plan: Plan) -> str:
             "alive: a hang or an endless loop in its computation); the other ranks waited for "
             f"it {waited_s:.0f} s; all ranks have been stopped. Run that stage's code on its "
             "own to find where it loops or blocks")
+
+
+#: the states of a stopped process in :func:`process_state` (by a signal, by a debugger)
+STOPPED = ("T", "t")
+
+
+def stopped_unbeaten(folder: Path, procs: list[subprocess.Popen], running: list[int],
+                     since: dict[int, float], now: float) -> dict[int, float]:
+    """Of the ``running`` ranks, those that have not beaten yet and whose process is stopped,
+    each with when it was first seen stopped (from ``since``, the answer a moment before;
+    else ``now``): a rank stopped before its first beat is named as soon as one stopped
+    after it (:func:`explorer.runtime.heartbeat.silent_ranks`), not after the start-up
+    grace, while the ranks waiting for it beat on."""
+    return {r: since.get(r, now) for r in running
+            if heartbeat.last_beat(folder, r)[0] is None
+            and process_state(procs[r].pid) in STOPPED}
 
 
 def process_state(pid: int) -> str:
@@ -196,12 +219,43 @@ def rank_env(world: int, port: int) -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", heartbeat.ENV: "1"}
 
 
+#: what a rank process runs first, before any import that takes time (``explorer`` and torch
+#: take seconds): it ends the process when its launcher (the process id in
+#: :data:`explorer.runtime.heartbeat.PARENT_ENV`) is gone, whether that happened already or
+#: happens at any later moment, then runs ``python -m explorer.runtime.rank``. On Linux the
+#: kernel kills it with its launcher (``PR_SET_PDEATHSIG``: with the launcher's thread that
+#: started it, in fact); everywhere a thread also polls the parent's id, comparing it with the
+#: one the launcher wrote (not one read after the imports, when the launcher may be gone).
+RANK_ENTRY = """\
+import os, sys, threading, time
+parent = int(os.environ["EXPLORER_PARENT_PID"])
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes, signal
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+def orphaned():
+    return os.getppid() != parent
+if orphaned():
+    os._exit(3)
+def watch():
+    while not orphaned():
+        time.sleep(0.2)
+    os._exit(3)
+threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+import runpy
+runpy.run_module("explorer.runtime.rank", run_name="__main__", alter_sys=True)
+"""
+
+
 def start_rank(args: list[str], rank: int, env: dict[str, str], log: IO[str],
                stdin: int | None = None) -> subprocess.Popen:
-    """Start ``python -m explorer.runtime.rank ARGS`` as rank ``rank`` (its LOCAL_RANK too),
-    its output to ``log``, in a process group of its own (so :func:`stop` ends all it
-    started)."""
+    """Start ``python -m explorer.runtime.rank ARGS`` (through :data:`RANK_ENTRY`, so it ends
+    with this process at any moment of its start) as rank ``rank`` (its LOCAL_RANK too), its
+    output to ``log``, in a process group of its own (so :func:`stop` ends all it started)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "explorer.runtime.rank", *args],
-        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdin=stdin,
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [sys.executable, "-c", RANK_ENTRY, *args],
+        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+             heartbeat.PARENT_ENV: str(os.getpid())},
+        stdin=stdin, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

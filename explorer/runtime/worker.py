@@ -36,14 +36,20 @@ import torch.distributed as dist
 
 from explorer.platforms import platform_of
 from explorer.runtime import heartbeat
+from explorer.runtime.folders import FULL_EXIT, no_space
 from explorer.runtime.heartbeat import Heartbeat
 from explorer.runtime.jobfiles import Job, JobError, job_problem, read_job
 from explorer.runtime.stage import StageRunner
 
 
 def _watch_parent() -> None:
-    """Exit when the launching process dies, so no rank outlives it."""
-    parent = os.getppid()
+    """Exit when the launching process dies, so no rank outlives it: the parent is the one
+    the launcher named (:data:`explorer.runtime.heartbeat.PARENT_ENV`), where it did, so a
+    launcher gone before this runs is seen too; else (under torchrun) the parent now."""
+    named = os.environ.get(heartbeat.PARENT_ENV, "")
+    parent = int(named) if named.isdigit() else os.getppid()
+    if os.getppid() != parent:
+        os._exit(3)
 
     def loop() -> None:
         while True:
@@ -76,6 +82,9 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     out = Path(os.environ.get("EXPLORER_OUT", folder))
     _watch_parent()
+    fault = _fault(rank)
+    if fault and fault[1] == START:
+        _inject(fault[0])
     pulse = Heartbeat(out, rank).start() if heartbeat.wanted() else None
     if args.serve:
         serve(folder, rank, local_rank, pulse)
@@ -110,8 +119,10 @@ def serve(pool_folder: Path, rank: int, local_rank: int, pulse: Heartbeat | None
             pulse.follow(out)
         try:
             job = read_job(out)
-            run_job(job, rank, world, local_rank, out, None, False, pulse,
-                    _store(out, rank, world, job.timeout_s))
+            if pulse is not None:
+                pulse.waiting_for = heartbeat.EVERYONE  # the rendezvous waits for every rank
+            store = _store(out, rank, world, job.timeout_s)
+            run_job(job, rank, world, local_rank, out, None, False, pulse, store)
         except BaseException as exc:
             _fail(out, rank, exc)
         if pulse is not None:
@@ -143,11 +154,18 @@ def _store(out: Path, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
 
 
 def _fail(out: Path, rank: int, exc: BaseException) -> NoReturn:
+    """Report ``exc`` in ``out`` for the launcher and end the process. A failure for want of
+    space in the folder (or a report that cannot be written for it) ends it with
+    :data:`explorer.runtime.folders.FULL_EXIT`, which reaches the launcher where no file can."""
     kind = "out of memory" if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) \
         else type(exc).__name__
-    (out / f"error-{rank}.txt").write_text(
-        f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
-    os._exit(1)
+    full = no_space(exc)
+    try:
+        (out / f"error-{rank}.txt").write_text(
+            f"{kind}: {exc}\n\n{''.join(traceback.format_exception(exc)[-6:])}")
+    except OSError as unwritten:
+        full = full or no_space(unwritten)
+    os._exit(FULL_EXIT if full else 1)
 
 
 #: the cores this process was pinned to and whether it holds freed memory, once set up
@@ -172,8 +190,12 @@ def run_job(job: Job, rank: int, world: int, local_rank: int, out: Path, batches
         platform = platform_of("cuda" if cuda else "cpu")
         _SET_UP.update(cores=platform.pin_rank(local_rank, threads),
                        held=platform.hold_freed_memory())
+    if pulse is not None:
+        pulse.waiting_for = heartbeat.EVERYONE  # joining waits for every rank
     dist.init_process_group(backend, rank=rank, world_size=world, store=store,
                             timeout=datetime.timedelta(seconds=job.timeout_s))
+    if pulse is not None:
+        pulse.waiting_for = None
     r = StageRunner(job, rank, world, local_rank)
     if pulse is not None:
         pulse.messenger = r.messenger
@@ -225,16 +247,22 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
     return results, task_s
 
 
+#: the step of :func:`_fault` that means "at the start, before the first heartbeat"
+START = -1
+
+
 def _fault(rank: int) -> tuple[str, int] | None:
     """Test hook: EXPLORER_FAULT="RANK:KIND[:STEP]" makes that rank fail (raise, oom, hang,
-    spin: an endless compute loop, kill, stop: SIGSTOP) at that step, so the launcher's
-    clean-up can be tested for real."""
+    spin: an endless compute loop, kill, stop: SIGSTOP) at that step (STEP ``start``: once
+    started, before its first heartbeat), so the launcher's clean-up can be tested for real."""
     spec = os.environ.get("EXPLORER_FAULT", "")
     if not spec:
         return None
     parts = spec.split(":")
     if int(parts[0]) != rank:
         return None
+    if len(parts) > 2 and parts[2] == "start":
+        return parts[1], START
     return parts[1], int(parts[2]) if len(parts) > 2 else 0
 
 

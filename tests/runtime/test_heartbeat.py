@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from explorer.runtime import folders, heartbeat
+from explorer.runtime import folders, heartbeat, watch
 
 
 def _beat(folder, rank, age_s, **said):
@@ -34,6 +35,43 @@ def test_silent_ranks_are_those_whose_beat_stopped(tmp_path):
     assert heartbeat.describe(tmp_path, 3) == "at step 1, waiting for all ranks"
     heartbeat.beat_path(tmp_path, 4).write_text("{not json")
     assert heartbeat.describe(tmp_path, 4) == "not started"
+
+
+def test_a_rank_stopped_before_its_first_beat_is_silent_as_one_stopped_after(tmp_path):
+    """A rank that never beat is silent once its process has been seen stopped for
+    SILENT_S, long before the start-up grace; a rank that beats (waiting for it) is not."""
+    now = time.time()
+    _beat(tmp_path, 0, 1.0, step=0, waiting_for=heartbeat.EVERYONE)
+    started = now - heartbeat.SILENT_S - 5
+    held = {1: now - heartbeat.SILENT_S - 1, 2: now - heartbeat.SILENT_S + 1}
+    assert heartbeat.silent_ranks(tmp_path, [0, 1, 2, 3], started, now, held) == [1]
+
+
+def test_only_stopped_processes_that_never_beat_are_held(tmp_path):
+    """The launcher's view of start-up: a stopped process that never beat is held from when
+    it was first seen so; a running one, or one that beat, is not."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(3)]
+    try:
+        for p in procs[1:]:
+            os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while time.time() < deadline and \
+                any(watch.process_state(p.pid) not in watch.STOPPED for p in procs[1:]):
+            time.sleep(0.05)
+        _beat(tmp_path, 2, 0, step=0, waiting_for=None)
+        first = watch.stopped_unbeaten(tmp_path, procs, [0, 1, 2], {}, 100.0)
+        assert first == {1: 100.0}
+        assert watch.stopped_unbeaten(tmp_path, procs, [0, 1, 2], first, 105.0) == {1: 100.0}
+        os.kill(procs[1].pid, signal.SIGCONT)
+        deadline = time.time() + 10
+        while time.time() < deadline and watch.process_state(procs[1].pid) in watch.STOPPED:
+            time.sleep(0.05)
+        assert watch.stopped_unbeaten(tmp_path, procs, [0, 1, 2], first, 110.0) == {}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_a_heartbeat_thread_beats(tmp_path):
