@@ -55,8 +55,10 @@ class Explorer(W.VBox):
                  loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
                  plan: ex.Plan | None = None, backend: str = "canvas", height: int = 560,
                  progress: bool = True, measure: str = "background") -> None:
+        # the background measuring starts once the first picture is drawn (below): it would
+        # take the processor from it, all the more on a busy machine
         self.session = s = Session.open(model, example_inputs, cluster, loss_fn, targets, costs,
-                                        plan, progress, measure)
+                                        plan, progress, measure, start=False)
         self.status = StatusPanel(s)
         self.graph = GraphPanel(s, backend, height)
         self.estimate = EstimatePanel(s)
@@ -89,6 +91,7 @@ class Explorer(W.VBox):
         self.add_class("pe-explorer")
         s.observe(lambda _session, what: self.update(what))
         self.update()
+        s.start_measuring()
 
     def _ipython_display_(self) -> None:
         # BokehJS with every display: a reloaded page has lost the copy loaded before

@@ -22,9 +22,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import explorer as ex
@@ -34,6 +37,8 @@ from explorer.models.synthetic import roofline_costs
 from explorer.profiling import Preliminary
 
 _log = logging.getLogger(__name__)
+#: the folders of the explorer's own code (see :func:`runs_ours`)
+_OURS = (str(Path(ex.__file__).parent), str(Path(__file__).parent))
 
 #: when the measured numbers come: "background" (a thread, the widget opens on rooflines),
 #: "now" (before the widget opens) or "never" (rooflines only, nothing run)
@@ -153,9 +158,12 @@ def opening_costs(graph: OpGraph, capture: Callable[[], OpGraph] | None,
     """The costs to open ``graph`` on, and the work left for the background (None: none).
 
     ``capture`` captures with real weights when ``graph`` was captured without running
-    (None: ``graph`` is real). A real graph on devices that are all absent is profiled at once
-    (rooflines, nothing run), and so is any graph measured ``"now"``."""
-    if capture is None and (measure == "now" or not has_present(cluster)):
+    (None: ``graph`` is real). A real graph on devices that are all absent has its rooflines
+    at once (what the profiler would give them; nothing run, no cache read); a real graph
+    measured ``"now"`` is profiled before opening."""
+    if capture is None and not has_present(cluster):
+        return roofline_model(graph, cluster), None
+    if capture is None and measure == "now":
         return ex.profile(graph, cluster, progress=progress), None
     work = (measuring_work(capture or graph, cluster, graph.fingerprint)
             if measure == "background" else None)
@@ -175,6 +183,27 @@ def measured_status(cluster: ex.Cluster) -> str:
         return f"measured: the numbers are from the profile of {', '.join(here)}"
     return ("roofline estimates (devices not here; captured with real weights: real steps "
             "and export are ready)")
+
+
+def starting_a_thread(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``Thread.start`` (waiting for a thread it starts)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code is threading.Thread.start.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def runs_ours(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is running code of the explorer's (a frame of ``explorer/`` or
+    ``widgets/`` on its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_OURS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class MeasuringStopped(BaseException):
@@ -197,11 +226,13 @@ class BackgroundJob:
         self.stopped = False
         self._done = threading.Event()
         self._stopping = threading.Event()
+        self._before: set[int | None] = set()  # the threads there before it started
         self._thread = threading.Thread(target=self._run,
                                         args=(work, report, early, finish, fail),
                                         name="explorer-measure", daemon=True)
 
     def start(self) -> BackgroundJob:
+        self._before = {t.ident for t in threading.enumerate()}
         atexit.register(self.stop)  # (unregistered when the work is over)
         self._thread.start()
         return self
@@ -219,21 +250,32 @@ class BackgroundJob:
         return self._done.wait(timeout_s)
 
     def stop(self, timeout_s: float = STOP_WAIT_S) -> bool:
-        """End the work early and wait (``timeout_s`` seconds at most) until the thread has
-        left it; whether it has. The work stops at its next progress report, or where it is
-        (:class:`MeasuringStopped` raised in the thread: a torch call it is in finishes first,
-        and the profile's rank processes are ended as the error unwinds). Nothing is
-        reported, finished or failed after a stop; the numbers so far stay."""
+        """End the work early and wait (``timeout_s`` seconds at most) until its threads have
+        left it; whether they have. The work stops at its next progress report, or where it
+        is (:class:`MeasuringStopped` raised in its thread and in the threads it started that
+        still run the explorer's code, such as a capture's worker: a torch call one is in
+        finishes first, and the profile's rank processes are ended as the error unwinds).
+        Nothing is reported, finished or failed after a stop; the numbers so far stay."""
         if not self.started or self._done.is_set():
             return True
         self._stopping.set()
+        end = time.monotonic() + timeout_s
         thread = self._thread
-        if thread.ident is not None and thread.is_alive() and not self._done.is_set():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                       ctypes.py_object(MeasuringStopped))
-        thread.join(timeout_s)
-        if thread.is_alive():
-            _log.warning("the background measuring did not stop within %g s", timeout_s)
+        # not while it starts a thread: the error would leave that one running unwatched
+        while starting_a_thread(thread) and time.monotonic() < end:
+            time.sleep(0.005)
+        helpers = [t for t in threading.enumerate()
+                   if t.ident not in self._before and t is not thread and runs_ours(t)]
+        for t in (thread, *helpers):
+            if t.ident is not None and t.is_alive() and not self._done.is_set():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                           ctypes.py_object(MeasuringStopped))
+        for t in (thread, *helpers):
+            t.join(max(0.0, end - time.monotonic()))
+        left = [t.name for t in (thread, *helpers) if t.is_alive()]
+        if left:
+            _log.warning("the background measuring did not stop within %g s (%s still "
+                         "running)", timeout_s, ", ".join(left))
             return False
         return True
 

@@ -142,7 +142,7 @@ class Session:
     def open(cls, model: Any, example_inputs: Any = None, cluster: Any = None,
              loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
              plan: ex.Plan | None = None, progress: bool = True,
-             measure: str = "background") -> Session:
+             measure: str = "background", start: bool = True) -> Session:
         """A session on a module (captured with its example batch), a built-in model, or an
         already captured graph (``open(graph, costs, plan)``); profiled on ``cluster`` (this
         machine's devices by default) unless ``costs`` are given. Without a plan, the session
@@ -155,19 +155,22 @@ class Session:
         measured numbers in: the profile's preliminary ones after its first run
         (:attr:`preliminary` says so), the final ones when it ends (:meth:`wait_measured`
         waits for them); "now"
-        measures before opening; "never" keeps the roofline estimates and runs nothing."""
+        measures before opening; "never" keeps the roofline estimates and runs nothing.
+        Without ``start`` the background work waits for :meth:`start_measuring` (the widget
+        draws its first picture first: nothing measures before it)."""
         o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
                     measure)
         session = cls(o.graph, o.costs.cluster, o.costs, o.plan)
         if o.note:
             session.say(o.note)
         if o.work is not None:
-            session.measure_in_background(o.work)
+            session.measure_in_background(o.work, start)
         return session
 
     # -- measured numbers, in the background ---------------------------------------------
-    def measure_in_background(self, work: Work) -> None:
-        """Run ``work`` (see :func:`widgets.measure.measuring_work`) in a thread; its real
+    def measure_in_background(self, work: Work, start: bool = True) -> None:
+        """Run ``work`` (see :func:`widgets.measure.measuring_work`) in a thread (once
+        :meth:`start_measuring` is called, without ``start``); its real
         graph and measured costs replace the estimates when it is done (the plan under edit,
         pins, undo history and table stay: the graph is the same), and the profile's
         preliminary numbers before that, as soon as its first run is done (``preliminary``
@@ -175,7 +178,14 @@ class Session:
         message and the numbers so far stay."""
         self._measure_report("starting")
         self.measuring = BackgroundJob(work, self._measure_report, self._measured_early,
-                                       self._measured, self._measure_failed).start()
+                                       self._measured, self._measure_failed)
+        if start:
+            self.start_measuring()
+
+    def start_measuring(self) -> None:
+        """Start the background measurement that waits (:meth:`open` without ``start``)."""
+        if self.measuring is not None and not self.measuring.started:
+            self.measuring.start()
 
     def wait_measured(self, timeout_s: float | None = None) -> bool:
         """Wait for the background measurement (``timeout_s`` seconds at most; None: as
@@ -184,6 +194,7 @@ class Session:
         job = self.measuring
         if job is None:
             return False
+        self.start_measuring()  # (one that waits would never end)
         if not job.wait(timeout_s):
             raise ExplorerError(f"still measuring after {timeout_s:g} s "
                                 f"({self.measure_status}); wait longer, or keep editing: the "

@@ -42,6 +42,9 @@ OPEN_GPT2 = """
     w = Explorer(m, (ids,), cluster=ex.Cluster.cpu(2))
 """
 
+#: the same on nominal host figures (no host probes), to profile in an empty cache
+OPEN_MLP_NOMINAL = OPEN_MLP.replace("ex.Cluster.cpu(2)", "ex.Cluster.cpu(2, measure=False)")
+
 #: wait until the background measuring is profiling on rank processes (then exit at once)
 WHILE_PROFILING = """
     import time
@@ -72,10 +75,15 @@ def ranks_of(pid: int) -> list[str]:
     return found
 
 
-def run_and_exit(body: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def run_and_exit(body: str, tmp_path: Path, empty_cache: bool = False
+                 ) -> subprocess.CompletedProcess:
+    """Run ``body`` as a script in a fresh process (with an empty cache folder of its own
+    where ``empty_cache``: every profile is measured)."""
     script = tmp_path / "open_and_exit.py"
     script.write_text(textwrap.dedent(body))
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    if empty_cache:
+        env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=SCRIPT_LIMIT_S, env=env, cwd=tmp_path)
     return done
@@ -106,7 +114,8 @@ def test_opening_an_explorer_and_returning_at_once_exits_cleanly(tmp_path):
 
 @pytest.mark.slow
 def test_exiting_while_the_profile_measures_on_ranks_exits_cleanly(tmp_path):
-    done = run_and_exit(WRITE_PID + OPEN_MLP + WHILE_PROFILING, tmp_path)
+    done = run_and_exit(WRITE_PID + OPEN_MLP_NOMINAL + WHILE_PROFILING, tmp_path,
+                        empty_cache=True)
     assert "exiting while" in done.stdout, done.stderr[-3000:]
     check_clean_exit(done, tmp_path / "pid")
 
@@ -116,3 +125,46 @@ def test_a_hugging_face_gpt2_opened_and_left_at_once_exits_cleanly(tmp_path):
     pytest.importorskip("transformers")
     done = run_and_exit(WRITE_PID + OPEN_GPT2, tmp_path)
     check_clean_exit(done, tmp_path / "pid")
+
+
+def job_of(work):
+    """A started :class:`BackgroundJob` on ``work``, with what it told its callbacks."""
+    from widgets.measure import BackgroundJob
+
+    told: list[str] = []
+    job = BackgroundJob(work, lambda text: None, lambda graph, pre: None,
+                        lambda result: told.append("finish"),
+                        lambda error, trace: told.append(f"fail {error!r}"))
+    return job.start(), told
+
+
+def test_stop_ends_work_at_its_next_report():
+    import threading
+
+    going = threading.Event()
+
+    def work(report, early):
+        while True:
+            report("one more step")
+            going.set()
+
+    job, told = job_of(work)
+    assert going.wait(60)
+    assert job.stop() and not job.running and job.stopped
+    assert told == [] and job.error is None  # a stop is no failure, and nothing is finished
+
+
+def test_stop_ends_work_that_never_reports():
+    import threading
+
+    going = threading.Event()
+
+    def work(report, early):
+        going.set()
+        n = 0
+        while True:  # Python code that never reports: the stop is raised where it is
+            n += 1
+
+    job, told = job_of(work)
+    assert going.wait(60)
+    assert job.stop() and job.stopped and told == []

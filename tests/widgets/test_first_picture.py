@@ -200,3 +200,82 @@ def test_a_failure_after_preliminary_numbers_keeps_them(monkeypatch):
         w.session.wait_measured(60)
     assert w.session.costs.compute_scale == PRELIMINARY_SCALE
     assert "measured (preliminary: 1 of 8 runs) (measuring failed" in w.status.header.value
+
+
+class MeasuringCalls:
+    """Stands in around what measures (the profiler, a capture that runs the model, the
+    host's probes): records the thread each call is made on, then does what it stands for."""
+
+    def __init__(self, monkeypatch, profiler) -> None:
+        import explorer.platforms.cpu.host as cpu_host
+        import explorer.profiling.host as profiling_host
+
+        self.calls: list[tuple[str, str]] = []  # (what, thread name)
+        self.lock = threading.Lock()
+        monkeypatch.setattr(ex, "profile", self.wrap("profile", profiler))
+        for owner, name in ((cpu_host, "measure_host_profile"),
+                            (profiling_host, "cpu_message_s"),
+                            (profiling_host, "measure_contention")):
+            monkeypatch.setattr(owner, name, self.wrap(name, getattr(owner, name)))
+        real_capture = ex.capture
+
+        def capture(*a, **kw):
+            if not kw.get("fake"):  # (the capture on fake tensors runs nothing)
+                self.record("capture with real weights")
+            return real_capture(*a, **kw)
+        monkeypatch.setattr(ex, "capture", capture)
+
+    def record(self, what: str) -> None:
+        with self.lock:
+            self.calls.append((what, threading.current_thread().name))
+
+    def wrap(self, what, fn):
+        def call(*a, **kw):
+            self.record(what)
+            return fn(*a, **kw)
+        return call
+
+
+def first_picture_threads(monkeypatch) -> list[list[str]]:
+    """Patches the explorer so that, when it draws its first picture, the names of the
+    threads then alive are kept (in the list returned)."""
+    from widgets import Explorer
+
+    seen: list[list[str]] = []
+    update = Explorer.update
+
+    def first_update(self, what="all"):
+        if not seen:
+            seen.append([t.name for t in threading.enumerate()])
+        update(self, what)
+    monkeypatch.setattr(Explorer, "update", first_update)
+    return seen
+
+
+def test_nothing_measures_before_the_first_picture(monkeypatch, profiler):
+    profiler.release.set()
+    calls = MeasuringCalls(monkeypatch, profiler)
+    seen = first_picture_threads(monkeypatch)
+    before = {t.name for t in threading.enumerate()}
+    w = open_mlp()
+    s = w.session
+    assert seen and [t for t in seen[0] if t not in before] == []  # none started yet
+    here = threading.current_thread().name
+    assert [c for c in calls.calls if c[1] == here] == []  # nothing on the caller's thread
+    assert "measuring" in s.measure_status  # and it does measure, after the picture
+    assert s.wait_measured(120) and s.graph.runtime is not None
+    assert [c[0] for c in calls.calls] == ["capture with real weights", "profile"]
+    assert [c for c in calls.calls if c[1] == here] == []
+
+
+def test_a_captured_graph_on_absent_devices_opens_without_the_profiler(monkeypatch):
+    calls = MeasuringCalls(monkeypatch, ex.profile)
+    bm = ex.builtin_model("mlp", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="mlp")
+    calls.calls.clear()
+    from widgets import Explorer
+
+    w = Explorer(graph, cluster=ex.Cluster.preset("2xH100"), progress=False)
+    assert calls.calls == []
+    roof = roofline_costs(graph, w.session.cluster)
+    assert shown_step_s(w) == pytest.approx(ex.simulate(graph, w.session.plan, roof).step_s)
