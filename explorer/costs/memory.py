@@ -9,9 +9,9 @@ times the micro-batches in flight.
 A stage's memory settings (:class:`~explorer.core.plan.StageSettings`) change the charges as
 the simulator does: ZeRO over ``replicas`` divides the optimizer state (1), the gradients (2)
 and the weights (3) by the replica count; recomputation does not charge the outputs it drops
-(:func:`explorer.costs.strategies.recomputed_outputs`) nor the extra tensors of the ops it
-runs again, but charges the values a recomputation starts from (:func:`recompute_sources`,
-kept until the backward as the simulator keeps them); bf16/fp16 charge the 2-byte outputs of
+but charges the values a recomputation starts from (both as the runtime does them:
+:func:`explorer.costs.strategies.recomputation`), and the extra tensors ops save (statistics,
+masks, indices), which it keeps from the forward; bf16/fp16 charge the 2-byte outputs of
 autocast at their size, and a matmul-like op the 2-byte copies autocast makes of the fp32
 tensors it saves (weights, fp32 activations) and its extra tensors in 2 bytes. The transient
 copies (ZeRO 3's gathered weights, the recomputed activations in the backward) are not charged:
@@ -30,7 +30,7 @@ from explorer.costs.strategies import (
     FLOAT_DTYPES,
     activation_bytes,
     is_matmul_like,
-    recomputed_outputs,
+    recomputation,
     shard_bytes,
 )
 
@@ -42,27 +42,6 @@ def view_roots(graph: OpGraph) -> list[int]:
         if n.is_view and n.inputs:
             root[i] = root[graph.index[n.inputs[0]]]
     return root
-
-
-def recompute_sources(graph: OpGraph, dropped: list[bool], root: list[int]) -> set[int]:
-    """The kept values (roots) recomputations start from: the inputs of every dropped output
-    some backward saves, through the dropped ones among them, back to values that are kept
-    (weights are always there)."""
-    saved = {graph.index[s] for n in graph.nodes for s in n.saves}
-    out: set[int] = set()
-    todo = [h for h in saved if dropped[h]]
-    seen = set(todo)
-    while todo:
-        for name in graph.nodes[todo.pop()].inputs:
-            q = graph.index[name]
-            if q in seen or graph.nodes[q].kind in ("param", "buffer"):
-                continue
-            seen.add(q)
-            if dropped[q]:
-                todo.append(q)
-            else:
-                out.add(root[q])
-    return out
 
 
 def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int]) -> list[int]:
@@ -94,13 +73,12 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     plain = settings.is_default
     if not plain:
         act = activation_bytes(graph, settings.precision, device_kind).tolist()
-        dropped = recomputed_outputs(graph, settings.recompute).tolist()
-        no_extras = settings.recompute == "full"
+        rec = recomputation(graph, settings.recompute)
+        dropped = rec.dropped.tolist()
         root = view_roots(graph)
         half = settings.precision != "fp32"
         copies = cast_copy_bytes(graph, act, root) if half else [0] * len(graph)
-        sources = recompute_sources(graph, dropped, root) if settings.recompute != "none" \
-            else set()
+        sources = set(rec.sources[0].tolist())
     zero = settings.zero if replicas > 1 else 0
 
     def shard(nbytes: int, stage: int) -> int:
@@ -125,8 +103,8 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
                 if half and is_matmul_like(n) and act[i] < n.out_bytes:
                     extra //= 2  # (made in its 2-byte compute dtype, as its output)
                 charged = not n.is_view and n.name in saved and not dropped[i]
-                kept = (act[i] if charged or (i in sources and not n.is_view) else 0) + (
-                    0 if no_extras or dropped[i] else extra) + copies[i]
+                kept = (act[i] if charged or (i in sources and not n.is_view) else 0) \
+                    + extra + copies[i]
             out.append(int(kept * batch_fraction * in_flight))
         else:  # inputs: the batch itself
             out.append(int(n.out_bytes * batch_fraction * in_flight))

@@ -7,7 +7,8 @@ read the same rules (the runtime follows them too):
   padded to a multiple of ``R`` elements (:func:`shard_bytes`).
 - Recomputation: "selective" drops the saved outputs of ops that are not matmul-like
   (:func:`is_matmul_like`); "full" keeps only a unit's inputs, a unit being the op's module
-  path cut after its repeated-block index (:func:`recompute_units`).
+  path cut after its repeated-block index (:func:`recompute_units`). When and for how long
+  each value lives again, as the runtime recomputes on demand: :func:`recomputation`.
 - Precision bf16/fp16 runs ops under ``torch.autocast``: matmul-like ops make 2-byte outputs,
   the ops autocast keeps in fp32 make 4-byte ones, the others follow the widest floating input
   (:func:`half_outputs`). Where the profile timed the device in that precision, those times
@@ -19,7 +20,8 @@ read the same rules (the runtime follows them too):
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,6 +52,11 @@ CPU_FP32_OPS = frozenset((
     "smooth_l1_loss", "huber_loss", "kl_div", "margin_ranking_loss", "soft_margin_loss",
     "multi_margin_loss", "multilabel_margin_loss", "poisson_nll_loss", "hinge_embedding_loss",
     "cosine_embedding_loss", "triplet_margin_loss", "crossentropyloss", "mseloss"))
+#: normalizations whose output takes the dtype of their data (first) input, whatever their
+#: fp32 weights and statistics (torch's mixed-dtype norms: a bf16 batch of activations gives
+#: a bf16 output); where autocast runs one in fp32 (:data:`CUDA_FP32_OPS`) that comes first
+NORM_OPS = frozenset(("batch_norm", "layer_norm", "group_norm", "rms_norm", "instance_norm",
+                      "batchnorm2d", "batchnorm1d", "layernorm", "groupnorm", "rmsnorm"))
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 HALF_DTYPES = ("float16", "bfloat16")
 #: the element size parameters are sharded in (fp32 master weights)
@@ -132,6 +139,8 @@ def half_outputs(graph: OpGraph, device_kind: str) -> np.ndarray:
             half[i] = True
         elif op_base_name(n.op) in fp32:
             half[i] = False
+        elif op_base_name(n.op) in NORM_OPS and n.inputs:  # its data input's dtype
+            half[i] = bool(half[graph.index[n.inputs[0]]])
         else:  # the widest floating input
             ins = [graph.index[p] for p in n.inputs]
             floats = [j for j in ins if graph.nodes[j].dtype in FLOAT_DTYPES]
@@ -216,3 +225,85 @@ def recomputed_outputs(graph: OpGraph, recompute: str,
     if recompute == "selective":
         kept |= np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
     return is_op & ~kept
+
+
+@dataclass(frozen=True)
+class Recomputation:
+    """What recomputation does to each node of a graph: which saved outputs are dropped, in
+    which backward each op runs again, and which kept values the recomputations start from.
+    """
+
+    #: [node] a saved output that is not kept but made again in the backward
+    dropped: np.ndarray
+    #: [node] the op whose backward first runs the node's op again (-1: it does not run again)
+    first_use: np.ndarray
+    #: (kept value's memory root, op) pairs: the values recomputations start from, held until
+    #: that op's backward (the last of their unit to run)
+    sources: tuple[np.ndarray, np.ndarray]
+
+
+def recomputation(graph: OpGraph, mode: str | Sequence[str],
+                  stage: Sequence[int] | np.ndarray | None = None,
+                  has_backward: Sequence[bool] | np.ndarray | None = None) -> Recomputation:
+    """Recomputation as the runtime does it (:mod:`explorer.runtime.recompute`), per node
+    under ``mode`` ("none", "selective" or "full"; one for all, or the mode of each node's
+    stage), ``stage`` (per node; default all on one) and ``has_backward`` (per node: the ops
+    whose backward runs; default the ops that need a gradient).
+
+    A unit (:func:`unit_of`) on a stage keeps the values its ops read from outside it (other
+    units, stages, the batch), with "selective" also its matmul-like outputs. What one of its
+    ops saves that the unit made and does not keep is dropped, unless an op of another unit
+    saves it too (:func:`saved_across_units`). In the backward a dropped value is made again
+    on demand, when the first backward that unpacks it runs (in running order, the saver
+    latest in the forward), from the kept values, running again the unit's ops between
+    (which are made then, once, and kept only while a later backward still unpacks them);
+    the kept values a recomputation starts from stay until the unit's last backward. What an
+    op saves besides its inputs and outputs (statistics, masks, indices) is not recomputed:
+    it is kept from the forward.
+    """
+    nodes, index, n = graph.nodes, graph.index, len(graph)
+    modes = [mode] * n if isinstance(mode, str) else list(mode)
+    st = [0] * n if stage is None else [int(x) for x in stage]
+    hb = ([x.kind == "op" and x.requires_grad for x in nodes] if has_backward is None
+          else [bool(x) for x in has_backward])
+    units = recompute_units(graph)
+    root = list(range(n))
+    for i, x in enumerate(nodes):
+        if x.is_view and x.inputs:
+            root[i] = root[index[x.inputs[0]]]
+    across = saved_across_units(graph).tolist()
+    matmul = [x.kind == "op" and is_matmul_like(x) for x in nodes]
+
+    def again(p: int, v: int) -> bool:
+        """Whether op ``v``'s unit makes value ``p`` again rather than keeping it."""
+        return (nodes[p].kind == "op" and st[p] == st[v] and units[p] == units[v]
+                and not (modes[v] == "selective" and matmul[p]))
+
+    dropped = np.zeros(n, dtype=bool)
+    first = np.full(n, -1, dtype=np.int64)
+    last_b: dict[tuple[str, int], int] = {}  # (unit, stage) -> its op whose backward runs last
+    for v in range(n - 1, -1, -1):
+        if hb[v]:
+            last_b[(units[v], st[v])] = v
+    sources: set[tuple[int, int]] = set()
+    for v in range(n):  # v: an op whose backward unpacks what it saved
+        if not hb[v] or modes[v] == "none":
+            continue
+        todo = list({h for h in (root[index[name]] for name in nodes[v].saves)
+                     if again(h, v) and not across[h]})
+        dropped[todo] = True
+        seen = set(todo)
+        while todo:  # what it is made from, back to kept values
+            q = todo.pop()
+            first[q] = max(first[q], v)
+            for name in nodes[q].inputs:
+                p = index[name]
+                if nodes[p].kind in ("param", "buffer") or p in seen:
+                    continue
+                if again(p, v):
+                    seen.add(p)
+                    todo.append(p)
+                else:
+                    sources.add((root[p], last_b[(units[v], st[v])]))
+    pairs = np.array(sorted(sources), dtype=np.int64).reshape(-1, 2)
+    return Recomputation(dropped, first, (pairs[:, 0], pairs[:, 1]))

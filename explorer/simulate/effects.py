@@ -26,8 +26,8 @@ from explorer.costs.strategies import (
     activation_bytes,
     gather_groups,
     is_matmul_like,
+    recomputation,
     recompute_units,
-    recomputed_outputs,
     shard_bytes,
 )
 from explorer.devices.cluster import Cluster
@@ -57,7 +57,7 @@ class StageEffects:
     zero: list[int]  # [stage] ZeRO stage in effect (0 where the stage has one replica)
     act_bytes: np.ndarray  # [node] output bytes under its stage's precision
     dropped: np.ndarray  # [node] bool: its saved output is recomputed, not kept
-    rc_op: np.ndarray  # [node] the op whose backward recomputes its output (or extras), -1
+    rc_op: np.ndarray  # [node] the op whose backward first runs it again, -1
     shard: np.ndarray  # [node] bytes of one rank's shard of its weight (its bytes without ZeRO)
     extra_bytes: np.ndarray  # [node] bytes saved besides outputs, under its stage's precision
     recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
@@ -67,8 +67,8 @@ class StageEffects:
     #: [node] its recomputation unit (:func:`recompute_units`; where a stage has ZeRO 3: its
     #: weights are gathered a unit at a time)
     units: list[str] = field(default_factory=list)
-    #: (value, op) pairs: values kept for a recomputation, until the backward of the op that
-    #: recomputes from them (:func:`recompute_sources`)
+    #: (value, op) pairs: values kept for a recomputation, until the backward of that op (the
+    #: last of their unit to run; :func:`~explorer.costs.strategies.recomputation`)
     sources: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
@@ -128,49 +128,11 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
                            and cluster.device(plan.stages[s][0]).kind == kind
                            for s in range(S)], dtype=bool)[st]
             act = np.where(on, activation_bytes(graph, prec, kind), act)
-    sv_p, sv_v = A.saved
-    same = (st[sv_p] == st[sv_v]) & A.has_b[sv_v]
-    dropped = np.zeros(A.n, dtype=bool)
-    rc_op = np.full(A.n, -1, dtype=np.int64)
+    # recomputation as the runtime does it: dropped outputs made again in the first backward
+    # that needs them, the kept values they start from held until their unit's last backward
     mode = np.array([x.recompute for x in settings], dtype=object)[st]
-    if (mode == "selective").any():
-        sel = same & (mode[sv_p] == "selective")
-        d = recomputed_outputs(graph, "selective") & (mode == "selective")
-        # recomputed just before the first backward (in running order) that needs it: the
-        # saver that comes last in the forward
-        p, v = sv_p[sel & d[sv_p]], sv_v[sel & d[sv_p]]
-        np.maximum.at(rc_op, p, v)
-        dropped |= rc_op >= 0
-        own = A.is_op & (mode == "selective") & d & A.has_b & (A.extra != 0)
-        rc_op[own & (rc_op < 0)] = np.flatnonzero(own & (rc_op < 0))
-    if (mode == "full").any():
-        units = recompute_units(graph)
-        _, code = np.unique(np.array(units, dtype=object).astype(str), return_inverse=True)
-        key = code * S + st
-        # each unit's forward runs again (per stage) at the start of its first backward to
-        # run: that of its last op with a backward
-        designee: dict[int, int] = {}
-        for i in np.flatnonzero(A.has_b & (mode == "full")).tolist():
-            designee[int(key[i])] = i  # (ops in node order: the last one wins)
-        full_ops = A.is_op & (mode == "full")
-        d = recomputed_outputs(graph, "full", (sv_p[same], sv_v[same]))
-        # what runs again is what the unit's backward unpacks (outputs its own ops save that
-        # are not kept) and the unit's ops those are made from, as the runtime recomputes
-        own = same & full_ops[sv_p] & (key[sv_p] == key[sv_v])
-        todo = np.unique(sv_p[own & d[sv_p]]).tolist()
-        rerun = np.zeros(A.n, dtype=bool)
-        rerun[todo] = True
-        while todo:
-            h = todo.pop()
-            for name in graph.nodes[h].inputs:
-                q = graph.index[name]
-                if full_ops[q] and key[q] == key[h] and not rerun[q]:
-                    rerun[q] = True
-                    todo.append(q)
-        for i in np.flatnonzero(rerun).tolist():
-            rc_op[i] = designee.get(int(key[i]), -1)
-        dropped |= full_ops & d & (rc_op >= 0)
-    sources = recompute_sources(graph, A, st, dropped, rc_op)
+    rec = recomputation(graph, mode.tolist(), st, A.has_b)
+    dropped, rc_op, sources = rec.dropped, rec.first_use, rec.sources
     half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
     casts = []
     for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
@@ -195,32 +157,6 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
                         casts=(cv[:, 0], cv[:, 1]),
                         units=recompute_units(graph) if 3 in zero else [])
-
-
-def recompute_sources(graph: OpGraph, A: GraphArrays, st: np.ndarray, dropped: np.ndarray,
-                      rc_op: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(value, op) pairs: the kept values (roots) a recomputation starts from, each paired
-    with the op whose backward recomputes from it, so the value lives until then as if that
-    backward had saved it. A dropped output is recomputed from its inputs, through the
-    dropped outputs among them back to values that are kept (outputs made elsewhere, kept
-    outputs, received activations, graph inputs; weights are always there)."""
-    root, kcode, index = A.root_a, A.kcode, graph.index
-    pairs: set[tuple[int, int]] = set()
-    for h in np.flatnonzero(dropped & (rc_op >= 0)).tolist():
-        r = int(rc_op[h])
-        todo, seen = [h], {h}
-        while todo:
-            for name in graph.nodes[todo.pop()].inputs:
-                q = index[name]
-                if q in seen or kcode[q] in (KIND_PARAM, KIND_BUFFER):
-                    continue
-                seen.add(q)
-                if dropped[q] and rc_op[q] >= 0 and st[q] == st[h]:
-                    todo.append(q)
-                else:
-                    pairs.add((int(root[q]), r))
-    pv = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
-    return pv[:, 0], pv[:, 1]
 
 
 def weight_groups(A: GraphArrays, st: np.ndarray, s: int, succs: list[list[int]],

@@ -66,6 +66,8 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         sv_p_a, sv_v_a = sv_p_a[~cast], sv_v_a[~cast]
         cast = np.isin(sv_v_any * N + sv_p_any, eff.casts[0] * N + eff.casts[1])
         sv_p_any, sv_v_any = sv_p_any[~cast], sv_v_any[~cast]
+    # (a source is held as made by the forward, even where its own unit drops it as saved)
+    n_saved = len(sv_p_a)
     if eff is not None and len(eff.sources[0]):
         src_p, src_v = eff.sources
         sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
@@ -109,8 +111,9 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             parts.append((np.array([loss]), off_b[[loss]], per_m))
         sel = (pos[sv_p_a] >= 0) & (st[sv_v_a] == st[sv_p_a]) & has_b[sv_v_a]
         if eff is not None:  # recomputed outputs live again from their recomputation
-            rc = sel & eff.dropped[sv_p_a]
-            sel &= ~eff.dropped[sv_p_a]
+            again = eff.dropped[sv_p_a] & (np.arange(len(sv_p_a)) < n_saved)
+            rc = sel & again
+            sel &= ~again
             _recomputed(live, eff.rc_op, sv_p_a[rc], sv_v_a[rc], st, off_b, per_m, M,
                         start_a, end_a, size_on(out_b[sv_p_a[rc]], st[sv_p_a[rc]]))
         parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
@@ -121,16 +124,14 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             t1 = end_a[off_f[rops] + m * per_m]
             np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
-    # extra tensors saved for the backward (masks, statistics): made by the forward, kept
-    # until the backward
+    # extra tensors saved for the backward (masks, statistics, indices): made by the forward,
+    # kept until the backward; recomputation makes op outputs again, not these (the runtime
+    # keeps them from the forward)
     extra = saved_extra_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
-        # (recomputed ones from their recomputation)
-        from_ = off_f[xs_] if eff is None else np.where(eff.rc_op[xs_] >= 0,
-                                                         off_b[eff.rc_op[xs_]], off_f[xs_])
         for m in range(M):
-            live(st[xs_], start_a[from_ + m * per_m], end_a[off_b[xs_] + m * per_m],
+            live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
     # bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
     # micro-batch (a weight's whole, an activation's share of the micro-batch)

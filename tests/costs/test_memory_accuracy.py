@@ -62,6 +62,44 @@ def test_predicted_peak_memory_matches_the_measured(case):
             f"{meas.peak_bytes[d]} B: {err:+.1%}")
 
 
+#: memory settings on the CNNs: (model, size, algorithm, settings). ResNet's full recomputation
+#: on data-parallel was over-predicted by 10 % (a unit's values made again in its first
+#: backward, not in the first that needs them), its bf16 by 70 % (batch norm's output taken as
+#: fp32), Inception's recomputation under-predicted by 5 % (values a unit recomputes from,
+#: dropped by their own unit)
+STRATEGY_CASES = {
+    "resnet-data-parallel-recompute-full": ("resnet", "small", "data-parallel",
+                                            {"recompute": "full"}),
+    "resnet-data-parallel-recompute-selective": ("resnet", "small", "data-parallel",
+                                                 {"recompute": "selective"}),
+    "resnet-even-layers-bf16": ("resnet", "small", "even-layers", {"precision": "bf16"}),
+    "inception-single-recompute-full": ("inception", "small", "single", {"recompute": "full"}),
+    "alexnet-data-parallel-recompute-full": ("alexnet", "small", "data-parallel",
+                                             {"recompute": "full"}),
+    "vgg16-even-layers-recompute-selective": ("vgg16", "small", "even-layers",
+                                              {"recompute": "selective"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(STRATEGY_CASES))
+def test_memory_settings_predict_the_measured_peak(case):
+    name, size, algorithm, settings = STRATEGY_CASES[case]
+    bm = ex.builtin_model(name, size)
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+    cl = ex.Cluster.cpu(2, measure=False)
+    costs_ = roofline_costs(graph, cl)
+    plan = ex.partition(graph, cl, costs_, algorithm).with_memory(**settings)
+    pred = simulate(graph, plan, costs_)
+    meas = ex.run(graph, plan=plan, costs=costs_, steps=1, warmup=1, progress=False,
+                  timeout_s=120)
+    for d in plan.devices:
+        err = pred.peak_bytes[d] / meas.peak_bytes[d] - 1
+        assert abs(err) <= TOLERANCE, (
+            f"{case} {d}: predicted {pred.peak_bytes[d]} B ({pred.memory[d]}), measured "
+            f"{meas.peak_bytes[d]} B ({meas.peak_by_category[d]}): {err:+.1%}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_a_fake_capture_predicts_what_a_real_step_measures(name):

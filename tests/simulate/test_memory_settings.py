@@ -16,6 +16,7 @@ from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
 from explorer.costs.strategies import (
     half_outputs,
+    recomputation,
     recomputed_outputs,
     saved_across_units,
     shard_bytes,
@@ -46,6 +47,35 @@ def chain(w1: int = 8, w2: int = 8, mm2_module: str = "layers.1.fc") -> OpGraph:
              op("mm2", "aten.mm.default", mm2_module, ("relu1", "w2"), 800, ("relu1",)),
              op("loss", "aten.sum.default", "", ("mm2",), 4, ())]
     return OpGraph("chain", nodes, 8, "export", "loss")
+
+
+def chain4() -> OpGraph:
+    """x -> mm1 -> relu1 -> mm2 -> relu2 (all of unit layers.0) -> mm3 (layers.1) -> loss;
+    every op's output 1600 B but mm3's 800 and the loss's 4, x 800. mm1 saves x, each relu
+    its output, mm2 relu1, mm3 relu2 (so relu2 is saved by another unit)."""
+    def op(name, aten, module, inputs, out, saves):
+        return OpNode(name, "op", aten, module, inputs=inputs, out_bytes=out,
+                      requires_grad=True, saves=saves)
+
+    def weight(name, module):
+        return OpNode(name, "param", "param", module, out_bytes=8, param_bytes=8,
+                      requires_grad=True)
+
+    nodes = [OpNode("x", "input", "input", out_bytes=800),
+             weight("w1", "layers.0.fc1"),
+             op("mm1", "aten.mm.default", "layers.0.fc1", ("x", "w1"), 1600, ("x",)),
+             op("relu1", "aten.relu.default", "layers.0.act1", ("mm1",), 1600, ("relu1",)),
+             weight("w2", "layers.0.fc2"),
+             op("mm2", "aten.mm.default", "layers.0.fc2", ("relu1", "w2"), 1600, ("relu1",)),
+             op("relu2", "aten.relu.default", "layers.0.act2", ("mm2",), 1600, ("relu2",)),
+             weight("w3", "layers.1.fc"),
+             op("mm3", "aten.mm.default", "layers.1.fc", ("relu2", "w3"), 800, ("relu2",)),
+             op("loss", "aten.sum.default", "", ("mm3",), 4, ())]
+    return OpGraph("chain4", nodes, 8, "export", "loss")
+
+
+FWD4 = {"mm1": 1.0, "relu1": 2.0, "mm2": 3.0, "relu2": 4.0, "mm3": 5.0, "loss": 6.0}
+BWD4 = {k: 10 * v for k, v in FWD4.items()}
 
 
 def zero_case(zero: int, bandwidth: float = float("inf")):
@@ -219,13 +249,88 @@ class TestRecompute:
         # recomputation the peak is in micro-batch 0's relu1 backward: its x 400, relu1 800,
         # relu1's and mm1's gradients 800 each, and micro-batch 1's x 400, relu1 800 and
         # loss 2 = 4002. Recomputed, relu1 is not kept but mm1 (which nobody saves otherwise)
-        # is, until mm2's backward recomputes relu1 from it; in micro-batch 0's mm2 backward:
-        # x 400, mm1 800, relu1 again 800, mm2's gradient 400, relu1's 800, and micro-batch
-        # 1's x 400, mm1 800 and loss 2 = 4402 (relu1 and its source are the same size:
-        # selective saves nothing)
+        # is, until the unit's last backward (mm1's), as the runtime holds what a unit
+        # recomputes from; in micro-batch 0's relu1 backward: x 400, mm1 800, relu1 again
+        # 800, relu1's gradient 800 and mm1's 800, and micro-batch 1's x 400, mm1 800 and
+        # loss 2 = 4802 (relu1 and its source are the same size: selective saves nothing)
         g = chain(mm2_module="layers.0.fc2")
         assert self.run(g, 2).memory["d:0"].activations_bytes == 4002
-        assert self.run(g, 2, recompute="selective").memory["d:0"].activations_bytes == 4402
+        assert self.run(g, 2, recompute="selective").memory["d:0"].activations_bytes == 4802
+
+    def test_a_dropped_value_is_made_again_when_the_first_backward_needs_it(self):
+        # full: relu1 (saved by relu1 and mm2, both of its unit) is dropped; relu2 is kept
+        # (mm3 of another unit saves it). relu1 is made again, from x through mm1, in mm2's
+        # backward: the first that unpacks it, not relu2's (the unit's first backward, which
+        # needs nothing recomputed). x is held until the unit's last backward (mm1's)
+        g = chain4()
+        rec = recomputation(g, "full")
+        names = [n.name for n in g.nodes]
+        assert [names[i] for i in rec.dropped.nonzero()[0]] == ["relu1"]
+        assert {names[i]: names[v] for i, v in enumerate(rec.first_use) if v >= 0} == \
+            {"mm1": "mm2", "relu1": "mm2"}
+        assert [(names[a], names[b]) for a, b in zip(*rec.sources, strict=True)] == \
+            [("x", "mm1")]
+        # selective: mm1 (matmul-like) is kept, relu1 made again from it
+        rec = recomputation(g, "selective")
+        assert {names[i]: names[v] for i, v in enumerate(rec.first_use) if v >= 0} == \
+            {"relu1": "mm2"}
+        assert [(names[a], names[b]) for a, b in zip(*rec.sources, strict=True)] == \
+            [("mm1", "mm1")]
+
+    def test_full_recomputation_runs_in_the_backward_that_unpacks(self):
+        # Without recomputation the peak is relu2's backward: x 800, relu1 1600, relu2 1600,
+        # relu2's gradient 1600 and mm2's 1600 = 7200. With full recomputation relu1 is not
+        # there yet (it comes back in mm2's backward, after relu2's is freed): the peak is
+        # 5600 in relu2's backward (x, relu2, two gradients), and again in mm2's (x, relu1
+        # again, mm2's gradient, relu1's gradient). mm1 and relu1 (1 + 2 s) run in mm2's
+        # backward, relu2's is unchanged
+        g = chain4()
+        cl = cluster(1, memory=2**40)
+        c = costs(g, cl, FWD4, BWD4)
+        plain = simulate(g, Plan.single(g, "d:0"), c)
+        pred = simulate(g, Plan.single(g, "d:0").with_memory(recompute="full"), c)
+        assert plain.memory["d:0"].activations_bytes == 7200
+        assert pred.memory["d:0"].activations_bytes == 5600
+        assert pred.step_s == pytest.approx(plain.step_s + 3.0)
+        assert backward_s(pred, "mm2") == pytest.approx(30.0 + 3.0)
+        assert backward_s(pred, "relu2") == pytest.approx(40.0)
+
+    def test_a_value_another_unit_recomputes_from_is_held_though_its_own_drops_it(self):
+        # x -> mm1 (layers.0) -> relu1 (layers.1, saves its output) -> neg (layers.2, saves
+        # nothing) -> mm2 (layers.2, saves neg) -> loss. Full: relu1 is dropped by its unit
+        # (made again in its backward), but layers.2 holds it, to make neg again from, until
+        # its last backward (neg's). The peak, mm2's backward: x 800, mm1 1600 (relu1's
+        # source), relu1 1600, neg again 1600, mm2's gradient 800, neg's 1600 = 8000; more
+        # than without recomputation (x, relu1, neg and the two gradients: 6400)
+        def op(name, aten, module, inputs, out, saves):
+            return OpNode(name, "op", aten, module, inputs=inputs, out_bytes=out,
+                          requires_grad=True, saves=saves)
+
+        w2 = OpNode("w2", "param", "param", "layers.2.fc", out_bytes=8, param_bytes=8,
+                    requires_grad=True)
+        w1 = dataclasses.replace(w2, name="w1", module_path="layers.0.fc")
+        g = OpGraph("fork", [
+            OpNode("x", "input", "input", out_bytes=800), w1,
+            op("mm1", "aten.mm.default", "layers.0.fc", ("x", "w1"), 1600, ("x",)),
+            op("relu1", "aten.relu.default", "layers.1.act", ("mm1",), 1600, ("relu1",)),
+            op("neg", "aten.neg.default", "layers.2.neg", ("relu1",), 1600, ()), w2,
+            op("mm2", "aten.mm.default", "layers.2.fc", ("neg", "w2"), 800, ("neg",)),
+            op("loss", "aten.sum.default", "", ("mm2",), 4, ())], 8, "export", "loss")
+        assert self.run(g, 1).memory["d:0"].activations_bytes == 6400
+        assert self.run(g, 1, recompute="full").memory["d:0"].activations_bytes == 8000
+
+    def test_what_ops_save_besides_outputs_is_kept_from_the_forward(self):
+        # relu1 saves 400 B of extras (statistics, a mask): recomputation makes outputs
+        # again, not those; they live from relu1's forward to its backward as without it.
+        # (mm2 in relu1's unit, full, GPipe over 2 micro-batches: half the bytes each) the
+        # peak is micro-batch 0's relu1 backward: its x 400, relu1 again 800, its gradient
+        # and mm1's 800 each, its extras 200; and micro-batch 1's x 400, loss 2 and extras
+        # 200, made in its forward = 3602
+        g = chain(mm2_module="layers.0.fc2")
+        nodes = [dataclasses.replace(n, saved_extra_bytes=400) if n.name == "relu1" else n
+                 for n in g.nodes]
+        g = OpGraph("chain", nodes, 8, "export", "loss")
+        assert self.run(g, 2, recompute="full").memory["d:0"].activations_bytes == 3602
 
     def test_full_reruns_what_a_units_backward_needs(self):
         # units layers.0 (mm1, relu1), layers.1 (mm2), "" (loss). mm1 saves x (made outside
@@ -266,6 +371,31 @@ class TestPrecision:
         pred = simulate(g, plan.with_memory(precision="bf16"), c)
         assert pred.memory["d:0"].activations_bytes == 2800
         assert pred.step_s == simulate(g, plan, c).step_s
+
+    def test_a_norm_follows_its_inputs_precision_not_its_weights(self):
+        # conv (2-byte under autocast) -> batch_norm (fp32 weight and statistics) -> relu:
+        # torch's norms make their output in their input's dtype, so both are 2-byte too;
+        # an add of an fp32 weight follows the widest input (fp32)
+        def op(name, aten, inputs):
+            return OpNode(name, "op", aten, "m", inputs=inputs, out_bytes=64,
+                          requires_grad=True)
+
+        def weight(name):
+            return OpNode(name, "param", "param", "m", out_bytes=8, param_bytes=8,
+                          requires_grad=True)
+
+        g = OpGraph("cnn", [
+            OpNode("x", "input", "input", out_bytes=64), weight("w"), weight("g"),
+            weight("b"), op("conv", "aten.conv2d.default", ("x", "w")),
+            op("bn", "aten.batch_norm.default", ("conv", "g", "b")),
+            op("relu", "aten.relu.default", ("bn",)),
+            op("biased", "aten.add.Tensor", ("relu", "b")),
+            op("loss", "aten.sum.default", ("biased",))], 8, "export", "loss")
+        for kind in ("cpu", "cuda"):
+            half = dict(zip([n.name for n in g.nodes], half_outputs(g, kind).tolist(),
+                            strict=True))
+            assert (half["conv"], half["bn"], half["relu"], half["biased"]) == \
+                (True, True, True, False), kind
 
     def test_matmuls_save_two_byte_copies_of_their_weights_and_extras(self):
         # mm1 also saves w1 (8000 bytes, fp32 master weight): its 4000-byte copy lives from
