@@ -109,13 +109,30 @@ def steps_done(folder: Path) -> int:
         return 0
 
 
+#: the most bytes of a rank's error report or log read for a message (a rank that filled its
+#: report with garbage, or a report that is a link to an endless file, cannot stall the launcher)
+REPORT_READ_BYTES = 64 * 1024
+
+
+def read_report(path: Path, tail: bool = False) -> str:
+    """The first (or with ``tail``, the last) :data:`REPORT_READ_BYTES` of a rank's report or
+    log, decoded leniently; empty when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            if tail:
+                f.seek(max(0, f.seek(0, 2) - REPORT_READ_BYTES))
+            return f.read(REPORT_READ_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
 def first_failure(folder: Path, codes: list[int | None]) -> int:
     """The rank that failed first: the oldest error report, else the first non-zero exit."""
     reports = sorted((f.stat().st_mtime, int(f.stem.split("-")[1]))
                      for f in folder.glob("error-*.txt"))
     peer = ("Connection closed by peer", "Connection reset by peer")
     own = [r for _, r in reports
-           if not any(p in (folder / f"error-{r}.txt").read_text() for p in peer)]
+           if not any(p in read_report(folder / f"error-{r}.txt") for p in peer)]
     if own:
         return own[0]
     reported = {r for _, r in reports}
@@ -138,7 +155,7 @@ def failure(folder: Path, rank: int, codes: list[int | None], plan: Plan,
             "been stopped"
     err = folder / f"error-{rank}.txt"
     if err.exists():
-        text = err.read_text().strip().splitlines()
+        text = read_report(err).strip().splitlines()
         return (f"rank {rank} ({dev}) failed: {text[0] if text else 'no message'}; all ranks "
                 "have been stopped")
     if code < 0:
@@ -146,7 +163,7 @@ def failure(folder: Path, rank: int, codes: list[int | None], plan: Plan,
         why = " (the system may have run out of memory)" if sig == "SIGKILL" else ""
         return f"rank {rank} ({dev}) was killed by {sig}{why}; all ranks have been stopped"
     log = (logs if logs is not None else folder) / f"log-{rank}.txt"
-    tail = log.read_text().strip().splitlines()[-3:] if log.exists() else []
+    tail = read_report(log, tail=True).strip().splitlines()[-3:] if log.exists() else []
     return (f"rank {rank} ({dev}) exited with code {code}: {' | '.join(tail) or 'no output'}; "
             "all ranks have been stopped")
 
