@@ -1,6 +1,6 @@
 """Prediction accuracy: run plans for real on CPU ranks and compare with the simulator.
 
-Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...] [--steps 5]
+Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...|all] [--steps 5]
        [--passes 4] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
        [--strategies | --tensor]
 For every model it profiles afresh (through the runtime, one thread per rank), then makes the
@@ -28,9 +28,10 @@ references beside it:
 * a cost model calibrated (``ex.calibrate``) on the runs of the *other* models only, so no
   plan is predicted by a fit that saw it.
 
-``--strategies`` runs the memory-strategy plans instead (:data:`STRATEGIES`: ZeRO 1-3 on the
-data-parallel plan, selective and full recomputation on the even-layers pipeline and on one
-device, bf16 on the pipeline), recorded apart (``accuracy-strategies*.json``).
+``--strategies`` runs the memory-strategy plans instead (:data:`STRATEGIES`: ZeRO 1-3 and full
+recomputation on the data-parallel plan, selective and full recomputation on the even-layers
+pipeline and on one device, bf16 on the pipeline), recorded apart
+(``accuracy-strategies*.json``), by default on every built-in model (``ex.model_names()``).
 
 ``--tensor`` runs the tensor-parallel plans instead (:data:`TENSOR`: the whole model as one
 stage split two ways, with 1, 2 and 4 micro-batches, and with sequence parallelism where it
@@ -75,6 +76,7 @@ STRATEGIES = [
     ("data-parallel", {}, {"zero": 1}),
     ("data-parallel", {}, {"zero": 2}),
     ("data-parallel", {}, {"zero": 3}),
+    ("data-parallel", {}, {"recompute": "full"}),
     ("even-layers", {}, {"recompute": "selective"}),
     ("even-layers", {}, {"recompute": "full"}),
     ("single", {}, {"recompute": "selective"}),
@@ -106,7 +108,9 @@ def tensor_plan(graph, cluster: ex.Cluster, micro_batches: int, schedule: str,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="default")
-    ap.add_argument("--models", default="mlp,alexnet,resnet,gpt")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated built-in models, or all (default: mlp,alexnet,resnet,"
+                         "gpt; with --strategies all)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--devices", type=int, default=2)
@@ -127,6 +131,10 @@ def main() -> None:
                          "accuracy-tensor*.json)")
     add_results_option(ap)
     args = ap.parse_args()
+    if args.models is None:
+        args.models = "all" if args.strategies else "mlp,alexnet,resnet,gpt"
+    if args.models == "all":
+        args.models = ",".join(ex.model_names())
     baselines = {a for a, _ in PLANS}
     record = ("accuracy-strategies" if args.strategies else
               "accuracy-tensor" if args.tensor else "accuracy")
