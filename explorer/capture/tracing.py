@@ -11,6 +11,10 @@ identical blocks traces only a few of them and grows the graph to all
 (:mod:`explorer.capture.blocks`), so its time does not grow with depth. When export fails on
 a real capture, a coarser graph with one node per leaf-module call is built from forward hooks
 (:mod:`explorer.capture.hooks`), and the graph says so in ``notes``.
+
+A ``no_grad`` block in the forward is inlined as plain ops that take no gradient
+(:mod:`explorer.capture.grad_regions`). The capture runs on a worker thread under a time limit
+(:mod:`explorer.capture.deadline`): a forward that never returns ends in ``CaptureTimeout``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import operator
 import threading
 import weakref
@@ -34,6 +39,7 @@ from explorer.capture.blocks import (
     find_blocks,
     grow_graph,
 )
+from explorer.capture.deadline import TIMEOUT_ENV, capture_limit_s, run_within
 from explorer.capture.fake import (
     FAKE_NOTE,
     FakeWorld,
@@ -43,6 +49,7 @@ from explorer.capture.fake import (
     needs_real_data,
     on_meta,
 )
+from explorer.capture.grad_regions import inline_grad_regions
 from explorer.capture.hooks import capture_hooks
 from explorer.capture.replay import ReplayCache, replay
 from explorer.capture.step import (
@@ -57,8 +64,8 @@ from explorer.capture.step import (
     tensors_of,
     training_mode,
 )
-from explorer.capture.trial import check_runs, first_line
-from explorer.core.errors import CaptureError, ExplorerError, InputMismatchError
+from explorer.capture.trial import check_runs, first_line, refuse_inference_mode
+from explorer.core.errors import CaptureError, CaptureTimeout, ExplorerError, InputMismatchError
 from explorer.core.factory import load_factory
 from explorer.core.graph import OpGraph, OpNode
 
@@ -75,7 +82,8 @@ _log = logging.getLogger(__name__)
 
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
             targets: Any = None, name: str | None = None, fake: bool | None = None,
-            factory: str | None = None, reuse_blocks: bool | None = None) -> OpGraph:
+            factory: str | None = None, reuse_blocks: bool | None = None,
+            timeout_s: float | None = None) -> OpGraph:
     """Capture one training step of ``model`` on ``example_inputs`` as an :class:`OpGraph`.
 
     ``example_inputs`` is a tensor or a tuple of tensors whose dim 0 is the batch. ``loss_fn``
@@ -96,6 +104,15 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     to all, the same graph as tracing every block, in a time that does not grow with depth.
     Where the blocks cannot be shown to repeat, every block is traced and ``notes`` says why.
 
+    ``timeout_s`` limits how long the capture may take (a forward may never return): past it,
+    :class:`~explorer.core.errors.CaptureTimeout` says where the forward was. Without it the
+    environment variable ``EXPLORER_CAPTURE_TIMEOUT_S`` sets the limit, else it is 5 minutes
+    and more for larger models (:mod:`explorer.capture.deadline`); ``math.inf`` waits for ever.
+
+    A ``torch.no_grad()`` block in the forward (also ``set_grad_enabled(False)``, a
+    ``@torch.no_grad()`` method, ``enable_grad()`` inside one) is captured as it runs eagerly:
+    its ops are in the graph and do not take gradient (:mod:`explorer.capture.grad_regions`).
+
     >>> import torch
     >>> g = capture(torch.nn.Linear(4, 2), torch.randn(8, 4))
     >>> g.batch_size, g.source
@@ -113,30 +130,41 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     if inputs[0].dim() == 0:
         raise InputMismatchError("the first example input is a scalar: it needs a batch "
                                  "dimension (dim 0)")
+    limit_s = capture_limit_s(model, (*inputs, *tgts), timeout_s)
+    name = name or type(model).__name__
     # one capture at a time: torch.export keeps global state, and a fake capture swaps the
     # model's parameters while it runs (a notebook may capture in a background thread)
-    with _ONE_AT_A_TIME:
-        meta = on_meta(model, (*inputs, *tgts))
-        if fake is False and meta:
-            raise CaptureError("the model or its example tensors are on the meta device (no "
-                               "values): capture with fake=True, or build it with real weights")
-        if reuse_blocks and not (fake or meta):
-            raise CaptureError("reuse_blocks=True applies to captures on fake tensors: a real "
-                               "capture keeps the whole program to run and measure it; pass "
-                               "fake=True as well, or leave reuse_blocks unset")
-        step = TrainStep(model, loss_fn, len(inputs))
-        name = name or type(model).__name__
-        with training_mode(step):  # the caller's model keeps its own train/eval modes after
-            if fake or meta:
-                graph = _capture_fake(step, model, inputs, tgts, name,
-                                      reuse_blocks is not False)
-            else:
-                check_fits(model)
-                # the example batch kept with the graph is a copy: the caller's tensors stay
-                # theirs
-                graph = _capture(step, model, copies(inputs), copies(tgts), name)
+    if not _ONE_AT_A_TIME.acquire(timeout=-1 if math.isinf(limit_s) else limit_s):
+        raise CaptureTimeout(f"capturing {name} waited {limit_s:.0f} s for another capture in "
+                             "this process to finish; wait for it, or raise the limit with "
+                             f"timeout_s=... or {TIMEOUT_ENV}")
+    try:
+        graph = run_within(lambda: _capture_one(model, inputs, tgts, loss_fn, name, fake,
+                                                reuse_blocks), limit_s, name, model)
+    finally:
+        _ONE_AT_A_TIME.release()
     graph.factory = factory or ""
     return graph
+
+
+def _capture_one(model: nn.Module, inputs: tuple, tgts: tuple, loss_fn: Callable | None,
+                 name: str, fake: bool | None, reuse_blocks: bool | None) -> OpGraph:
+    """The capture itself (on the worker thread of :func:`run_within`)."""
+    meta = on_meta(model, (*inputs, *tgts))
+    if fake is False and meta:
+        raise CaptureError("the model or its example tensors are on the meta device (no "
+                           "values): capture with fake=True, or build it with real weights")
+    if reuse_blocks and not (fake or meta):
+        raise CaptureError("reuse_blocks=True applies to captures on fake tensors: a real "
+                           "capture keeps the whole program to run and measure it; pass "
+                           "fake=True as well, or leave reuse_blocks unset")
+    step = TrainStep(model, loss_fn, len(inputs))
+    with training_mode(step):  # the caller's model keeps its own train/eval modes after
+        if fake or meta:
+            return _capture_fake(step, model, inputs, tgts, name, reuse_blocks is not False)
+        check_fits(model)
+        # the example batch kept with the graph is a copy: the caller's tensors stay theirs
+        return _capture(step, model, copies(inputs), copies(tgts), name)
 
 
 def _capture(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple,
@@ -205,8 +233,10 @@ def _grown(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, name: 
     args = tuple(world.tensor(t) for t in (*inputs, *tgts))
     try:
         with world.swapped(model), blocks.stubbed() as calls, world.mode, torch.no_grad(), \
-                _quiet_torch():
+                _quiet_torch(), refuse_inference_mode():
             step(*args)
+    except CaptureError:
+        raise
     except Exception as exc:
         raise NotRepeating(f"the model did not run with one block computed for all "
                            f"({first_line(exc)})") from exc
@@ -289,7 +319,18 @@ def _quiet_torch():
 def _export(step: TrainStep, args: tuple) -> Any:
     """Export with dim 0 of every input dynamic, so shards of the batch run the same program;
     a model that forces a fixed batch is exported with static shapes instead. A batch of one
-    is always static (export specialises sizes 0 and 1), so it is not tried dynamic."""
+    is always static (export specialises sizes 0 and 1), so it is not tried dynamic.
+
+    Export runs with gradients on, as a training step does (it records a ``no_grad`` block
+    only where the mode differs from the one it runs in), and the grad-mode regions it records
+    are inlined as plain ops (:mod:`explorer.capture.grad_regions`)."""
+    with torch.enable_grad():
+        program = _export_program(step, args)
+    inline_grad_regions(program)
+    return program
+
+
+def _export_program(step: TrainStep, args: tuple) -> Any:
     batch = torch.export.Dim("batch")
     if any(t.dim() and t.shape[0] == 1 for t in args):
         return torch.export.export(step, args)

@@ -10,8 +10,9 @@ the one that raised either was handed an example tensor (or a view of one) or wa
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -57,6 +58,39 @@ class _BatchWatch(TorchFunctionMode):
         return any(e is exc and given for e, given in self.raised)
 
 
+#: why a forward that enters ``torch.inference_mode()`` is refused
+INFERENCE_MODE = (
+    "the model's forward enters torch.inference_mode(), which torch.export does not record: "
+    "the captured step would train through the ops inside it, unlike the model run eagerly. "
+    "Use torch.no_grad() there instead (captured as it runs: those ops take no gradient)")
+
+
+class _InferenceWatch(TorchFunctionMode):
+    """Notes whether a torch function ran in inference mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.seen and torch.is_inference_mode_enabled():
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def refuse_inference_mode() -> Iterator[None]:
+    """Raise :class:`CaptureError` after the body when code in it entered inference mode."""
+    if torch.is_inference_mode_enabled():  # already on outside: nothing to tell apart
+        yield
+        return
+    watch = _InferenceWatch()
+    with watch:
+        yield
+    if watch.seen:
+        raise CaptureError(INFERENCE_MODE)
+
+
 def _check_arity(fn: Callable, n: int, what: str) -> None:
     try:
         sig = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
@@ -80,7 +114,7 @@ def check_runs(step: TrainStep, inputs: tuple, targets: tuple) -> None:
                      "target(s),")
     watch = _BatchWatch((*inputs, *targets))
     try:
-        with torch.no_grad(), watch:
+        with torch.no_grad(), watch, refuse_inference_mode():
             loss = step(*inputs, *targets)
     except CaptureError:
         raise

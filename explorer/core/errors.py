@@ -11,6 +11,12 @@ class CaptureError(ExplorerError):
     """The model could not be turned into a graph."""
 
 
+class CaptureTimeout(ExplorerError):
+    """Capturing the model took longer than its time limit (its forward may never return).
+    Not a :class:`CaptureError`: another way of capturing would run the same forward and wait
+    as long again."""
+
+
 class InputMismatchError(ExplorerError):
     """The example inputs do not fit the model."""
 
