@@ -6,7 +6,9 @@ bytes move between two of them (:mod:`explorer.devices.records`). Three ways to 
 * :meth:`Cluster.cpu` -- ``n`` CPU ranks on this machine, one process with one thread each, each
   pinned to a core (:func:`explorer.platforms.cpu.pin_cpu_rank`). Their compute speed, memory
   bandwidth and the rank-to-rank link (``torch.distributed`` gloo over 127.0.0.1) are measured
-  once and cached per host and torch version (:mod:`explorer.platforms.cpu.host`).
+  once and cached per host and torch version (:mod:`explorer.platforms.cpu.host`). With
+  ``measure="later"`` nothing is measured on construction: a host not measured yet gets
+  nominal figures until :meth:`Cluster.measured` (which :func:`explorer.profile` calls) does.
 * :meth:`Cluster.discover` -- the NVIDIA GPUs that NVML sees, with datasheet peaks of the nearest
   preset; CPU ranks when there is no driver.
 * :meth:`Cluster.preset` -- GPUs from vendor datasheets, e.g. ``"4xH100"``, that need not be here.
@@ -24,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from explorer.core.errors import ExplorerError, UnknownNameError, unknown_name
 from explorer.core.limits import MAX_DEVICES
@@ -39,7 +41,11 @@ MAX_CPU_RANKS_PER_CORE = 8
 #: ... and each needs at least this much memory (a process with torch loaded)
 MIN_CPU_RANK_MEMORY_BYTES = 256 * 2**20
 
-__all__ = ["MAX_FALLBACK_CPU_RANKS", "Cluster", "Device", "Link", "max_cpu_ranks",
+#: when ``Cluster.cpu`` measures this host: True now (or read the cache), False never
+#: (nominal figures), "later" read the cache or else leave it to :meth:`Cluster.measured`
+HostMeasure = bool | Literal["later"]
+
+__all__ = ["MAX_FALLBACK_CPU_RANKS", "Cluster", "Device", "HostMeasure", "Link", "max_cpu_ranks",
            "parse_devices"]
 
 
@@ -48,13 +54,16 @@ class Cluster:
     """Devices in a fixed order plus the links between them.
 
     ``default_link`` connects every pair of distinct devices unless ``links`` overrides it for
-    that (unordered) pair.
+    that (unordered) pair. ``measure_later``: the CPU ranks' speeds and links are nominal
+    figures standing in for this host's measurements, which :meth:`measured` takes
+    (``Cluster.cpu(n, measure="later")`` on a host not measured yet).
     """
 
     name: str
     devices: tuple[Device, ...]
     default_link: Link
     links: tuple[tuple[str, str, Link], ...] = ()
+    measure_later: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -118,14 +127,38 @@ class Cluster:
         links = tuple((a, b, lk) for a, b, lk in self.links if a in keep and b in keep)
         if ids == self.ids:
             return self
-        return Cluster(f"{self.name} [{', '.join(ids)}]", devices, self.default_link, links)
+        return Cluster(f"{self.name} [{', '.join(ids)}]", devices, self.default_link, links,
+                       self.measure_later)
 
     def without_late_receive(self) -> Cluster:
         """This cluster with no late-receive wait on any link (``Link.late_receive_s``): as
-        if every rank had a core to spare, or to see what the wait adds to a prediction."""
-        return replace(self, default_link=replace(self.default_link, late_receive_s=0.0),
+        if every rank had a core to spare, or to see what the wait adds to a prediction (of
+        the :meth:`measured` cluster: the wait is a measurement of the host)."""
+        base = self.measured()
+        return replace(base, default_link=replace(base.default_link, late_receive_s=0.0),
                        links=tuple((a, b, replace(lk, late_receive_s=0.0))
-                                   for a, b, lk in self.links))
+                                   for a, b, lk in base.links))
+
+    def measured(self) -> Cluster:
+        """This cluster with this host's measured figures for its CPU ranks and their links in
+        place of the nominal ones standing in for them (``measure_later``); any other cluster
+        as it is. The host is measured once per host and torch version (a few seconds; then
+        cached, see :mod:`explorer.platforms.cpu.host`). :func:`explorer.profile` calls it: a
+        cost model's ``costs.cluster`` is the measured cluster."""
+        if not self.measure_later:
+            return self
+        prof = cpu_host.host_profile(True)
+        pending = cpu_host.pending_profile()["compute_source"]
+        devices = tuple(
+            replace(d, flops_per_s=prof["flops_per_s"], half_flops_per_s=prof["flops_per_s"],
+                    mem_bandwidth_bytes_per_s=prof["mem_bandwidth_bytes_per_s"],
+                    source=prof["compute_source"] + d.source.removeprefix(pending))
+            if d.kind == "cpu" else d
+            for d in self.devices
+        )
+        link = _cpu_link(prof)
+        return replace(self, devices=devices, default_link=link,
+                       links=tuple((a, b, link) for a, b, _ in self.links), measure_later=False)
 
     # ---- serialisation
 
@@ -136,6 +169,7 @@ class Cluster:
             "devices": [json_safe(asdict(d)) for d in self.devices],
             "default_link": json_safe(asdict(self.default_link)),
             "links": [[a, b, json_safe(asdict(lk))] for a, b, lk in self.links],
+            **({"measure_later": True} if self.measure_later else {}),
         }
 
     @classmethod
@@ -147,6 +181,7 @@ class Cluster:
                 devices=tuple(record(Device, x) for x in d["devices"]),
                 default_link=record(Link, d["default_link"]),
                 links=tuple((str(a), str(b), record(Link, lk)) for a, b, lk in d.get("links", ())),
+                measure_later=d.get("measure_later", False) is True,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ExplorerError(f"malformed cluster description: {e!r}") from None
@@ -186,18 +221,27 @@ class Cluster:
             lines.append(f"  {', '.join(ids)}: {source}")
         for lk in dict.fromkeys([self.default_link, *(lk for _, _, lk in self.links)]):
             lines.append(f"  link {_fmt_link(lk, with_source=False)}: {lk.source}")
+        if self.measure_later:
+            lines.append("this host's CPU ranks are not measured yet: ex.profile (or "
+                         "cluster.measured()) measures them")
         return "\n".join(lines)
 
     # ---- constructors
 
     @classmethod
-    def cpu(cls, n: int = 2, measure: bool = True) -> Cluster:
+    def cpu(cls, n: int = 2, measure: HostMeasure = True) -> Cluster:
         """``n`` CPU ranks, each a process with one thread (``torch.set_num_threads(1)``).
 
         With ``measure`` the per-rank compute and copy speed and the gloo link between two local
         processes are measured (a few seconds, once per host and torch version; later calls read
-        the cache). Without it, nominal numbers are used and nothing runs.
+        the cache). Without it, nominal numbers are used and nothing runs. With
+        ``measure="later"`` nothing runs either: the cached measurements are used where there
+        are some, else nominal numbers until :meth:`measured` (called by
+        :func:`explorer.profile`) measures the host (the cluster's ``measure_later``).
         """
+        if not (isinstance(measure, bool) or measure == "later"):
+            raise ExplorerError(f"measure={measure!r} is not known; use True (measure this host "
+                                "now), 'later' (when profiled) or False (nominal figures)")
         if isinstance(n, bool) or not isinstance(n, int):
             raise ExplorerError(f"the number of CPU ranks must be an integer, not {n!r}")
         if n < 1:
@@ -207,7 +251,13 @@ class Cluster:
             raise ExplorerError(f"{n} CPU ranks are more than this machine can run: at most "
                                 f"{limit} ({why}); ask for fewer, or plan for GPUs with a "
                                 "preset such as '8xH100'")
-        prof = cpu_host.host_profile(measure)
+        later = False
+        if measure == "later":
+            prof = cpu_host.cached_profile()
+            if prof is None:
+                prof, later = cpu_host.pending_profile(), True
+        else:
+            prof = cpu_host.host_profile(measure)
         memory = discovery.total_memory_bytes() // n
         devices = tuple(
             Device(
@@ -227,26 +277,21 @@ class Cluster:
             )
             for i in range(n)
         )
-        link = Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"],
-                    prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"],
-                    prof["late_receive_s"], prof["reduce_scatter_latency_s"],
-                    prof["reduce_scatter_bandwidth_bytes_per_s"], prof["allgather_latency_s"],
-                    prof["allgather_bandwidth_bytes_per_s"])
-        return cls(f"cpu:{n}", devices, link)
+        return cls(f"cpu:{n}", devices, _cpu_link(prof), measure_later=later)
 
     @classmethod
-    def discover(cls) -> Cluster:
+    def discover(cls, measure: HostMeasure = True) -> Cluster:
         """The NVIDIA GPUs visible on this machine, or CPU ranks when there are none.
 
         Memory and power limit come from NVML, peaks from the datasheet of the nearest preset.
         GPU ``i`` in NVML order is ``cuda:i`` for torch, which holds with
         ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or with identical GPUs; ``CUDA_VISIBLE_DEVICES`` is
         honoured. Without NVML or a GPU the result is
-        ``cpu(min(os.cpu_count(), 8))`` with the reason in its name.
+        ``cpu(min(os.cpu_count(), 8), measure)`` with the reason in its name.
         """
         reason, gpus = discovery.nvml_gpus()
         if not gpus:
-            fallback = cls.cpu(min(os.cpu_count() or 1, MAX_FALLBACK_CPU_RANKS))
+            fallback = cls.cpu(min(os.cpu_count() or 1, MAX_FALLBACK_CPU_RANKS), measure)
             return replace(fallback, name=f"{fallback.name} ({reason})")
         torch_ok = discovery.torch_cuda_count() >= len(gpus)
         devices = []
@@ -327,11 +372,12 @@ def max_cpu_ranks() -> tuple[int, str]:
     return min(by_cores, by_memory), why
 
 
-def parse_devices(spec: str) -> Cluster:
+def parse_devices(spec: str, measure: HostMeasure = True) -> Cluster:
     """The cluster a command-line ``--devices`` value names.
 
     ``"cpu"`` or ``"cpu:N"``: N CPU ranks (2 by default); ``"gpu"`` or ``"auto"``: the GPUs on
     this machine (CPU ranks if none); ``"H100"``, ``"4xH100"``, ``"2xH100+2xT4"``: GPU presets.
+    ``measure``: when CPU ranks measure this host (see :meth:`Cluster.cpu`).
     """
     forms = (
         "'cpu:N' (N CPU ranks), 'gpu' (this machine's NVIDIA GPUs), "
@@ -341,7 +387,7 @@ def parse_devices(spec: str) -> Cluster:
         raise ExplorerError(f"empty device spec; use {forms}")
     s = spec.strip().lower()
     if s == "cpu":
-        return Cluster.cpu()
+        return Cluster.cpu(measure=measure)
     if s.startswith("cpu:"):
         n = s[4:].strip()
         if not re.fullmatch(r"[0-9]+", n):  # ASCII digits only: int() reads other scripts' too
@@ -352,15 +398,24 @@ def parse_devices(spec: str) -> Cluster:
             limit, why = max_cpu_ranks()
             raise ExplorerError(f"cpu:N with N of {digits:,} digits is more than this machine "
                                 f"can run: at most {limit} ({why}); ask for fewer")
-        return Cluster.cpu(int(n))
+        return Cluster.cpu(int(n), measure)
     if s in ("gpu", "gpus", "auto"):
-        return Cluster.discover()
+        return Cluster.discover(measure)
     try:
         return Cluster.preset(spec)
     except UnknownNameError as e:
         raise UnknownNameError(
             f"unknown device spec {spec!r}: {e}. Accepted forms: {forms}"
         ) from None
+
+
+def _cpu_link(prof: dict[str, Any]) -> Link:
+    """The link between two CPU ranks of a host profile (:mod:`explorer.platforms.cpu.host`)."""
+    return Link(prof["link_latency_s"], prof["link_bandwidth_bytes_per_s"], prof["link_source"],
+                prof["allreduce_latency_s"], prof["allreduce_bandwidth_bytes_per_s"],
+                prof["late_receive_s"], prof["reduce_scatter_latency_s"],
+                prof["reduce_scatter_bandwidth_bytes_per_s"], prof["allgather_latency_s"],
+                prof["allgather_bandwidth_bytes_per_s"])
 
 
 def shown_spec(spec: str) -> str:

@@ -73,6 +73,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     and how much each op slows while another rank of the
     host runs it too, as replicas do (:func:`host.measure_contention`, stored with the
     profile). All are host measurements: not taken for ``Cluster.cpu(n, measure=False)``.
+    A cluster whose host is measured later (``Cluster.cpu(n, measure="later")``) is measured
+    first (:meth:`Cluster.measured`): the cost model's ``cluster`` is the measured one.
     ``report`` (where given) is told how far the measuring is, in words, before and after
     each run (a widget shows it). ``partial`` (where given) gets usable numbers early: a
     :class:`Preliminary` as soon as the first whole-batch op timing run of a device type that
@@ -87,6 +89,9 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                             f"use {' or '.join(HALF_PRECISIONS)}")
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
+    if cluster.measure_later and report is not None:
+        report("measuring this host's CPU ranks (once per host)")
+    cluster = cluster.measured()
     per_type: dict[str, DeviceCosts] = {}
     runs_done = 0
     with contextlib.ExitStack() as stack:

@@ -405,6 +405,84 @@ def test_cpu_ranks_really_measured(monkeypatch, tmp_path):
     assert again == c
 
 
+
+@pytest.fixture
+def host_measured(monkeypatch, tmp_path):
+    """An empty host measurement cache, and a stand-in for measuring the host (instant, its
+    figures unlike the nominal ones) that counts its calls in the list returned."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_host.forget_measurements()
+    monkeypatch.setattr(cpu_host, "measure_matmul_flops", lambda: 1e10)
+    monkeypatch.setattr(cpu_host, "measure_copy_bandwidth", lambda: 2e9)
+    monkeypatch.setattr(cpu_host, "LINK_PROBES", 1)
+    calls = []
+
+    def link():
+        calls.append("link")
+        return 1e-4, 2e9, 3e-4, 2e-4, 1.0e9, 5e-4, 3e8, 1e-4, 2e9
+    monkeypatch.setattr(cpu_host, "measure_gloo_link", link)
+    yield calls
+    cpu_host.forget_measurements()
+
+
+def test_cpu_ranks_measured_later_measure_nothing_until_asked(host_measured):
+    later = Cluster.cpu(2, measure="later")
+    assert host_measured == [] and later.measure_later
+    assert later.ids == ("cpu:0", "cpu:1") and later.name == "cpu:2"
+    assert later.devices[0].flops_per_s == cpu_host.CPU_NOMINAL_FLOPS_PER_S
+    assert all("not measured yet" in d.source for d in later.devices)
+    assert "not measured yet" in later.default_link.source
+    assert "ex.profile (or cluster.measured()) measures them" in later.describe()
+    assert Cluster.from_dict(json.loads(json.dumps(later.to_dict()))) == later
+    assert later.subset(["cpu:1"]).measure_later
+    measured = later.measured()
+    assert host_measured == ["link"] and not measured.measure_later
+    # the same cluster as measuring at once (which now reads what was measured)
+    assert measured == Cluster.cpu(2) and host_measured == ["link"]
+    assert measured.devices[0].flops_per_s == 1e10 and measured.default_link.latency_s == 1e-4
+    assert measured.measured() is measured
+    # once measured (and cached), a cluster measured later is measured from the start
+    assert Cluster.cpu(2, measure="later") == measured
+    assert parse_devices("cpu:2", measure="later") == measured
+    cpu_host.forget_measurements()  # (read from the cache file, not measured again)
+    assert Cluster.cpu(2, measure="later") == measured and host_measured == ["link"]
+
+
+def test_without_late_receive_of_a_cluster_measured_later_is_of_the_measured_one(
+        host_measured):
+    later = Cluster.cpu(3, measure="later")
+    quick = later.without_late_receive()
+    assert host_measured == ["link"] and not quick.measure_later
+    assert quick == Cluster.cpu(3).without_late_receive()
+    assert quick.devices[0].flops_per_s == 1e10 and quick.default_link.late_receive_s == 0
+
+
+def test_discover_without_gpus_measures_the_host_later(host_measured, monkeypatch):
+    monkeypatch.setattr(discovery, "nvml_gpus", lambda: ("no NVIDIA GPU found", []))
+    later = Cluster.discover(measure="later")
+    assert later.measure_later and "no NVIDIA GPU found" in later.name
+    assert host_measured == []
+    measured = later.measured()
+    assert measured.name == later.name and measured == Cluster.discover()
+    assert host_measured == ["link"]
+
+
+def test_profiling_a_cluster_measured_later_measures_the_host_first(host_measured, chain3):
+    import explorer as ex
+
+    later = Cluster.cpu(2, measure="later")
+    assert host_measured == []
+    costs = ex.profile(chain3, later, progress=False)
+    assert host_measured == ["link"] and costs.cluster == Cluster.cpu(2)
+    assert not costs.cluster.measure_later and host_measured == ["link"]
+
+
+@pytest.mark.parametrize("measure", ["soon", "now", None, 1])
+def test_cpu_measure_is_true_false_or_later(measure):
+    with pytest.raises(ExplorerError, match=r"measure=.* is not known"):
+        Cluster.cpu(2, measure=measure)
+
+
 # ---- discovery
 
 

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 from explorer.platforms.cpu import gloo_probe
@@ -108,6 +109,16 @@ def nominal_profile() -> dict[str, Any]:
     }
 
 
+def pending_profile() -> dict[str, Any]:
+    """The nominal figures that stand in until this host is measured
+    (``Cluster.cpu(n, measure="later")``), their sources saying so."""
+    prof = nominal_profile()
+    until = "not measured yet (ex.profile or Cluster.measured() measures this host)"
+    prof["compute_source"] = prof["compute_source"].replace("not measured", until, 1)
+    prof["link_source"] = _nominal_link_source(until)
+    return prof
+
+
 def unmeasured_collectives() -> dict[str, float]:
     """A host profile's collective figures when the link is not measured: 0 (derived from the
     link as a ring)."""
@@ -128,13 +139,10 @@ def host_profile(measure: bool) -> dict[str, Any]:
     if not measure:
         return nominal_profile()
     path, key = cache_file(), cache_key()
-    memo = _MEMO.get((str(path), key))
-    if memo is not None:
-        return memo
+    got = cached_profile()
+    if got is not None:
+        return got
     cached = read_cache(path).get(key)
-    if valid_profile(cached):
-        _MEMO[(str(path), key)] = cached
-        return cached
     if cached is not None:
         warn_damaged(path, key, profile_problem(cached) or "")
     prof = measure_host_profile()
@@ -144,6 +152,22 @@ def host_profile(measure: bool) -> dict[str, Any]:
         prof["link_source"] += f" (cached in {path})"
         write_cache(path, key, prof)
     return prof
+
+
+def cached_profile() -> dict[str, Any] | None:
+    """This host's figures where they were measured before (in this process, or a valid
+    entry of the cache file); None where they were not. Measures nothing."""
+    path, key = cache_file(), cache_key()
+    memo = _MEMO.get((str(path), key))
+    if memo is not None:
+        return memo
+    with warnings.catch_warnings():  # (a damaged cache is said when it is measured again)
+        warnings.simplefilter("ignore")
+        cached = read_cache(path).get(key)
+    if valid_profile(cached):
+        _MEMO[(str(path), key)] = cached
+        return cached
+    return None
 
 
 def valid_profile(p: Any) -> bool:
