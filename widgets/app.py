@@ -102,8 +102,10 @@ class Explorer(W.VBox):
     def builtin(cls, name: str = "gpt", size: str = "small", devices: str = "cpu:2",
                 **kw: Any) -> Explorer:
         """An explorer on a built-in model (see ``explorer models``) and devices ("cpu:2",
-        "gpu", "4xH100", ...)."""
-        return cls(ex.builtin_model(name, size), cluster=parse_devices(devices), **kw)
+        "gpu", "4xH100", ...). CPU ranks of a host not measured yet open on nominal figures:
+        the background measuring measures the host (``Cluster.cpu(n, measure="later")``)."""
+        return cls(ex.builtin_model(name, size), cluster=parse_devices(devices, measure="later"),
+                   **kw)
 
     def update(self, what: str = "all") -> None:
         """Redraw the panels that show ``what`` changed in the session ("all": every panel)."""

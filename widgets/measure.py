@@ -95,7 +95,9 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
     """What is left after opening on estimates: the capture with real weights (``real`` when
     it is a function that captures; a graph is already real) and, when devices of
     ``cluster`` are present, their profile (rooflines for the others), whose preliminary
-    numbers go to ``early`` as soon as its first run is done."""
+    numbers go to ``early`` as soon as its first run is done; before it, the host's CPU
+    ranks where ``cluster`` leaves them to be measured later (:meth:`ex.Cluster.measured`):
+    the cost model returned has the measured cluster."""
     def work(report: Callable[[str], None], early: Early) -> tuple[OpGraph, ex.CostModel]:
         graph = real
         if not isinstance(graph, OpGraph):
@@ -107,9 +109,13 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
                                "numbers stay roofline estimates. Open it with measure='now'")
         if not has_present(cluster):
             return graph, roofline_model(graph, cluster)
-        here = ", ".join(d.id for d in cluster.devices if d.present)
+        measured = cluster
+        if cluster.measure_later:
+            report("measuring this host's CPU ranks (once per host)")
+            measured = cluster.measured()
+        here = ", ".join(d.id for d in measured.devices if d.present)
         report(f"profiling {len(graph.ops):,} ops on {here}")
-        return graph, ex.profile(graph, cluster, progress=False, report=report,
+        return graph, ex.profile(graph, measured, progress=False, report=report,
                                  partial=lambda pre: early(graph, pre))
     return work
 

@@ -93,8 +93,9 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
     check_type(plan, ex.Plan, "plan", "ex.partition(...) or ex.Plan.load(...)")
     work = None
     if costs is None:
-        costs, work = opening_costs(graph, capture, cluster or ex.Cluster.discover(),
-                                    measure, progress)
+        # (this machine's devices: CPU ranks measure the host in the background, not here)
+        here = cluster or ex.Cluster.discover(measure="later")
+        costs, work = opening_costs(graph, capture, here, measure, progress)
     note = ""
     if plan is None:
         plan, note = auto_plan(graph, costs.cluster, costs)

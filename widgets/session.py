@@ -225,12 +225,18 @@ class Session:
         self._changed("measure")
 
     def _swap_costs(self, graph: OpGraph, costs: ex.CostModel) -> None:
-        """Measured ``costs`` (of the real ``graph``) in place of the numbers so far; the plan
-        under edit, pins, undo history and table stay (the graph is the same)."""
+        """Measured ``costs`` (of the real ``graph``) in place of the numbers so far, and
+        their cluster (the same devices, measured where they were nominal till then: see
+        :meth:`ex.Cluster.measured`); the plan under edit, pins, undo history and table stay
+        (the graph and the device ids are the same)."""
+        if costs.cluster.ids != self.cluster.ids:
+            raise ExplorerError(f"the measured numbers are for other devices "
+                                f"({', '.join(costs.cluster.ids)}) than the explorer's "
+                                f"({', '.join(self.cluster.ids)})")
         with self._lock:
             plans = [replace(e, prediction=ex.simulate(graph, e.plan, costs))
                      for e in self.plans]
-            self.graph, self.costs, self.plans = graph, costs, plans
+            self.graph, self.costs, self.cluster, self.plans = graph, costs, costs.cluster, plans
             self._estimate()
 
     def _measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:

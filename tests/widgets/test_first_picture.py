@@ -279,3 +279,75 @@ def test_a_captured_graph_on_absent_devices_opens_without_the_profiler(monkeypat
     assert calls.calls == []
     roof = roofline_costs(graph, w.session.cluster)
     assert shown_step_s(w) == pytest.approx(ex.simulate(graph, w.session.plan, roof).step_s)
+
+
+#: what the stand-in host measurement says a CPU rank computes (not the nominal figure)
+HOST_FLOPS_PER_S = 7e9
+
+
+@pytest.fixture
+def unmeasured_host(monkeypatch, tmp_path):
+    """An empty host measurement cache (nothing memoised either), and a stand-in for the
+    host's measurement that gives figures unlike the nominal ones at once."""
+    import explorer.platforms.cpu.host as cpu_host
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_host, "_MEMO", {})
+
+    def measure_host_profile():
+        prof = cpu_host.nominal_profile()
+        prof.update(flops_per_s=HOST_FLOPS_PER_S, compute_source="measured (a stand-in)",
+                    link_source="measured (a stand-in)", link_probes=1, link_measured=True)
+        return prof
+    monkeypatch.setattr(cpu_host, "measure_host_profile", measure_host_profile)
+    return tmp_path
+
+
+def open_builtin_on_cpu_ranks():
+    from widgets import Explorer
+
+    return Explorer.builtin("mlp", "tiny", devices="cpu:2", progress=False)
+
+
+def open_on_this_machine(monkeypatch):
+    from explorer.devices import discovery
+    from widgets import Explorer
+
+    # (no GPU, as on a laptop: the CPU ranks of this machine)
+    monkeypatch.setattr(discovery, "nvml_gpus", lambda: ("no NVIDIA GPU found", []))
+    return Explorer(ex.builtin_model("mlp", "tiny"), progress=False)
+
+
+@pytest.mark.parametrize("opened", ["builtin on cpu:2", "model without a cluster"])
+def test_nothing_measures_the_host_before_the_first_picture(monkeypatch, profiler,
+                                                             unmeasured_host, opened):
+    profiler.release.set()
+    calls = MeasuringCalls(monkeypatch, profiler)
+    seen = first_picture_threads(monkeypatch)
+    before = {t.name for t in threading.enumerate()}
+    w = (open_builtin_on_cpu_ranks() if opened == "builtin on cpu:2"
+         else open_on_this_machine(monkeypatch))
+    s = w.session
+    try:
+        assert seen and [t for t in seen[0] if t not in before] == []  # none started yet
+        here = threading.current_thread().name
+        assert [c for c in calls.calls if c[1] == here] == []  # nothing on the caller's thread
+        assert s.cluster.measure_later  # nominal figures till the host is measured
+        assert all(d.flops_per_s != HOST_FLOPS_PER_S for d in s.cluster.devices)
+        plan = s.plan
+        s.assign([s.graph.ops[0].name], s.cluster.ids[-1])  # an edit made meanwhile
+        edited = s.plan
+        assert edited is not plan
+        assert s.wait_measured(120)
+        assert sorted(c[0] for c in calls.calls) == ["capture with real weights",
+                                                      "measure_host_profile", "profile"]
+        assert [c for c in calls.calls if c[1] == here] == []
+        # the measured host is swapped in (the costs' cluster and the session's), the edit
+        # kept
+        assert s.costs.cluster is s.cluster and not s.cluster.measure_later
+        assert s.plan is edited
+        assert all(d.flops_per_s == HOST_FLOPS_PER_S for d in s.cluster.devices)
+        assert shown_step_s(w) == pytest.approx(ex.simulate(s.graph, edited, s.costs).step_s)
+    finally:  # (a failure leaves no measuring running on into the next test)
+        if s.measuring is not None:
+            s.measuring.stop()
