@@ -29,6 +29,7 @@ import os
 import sys
 import sysconfig
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ LIMIT_S_PER_MODULE = 1.0
 LIMIT_S_PER_MILLION_ELEMENTS = 4.0
 #: how long a stopped worker is given to unwind before the caller reports it still blocked
 UNWIND_S = 2.0
+#: the caller waits for the worker in slices this long (see :func:`_wait`)
+WAIT_SLICE_S = 0.1
 
 #: frames in these folders are torch's, the explorer's or Python's own, never the model's code
 _NOT_USER = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent),
@@ -126,7 +129,7 @@ def run_within(work: Callable[[], T], limit_s: float, name: str, model: nn.Modul
     worker = threading.Thread(target=main, name=f"capture {name}", daemon=True)
     worker.start()
     try:
-        ended = outcome.done.wait(None if math.isinf(limit_s) else limit_s)
+        ended = _wait(outcome.done, limit_s)
     except BaseException:  # KeyboardInterrupt while waiting: stop the worker too
         _stop(worker, outcome, KeyboardInterrupt)
         if not outcome.done.wait(UNWIND_S):
@@ -144,6 +147,17 @@ def run_within(work: Callable[[], T], limit_s: float, name: str, model: nn.Modul
     if outcome.error is not None:
         raise outcome.error
     return outcome.value
+
+
+def _wait(done: threading.Event, limit_s: float) -> bool:
+    """Whether ``done`` is set within ``limit_s``; waited for in short slices, so that an
+    exception another thread injects into this one (a notebook stopping its background
+    measuring) is raised here within a slice, not when the capture is over."""
+    end = time.monotonic() + limit_s
+    while not done.wait(min(WAIT_SLICE_S, max(0.0, end - time.monotonic()))):
+        if time.monotonic() >= end:
+            return False
+    return True
 
 
 def _stop(worker: threading.Thread, outcome: _Outcome, exc_type: type[BaseException]) -> bool:

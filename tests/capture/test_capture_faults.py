@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import os
 import queue
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -349,6 +351,33 @@ class TestTimeLimit:
                 ex.capture(Spin(), torch.randn(2, 4), timeout_s=120)
         finally:
             timer.cancel()
+        for t in _capture_threads():
+            t.join(10)
+        assert _capture_threads() == []
+
+    def test_an_exception_injected_into_the_waiting_caller_ends_the_capture(self):
+        # as a notebook's stop of its background measuring does (PyThreadState_SetAsyncExc);
+        # into the calling thread only: the capture stops its worker itself
+        class Stopped(BaseException):
+            pass
+
+        got: list = []
+
+        def go() -> None:
+            try:
+                ex.capture(Spin(), torch.randn(2, 4), timeout_s=300)
+            except BaseException as exc:  # handed to the test
+                got.append(exc)
+
+        caller = threading.Thread(target=go, daemon=True)
+        caller.start()
+        while not _capture_threads():
+            time.sleep(0.01)
+        time.sleep(0.2)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(caller.ident),
+                                                   ctypes.py_object(Stopped))
+        caller.join(60)  # well before the capture's own limit
+        assert not caller.is_alive() and isinstance(got[0], Stopped)
         for t in _capture_threads():
             t.join(10)
         assert _capture_threads() == []
