@@ -20,6 +20,7 @@ from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
 from explorer.partition import algorithm, algorithms
+from explorer.runtime.jobfiles import RUNTIMES
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -249,11 +250,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = split_options(plan, args.tensor, args.sequence_parallel)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
-                  force=args.force, timeout_s=args.timeout, progress=not args.quiet)
+                  force=args.force, timeout_s=args.timeout, progress=not args.quiet,
+                  runtime=args.runtime)
     report = ex.compare(pred, meas)
     if args.json:
         print(json.dumps({"model": getattr(bm, "name", args.factory),
                           "size": getattr(bm, "size", None), "plan": plan.to_dict(),
+                          "runtime": meas.runtime,
                           "losses": list(meas.losses), **report.to_dict(),
                           "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
@@ -262,7 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{getattr(bm, 'name', args.factory)} ({getattr(bm, 'size', 'factory')}) under "
           f"{plan.algorithm} on {', '.join(plan.devices)}: "
           f"{args.steps} steps after {args.warmup} warm-up"
-          + (f" ({settings})" if settings else ""))
+          + (f" ({settings})" if settings else "")
+          + (f", runtime {meas.runtime}" if meas.runtime != "ops" else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
     return 0
@@ -436,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(r)
     add_memory_options(r)
+    r.add_argument("--runtime", choices=RUNTIMES, default="ops",
+                   help="how ranks run their ops: one at a time (ops, the path the profile "
+                        "predicts) or as generated segments with one backward each "
+                        "(segments; not yet with tensor or sequence parallelism, "
+                        "recomputation or ZeRO 3)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -43,6 +43,12 @@ from explorer.runtime.modelsource import SourceWeights
 
 #: version of ``job.json``; the schedule inside has a version of its own
 JOB_FORMAT = 2
+
+#: how a rank runs its stage's ops: one at a time from Python ("ops",
+#: :class:`explorer.runtime.stage.StageRunner`), or as generated segments of consecutive ops
+#: with one backward each ("segments", :mod:`explorer.runtime.segments`)
+Runtime = Literal["ops", "segments"]
+RUNTIMES: tuple[Runtime, ...] = ("ops", "segments")
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,8 @@ class Job:
     local_ops: list[str] = field(default_factory=list)
     #: of those, the ops whose output is split along the sequence (sequence parallelism)
     sequence_ops: list[str] = field(default_factory=list)
+    #: how the ranks run their ops (:data:`Runtime`)
+    runtime: Runtime = "ops"
 
 
 class JobError(ExplorerError):
@@ -256,10 +264,10 @@ def write_job(folder: Path, job: Job) -> None:
 #: and model), with what each defaults to when an older folder lacks it (required: no entry)
 _SETTINGS = ("steps", "warmup", "lr", "record", "timeout_s", "device_map", "requires_grad",
              "loss", "seed", "units", "kept_outputs", "placements", "split_ops", "local_ops",
-             "sequence_ops")
+             "sequence_ops", "runtime")
 _DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None,
                              "placements": {}, "split_ops": [], "local_ops": [],
-                             "sequence_ops": []}
+                             "sequence_ops": [], "runtime": "ops"}
 
 
 def _plan_record(plan: Plan) -> Any:
@@ -420,6 +428,8 @@ def job_problem(job: Job) -> str | None:
         ("split_ops", _list_of(str), "a list of op names"),
         ("local_ops", _list_of(str), "a list of op names"),
         ("sequence_ops", _list_of(str), "a list of op names"),
+        ("runtime", lambda v: isinstance(v, str) and v in RUNTIMES,
+         " or ".join(repr(r) for r in RUNTIMES)),
     ]
     for name, ok, what in rules:
         value = getattr(job, name)

@@ -30,9 +30,10 @@ from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port
 from explorer.runtime.folders import job_folder, space_errors
-from explorer.runtime.jobfiles import Job, program_parts, write_job
+from explorer.runtime.jobfiles import RUNTIMES, Job, Runtime, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
+from explorer.runtime.segments import segments_problem
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -66,6 +67,8 @@ class Measurement:
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
+    #: how the ranks ran their ops: one at a time ("ops") or as segments ("segments")
+    runtime: Runtime = "ops"
     #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
     #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
     peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
@@ -103,7 +106,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
         progress: bool = True, record: bool = False, keep: str | Path | None = None,
         device_override: dict[str, str] | None = None, seed: int = 0,
-        pool: RankPool | None = None) -> Measurement:
+        pool: RankPool | None = None, runtime: Runtime = "ops") -> Measurement:
     """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
 
     ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
@@ -119,6 +122,9 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     they draw depends on the rows and the op, not on the plan
     (:func:`explorer.runtime.stage.draw_seed`). With ``pool`` the steps run on its rank
     processes (started once for many runs) rather than on processes started for this run.
+    ``runtime="segments"`` runs each rank's consecutive ops as generated segments with one
+    backward each (:mod:`explorer.runtime.segments`) instead of one op at a time ("ops", the
+    default, the path the profiler predicts); a plan it does not cover yet is refused.
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -131,9 +137,14 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         raise ExplorerError("steps must be >= 1 and warmup >= 0")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
+    if runtime not in RUNTIMES:
+        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
+                            f"{runtime!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     check_supported(graph, plan)
+    if runtime == "segments" and (problem := segments_problem(plan)):
+        raise PlanError(problem)
     try:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
     except PlanError as e:
@@ -160,10 +171,11 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
             requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=seed,
             units=recompute_units(graph), kept_outputs=saved_across_units(graph).tolist(),
             placements=placements, split_ops=split_ops, local_ops=local_ops,
-            sequence_ops=sequence_ops))
+            sequence_ops=sequence_ops, runtime=runtime))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)
-    return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed)
+    return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed,
+                   runtime=runtime)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,

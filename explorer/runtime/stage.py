@@ -6,6 +6,14 @@ non-blocking sends cannot deadlock whatever the placement. Backward runs op by o
 inputs enter through a small autograd function that hands their gradient to a slot (saving
 nothing), and each op's backward starts from the gradient edge of its output, so outputs are
 freed as soon as the forward no longer needs them and only what autograd saves stays alive.
+
+With ``runtime="segments"`` (the job's :attr:`~explorer.runtime.jobfiles.Job.runtime`) the
+rank runs its forward actions a segment at a time instead (:mod:`explorer.runtime.segments`):
+the segment's generated code on the same weights, one autograd backward per segment and
+micro-batch at the first backward action of its ops, the others skipped. Its inputs enter
+through the same identity function as an op's. The memory it counts differs from the op
+path's only in the values that live inside a segment (an intermediate of its forward, a
+gradient flowing between its ops), counted only where autograd saves them.
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
+from explorer.runtime.segments import (
+    Segment,
+    SegmentCode,
+    grad_sources,
+    group_segments,
+    segment_code,
+    segments_problem,
+)
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
@@ -118,6 +134,22 @@ class StageRunner:
                                         job.kept_outputs or [False] * len(job.units))
         self.generator = (torch.cuda.default_generators[L.tdev.index or 0]
                           if L.tdev.type == "cuda" else torch.default_generator)
+        #: with the segment runtime, per action position, the segment that runs there (the
+        #: other actions of its ops are skipped), and each segment's code by its ops
+        self.segment_at: dict[int, Segment] | None = None
+        self.codes: dict[tuple[int, ...], SegmentCode] = {}
+        if job.runtime == "segments":
+            problem = segments_problem(L.plan)
+            if problem:
+                raise ExplorerError(problem)
+            segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
+                                      L.requires_grad, L.names.index(L.loss_name))
+            self.segment_at = {seg.forward_at: seg for seg in segments}
+            self.segment_at.update({seg.backward_at: seg for seg in segments
+                                    if seg.backward_at is not None})
+            for seg in segments:
+                if seg.nodes not in self.codes:
+                    self.codes[seg.nodes] = segment_code(seg, L.calls, L.targets, L.random)
 
     def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Use this batch from the next step on (same shapes as the example batch)."""
@@ -141,6 +173,10 @@ class StageRunner:
         self.edges: dict[Key, list] = {}
         self.received: dict[Key, Any] = {}
         self.losses: list[float] = []
+        #: per segment run (its forward position, shard): its outputs' gradient edges and
+        #: its inputs' gradient slots, until its backward
+        self.segment_edges: dict[tuple[int, int], list[list]] = {}
+        self.segment_slots: dict[tuple[int, int], list] = {}
         busy = 0.0
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
@@ -157,6 +193,16 @@ class StageRunner:
                 dt = self._timed(self.weights.finish)
                 busy += dt
                 times[OPTIMIZER, -1].append(dt)
+                continue
+            if self.segment_at is not None:
+                seg = self.segment_at.get(k)
+                if seg is None:  # an op of a segment that runs at another action
+                    continue
+                run_segment = self._segment_forward if a.kind == FWD else self._segment_backward
+                for u in L.units:
+                    dt = self._timed(run_segment, seg, u)
+                    busy += dt
+                    times[a.kind, a.node].append(dt)
                 continue
             run = self._forward if a.kind == FWD else self._backward
             for u in L.units:
@@ -176,7 +222,7 @@ class StageRunner:
         return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss,
                 "peak_by_category": None if L.tdev.type == "cuda" else self.tracker.peak_by}
 
-    def _timed(self, fn: Callable[..., None], *args: int) -> float:
+    def _timed(self, fn: Callable[..., None], *args: Any) -> float:
         """Seconds ``fn(*args)`` took, the device synchronized, waits for messages excluded."""
         w0, t_start = self.messenger.waited, time.perf_counter()
         fn(*args)
@@ -200,6 +246,12 @@ class StageRunner:
             return env[p]
         if kind in ("param", "buffer"):
             return self.weights.use(p, m, u)
+        return self._enter(p, self._value(m, u, p), slots)
+
+    def _value(self, m: int, u: int, p: int) -> Any:
+        """The value of op ``p`` on micro-batch ``m``, shard ``u``: this stage's, or received
+        from ``p``'s stage at its first local use."""
+        L = self.layout
         if L.stage[p] == L.s:
             val = self.env[(m, u)][p]
         else:
@@ -215,6 +267,12 @@ class StageRunner:
                 self.received[rk] = val
                 self.fwd_left[rk] = L.local_consumers(p)
             val = self.received[rk]
+        return val
+
+    def _enter(self, p: int, val: Any, slots: list) -> Any:
+        """``val`` (node ``p``'s) as an op reads it: each floating tensor that needs a
+        gradient through an identity whose gradient goes to a slot in ``slots``."""
+        L = self.layout
         flat, spec = tree_flatten(val)
         wrapped = []
         for t in flat:
@@ -455,6 +513,131 @@ class StageRunner:
             if x is not None:
                 self.tracker.add(x)
         into[key] = total
+
+    # -- segments ------------------------------------------------------------------------
+    def _segment_forward(self, seg: Segment, u: int) -> None:
+        """Run segment ``seg``'s forward on shard ``u``: receive what it reads from other
+        stages, call its code once, then send, keep or release its outputs and release the
+        inputs it was the last local reader of."""
+        L, tracker = self.layout, self.tracker
+        m = seg.micro_batch
+        slots: list = []
+        args = [self._arg(m, u, p, slots) for p in seg.inputs]
+        code = self.codes[seg.nodes]
+        if code.random:
+            block = m * L.shards + u
+            args.append(self.generator)
+            args += [draw_seed(self.job.seed, self.steps_done, block, i) for i in code.random]
+        # (a GPU's allocator measures itself: no need to count what autograd saves)
+        saving = (tracker.saving() if L.tdev.type != "cuda" else contextlib.nullcontext())
+        with saving, self._autocast():
+            outs = code.forward(*args)
+        env = self.env[(m, u)]
+        edges = []
+        for o, readers, out in zip(seg.outputs, seg.readers_after, outs, strict=True):
+            flat, _ = tree_flatten(out)
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    tracker.add(t)
+            env[o] = out
+            edges.append([get_gradient_edge(t) if isinstance(t, torch.Tensor)
+                          and t.requires_grad else None for t in flat])
+            self.fwd_left[(m, u, o)] = readers
+            for t in L.remote_stages(o):
+                for dst in L.peers_to(t, u):
+                    self.messenger.send(out, dst, L.tag(ACTIVATION, m, u, o))
+            if L.names[o] == L.loss_name:
+                self.losses.append(float(local(out.detach())))
+        self.segment_edges[(seg.forward_at, u)] = edges
+        self.segment_slots[(seg.forward_at, u)] = slots
+        for p, n in zip(seg.inputs, seg.uses, strict=True):
+            if L.kind[p] == "param":
+                for _ in range(n):
+                    self.weights.forward_done(p, m, u)
+            k = (m, u, p)
+            if k in self.fwd_left:
+                self.fwd_left[k] -= n
+                if self.fwd_left[k] == 0:
+                    self._release_output(m, u, p)
+        for o in seg.outputs:
+            if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
+                self._release_output(m, u, o)
+
+    def _segment_backward(self, seg: Segment, u: int) -> None:
+        """Run segment ``seg``'s backward on shard ``u``: its outputs' gradients (from later
+        segments, other stages, or the loss's own), one autograd backward, then its inputs'
+        gradients handed on as the op path hands them."""
+        L = self.layout
+        m = seg.micro_batch
+        edges = self.segment_edges.pop((seg.forward_at, u), None) or []
+        slots = self.segment_slots.pop((seg.forward_at, u), [])
+        for o in seg.outputs:
+            if o not in seg.backward_nodes:  # (no backward: the op path receives nothing)
+                continue
+            for t in grad_sources(o, L.s, L.stage, L.succs, L.requires_grad):
+                self._store_grad((m, u, o), self.messenger.recv(L.peer_from(t, u),
+                                                                L.tag(GRADIENT, m, u, o)))
+        pairs, held = [], []
+        for o, out_edges in zip(seg.outputs, edges, strict=True):
+            if L.names[o] == L.loss_name:
+                grads = [torch.full_like(self.env[(m, u)][o], self.weights.loss_scale
+                                         / (L.micro_batches * L.shards))]
+                self._release_output(m, u, o)
+            else:
+                grads = self.grad.pop((m, u, o), None)
+            held += [g for g in grads or [] if g is not None]
+            pairs += [(e, g) for e, g in zip(out_edges, grads or [], strict=False)
+                      if e is not None and g is not None]
+        self.weights.shards.current = (m, u)
+        # (what autograd saved is counted free when it frees it, inside the backward: the
+        # gradients flowing between the segment's ops are not counted, as its forward's
+        # values that only live inside it are not)
+        if pairs:
+            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        made = [g for _, _, slot in slots for g in slot]
+        for g in made:
+            self.tracker.add(g)
+        for g in held:
+            self.tracker.drop(g)
+        self._route_segment_grads(seg, u, slots)
+        for g in made:
+            self.tracker.drop(g)
+
+    def _route_segment_grads(self, seg: Segment, u: int, slots: list) -> None:
+        """Hand the gradients of segment ``seg``'s inputs on (as :meth:`_route_input_grads`
+        does for one op): to parameters, to the producing segment on this stage, or (after
+        its last local reader) to the producer's stage."""
+        L = self.layout
+        m = seg.micro_batch
+        per_pred: dict[int, list] = {}
+        for p, pos, slot in slots:
+            if slot:
+                lst = per_pred.setdefault(p, [None] * L.nflat[p])
+                lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
+        for p, n in zip(seg.inputs, seg.backward_uses, strict=True):
+            if L.kind[p] == "param":
+                for _ in range(n):
+                    self.weights.used(p, (m, u))
+                continue
+            if L.kind[p] != "op" or not L.requires_grad[p]:
+                continue
+            gk = (m, u, p)
+            if p in per_pred:
+                self._store_grad(gk, per_pred[p])
+            if L.stage[p] != L.s:
+                left = self.bwd_left.get(gk)
+                if left is None:
+                    left = sum(1 for c in L.succs[p]
+                               if L.stage[c] == L.s and L.requires_grad[c])
+                self.bwd_left[gk] = left - n
+                if left >= 1 and left - n <= 0:
+                    g = self.grad.pop(gk, None) or [None] * L.nflat[p]
+                    sent = [x if x is not None else NO_GRADIENT for x in g]
+                    for dst in L.peers_to(L.stage[p], u):
+                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
+                    for x in g:
+                        if x is not None:
+                            self.tracker.drop(x)
 
 
 def _add(acc: list | None, new: list, n: int) -> list:

@@ -1,0 +1,233 @@
+"""Segments: a rank's forward ops grouped into the largest runs that execute as one piece of
+generated code, each with one autograd backward (the compiler half of the segment runtime;
+:class:`explorer.runtime.stage.StageRunner` runs them, ``runtime="segments"``).
+
+A segment is a run of forward actions of one stage that are consecutive in the rank's action
+order and all of one micro-batch. A value made on another stage is a segment input, received
+before the segment starts; its outputs are sent when it ends. Its backward runs at the first
+backward action of its ops in the rank's order, as one ``torch.autograd.backward`` from the
+gradients of its outputs (as ``torch.distributed.pipelining``'s ``stage_backward`` does),
+after receiving every gradient they need from other stages, and sends its inputs' gradients
+when it ends; so the backward actions of its ops must be consecutive too. Moving a receive
+earlier than the op path does could deadlock only where it passes a send (the other rank may
+need what is sent to make what is received), so a run is cut where a receive would pass a send
+of the op path's order: before an op that reads a value of another stage no earlier op
+received, when an op before it in the segment sends its value to another stage; and where an
+op that waits for a gradient from another stage has its backward after one that sends a
+gradient. Each segment thus receives, computes and sends in an order that adds no deadlock
+to the op path's (whose order is a piece of one global topological order).
+
+Each segment becomes a ``torch.fx.GraphModule`` built from the job's op calls, called through
+its generated Python code; a random op (dropout) is preceded by a call that seeds the
+generator with what the op path draws (:func:`explorer.runtime.stage.draw_seed`), so both paths
+draw the same masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from explorer.core.plan import Plan
+from explorer.core.schedule import BWD, FWD, Action
+from explorer.runtime.jobfiles import OpCall, Ref, map_leaves
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Ops of one stage run as one piece of code on one micro-batch (each shard in turn).
+
+    Nodes are indices into the job's program; positions are indices into the rank's actions.
+    """
+
+    micro_batch: int
+    #: the ops, in the order their forward runs
+    nodes: tuple[int, ...]
+    #: the nodes the ops read that are made outside the segment (ops of other segments or
+    #: stages, batch inputs, weights), in the order of their first use
+    inputs: tuple[int, ...]
+    #: the ops whose value is read outside the segment (by another segment or stage), and the
+    #: loss, in node order
+    outputs: tuple[int, ...]
+    #: per input, how many of the segment's ops read it
+    uses: tuple[int, ...]
+    #: the ops that have a backward action (those that need a gradient), and per input how
+    #: many of them read it
+    backward_nodes: tuple[int, ...]
+    backward_uses: tuple[int, ...]
+    #: per output, how many ops of this stage outside the segment read it
+    readers_after: tuple[int, ...]
+    #: the position of the segment's first forward action (it runs there; unique per segment)
+    forward_at: int
+    #: the position of its first backward action (its backward runs there), or None
+    backward_at: int | None
+
+
+def grad_sources(i: int, s: int, stage: Sequence[int], succs: Sequence[Sequence[int]],
+                 requires_grad: Sequence[bool]) -> list[int]:
+    """The other stages op ``i``'s backward receives a gradient from (those with a consumer
+    of it that needs one), as the op path receives them."""
+    return sorted({stage[c] for c in succs[i] if requires_grad[c]} - {s})
+
+
+def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
+                   kind: Sequence[str], preds: Sequence[Sequence[int]],
+                   requires_grad: Sequence[bool], loss: int | None = None) -> list[Segment]:
+    """Stage ``s``'s forward actions (``actions``, the rank's order) grouped into segments.
+
+    A segment grows over consecutive forward actions of one micro-batch. It is cut before an
+    op that reads an op's value made on another stage which no earlier op of the micro-batch
+    received, if an op of the segment sends its value to another stage; and before an op
+    that would leave the segment's backward actions not consecutive, or with a gradient
+    receive (:func:`grad_sources`) after (in backward order) an op that may send a gradient
+    to another stage (one that reads another stage's value). Ops without a backward action
+    (those that need no gradient: sizes, index ranges, a buffer's alias) join any segment.
+    ``kind`` is each node's kind ("op", "input", "param", "buffer"); ``loss`` the loss
+    node, always an output.
+    """
+    succs: list[list[int]] = [[] for _ in stage]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(i)
+    fwd_at = {(a.micro_batch, a.node): k for k, a in enumerate(actions) if a.kind == FWD}
+    bwd_at = {(a.micro_batch, a.node): k for k, a in enumerate(actions) if a.kind == BWD}
+    n = len(stage)
+    remote = [kind[i] == "op" and stage[i] != s for i in range(n)]
+    #: per op: its forward sends its value to another stage; its backward receives a
+    #: gradient from another stage; its backward may send one to another stage
+    sends = [any(stage[c] != s for c in succs[i]) for i in range(n)]
+    receives = [bool(grad_sources(i, s, stage, succs, requires_grad)) for i in range(n)]
+    grad_sends = [any(remote[p] and requires_grad[p] for p in preds[i]) for i in range(n)]
+
+    def backward_ok(m: int, nodes: list[int]) -> bool:
+        at = sorted((bwd_at[(m, i)], i) for i in nodes if (m, i) in bwd_at)
+        if not at:
+            return True
+        if at[-1][0] - at[0][0] + 1 != len(at):
+            return False
+        sent = False
+        for _, i in at:  # in backward order: no receive after a send
+            if receives[i] and sent:
+                return False
+            sent = sent or grad_sends[i]
+        return True
+
+    runs: list[tuple[int, list[int]]] = []
+    received: set[tuple[int, int]] = set()  # (micro-batch, node) values from other stages
+    current: list[int] = []
+    m_now = -1
+    last_at = -2
+    for k, a in enumerate(actions):
+        if a.kind != FWD:
+            continue
+        m, i = a.micro_batch, a.node
+        new = {(m, p) for p in preds[i] if remote[p] and (m, p) not in received}
+        if current and (m != m_now or k != last_at + 1
+                        or (new and any(sends[j] for j in current))
+                        or not backward_ok(m, [*current, i])):
+            runs.append((m_now, current))
+            current = []
+        current.append(i)
+        received |= new
+        m_now, last_at = m, k
+    if current:
+        runs.append((m_now, current))
+    return [_segment(m, nodes, s, stage, preds, succs, loss, fwd_at, bwd_at)
+            for m, nodes in runs]
+
+
+def _segment(m: int, nodes: list[int], s: int, stage: Sequence[int],
+             preds: Sequence[Sequence[int]], succs: Sequence[Sequence[int]], loss: int | None,
+             fwd_at: dict[tuple[int, int], int], bwd_at: dict[tuple[int, int], int]
+             ) -> Segment:
+    inside = set(nodes)
+    backward = tuple(i for i in nodes if (m, i) in bwd_at)
+    uses: dict[int, int] = {}
+    backward_uses: dict[int, int] = {}
+    for i in nodes:
+        for p in preds[i]:
+            if p not in inside:
+                uses[p] = uses.get(p, 0) + 1
+                backward_uses[p] = backward_uses.get(p, 0) + ((m, i) in bwd_at)
+    outputs = tuple(sorted(i for i in nodes if i == loss
+                           or any(c not in inside for c in succs[i])))
+    at = [bwd_at[(m, i)] for i in nodes if (m, i) in bwd_at]
+    return Segment(micro_batch=m, nodes=tuple(nodes), inputs=tuple(uses),
+                   outputs=outputs, uses=tuple(uses.values()), backward_nodes=backward,
+                   backward_uses=tuple(backward_uses.values()),
+                   readers_after=tuple(sum(1 for c in succs[o] if stage[c] == s
+                                           and c not in inside) for o in outputs),
+                   forward_at=fwd_at[(m, nodes[0])], backward_at=min(at) if at else None)
+
+
+def segments_problem(plan: Plan) -> str | None:
+    """What of ``plan`` the segment runtime does not run yet (naming the stage and the
+    setting), or None: tensor and sequence parallelism, activation recomputation and ZeRO 3
+    keep the op-at-a-time path for now."""
+    for s in range(len(plan.stages)):
+        st = plan.settings_of(s)
+        if st.tensor > 1:
+            what = (f"tensor parallelism (degree {st.tensor}"
+                    + (", with sequence parallelism)" if st.sequence else ")"))
+        elif st.recompute != "none":
+            what = f"activation recomputation (recompute {st.recompute!r})"
+        elif st.zero == 3 and plan.replicas_of(s) > 1:
+            what = "ZeRO stage 3"
+        else:
+            continue
+        return (f"runtime='segments' does not run stage {s}'s {what} yet; run this plan "
+                "with runtime='ops' (the default), or drop that setting")
+    return None
+
+
+def reseed(generator: torch.Generator, seed: int) -> None:
+    """Seed ``generator`` (called by a segment's code before each random op)."""
+    generator.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class SegmentCode:
+    """A segment's generated code: call ``forward(*inputs, generator, *seeds)`` (generator
+    and seeds only when ``random`` is not empty) for a tuple of the segment's outputs."""
+
+    module: torch.fx.GraphModule
+    #: the random ops, in order: one seed each (:func:`explorer.runtime.stage.draw_seed`)
+    random: tuple[int, ...]
+    forward: Callable[..., tuple[Any, ...]]
+
+
+def segment_code(segment: Segment, calls: Sequence[OpCall], targets: Sequence[Any],
+                 random: Sequence[bool]) -> SegmentCode:
+    """The ``torch.fx`` module that runs ``segment``'s ops: one placeholder per input (then
+    the generator and a seed per random op), each op called as the op path calls it (same
+    target, same arguments), a reseed before each random op, its outputs as a tuple."""
+    graph = torch.fx.Graph()
+    value: dict[str, torch.fx.Node] = {}
+    for p in segment.inputs:
+        value[calls[p].name] = graph.placeholder(_identifier(calls[p].name))
+    drawn = tuple(i for i in segment.nodes if random[i])
+    generator = graph.placeholder("generator") if drawn else None
+    seeds = {i: graph.placeholder(f"seed_{i}") for i in drawn}
+
+    def node_of(v: Any) -> Any:
+        return value[v.name] if isinstance(v, Ref) else v
+
+    for i in segment.nodes:
+        call = calls[i]
+        if i in seeds:
+            graph.call_function(reseed, (generator, seeds[i]))
+        value[call.name] = graph.call_function(
+            targets[i], map_leaves(call.args, node_of), map_leaves(call.kwargs, node_of))
+    graph.output(tuple(value[calls[o].name] for o in segment.outputs))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Segment")
+    return SegmentCode(module=module, random=drawn, forward=module.forward)
+
+
+def _identifier(name: str) -> str:
+    """A Python identifier for a node name (fx makes it unique)."""
+    text = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name)
+    return text if text and not text[0].isdigit() else f"n_{text}"
