@@ -10,12 +10,14 @@ import queue
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
 import explorer as ex
+from explorer.cli.commands import main
 from explorer.core.errors import CaptureError, CaptureTimeout
 
 # the module, not the ``ex.capture`` function of the same name
@@ -261,6 +263,13 @@ class Waits(nn.Module):
         return self.a(x) * self.items.get()
 
 
+def spinning_model() -> SimpleNamespace:
+    """A model factory for the command line (``--factory test_capture_faults:spinning_model``):
+    the model with its example batch, as ``ex.builtin_model`` gives it."""
+    return SimpleNamespace(module=Spin(), example_inputs=(torch.randn(2, 4),),
+                           targets=(torch.randn(2, 4),), loss_fn=nn.functional.mse_loss)
+
+
 def _capture_in_thread(model: nn.Module, **kw) -> BaseException | ex.OpGraph | None:
     """``ex.capture`` on a thread of its own, joined with a generous bound, so a capture that
     never ends fails this test instead of hanging the suite."""
@@ -380,6 +389,15 @@ class TestTimeLimit:
         assert not caller.is_alive() and isinstance(got[0], Stopped)
         for t in _capture_threads():
             t.join(10)
+        assert _capture_threads() == []
+
+    def test_the_command_line_prints_the_error(self, monkeypatch, capsys):
+        monkeypatch.setenv(deadline.TIMEOUT_ENV, "1")
+        code = main(["run", "--factory", "test_capture_faults:spinning_model", "--devices",
+                     "cpu:1", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error: capturing Spin did not finish within 1 s")
+        assert "Traceback" not in err
         assert _capture_threads() == []
 
     def test_a_capture_in_time_gives_its_graph(self):
