@@ -5,8 +5,8 @@ a ``@torch.no_grad()`` method, a ``torch.enable_grad()`` block inside one) as a 
 ``torch.ops.higher_order.wrap_with_set_grad_enabled`` on a submodule of the program. The explorer
 replays, profiles, cuts and runs a graph one ATen op at a time, so :func:`inline_grad_regions`
 moves each region's ops into the main graph and keeps their meaning with ``aten.detach``: every
-tensor that can carry gradients (a parameter, or an op computed with gradients on) passes
-through a ``detach`` node before an op of a no-grad region uses it. The region's outputs then
+tensor that may carry gradients (a parameter, an input, an op computed with gradients on)
+passes through a ``detach`` node before an op of a no-grad region uses it. The region's outputs then
 do not require grad and no gradient flows back through them, as in eager PyTorch, so a step of
 the captured graph computes the losses and gradients of the model run eagerly.
 
@@ -31,6 +31,9 @@ SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 #: ``node.meta`` key: whether an inlined op ran with gradients on (absent: on, as the step)
 GRAD_ENABLED = "explorer_grad_enabled"
+
+#: ``node.meta`` key: the name an inlined op had inside its region (torch.export's own)
+_TRACED_NAME = "explorer_traced_name"
 
 #: what a higher-order op is, for the message that refuses one (by its name in torch)
 _KNOWN_HOPS = {
@@ -62,11 +65,30 @@ def inline_grad_regions(program: Any) -> bool:
                 "plan.with_memory(precision='bf16') runs the whole step in it)")
     if not changed:
         return False
-    _detach_entries(graph, set(program.graph_signature.inputs_to_parameters))
+    sig = program.graph_signature
+    _detach_entries(graph, {*sig.inputs_to_buffers,
+                            *getattr(sig, "inputs_to_lifted_tensor_constants", {})})
     _drop_unused_submodules(gm)
-    graph.lint()
-    gm.recompile()
+    gm.graph = _with_traced_names(graph)  # (recompiles)
+    gm.graph.lint()
     return True
+
+
+def _with_traced_names(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose inlined ops have the names torch.export gave them as it
+    traced (``add``, ``add_1``, ... in the order the forward ran them), not names numbered
+    after the rest of the graph: so a model's repeated blocks are numbered block by block
+    (:mod:`explorer.capture.blocks`) whether or not they hold a no-grad region."""
+    new = torch.fx.Graph(tracer_cls=graph._tracer_cls, tracer_extras=graph._tracer_extras)
+    new._codegen = graph._codegen
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in graph.nodes:
+        c = new.create_node(n.op, n.target, map_arg(n.args, env.__getitem__),
+                            map_arg(n.kwargs, env.__getitem__),
+                            n.meta.get(_TRACED_NAME, n.name), n.type)
+        c.meta = {k: v for k, v in n.meta.items() if k != _TRACED_NAME}
+        env[n] = c
+    return new
 
 
 def _inline(gm: torch.fx.GraphModule, hop: torch.fx.Node) -> None:
@@ -92,6 +114,7 @@ def _inline(gm: torch.fx.GraphModule, hop: torch.fx.Node) -> None:
                 new.meta = dict(n.meta)
             else:
                 new = graph.node_copy(n, env.__getitem__)
+                new.meta[_TRACED_NAME] = n.meta.get(_TRACED_NAME, n.name)
                 if new.op == "call_function" and new.target is not SET_GRAD:
                     new.meta[GRAD_ENABLED] = bool(enabled)
             env[n] = new
@@ -132,31 +155,30 @@ def _drop_unused_submodules(gm: torch.fx.GraphModule) -> None:
                 delattr(gm, target)
 
 
-def _detach_entries(graph: torch.fx.Graph, params: set[str]) -> None:
-    """Put a ``detach`` between every op of a no-grad region and each tensor it reads that
-    may carry gradients: a parameter, or an op computed with gradients on from such a tensor
-    (an in-place op makes the tensor it writes carry them too)."""
-    carries: dict[torch.fx.Node, bool] = {}
+def _detach_entries(graph: torch.fx.Graph, plain: set[str]) -> None:
+    """Put a ``detach`` between every op of a no-grad region and each tensor it reads from
+    outside such regions: a parameter, an input, an op computed with gradients on. The
+    ``plain`` placeholders (buffers, constants: they never carry gradients) are read as they
+    are, so an update in place (a running mean) still writes to them. Detaching what needs it
+    and no more would make a model's first block differ from the next when it reads the
+    input: its repeated blocks could not be captured once."""
+    outside: dict[torch.fx.Node, bool] = {}
     detached: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in list(graph.nodes):
         if n.op == "placeholder":
-            carries[n] = n.name in params
+            outside[n] = n.name not in plain
             continue
         if n.op != "call_function":
             continue
-        if n.target is operator.getitem:  # picks an output: carries what its op carries
-            carries[n] = any(carries.get(a, False) for a in n.all_input_nodes)
+        if n.target is operator.getitem:  # picks an output: made where its op was
+            outside[n] = any(outside.get(a, False) for a in n.all_input_nodes)
             continue
-        if n.meta.get(GRAD_ENABLED, True):
-            carries[n] = any(carries.get(a, False) for a in n.all_input_nodes)
-            if carries[n] and _is_mutating(n.target):
-                for a in n.all_input_nodes:
-                    carries[a] = True
+        outside[n] = n.meta.get(GRAD_ENABLED, True)
+        if outside[n]:
             continue
-        carries[n] = False
 
         def entry(a: torch.fx.Node, user: torch.fx.Node = n) -> torch.fx.Node:
-            if not carries.get(a, False) or not isinstance(a.meta.get("val"), torch.Tensor):
+            if not outside.get(a, False) or not isinstance(a.meta.get("val"), torch.Tensor):
                 return a
             if a not in detached:
                 with graph.inserting_before(user):
@@ -170,8 +192,3 @@ def _detach_entries(graph: torch.fx.Graph, params: set[str]) -> None:
 
         n.args = map_arg(n.args, entry)
         n.kwargs = map_arg(n.kwargs, entry)
-
-
-def _is_mutating(target: Any) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and schema.is_mutable

@@ -80,6 +80,31 @@ class EmaNet(nn.Module):
         return self.c(h - self.ema)
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = h.abs().mean(dim=-1, keepdim=True) + 1
+        return torch.relu(self.fc(h / scale)) + h
+
+
+class BlocksNet(nn.Module):
+    """Six identical blocks, each with a no-grad region, read straight from the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)
@@ -181,6 +206,15 @@ class TestGradModeBlocks:
         real = _capture(_model(GradBlockNet, "no_grad"))
         fake = _capture(_model(GradBlockNet, "no_grad"), fake=True)
         assert fake.fingerprint == real.fingerprint
+
+    def test_repeated_blocks_with_a_no_grad_region_are_captured_once(self):
+        model = _model(BlocksNet)
+        grown = _capture(model, fake=True)
+        assert any(note.startswith("traced 3 of the 6 identical blocks") for note in grown.notes)
+        assert grown.fingerprint == _capture(model, fake=True, reuse_blocks=False).fingerprint
+        real = _capture(model)
+        assert real.fingerprint == grown.fingerprint
+        _assert_same_step(_graph_step(real), _eager_step(_model(BlocksNet)))
 
     @pytest.mark.parametrize("fake", [False, True])
     def test_inference_mode_in_the_forward_is_refused(self, fake):
