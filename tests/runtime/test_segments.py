@@ -458,7 +458,6 @@ def test_segments_measure_peak_memory_near_the_op_path(path):
     for d, peak in ops.peak_bytes.items():
         assert abs(seg.peak_bytes[d] - peak) <= 0.15 * peak, (d, seg.peak_bytes[d], peak)
         assert seg.peak_by_category[d]["parameters"] == ops.peak_by_category[d]["parameters"]
-        assert seg.peak_by_category[d]["activations"] > 0
 
 
 class TestCommandLine:
