@@ -12,6 +12,7 @@ from explorer.analysis import Report, calibrate, compare
 from explorer.capture import capture
 from explorer.core import (
     CaptureError,
+    CaptureTimeout,
     ExplorerError,
     InputMismatchError,
     MemoryExceededError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CaptureTimeout",
     "Cluster",
     "CostModel",
     "Device",

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
-from explorer.core.errors import CaptureError, ExplorerError
+from explorer.core.errors import CaptureError, CaptureTimeout, ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.models.synthetic import roofline_costs
 from explorer.profiling import Preliminary
@@ -82,6 +82,8 @@ def first_graph(module: Any, inputs: Any, loss_fn: Any, targets: Any, name: str 
     if measure != "now":
         try:
             return ex.capture(module, inputs, loss_fn, targets, name=name, fake=True), True
+        except CaptureTimeout:
+            raise  # the real capture would run the same forward and wait as long again
         except CaptureError:
             pass  # e.g. data-dependent code: the real capture below says what is wrong
         except Exception as e:  # torch refused the fake trace: the real capture is the one

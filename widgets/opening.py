@@ -17,6 +17,7 @@ from typing import Any
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
+from explorer.devices.cluster import parse_devices
 from explorer.models.builtin import BuiltinModel
 from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
 from widgets.edits import run_problem
@@ -88,7 +89,10 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
         graph, fake = first_graph(*args, measure if costs is None else "now")
         if fake:
             capture = functools.partial(ex.capture, *args[:4], name=args[4])
-    check_type(cluster, ex.Cluster, "cluster", "ex.Cluster.cpu(2), ex.Cluster.preset(...)")
+    if isinstance(cluster, str):  # a device spec, as Explorer.builtin(devices=...) takes it
+        cluster = parse_devices(cluster, measure="later")
+    check_type(cluster, ex.Cluster, "cluster",
+               '"cpu:2", "4xH100", ex.Cluster.cpu(2), ex.Cluster.preset(...)')
     check_type(costs, ex.CostModel, "costs", "ex.profile(graph, cluster)")
     check_type(plan, ex.Plan, "plan", "ex.partition(...) or ex.Plan.load(...)")
     work = None

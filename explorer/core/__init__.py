@@ -2,6 +2,7 @@
 
 from explorer.core.errors import (
     CaptureError,
+    CaptureTimeout,
     ExplorerError,
     InputMismatchError,
     MemoryExceededError,
@@ -11,6 +12,6 @@ from explorer.core.errors import (
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import OPTIMIZER_STATE, Plan, StageSettings
 
-__all__ = ["OPTIMIZER_STATE", "CaptureError", "ExplorerError", "InputMismatchError",
-           "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError", "StageSettings",
-           "UnknownNameError"]
+__all__ = ["OPTIMIZER_STATE", "CaptureError", "CaptureTimeout", "ExplorerError",
+           "InputMismatchError", "MemoryExceededError", "OpGraph", "OpNode", "Plan", "PlanError",
+           "StageSettings", "UnknownNameError"]

@@ -7,6 +7,7 @@ import re
 import threading
 
 import pytest
+import torch
 
 import explorer as ex
 from explorer.capture.fake import FAKE_NOTE
@@ -318,7 +319,14 @@ def open_on_this_machine(monkeypatch):
     return Explorer(ex.builtin_model("mlp", "tiny"), progress=False)
 
 
-@pytest.mark.parametrize("opened", ["builtin on cpu:2", "model without a cluster"])
+def open_on_a_device_spec():
+    from widgets import Explorer
+
+    return Explorer(ex.builtin_model("mlp", "tiny"), cluster="cpu:2", progress=False)
+
+
+@pytest.mark.parametrize("opened", ["builtin on cpu:2", "model without a cluster",
+                                    "model on a device spec"])
 def test_nothing_measures_the_host_before_the_first_picture(monkeypatch, profiler,
                                                              unmeasured_host, opened):
     profiler.release.set()
@@ -326,6 +334,7 @@ def test_nothing_measures_the_host_before_the_first_picture(monkeypatch, profile
     seen = first_picture_threads(monkeypatch)
     before = {t.name for t in threading.enumerate()}
     w = (open_builtin_on_cpu_ranks() if opened == "builtin on cpu:2"
+         else open_on_a_device_spec() if opened == "model on a device spec"
          else open_on_this_machine(monkeypatch))
     s = w.session
     try:
@@ -351,3 +360,19 @@ def test_nothing_measures_the_host_before_the_first_picture(monkeypatch, profile
     finally:  # (a failure leaves no measuring running on into the next test)
         if s.measuring is not None:
             s.measuring.stop()
+
+
+def test_a_capture_past_its_time_limit_is_not_run_again(monkeypatch):
+    from widgets import measure
+
+    calls = []
+
+    def timed_out(*args, fake=False, **kw):
+        calls.append(fake)
+        raise ex.CaptureTimeout("capturing did not finish within 1 s")
+
+    monkeypatch.setattr(measure.ex, "capture", timed_out)
+    with pytest.raises(ex.CaptureTimeout):
+        measure.first_graph(torch.nn.Linear(2, 2), (torch.zeros(1, 2),), None, None, None,
+                            "background")
+    assert calls == [True]  # the real capture would run the same forward, as long again
