@@ -2,12 +2,12 @@
 
 Seed: "Workload-aware Automatic Parallelization for Multi-GPU DNN Training" (WAP): not every
 model gains from every GPU, because communication and idle time grow with the device count.
-The sweep tries ``k = 1..K`` devices; for each ``k`` it takes the fastest plan of several
-partitioners (data-parallel at least) on the cluster's first ``k`` devices, simulates it, and
-records the step time, throughput and energy per step (the simulator's: busy power x busy
-time plus idle power x idle time, over the devices the plan uses). It then picks the ``k``
-with the most samples per joule, or the smallest ``k`` within a fraction of the best
-throughput, and says why.
+The sweep tries ``k = 1..K`` devices (on more than 64, the powers of two and ``K``); for each
+``k`` it takes the fastest plan of several partitioners (data-parallel at least) on the
+cluster's first ``k`` devices, simulates it, and records the step time, throughput and energy
+per step (the simulator's: busy power x busy time plus idle power x idle time, over the
+devices the plan uses). It then picks the ``k`` with the most samples per joule, or the
+smallest ``k`` within a fraction of the best throughput, and says why.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.bounds import FULL_SEARCH_DEVICES, powers_of_two
 from explorer.partition.coarse import coarsen
 from explorer.partition.registry import algorithm as lookup_algorithm
 from explorer.partition.registry import partition, register
@@ -74,7 +75,8 @@ class WapPoint:
 
 @dataclass(frozen=True)
 class WapResult:
-    """The sweep's curve (one point per ``k = 1..K``), the chosen ``k`` and why."""
+    """The sweep's curve (one point per ``k`` swept, :func:`swept_counts`), the chosen ``k``
+    and why."""
 
     points: tuple[WapPoint, ...]
     chosen_k: int
@@ -84,7 +86,7 @@ class WapResult:
 
     @property
     def chosen(self) -> WapPoint:
-        return self.points[self.chosen_k - 1]
+        return next(p for p in self.points if p.k == self.chosen_k)
 
     def curve(self) -> list[dict[str, Any]]:
         return [p.summary() for p in self.points]
@@ -107,7 +109,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
               objective: str = "throughput_per_joule", within: float = 0.05,
               pins: Mapping[str, str] | None = None, max_k: int | None = None,
               coarse_above: int | None = COARSE_ABOVE) -> WapResult:
-    """Sweep ``k = 1..K`` devices and pick how many this workload should use.
+    """Sweep ``k = 1..K`` devices (see ``max_k``) and pick how many this workload should use.
 
     For each ``k`` every algorithm in ``algorithms`` (``"data-parallel"`` is always included)
     plans for the cluster's first ``k`` devices; the fastest plan that fits the simulator's
@@ -129,7 +131,10 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
         Node name -> device id, honoured by every plan; a ``k`` whose devices do not include
         every pinned device has no plan.
     max_k : int, optional
-        Largest ``k`` (default: every device of the cluster).
+        Largest ``k`` (default: every device of the cluster). Every ``k`` up to 64
+        (:data:`~explorer.partition.bounds.FULL_SEARCH_DEVICES`) is swept; beyond, powers of
+        two and ``max_k`` itself (:func:`swept_counts`), each partitioner bounding its own
+        search on that many devices.
     coarse_above : int or None
         On graphs with more ops than this (default 20,000) the sweep plans and simulates a
         stand-in graph of about 2,000 merged runs of ops (:mod:`explorer.partition.coarse`:
@@ -181,7 +186,7 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
     batch = max(graph.batch_size, 1)
     points = []
     seen = _Predictions(graph, costs)
-    for k in range(1, top + 1):
+    for k in swept_counts(top):
         sub = cluster.subset(cluster.ids[:k])
         tried: list[tuple[str, str]] = []
         best: tuple[float, float, str, Plan, Any] | None = None
@@ -219,6 +224,15 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
         raise MemoryExceededError(f"wap: no device count has a plan that fits ({reasons})")
     chosen, why = _choose(feasible, objective, within)
     return WapResult(tuple(points), chosen.k, objective, within, why)
+
+
+def swept_counts(top: int) -> list[int]:
+    """The device counts a sweep up to ``top`` tries: every one up to
+    :data:`~explorer.partition.bounds.FULL_SEARCH_DEVICES`; beyond, the powers of two and
+    ``top`` itself (13 counts at 4,096 devices)."""
+    if top <= FULL_SEARCH_DEVICES:
+        return list(range(1, top + 1))
+    return sorted({*powers_of_two(top), top})
 
 
 def _coarse_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel, names: list[str],
@@ -345,4 +359,4 @@ def wap(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                  notes=(res.why, *lines, *pt.plan.notes))
 
 
-__all__ = ["DEFAULT_ALGORITHMS", "WapPoint", "WapResult", "wap", "wap_sweep"]
+__all__ = ["DEFAULT_ALGORITHMS", "WapPoint", "WapResult", "swept_counts", "wap", "wap_sweep"]

@@ -8,6 +8,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.bounds import op_devices
 from explorer.partition.mincomm.parts import MinCommResult, min_comm_parts
 from explorer.partition.options import Options, check_micro_batches, check_schedule
 from explorer.partition.registry import register
@@ -73,6 +74,10 @@ def min_comm(graph: OpGraph, cluster: Cluster, costs: CostModel,
     of parts follows the pins. Pins that force a cycle between two devices raise
     :class:`ExplorerError`. Runs in seconds on 100,000-node graphs.
 
+    On a cluster of more than 64 devices the parts are at most the graph's op count, 1,024,
+    and 20,000,000 / nodes (as many as its memory needs; :func:`explorer.partition.bounds.
+    op_devices`), on the fastest devices; a note says so.
+
     Limits: the parts are stages of a pipeline (every edge goes to the same or a later part),
     so with one micro-batch they run one after another and the step is close to the sum of
     their compute whatever the balance; only micro-batches overlap them, and each repeats
@@ -87,13 +92,18 @@ def min_comm(graph: OpGraph, cluster: Cluster, costs: CostModel,
     m_choices = (m_default, 1) if micro_batches is None and compare_baselines and m_default > 1 \
         else (m_default,)
     pins = dict(pins or {})
+    # on a large cluster, parts on the devices worth using (see explorer.partition.bounds)
+    ids = opts.devices(cluster)
+    chosen, bound_note = op_devices("min-comm", graph, costs, ids, pins, optimizer, 1.0)
+    where, k_parts = (cluster, k) if len(chosen) == len(ids) else (cluster.subset(chosen), None)
     found: list[tuple[Plan, Prediction | None]] = []
     failure = ""
     for m in m_choices:
         def make(headroom: float, m: int = m) -> Plan:
-            res = min_comm_parts(graph, cluster, costs, k, tolerance, pins, m, schedule,
+            res = min_comm_parts(graph, where, costs, k_parts, tolerance, pins, m, schedule,
                                  optimizer, headroom)
-            return _plan(graph, res, m, schedule, optimizer, pins, tolerance)
+            plan = _plan(graph, res, m, schedule, optimizer, pins, tolerance)
+            return plan.with_settings(notes=(*plan.notes, bound_note)) if bound_note else plan
 
         plan, pred, failures = fit_headrooms(graph, costs, make, "min-comm: its split",
                                              compare_baselines)

@@ -15,6 +15,7 @@ from explorer.core.plan import StageSettings
 from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.bounds import FULL_SEARCH_DEVICES, distinct_links
 from explorer.partition.pipeline_dp.solver import dp_cells
 from explorer.partition.pipeline_dp.table import StageCostTable, StageNet
 
@@ -22,14 +23,15 @@ from explorer.partition.pipeline_dp.table import StageCostTable, StageNet
 MAX_LAYERS = 1500
 #: and more work than this many table cells (layers^2 x device ranges x (stages + 8))
 MAX_DP_CELLS = 4e9
+#: on a cluster of more than FULL_SEARCH_DEVICES devices (replica counts powers of two, only
+#: the positions its stages can reach): at most this many cells, a few seconds
+WIDE_DP_CELLS = 2e8
 
 
 def _homogeneous(cluster: Cluster, ids: Sequence[str]) -> bool:
     if len({cluster.device(i).type_key for i in ids}) > 1:
         return False
-    links = {(lk.latency_s, lk.bandwidth_bytes_per_s)
-             for a_i, a in enumerate(ids) for b in ids[a_i + 1:]
-             for lk in [cluster.link(a, b)]}
+    links = {(lk.latency_s, lk.bandwidth_bytes_per_s) for lk in distinct_links(cluster, ids)}
     return len(links) <= 1
 
 
@@ -44,13 +46,15 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                      layers: Sequence[Sequence[int]], micro_batches: int, schedule: str,
                      optimizer: str, replicate: bool = True,
                      pins: Mapping[str, str] | None = None, headroom: float = 1.0,
-                     settings: StageSettings | None = None) -> StageCostTable:
+                     settings: StageSettings | None = None,
+                     wide: bool | None = None) -> StageCostTable:
     """The :class:`StageCostTable` of ``graph``'s ``layers`` on devices ``ids``.
 
     Costs come from ``costs`` (a node's time at a batch fraction is linear in it), memory from
     :func:`explorer.costs.memory.node_memory_bytes`, device capacity times ``headroom``. Replica
     counts are limited to those that divide the batch into whole micro-batches. Memory follows
-    the memory ``settings`` of every stage (default: none).
+    the memory ``settings`` of every stage (default: none). With ``wide`` (default: on more
+    than FULL_SEARCH_DEVICES devices), replica counts are powers of two.
     """
     cluster = costs.cluster
     nodes = graph.nodes
@@ -123,11 +127,13 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
         spb.append(costs.link_scale / link.bandwidth_bytes_per_s)
     ar_lat = np.zeros((n_dev, n_dev + 1))
     ar_spb = np.zeros((n_dev, n_dev + 1))
-    for d in range(n_dev):
-        for r in range(2, n_dev - d + 1):
+    wide = n_dev > FULL_SEARCH_DEVICES if wide is None else wide
+    # the replica counts of any micro-batch count (those of one micro-batch)
+    for r in allowed_replicas(graph.batch_size, n_dev, 1, replicate, wide):
+        for d in range(n_dev - r + 1) if r > 1 else ():
             group = tuple(ids[d:d + r])
             ar_lat[d, r], ar_spb[d, r] = linear_fit(lambda x, g=group: costs.allreduce_s(g, int(x)))
-    reps = allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate)
+    reps = allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate, wide)
     by_position = not _homogeneous(cluster, ids)
     layer_pins: tuple[frozenset[int], ...] = ()
     if pins:
@@ -151,27 +157,54 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
 
 
 def allowed_replicas(batch_size: int, n_devices: int, micro_batches: int,
-                     replicate: bool) -> tuple[int, ...]:
-    """Replica counts r whose r x micro_batches divides the batch (1 always)."""
+                     replicate: bool, powers_of_two: bool = False) -> tuple[int, ...]:
+    """Replica counts r whose r x micro_batches divides the batch (1 always); with
+    ``powers_of_two`` (on a cluster of more than FULL_SEARCH_DEVICES), only powers of two."""
     reps = tuple(r for r in (range(1, n_devices + 1) if replicate else (1,))
-                 if batch_size <= 0 or batch_size % (r * micro_batches) == 0)
+                 if (batch_size <= 0 or batch_size % (r * micro_batches) == 0)
+                 and (not powers_of_two or r & (r - 1) == 0))
     return reps or (1,)
+
+
+def dp_positions(n_layers: int, n_devices: int, replicas: Sequence[int]) -> int:
+    """How many device positions the DP's stages can reach: at most ``min(layers, devices)``
+    stages of at most the largest replica count each (the rest stay unused in every plan)."""
+    return min(n_devices, min(n_layers, n_devices) * max(replicas, default=1))
+
+
+def wide_dp_cells(n_layers: int, n_devices: int, batch_size: int, replicate: bool) -> float:
+    """The DP's work in table cells on a cluster of more than FULL_SEARCH_DEVICES devices:
+    power-of-two replica counts, over the positions its stages can reach."""
+    reps = allowed_replicas(batch_size, n_devices, 1, replicate, True)
+    d = dp_positions(n_layers, n_devices, reps)
+    return (n_layers + 1) ** 2 * d * len(reps) * (min(n_layers, d) + 8)
 
 
 def choose_layers(graph: OpGraph, depth: int | None, max_layers: int, n_devices: int,
                   replicate: bool) -> tuple[list[list[int]], int | None]:
     """The layers the DP cuts: at ``depth``, or with ``depth=None`` the finest module depth
-    whose layer count the DP can handle. Raises :class:`ExplorerError` when none can."""
+    whose layer count the DP can handle. Raises :class:`ExplorerError` when none can.
+
+    On a cluster of more than FULL_SEARCH_DEVICES devices the DP's work is
+    :func:`wide_dp_cells`, at most :data:`WIDE_DP_CELLS`."""
+    wide = n_devices > FULL_SEARCH_DEVICES
+
+    def cells_ok(n_layers: int) -> bool:
+        if wide:
+            return wide_dp_cells(n_layers, n_devices, graph.batch_size,
+                                 replicate) <= WIDE_DP_CELLS
+        return dp_cells(n_layers, n_devices, replicate) <= MAX_DP_CELLS
+
     def fits(layers: list[list[int]]) -> bool:
-        return (len(layers) <= max_layers
-                and dp_cells(len(layers), n_devices, replicate) <= MAX_DP_CELLS)
+        return len(layers) <= max_layers and cells_ok(len(layers))
 
     if depth is not None:
         layers = graph.layers(depth)
         if not fits(layers):
             raise ExplorerError(
                 f"pipeline-dp: {len(layers):,} layers at depth={depth} are too many for the "
-                f"stage DP (at most {_layer_limit(max_layers, n_devices, replicate):,} on "
+                f"stage DP (at most "
+                f"{_layer_limit(max_layers, n_devices, replicate, graph.batch_size):,} on "
                 f"{n_devices} devices; its work grows as layers^2 x devices^3); pass a smaller "
                 "depth to cut at coarser modules, or use min-comm for op-level placement")
         return layers, depth
@@ -179,14 +212,14 @@ def choose_layers(graph: OpGraph, depth: int | None, max_layers: int, n_devices:
     counts = _layer_counts(graph)
     for dp in [None, *range(graph.module_depth() - 1, 0, -1)]:
         tried.append(f"{counts[dp]:,} at depth {dp}")
-        if counts[dp] <= max_layers and dp_cells(counts[dp], n_devices,
-                                                 replicate) <= MAX_DP_CELLS:
+        if counts[dp] <= max_layers and cells_ok(counts[dp]):
             layers = graph.layers(dp)
             if fits(layers):
                 return layers, dp
     raise ExplorerError(
         f"pipeline-dp: the graph has too many layers for the stage DP at every module depth "
-        f"({'; '.join(tried)}; the limit is {_layer_limit(max_layers, n_devices, replicate):,} "
+        f"({'; '.join(tried)}; the limit is "
+        f"{_layer_limit(max_layers, n_devices, replicate, graph.batch_size):,} "
         f"on {n_devices} devices); use min-comm, which places ops directly")
 
 
@@ -207,12 +240,16 @@ def _layer_counts(graph: OpGraph) -> dict[int | None, int]:
     return {dp: max(c, 1) for dp, c in counts.items()}
 
 
-def _layer_limit(max_layers: int, n_devices: int, replicate: bool) -> int:
+def _layer_limit(max_layers: int, n_devices: int, replicate: bool,
+                 batch_size: int = 0) -> int:
     lim = max_layers
-    while lim > 1 and dp_cells(lim, n_devices, replicate) > MAX_DP_CELLS:
+    while lim > 1 and (
+            wide_dp_cells(lim, n_devices, batch_size, replicate) > WIDE_DP_CELLS
+            if n_devices > FULL_SEARCH_DEVICES
+            else dp_cells(lim, n_devices, replicate) > MAX_DP_CELLS):
         lim = int(lim * 0.9)
     return lim
 
 
-__all__ = ["MAX_DP_CELLS", "MAX_LAYERS", "allowed_replicas", "choose_layers", "linear_fit",
-           "stage_cost_table"]
+__all__ = ["MAX_DP_CELLS", "MAX_LAYERS", "WIDE_DP_CELLS", "allowed_replicas", "choose_layers",
+           "dp_positions", "linear_fit", "stage_cost_table", "wide_dp_cells"]

@@ -10,11 +10,13 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.bounds import FULL_SEARCH_DEVICES
 from explorer.partition.options import Options, check_micro_batches, check_schedule
 from explorer.partition.pipeline_dp.build import (
     MAX_LAYERS,
     allowed_replicas,
     choose_layers,
+    dp_positions,
     stage_cost_table,
 )
 from explorer.partition.pipeline_dp.solver import solve_stages
@@ -87,6 +89,11 @@ def pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
 
     Limits
     ------
+    On a cluster of more than 64 devices (:data:`explorer.partition.bounds.FULL_SEARCH_DEVICES`)
+    replica counts are powers of two, and the DP runs over only the device positions its
+    stages can reach (``min(layers, devices)`` stages of the largest replica count each), which
+    gives the same plans as over all of them; its work is then kept under
+    :data:`~explorer.partition.pipeline_dp.build.WIDE_DP_CELLS` by coarser layers.
     Work grows as ``layers^2 x devices^2 x stages`` (``layers^2 x devices^2`` without
     replicas) and memory as ``10 x layers^2`` floats: 1,000 layers on 8 devices take a few
     seconds. With ``depth=None`` the DP coarsens to the finest module depth under the limit;
@@ -107,27 +114,43 @@ def pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
         m_choices = (int(micro_batches),)
     pins = dict(pins or {})
     layers, used_depth = choose_layers(graph, depth, max_layers, n_dev, replicate)
-    base = stage_cost_table(graph, costs, ids, layers, m_choices[0], schedule, optimizer,
-                            replicate, pins)
+    # a large cluster: replica counts powers of two, and the DP over the device positions
+    # its stages can reach (the same plans as over all of them: see Limits)
+    wide = n_dev > FULL_SEARCH_DEVICES
+    dp_ids = ids
+    if wide:
+        reach = dp_positions(len(layers), n_dev,
+                             allowed_replicas(graph.batch_size, n_dev, 1, replicate, True))
+        far = [dev for dev in dict.fromkeys(pins.values()) if dev in ids[reach:]]
+        dp_ids = ids[:reach] if not far else ids[:max(reach, ids.index(far[-1]) + 1)]
+    base = stage_cost_table(graph, costs, dp_ids, layers, m_choices[0], schedule, optimizer,
+                            replicate, pins, wide=wide)
 
     def make(headroom: float, settings: StageSettings | None = None) -> Plan:
         best: tuple[StageCostTable, StageSolution] | None = None
         table = first = base if settings is None else stage_cost_table(
-            graph, costs, ids, layers, m_choices[0], schedule, optimizer, replicate, pins,
-            settings=settings)
+            graph, costs, dp_ids, layers, m_choices[0], schedule, optimizer, replicate, pins,
+            settings=settings, wide=wide)
         for m in m_choices:
             table = replace(first, micro_batches=m,
-                            replicas=allowed_replicas(graph.batch_size, n_dev, m, replicate),
+                            replicas=allowed_replicas(graph.batch_size, len(dp_ids), m,
+                                                      replicate, wide),
                             capacity_bytes=tuple(x * headroom for x in base.capacity_bytes))
             sol = solve_stages(table)
             if sol.feasible and (best is None or sol.score_s < best[1].score_s):
                 best = (table, sol)
         if best is None:
-            raise MemoryExceededError(_explain_infeasible(table, layers, graph, ids, pins))
+            raise MemoryExceededError(_explain_infeasible(table, layers, graph, dp_ids, pins))
         options = {"k": n_dev, "micro_batches": best[0].micro_batches, "schedule": schedule,
                    "depth": used_depth, "replicate": replicate, "layers": len(layers)}
-        return _plan_from_solution(graph, best[0], best[1], layers, ids, pins, optimizer,
+        plan = _plan_from_solution(graph, best[0], best[1], layers, dp_ids, pins, optimizer,
                                    options)
+        if len(dp_ids) < n_dev:
+            plan = plan.with_settings(notes=(*plan.notes, (
+                f"pipeline-dp: on {n_dev:,} devices, replica counts that are powers of two; "
+                f"its {len(layers)} layers in at most {min(len(layers), n_dev)} stages reach "
+                f"only the first {len(dp_ids):,} devices")))
+        return plan
 
     plan, pred, failures = fit_headrooms(graph, costs, make, "pipeline-dp: its best split",
                                          compare_baselines)

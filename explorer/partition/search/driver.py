@@ -25,6 +25,7 @@ from explorer.core.units import MiB
 from explorer.costs.memory import node_memory_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.bounds import op_devices
 from explorer.partition.guard import fits_within, most_replicas, replicated
 from explorer.partition.options import SEARCH_OPTIONS, Options
 from explorer.partition.search.fallback import (
@@ -113,7 +114,10 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
         if nm not in graph:
             raise ExplorerError(f"pinned node {nm!r} is not in the graph")
         cluster.device(dv)
-    devs = list(opts.devices(cluster))
+    asked = list(opts.devices(cluster))
+    # on a large cluster: the devices worth placing ops on (see explorer.partition.bounds)
+    devs, bound_note = op_devices(name, graph, costs, asked, pins, optimizer, memory_fraction,
+                                  memory)
     devs += [d for d in dict.fromkeys(pins.values()) if d not in devs]
     base = op_problem(graph, cluster, costs, devs, pins, optimizer, memory_fraction, memory)
     total, room = int(base.mem.sum()), int(base.cap.sum())
@@ -154,7 +158,8 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
         cands.append(cand)
     if opts.baselines:
         cands += _baseline_candidates(graph, cluster, costs, base, pins, devs, settings,
-                                      by_sim, opts.sweep_devices, memory_fraction)
+                                      by_sim, opts.sweep_devices, memory_fraction,
+                                      len(asked) if devs == asked[:len(devs)] else len(devs))
     fitting = [c for c in cands if c.fits]
     if not fitting:
         if first_error is not None:
@@ -167,6 +172,8 @@ def _search(graph: OpGraph, cluster: Cluster, costs: CostModel, name: str, place
             best = c
     how = "simulated" if by_sim else "estimated by list scheduling"
     notes = [f"{name}: chose {best.label} ({how} step {best.score_s * 1e3:.4g} ms)"]
+    if bound_note:
+        notes.append(bound_note)
     others = [c for c in fitting if c is not best]
     if others:
         notes.append("other candidates: " + ", ".join(
@@ -227,9 +234,10 @@ def _maker(graph: OpGraph, p: OpProblem, dev: np.ndarray, notes: Sequence[str],
 
 def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, base: OpProblem,
                          pins: Mapping[str, str], devs: list[str], settings: dict[str, Any],
-                         by_sim: bool, sweep_devices: bool,
-                         memory_fraction: float) -> list[_Candidate]:
-    """``single`` (on the fastest device; pinned nodes stay put) and ``data-parallel``."""
+                         by_sim: bool, sweep_devices: bool, memory_fraction: float,
+                         replica_devices: int | None = None) -> list[_Candidate]:
+    """``single`` (on the fastest device; pinned nodes stay put) and ``data-parallel`` (on
+    up to ``replica_devices`` of the cluster's first devices, default ``len(devs)``)."""
     out: list[_Candidate] = []
     optimizer = settings["optimizer"]
     fastest = base.speed_order[0]
@@ -257,7 +265,7 @@ def _baseline_candidates(graph: OpGraph, cluster: Cluster, costs: CostModel, bas
         out.append(_Candidate("single", make, fits, score))
     # data parallel over a prefix of the cluster (not with pins: replicas cannot honour them),
     # at most one replica per sample of the batch
-    widest = most_replicas(graph, len(devs))
+    widest = most_replicas(graph, replica_devices or len(devs))
     if pins or devs != list(cluster.ids[: len(devs)]) or widest < 2:
         return out
     sizes = [widest]

@@ -243,17 +243,8 @@ def op_problem(graph: OpGraph, cluster: Cluster, costs: CostModel, device_ids: S
     bwd_bytes = np.array([b_bytes[x] for x in pairs], dtype=np.int64)
 
     # links: latency and seconds per byte, read off the cost model's transfer_s
-    K = len(device_ids)
-    lat_s = np.zeros((K, K))
-    spb = np.zeros((K, K))
+    lat_s, spb = link_tables(costs, device_ids)
     probe = 1 << 20
-    for a in range(K):
-        for b in range(K):
-            if a != b:
-                t1 = costs.transfer_s(device_ids[a], device_ids[b], 1)
-                t2 = costs.transfer_s(device_ids[a], device_ids[b], 1 + probe)
-                spb[a, b] = (t2 - t1) / probe
-                lat_s[a, b] = max(t1 - spb[a, b], 0.0)
     opt_pb = np.array([costs.optimizer_s(d, optimizer, probe, 0) / probe for d in device_ids])
     opt_pt = np.array([costs.optimizer_s(d, optimizer, 0, 1) for d in device_ids])
     cap = np.array([int(cluster.device(d).memory_bytes * memory_fraction) for d in device_ids],
@@ -267,6 +258,44 @@ def op_problem(graph: OpGraph, cluster: Cluster, costs: CostModel, device_ids: S
                      unit_of_node, np.array(rep, dtype=np.int64), w_fwd,
                      w_bwd, dev_type, mem, cap, pinned, src, dst, fwd_bytes, bwd_bytes, lat_s,
                      spb, opt_pb, opt_pt, param_bytes, param_tensors)
+
+
+def link_tables(costs: CostModel, device_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """[d, d] latency and seconds per byte between the devices (0 on the diagonal), read off
+    ``costs.transfer_s``, which depends only on the link of a pair: once per distinct link
+    (the cluster's default and its overrides), not per pair."""
+    K = len(device_ids)
+    lat_s = np.zeros((K, K))
+    spb = np.zeros((K, K))
+    if K < 2:
+        return lat_s, spb
+    probe = 1 << 20
+    terms: dict = {}
+
+    def fill(rows: np.ndarray, cols: np.ndarray, a: str, b: str) -> None:
+        link = costs.cluster.link(a, b)
+        if link not in terms:
+            t1 = costs.transfer_s(a, b, 1)
+            t2 = costs.transfer_s(a, b, 1 + probe)
+            per_byte = (t2 - t1) / probe
+            terms[link] = (max(t1 - per_byte, 0.0), per_byte)
+        lat_s[rows, cols], spb[rows, cols] = terms[link]
+
+    index = {d: j for j, d in enumerate(device_ids)}
+    over: dict[frozenset[str], tuple[str, str]] = {}
+    for a, b, _ in costs.cluster.links:
+        if a in index and b in index and a != b:
+            over[frozenset((a, b))] = (a, b)
+    if len(over) < K * (K - 1) // 2:  # some pair takes the default link: fill with it first
+        a, b = next((a, b) for j, a in enumerate(device_ids) for b in device_ids[j + 1:]
+                    if frozenset((a, b)) not in over)
+        fill(slice(None), slice(None), a, b)
+        np.fill_diagonal(lat_s, 0.0)
+        np.fill_diagonal(spb, 0.0)
+    for a, b in over.values():
+        i, j = index[a], index[b]
+        fill(np.array([i, j]), np.array([j, i]), a, b)
+    return lat_s, spb
 
 
 def node_seconds(costs: CostModel, device_id: str,
@@ -292,4 +321,4 @@ def node_seconds(costs: CostModel, device_id: str,
     return out[0], out[1]
 
 
-__all__ = ["OpProblem", "node_seconds", "op_problem"]
+__all__ = ["OpProblem", "link_tables", "node_seconds", "op_problem"]
