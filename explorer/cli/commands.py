@@ -20,6 +20,7 @@ from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
 from explorer.partition import algorithm, algorithms
+from explorer.partition.bounds import SearchTooLarge
 from explorer.runtime.jobfiles import RUNTIMES
 
 
@@ -90,6 +91,8 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
                 plan = _with_memory(plan, memory)
             plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"))
             out.append((name, plan, ex.simulate(graph, plan, costs)))
+        except SearchTooLarge as exc:  # refused before its search: too large for it
+            out.append((name, None, f"skipped: {exc}"))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
     return out
@@ -175,7 +178,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for n, p, r in results:
         if p is None:
-            rows.append((n, "-", "-", "-", "-", "-", "-", "-", "-", "error: " + r))
+            rows.append((n, "-", "-", "-", "-", "-", "-", "-", "-",
+                         r if r.startswith("skipped: ") else "error: " + r))
             continue
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
