@@ -387,6 +387,19 @@ def test_segments_run_an_interleaved_placement():
 
 
 @pytest.mark.slow
+def test_segments_run_replica_counts_that_differ():
+    """Stage 0 on two replicas, stage 1 on one: stage 1's rank runs each segment on both
+    shards of a micro-batch in turn, receiving from and sending to either replica."""
+    graph = tiny_builtin_graph("mlp")
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                   {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)})
+    seg = _run(graph, plan, "segments", ("mlp", "replicas 2, 1"))
+    _assert_same_as_ops(seg, _run(graph, plan, "ops", ("mlp", "replicas 2, 1")))
+    _assert_like_one_device(seg, "mlp", plan)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2])
 def test_segments_run_zero_1_and_2(zero):
     """ZeRO 1 and 2 only change where gradients and optimizer state go: two data-parallel
@@ -398,17 +411,24 @@ def test_segments_run_zero_1_and_2(zero):
     _assert_like_one_device(seg, "gpt", plan)
 
 
+# (loss rtol, gradient share of its tensor's largest) against fp32 on one device, as the op
+# path's own precision test allows
+PRECISION_TOLERANCE = {"bf16": (1e-3, 6e-2), "fp16": (1e-4, 5e-3)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_segments_run_a_bf16_stage(name):
-    """Autocast to bf16 around a segment casts as it does around each op: the op path's
-    losses and gradients, and one device's within bf16's tolerance (as the op path's own
-    test allows)."""
+@pytest.mark.parametrize("name,precision", [("mlp", "bf16"), ("gpt", "bf16"),
+                                            ("gpt", "fp16")])
+def test_segments_run_a_lower_precision_stage(name, precision):
+    """Autocast around a segment casts as it does around each op (fp16 with the loss
+    scale): the op path's losses and gradients, and one device's within the precision's
+    tolerance."""
     graph = tiny_builtin_graph(name)
-    plan = _plan(name, "stages").with_memory(precision="bf16")
-    seg = _run(graph, plan, "segments", (name, "bf16"))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", (name, "bf16")))
-    _assert_like_one_device(seg, name, plan, rtol=1e-3, grad_share=6e-2)
+    plan = _plan(name, "stages").with_memory(precision=precision)
+    seg = _run(graph, plan, "segments", (name, precision))
+    _assert_same_as_ops(seg, _run(graph, plan, "ops", (name, precision)))
+    rtol, share = PRECISION_TOLERANCE[precision]
+    _assert_like_one_device(seg, name, plan, rtol=rtol, grad_share=share)
 
 
 def _dropout_graph():
