@@ -16,6 +16,7 @@ stages (:mod:`explorer.simulate.tensor`).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -86,30 +87,41 @@ def model_dtensor_costs(graph: OpGraph, dc: DeviceCosts, report: ops.Report | No
     what two ranks computing their shards at once do to each other follow the model's own
     ops and the host's moment; measured on the model, as its contention is, they do not have
     to carry over from another graph."""
-    if not megatron_layout(graph, 2).placements:
+    if not split_runs(graph):
         return {}
     one_rank_s = sum(dc.fwd_s) + sum(dc.bwd_s)
     steps = int(min(30, max(8, MODEL_RUN_S / max(one_rank_s, 1e-6))))
-    if report is not None:
-        report(f"timing {graph.name} split 2 ways on 2 CPU ranks ({steps} steps)")
+    bar = ops.RunsBar(split_runs(graph), f"timing {graph.name} split 2 ways on 2 CPU ranks "
+                      f"({steps} steps a run)", False, report)
     try:
-        return split_run_costs(graph, dc, steps, 3)
+        return split_run_costs(graph, dc, steps, 3, ran=bar.update)
     except Exception:  # an optional refinement: the host probe's costs stand
         return {}
+    finally:
+        bar.close()
+
+
+def split_runs(graph: OpGraph) -> int:
+    """How many runs :func:`model_dtensor_costs` makes of ``graph`` (0: a two-way split
+    splits nothing of it): :data:`SPLIT_ROUNDS` of one micro-batch, and as many of two
+    where the batch splits in two."""
+    if not megatron_layout(graph, 2).placements:
+        return 0
+    return SPLIT_ROUNDS * (2 if graph.batch_size % 2 == 0 else 1)
 
 
 #: about how many seconds of steps :func:`model_dtensor_costs` runs (8 to 30 steps)
 MODEL_RUN_S = 2.0
 
 
-def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
-                    ) -> dict[str, float]:
+def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int,
+                    ran: Callable[[], None] | None = None) -> dict[str, float]:
     """``graph`` as one stage split two ways over two CPU ranks, run ``steps`` steps with one
     micro-batch and with two (where the batch splits; in turn, in :data:`SPLIT_ROUNDS` runs
     each) on ranks started for it, against the simulator on ``dc`` (its profile on one rank)
     without any of these costs: per kind of op the medians of the one-micro-batch runs
     (:func:`fit`), then what the predictions miss of the median steps, to the collectives
-    and the step (:func:`to_step`)."""
+    and the step (:func:`to_step`). ``ran`` (where given) is called after each run."""
     two = Cluster.cpu(2)
     key = two.devices[0].type_key
     dc = replace(dc, type_key=key, dtensor={})
@@ -125,6 +137,8 @@ def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int
         for p, ms in zip(plans, got, strict=True):
             ms.append(launch.run(graph, plan=p, costs=costs, warmup=warmup, progress=False,
                                  steps=max(5, steps // SPLIT_ROUNDS)))
+            if ran is not None:
+                ran()
     first = got[0]
     task_s = {k: statistics.fmean(m.task_s.get(k, 0.0) for m in first)
               for k in first[0].task_s}

@@ -68,9 +68,35 @@ Report = Callable[[str], None]
 FirstRun = Callable[[DeviceCosts], None]
 
 
+class ProfileRuns:
+    """A profile's :data:`Report` that also counts the runs of the whole profile: how many it
+    makes in all, known before the first, and how many are done. Each part's
+    :class:`RunsBar` told it counts on it, so every line says the same total from the first
+    run to the last ("profiling gpt on cpu:0: 3 of 14 runs", then "contention of gpt on
+    cpu:0+cpu:1: 7 of 14 runs"); runs a part does not need (its results cached) are counted
+    done when the part is over (:meth:`done_up_to`)."""
+
+    def __init__(self, total: int, report: Report | None = None) -> None:
+        self.total, self.done, self.report = total, 0, report
+
+    def __call__(self, text: str) -> None:
+        if self.report is not None:
+            self.report(text)
+
+    def ran(self) -> None:
+        """One more run done."""
+        self.done += 1
+        self.total = max(self.total, self.done)  # (a part that ran more than it said)
+
+    def done_up_to(self, done: int) -> None:
+        """The runs up to ``done`` are over, made or not needed."""
+        self.done = max(self.done, min(done, self.total))
+
+
 class RunsBar:
     """Counts the runs of one part of a profile: a progress bar (``progress``) and a line to
-    ``report`` (where given) as it starts and after each run."""
+    ``report`` (where given) as it starts and after each run: this part's runs, or the
+    whole profile's where ``report`` is its :class:`ProfileRuns`."""
 
     def __init__(self, total: int, desc: str, progress: bool, report: Report | None) -> None:
         self.bar = tqdm(total=total, unit="run", desc=desc, disable=not progress, leave=False)
@@ -80,14 +106,19 @@ class RunsBar:
     def update(self) -> None:
         self.bar.update()
         self.done += 1
+        if isinstance(self.report, ProfileRuns):
+            self.report.ran()
         self._tell()
 
     def close(self) -> None:
         self.bar.close()
 
     def _tell(self) -> None:
-        if self.report is not None:
-            self.report(f"{self.desc}: {self.done} of {self.total} runs")
+        if self.report is None:
+            return
+        done, total = ((self.report.done, self.report.total)
+                       if isinstance(self.report, ProfileRuns) else (self.done, self.total))
+        self.report(f"{self.desc}: {done} of {total} runs")
 
 
 def cache_dir() -> Path:

@@ -93,7 +93,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
         report("measuring this host's CPU ranks (once per host)")
     cluster = cluster.measured()
     per_type: dict[str, DeviceCosts] = {}
-    runs_done = 0
+    # every part's runs counted before the first (so a status line's total never changes)
+    runs = ops.ProfileRuns(_runs_total(graph, cluster, precisions), report)
     with contextlib.ExitStack() as stack:
         pools: dict[str, RankPool | None] = {}
         for dev in cluster.devices:
@@ -109,30 +110,30 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                     if REUSE_RANKS else None
             pool = pools[dev.kind]
             first = None if partial is None else _first_run(
-                graph, cluster, per_type, dev.type_key, partial, runs_done,
-                _runs_total(graph, cluster))
+                graph, cluster, per_type, dev.type_key, partial, runs)
+            start = runs.done
             dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
-                              report=report, first=first,
+                              report=runs, first=first,
                               complete=functools.partial(
                                   _complete, graph=graph, dev=dev, ranks=ranks,
                                   contention=contention, precisions=precisions,
                                   repeats=repeats, warmup=warmup, progress=progress,
-                                  pool=pool, report=report))
-            runs_done += ops.timing_runs(graph) + (2 * host.CONTENTION_ROUNDS if contention
-                                                   else 0)
+                                  pool=pool, runs=runs, start=start))
+            # (the runs its cache entry made unnecessary, or a part that failed did not make)
+            runs.done_up_to(start + _type_runs(graph, contention, precisions))
             per_type[dev.type_key] = dc
         message_s = 0.0
         if message and graph.runtime is not None:
-            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=report)
+            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=runs)
             cpus = [per_type[d.type_key] for d in cluster.devices
                     if d.kind == "cpu" and d.present]
             # the host probe's costs where the model's own split run gave none
             if lacking := [dc for dc in cpus if not dc.dtensor]:
-                dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), report)
+                dtensor = dtensor_probe.dtensor_costs(cluster, cache, pools.get("cpu"), runs)
                 for dc in lacking:
                     dc.dtensor = dtensor
             collective_s = collective_probe.collective_costs(cluster, cache, pools.get("cpu"),
-                                                             report)
+                                                             runs)
             for dc in cpus:
                 dc.collective_s = collective_s
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
@@ -140,46 +141,69 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
 
 def _complete(dc: DeviceCosts, graph: OpGraph, dev: Device, ranks: list[Device],
               contention: bool, precisions: tuple[str, ...], repeats: int, warmup: int,
-              progress: bool, pool: RankPool | None, report: ops.Report | None) -> bool:
+              progress: bool, pool: RankPool | None, runs: ops.ProfileRuns,
+              start: int) -> bool:
     """Measure what the op timing ``dc`` of ``dev`` (cached or new) lacks, into it: the
     ``precisions`` not timed yet, how ``ranks`` slow each other (where it ``contention`` is
     measured) and the model's own split costs; whether anything was added (then
-    :func:`ops.measured` caches it with the op timing)."""
+    :func:`ops.measured` caches it with the op timing). ``runs`` counts the profile's runs
+    (this device type's from ``start``): each part not needed counts as done before the
+    next begins."""
     added = False
+    at = start + ops.timing_runs(graph)
+    runs.done_up_to(at)
     for p in precisions:
-        if p not in dc.precision_s and graph.source == "export":
+        if graph.source != "export":
+            continue
+        if p not in dc.precision_s:
             dc.precision_s[p] = ops.measure_precision(graph, dev, p, dc, repeats, warmup,
-                                                      pool=pool, report=report)
+                                                      pool=pool, report=runs)
             added = True
-    if not dc.contention and contention:
+        at += 2 * ops.ROUNDS
+        runs.done_up_to(at)
+    if not contention:
+        return added
+    if not dc.contention:
         try:
             dc.contention, dc.replica_spread, dc.optimizer_contention = \
                 host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
-                                        pool=pool, report=report)
+                                        pool=pool, report=runs)
             added = True
         except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
             warnings.warn(f"could not measure how CPU ranks of this host slow each "
                           f"other ({exc}); predictions leave it out", stacklevel=4)
-    if not dc.dtensor and contention:  # (the host probe's costs where this finds none)
-        dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, report)
+    runs.done_up_to(at + 2 * host.CONTENTION_ROUNDS)
+    if not dc.dtensor:  # (the host probe's costs where this finds none)
+        dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, runs)
         added = added or bool(dc.dtensor)
     return added
 
 
-def _runs_total(graph: OpGraph, cluster: Cluster) -> int:
-    """How many op timing and contention runs profiling ``graph`` on ``cluster`` makes, the
-    cache aside."""
+def _runs_total(graph: OpGraph, cluster: Cluster, precisions: tuple[str, ...] = ()) -> int:
+    """How many runs profiling ``graph`` on ``cluster`` makes, the cache aside: per measured
+    device type, its op timing, precisions, contention and split runs
+    (:func:`_type_runs`)."""
+    if graph.runtime is None:
+        return 0
     total = 0
     for type_key in dict.fromkeys(d.type_key for d in cluster.devices if d.present):
         ranks = [d for d in cluster.devices if d.present and d.type_key == type_key]
-        total += ops.timing_runs(graph) + (
-            2 * host.CONTENTION_ROUNDS if _measures_contention(graph, cluster, ranks) else 0)
+        total += _type_runs(graph, _measures_contention(graph, cluster, ranks), precisions)
     return total
 
 
+def _type_runs(graph: OpGraph, contention: bool, precisions: tuple[str, ...]) -> int:
+    """The runs of one measured device type, the cache aside: the op timing, each of
+    ``precisions`` (:func:`ops.measure_precision`), and where ``contention`` is measured,
+    the contention pairs and the model split two ways (:func:`_complete`)."""
+    return (ops.timing_runs(graph)
+            + (2 * ops.ROUNDS * len(precisions) if graph.source == "export" else 0)
+            + (2 * host.CONTENTION_ROUNDS + dtensor_probe.split_runs(graph) if contention
+               else 0))
+
+
 def _first_run(graph: OpGraph, cluster: Cluster, per_type: dict[str, DeviceCosts],
-               type_key: str, partial: Partial, runs_before: int, runs_total: int
-               ) -> ops.FirstRun:
+               type_key: str, partial: Partial, runs: ops.ProfileRuns) -> ops.FirstRun:
     """What the op timing of ``type_key`` calls with its first run's costs: ``partial``
     told the whole cluster's preliminary numbers (rooflines for types not reached yet)."""
     def first(dc: DeviceCosts) -> None:
@@ -188,8 +212,8 @@ def _first_run(graph: OpGraph, cluster: Cluster, per_type: dict[str, DeviceCosts
         for dev in cluster.devices:
             if dev.type_key not in now:
                 now[dev.type_key] = roofline(graph, dev)
-        partial(Preliminary(CostModel(graph.fingerprint, cluster, now), runs_before + 1,
-                            max(runs_total, runs_before + 1)))
+        partial(Preliminary(CostModel(graph.fingerprint, cluster, now), runs.done,
+                            runs.total))
     return first
 
 

@@ -485,9 +485,10 @@ class TestSharedRanks:
         assert costs.per_type[CPU_KEY].dtensor == {"op_fwd_s": 1e-4}
         assert costs.per_type[CPU_KEY].collective_s == 2e-4
         assert closed == [runs[0][1]] and runs[0][1].size == 2
-        # how far it is, in words, for a widget
-        assert said == [f"profiling gpt on cpu:0: {k} of 6 runs" for k in range(7)] + [
-            f"contention of gpt on cpu:0+cpu:1: {k} of 4 runs" for k in range(5)]
+        # how far it is, in words, for a widget: the whole profile's runs, counted before the
+        # first (6 op timing, 4 contention, 4 of the model split two ways, stood in for here)
+        assert said == [f"profiling gpt on cpu:0: {k} of 14 runs" for k in range(7)] + [
+            f"contention of gpt on cpu:0+cpu:1: {k} of 14 runs" for k in range(6, 11)]
 
     def test_preliminary_numbers_after_the_first_run_final_ones_unchanged(
             self, gpt, runs, host2, cache, monkeypatch):
@@ -505,8 +506,9 @@ class TestSharedRanks:
                            **FAST)
         [(pre, runs_then)] = early
         assert runs_then == 1  # told after the first run, before the others
-        assert (pre.runs_done, pre.runs_total) == (1, 10)  # 6 op timing, 4 contention
-        assert pre.label == "preliminary: 1 of 10 runs"
+        # 6 op timing, 4 contention, 4 of the model split two ways
+        assert (pre.runs_done, pre.runs_total) == (1, 14)
+        assert pre.label == "preliminary: 1 of 14 runs"
         dc = pre.costs.per_type[CPU_KEY]
         assert dc.fwd_s[1] == 2e-3 and dc.source[gpt.index[gpt.loss]] == "measured"
         assert dc.fractions == [] and dc.contention == []  # not measured yet
