@@ -73,6 +73,32 @@ def placed_on(plan: ex.Plan, graph: ex.OpGraph, cluster: ex.Cluster, names: list
     return rebuilt(plan, graph, cluster, stages, settings, placement)
 
 
+def leaving_replicas(plan: ex.Plan, graph: ex.OpGraph, names: Iterable[str],
+                     target: str) -> str:
+    """What placing ``names`` on device ``target`` (:func:`placed_on`) does to the ops left
+    on the replicated stage ``target`` serves in ``plan``, in words ("" when it serves none,
+    or nothing else is on it). A device serves one stage only, so ``target`` leaves that
+    stage: the ops left there keep the stage's other devices, and on one device they are no
+    longer replicated."""
+    if "+" in target:
+        return ""
+    where = next((k for k, s in enumerate(plan.stages) if target in s), None)
+    if where is None or len(plan.stages[where]) < 2:
+        return ""
+    moved = set(names)
+    left = sum(1 for n in graph.ops if plan.placement[n.name] == where and n.name not in moved)
+    if not left:
+        return ""
+    stage = "+".join(plan.stages[where])
+    rest = [d for d in plan.stages[where] if d != target]
+    said = (f"{target} left the replicated stage {stage} for what you assigned (a device "
+            f"serves one stage): the other {left:,} op(s) of that stage ")
+    if len(rest) > 1:
+        return said + f"stay replicated on {'+'.join(rest)}"
+    return said + (f"now run on {rest[0]} alone, not replicated; undo to put them back, or "
+                   f"assign the selection to {stage} to keep it replicated with them")
+
+
 def fitted(settings: StageSettings, n_devices: int) -> StageSettings:
     """A stage's settings once it has ``n_devices``: a tensor-parallel degree that no longer
     divides them falls back to 1 (each device holds whole layers again)."""

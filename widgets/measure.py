@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
+from explorer.capture.fake import is_fake_graph
 from explorer.core.errors import CaptureError, CaptureTimeout, ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.models.synthetic import roofline_costs
@@ -184,13 +185,19 @@ def numbers_status(preliminary: str) -> str:
     return f"measured ({preliminary})" if preliminary else "roofline estimates"
 
 
-def measured_status(cluster: ex.Cluster) -> str:
-    """What the status line says once the background work is done."""
+def measured_status(cluster: ex.Cluster, graph: OpGraph) -> str:
+    """What the status line says once the background work is done (``graph``: the graph it
+    left, captured with real weights or, for a model built on the meta device, on fake
+    tensors still)."""
     here = [d.id for d in cluster.devices if d.present]
     if here:
         return f"measured: the numbers are from the profile of {', '.join(here)}"
-    return ("roofline estimates (devices not here; captured with real weights: real steps "
-            "and export are ready)")
+    if is_fake_graph(graph.notes):
+        return ("roofline estimates (devices not here; captured on fake tensors, the model "
+                "has no weights: it is planned and simulated, not run; to export it, name "
+                "the function that builds it: export(path, factory=\"module:function\"))")
+    return ("roofline estimates (devices not here; captured with real weights: export is "
+            "ready, real steps run where the devices are)")
 
 
 def starting_a_thread(thread: threading.Thread) -> bool:

@@ -27,12 +27,14 @@ from typing import Any
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.core.units import MiB
+from explorer.core.units import MiB, format_seconds
 from explorer.partition import algorithm as get_algorithm
+from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
 from explorer.profiling import Preliminary
 from widgets.edits import (
     count_label,
     first_device,
+    leaving_replicas,
     memory_label,
     placed_on,
     run_problem,
@@ -121,9 +123,18 @@ class Session:
     measuring: BackgroundJob | None = field(default=None, init=False, repr=False)
     #: how far it is ("" when there is none), for the status line
     measure_status: str = field(default="", init=False)
+    #: whether background measuring is under way (or waits to start): its numbers not in yet
+    measure_running: bool = field(default=False, init=False)
     #: while measuring goes on, what the preliminary numbers swapped in are ("preliminary: 1
     #: of 8 runs"; "" while the numbers are estimates or final)
     preliminary: str = field(default="", init=False)
+    #: the plan the last real run (``report``) ran: the report is stale once the plan under
+    #: edit is another
+    report_plan: ex.Plan | None = field(default=None, init=False, repr=False)
+    #: the plan picked to open with (a quick baseline, :func:`widgets.opening.auto_plan`)
+    #: and the line saying so, checked again when measured numbers replace the estimates
+    _opened: ex.Plan | None = field(default=None, init=False, repr=False)
+    _opening_note: str = field(default="", init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +173,7 @@ class Session:
                     measure)
         session = cls(o.graph, o.costs.cluster, o.costs, o.plan)
         if o.note:
+            session._opened, session._opening_note = o.plan, o.note
             session.say(o.note)
         if o.work is not None:
             session.measure_in_background(o.work, start)
@@ -176,6 +188,7 @@ class Session:
         preliminary numbers before that, as soon as its first run is done (``preliminary``
         says so). Progress is ``measure_status`` (topic "measure"); an error becomes the
         message and the numbers so far stay."""
+        self.measure_running = True
         self._measure_report("starting")
         self.measuring = BackgroundJob(work, self._measure_report, self._measured_early,
                                        self._measured, self._measure_failed)
@@ -223,6 +236,7 @@ class Session:
         self.measure_status = numbers_status(self.preliminary)
         self._changed("costs")
         self._changed("measure")
+        self._check_opening()
 
     def _swap_costs(self, graph: OpGraph, costs: ex.CostModel) -> None:
         """Measured ``costs`` (of the real ``graph``) in place of the numbers so far, and
@@ -239,12 +253,43 @@ class Session:
             self.graph, self.costs, self.cluster, self.plans = graph, costs, costs.cluster, plans
             self._estimate()
 
+    def _check_opening(self) -> None:
+        """The line saying which quick baseline the session opened with, said again on the
+        numbers now in (while it is still the message): the opened plan may no longer be
+        the fastest of them once measured numbers replace the estimates."""
+        if self._opened is None or not self._opening_note or self.message != self._opening_note:
+            return
+        best = fastest_quick_baseline(self.graph, self.cluster, self.costs,
+                                      lambda p: run_problem(self.graph, p))
+        if best is None:
+            return
+        opened = self._opened.algorithm
+        if best.name == opened:
+            note = (f"opened with the {opened} plan, the fastest of the quick baselines "
+                    f"({', '.join(QUICK_BASELINES)}) on the {self._numbers()} too; solve for "
+                    "better ones under partitioners")
+        else:
+            was = ex.simulate(self.graph, self._opened, self.costs)
+            note = (f"opened with the {opened} plan, the fastest of the quick baselines on "
+                    f"roofline estimates; on the {self._numbers()} the {best.name} plan is "
+                    f"faster ({format_seconds(best.prediction.step_s)} per step against "
+                    f"{format_seconds(was.step_s)}): solve {best.name} under partitioners "
+                    "to load it")
+        self._opening_note = note
+        self.say(note)
+
+    def _numbers(self) -> str:
+        """What the numbers now in are, for a line about them."""
+        return "preliminary measured numbers" if self.preliminary else "measured numbers"
+
     def _measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
         self._swap_costs(*result)
         self.preliminary = ""
-        self.measure_status = measured_status(self.cluster)
+        self.measure_running = False
+        self.measure_status = measured_status(self.cluster, self.graph)
         self._changed("costs")
         self._changed("measure")
+        self._check_opening()
 
     def _precision_measured(self, result: tuple[OpGraph, ex.CostModel]) -> None:
         add_precision_times(self.costs, result[1])  # (calibration and all else kept)
@@ -252,6 +297,7 @@ class Session:
 
     def _measure_failed(self, error: BaseException, trace: str) -> None:
         now = numbers_status(self.preliminary)
+        self.measure_running = False
         self.measure_status = f"{now} (measuring failed: see the message)"
         self._changed("measure")
         self.say(f"measuring in the background failed ({type(error).__name__}: {error}); the "
@@ -286,6 +332,12 @@ class Session:
         """Where nodes can be assigned: every device, and each replicated stage as a whole
         (named by its devices joined with "+")."""
         return targets(self.plan, self.cluster)
+
+    @property
+    def report_is_stale(self) -> bool:
+        """Whether the last real run's ``report`` is for another plan than the one under
+        edit (edited, loaded or solved since)."""
+        return self.report is not None and self.report_plan != self.plan
 
     @property
     def run_problem(self) -> str:
@@ -402,16 +454,21 @@ class Session:
 
         Parameters, buffers and inputs owned by a moved op (see :meth:`OpGraph.owner`) move
         with it. A device not used by the plan becomes a new stage; a device taken out of a
-        replicated stage becomes a stage of its own. Pinned nodes keep their pin, moved to the
+        replicated stage becomes a stage of its own (a device serves one stage), and the
+        message says what that left of the replicated stage
+        (:func:`widgets.edits.leaving_replicas`). Pinned nodes keep their pin, moved to the
         new device.
         """
         names = with_owned(self.graph, names)
         if not names:
             raise ExplorerError("select one or more nodes first, then assign them")
         plan = placed_on(self.plan, self.graph, self.cluster, names, target)
+        left = leaving_replicas(self.plan, self.graph, names, target)
         moved = set(names)
         pins = {n: (first_device(plan, n) if n in moved else d) for n, d in self.pins.items()}
         self._commit(plan, pins, f"assign {count_label(self.graph, names)} to {target}")
+        if left:
+            self.say(left)
 
     def pin(self, names: Iterable[str]) -> None:
         """Fix nodes to their current device: partitioners re-solved around pins keep them."""
@@ -480,6 +537,7 @@ class Session:
         self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))
         precision = untimed_precision(self.graph, self.costs, plan)
         if precision is not None and (self.measuring is None or not self.measuring.running):
+            self.measure_running = True
             self._measure_report("starting")  # estimates from the fp32 times till then
             self.measuring = BackgroundJob(
                 precision_work(self.graph, self.cluster, precision), self._measure_report,
@@ -543,7 +601,7 @@ class Session:
                       costs=self.costs, cluster=self.cluster, force=force, progress=progress,
                       **kw)
         self.measurement = meas
-        self.report = ex.compare(self.prediction, meas)
+        self.report, self.report_plan = ex.compare(self.prediction, meas), self.plan
         self._changed("run")
         return self.report
 

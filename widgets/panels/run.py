@@ -10,10 +10,15 @@ from explorer.core.units import format_bytes, format_seconds
 from widgets.panels.base import Panel, button, checkbox, html_table, wrapping
 from widgets.session import Session
 
+#: what a report of an earlier plan says above it
+STALE = ("this report is of an earlier plan: the plan has changed since it ran; run for real "
+         "again to compare this one (undo back to that plan to read it as current)")
+
 
 class RunPanel(Panel):
     """``widget``: ``steps``, ``force``, ``run_button``, ``calibrate_button``, the ranks'
-    output (``output``) and the predicted vs measured ``report``."""
+    output (``output``) and the predicted vs measured ``report`` (marked :data:`STALE`
+    once the plan under edit is another than the one it ran)."""
 
     topics = frozenset({"run", "plan"})
 
@@ -41,16 +46,20 @@ class RunPanel(Panel):
         self.runnable.value = (f"<span style='color:#b00020'>this plan cannot run for real: "
                                f"{html.escape(why)}</span>" if why else "")
         rep = self.session.report
-        if rep is None or what == "plan":
+        if rep is None:
+            self.report.value = ""
             return
         rows = []
         for r in rep.rows:
             fmt = format_seconds if r.unit == "s" else format_bytes
             rows.append((html.escape(r.what), html.escape(r.device), fmt(r.predicted),
                          fmt(r.measured), f"{r.error:+.1%}"))
-        self.report.value = html_table(
-            ("", "device", "predicted", "measured", "error"), rows,
-            f"memory measured by {html.escape(rep.memory_source)}")
+        table = html_table(("", "device", "predicted", "measured", "error"), rows,
+                           f"memory measured by {html.escape(rep.memory_source)}")
+        if self.session.report_is_stale:  # kept to compare with, marked as another plan's
+            table = (f"<div class='pe-report-stale'><b>{STALE}</b><div style='opacity:0.55'>"
+                     f"{table}</div></div>")
+        self.report.value = table
 
     def _run(self, *_) -> None:
         self.output.clear_output()

@@ -32,7 +32,7 @@ class StatusPanel(Panel):
         background measurement's progress, :attr:`Session.measure_status`)."""
         g, cl = self.session.graph, self.session.cluster
         # while the capture with real weights runs, the status line says what the note would
-        notes = [n for n in g.notes if n != FAKE_NOTE or self.session.measuring is None]
+        notes = [n for n in g.notes if n != FAKE_NOTE or not self.session.measure_running]
         status = self.session.measure_status
         return (f"<b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
                 f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
