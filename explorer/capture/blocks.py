@@ -41,6 +41,8 @@ MIN_BLOCKS = 4
 CUT_BLOCKS = (2, 3)
 
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
+#: the name torch.export gives a tensor constant it lifts out of the forward (numbered)
+LIFTED = "lifted_tensor"
 _HEAD, _TAIL = -1, -2  # labels of the nodes before the blocks and of the ops after them
 
 
@@ -292,12 +294,24 @@ class _Layout:
         return [n for n in self.graph.nodes if self.label[n.name] == _TAIL]
 
 
+def _lifted(name: str) -> str | None:
+    """The last part of a lifted constant's name (``lifted_tensor_4`` in
+    ``h.2.attn.lifted_tensor_4``: a tensor the forward made, numbered across the whole model
+    as ops are), None for any other parameter, buffer or input."""
+    last = name.rsplit(".", 1)[-1]
+    return last if _split(last)[0] == LIFTED else None
+
+
 def _count_steps(pairs: list[tuple[OpNode, OpNode]], steps: dict[str, int]) -> None:
-    """How far each op name's number moves per block, from (earlier, later) node pairs."""
+    """How far each op (and lifted constant) name's number moves per block, from (earlier,
+    later) node pairs."""
     for a, b in pairs:
+        name_a, name_b = a.name, b.name
         if a.kind != "op":
-            continue
-        (base_a, num_a), (base_b, num_b) = _split(a.name), _split(b.name)
+            name_a, name_b = _lifted(a.name), _lifted(b.name)
+            if name_a is None or name_b is None:
+                continue
+        (base_a, num_a), (base_b, num_b) = _split(name_a), _split(name_b)
         if base_a != base_b or a.op != b.op:
             raise NotRepeating(f"{a.name} and {b.name} do not correspond")
         if steps.setdefault(base_a, num_b - num_a) != num_b - num_a:
@@ -335,9 +349,18 @@ class _Grower:
             tpl = self.layout.members[self.last]
             self.names[i] = [
                 n.name if i == self.last else
-                self._shift(n.name, i - self.last) if n.kind == "op" else self._path(n.name, i)
-                for n in tpl]
+                self._shift(n.name, i - self.last) if n.kind == "op" else
+                self._constant(n.name, i) for n in tpl]
         return self.names[i]
+
+    def _constant(self, name: str, i: int) -> str:
+        """A parameter, buffer or constant of the template as block ``i``'s: its path moved,
+        a lifted constant's number shifted too."""
+        moved = self._path(name, i)
+        last = _lifted(name)
+        if last is None:
+            return moved
+        return f"{moved[:-len(last)]}{self._shift(last, i - self.last)}"
 
     def grow(self, m: int) -> tuple[list[OpNode], dict[str, str]]:
         """The nodes of the graph with ``m`` blocks; tail op names old -> new."""

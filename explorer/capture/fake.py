@@ -22,6 +22,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
@@ -60,6 +61,14 @@ class FakeWorld:
         with self.mode:
             return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
                                        device=device)
+
+    def faked(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` if it is one of this world's fake tensors, else a fake copy of it: a
+        constant the forward made as a real tensor (``torch.tensor([])`` in a Hugging Face
+        cache) meets the fake ones only as a fake tensor itself."""
+        if isinstance(t, FakeTensor) and t.fake_mode is self.mode:
+            return t
+        return self.tensor(t)
 
     @contextlib.contextmanager
     def swapped(self, model: nn.Module) -> Iterator[None]:

@@ -280,7 +280,7 @@ def _fake_graph(step: TrainStep, model: nn.Module, inputs: tuple, tgts: tuple, n
     runtime = CaptureRuntime(step, f_inputs, f_tgts)
     with world.mode:
         graph = _from_export(program, runtime, name,
-                             lambda fx, v, g: cache.replay(fx, runtime, v, g))
+                             lambda fx, v, g: cache.replay(fx, runtime, v, g), world.faked)
     if cut and any(fx.op != "placeholder" and fx.name != nm
                    for nm, fx in runtime.fx_nodes.items()):
         raise NotRepeating("an op is renamed where it meets a parameter's name")
@@ -420,11 +420,16 @@ def program_state(program: Any, state_keys: dict[str, str]) -> dict[str, torch.T
 
 
 def _from_export(program: Any, runtime: CaptureRuntime, name: str,
-                 replay_node: Callable) -> OpGraph:
-    """The graph of an exported program, each node replayed by ``replay_node``."""
+                 replay_node: Callable,
+                 state_as: Callable[[torch.Tensor], torch.Tensor] | None = None) -> OpGraph:
+    """The graph of an exported program, each node replayed by ``replay_node``; ``state_as``
+    (a fake capture's) turns the program's parameters, buffers and constants into the tensors
+    the replay runs on."""
     fx_nodes, state_keys, params = program_structure(program, len(runtime.inputs))
     runtime.program, runtime.fx_nodes = program, fx_nodes
     runtime.state = program_state(program, state_keys)
+    if state_as is not None:
+        runtime.state = {nm: state_as(t) for nm, t in runtime.state.items()}
     ours = {fx: nm for nm, fx in fx_nodes.items()}
     loss_fx = program.graph.output_node().args[0][0]
     values = runtime.values()
