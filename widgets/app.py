@@ -16,6 +16,7 @@ from IPython.display import publish_display_data
 
 import explorer as ex
 from explorer.devices.cluster import parse_devices
+from explorer.models.builtin import DEFAULT_SIZE
 from widgets.panels.base import Panel, bokehjs_bundle
 from widgets.panels.editing import EditingPanel
 from widgets.panels.estimate import EstimatePanel
@@ -99,11 +100,13 @@ class Explorer(W.VBox):
         publish_display_data(self._repr_mimebundle_())
 
     @classmethod
-    def builtin(cls, name: str = "gpt", size: str = "small", devices: str = "cpu:2",
+    def builtin(cls, name: str = "gpt", size: str = DEFAULT_SIZE, devices: str = "cpu:2",
                 **kw: Any) -> Explorer:
-        """An explorer on a built-in model (see ``explorer models``) and devices ("cpu:2",
-        "gpu", "4xH100", ...). CPU ranks of a host not measured yet open on nominal figures:
-        the background measuring measures the host (``Cluster.cpu(n, measure="later")``)."""
+        """An explorer on a built-in model (see ``explorer models``) at ``size`` (the command
+        line's default unless given; a published shape such as ``"llama-70b"`` has that one
+        size only) and devices ("cpu:2", "gpu", "4xH100", ...). CPU ranks of a host not
+        measured yet open on nominal figures: the background measuring measures the host
+        (``Cluster.cpu(n, measure="later")``)."""
         return cls(ex.builtin_model(name, size), cluster=parse_devices(devices, measure="later"),
                    **kw)
 

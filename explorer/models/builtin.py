@@ -39,6 +39,9 @@ from explorer.models.vision import (
 )
 
 SIZES = ("tiny", "small", "default", "large")
+#: the size a built-in model gets when none is asked for (the command line's, the widget's
+#: and ``build``'s; the one size of a published shape)
+DEFAULT_SIZE = "default"
 DEFAULT_MODEL = "gpt"
 
 
@@ -89,8 +92,8 @@ _REGISTRY: dict[str, _Entry] = {
 
 #: published large shapes: one configuration each, under the architecture that builds it
 _SHAPES: dict[str, _Entry] = {
-    **{n: _Entry({"default": c}, build_llama, True) for n, c in LLAMA_SHAPES.items()},
-    **{n: _Entry({"default": c}, build_gpt, True) for n, c in GPT3_SHAPES.items()},
+    **{n: _Entry({DEFAULT_SIZE: c}, build_llama, True) for n, c in LLAMA_SHAPES.items()},
+    **{n: _Entry({DEFAULT_SIZE: c}, build_gpt, True) for n, c in GPT3_SHAPES.items()},
 }
 
 
@@ -113,18 +116,18 @@ def _entry(name: str) -> _Entry:
     raise unknown_name("model", name, [*_REGISTRY, *_SHAPES])
 
 
-def model_config(name: str, size: str = "default") -> Any:
+def model_config(name: str, size: str = DEFAULT_SIZE) -> Any:
     """The frozen configuration dataclass behind ``build(name, size)``."""
     entry = _entry(name)
-    if name in _SHAPES and size != "default":
+    if name in _SHAPES and size != DEFAULT_SIZE:
         raise unknown_name(f"size for {name} (a published shape has one size)", size,
-                           ["default"])
+                           [DEFAULT_SIZE])
     if size not in SIZES:
         raise unknown_name("size", size, SIZES)
     return entry.sizes[size]
 
 
-def build(name: str, size: str = "default", batch_size: int | None = None,
+def build(name: str, size: str = DEFAULT_SIZE, batch_size: int | None = None,
           seed: int = 0, weights: bool | None = None,
           dtype: torch.dtype | None = None) -> BuiltinModel:
     """Build model ``name`` at ``size`` in training mode, with inputs, targets and loss.
