@@ -39,10 +39,10 @@ from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
+from explorer.runtime.segment_steps import SegmentSteps
 from explorer.runtime.segments import (
     Segment,
     SegmentCode,
-    grad_sources,
     group_segments,
     segment_code,
     segments_problem,
@@ -77,6 +77,7 @@ def draw_seed(seed: int, step: int, block: int, node: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+
 class _ReleasedType:
     """Marks a received tensor whose last local use is done."""
 
@@ -87,7 +88,7 @@ _Released = _ReleasedType()
 Key = tuple[int, int, int]
 
 
-class StageRunner:
+class StageRunner(SegmentSteps):
     """One device's share of the plan: its stage's actions, one training step at a time."""
 
     def __init__(self, job: Job, rank: int, world: int, local_rank: int) -> None:
@@ -301,8 +302,7 @@ class StageRunner:
         L = self.layout
         call = L.calls[i]
         if L.random[i]:
-            self.generator.manual_seed(draw_seed(self.job.seed, self.steps_done,
-                                                 m * L.shards + u, i))
+            self.generator.manual_seed(self._draw(m, u, i))
         with self._autocast():
             args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
             if self.mesh is None:
@@ -311,6 +311,10 @@ class StageRunner:
                                  i in self.sequence)
             return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
                     else self.mesh.settled(out, i in self.sequence))
+
+    def _draw(self, m: int, u: int, i: int) -> int:
+        """The seed random op ``i`` draws from on micro-batch ``m``, shard ``u`` this step."""
+        return draw_seed(self.job.seed, self.steps_done, m * self.layout.shards + u, i)
 
     def _stand_in(self, t: torch.Tensor) -> Any:
         """What autograd keeps instead of ``t``: a reference to a gathered weight (ZeRO 3) or
@@ -513,131 +517,6 @@ class StageRunner:
             if x is not None:
                 self.tracker.add(x)
         into[key] = total
-
-    # -- segments ------------------------------------------------------------------------
-    def _segment_forward(self, seg: Segment, u: int) -> None:
-        """Run segment ``seg``'s forward on shard ``u``: receive what it reads from other
-        stages, call its code once, then send, keep or release its outputs and release the
-        inputs it was the last local reader of."""
-        L, tracker = self.layout, self.tracker
-        m = seg.micro_batch
-        slots: list = []
-        args = [self._arg(m, u, p, slots) for p in seg.inputs]
-        code = self.codes[seg.nodes]
-        if code.random:
-            block = m * L.shards + u
-            args.append(self.generator)
-            args += [draw_seed(self.job.seed, self.steps_done, block, i) for i in code.random]
-        # (a GPU's allocator measures itself: no need to count what autograd saves)
-        saving = (tracker.saving() if L.tdev.type != "cuda" else contextlib.nullcontext())
-        with saving, self._autocast():
-            outs = code.forward(*args)
-        env = self.env[(m, u)]
-        edges = []
-        for o, readers, out in zip(seg.outputs, seg.readers_after, outs, strict=True):
-            flat, _ = tree_flatten(out)
-            for t in flat:
-                if isinstance(t, torch.Tensor):
-                    tracker.add(t)
-            env[o] = out
-            edges.append([get_gradient_edge(t) if isinstance(t, torch.Tensor)
-                          and t.requires_grad else None for t in flat])
-            self.fwd_left[(m, u, o)] = readers
-            for t in L.remote_stages(o):
-                for dst in L.peers_to(t, u):
-                    self.messenger.send(out, dst, L.tag(ACTIVATION, m, u, o))
-            if L.names[o] == L.loss_name:
-                self.losses.append(float(local(out.detach())))
-        self.segment_edges[(seg.forward_at, u)] = edges
-        self.segment_slots[(seg.forward_at, u)] = slots
-        for p, n in zip(seg.inputs, seg.uses, strict=True):
-            if L.kind[p] == "param":
-                for _ in range(n):
-                    self.weights.forward_done(p, m, u)
-            k = (m, u, p)
-            if k in self.fwd_left:
-                self.fwd_left[k] -= n
-                if self.fwd_left[k] == 0:
-                    self._release_output(m, u, p)
-        for o in seg.outputs:
-            if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
-                self._release_output(m, u, o)
-
-    def _segment_backward(self, seg: Segment, u: int) -> None:
-        """Run segment ``seg``'s backward on shard ``u``: its outputs' gradients (from later
-        segments, other stages, or the loss's own), one autograd backward, then its inputs'
-        gradients handed on as the op path hands them."""
-        L = self.layout
-        m = seg.micro_batch
-        edges = self.segment_edges.pop((seg.forward_at, u), None) or []
-        slots = self.segment_slots.pop((seg.forward_at, u), [])
-        for o in seg.outputs:
-            if o not in seg.backward_nodes:  # (no backward: the op path receives nothing)
-                continue
-            for t in grad_sources(o, L.s, L.stage, L.succs, L.requires_grad):
-                self._store_grad((m, u, o), self.messenger.recv(L.peer_from(t, u),
-                                                                L.tag(GRADIENT, m, u, o)))
-        pairs, held = [], []
-        for o, out_edges in zip(seg.outputs, edges, strict=True):
-            if L.names[o] == L.loss_name:
-                grads = [torch.full_like(self.env[(m, u)][o], self.weights.loss_scale
-                                         / (L.micro_batches * L.shards))]
-                self._release_output(m, u, o)
-            else:
-                grads = self.grad.pop((m, u, o), None)
-            held += [g for g in grads or [] if g is not None]
-            pairs += [(e, g) for e, g in zip(out_edges, grads or [], strict=False)
-                      if e is not None and g is not None]
-        self.weights.shards.current = (m, u)
-        # (what autograd saved is counted free when it frees it, inside the backward: the
-        # gradients flowing between the segment's ops are not counted, as its forward's
-        # values that only live inside it are not)
-        if pairs:
-            torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        made = [g for _, _, slot in slots for g in slot]
-        for g in made:
-            self.tracker.add(g)
-        for g in held:
-            self.tracker.drop(g)
-        self._route_segment_grads(seg, u, slots)
-        for g in made:
-            self.tracker.drop(g)
-
-    def _route_segment_grads(self, seg: Segment, u: int, slots: list) -> None:
-        """Hand the gradients of segment ``seg``'s inputs on (as :meth:`_route_input_grads`
-        does for one op): to parameters, to the producing segment on this stage, or (after
-        its last local reader) to the producer's stage."""
-        L = self.layout
-        m = seg.micro_batch
-        per_pred: dict[int, list] = {}
-        for p, pos, slot in slots:
-            if slot:
-                lst = per_pred.setdefault(p, [None] * L.nflat[p])
-                lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
-        for p, n in zip(seg.inputs, seg.backward_uses, strict=True):
-            if L.kind[p] == "param":
-                for _ in range(n):
-                    self.weights.used(p, (m, u))
-                continue
-            if L.kind[p] != "op" or not L.requires_grad[p]:
-                continue
-            gk = (m, u, p)
-            if p in per_pred:
-                self._store_grad(gk, per_pred[p])
-            if L.stage[p] != L.s:
-                left = self.bwd_left.get(gk)
-                if left is None:
-                    left = sum(1 for c in L.succs[p]
-                               if L.stage[c] == L.s and L.requires_grad[c])
-                self.bwd_left[gk] = left - n
-                if left >= 1 and left - n <= 0:
-                    g = self.grad.pop(gk, None) or [None] * L.nflat[p]
-                    sent = [x if x is not None else NO_GRADIENT for x in g]
-                    for dst in L.peers_to(L.stage[p], u):
-                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
-                    for x in g:
-                        if x is not None:
-                            self.tracker.drop(x)
 
 
 def _add(acc: list | None, new: list, n: int) -> list:
