@@ -89,8 +89,8 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
         graph, fake = first_graph(*args, measure if costs is None else "now")
         if fake:
             capture = functools.partial(ex.capture, *args[:4], name=args[4])
-    if isinstance(cluster, str):  # a device spec, as Explorer.builtin(devices=...) takes it
-        cluster = parse_devices(cluster, measure="later")
+    if isinstance(cluster, str) and costs is None:  # a device spec, as Explorer.builtin
+        cluster = parse_devices(cluster, measure="later")  # (devices=...) takes it
     check_type(cluster, ex.Cluster, "cluster",
                '"cpu:2", "4xH100", ex.Cluster.cpu(2), ex.Cluster.preset(...)')
     check_type(costs, ex.CostModel, "costs", "ex.profile(graph, cluster)")

@@ -15,6 +15,7 @@ import numpy as np
 from scipy.special import ndtr
 
 from explorer.platforms.base import Platform
+from explorer.platforms.cpu.host import busy_problem
 from explorer.platforms.cpu.ranks import hold_freed_memory, pin_cpu_rank, rank_settings_tag
 from explorer.platforms.load import HostLoad
 
@@ -95,8 +96,6 @@ class CpuPlatform(Platform):
         return rank_settings_tag()
 
     def busy_host(self, load: HostLoad) -> str | None:
-        from explorer.platforms.cpu.host import busy_problem
-
         return busy_problem(load)
 
 
