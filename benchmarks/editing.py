@@ -67,7 +67,7 @@ import explorer as ex
 from explorer.core.units import table
 from explorer.models.builtin import model_names
 from explorer.models.synthetic import layered_dag, replicated, roofline_costs
-from explorer.profiling import host, ops
+from explorer.profiling import host, profile_cache
 from explorer.runtime.pool import RankPool
 from widgets.app import Explorer
 from widgets.session import Session
@@ -220,7 +220,7 @@ def measured_picture(name: str, make, cluster: ex.Cluster) -> dict:
     phase of the background measuring began (seconds from the start; None where its report
     came before the observer)."""
     module, inputs, loss_fn, targets = make()
-    shutil.rmtree(ops.cache_dir(), ignore_errors=True)  # this model's profile afresh
+    shutil.rmtree(profile_cache.cache_dir(), ignore_errors=True)  # this model's profile afresh
     began: dict[str, float] = {}
 
     def seen(session: Session, what: str) -> None:

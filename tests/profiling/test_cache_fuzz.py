@@ -30,6 +30,7 @@ from explorer.platforms.cpu import host as cpu_host
 from explorer.platforms.cpu.host_cache import cache_file, cache_key, read_cache, write_cache
 
 ops = importlib.import_module("explorer.profiling.ops")
+profile_cache = importlib.import_module("explorer.profiling.profile_cache")
 probe = importlib.import_module("explorer.profiling.host")
 
 CASES = 300
@@ -104,13 +105,13 @@ def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None, first
 
 
 def _valid_entry() -> dict:
-    return {"version": ops.PROFILE_VERSION, "torch": torch.__version__,
+    return {"version": profile_cache.PROFILE_VERSION, "torch": torch.__version__,
             **asdict(replace(_fresh(G, DEV, 1, 0, False), fwd_s=[2e-3] * len(G)))}
 
 
 def _profile_cases(n: int, seed: int) -> None:
     rng = random.Random(seed)
-    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path = profile_cache.cache_path(G, DEV, ops.REPEATS)
     path.parent.mkdir(parents=True, exist_ok=True)
     plans = [ex.Plan.single(G, DEV.id), ex.Plan.single(G, DEV.id, micro_batches=2)]
     used = remeasured = 0
@@ -122,7 +123,7 @@ def _profile_cases(n: int, seed: int) -> None:
         if dc == _fresh(G, DEV, 1, 0, False):
             remeasured += 1
             # replaced by the fresh measurement, which reads back as it was stored
-            assert ops.load(path, len(G), DEV.type_key) == dc
+            assert profile_cache.load(path, len(G), DEV.type_key) == dc
         else:
             used += 1
             assert not caught
@@ -136,7 +137,7 @@ def _profile_cases(n: int, seed: int) -> None:
 
 def test_the_valid_entry_is_used(cache_home, monkeypatch):
     monkeypatch.setattr(ops, "measure", _fresh)
-    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path = profile_cache.cache_path(G, DEV, ops.REPEATS)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(_valid_entry()))
     assert ops.measured(G, DEV).fwd_s == [2e-3] * len(G)
@@ -157,7 +158,7 @@ def test_the_valid_entry_is_used(cache_home, monkeypatch):
 ])
 def test_a_wrong_entry_is_measured_again_with_a_warning(cache_home, monkeypatch, damage, why):
     monkeypatch.setattr(ops, "measure", _fresh)
-    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path = profile_cache.cache_path(G, DEV, ops.REPEATS)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({**_valid_entry(), **damage}))
     with pytest.warns(UserWarning, match=f"profile cache entry .* is damaged \\({why}"):
@@ -256,7 +257,7 @@ def _with_huge(text: str, field: str) -> bytes:
 @pytest.mark.parametrize("kind", [*DAMAGED_BYTES, "10**400"])
 def test_damaged_bytes_in_a_profile_entry_are_measured_again(cache_home, monkeypatch, kind):
     monkeypatch.setattr(ops, "measure", _fresh)
-    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path = profile_cache.cache_path(G, DEV, ops.REPEATS)
     path.parent.mkdir(parents=True)
     if kind == "10**400":
         data, why = _with_huge(json.dumps(_valid_entry()), "overhead_s"), "overhead_s is not"
@@ -272,7 +273,7 @@ def test_damaged_bytes_in_a_profile_entry_are_measured_again(cache_home, monkeyp
             assert len(said) == 1 and why in said[0], said
         else:
             assert said == []  # read back as measured
-    assert ops.load(path, len(G), DEV.type_key) == _fresh(G, DEV, 1, 0, False)
+    assert profile_cache.load(path, len(G), DEV.type_key) == _fresh(G, DEV, 1, 0, False)
 
 
 def _host_file_damaged(kind: str, good: dict, key: str, message_key: str) -> bytes:
@@ -316,14 +317,14 @@ def _writer(args) -> tuple[int, int]:
     root, me, rounds = args
     os.environ["XDG_CACHE_HOME"] = root
     damaged = 0
-    path = ops.cache_path(G, DEV, ops.REPEATS)
+    path = profile_cache.cache_path(G, DEV, ops.REPEATS)
     mine = _fresh(G, DEV, 1, 0, False)
     for i in range(rounds):
         write_cache(cache_file(), f"{me}|{i}", {"message_s": float(i)})
-        ops.store(path, replace(mine, overhead_s=1e-6 * (me + 1)))
+        profile_cache.store(path, replace(mine, overhead_s=1e-6 * (me + 1)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            got = ops.load(path, len(G), DEV.type_key)
+            got = profile_cache.load(path, len(G), DEV.type_key)
             entries = read_cache(cache_file())
         damaged += bool(caught) or got is None or f"{me}|{i}" not in entries
     return damaged, rounds
@@ -338,4 +339,4 @@ def test_concurrent_writers_neither_damage_nor_lose_entries(tmp_path):
     assert sorted(entries) == sorted(f"{me}|{i}" for me in range(writers) for i in range(rounds))
     # no temporary file left behind beside the caches
     assert [p.name for p in (tmp_path / "partition-explorer" / "profiles").iterdir()] == [
-        ops.cache_path(G, DEV, ops.REPEATS).name]
+        profile_cache.cache_path(G, DEV, ops.REPEATS).name]

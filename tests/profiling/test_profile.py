@@ -28,6 +28,7 @@ from explorer.platforms.load import HostLoad
 from explorer.runtime import RankPool
 
 ops = importlib.import_module("explorer.profiling.ops")
+profile_cache = importlib.import_module("explorer.profiling.profile_cache")
 host = importlib.import_module("explorer.profiling.host")
 profiler = importlib.import_module("explorer.profiling.profiler")
 dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
@@ -293,7 +294,7 @@ class TestCache:
         costs = ex.profile(gpt, cl, **FAST)
         assert len(fake) == 2
         assert costs.fwd_s(gpt.index[gpt.loss], "cpu:0") == pytest.approx(1e-3)
-        assert json.loads(entry.read_text())["version"] == ops.PROFILE_VERSION
+        assert json.loads(entry.read_text())["version"] == profile_cache.PROFILE_VERSION
         assert [p.name for p in cache.iterdir()] == [entry.name]  # no .tmp left behind
 
     def test_precisions_are_measured_once_and_kept_with_the_profile(self, gpt, fake, cache,
@@ -522,7 +523,8 @@ class TestSharedRanks:
         for f in dataclasses.fields(DeviceCosts):  # those timed in this process aside
             if f.name not in timed_here:
                 assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
-        cached = ops.load(ops.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
+        cached = profile_cache.load(
+            profile_cache.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
         # (DTensor's and ZeRO's collective costs are host measurements, cached apart and set
         # on every profile)
         assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={},
