@@ -16,6 +16,7 @@ from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory, untrusted_factory
+from explorer.core.tensor_layout import unsplit_notes
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
@@ -89,7 +90,8 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
                 plan = _with_memory(plan, memory)
-            plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"))
+            plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"),
+                                 graph)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except SearchTooLarge as exc:  # refused before its search: too large for it
             out.append((name, None, f"skipped: {exc}"))
@@ -109,11 +111,15 @@ def tensor_split(plan, degree: int):
     return plan.with_tensor(degree, stages=stages)
 
 
-def split_options(plan, tensor: int, sequence: bool | None):
+def split_options(plan, tensor: int, sequence: bool | None, graph=None):
     """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`) and
-    ``--sequence-parallel`` (on every tensor-parallel stage) applied."""
+    ``--sequence-parallel`` (on every tensor-parallel stage) applied; with the ``graph``, a
+    stage the degree splits nothing of says so first in the plan's notes."""
     if tensor > 1:
         plan = tensor_split(plan, tensor)
+        unsplit = unsplit_notes(graph, plan) if graph is not None else ()
+        if unsplit:
+            plan = plan.with_settings(notes=(*unsplit, *plan.notes))
     if sequence:
         stages = [s for s in range(len(plan.stages)) if plan.tensor_of(s) > 1]
         if not stages:
@@ -251,7 +257,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory = memory_settings(args)
     if memory:
         plan = plan.with_memory(**memory)
-    plan = split_options(plan, args.tensor, args.sequence_parallel)
+    plan = split_options(plan, args.tensor, args.sequence_parallel, graph)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet,

@@ -16,7 +16,11 @@ arguments' head or feature count by the degree), which needs every head count to
 degree. A fused query-key-value projection (a GPT's, its output split into three equal parts)
 is split by heads within each part: each device holds its heads' rows of the query, of the key
 and of the value (DTensor's ``_StridedShard(dim=0, sf=3)``), and the split's sizes are divided
-by the degree. Linears with anything else between them stay replicated. An embedding of the
+by the degree. A linear whose weight is stored transposed, ``(in, out)`` (Hugging Face's
+``Conv1D`` in GPT-2: ``addmm(bias, x, weight)`` on its input's rows), pairs the same way, its
+weight split along dim 1 when column-parallel and dim 0 when row-parallel; the views that
+flatten its input to rows and its output back run on the split features (``local_ops``).
+Linears with anything else between them stay replicated. An embedding of the
 batch's token ids is vocabulary-parallel (``Shard(0)``: each device looks up its rows, the
 output is all-reduced).
 A linear whose output reaches a cross-entropy loss only through shape ops that keep the classes
@@ -41,7 +45,8 @@ the activations between are split along their channel dimension (1 of NCHW, :fun
 counts it from the end). Only ungrouped convolutions pair, and only with element-wise ops and
 no random op between: a pool, a batch norm or a dropout between two convolutions keeps them
 whole.
-Everything else is replicated. Placements are DTensor's, written as text (``"Shard(0)"``,
+Everything else is replicated; a stage whose degree splits none of its ops is named, with
+the reason, by :func:`unsplit_notes`. Placements are DTensor's, written as text (``"Shard(0)"``,
 ``"Replicate()"``) so plans and simulators need no torch.
 """
 
@@ -91,6 +96,10 @@ TOKENWISE = (POINTWISE - RANDOM_OPS) | frozenset(f"aten.{op}" for op in (
     "layer_norm.default", "native_layer_norm.default", "rms_norm.default", "mean.dim",
     "rsqrt.default", "sqrt.default", "to.dtype", "_to_copy.default", "type_as.default"))
 LINEAR_OPS = ("aten.linear.default",)
+#: linears whose weight is stored transposed, ``(in, out)``: Hugging Face's ``Conv1D`` (GPT-2)
+#: computes ``addmm(bias, x, weight)`` on its input flattened to rows ``(batch * seq, in)``;
+#: column-parallel it splits its weight's dim 1 and its bias, row-parallel its weight's dim 0
+TRANSPOSED_OPS = ("aten.addmm.default",)
 #: convolutions that pair like linears, on channels, by their weight's number of dimensions
 CONV_OPS = {"aten.conv1d.default": 3, "aten.conv2d.default": 4, "aten.conv3d.default": 5}
 EMBEDDING_OPS = ("aten.embedding.default",)
@@ -131,6 +140,13 @@ def shard_parts(placement: str) -> int:
     """How many equal parts a strided placement splits each of (1 for any other)."""
     strided = _STRIDED.fullmatch(placement)
     return int(strided.group(2)) if strided else 1
+
+
+def out_dim(op: str) -> int:
+    """The dimension of an op's weight that holds its output features (or channels): 1 for a
+    transposed linear's ``(in, out)``, else 0 (``(out, in, *kernel)``); the input's are the
+    other of the first two."""
+    return 1 if op in TRANSPOSED_OPS else 0
 
 
 def split_dim(weight_ndim: int) -> int:
@@ -204,8 +220,17 @@ class TensorLayout:
 
 def _weight(graph: OpGraph, op: int) -> tuple[int, int | None] | None:
     """(weight, bias) node indices of a linear or embedding op whose weight is a 2-D parameter,
-    or of an ungrouped convolution whose weight is a parameter."""
+    of a transposed linear (``addmm(bias, x, weight)``, both parameters), or of an ungrouped
+    convolution whose weight is a parameter."""
     node = graph.nodes[op]
+    if node.op in TRANSPOSED_OPS:
+        ins = [graph.index[p] for p in node.inputs]
+        kinds = [graph.nodes[k].kind for k in ins]
+        if len(ins) != 3 or kinds[0] != "param" or kinds[2] != "param" \
+                or kinds[1] not in ("op", "input"):
+            return None
+        w_shape, b_shape = graph.nodes[ins[2]].shapes[0], graph.nodes[ins[0]].shapes[0]
+        return (ins[2], ins[0]) if len(w_shape) == 2 and b_shape == w_shape[1:] else None
     params = [graph.index[p] for p in node.inputs if graph.nodes[graph.index[p]].kind == "param"]
     ndim = CONV_OPS.get(node.op, 2)
     if not params or len(graph.nodes[params[0]].shapes[0]) != ndim:
@@ -257,15 +282,30 @@ def _block(graph: OpGraph, cols: list[int], row: int, degree: int
     if not reach:
         return None
     between = set().union(*(_reach(graph.succs, c, c, row) & before for c in reach))
-    heads = any(nodes[k].op not in POINTWISE for k in between)
+    rows = {k for k in between if _row_view(graph, k, degree)}
+    heads = any(nodes[k].op not in POINTWISE for k in between - rows)
     if nodes[row].op in CONV_OPS and (heads or any(nodes[k].op in RANDOM_OPS for k in between)):
         return None  # (a random op runs whole: what follows it could not find the channels)
-    if heads and not _head_aligned(graph, reach, between, degree):
+    if heads and not _head_aligned(graph, reach, between - rows, degree):
         return None
-    if not _divides(graph, _weight(graph, row)[0], 1, degree) or not all(  # type: ignore[index]
-            _divides(graph, _weight(graph, c)[0], 0, degree) for c in reach):  # type: ignore[index]
+    if not _divides(graph, _weight(graph, row)[0], 1 - out_dim(nodes[row].op),  # type: ignore[index]
+                    degree) or not all(_divides(graph, _weight(graph, c)[0],  # type: ignore[index]
+                                                out_dim(nodes[c].op), degree) for c in reach):
         return None
     return reach, between, heads
+
+
+def _row_view(graph: OpGraph, k: int, degree: int) -> bool:
+    """Whether op ``k`` is a view or reshape that only flattens or unflattens the leading
+    dimensions of its input (``(batch, seq, features)`` to ``(batch * seq, features)``, as a
+    transposed linear reads and writes): it runs on a split of the features as it is, but for
+    its feature count, divided by the degree (which must divide it)."""
+    node = graph.nodes[k]
+    x = _activation_in(graph, k)
+    if node.op not in RESHAPE_OPS or x is None or not node.shapes or not graph.nodes[x].shapes:
+        return False
+    out, inp = node.shapes[0], graph.nodes[x].shapes[0]
+    return 2 <= len(out) != len(inp) >= 2 and out[-1] == inp[-1] and out[-1] % degree == 0
 
 
 def _head_aligned(graph: OpGraph, cols: list[int], between: set[int], degree: int) -> bool:
@@ -277,7 +317,8 @@ def _head_aligned(graph: OpGraph, cols: list[int], between: set[int], degree: in
     nodes = graph.nodes
     if any(nodes[k].op not in HEAD_OPS or nodes[k].op in RANDOM_OPS for k in between):
         return False
-    if any(nodes[k].op in SPLIT_OPS and not any(_equal_parts(graph, c, k) > 1 for c in cols)
+    if any(nodes[k].op in SPLIT_OPS and not any(_equal_parts(graph, src, k) > 1 for c in cols
+                                                for src in _outputs(graph, c))
            for k in between):
         return False
     views = [nodes[k].shapes[0] for k in between if nodes[k].op in RESHAPE_OPS]
@@ -288,7 +329,15 @@ def _head_aligned(graph: OpGraph, cols: list[int], between: set[int], degree: in
 def _fused_parts(graph: OpGraph, col: int) -> int:
     """Into how many equal parts a split of a head-split projection's output divides its
     features (3 for a fused query-key-value projection), or 1 where nothing splits it."""
-    return max((_equal_parts(graph, col, k) for k in graph.succs[col]), default=1)
+    return max((_equal_parts(graph, src, k) for src in _outputs(graph, col)
+                for k in graph.succs[src]), default=1)
+
+
+def _outputs(graph: OpGraph, col: int) -> list[int]:
+    """A projection's output, and its views back to ``(batch, seq, features)`` (a transposed
+    linear's rows) that read nothing else."""
+    return [col, *(k for k in graph.succs[col] if graph.nodes[k].op in RESHAPE_OPS
+                   and [p for p in graph.preds[k] if graph.nodes[p].shapes] == [col])]
 
 
 def _equal_parts(graph: OpGraph, col: int, op: int) -> int:
@@ -341,8 +390,8 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
     local: set[str] = set()
     by_parent: dict[tuple[str, bool], list[int]] = {}  # (parent, convolutions?) -> ops
     for i, n in enumerate(nodes):
-        if n.kind == "op" and (n.op in LINEAR_OPS or n.op in CONV_OPS) and \
-                _weight(graph, i) is not None:
+        if n.kind == "op" and (n.op in LINEAR_OPS or n.op in TRANSPOSED_OPS
+                               or n.op in CONV_OPS) and _weight(graph, i) is not None:
             by_parent.setdefault((n.module_path.rpartition(".")[0], n.op in CONV_OPS),
                                  []).append(i)
         if n.kind == "op" and n.op in EMBEDDING_OPS:
@@ -364,16 +413,17 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                 continue
             cols = []
             reach, between, heads = block
-            if heads:
-                local.update(nodes[k].name for k in between)
+            local.update(nodes[k].name for k in between
+                         if heads or _row_view(graph, k, degree))
             for col in reach:
                 w, b = _weight(graph, col)  # type: ignore[misc]
                 parts = _fused_parts(graph, col) if heads else 1
-                placement = shard(0) if parts == 1 else strided_shard(0, parts)
-                placements[nodes[w].name] = placement
+                dim = out_dim(nodes[col].op)
+                placements[nodes[w].name] = shard(dim) if parts == 1 else strided_shard(dim, parts)
                 if b is not None:
-                    placements[nodes[b].name] = placement
-            placements[nodes[_weight(graph, lin)[0]].name] = shard(1)  # type: ignore[index]
+                    placements[nodes[b].name] = shard(0) if parts == 1 else strided_shard(0, parts)
+            placements[nodes[_weight(graph, lin)[0]].name] = shard(  # type: ignore[index]
+                1 - out_dim(nodes[lin].op))
             random = {k for k in between if nodes[k].op in RANDOM_OPS}
             split.update(nodes[k].name for k in {*reach, lin, *between} - random)
             for k in random:
@@ -522,6 +572,27 @@ def stage_layout(graph: OpGraph, plan: Plan, stage: int) -> TensorLayout:
     """The layout of ``plan``'s ``stage`` (its tensor degree, with sequence parallelism or
     not)."""
     return megatron_layout(graph, plan.tensor_of(stage), plan.sequence_of(stage))
+
+
+def unsplit_notes(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
+    """A line for each tensor-parallel stage of ``plan`` whose degree splits none of its ops,
+    saying why: its ops then run whole on each of its tensor devices, which only adds work.
+    (A plan's notes carry them to the command line's and the widget's plan rows.)"""
+    out = []
+    for s in range(len(plan.stages)):
+        k = plan.tensor_of(s)
+        if k == 1 or any(plan.stage_of(n) == s for n in stage_layout(graph, plan, s).split_ops):
+            continue
+        mine = [n for n in graph.ops if plan.stage_of(n.name) == s]
+        kinds = sum(n.op in (*LINEAR_OPS, *TRANSPOSED_OPS, *CONV_OPS, *EMBEDDING_OPS)
+                    for n in mine)
+        why = ("no linear, convolution or embedding is among its ops" if not kinds else
+               f"none of its {kinds} linears, convolutions or embeddings has a layout it "
+               f"knows (a column- and a row-parallel pair with element-wise ops or whole heads "
+               f"between, sizes {k} divides, an embedding of token ids)")
+        out.append(f"tensor {k} on stage {s} splits nothing: {why}; its ops run whole on each "
+                   f"of its {k} tensor devices")
+    return tuple(out)
 
 
 def plan_placements(graph: OpGraph, plan: Plan

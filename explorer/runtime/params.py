@@ -246,10 +246,10 @@ class Weights:
         if self.loss_scale != 1.0:
             self._unscale()
         if self.record and self.first_grads is None:
-            self.first_grads = {L.names[i]: self._full_grad(i).cpu().clone()
-                                for i in self.owned if L.kind[i] == "param"
-                                and self.value[i].requires_grad}
-            self.first_grads = {k: g for k, g in self.first_grads.items() if g is not None}
+            grads = {L.names[i]: self._full_grad(i) for i in self.owned
+                     if L.kind[i] == "param" and self.value[i].requires_grad}
+            # (a weight no op reads, as a tied one under its other name, has none)
+            self.first_grads = {k: g.cpu().clone() for k, g in grads.items() if g is not None}
         if self.zero == 1:  # the optimizer steps this replica's shard of the reduced gradient
             for i in self.shards.shard:
                 v = self.value[i]

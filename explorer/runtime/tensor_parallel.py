@@ -33,6 +33,7 @@ from explorer.core.tensor_layout import (
     REPLICATE,
     RESHAPE_OPS,
     SPLIT_OPS,
+    TRANSPOSED_OPS,
     shard_dim,
     shard_parts,
     split_dim,
@@ -168,6 +169,8 @@ class TensorMesh:
         sequence instead, and the replicated weights a token-wise op reads get their partial
         gradients all-reduced once a step (:meth:`reduce_sequence_grads`)."""
         args, kwargs = list(args), dict(kwargs)
+        if str(fn) in TRANSPOSED_OPS and isinstance(args[2], DTensor):
+            return self.transposed(fn, args, kwargs)
         weight = next((t for t in args if isinstance(t, DTensor)), None)
         dim = -1 if weight is None else split_dim(weight.ndim)
         row = weight is not None and weight.placements[0] == Shard(1)
@@ -207,6 +210,22 @@ class TensorMesh:
             out = AllReduced.apply(out, self.group)
             return out if bias is None else out + bias.view(-1, *(1,) * (-dim - 1))
         return self.marked(out, dim)
+
+    def transposed(self, fn: Any, args: list, kwargs: dict) -> Any:
+        """``addmm(bias, x, weight)`` with its ``(in, out)`` weight split (Hugging Face's
+        ``Conv1D``): column-parallel (weight split along dim 1, the output features) on the
+        whole input, its output a local shard of the features; row-parallel (dim 0, the input
+        features) on this rank's features of the input, its partial sums all-reduced and the
+        whole bias added after."""
+        bias, x, weight = args[:3]
+        if shard_dim_of(weight) == 1:
+            return self.marked(fn(self.local(bias), x, self.local(weight), *args[3:], **kwargs))
+        if kwargs or len(args) > 3:
+            raise ExplorerError("a row-parallel addmm with beta or alpha cannot be split; run "
+                                "it whole (tensor degree 1 on its stage)")
+        x = x if self.is_shard(x) else self.narrowed(x, -1)
+        out = AllReduced.apply(torch.mm(x, self.local(weight)), self.group)
+        return out + bias
 
     def on_positions(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """A token-wise op on this rank's positions: its sequence shards as they are, its whole
@@ -263,8 +282,13 @@ class TensorMesh:
     def local_shape(self, x: torch.Tensor, shape: list[int]) -> list[int]:
         """``shape`` (of the whole tensor) for this rank's heads of it (see :meth:`on_heads`)."""
         k = self.degree
+        if -1 in shape and self.is_shard(x):  # (its whole holds ``degree`` times its numbers)
+            known = torch.Size([n for n in shape if n != -1]).numel()
+            shape = [x.numel() * k // known if n == -1 else n for n in shape]
+        if _same_but_split(shape, list(x.shape), k):  # (a reshape to the shape it has)
+            return list(x.shape)
         d = 2 if len(shape) == 4 else len(shape) - 1
-        if len(shape) not in (3, 4) or shape[d] % k:
+        if len(shape) not in (2, 3, 4) or shape[d] % k:
             raise ExplorerError(f"cannot split a view to {shape} by heads {k} ways; run the "
                                 "attention whole (tensor degree 1 on its stage)")
         shape[d] //= k
@@ -361,6 +385,21 @@ class TensorMesh:
         with torch.no_grad():
             return tree_map(lambda t: self.whole_plain(t.detach()) if isinstance(t, DTensor)
                             else self.gathered(t) if self.is_shard(t) else t, value)
+
+
+def _same_but_split(shape: list[int], local_shape: list[int], degree: int) -> bool:
+    """Whether a whole ``shape`` is ``local_shape`` with one dimension ``degree`` times as
+    large: a reshape of a local shard to the shape its whole already had."""
+    if len(shape) != len(local_shape):
+        return False
+    differ = [(a, b) for a, b in zip(shape, local_shape, strict=True) if a != b]
+    return len(differ) == 1 and differ[0][0] == differ[0][1] * degree
+
+
+def shard_dim_of(t: DTensor) -> int | None:
+    """The dimension a DTensor's (first) placement splits; None where it is replicated."""
+    placement = t.placements[0]
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
 
 
 def mapped(fn: Any, value: Any) -> Any:

@@ -10,7 +10,13 @@ from torch import nn
 
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
-from explorer.core.tensor_layout import megatron_layout, shard_dim, shard_parts, split_dim
+from explorer.core.tensor_layout import (
+    megatron_layout,
+    shard_dim,
+    shard_parts,
+    split_dim,
+    unsplit_notes,
+)
 
 LINEAR = "aten.linear.default"
 
@@ -174,3 +180,50 @@ def test_classifiers_that_do_not_split_by_classes(case):
     lay = megatron_layout(graph, 4 if case == "undivided" else 2)
     assert "cross_entropy_loss" not in lay.split_ops
     assert lay.placement("2.weight") == ("Shard(1)" if case == "paired" else "Replicate()")
+
+
+def _hf_gpt2():
+    """Hugging Face's GPT-2 (tiny): ``Conv1D`` layers, ``addmm(bias, x, weight)`` with an
+    ``(in, out)`` weight on the rows of their input."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
+        bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 128, (4, 16))
+    return ex.capture(model, ids, fake=True)
+
+
+def test_hf_gpt2_conv1d_layers_split_as_transposed_linears():
+    lay = megatron_layout(_hf_gpt2(), 2)
+    for i in range(2):
+        h = f"transformer.h.{i}"
+        assert {k: v for k, v in lay.placements.items() if k.startswith(h)} == {
+            f"{h}.attn.c_attn.weight": "_StridedShard(dim=1, sf=3)",  # (in, 3 x out)
+            f"{h}.attn.c_attn.bias": "_StridedShard(dim=0, sf=3)",
+            f"{h}.attn.c_proj.weight": "Shard(0)",  # row-parallel: its bias added once
+            f"{h}.mlp.c_fc.weight": "Shard(1)", f"{h}.mlp.c_fc.bias": "Shard(0)",
+            f"{h}.mlp.c_proj.weight": "Shard(0)"}
+    assert len(lay.reduce_forward) == 4  # one all-reduce per attention and per MLP
+    # the attention's heads can split 2 ways, not 4: the MLPs still do
+    assert all(".mlp." in k for k in megatron_layout(_hf_gpt2(), 4).placements)
+
+
+def _whole_stage(graph):
+    """Every op on one stage of two devices, split two ways by tensor parallelism."""
+    return ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1")],
+                                   {n.name: 0 for n in graph.ops}).with_tensor(2)
+
+
+def test_a_tensor_degree_that_splits_nothing_says_why():
+    torch.manual_seed(0)  # (a norm between the linears, and 4 classes of 8 features)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    graph = ex.capture(model, torch.randn(4, 8), nn.functional.cross_entropy,
+                       torch.randint(0, 4, (4,)))
+    assert unsplit_notes(graph, _whole_stage(graph)) == (
+        "tensor 2 on stage 0 splits nothing: none of its 2 linears, convolutions or embeddings "
+        "has a layout it knows (a column- and a row-parallel pair with element-wise ops or "
+        "whole heads between, sizes 2 divides, an embedding of token ids); its ops run whole "
+        "on each of its 2 tensor devices",)
+    mlp = tiny_builtin_graph("mlp")
+    assert unsplit_notes(mlp, _whole_stage(mlp)) == ()

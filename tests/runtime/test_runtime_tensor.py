@@ -190,3 +190,35 @@ def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels():
     assert set(plan_placements(graph, plan)[0]) == {"1.up.weight", "1.up.bias",
                                                     "1.down.weight"}
     _same_as_one_device(graph, plan)
+
+
+def _hf_gpt2_graph():
+    """Hugging Face's GPT-2 (tiny): its ``Conv1D`` layers are linears with an ``(in, out)``
+    weight, run as ``addmm`` on the rows of their input."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    return ex.capture(model, ids, loss_fn, labels, name="hf-gpt2")
+
+
+def test_hf_gpt2_conv1d_layers_split_and_match_one_device():
+    """Each block's fused c_attn column-parallel by heads within the query, key and value
+    (weight dim 1, bias dim 0), c_proj row-parallel (weight dim 0, bias added once); the MLP's
+    c_fc column-, c_proj row-parallel, the rows' views on each rank's features."""
+    graph = _hf_gpt2_graph()
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    placements = plan_placements(graph, plan)[0]
+    assert placements["transformer.h.1.attn.c_attn.weight"] == "_StridedShard(dim=1, sf=3)"
+    assert placements["transformer.h.1.attn.c_attn.bias"] == "_StridedShard(dim=0, sf=3)"
+    assert placements["transformer.h.1.attn.c_proj.weight"] == "Shard(0)"
+    assert placements["transformer.h.1.mlp.c_fc.weight"] == "Shard(1)"
+    assert placements["transformer.h.1.mlp.c_proj.weight"] == "Shard(0)"
+    _same_as_one_device(graph, plan)
