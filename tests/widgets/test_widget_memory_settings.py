@@ -138,3 +138,22 @@ def test_a_half_precision_on_measured_devices_is_timed_in_the_background(gpt, mo
     session.set_memory(precision="fp32")
     session.set_memory(precision="bf16")  # timed already: nothing measured again
     assert calls == [("bf16",)]
+
+
+def test_the_panel_says_where_a_tensor_degree_splits_nothing():
+    pytest.importorskip("jupyter_bokeh")
+    import torch
+    from torch import nn
+
+    from widgets import Explorer
+
+    torch.manual_seed(0)  # (a norm between the linears: no column/row pair to split)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    graph = ex.capture(model, torch.randn(4, 8), nn.functional.cross_entropy,
+                       torch.randint(0, 4, (4,)))
+    cl = ex.Cluster.preset("2xH100")
+    w = Explorer(graph, roofline_costs(graph, cl), ex.Plan.single(graph, cl.ids[0]))
+    assert "splits nothing" not in w.stages.note.value
+    w.session.split([n.name for n in graph.ops], "+".join(cl.ids))
+    assert w.session.plan.tensor_of(0) == 2
+    assert "tensor 2 on stage 0 splits nothing" in w.stages.note.value

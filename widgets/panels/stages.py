@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import ipywidgets as W
 
 from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES
+from explorer.core.tensor_layout import unsplit_notes
 from widgets.panels.base import Panel, html_table, wrapping
 from widgets.session import Session
 from widgets.splits import degrees_text
@@ -113,9 +114,12 @@ class StageSettingsPanel(Panel):
             f"plan: {degrees_text(plan)}")
         single = [k for k, devs in enumerate(plan.stages)
                   if len(devs) == 1 and plan.settings_of(k).zero]
-        self.note.value = (
-            f"<i>ZeRO shards over a stage's replicas: stage(s) {', '.join(map(str, single))} "
-            "run on one device, so it saves nothing there</i>" if single else "")
+        notes = [html.escape(line) for line in unsplit_notes(self.session.graph, plan)]
+        if single:
+            notes.append(f"ZeRO shards over a stage's replicas: stage(s) "
+                         f"{', '.join(map(str, single))} run on one device, so it saves "
+                         "nothing there")
+        self.note.value = "<br>".join(f"<i>{line}</i>" for line in notes)
 
     def _show_stage(self) -> None:
         """The controls show the chosen stage's settings (the first stage's for all)."""
