@@ -97,6 +97,13 @@ CL = Cluster.cpu(1, measure=False)
 DEV = CL.devices[0]
 
 
+@pytest.fixture(autouse=True)
+def no_load_sample(monkeypatch):
+    """The measurement is stubbed: so is the processor-share sample taken around it (a real
+    profile's few hundredths of a second, thousands of times over here)."""
+    monkeypatch.setattr(ops, "LOAD_SAMPLE_S", 0.0)
+
+
 def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None, first=None):
     n = len(graph_)
     return DeviceCosts(dev.type_key, [1e-3] * n, [2e-3] * n, ["measured"] * n, 1e-6,
