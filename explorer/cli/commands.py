@@ -16,7 +16,7 @@ from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory, untrusted_factory
-from explorer.core.tensor_layout import unsplit_notes
+from explorer.core.plan_layout import unsplit_notes
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names

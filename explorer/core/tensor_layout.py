@@ -58,7 +58,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
 
 REPLICATE = "Replicate()"
 #: ops that act element by element (activations, dropout, scaling, gating): between a
@@ -566,52 +565,3 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
                    scatter_forward=scatter_f, gather_backward=gather_b,
                    scatter_backward=scatter_b,
                    sequence_params=frozenset(nodes[p].name for p in sorted(params)))
-
-
-def stage_layout(graph: OpGraph, plan: Plan, stage: int) -> TensorLayout:
-    """The layout of ``plan``'s ``stage`` (its tensor degree, with sequence parallelism or
-    not)."""
-    return megatron_layout(graph, plan.tensor_of(stage), plan.sequence_of(stage))
-
-
-def unsplit_notes(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
-    """A line for each tensor-parallel stage of ``plan`` whose degree splits none of its ops,
-    saying why: its ops then run whole on each of its tensor devices, which only adds work.
-    (A plan's notes carry them to the command line's and the widget's plan rows.)"""
-    out = []
-    for s in range(len(plan.stages)):
-        k = plan.tensor_of(s)
-        if k == 1 or any(plan.stage_of(n) == s for n in stage_layout(graph, plan, s).split_ops):
-            continue
-        mine = [n for n in graph.ops if plan.stage_of(n.name) == s]
-        kinds = sum(n.op in (*LINEAR_OPS, *TRANSPOSED_OPS, *CONV_OPS, *EMBEDDING_OPS)
-                    for n in mine)
-        why = ("no linear, convolution or embedding is among its ops" if not kinds else
-               f"none of its {kinds} linears, convolutions or embeddings has a layout it "
-               f"knows (a column- and a row-parallel pair with element-wise ops or whole heads "
-               f"between, sizes {k} divides, an embedding of token ids)")
-        out.append(f"tensor {k} on stage {s} splits nothing: {why}; its ops run whole on each "
-                   f"of its {k} tensor devices")
-    return tuple(out)
-
-
-def plan_placements(graph: OpGraph, plan: Plan
-                    ) -> tuple[dict[str, str], list[str], list[str], list[str]]:
-    """The placement of every weight a tensor-parallel stage of ``plan`` splits, the ops
-    those stages split, those of them run on local shards, and those whose output is a
-    sequence shard (the sequence-parallel ops and the ops that scatter into them; in graph
-    order)."""
-    out: dict[str, str] = {}
-    ops: set[str] = set()
-    local: set[str] = set()
-    seq: set[str] = set()
-    for s in range(len(plan.stages)):
-        if plan.tensor_of(s) > 1:
-            layout = stage_layout(graph, plan, s)
-            out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
-            ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
-            local.update(k for k in layout.local_ops if plan.stage_of(k) == s)
-            seq.update(k for k in (*layout.sequence_ops, *layout.scatter_forward)
-                       if plan.stage_of(k) == s)
-    return (out, *([n.name for n in graph.nodes if n.name in names]
-                   for names in (ops, local, seq)))

@@ -29,7 +29,7 @@ from explorer.capture.tracing import captured_graph, step_program
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import plan_placements
+from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.runtime.jobfiles import Job, job_problem, program_parts, write_job

@@ -25,7 +25,7 @@ from explorer.capture.tracing import TrainStep, batch_splits, capture
 from explorer.core.errors import ExplorerError, MemoryExceededError, PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import plan_placements
+from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port

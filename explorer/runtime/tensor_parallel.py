@@ -1,5 +1,5 @@
 """Tensor parallelism on one stage: its split weights as DTensors on a device mesh of each
-tensor group's ranks, placed as :func:`~explorer.core.tensor_layout.plan_placements` says, and
+tensor group's ranks, placed as :func:`~explorer.core.plan_layout.plan_placements` says, and
 the ops the layout splits run Megatron-style on local shards: a column-parallel linear or
 convolution on its weight's shard and its whole input, the ops between on their local shards
 (split along the features, or a convolution's channels; a head-split attention's on the rank's
@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
+from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import (
     EMBEDDING_OPS,
     REPLICATE,
@@ -37,7 +38,6 @@ from explorer.core.tensor_layout import (
     shard_dim,
     shard_parts,
     split_dim,
-    stage_layout,
 )
 from explorer.runtime.sequence_parallel import (
     SEQ_DIM,

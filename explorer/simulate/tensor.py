@@ -30,7 +30,8 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.tensor_layout import LOSS_OPS, TensorLayout, stage_layout
+from explorer.core.plan_layout import stage_layout
+from explorer.core.tensor_layout import LOSS_OPS, TensorLayout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds

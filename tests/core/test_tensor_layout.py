@@ -10,12 +10,12 @@ from torch import nn
 
 import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan_layout import unsplit_notes
 from explorer.core.tensor_layout import (
     megatron_layout,
     shard_dim,
     shard_parts,
     split_dim,
-    unsplit_notes,
 )
 
 LINEAR = "aten.linear.default"

@@ -6,7 +6,7 @@ import pytest
 from builders import check_matches_one_device, tiny_builtin_graph
 
 import explorer as ex
-from explorer.core.tensor_layout import plan_placements
+from explorer.core.plan_layout import plan_placements
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow

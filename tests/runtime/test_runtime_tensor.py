@@ -9,7 +9,7 @@ from torch import nn
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
-from explorer.core.tensor_layout import plan_placements
+from explorer.core.plan_layout import plan_placements
 from explorer.runtime.tensor_parallel import check_supported
 
 # every test here starts rank processes

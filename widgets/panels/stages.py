@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import ipywidgets as W
 
 from explorer.core.plan import PRECISIONS, RECOMPUTE, ZERO_STAGES
-from explorer.core.tensor_layout import unsplit_notes
+from explorer.core.plan_layout import unsplit_notes
 from widgets.panels.base import Panel, html_table, wrapping
 from widgets.session import Session
 from widgets.splits import degrees_text
