@@ -11,7 +11,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
-from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT
+from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import Segment, grad_sources
 from explorer.runtime.tensor_parallel import local
 
@@ -145,17 +145,5 @@ class SegmentSteps:
             if p in per_pred:
                 self._store_grad(gk, per_pred[p])
             if L.stage[p] != L.s:
-                left = self.bwd_left.get(gk)
-                if left is None:
-                    left = sum(1 for c in L.succs[p]
-                               if L.stage[c] == L.s and L.requires_grad[c])
-                self.bwd_left[gk] = left - n
-                if left >= 1 and left - n <= 0:
-                    g = self.grad.pop(gk, None) or [None] * L.nflat[p]
-                    sent = [x if x is not None else NO_GRADIENT for x in g]
-                    for dst in L.peers_to(L.stage[p], u):
-                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
-                    for x in g:
-                        if x is not None:
-                            self.tracker.drop(x)
+                self._readers_done(m, u, p, n)
 

@@ -459,21 +459,28 @@ class StageRunner(SegmentSteps):
             if p in per_pred:
                 self._store_grad(gk, per_pred[p])
             if L.stage[p] != L.s:
-                left = self.bwd_left.get(gk)
-                if left is None:
-                    left = sum(1 for c in L.succs[p]
-                               if L.stage[c] == L.s and L.requires_grad[c])
-                self.bwd_left[gk] = left - 1
-                if left - 1 == 0:
-                    g = self.grad.pop(gk, None) or [None] * L.nflat[p]
-                    sent = [x if x is not None else NO_GRADIENT for x in g]
-                    if self.mesh is not None:
-                        sent = self.mesh.plain(sent)
-                    for dst in L.peers_to(L.stage[p], u):
-                        self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
-                    for x in g:
-                        if x is not None:
-                            self.tracker.drop(x)
+                self._readers_done(m, u, p, 1)
+
+    def _readers_done(self, m: int, u: int, p: int, n: int) -> None:
+        """``n`` more of this stage's readers of ``p`` (made on another stage) are done with
+        their backward on micro-batch ``m``, shard ``u``: after the last, send ``p``'s
+        gradient to its stage (a missing one as :data:`NO_GRADIENT`) and drop it here."""
+        L = self.layout
+        gk = (m, u, p)
+        left = self.bwd_left.get(gk)
+        if left is None:
+            left = sum(1 for c in L.succs[p] if L.stage[c] == L.s and L.requires_grad[c])
+        self.bwd_left[gk] = left - n
+        if left >= 1 and left - n <= 0:
+            g = self.grad.pop(gk, None) or [None] * L.nflat[p]
+            sent = [x if x is not None else NO_GRADIENT for x in g]
+            if self.mesh is not None:
+                sent = self.mesh.plain(sent)
+            for dst in L.peers_to(L.stage[p], u):
+                self.messenger.send(sent, dst, L.tag(GRADIENT, m, u, p))
+            for x in g:
+                if x is not None:
+                    self.tracker.drop(x)
 
     def _partial(self, i: int, p: int) -> bool:
         """Whether op ``i``'s gradient of its input ``p`` is this rank's partial sum: ``i``
