@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_blocks import three_ways
 from test_fake import assert_same_graph
+from test_fake_hf import _lm_loss
 
 import explorer as ex
 from explorer.capture.blocks import MIN_BLOCKS
@@ -17,12 +18,6 @@ from explorer.capture.fake import FAKE_NOTE
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 16
-
-
-def _lm_loss(out, labels: torch.Tensor) -> torch.Tensor:
-    logits = out.logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             labels.reshape(-1))
 
 
 def _cached_gpt2(n_layer: int = 2):
