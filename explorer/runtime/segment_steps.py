@@ -1,6 +1,17 @@
 """The segment runtime's steps on a rank (the runtime half of :mod:`explorer.runtime.segments`):
 a segment's forward, its one backward, and its inputs' gradients handed on as the op path
-hands them; mixed into :class:`explorer.runtime.stage.StageRunner`, whose state they use."""
+hands them; mixed into :class:`explorer.runtime.stage.StageRunner`, whose state they use.
+
+On a tensor-parallel stage each op of a segment's code is called through the stage's
+:class:`~explorer.runtime.tensor_parallel.TensorMesh` as the op path calls it
+(:meth:`~explorer.runtime.tensor_parallel.TensorMesh.run_op`: split, local and sequence ops
+on local shards, the others on whole tensors, every output settled). The gradient of a whole
+value that split ops read is a partial sum on each rank: inside the segment the split ops
+read it through :class:`~explorer.runtime.tensor_parallel.PartialGrad` (their partial sums
+all-reduced once per segment); a segment input they read enters a second time, its partial
+sums held and all-reduced once after the last such reader on the stage, as the op path does
+(:meth:`~explorer.runtime.stage.StageRunner._hold_partial`). Values sent to other stages go
+whole, gradients received for local shards are narrowed to them."""
 
 from __future__ import annotations
 
@@ -12,7 +23,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 
 from explorer.runtime.comm import ACTIVATION, GRADIENT
-from explorer.runtime.segments import Segment, grad_sources
+from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
 from explorer.runtime.tensor_parallel import local
 
 
@@ -33,8 +44,39 @@ class SegmentSteps:
     losses: list
     segment_edges: dict
     segment_slots: dict
+    segment_partial_slots: dict
     generator: Any
+    mesh: Any
+    split: set
+    local: set
+    sequence: set
+    shard_dims: dict
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
+    _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
+    _hold_partial: Any
+    _tensor_targets: list | None = None
+
+    def _segment_code(self, seg: Segment) -> SegmentCode:
+        """Segment ``seg``'s code; on a tensor-parallel stage each op called through the
+        mesh, and split ops reading whole values apart (:func:`segment_code`)."""
+        L = self.layout
+        if self.mesh is None:
+            return segment_code(seg, L.calls, L.targets, L.random)
+        if self._tensor_targets is None:
+            self._tensor_targets = [
+                self.mesh.op(t, f"tensor_{L.calls[i].target.replace('.', '_')}",
+                             i in self.split, i in self.local, i in self.sequence,
+                             L.names[i] == L.loss_name)
+                if L.kind[i] == "op" and L.stage[i] == L.s else t
+                for i, t in enumerate(L.targets)]
+        return segment_code(seg, L.calls, self._tensor_targets, L.random, self._split_read,
+                            self.mesh.partial_entry)
+
+    def _split_read(self, i: int, p: int) -> bool:
+        """Whether op ``i``'s gradient of value ``p`` is this rank's partial sum when ``p``
+        is whole (held apart, then all-reduced)."""
+        L = self.layout
+        return L.kind[p] == "op" and L.requires_grad[p] and self._reads_partially(i)
 
     def _segment_forward(self, seg: Segment, u: int) -> None:
         """Run segment ``seg``'s forward on shard ``u``: receive what it reads from other
@@ -43,8 +85,20 @@ class SegmentSteps:
         L, tracker = self.layout, self.tracker
         m = seg.micro_batch
         slots: list = []
-        args = [self._arg(m, u, p, slots) for p in seg.inputs]
         code = self.codes[seg.nodes]
+        # (inputs split ops read whole: their partial gradients' slots, apart)
+        partial_slots: list = []
+        whole_split: list[int] = []
+        args = []
+        for p, split in code.reads:
+            if not split:
+                args.append(self._arg(m, u, p, slots))
+                continue
+            val = self._value(m, u, p)
+            whole = not any(self.mesh.is_shard(t) for t in tree_flatten(val)[0])
+            if whole:
+                whole_split.append(p)
+            args.append(self._enter(p, val, partial_slots if whole else slots))
         if code.random:
             args.append(self.generator)
             args += [self._draw(m, u, i) for i in code.random]
@@ -63,13 +117,19 @@ class SegmentSteps:
             edges.append([get_gradient_edge(t) if isinstance(t, torch.Tensor)
                           and t.requires_grad else None for t in flat])
             self.fwd_left[(m, u, o)] = readers
-            for t in L.remote_stages(o):
+            remote, sent = L.remote_stages(o), out
+            if self.mesh is not None:  # (local shards go whole, every rank gathering)
+                self.shard_dims[(m, u, o)] = [self.mesh.split_dim(t) for t in flat]
+                sent = self.mesh.plain(out) if remote else out
+            for t in remote:
                 for dst in L.peers_to(t, u):
-                    self.messenger.send(out, dst, L.tag(ACTIVATION, m, u, o))
+                    self.messenger.send(sent, dst, L.tag(ACTIVATION, m, u, o))
             if L.names[o] == L.loss_name:
                 self.losses.append(float(local(out.detach())))
         self.segment_edges[(seg.forward_at, u)] = edges
         self.segment_slots[(seg.forward_at, u)] = slots
+        if whole_split:
+            self.segment_partial_slots[(seg.forward_at, u)] = (whole_split, partial_slots)
         for p, n in zip(seg.inputs, seg.uses, strict=True):
             if L.kind[p] == "param":
                 for _ in range(n):
@@ -95,8 +155,10 @@ class SegmentSteps:
             if o not in seg.backward_nodes:  # (no backward: the op path receives nothing)
                 continue
             for t in grad_sources(o, L.s, L.stage, L.succs, L.requires_grad):
-                self._store_grad((m, u, o), self.messenger.recv(L.peer_from(t, u),
-                                                                L.tag(GRADIENT, m, u, o)))
+                got = self.messenger.recv(L.peer_from(t, u), L.tag(GRADIENT, m, u, o))
+                if self.mesh is not None:
+                    got = self.mesh.matching(got, self.shard_dims.get((m, u, o), []))
+                self._store_grad((m, u, o), got)
         pairs, held = [], []
         for o, out_edges in zip(seg.outputs, edges, strict=True):
             if L.names[o] == L.loss_name:
@@ -114,14 +176,30 @@ class SegmentSteps:
         # values that only live inside it are not)
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        made = [g for _, _, slot in slots for g in slot]
+        whole_split, partial_slots = self.segment_partial_slots.pop((seg.forward_at, u),
+                                                                    ((), []))
+        made = [g for _, _, slot in [*slots, *partial_slots] for g in slot]
         for g in made:
             self.tracker.add(g)
         for g in held:
             self.tracker.drop(g)
+        self._hold_segment_partials(seg, u, whole_split, partial_slots)
         self._route_segment_grads(seg, u, slots)
         for g in made:
             self.tracker.drop(g)
+
+    def _hold_segment_partials(self, seg: Segment, u: int, whole_split: Any,
+                               partial_slots: list) -> None:
+        """Hold the partial sums of the gradients of the whole inputs ``whole_split`` that
+        segment ``seg``'s split ops read, as many of those readers done as it has (the last
+        on the stage all-reduces their sum, :meth:`_hold_partial`)."""
+        L = self.layout
+        per_pred = _summed(partial_slots, L.nflat)
+        for p in whole_split:
+            n = sum(1 for i in seg.backward_nodes for q in L.preds[i]
+                    if q == p and self._split_read(i, p))
+            if n:
+                self._hold_partial((seg.micro_batch, u, p), per_pred.get(p), n)
 
     def _route_segment_grads(self, seg: Segment, u: int, slots: list) -> None:
         """Hand the gradients of segment ``seg``'s inputs on (as :meth:`_route_input_grads`
@@ -129,11 +207,7 @@ class SegmentSteps:
         its last local reader) to the producer's stage."""
         L = self.layout
         m = seg.micro_batch
-        per_pred: dict[int, list] = {}
-        for p, pos, slot in slots:
-            if slot:
-                lst = per_pred.setdefault(p, [None] * L.nflat[p])
-                lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
+        per_pred = _summed(slots, L.nflat)
         for p, n in zip(seg.inputs, seg.backward_uses, strict=True):
             if L.kind[p] == "param":
                 for _ in range(n):
@@ -147,3 +221,13 @@ class SegmentSteps:
             if L.stage[p] != L.s:
                 self._readers_done(m, u, p, n)
 
+
+
+def _summed(slots: list, nflat: list[int]) -> dict[int, list]:
+    """Per input, the gradients its entries' ``slots`` got, summed per tensor of it."""
+    per_pred: dict[int, list] = {}
+    for p, pos, slot in slots:
+        if slot:
+            lst = per_pred.setdefault(p, [None] * nflat[p])
+            lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
+    return per_pred

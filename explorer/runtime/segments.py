@@ -191,40 +191,75 @@ def reseed(generator: torch.Generator, seed: int) -> None:
 
 @dataclass(frozen=True)
 class SegmentCode:
-    """A segment's generated code: call ``forward(*inputs, generator, *seeds)`` (generator
+    """A segment's generated code: call ``forward(*reads, generator, *seeds)`` (generator
     and seeds only when ``random`` is not empty) for a tuple of the segment's outputs."""
 
     module: torch.fx.GraphModule
     #: the random ops, in order: one seed each (:func:`explorer.runtime.stage.draw_seed`)
     random: tuple[int, ...]
     forward: Callable[..., tuple[Any, ...]]
+    #: per placeholder before the generator, the input it takes and whether the ops that
+    #: read it there are split ops whose gradient of it is a partial sum (tensor
+    #: parallelism: an input read both ways comes in twice, once for each)
+    reads: tuple[tuple[int, bool], ...]
 
 
 def segment_code(segment: Segment, calls: Sequence[OpCall], targets: Sequence[Any],
-                 random: Sequence[bool]) -> SegmentCode:
+                 random: Sequence[bool],
+                 split_reads: Callable[[int, int], bool] | None = None,
+                 partial: Callable[[Any], Any] | None = None) -> SegmentCode:
     """The ``torch.fx`` module that runs ``segment``'s ops: one placeholder per input (then
     the generator and a seed per random op), each op called as the op path calls it (same
-    target, same arguments), a reseed before each random op, its outputs as a tuple."""
+    target, same arguments), a reseed before each random op, its outputs as a tuple.
+
+    On a tensor-parallel stage, ``split_reads(i, p)`` says whether op ``i``'s gradient of
+    its input ``p`` is a partial sum when ``p`` is whole (``i`` runs on local shards): such
+    ops read an input through a placeholder of their own, and a value the segment makes
+    through ``partial`` (called once per value: :meth:`~explorer.runtime.tensor_parallel.
+    TensorMesh.partial_entry`), so that their partial sums are kept apart from the whole
+    gradients and made whole as the op path makes them."""
     graph = torch.fx.Graph()
-    value: dict[str, torch.fx.Node] = {}
+    index = {c.name: k for k, c in enumerate(calls)}
+    readers: dict[int, list[int]] = {}  # per node, the segment's ops that read it
+    for i in segment.nodes:
+        for name in dict.fromkeys(calls[i].inputs):
+            readers.setdefault(index[name], []).append(i)
+
+    def is_split(i: int, p: int) -> bool:
+        return split_reads is not None and split_reads(i, p)
+
+    # (node name, read by split ops) -> the fx node it is read as
+    value: dict[tuple[str, bool], torch.fx.Node] = {}
+    reads: list[tuple[int, bool]] = []
     for p in segment.inputs:
-        value[calls[p].name] = graph.placeholder(_identifier(calls[p].name))
+        for split in sorted({is_split(i, p) for i in readers[p]}):
+            name = _identifier(calls[p].name) + ("_split" if split else "")
+            value[(calls[p].name, split)] = graph.placeholder(name)
+            reads.append((p, split))
     drawn = tuple(i for i in segment.nodes if random[i])
     generator = graph.placeholder("generator") if drawn else None
     seeds = {i: graph.placeholder(f"seed_{i}") for i in drawn}
 
-    def node_of(v: Any) -> Any:
-        return value[v.name] if isinstance(v, Ref) else v
-
     for i in segment.nodes:
         call = calls[i]
+
+        def node_of(v: Any, i: int = i) -> Any:
+            if not isinstance(v, Ref):
+                return v
+            key = (v.name, is_split(i, index[v.name]))
+            return value[key] if key in value else value[(v.name, not key[1])]
+
         if i in seeds:
             graph.call_function(reseed, (generator, seeds[i]))
-        value[call.name] = graph.call_function(
+        out = graph.call_function(
             targets[i], map_leaves(call.args, node_of), map_leaves(call.kwargs, node_of))
-    graph.output(tuple(value[calls[o].name] for o in segment.outputs))
+        value[(call.name, False)] = out
+        if partial is not None and any(is_split(c, i) for c in readers.get(i, ())):
+            value[(call.name, True)] = graph.call_function(partial, (out,))
+    graph.output(tuple(value[(calls[o].name, False)] for o in segment.outputs))
     module = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Segment")
-    return SegmentCode(module=module, random=drawn, forward=module.forward)
+    return SegmentCode(module=module, random=drawn, forward=module.forward,
+                       reads=tuple(reads))
 
 
 def _identifier(name: str) -> str:

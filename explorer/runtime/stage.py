@@ -44,7 +44,6 @@ from explorer.runtime.segments import (
     Segment,
     SegmentCode,
     group_segments,
-    segment_code,
     segments_problem,
 )
 from explorer.runtime.tensor_parallel import TensorMesh, local
@@ -150,7 +149,10 @@ class StageRunner(SegmentSteps):
                                     if seg.backward_at is not None})
             for seg in segments:
                 if seg.nodes not in self.codes:
-                    self.codes[seg.nodes] = segment_code(seg, L.calls, L.targets, L.random)
+                    self.codes[seg.nodes] = self._segment_code(seg)
+            #: per (micro-batch, op), its segment
+            self.segment_of = {(seg.micro_batch, i): seg for seg in segments
+                               for i in seg.nodes}
 
     def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Use this batch from the next step on (same shapes as the example batch)."""
@@ -178,6 +180,8 @@ class StageRunner(SegmentSteps):
         #: its inputs' gradient slots, until its backward
         self.segment_edges: dict[tuple[int, int], list[list]] = {}
         self.segment_slots: dict[tuple[int, int], list] = {}
+        #: and (tensor parallelism) the whole inputs its split ops read, their slots
+        self.segment_partial_slots: dict[tuple[int, int], tuple[list[int], list]] = {}
         busy = 0.0
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
@@ -307,10 +311,9 @@ class StageRunner(SegmentSteps):
             args, kwargs = fill_refs(call.args, lookup), fill_refs(call.kwargs, lookup)
             if self.mesh is None:
                 return L.targets[i](*args, **kwargs)
-            out = self.mesh.call(L.targets[i], args, kwargs, i in self.split, i in self.local,
-                                 i in self.sequence)
-            return (self.mesh.whole(out) if L.names[i] == L.loss_name  # on every rank
-                    else self.mesh.settled(out, i in self.sequence))
+            return self.mesh.run_op(L.targets[i], args, kwargs, i in self.split,
+                                    i in self.local, i in self.sequence,
+                                    L.names[i] == L.loss_name)
 
     def _draw(self, m: int, u: int, i: int) -> int:
         """The seed random op ``i`` draws from on micro-batch ``m``, shard ``u`` this step."""
@@ -484,23 +487,33 @@ class StageRunner(SegmentSteps):
 
     def _partial(self, i: int, p: int) -> bool:
         """Whether op ``i``'s gradient of its input ``p`` is this rank's partial sum: ``i``
-        ran on local shards (a vocabulary-parallel embedding does not) and ``p`` is whole."""
+        ran on local shards (:meth:`_reads_partially`) and ``p`` is whole."""
+        return self._reads_partially(i) and p not in self.shard_out
+
+    def _reads_partially(self, i: int) -> bool:
+        """Whether op ``i``'s gradient of a whole input is this rank's partial sum: ``i``
+        runs on local shards (a vocabulary-parallel embedding does not)."""
         return (self.mesh is not None and (i in self.split or i in self.local)
-                and p not in self.shard_out
                 and str(self.layout.targets[i]) not in EMBEDDING_OPS)
 
-    def _hold_partial(self, key: Key, new: list | None) -> None:
-        """Add a partial sum of ``key``'s gradient to those held; after the last split op
-        that reads ``key`` on this micro-batch, all-reduce their sum once and add it to
-        ``key``'s gradient."""
+    def _partial_readers(self, m: int, p: int) -> int:
+        """How many of this stage's ops hand a partial sum of whole ``p``'s gradient on
+        micro-batch ``m`` to :meth:`_hold_partial`: every split op that reads it, but those
+        of ``p``'s own segment (their sum is all-reduced inside it)."""
         L = self.layout
+        own = self.segment_of.get((m, p)) if self.segment_at is not None else None
+        return sum(1 for c in L.succs[p] if L.stage[c] == L.s and L.requires_grad[c]
+                   and self._reads_partially(c) and (own is None or c not in own.nodes))
+
+    def _hold_partial(self, key: Key, new: list | None, n: int = 1) -> None:
+        """Add a partial sum of ``key``'s gradient (from ``n`` split ops) to those held;
+        after the last split op that reads ``key`` on this micro-batch, all-reduce their sum
+        once and add it to ``key``'s gradient."""
         if key not in self.partial_left:
-            p = key[2]
-            self.partial_left[key] = sum(1 for c in L.succs[p] if L.stage[c] == L.s
-                                         and L.requires_grad[c] and self._partial(c, p))
+            self.partial_left[key] = self._partial_readers(key[0], key[2])
         if new is not None:
             self._store_grad(key, new, self.partial)
-        self.partial_left[key] -= 1
+        self.partial_left[key] -= n
         if self.partial_left[key] == 0:
             del self.partial_left[key]
             held = self.partial.pop(key, None)

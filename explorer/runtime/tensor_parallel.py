@@ -156,6 +156,33 @@ class TensorMesh:
             return self.on_shards(fn, args, kwargs, sequence)
         return fn(*mapped(self.whole_plain, args), **mapped(self.whole_plain, kwargs))
 
+    def run_op(self, fn: Any, args: Any, kwargs: Any, split: bool, local: bool,
+               sequence: bool, loss: bool) -> Any:
+        """An op of the stage as both runtimes call it: :meth:`call`, then its output
+        :meth:`settled` (the loss made :meth:`whole`, on every rank)."""
+        out = self.call(fn, args, kwargs, split, local, sequence)
+        return self.whole(out) if loss else self.settled(out, sequence)
+
+    def op(self, fn: Any, name: str, split: bool, local: bool, sequence: bool,
+           loss: bool) -> Any:
+        """``fn`` as a function a segment's code calls in its place (:meth:`run_op` with
+        these flags), named ``name`` in that code."""
+        def tensor_op(*args: Any, **kwargs: Any) -> Any:
+            return self.run_op(fn, args, kwargs, split, local, sequence, loss)
+        tensor_op.__name__ = tensor_op.__qualname__ = name
+        return tensor_op
+
+    def partial_entry(self, value: Any) -> Any:
+        """``value`` as split ops read it inside a segment: each whole tensor that needs a
+        gradient through :class:`PartialGrad` (the sum of those ops' partial gradients
+        all-reduced once, Megatron's ``f``); local shards as they are."""
+        def enter(t: Any) -> Any:
+            if (isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+                    and not self.is_shard(t)):
+                return PartialGrad.apply(t, self.group)
+            return t
+        return mapped(enter, value)
+
     def on_shards(self, fn: Any, args: Any, kwargs: Any, sequence: bool = False) -> Any:
         """A split op on local shards, Megatron-style: split weights' shards, the local shards
         of split ops' outputs as they are, whole inputs as they are where the op reads them
