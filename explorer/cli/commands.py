@@ -266,7 +266,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": getattr(bm, "name", args.factory),
                           "size": getattr(bm, "size", None), "plan": plan.to_dict(),
-                          "runtime": meas.runtime,
+                          "runtime": meas.runtime, "runtime_note": meas.runtime_note,
                           "losses": list(meas.losses), **report.to_dict(),
                           "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
@@ -276,7 +276,8 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{plan.algorithm} on {', '.join(plan.devices)}: "
           f"{args.steps} steps after {args.warmup} warm-up"
           + (f" ({settings})" if settings else "")
-          + (f", runtime {meas.runtime}" if meas.runtime != "ops" else ""))
+          + f", runtime {meas.runtime}"
+          + (f" ({meas.runtime_note})" if meas.runtime_note else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
     return 0
@@ -450,11 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(r)
     add_memory_options(r)
-    r.add_argument("--runtime", choices=RUNTIMES, default="ops",
-                   help="how ranks run their ops: one at a time (ops, the path the profile "
-                        "predicts) or as generated segments with one backward each "
-                        "(segments; not yet with tensor or sequence parallelism, "
-                        "recomputation or ZeRO 3)")
+    r.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="how ranks run their ops: as generated segments with one backward "
+                        "each (segments, the default where they run the plan: the work "
+                        "eager PyTorch does) or one at a time (ops)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")

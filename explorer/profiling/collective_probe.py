@@ -80,7 +80,7 @@ def measure_collective_s(steps: int = 8, warmup: int = 3, pool: RankPool | None 
     for _ in range(rounds):
         for k, plan in enumerate(plans):
             steps_s[k].append(launch.run(graph, plan=plan, costs=costs, steps=steps,
-                                         warmup=warmup, progress=False).step_s)
+                                         warmup=warmup, progress=False, runtime="ops").step_s)
     return fit(graph, plans, costs, [statistics.median(s) for s in steps_s])
 
 

@@ -136,7 +136,7 @@ def split_run_costs(graph: OpGraph, dc: DeviceCosts, steps: int, warmup: int,
     for _ in range(SPLIT_ROUNDS):
         for p, ms in zip(plans, got, strict=True):
             ms.append(launch.run(graph, plan=p, costs=costs, warmup=warmup, progress=False,
-                                 steps=max(5, steps // SPLIT_ROUNDS)))
+                                 steps=max(5, steps // SPLIT_ROUNDS), runtime="ops"))
             if ran is not None:
                 ran()
     first = got[0]

@@ -103,11 +103,12 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     for _ in range(rounds):  # in turn, so a burst of load on the host hits both sides
         solos.append(launch.run(graph, plan=single, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0,
-                                device_override={a.id: override[a.id]}, pool=pool))
+                                device_override={a.id: override[a.id]}, pool=pool,
+                                runtime="ops"))
         bar.update()
         boths.append(launch.run(graph, plan=pair, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0, device_override=override,
-                                pool=pool))
+                                pool=pool, runtime="ops"))
         bar.update()
     bar.close()
 
@@ -207,7 +208,7 @@ def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
                       {dev.type_key: ops.measured(graph, dev, progress=False, pool=pool)})
     plan = partition(graph, two, costs, "even-layers", micro_batches=4)
     meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
-                      progress=False)
+                      progress=False, runtime="ops")
     base = simulate(graph, plan, costs).busy_s
     probe = simulate(graph, plan, replace(costs, message_s=1e-3)).busy_s
     # a whole number of message ends, read back from seconds: round off the float error

@@ -389,7 +389,7 @@ def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
         plan = plan.with_memory(precision=precision)
     meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
                       device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0,
-                      pool=pool)
+                      pool=pool, runtime="ops")
     task = meas.task_s
     fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
     bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]

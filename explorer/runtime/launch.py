@@ -33,7 +33,7 @@ from explorer.runtime.folders import job_folder, space_errors
 from explorer.runtime.jobfiles import RUNTIMES, Job, Runtime, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
-from explorer.runtime.segments import segments_problem
+from explorer.runtime.segments import choose_runtime
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -67,8 +67,10 @@ class Measurement:
     memory_held: dict[str, bool] = field(default_factory=dict, repr=False)
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
-    #: how the ranks ran their ops: one at a time ("ops") or as segments ("segments")
-    runtime: Runtime = "ops"
+    #: how the ranks ran their ops: as generated segments ("segments") or one at a time
+    #: ("ops"), and why the op path where the segments were not asked against
+    runtime: Runtime = "segments"
+    runtime_note: str | None = None
     #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
     #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
     peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
@@ -106,7 +108,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
         progress: bool = True, record: bool = False, keep: str | Path | None = None,
         device_override: dict[str, str] | None = None, seed: int = 0,
-        pool: RankPool | None = None, runtime: Runtime = "ops") -> Measurement:
+        pool: RankPool | None = None, runtime: Runtime | None = None) -> Measurement:
     """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
 
     ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
@@ -122,9 +124,11 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     they draw depends on the rows and the op, not on the plan
     (:func:`explorer.runtime.stage.draw_seed`). With ``pool`` the steps run on its rank
     processes (started once for many runs) rather than on processes started for this run.
-    ``runtime="segments"`` runs each rank's consecutive ops as generated segments with one
-    backward each (:mod:`explorer.runtime.segments`) instead of one op at a time ("ops", the
-    default, the path the profiler predicts); a plan it does not cover yet is refused.
+    Each rank runs its consecutive ops as generated segments with one backward each
+    (:mod:`explorer.runtime.segments`), the work eager PyTorch does; a plan the segments do not
+    run yet (:func:`~explorer.runtime.segments.segments_problem`) runs one op at a time, and
+    ``runtime_note`` says why. ``runtime="ops"`` or ``"segments"`` asks for one of them (the
+    segments refuse what they cannot run).
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -137,14 +141,13 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         raise ExplorerError("steps must be >= 1 and warmup >= 0")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
-    if runtime not in RUNTIMES:
+    if runtime is not None and runtime not in RUNTIMES:
         raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
                             f"{runtime!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     check_supported(graph, plan)
-    if runtime == "segments" and (problem := segments_problem(plan)):
-        raise PlanError(problem)
+    runtime, runtime_note = choose_runtime(plan, runtime)
     try:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
     except PlanError as e:
@@ -175,7 +178,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed,
-                   runtime=runtime)
+                   runtime=runtime, runtime_note=runtime_note)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,

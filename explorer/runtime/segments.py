@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from explorer.core.errors import PlanError
 from explorer.core.plan import Plan
 from explorer.core.schedule import BWD, FWD, Action
-from explorer.runtime.jobfiles import OpCall, Ref, map_leaves
+from explorer.runtime.jobfiles import OpCall, Ref, Runtime, map_leaves
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,22 @@ def segments_problem(plan: Plan) -> str | None:
             what = "ZeRO stage 3"
         else:
             continue
-        return (f"runtime='segments' does not run stage {s}'s {what} yet; run this plan "
-                "with runtime='ops' (the default), or drop that setting")
+        return f"the segment runtime does not run stage {s}'s {what} yet"
     return None
+
+
+def choose_runtime(plan: Plan, asked: Runtime | None) -> tuple[Runtime, str | None]:
+    """The runtime a run of ``plan`` uses, and why it is not the segments where they were not
+    asked for: ``asked`` if given (segments a plan they cannot run yet are refused, saying
+    what to change), else segments where they run the plan and the op path where not."""
+    problem = segments_problem(plan)
+    if asked == "segments" and problem:
+        raise PlanError(f"{problem}; run this plan with runtime='ops', or drop that setting")
+    if asked is not None:
+        return asked, None
+    if problem:
+        return "ops", f"ran op by op: {problem}"
+    return "segments", None
 
 
 def reseed(generator: torch.Generator, seed: int) -> None:

@@ -43,8 +43,8 @@ from explorer.runtime.segment_steps import SegmentSteps
 from explorer.runtime.segments import (
     Segment,
     SegmentCode,
+    choose_runtime,
     group_segments,
-    segments_problem,
 )
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
@@ -139,9 +139,7 @@ class StageRunner(SegmentSteps):
         self.segment_at: dict[int, Segment] | None = None
         self.codes: dict[tuple[int, ...], SegmentCode] = {}
         if job.runtime == "segments":
-            problem = segments_problem(L.plan)
-            if problem:
-                raise ExplorerError(problem)
+            choose_runtime(L.plan, "segments")  # (refuses what the segments cannot run yet)
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name))
             self.segment_at = {seg.forward_at: seg for seg in segments}

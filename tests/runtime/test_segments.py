@@ -25,6 +25,7 @@ from explorer.runtime.jobfiles import (
 )
 from explorer.runtime.launch import reference
 from explorer.runtime.segments import (
+    choose_runtime,
     grad_sources,
     group_segments,
     segment_code,
@@ -291,9 +292,22 @@ class TestSettings:
         graph = tiny_builtin_graph("mlp")
         plan = _plan("mlp", "data-parallel").with_memory(**memory)
         assert segments_problem(_plan("mlp", "data-parallel")) is None
-        with pytest.raises(PlanError, match=f"runtime='segments' does not run {words} yet; "
+        with pytest.raises(PlanError, match=f"the segment runtime does not run {words} yet; "
                                             "run this plan with runtime='ops'"):
             ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, runtime="segments")
+
+    def test_the_default_is_the_segments_where_they_run_the_plan(self):
+        """Not asked, a run takes the segments; a plan they do not run yet runs op by op,
+        and the measurement says why."""
+        plan = _plan("mlp", "data-parallel")
+        assert choose_runtime(plan, None) == ("segments", None)
+        assert choose_runtime(plan, "ops") == ("ops", None)
+        zero = plan.with_memory(zero=3)
+        assert choose_runtime(zero, None) == (
+            "ops", "ran op by op: the segment runtime does not run stage 0's ZeRO stage 3 yet")
+        graph = tiny_builtin_graph("mlp")
+        meas = ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
+        assert (meas.runtime, meas.runtime_note) == ("segments", None)
 
     def test_tensor_parallelism_is_named(self):
         split = _plan("mlp", "data-parallel").with_tensor(2)
@@ -484,7 +498,8 @@ class TestCommandLine:
     def test_the_run_command_takes_the_runtime(self, capsys):
         from explorer.cli.commands import build_parser
 
-        assert build_parser().parse_args(["run"]).runtime == "ops"
+        assert build_parser().parse_args(["run"]).runtime is None  # (the run chooses)
+        assert build_parser().parse_args(["run", "--runtime", "ops"]).runtime == "ops"
         assert build_parser().parse_args(["run", "--runtime", "segments"]).runtime == "segments"
         with pytest.raises(SystemExit) as exc:
             build_parser().parse_args(["run", "--runtime", "fast"])
