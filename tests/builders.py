@@ -10,6 +10,8 @@ import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
+from explorer.runtime.launch import Reference
+from explorer.runtime.pool import RankPool
 
 GiB = 2**30
 
@@ -57,16 +59,27 @@ def tiny_builtin_graph(name: str) -> OpGraph:
     return ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
 
 
+@functools.cache
+def builtin_reference(name: str, steps: int, shards: int, optimizer: str) -> Reference:
+    """One device's steps of a built-in model's tiny size (shared by the tests that compare
+    runs of it with one device; only read)."""
+    return ex.reference(ex.builtin_model(name, "tiny"), steps, shards, optimizer=optimizer)
+
+
 def check_matches_one_device(name: str, plan: ex.Plan, shards: int, steps: int = 2,
-                             warmup: int = 1) -> None:
+                             warmup: int = 1, runtime: str | None = None,
+                             pool: RankPool | None = None) -> ex.Measurement:
     """Run ``plan`` on the built-in ``name`` (tiny) and assert its losses and first step's
-    gradients equal one device's over the same ``shards`` of each batch (rtol 1e-5)."""
+    gradients equal one device's over the same ``shards`` of each batch (rtol 1e-5);
+    ``runtime`` and ``pool`` as in ``ex.run``."""
     meas = ex.run(tiny_builtin_graph(name), plan=plan, steps=steps, warmup=warmup,
-                  progress=False, record=True, timeout_s=180)
-    ref = ex.reference(ex.builtin_model(name, "tiny"), steps + warmup, shards,
-                       optimizer=plan.optimizer)
+                  progress=False, record=True, timeout_s=180, runtime=runtime, pool=pool)
+    if runtime is not None:
+        assert meas.runtime == runtime
+    ref = builtin_reference(name, steps + warmup, shards, plan.optimizer)
     torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
                                rtol=1e-5, atol=1e-6)
     assert set(meas.grads) == set(ref.grads)
     for k, g in ref.grads.items():
         torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+    return meas

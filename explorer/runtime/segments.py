@@ -167,14 +167,11 @@ def _segment(m: int, nodes: list[int], s: int, stage: Sequence[int],
 
 def segments_problem(plan: Plan) -> str | None:
     """What of ``plan`` the segment runtime does not run yet (naming the stage and the
-    setting), or None: tensor and sequence parallelism, activation recomputation and ZeRO 3
-    keep the op-at-a-time path for now."""
+    setting), or None: activation recomputation and ZeRO 3 keep the op-at-a-time path for
+    now."""
     for s in range(len(plan.stages)):
         st = plan.settings_of(s)
-        if st.tensor > 1:
-            what = (f"tensor parallelism (degree {st.tensor}"
-                    + (", with sequence parallelism)" if st.sequence else ")"))
-        elif st.recompute != "none":
+        if st.recompute != "none":
             what = f"activation recomputation (recompute {st.recompute!r})"
         elif st.zero == 3 and plan.replicas_of(s) > 1:
             what = "ZeRO stage 3"

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map
 
@@ -110,7 +111,11 @@ class TensorMesh:
         stage is not tensor-parallel.
 
         Every rank makes every tensor group's mesh, in stage order, as the process groups
-        behind them require."""
+        behind them require. DTensor's layout caches are emptied first: a rank that ran
+        another job before (a :class:`~explorer.runtime.pool.RankPool`'s) would otherwise
+        lay out its values on the earlier run's meshes, equal to this run's by ranks but
+        bound to process groups since destroyed, or that now name other ranks."""
+        _clear_sharding_prop_cache()
         mine = None
         for s, devs in enumerate(plan.stages):
             k = plan.tensor_of(s)

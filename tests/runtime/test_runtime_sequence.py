@@ -1,4 +1,5 @@
-"""Sequence-parallel stages on CPU ranks: losses and gradients equal one device."""
+"""Sequence-parallel stages on CPU ranks, op by op and in segments: losses and gradients
+equal one device."""
 
 from __future__ import annotations
 
@@ -7,15 +8,26 @@ from builders import check_matches_one_device, tiny_builtin_graph
 
 import explorer as ex
 from explorer.core.plan_layout import plan_placements
+from explorer.runtime import RankPool
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
 
 STEPS, WARMUP = 2, 1
 
+#: each check runs op by op and in segments (tensor-parallel segments on DTensor)
+RUNTIMES = pytest.mark.parametrize("runtime", ["ops", "segments"])
 
-def _check(name: str, plan, shards: int) -> None:
-    check_matches_one_device(name, plan, shards, STEPS, WARMUP)
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's runs."""
+    with RankPool() as ranks:
+        yield ranks
+
+
+def _check(name: str, plan, shards: int, runtime: str, pool: RankPool) -> None:
+    check_matches_one_device(name, plan, shards, STEPS, WARMUP, runtime, pool)
 
 
 def _stages(name: str, devices: list[tuple[str, ...]], micro_batches: int = 1) -> ex.Plan:
@@ -28,28 +40,31 @@ def _stages(name: str, devices: list[tuple[str, ...]], micro_batches: int = 1) -
                                    schedule="1f1b" if micro_batches > 1 else "gpipe")
 
 
+@RUNTIMES
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_a_sequence_parallel_stage_matches_one_device(name):
+def test_a_sequence_parallel_stage_matches_one_device(name, runtime, pool):
     """Norms and residual adds on each rank's half of the positions; every row-parallel
     output and the token embedding reduce-scattered, every column-parallel input gathered
     (the GPT's fused qkv, the Llama's q, k, v, gate and up, both LM heads); the norms' weights
     and the row-parallel biases all-reduced once a step."""
     plan = _stages(name, [("cpu:0", "cpu:1")]).with_tensor(2, sequence=True)
     assert plan_placements(tiny_builtin_graph(name), plan)[3]  # (sequence-split ops)
-    _check(name, plan, 1)
+    _check(name, plan, 1, runtime, pool)
 
 
-def test_two_replicas_of_a_sequence_parallel_gpt_match_one_device():
+@RUNTIMES
+def test_two_replicas_of_a_sequence_parallel_gpt_match_one_device(runtime, pool):
     plan = _stages("gpt", [("cpu:0", "cpu:1", "cpu:2", "cpu:3")]).with_tensor(2, sequence=True)
-    _check("gpt", plan, 2)
+    _check("gpt", plan, 2, runtime, pool)
 
 
+@RUNTIMES
 @pytest.mark.parametrize("split_stage", [0, 1])
-def test_sequence_shards_cross_a_stage_boundary_whole(split_stage):
+def test_sequence_shards_cross_a_stage_boundary_whole(split_stage, runtime, pool):
     """3 ranks, 2 micro-batches: a sequence-parallel stage sends its positions' shards
     gathered (and narrows the gradients it gets back), or reads whole values from a plain
     stage, narrowed to its positions."""
     devices = [("cpu:0",), ("cpu:1", "cpu:2")][::1 if split_stage else -1]
     plan = _stages("gpt", devices, micro_batches=2).with_tensor(2, stages=[split_stage],
                                                                 sequence=True)
-    _check("gpt", plan, 2)
+    _check("gpt", plan, 2, runtime, pool)

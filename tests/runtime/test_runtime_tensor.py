@@ -1,6 +1,9 @@
-"""Tensor-parallel stages on 2 CPU ranks: losses and gradients equal one device."""
+"""Tensor-parallel stages on 2 CPU ranks, op by op and in segments: losses and gradients
+equal one device."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -10,12 +13,25 @@ from torch import nn
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.plan_layout import plan_placements
+from explorer.runtime import RankPool
+from explorer.runtime.segments import group_segments
 from explorer.runtime.tensor_parallel import check_supported
+from explorer.simulate.simulator import execution_order
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
 
 STEPS, WARMUP = 2, 1
+
+#: each run check runs op by op and in segments (tensor-parallel segments on DTensor)
+RUNTIMES = pytest.mark.parametrize("runtime", ["ops", "segments"])
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's runs."""
+    with RankPool() as ranks:
+        yield ranks
 
 
 def _one_stage(graph, devices):
@@ -23,12 +39,13 @@ def _one_stage(graph, devices):
                                    {n.name: 0 for n in graph.nodes if n.kind == "op"})
 
 
-def _check(name: str, plan, shards: int) -> None:
-    check_matches_one_device(name, plan, shards, STEPS, WARMUP)
+def _check(name: str, plan, shards: int, runtime: str, pool: RankPool) -> None:
+    check_matches_one_device(name, plan, shards, STEPS, WARMUP, runtime, pool)
 
 
+@RUNTIMES
 @pytest.mark.parametrize("name", ["mlp", "gpt", "llama", "alexnet", "vgg16", "inception"])
-def test_tensor_parallel_stage_matches_one_device(name):
+def test_tensor_parallel_stage_matches_one_device(name, runtime, pool):
     """The Llama's SwiGLU splits (gate and up column-, down row-parallel), and its attention by
     heads (query, key and value column-, output row-parallel; rotary embedding, grouped keys and
     values and the attention itself on each rank's own heads). The GPT's and the Llama's LM
@@ -36,27 +53,31 @@ def test_tensor_parallel_stage_matches_one_device(name):
     between split by channels: the AlexNet's third and fourth (the others have a pool after),
     each VGG block's first two, the Inception's 1x1 reductions (their shared input's gradient
     all-reduced once) and the convolutions after them."""
-    _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1)
+    _check(name, _one_stage(tiny_builtin_graph(name), ("cpu:0", "cpu:1")).with_tensor(2), 1,
+           runtime, pool)
 
 
-def test_a_fused_qkv_split_by_heads_matches_one_device():
+@RUNTIMES
+def test_a_fused_qkv_split_by_heads_matches_one_device(runtime, pool):
     """The GPT's fused query-key-value projection: each rank holds its head's rows of the
     query, the key and the value (a strided shard), splits its output in three of a third of
     the width and runs the matmuls, the causal mask and the softmax on its own head."""
     plan = _one_stage(tiny_builtin_graph("gpt"), ("cpu:0", "cpu:1")).with_tensor(2)
     placements = plan_placements(tiny_builtin_graph("gpt"), plan)[0]
     assert placements["blocks.1.attn.qkv.weight"] == "_StridedShard(dim=0, sf=3)"
-    _check("gpt", plan, 1)
+    _check("gpt", plan, 1, runtime, pool)
 
 
-def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device():
+@RUNTIMES
+def test_two_replicas_of_a_tensor_parallel_gpt_match_one_device(runtime, pool):
     """4 ranks: 2 replicas x 2 tensor devices. The split embedding's gradient comes out of the
     backward whole; each rank keeps its shard, all-reduced with the other replica's."""
     devices = ("cpu:0", "cpu:1", "cpu:2", "cpu:3")
     plan = _one_stage(tiny_builtin_graph("gpt"), devices).with_tensor(2)
-    _check("gpt", plan, 2)
+    _check("gpt", plan, 2, runtime, pool)
 
 
+@functools.cache
 def _conv_graph():
     """conv (whole: a pool follows) -> pool -> conv (column) -> relu -> conv (row) -> linear."""
     torch.manual_seed(0)
@@ -68,26 +89,45 @@ def _conv_graph():
     return ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="convs")
 
 
-def _same_as_one_device(graph, plan) -> None:
-    runs = [ex.run(graph, plan=p, steps=STEPS, warmup=WARMUP, progress=False, record=True,
-                   timeout_s=180) for p in (plan, _one_stage(graph, ("cpu:0",)))]
-    torch.testing.assert_close(torch.tensor(runs[0].losses), torch.tensor(runs[1].losses),
+_ONE_DEVICE: dict = {}
+
+
+def _one_device(graph, seed: int = 0, pool: RankPool | None = None,
+                record: bool = True) -> ex.Measurement:
+    """``graph`` on one device (run once per graph and seed, for both runtimes' checks)."""
+    key = (id(graph), seed, record)  # (the graphs are captured once: functools.cache)
+    if key not in _ONE_DEVICE:
+        _ONE_DEVICE[key] = ex.run(graph, plan=_one_stage(graph, ("cpu:0",)), steps=STEPS,
+                                  warmup=WARMUP if record else 0, progress=False,
+                                  record=record, timeout_s=180, seed=seed, pool=pool,
+                                  runtime="ops")
+    return _ONE_DEVICE[key]
+
+
+def _same_as_one_device(graph, plan, runtime: str, pool: RankPool) -> None:
+    meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, record=True,
+                  timeout_s=180, runtime=runtime, pool=pool)
+    one = _one_device(graph, pool=pool)
+    assert meas.runtime == runtime
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(one.losses),
                                rtol=1e-5, atol=1e-6)
-    assert set(runs[0].grads) == set(runs[1].grads)
-    for k, g in runs[1].grads.items():
-        torch.testing.assert_close(runs[0].grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+    assert set(meas.grads) == set(one.grads)
+    for k, g in one.grads.items():
+        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_convolutions_split_by_channels_match_one_device():
+@RUNTIMES
+def test_convolutions_split_by_channels_match_one_device(runtime, pool):
     """The second convolution column-, the third row-parallel: the ReLU between on each
     rank's channels, the pooled input's gradient all-reduced, the row's bias added once."""
     graph = _conv_graph()
     plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
     assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias", "4.weight"}
-    _same_as_one_device(graph, plan)
+    _same_as_one_device(graph, plan, runtime, pool)
 
 
-def test_a_stage_boundary_after_split_channels_matches_one_device():
+@RUNTIMES
+def test_a_stage_boundary_after_split_channels_matches_one_device(runtime, pool):
     """3 ranks: the convolutions up to the ReLU split over two, the rest on one: the ReLU's
     channels are gathered whole to the next stage, its gradient narrowed back to them."""
     graph = _conv_graph()
@@ -97,24 +137,70 @@ def test_a_stage_boundary_after_split_channels_matches_one_device():
                                    {**{nm: int(k > cut) for k, nm in enumerate(ops)},
                                     "4.weight": 1, "4.bias": 1}).with_tensor(2, stages=[0])
     assert plan_placements(graph, plan)[1] == ["conv2d_1", "relu"]
-    _same_as_one_device(graph, plan)
+    _same_as_one_device(graph, plan, runtime, pool)
 
 
-def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws():
+class _Skip(nn.Module):
+    """inp (column) -> tanh, gathered by a cat (whole) on this stage; side on another; up
+    (column) of side's output -> relu x the cat (on each rank's half) -> down (row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.side = nn.Linear(8, 16), nn.Linear(16, 16)
+        self.up, self.down, self.head = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        wide = torch.cat([h, h], -1)  # (batch, 32), whole
+        return self.head(self.down(torch.relu(self.up(self.side(h))) * wide))
+
+
+@RUNTIMES
+def test_a_whole_value_read_by_split_ops_of_a_later_segment_matches_one_device(runtime, pool):
+    """3 ranks: the split stage sends tanh's output to the other stage and waits for side's,
+    so its forward runs as two segments; the cat the first makes is read by the second's
+    split multiply, whose partial gradient of it is all-reduced before the first's
+    backward reads it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    graph = ex.capture(_Skip(), (x,), nn.functional.cross_entropy, (y,), name="skip")
+    side = ("linear_1", "side.weight", "side.bias")
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                   {n.name: int(n.name in side) for n in graph.nodes
+                                    if n.kind in ("op", "param")}).with_tensor(2, stages=[0])
+    assert "mul" in plan_placements(graph, plan)[1]
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    segments = group_segments(execution_order(graph, plan)[0], 0,
+                              [plan.placement[n.name] for n in graph.nodes],
+                              [n.kind for n in graph.nodes],
+                              [[index[p] for p in n.inputs] for n in graph.nodes],
+                              [n.requires_grad for n in graph.nodes], index[graph.loss])
+    assert [graph.nodes[i].name for i in segments[1].inputs if i in segments[0].nodes] == [
+        "cat"]
+    _same_as_one_device(graph, plan, runtime, pool)
+
+
+@functools.cache
+def _dropout_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5),  # column, split
                           nn.Linear(64, 64), nn.Dropout(0.3),  # row, on its partial sums
                           nn.ReLU(), nn.Linear(64, 10))
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    graph = ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="dropout")
-    runs = [ex.run(graph, plan=plan, steps=STEPS, warmup=0, progress=False, timeout_s=120,
-                   seed=3)
-            for plan in (_one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2),
-                         _one_stage(graph, ("cpu:0",)))]
-    assert runs[0].losses == runs[1].losses
+    return ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="dropout")
 
 
-def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
+@RUNTIMES
+def test_dropout_in_and_after_a_split_block_draws_what_one_device_draws(runtime, pool):
+    graph = _dropout_graph()
+    split = ex.run(graph, plan=_one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2),
+                   steps=STEPS, warmup=0, progress=False, timeout_s=120, seed=3,
+                   runtime=runtime, pool=pool)
+    assert split.losses == _one_device(graph, seed=3, pool=pool, record=False).losses
+
+
+@RUNTIMES
+def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device(runtime, pool):
     """3 ranks: the first half of the GPT on one, the second split over two; 2 micro-batches
     (1F1B). Activations and gradients cross the boundary whole."""
     graph = tiny_builtin_graph("gpt")
@@ -122,7 +208,7 @@ def test_pipeline_of_a_plain_and_a_tensor_parallel_stage_matches_one_device():
     plan = ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1", "cpu:2")],
                                    {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)},
                                    micro_batches=2, schedule="1f1b").with_tensor(2, stages=[1])
-    _check("gpt", plan, 2)
+    _check("gpt", plan, 2, runtime, pool)
 
 
 def test_a_weight_read_across_a_tensor_parallel_stage_is_refused_before_starting():
@@ -146,12 +232,12 @@ def test_a_stage_boundary_inside_a_head_split_attention_is_refused():
         check_supported(graph, plan)
 
 
-@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"label_smoothing": 0.1}],
-                         ids=["mean", "sum", "label_smoothing"])
-def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(options):
-    """Logits (batch, seq, 24) split by classes, shifted along the sequence and reshaped on each
-    rank's 12 classes; targets of -100 count for nothing (nor in the mean's count). With label
-    smoothing (which the graph does not show) the loss runs whole on gathered logits."""
+_LOSS_OPTIONS = {"mean": {}, "sum": {"reduction": "sum"},
+                 "label_smoothing": {"label_smoothing": 0.1}}
+
+
+@functools.cache
+def _ignored_graph(options: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 24))
     x, y = torch.randn(4, 5, 8), torch.randint(0, 24, (4, 5))
@@ -159,12 +245,21 @@ def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(options):
 
     def loss_fn(logits, target):
         return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 24),
-                                           target[:, 1:].reshape(-1), **options)
+                                           target[:, 1:].reshape(-1), **_LOSS_OPTIONS[options])
 
-    graph = ex.capture(model, (x,), loss_fn, (y,), name="ignored")
+    return ex.capture(model, (x,), loss_fn, (y,), name="ignored")
+
+
+@RUNTIMES
+@pytest.mark.parametrize("options", list(_LOSS_OPTIONS))
+def test_a_vocabulary_parallel_loss_ignores_targets_as_one_device(options, runtime, pool):
+    """Logits (batch, seq, 24) split by classes, shifted along the sequence and reshaped on each
+    rank's 12 classes; targets of -100 count for nothing (nor in the mean's count). With label
+    smoothing (which the graph does not show) the loss runs whole on gathered logits."""
+    graph = _ignored_graph(options)
     plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
     assert set(plan_placements(graph, plan)[0]) == {"2.weight", "2.bias"}
-    _same_as_one_device(graph, plan)
+    _same_as_one_device(graph, plan, runtime, pool)
 
 
 class _ScaledBlock(nn.Module):
@@ -180,18 +275,25 @@ class _ScaledBlock(nn.Module):
         return self.down(torch.relu(self.up(x)) * self.scale + whole) + x
 
 
-def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels():
+@functools.cache
+def _scaled_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 3, 1), _ScaledBlock(), nn.Flatten(),
                           nn.Linear(3 * 4 * 4, 5))
     x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 5, (4,))
-    graph = ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="scaled")
+    return ex.capture(model, (x,), nn.functional.cross_entropy, (y,), name="scaled")
+
+
+@RUNTIMES
+def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels(runtime, pool):
+    graph = _scaled_graph()
     plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
     assert set(plan_placements(graph, plan)[0]) == {"1.up.weight", "1.up.bias",
                                                     "1.down.weight"}
-    _same_as_one_device(graph, plan)
+    _same_as_one_device(graph, plan, runtime, pool)
 
 
+@functools.cache
 def _hf_gpt2_graph():
     """Hugging Face's GPT-2 (tiny): its ``Conv1D`` layers are linears with an ``(in, out)``
     weight, run as ``addmm`` on the rows of their input."""
@@ -209,7 +311,8 @@ def _hf_gpt2_graph():
     return ex.capture(model, ids, loss_fn, labels, name="hf-gpt2")
 
 
-def test_hf_gpt2_conv1d_layers_split_and_match_one_device():
+@RUNTIMES
+def test_hf_gpt2_conv1d_layers_split_and_match_one_device(runtime, pool):
     """Each block's fused c_attn column-parallel by heads within the query, key and value
     (weight dim 1, bias dim 0), c_proj row-parallel (weight dim 0, bias added once); the MLP's
     c_fc column-, c_proj row-parallel, the rows' views on each rank's features."""
@@ -221,4 +324,4 @@ def test_hf_gpt2_conv1d_layers_split_and_match_one_device():
     assert placements["transformer.h.1.attn.c_proj.weight"] == "Shard(0)"
     assert placements["transformer.h.1.mlp.c_fc.weight"] == "Shard(1)"
     assert placements["transformer.h.1.mlp.c_proj.weight"] == "Shard(0)"
-    _same_as_one_device(graph, plan)
+    _same_as_one_device(graph, plan, runtime, pool)

@@ -309,11 +309,12 @@ class TestSettings:
         meas = ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
         assert (meas.runtime, meas.runtime_note) == ("segments", None)
 
-    def test_tensor_parallelism_is_named(self):
+    def test_tensor_and_sequence_parallelism_run_in_segments(self):
+        """(their runs: tests/runtime/test_runtime_tensor.py and test_runtime_sequence.py)"""
         split = _plan("mlp", "data-parallel").with_tensor(2)
-        assert "stage 0's tensor parallelism (degree 2)" in segments_problem(split)
+        assert choose_runtime(split, None) == ("segments", None)
         sequence = _plan("gpt", "data-parallel").with_tensor(2, sequence=True)
-        assert "(degree 2, with sequence parallelism)" in segments_problem(sequence)
+        assert choose_runtime(sequence, None) == ("segments", None)
 
     def test_an_unknown_runtime_is_refused(self):
         graph = tiny_builtin_graph("mlp")
