@@ -52,6 +52,7 @@ class SegmentSteps:
     sequence: set
     shard_dims: dict
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
+    _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
@@ -102,8 +103,10 @@ class SegmentSteps:
         if code.random:
             args.append(self.generator)
             args += [self._draw(m, u, i) for i in code.random]
-        # (a GPU's allocator measures itself: no need to count what autograd saves)
-        saving = (tracker.saving() if L.tdev.type != "cuda" else contextlib.nullcontext())
+        # (a GPU's allocator measures itself: no need to count what autograd saves, but a
+        # gathered ZeRO 3 weight is saved as a reference that gathers it again, on any device)
+        saving = (tracker.saving(self._stand_in) if L.tdev.type != "cuda"
+                  or self.weights.shards.ghost else contextlib.nullcontext())
         with saving, self._autocast():
             outs = code.forward(*args)
         env = self.env[(m, u)]

@@ -77,7 +77,8 @@ def grad_sources(i: int, s: int, stage: Sequence[int], succs: Sequence[Sequence[
 
 def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
                    kind: Sequence[str], preds: Sequence[Sequence[int]],
-                   requires_grad: Sequence[bool], loss: int | None = None) -> list[Segment]:
+                   requires_grad: Sequence[bool], loss: int | None = None,
+                   units: Sequence[str] | None = None) -> list[Segment]:
     """Stage ``s``'s forward actions (``actions``, the rank's order) grouped into segments.
 
     A segment grows over consecutive forward actions of one micro-batch. It is cut before an
@@ -88,7 +89,10 @@ def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
     to another stage (one that reads another stage's value). Ops without a backward action
     (those that need no gradient: sizes, index ranges, a buffer's alias) join any segment.
     ``kind`` is each node's kind ("op", "input", "param", "buffer"); ``loss`` the loss
-    node, always an output.
+    node, always an output. With ``units`` (each node's unit,
+    :func:`~explorer.costs.strategies.unit_of`) a segment is also cut where the unit
+    changes: a ZeRO 3 stage gathers its weights a unit at a time, as FSDP2 gathers a wrapped
+    block's, and a segment holds what it gathers until it ends.
     """
     succs: list[list[int]] = [[] for _ in stage]
     for i, ps in enumerate(preds):
@@ -129,6 +133,7 @@ def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
         new = {(m, p) for p in preds[i] if remote[p] and (m, p) not in received}
         if current and (m != m_now or k != last_at + 1
                         or (new and any(sends[j] for j in current))
+                        or (units is not None and units[i] != units[current[-1]])
                         or not backward_ok(m, [*current, i])):
             runs.append((m_now, current))
             current = []
@@ -167,14 +172,11 @@ def _segment(m: int, nodes: list[int], s: int, stage: Sequence[int],
 
 def segments_problem(plan: Plan) -> str | None:
     """What of ``plan`` the segment runtime does not run yet (naming the stage and the
-    setting), or None: activation recomputation and ZeRO 3 keep the op-at-a-time path for
-    now."""
+    setting), or None: activation recomputation keeps the op-at-a-time path for now."""
     for s in range(len(plan.stages)):
         st = plan.settings_of(s)
         if st.recompute != "none":
             what = f"activation recomputation (recompute {st.recompute!r})"
-        elif st.zero == 3 and plan.replicas_of(s) > 1:
-            what = "ZeRO stage 3"
         else:
             continue
         return f"the segment runtime does not run stage {s}'s {what} yet"

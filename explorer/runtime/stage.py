@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -141,7 +142,8 @@ class StageRunner(SegmentSteps):
         if job.runtime == "segments":
             choose_runtime(L.plan, "segments")  # (refuses what the segments cannot run yet)
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
-                                      L.requires_grad, L.names.index(L.loss_name))
+                                      L.requires_grad, L.names.index(L.loss_name),
+                                      job.units if self.weights.shards.ghost else None)
             self.segment_at = {seg.forward_at: seg for seg in segments}
             self.segment_at.update({seg.backward_at: seg for seg in segments
                                     if seg.backward_at is not None})
@@ -151,6 +153,24 @@ class StageRunner(SegmentSteps):
             #: per (micro-batch, op), its segment
             self.segment_of = {(seg.micro_batch, i): seg for seg in segments
                                for i in seg.nodes}
+
+        #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
+        self.prefetch_before = self._prefetches()
+
+    def _prefetches(self) -> list[int | None]:
+        """Per action position, the op whose sharded weights to start gathering (ZeRO 3) as
+        the action starts: the next action's op, so its gather overlaps this one's compute;
+        with segments, at a segment's run the first op of the next segment to run (the actions
+        of its other ops run nothing)."""
+        acts = self.actions
+        if self.segment_at is None:
+            return [acts[k + 1].node if k + 1 < len(acts) and acts[k + 1].kind != OPTIMIZER
+                    else None for k in range(len(acts))]
+        runs = [k for k in range(len(acts)) if k in self.segment_at]
+        out: list[int | None] = [None] * len(acts)
+        for k, after in itertools.pairwise(runs):
+            out[k] = acts[after].node
+        return out
 
     def feed(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Use this batch from the next step on (same shapes as the example batch)."""
@@ -190,8 +210,8 @@ class StageRunner(SegmentSteps):
         self.weights.start_step()
         times = self.task_times
         for k, a in enumerate(self.actions):
-            if k + 1 < len(self.actions) and self.actions[k + 1].kind != OPTIMIZER:
-                self.weights.prefetch(self.actions[k + 1].node)
+            if self.prefetch_before[k] is not None:
+                self.weights.prefetch(self.prefetch_before[k])
             if a.kind == OPTIMIZER:
                 dt = self._timed(self.weights.finish)
                 busy += dt

@@ -13,6 +13,7 @@ from torch import nn
 import explorer as ex
 from explorer.core.errors import PlanError
 from explorer.core.schedule import BWD, FWD, Action
+from explorer.costs.strategies import recompute_units
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime.jobfiles import (
     Job,
@@ -174,6 +175,26 @@ def _real_segments(graph, plan, s, actions):
                           [n.name for n in graph.nodes].index(graph.loss))
 
 
+def test_a_zero_3_stage_cuts_its_segments_where_the_unit_changes():
+    """With units (a ZeRO 3 stage's gather groups), each segment holds one unit's ops, in
+    the order the uncut segments hold them."""
+    graph = tiny_builtin_graph("gpt")
+    plan = _plan("gpt", "data-parallel")
+    units = recompute_units(graph)
+    preds, stage = _facts(graph, plan)
+    actions = execution_order(graph, plan)[0]
+    cut = group_segments(actions, 0, stage, [n.kind for n in graph.nodes], preds,
+                         [n.requires_grad for n in graph.nodes],
+                         [n.name for n in graph.nodes].index(graph.loss), units)
+    whole = _real_segments(graph, plan, 0, actions)
+    assert len(cut) > len(whole) == plan.micro_batches
+    for seg in cut:
+        assert len({units[i] for i in seg.nodes}) == 1
+    for m, seg in enumerate(whole):
+        assert sum((c.nodes for c in cut if c.micro_batch == m), ()) == seg.nodes
+    _check_rules(graph, plan, 0, actions, cut)
+
+
 def _check_rules(graph, plan, s, actions, segs):
     """Every forward action in exactly one segment; a segment's forward and backward actions
     consecutive; no op reads a value of another stage not yet received after an op of its
@@ -286,7 +307,8 @@ class TestCode:
 class TestSettings:
     @pytest.mark.parametrize("memory,words", [
         ({"recompute": "full"}, r"stage 0's activation recomputation \(recompute 'full'\)"),
-        ({"zero": 3}, "stage 0's ZeRO stage 3"),
+        ({"recompute": "selective"},
+         r"stage 0's activation recomputation \(recompute 'selective'\)"),
     ])
     def test_a_plan_the_segments_do_not_cover_is_refused(self, memory, words):
         graph = tiny_builtin_graph("mlp")
@@ -302,9 +324,11 @@ class TestSettings:
         plan = _plan("mlp", "data-parallel")
         assert choose_runtime(plan, None) == ("segments", None)
         assert choose_runtime(plan, "ops") == ("ops", None)
-        zero = plan.with_memory(zero=3)
-        assert choose_runtime(zero, None) == (
-            "ops", "ran op by op: the segment runtime does not run stage 0's ZeRO stage 3 yet")
+        assert choose_runtime(plan.with_memory(zero=3), None) == ("segments", None)
+        recompute = plan.with_memory(recompute="full")
+        assert choose_runtime(recompute, None) == (
+            "ops", "ran op by op: the segment runtime does not run stage 0's activation "
+                   "recomputation (recompute 'full') yet")
         graph = tiny_builtin_graph("mlp")
         meas = ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
         assert (meas.runtime, meas.runtime_note) == ("segments", None)
@@ -415,15 +439,21 @@ def test_segments_run_replica_counts_that_differ():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [1, 2])
-def test_segments_run_zero_1_and_2(zero):
-    """ZeRO 1 and 2 only change where gradients and optimizer state go: two data-parallel
-    replicas train as the op path and one device."""
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_segments_run_zero(zero):
+    """Two data-parallel replicas with ZeRO 1-3 train as the op path and one device. ZeRO 3
+    gathers a unit's weights for its segment, as the op path gathers them for its ops: no
+    more gathered at the peak than op by op."""
     graph = tiny_builtin_graph("gpt")
     plan = _plan("gpt", "data-parallel").with_memory(zero=zero)
     seg = _run(graph, plan, "segments", ("gpt", "zero", zero))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", ("gpt", "zero", zero)))
+    ops = _run(graph, plan, "ops", ("gpt", "zero", zero))
+    _assert_same_as_ops(seg, ops)
     _assert_like_one_device(seg, "gpt", plan)
+    if zero == 3:
+        for d, by in ops.peak_by_category.items():
+            assert 0 < seg.peak_by_category[d]["gathered"] <= by["gathered"], d
+            assert seg.peak_bytes[d] <= ops.peak_bytes[d], d
 
 
 # (loss rtol, gradient share of its tensor's largest) against fp32 on one device, as the op
