@@ -238,6 +238,7 @@ def _model_from_plan(args: argparse.Namespace, plan) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_compile(args)
     if args.plan is None:
         ex.algorithm(args.algorithm)  # an unknown name fails before any work is done
         args.model, args.size = args.model or "gpt", args.size or "default"
@@ -261,12 +262,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet,
-                  runtime=args.runtime)
+                  runtime=args.runtime, compile=args.compile)
     report = ex.compare(pred, meas)
     if args.json:
         print(json.dumps({"model": getattr(bm, "name", args.factory),
                           "size": getattr(bm, "size", None), "plan": plan.to_dict(),
                           "runtime": meas.runtime, "runtime_note": meas.runtime_note,
+                          "compiled": meas.compiled,
                           "losses": list(meas.losses), **report.to_dict(),
                           "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0
@@ -276,7 +278,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{plan.algorithm} on {', '.join(plan.devices)}: "
           f"{args.steps} steps after {args.warmup} warm-up"
           + (f" ({settings})" if settings else "")
-          + f", runtime {meas.runtime}"
+          + f", runtime {meas.runtime}" + (" compiled" if meas.compiled else "")
           + (f" ({meas.runtime_note})" if meas.runtime_note else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
@@ -302,16 +304,26 @@ def _plan_model(args: argparse.Namespace, plan) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    _check_compile(args)
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
     bm, plan = _plan_model(args, plan)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
                        name=getattr(bm, "name", None), factory=args.factory)
     plan.validate(graph)
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
-                              overwrite=args.force, factory=args.factory)
+                              overwrite=args.force, factory=args.factory,
+                              runtime=args.runtime, compile=args.compile)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
+
+
+def _check_compile(args: argparse.Namespace) -> None:
+    """``--compile`` runs the segments: refused with ``--runtime ops``, before any work."""
+    if args.compile and args.runtime == "ops":
+        raise ExplorerError("--compile runs the segments' code through torch.compile, and "
+                            "--runtime ops runs one op at a time: use --runtime segments (or "
+                            "leave --runtime out)")
 
 
 def _from_factory(factory: str) -> Any:
@@ -455,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how ranks run their ops: as generated segments with one backward "
                         "each (segments, the default where they run the plan: the work "
                         "eager PyTorch does) or one at a time (ops)")
+    r.add_argument("--compile", action="store_true",
+                   help="run each segment's code through torch.compile (inductor; compiled "
+                        "in the warm-up steps; segments only)")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -474,6 +489,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch, like ex.builtin_model (a factory the plan names is used only "
                         "when you name it here)")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
+    e.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="how the ranks run their ops: one at a time (ops, the default) or as "
+                        "generated segments (segments, the default with --compile); the "
+                        "script's own --runtime overrides it")
+    e.add_argument("--compile", action="store_true",
+                   help="run each segment's code through torch.compile (the script's "
+                        "--compile / --no-compile override it)")
     e.add_argument("--force", action="store_true",
                    help="overwrite an existing script and job folder")
     e.set_defaults(fn=cmd_export)

@@ -26,14 +26,22 @@ from typing import Any
 import torch
 
 from explorer.capture.tracing import captured_graph, step_program
-from explorer.core.errors import ExplorerError
+from explorer.core.errors import ExplorerError, PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
-from explorer.runtime.jobfiles import Job, job_problem, program_parts, write_job
+from explorer.runtime.jobfiles import (
+    RUNTIMES,
+    Job,
+    Runtime,
+    job_problem,
+    program_parts,
+    write_job,
+)
 from explorer.runtime.modelsource import model_source
+from explorer.runtime.segments import segments_problem
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
@@ -49,7 +57,8 @@ On a cluster, e.g. two nodes of %(half)d processes each:
     torchrun --nnodes 2 --nproc_per_node %(half)d --rdzv-backend c10d \\\\
         --rdzv-endpoint HOST:29500 THIS_SCRIPT.py
 
-Options: --steps N, --warmup N, --lr X (defaults: the job folder's job.json).
+Options: --steps N, --warmup N, --lr X, --runtime ops|segments, --compile (or
+--no-compile: the segments through torch.compile or not); defaults: the job folder's job.json.
 The model, the plan and the task order are data in the folder beside this script named after
 it with `_job` added (plan.json is the plan); they are read and checked when it starts: a
 plan.json other than the one program.pt was exported for, or a job.json value out of range,
@@ -126,7 +135,8 @@ def report_failure(rank: int, exc: BaseException) -> None:
 
 def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
                   costs: CostModel | None = None, steps: int = 10, warmup: int = 2,
-                  lr: float = 1e-3, overwrite: bool = False, factory: str | None = None) -> Path:
+                  lr: float = 1e-3, overwrite: bool = False, factory: str | None = None,
+                  runtime: Runtime | None = None, compile: bool = False) -> Path:
     """Write ``path`` (a torchrun script) and its data folder ``<stem>_job/`` beside it.
 
     ``graph`` defaults to the graph this plan was made for, if it was captured in this
@@ -138,7 +148,22 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     instead of reading weights from the job folder. A plan for a built-in model is rebuilt
     from :mod:`explorer.models` the same way. Either is needed for a graph captured on fake
     tensors.
+
+    ``runtime`` and ``compile`` are how the ranks run their ops, as in ``ex.run``: one at a
+    time ("ops", the default without ``compile``) or as segments ("segments", the default
+    with it), ``compile=True`` running the segments through ``torch.compile``. The script's
+    ``--runtime`` and ``--compile`` / ``--no-compile`` override them.
     """
+    if runtime is None:
+        runtime = "segments" if compile else "ops"
+    if runtime not in RUNTIMES:
+        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
+                            f"{runtime!r}")
+    if not isinstance(compile, bool):
+        raise ExplorerError(f"compile must be True or False, not {compile!r}")
+    if compile and runtime != "segments":
+        raise ExplorerError("compile=True compiles the segments' code: export with "
+                            "runtime='segments' (--runtime segments)")
     graph = graph or captured_graph(plan.graph_fingerprint)
     if graph is None:
         raise ExplorerError("export needs the captured model this plan was made for: pass "
@@ -158,6 +183,8 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
     check_supported(graph, plan)
+    if runtime == "segments" and (problem := segments_problem(plan)):
+        raise PlanError(f"{problem}; export it with runtime='ops', or drop that setting")
     path = Path(path)
     if path.suffix != ".py":
         raise ExplorerError(f"the script name should end in .py, not {path.name!r}")
@@ -187,7 +214,8 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=0,
         model=source, units=recompute_units(graph),
         kept_outputs=saved_across_units(graph).tolist(), placements=placements,
-        split_ops=split_ops, local_ops=local_ops, sequence_ops=sequence_ops)
+        split_ops=split_ops, local_ops=local_ops, sequence_ops=sequence_ops,
+        runtime=runtime, compile=compile)
     problem = job_problem(record)  # before anything is written
     if problem:
         raise ExplorerError(f"cannot export this job: {problem}")

@@ -204,6 +204,9 @@ class Job:
     sequence_ops: list[str] = field(default_factory=list)
     #: how the ranks run their ops (:data:`Runtime`)
     runtime: Runtime = "ops"
+    #: whether each segment's ops run through ``torch.compile`` (``runtime="segments"``
+    #: only: :mod:`explorer.runtime.segment_compile`)
+    compile: bool = False
 
 
 class JobError(ExplorerError):
@@ -264,10 +267,10 @@ def write_job(folder: Path, job: Job) -> None:
 #: and model), with what each defaults to when an older folder lacks it (required: no entry)
 _SETTINGS = ("steps", "warmup", "lr", "record", "timeout_s", "device_map", "requires_grad",
              "loss", "seed", "units", "kept_outputs", "placements", "split_ops", "local_ops",
-             "sequence_ops", "runtime")
+             "sequence_ops", "runtime", "compile")
 _DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None,
                              "placements": {}, "split_ops": [], "local_ops": [],
-                             "sequence_ops": [], "runtime": "ops"}
+                             "sequence_ops": [], "runtime": "ops", "compile": False}
 
 
 def _plan_record(plan: Plan) -> Any:
@@ -430,11 +433,15 @@ def job_problem(job: Job) -> str | None:
         ("sequence_ops", _list_of(str), "a list of op names"),
         ("runtime", lambda v: isinstance(v, str) and v in RUNTIMES,
          " or ".join(repr(r) for r in RUNTIMES)),
+        ("compile", lambda v: isinstance(v, bool), "true or false"),
     ]
     for name, ok, what in rules:
         value = getattr(job, name)
         if not ok(value):
             return f"field {name!r} is {_shown(value)}, but it must be {what}"
+    if job.compile and job.runtime != "segments":
+        return (f"field 'compile' is true, but field 'runtime' is {job.runtime!r}: only "
+                "runtime 'segments' compiles (--runtime segments)")
     for name in ("inputs", "targets"):
         if not _list_of(torch.Tensor)(getattr(job, name)):
             return f"the batch's {name} are not a list of tensors"

@@ -33,7 +33,7 @@ from explorer.runtime.folders import job_folder, space_errors
 from explorer.runtime.jobfiles import RUNTIMES, Job, Runtime, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
-from explorer.runtime.segments import choose_runtime
+from explorer.runtime.segments import choose_runtime, segments_problem
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -71,6 +71,8 @@ class Measurement:
     #: ("ops"), and why the op path where the segments were not asked against
     runtime: Runtime = "segments"
     runtime_note: str | None = None
+    #: whether the segments ran through ``torch.compile`` (``compile=True``)
+    compiled: bool = False
     #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
     #: state, activations, gathered, buffers) held at its peak; empty for GPU ranks
     peak_by_category: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
@@ -108,7 +110,8 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         cluster: Any = None, lr: float = 1e-3, force: bool = False, timeout_s: float = 600.0,
         progress: bool = True, record: bool = False, keep: str | Path | None = None,
         device_override: dict[str, str] | None = None, seed: int = 0,
-        pool: RankPool | None = None, runtime: Runtime | None = None) -> Measurement:
+        pool: RankPool | None = None, runtime: Runtime | None = None,
+        compile: bool = False) -> Measurement:
     """Run ``steps`` real training steps (after ``warmup``) of the model under ``plan``.
 
     ``model`` is an ``nn.Module`` (captured with ``example_inputs``, ``loss_fn``, ``targets``)
@@ -128,7 +131,9 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     (:mod:`explorer.runtime.segments`), the work eager PyTorch does; a plan the segments do not
     run yet (:func:`~explorer.runtime.segments.segments_problem`) runs one op at a time, and
     ``runtime_note`` says why. ``runtime="ops"`` or ``"segments"`` asks for one of them (the
-    segments refuse what they cannot run).
+    segments refuse what they cannot run). ``compile=True`` runs each segment's code through
+    ``torch.compile`` (inductor, :mod:`explorer.runtime.segment_compile`): the segments only,
+    compiled on the first (warm-up) step, seeded random ops drawing what they draw eagerly.
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -147,6 +152,14 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     check_supported(graph, plan)
+    if not isinstance(compile, bool):
+        raise ExplorerError(f"compile must be True or False, not {compile!r}")
+    if compile and runtime == "ops":
+        raise ExplorerError("compile=True compiles the segments' code, and runtime='ops' runs "
+                            "one op at a time: use runtime='segments' (or compile=False)")
+    if compile and (problem := segments_problem(plan)):
+        raise PlanError(f"compile=True needs the segment runtime, but {problem}; drop that "
+                        "setting, or run with compile=False")
     runtime, runtime_note = choose_runtime(plan, runtime)
     try:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
@@ -174,11 +187,11 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
             requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=seed,
             units=recompute_units(graph), kept_outputs=saved_across_units(graph).tolist(),
             placements=placements, split_ops=split_ops, local_ops=local_ops,
-            sequence_ops=sequence_ops, runtime=runtime))
+            sequence_ops=sequence_ops, runtime=runtime, compile=compile))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed,
-                   runtime=runtime, runtime_note=runtime_note)
+                   runtime=runtime, runtime_note=runtime_note, compiled=compile)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,

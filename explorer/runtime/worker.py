@@ -38,7 +38,7 @@ from explorer.platforms import platform_of
 from explorer.runtime import heartbeat
 from explorer.runtime.folders import FULL_EXIT, no_space
 from explorer.runtime.heartbeat import Heartbeat
-from explorer.runtime.jobfiles import Job, JobError, job_problem, read_job
+from explorer.runtime.jobfiles import RUNTIMES, Job, JobError, job_problem, read_job
 from explorer.runtime.stage import StageRunner
 
 
@@ -62,8 +62,9 @@ def _watch_parent() -> None:
 
 def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = False,
          on_fail: Callable[[int, BaseException], None] | None = None) -> int:
-    """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X]``, or ``--serve
-    POOL_DIR``: run the jobs a :class:`explorer.runtime.pool.RankPool` sends (:func:`serve`).
+    """Rank entry point: ``JOB_DIR [--steps N] [--warmup N] [--lr X] [--runtime R]
+    [--compile | --no-compile]`` (each in place of the job's own), or ``--serve POOL_DIR``:
+    run the jobs a :class:`explorer.runtime.pool.RankPool` sends (:func:`serve`).
 
     ``batches(step)`` (optional) returns (inputs, targets) for each step, or None to reuse the
     job's example batch. With ``verbose``, the rank holding the loss prints each step.
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
     ap.add_argument("--steps", type=int)
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--lr", type=float)
+    ap.add_argument("--runtime", choices=RUNTIMES)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction)
     ap.add_argument("--serve", action="store_true")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     folder = Path(args.job)
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None, batches: Any = None, verbose: bool = Fal
         serve(folder, rank, local_rank, pulse)
     try:
         job = read_job(folder)
-        for k in ("steps", "warmup", "lr"):
+        for k in ("steps", "warmup", "lr", "runtime", "compile"):
             if getattr(args, k) is not None:
                 setattr(job, k, getattr(args, k))
         problem = job_problem(job)  # the command line's values too (--lr nan)
