@@ -13,7 +13,9 @@ the segment's generated code on the same weights, one autograd backward per segm
 micro-batch at the first backward action of its ops, the others skipped. Its inputs enter
 through the same identity function as an op's. The memory it counts differs from the op
 path's only in the values that live inside a segment (an intermediate of its forward, a
-gradient flowing between its ops), counted only where autograd saves them.
+gradient flowing between its ops), counted only where autograd saves them. With the job's
+``compile`` each segment's code runs through ``torch.compile``
+(:mod:`explorer.runtime.segment_compile`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
+from explorer.runtime.segment_compile import compile_segment
 from explorer.runtime.segment_steps import SegmentSteps
 from explorer.runtime.segments import (
     Segment,
@@ -149,7 +152,8 @@ class StageRunner(SegmentSteps):
                                     if seg.backward_at is not None})
             for seg in segments:
                 if seg.nodes not in self.codes:
-                    self.codes[seg.nodes] = self._segment_code(seg)
+                    code = self._segment_code(seg)
+                    self.codes[seg.nodes] = compile_segment(code) if job.compile else code
             #: per (micro-batch, op), its segment
             self.segment_of = {(seg.micro_batch, i): seg for seg in segments
                                for i in seg.nodes}
