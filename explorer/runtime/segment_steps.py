@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
@@ -53,6 +54,7 @@ class SegmentSteps:
     shard_dims: dict
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
     _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
+    checkpointed: bool  # the stage recomputes its segments in their backward
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
@@ -108,7 +110,8 @@ class SegmentSteps:
         saving = (tracker.saving(self._stand_in) if L.tdev.type != "cuda"
                   or self.weights.shards.ghost else contextlib.nullcontext())
         with saving, self._autocast():
-            outs = code.forward(*args)
+            outs = (self._checkpointed(code, args) if self.checkpointed and seg.backward_nodes
+                    else code.forward(*args))
         env = self.env[(m, u)]
         edges = []
         for o, readers, out in zip(seg.outputs, seg.readers_after, outs, strict=True):
@@ -145,6 +148,25 @@ class SegmentSteps:
         for o in seg.outputs:
             if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
                 self._release_output(m, u, o)
+
+    def _checkpointed(self, code: Any, args: list) -> Any:
+        """Segment ``code``'s outputs on ``args`` as ``torch.utils.checkpoint`` (reentrant)
+        makes them: its forward saves nothing but its inputs; its backward runs the forward
+        again (the same seeds and precision) and back-propagates through that, so what the
+        ops save lives only during the segment's backward (counted then, on CPU)."""
+        counting = self.layout.tdev.type != "cuda"
+        spec: list = []
+
+        def run(*inputs: Any) -> tuple:
+            again = torch.is_grad_enabled()  # (the backward's run: count what it saves)
+            with (self.tracker.saving() if again and counting else contextlib.nullcontext()), \
+                    self._autocast():
+                flat, tree = tree_flatten(code.forward(*inputs))
+            spec[:] = [tree]
+            return tuple(flat)
+
+        flat = checkpoint(run, *args, use_reentrant=True, preserve_rng_state=False)
+        return tree_unflatten(list(flat), spec[0])
 
     def _segment_backward(self, seg: Segment, u: int) -> None:
         """Run segment ``seg``'s backward on shard ``u``: its outputs' gradients (from later

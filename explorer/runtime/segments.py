@@ -92,7 +92,8 @@ def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
     node, always an output. With ``units`` (each node's unit,
     :func:`~explorer.costs.strategies.unit_of`) a segment is also cut where the unit
     changes: a ZeRO 3 stage gathers its weights a unit at a time, as FSDP2 gathers a wrapped
-    block's, and a segment holds what it gathers until it ends.
+    block's, and a segment holds what it gathers until it ends; a recomputing stage runs a
+    unit's forward again in its backward, as checkpointing a block does.
     """
     succs: list[list[int]] = [[] for _ in stage]
     for i, ps in enumerate(preds):
@@ -172,11 +173,11 @@ def _segment(m: int, nodes: list[int], s: int, stage: Sequence[int],
 
 def segments_problem(plan: Plan) -> str | None:
     """What of ``plan`` the segment runtime does not run yet (naming the stage and the
-    setting), or None: activation recomputation keeps the op-at-a-time path for now."""
+    setting), or None: selective recomputation keeps the op-at-a-time path for now."""
     for s in range(len(plan.stages)):
         st = plan.settings_of(s)
-        if st.recompute != "none":
-            what = f"activation recomputation (recompute {st.recompute!r})"
+        if st.recompute == "selective":
+            what = "selective activation recomputation"
         else:
             continue
         return f"the segment runtime does not run stage {s}'s {what} yet"

@@ -125,10 +125,12 @@ class StageRunner(SegmentSteps):
         settings = L.plan.settings_of(L.s)
         self.autocast_dtype = AUTOCAST_DTYPES.get(settings.precision)
         self.recompute: Recomputer | None = None
-        if settings.recompute != "none":
-            if job.units is None:
-                raise ExplorerError("this job folder was written without recomputation units; "
-                                    "export the plan again (ex.export_script)")
+        #: the segments recompute: each unit's segment is checkpointed
+        self.checkpointed = settings.recompute == "full" and job.runtime == "segments"
+        if settings.recompute != "none" and job.units is None:
+            raise ExplorerError("this job folder was written without recomputation units; "
+                                "export the plan again (ex.export_script)")
+        if settings.recompute != "none" and not self.checkpointed:
             per_unit = {kind: dict(Counter(job.units[a.node] for a in self.actions
                                            if a.kind == kind and a.micro_batch == 0))
                         for kind in (FWD, BWD)}
@@ -146,7 +148,8 @@ class StageRunner(SegmentSteps):
             choose_runtime(L.plan, "segments")  # (refuses what the segments cannot run yet)
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name),
-                                      job.units if self.weights.shards.ghost else None)
+                                      job.units if self.weights.shards.ghost
+                                      or self.checkpointed else None)
             self.segment_at = {seg.forward_at: seg for seg in segments}
             self.segment_at.update({seg.backward_at: seg for seg in segments
                                     if seg.backward_at is not None})
@@ -157,7 +160,6 @@ class StageRunner(SegmentSteps):
             #: per (micro-batch, op), its segment
             self.segment_of = {(seg.micro_batch, i): seg for seg in segments
                                for i in seg.nodes}
-
         #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
         self.prefetch_before = self._prefetches()
 
