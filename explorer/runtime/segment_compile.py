@@ -16,7 +16,10 @@ Memory accounting on CPU ranks (:meth:`explorer.runtime.accounting.MemTracker.sa
 as for eager segments: the saved-tensor hooks around a segment's forward see what each
 piece's compiled forward (AOTAutograd's) saves for its backward, which is what a compiled
 segment holds between its forward and backward; it may be fewer and other tensors than the
-eager ops save (a ReLU's boolean mask in place of its output, a fused chain's input only).
+eager ops save (a ReLU's boolean mask in place of its output, a fused chain's input only). A
+ZeRO 3 stage's gathered weights are saved as references there too. On a tensor-parallel stage
+each op is called through the stage's mesh in Python (DTensors): dynamo breaks its graphs at
+those calls, so such a stage computes what its eager segments do but gains little.
 """
 
 from __future__ import annotations
