@@ -277,27 +277,33 @@ def _two_ranks(script) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_plan_runs_under_two_ranks(mlp, tmp_path):
-    """The job carries the split weights' placements; two ranks train a step of the plan."""
+@pytest.mark.parametrize("runtime", ["ops", "segments"])
+def test_a_tensor_parallel_plan_runs_under_two_ranks(mlp, tmp_path, runtime):
+    """The job carries the split weights' placements; two ranks train a step of the plan, op
+    by op or in segments."""
     plan = ex.Plan.from_assignment(mlp, [("cpu:0", "cpu:1")],
                                    {n.name: 0 for n in mlp.nodes if n.kind == "op"}
                                    ).with_tensor(2)
-    script = export_script(plan, tmp_path / "train.py", graph=mlp)
-    placements = json.loads((tmp_path / "train_job" / "job.json").read_text())["placements"]
-    assert placements["layers.0.weight"] == "Shard(0)"
+    script = export_script(plan, tmp_path / "train.py", graph=mlp, runtime=runtime)
+    job = json.loads((tmp_path / "train_job" / "job.json").read_text())
+    assert job["placements"]["layers.0.weight"] == "Shard(0)"
+    assert job["runtime"] == runtime
     ref = ex.reference(ex.builtin_model("mlp", "tiny"), 1)
     assert f"step 1/1: loss {ref.losses[0]:.4f}" in _two_ranks(script)[0]
 
 
 @pytest.mark.slow
-def test_a_sequence_parallel_gpt_runs_under_two_ranks(tmp_path):
-    """The GPT split two ways with its norms and residual adds on sequence shards."""
+@pytest.mark.parametrize("runtime", ["ops", "segments"])
+def test_a_sequence_parallel_gpt_runs_under_two_ranks(tmp_path, runtime):
+    """The GPT split two ways with its norms and residual adds on sequence shards, op by op
+    or in segments."""
     gpt = tiny_builtin_graph("gpt")
     plan = ex.Plan.from_assignment(gpt, [("cpu:0", "cpu:1")],
                                    {n.name: 0 for n in gpt.nodes if n.kind == "op"}
                                    ).with_tensor(2, sequence=True)
-    script = export_script(plan, tmp_path / "train.py", graph=gpt)
+    script = export_script(plan, tmp_path / "train.py", graph=gpt, runtime=runtime)
     job = json.loads((tmp_path / "train_job" / "job.json").read_text())
+    assert job["runtime"] == runtime
     assert job["placements"]["blocks.0.attn.qkv.weight"] == "_StridedShard(dim=0, sf=3)"
     assert "layer_norm" in job["sequence_ops"] and "embedding" in job["sequence_ops"]
     ref = ex.reference(ex.builtin_model("gpt", "tiny"), 1)
