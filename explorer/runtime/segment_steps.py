@@ -55,6 +55,8 @@ class SegmentSteps:
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
     _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
     checkpointed: bool  # the stage recomputes its segments in their backward
+    #: per parameter, the uses of the segment whose backward runs now not yet done
+    param_uses: dict[int, int]
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
@@ -196,6 +198,8 @@ class SegmentSteps:
             pairs += [(e, g) for e, g in zip(out_edges, grads or [], strict=False)
                       if e is not None and g is not None]
         self.weights.shards.current = (m, u)
+        self.param_uses = {p: n for p, n in zip(seg.inputs, seg.backward_uses, strict=True)
+                           if L.kind[p] == "param" and n}
         # (what autograd saved is counted free when it frees it, inside the backward: the
         # gradients flowing between the segment's ops are not counted, as its forward's
         # values that only live inside it are not)
@@ -212,6 +216,14 @@ class SegmentSteps:
         self._route_segment_grads(seg, u, slots)
         for g in made:
             self.tracker.drop(g)
+
+    def param_grad_made(self, p: int) -> None:
+        """Autograd has added parameter ``p``'s gradient of the segment whose backward runs
+        now: the segment's uses of it are done, so a gradient complete for the step starts
+        its all-reduce (or reduce-scatter) here, overlapping the rest of the backward, as
+        DDP's hooks start theirs."""
+        for _ in range(self.param_uses.pop(p, 0)):
+            self.weights.used(p, self.weights.shards.current)
 
     def _hold_segment_partials(self, seg: Segment, u: int, whole_split: Any,
                                partial_slots: list) -> None:
@@ -234,8 +246,8 @@ class SegmentSteps:
         m = seg.micro_batch
         per_pred = _summed(slots, L.nflat)
         for p, n in zip(seg.inputs, seg.backward_uses, strict=True):
-            if L.kind[p] == "param":
-                for _ in range(n):
+            if L.kind[p] == "param":  # (those no gradient reached: done now)
+                for _ in range(self.param_uses.pop(p, 0)):
                     self.weights.used(p, (m, u))
                 continue
             if L.kind[p] != "op" or not L.requires_grad[p]:

@@ -160,6 +160,11 @@ class StageRunner(SegmentSteps):
             #: per (micro-batch, op), its segment
             self.segment_of = {(seg.micro_batch, i): seg for seg in segments
                                for i in seg.nodes}
+            self.param_uses = {}
+            for i, t in self.weights.value.items():
+                if L.kind[i] == "param" and t.requires_grad:
+                    t.register_post_accumulate_grad_hook(
+                        lambda _, i=i: self.param_grad_made(i))
         #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
         self.prefetch_before = self._prefetches()
 
