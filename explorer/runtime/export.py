@@ -41,7 +41,7 @@ from explorer.runtime.jobfiles import (
     write_job,
 )
 from explorer.runtime.modelsource import model_source
-from explorer.runtime.segments import segments_problem
+from explorer.runtime.segments import choose_runtime, segments_problem
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
@@ -149,19 +149,17 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     from :mod:`explorer.models` the same way. Either is needed for a graph captured on fake
     tensors.
 
-    ``runtime`` and ``compile`` are how the ranks run their ops, as in ``ex.run``: one at a
-    time ("ops", the default without ``compile``) or as segments ("segments", the default
-    with it), ``compile=True`` running the segments through ``torch.compile``. The script's
+    ``runtime`` and ``compile`` are how the ranks run their ops, as in ``ex.run``: as
+    segments where they run the plan, else one at a time (``runtime`` asks for one), with
+    ``compile=True`` running the segments through ``torch.compile``. The script's
     ``--runtime`` and ``--compile`` / ``--no-compile`` override them.
     """
-    if runtime is None:
-        runtime = "segments" if compile else "ops"
-    if runtime not in RUNTIMES:
+    if runtime is not None and runtime not in RUNTIMES:
         raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
                             f"{runtime!r}")
     if not isinstance(compile, bool):
         raise ExplorerError(f"compile must be True or False, not {compile!r}")
-    if compile and runtime != "segments":
+    if compile and runtime == "ops":
         raise ExplorerError("compile=True compiles the segments' code: export with "
                             "runtime='segments' (--runtime segments)")
     graph = graph or captured_graph(plan.graph_fingerprint)
@@ -183,8 +181,10 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
     check_supported(graph, plan)
-    if runtime == "segments" and (problem := segments_problem(plan)):
-        raise PlanError(f"{problem}; export it with runtime='ops', or drop that setting")
+    if compile and (problem := segments_problem(plan)):
+        raise PlanError(f"compile=True needs the segment runtime, but {problem}; drop that "
+                        "setting, or export with compile=False")
+    runtime, _ = choose_runtime(plan, runtime)
     path = Path(path)
     if path.suffix != ".py":
         raise ExplorerError(f"the script name should end in .py, not {path.name!r}")

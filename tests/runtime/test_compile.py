@@ -194,14 +194,15 @@ class TestSettings:
         assert (job["runtime"], job["compile"]) == ("segments", False)
         ex.export_script(plan, tmp_path / "c.py", graph=mlp)
         job = json.loads((tmp_path / "c_job" / "job.json").read_text())
-        assert (job["runtime"], job["compile"]) == ("ops", False)
+        assert (job["runtime"], job["compile"]) == ("segments", False)  # (as ex.run)
         with pytest.raises(ExplorerError, match="compile=True compiles the segments' code: "
                                                 "export with runtime='segments'"):
             ex.export_script(plan, tmp_path / "d.py", graph=mlp, runtime="ops", compile=True)
         with pytest.raises(ExplorerError, match="runtime must be one of 'ops', 'segments'"):
             ex.export_script(plan, tmp_path / "e.py", graph=mlp, runtime="fast")
         monkeypatch.setattr(export, "segments_problem", lambda plan: "it cannot run X")
-        with pytest.raises(PlanError, match="it cannot run X; export it with runtime='ops'"):
+        with pytest.raises(PlanError, match="compile=True needs the segment runtime, but it "
+                                            "cannot run X; drop that setting"):
             ex.export_script(plan, tmp_path / "f.py", graph=mlp, compile=True)
         assert not (tmp_path / "d.py").exists() and not (tmp_path / "f.py").exists()
 
