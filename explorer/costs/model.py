@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -27,6 +27,10 @@ from explorer.platforms.cpu import ReplicaEffects
 ROOFLINE_EFFICIENCY = 0.6
 #: fixed cost per op when nothing was measured: eager PyTorch dispatch + kernel launch
 NOMINAL_OVERHEAD_S = {"cuda": 8e-6, "cpu": 4e-6}
+#: the runtimes a profile's times can be of (``DeviceCosts.runtime``): the names of
+#: ``explorer.runtime.jobfiles.RUNTIMES``, which this layer cannot import
+ProfiledRuntime = Literal["ops", "segments"]
+PROFILED_RUNTIMES: tuple[ProfiledRuntime, ...] = ("ops", "segments")
 #: what running a tensor-parallel stage adds to the plain ops the profile times
 #: (``DeviceCosts.dtensor``, seconds): per split op that reads a split weight (a DTensor), in
 #: its forward and backward, per collective a split op waits for (beyond the link's time),
@@ -44,6 +48,8 @@ class DeviceCosts:
     fwd_s: list[float]
     bwd_s: list[float]
     source: list[str]  # per node: "measured" | "roofline" | "free" (placeholders)
+    #: the fixed cost of an op, which does not shrink with the batch (dispatch, kernel launch;
+    #: measured: the least an op took, at least a tiny op's time)
     overhead_s: float
     optimizer_s_per_byte: dict[str, float] = field(default_factory=dict)
     optimizer_s_per_tensor: dict[str, float] = field(default_factory=dict)
@@ -81,6 +87,16 @@ class DeviceCosts:
     #: link's time (issuing it, a communication thread taking the rank's core, waking the
     #: rank that waits for it), measured by a host probe on CPU ranks; 0 where not measured
     collective_s: float = 0.0
+    #: the runtime whose steps these times are of (:data:`PROFILED_RUNTIMES`): "ops", one op
+    #: at a time, each with a backward of its own, or "segments", a rank's consecutive ops
+    #: as one piece of generated code with one backward (``explorer.runtime.segments``)
+    runtime: ProfiledRuntime = "ops"
+    #: a profile of the segment runtime: what the op path added to each op beyond its cost in
+    #: a segment, fitted on segment runs per direction (forward, backward) at the whole batch
+    #: and at each of ``fractions``: ``[[fwd at 1, at fractions...], [bwd ...]]``; empty
+    #: where the times are the op path's own. An op's cost in a segment is its op-path time
+    #: less this, never under the per-op dispatch cost ``overhead_s``
+    op_path_extra_s: list[list[float]] = field(default_factory=list)
 
     @property
     def replica_effects(self) -> ReplicaEffects:

@@ -71,7 +71,8 @@ def measure_collective_s(steps: int = 8, warmup: int = 3, pool: RankPool | None 
     graph = probe_graph()
     two = Cluster.cpu(2)
     dev = two.devices[0]
-    dc = replace(ops.measured(graph, dev, repeats, progress=False, pool=pool), collective_s=0.0)
+    dc = replace(ops.measured(graph, dev, repeats, progress=False, pool=pool, runtime="ops"),
+                 collective_s=0.0)  # (its runs go one op at a time)
     costs = CostModel(graph.fingerprint, two, {dev.type_key: dc})
     plain = Plan.from_assignment(graph, [tuple(two.ids)], {n.name: 0 for n in graph.nodes},
                                  optimizer="adam")

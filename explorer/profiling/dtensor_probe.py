@@ -71,7 +71,8 @@ def measure_dtensor_costs(steps: int = 30, warmup: int = 3, pool: RankPool | Non
     tensor-parallel run on ranks started for it, as ``ex.run`` makes the runs predictions are
     compared with."""
     graph = probe_graph()
-    dc = ops.measured(graph, Cluster.cpu(2).devices[0], progress=False, pool=pool)
+    dc = ops.measured(graph, Cluster.cpu(2).devices[0], progress=False, pool=pool,
+                      runtime="ops")  # (its runs go one op at a time)
     return split_run_costs(graph, dc, steps, warmup)
 
 

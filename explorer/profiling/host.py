@@ -33,13 +33,16 @@ from explorer.platforms.cpu.host_cache import (
 )
 from explorer.profiling import ops
 from explorer.runtime import launch
+from explorer.runtime.jobfiles import Runtime
 from explorer.runtime.pool import RankPool
 from explorer.simulate.simulator import simulate
 
 #: how many times the contention pair (one rank alone, two ranks at once) is run, in turn
 CONTENTION_ROUNDS = 2
-#: the message probe's entry in the host measurement cache
+#: the message probe's entry in the host measurement cache (the op path's; the segment
+#: runtime's has :data:`SEGMENTS_KEY` after it)
 PROBE_KEY = "runtime message cost, stages not slowing each other"
+SEGMENTS_KEY = ", segment runtime"
 
 
 def measured_once(cluster: Cluster, cache: bool, probe_key: str, fields: tuple[str, ...],
@@ -132,7 +135,7 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
 
 
 def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
-                  report: ops.Report | None = None) -> float:
+                  report: ops.Report | None = None, runtime: Runtime = "segments") -> float:
     """Seconds of processor time per message at each end between CPU ranks of this host
     (0.0 when ``cluster`` has fewer than two measured CPU ranks, or the probe fails).
 
@@ -142,11 +145,17 @@ def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
     slept). Measured once per host and torch version (:func:`measure_message_s`) and kept in
     the host measurement cache; calibration refines it from your own runs. The probe's profile
     is made on ``pool``'s ranks where given, and ``report`` is told when it starts.
+
+    Each ``runtime`` has its own: the probe profiles and runs in it. In segments, the probe's
+    two stages make two segments of each micro-batch where its profile's one device made
+    one, so what a segment call costs beyond its ops is counted with the messages that cross
+    a cut between stages, as it is paid where such a cut makes more segments.
     """
     cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
     if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
         return 0.0
-    path, key = cache_file(), f"{cache_key()}|{PROBE_KEY}"
+    path = cache_file()
+    key = f"{cache_key()}|{PROBE_KEY}{SEGMENTS_KEY if runtime == 'segments' else ''}"
     memo = _MEMO.get((str(path), key))
     if memo is not None:
         return memo
@@ -159,15 +168,16 @@ def cpu_message_s(cluster: Cluster, pool: RankPool | None = None,
     if report is not None:
         report("measuring what a message between CPU ranks costs (once per host)")
     try:
-        value = measure_message_s(pool=pool)
+        value = measure_message_s(pool=pool, runtime=runtime)
     except Exception:  # a probe that cannot run leaves the cost unknown (0), not an error
         _MEMO[(str(path), key)] = 0.0
         return 0.0
     _MEMO[(str(path), key)] = value
     write_cache(path, key, {"message_s": value,
                             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                            "how": "tiny MLP, 2 stages x 4 micro-batches on 2 CPU ranks, "
-                                   "busy time beyond the profile / messages"})
+                            "how": f"tiny MLP, 2 stages x 4 micro-batches on 2 CPU ranks "
+                                   f"({runtime} runtime), busy time beyond the profile / "
+                                   "messages"})
     return value
 
 
@@ -180,16 +190,16 @@ def forget_message_s() -> None:
     _MEMO.clear()
 
 
-def measure_message_s(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
-                      ) -> float:
+def measure_message_s(steps: int = 8, warmup: int = 3, pool: RankPool | None = None,
+                      runtime: Runtime = "segments") -> float:
     """Run the probe (a few seconds) and return seconds per message per end: the extra busy
     time of :func:`message_probe` per message, at least 0."""
-    messages, extra_busy_s = message_probe(steps, warmup, pool)
+    messages, extra_busy_s = message_probe(steps, warmup, pool, runtime)
     return max(0.0, extra_busy_s / messages) if messages > 0 else 0.0
 
 
-def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
-                  ) -> tuple[float, float]:
+def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None,
+                  runtime: Runtime = "segments") -> tuple[float, float]:
     """The probe's two figures: how many message ends the plan has, and how much busy time
     the ranks spent beyond the profile's prediction (seconds, summed over the ranks; noise can
     make it negative).
@@ -205,10 +215,11 @@ def message_probe(steps: int = 8, warmup: int = 3, pool: RankPool | None = None
     two = Cluster.cpu(2)
     dev = two.devices[0]
     costs = CostModel(graph.fingerprint, two,
-                      {dev.type_key: ops.measured(graph, dev, progress=False, pool=pool)})
+                      {dev.type_key: ops.measured(graph, dev, progress=False, pool=pool,
+                                                  runtime=runtime)})
     plan = partition(graph, two, costs, "even-layers", micro_batches=4)
     meas = launch.run(graph, plan=plan, costs=costs, steps=steps, warmup=warmup,
-                      progress=False, runtime="ops")
+                      progress=False, runtime=runtime)
     base = simulate(graph, plan, costs).busy_s
     probe = simulate(graph, plan, replace(costs, message_s=1e-3)).busy_s
     # a whole number of message ends, read back from seconds: round off the float error

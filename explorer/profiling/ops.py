@@ -31,9 +31,10 @@ from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
 from explorer.platforms.gpu import library_workspace_bytes
 from explorer.platforms.load import HostLoad, ShareMeter, load_per_core, usable_cores
-from explorer.profiling import recheck
+from explorer.profiling import recheck, segment_fit
 from explorer.profiling.profile_cache import CachedProfile, cache_path, load_entry, store
 from explorer.runtime import launch
+from explorer.runtime.jobfiles import Runtime
 from explorer.runtime.pool import RankPool
 
 #: steps timed in each run of the profile (after the warm-up). A run costs seconds to start
@@ -48,6 +49,11 @@ FRACTION_SPLITS = (2, 4)
 #: A shared host's speed wanders by 5-10 % over seconds, and averaging runs made a few
 #: seconds apart narrows the spread of the whole-batch step total.
 ROUNDS = 2
+
+
+#: what one timing run gives: per node its forward and backward seconds, and the optimizer
+#: step's (:func:`measure_in_runtime`)
+Run = tuple[list[float], list[float], float]
 
 
 #: a function told how far a profile is, in words ("profiling gpt on cpu:0: 2 of 6 runs")
@@ -112,8 +118,9 @@ class RunsBar:
 def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
              cache: bool = True, progress: bool = True, pool: RankPool | None = None,
              report: Report | None = None, first: FirstRun | None = None,
-             complete: Complete | None = None) -> DeviceCosts:
-    """``graph``'s profile on ``dev`` (which must be present): read from the cache, or
+             complete: Complete | None = None, runtime: Runtime = "segments") -> DeviceCosts:
+    """``graph``'s profile on ``dev`` (which must be present) for ``runtime``: read from the
+    cache (an entry of each runtime apart), or
     measured (:func:`measure`, its runs on ``pool``'s ranks where given, how far it is told to
     ``report``, its first run's preliminary costs to ``first``) and cached;
     ``cache=False`` measures afresh. A cache entry that does not fit ``graph`` or holds no
@@ -122,14 +129,14 @@ def measured(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 
     A profile measured while the host was busy (:meth:`~explorer.platforms.Platform.busy_host`)
     comes with a warning. ``complete`` (where given) may add what the profile lacks, in
     place, saying whether it did; what it adds is cached with the profile."""
-    path = cache_path(graph, dev, repeats)
-    got = load_entry(path, len(graph), dev.type_key) if cache else None
+    path = cache_path(graph, dev, repeats, runtime)
+    got = load_entry(path, len(graph), dev.type_key, runtime) if cache else None
     if got is not None and not _still_holds(graph, dev, got, path):
         got = None
     fresh = got is None
     if got is None:
         got = measure_recorded(graph, dev, repeats, warmup, progress, pool=pool, report=report,
-                               first=first)
+                               first=first, runtime=runtime)
     if got.load is not None and (busy := platform_of(dev.kind).busy_host(got.load)):
         where = "" if fresh else f" (cached in {path})"
         warnings.warn(f"the profile of {graph.name} on {dev.id}{where} was measured on a "
@@ -149,8 +156,8 @@ Complete = Callable[[DeviceCosts], bool]
 
 def measure_recorded(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
                      progress: bool = True, pool: RankPool | None = None,
-                     report: Report | None = None, first: FirstRun | None = None
-                     ) -> CachedProfile:
+                     report: Report | None = None, first: FirstRun | None = None,
+                     runtime: Runtime = "segments") -> CachedProfile:
     """:func:`measure`, with the host's load while it ran and the re-check's reference: a
     few of the graph's ops timed in this process just before and just after its runs
     (:mod:`explorer.profiling.recheck`; their processor share is the load's)."""
@@ -158,7 +165,8 @@ def measure_recorded(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup
     meter = ShareMeter()
     start_load = load_per_core()
     before = _look(graph, dev, nodes, meter)
-    dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report, first=first)
+    dc = measure(graph, dev, repeats, warmup, progress, pool=pool, report=report, first=first,
+                 runtime=runtime)
     after = _look(graph, dev, nodes, meter)
     under = HostLoad(meter.share, start_load, usable_cores())
     return CachedProfile(dc, under, recheck.reference(dc, nodes, [before, after]))
@@ -232,55 +240,83 @@ def _time(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup:
 
 def measure(graph: OpGraph, dev: Device, repeats: int = REPEATS, warmup: int = 2,
             progress: bool = True, pool: RankPool | None = None,
-            report: Report | None = None, first: FirstRun | None = None) -> DeviceCosts:
-    """Time every op of ``graph`` on ``dev`` (which must be present).
+            report: Report | None = None, first: FirstRun | None = None,
+            runtime: Runtime = "segments") -> DeviceCosts:
+    """Time every op of ``graph`` on ``dev`` (which must be present), as ``runtime`` runs it.
 
     Export-captured graphs run through the real runtime (:mod:`explorer.runtime.worker`) on one
-    rank, so each op's forward and backward are timed exactly as a real run executes them,
-    bookkeeping included; the optimizer step is timed the same way. Each of those runs (the
-    whole batch, a half, a quarter) is made ``ROUNDS`` times in turn, on ``pool``'s ranks where
-    given (else each on processes of its own). Hook-captured graphs time each leaf-module call
-    in real forward and backward passes.
+    rank, so each op's forward and backward are timed exactly as a real run of the op path
+    executes them, bookkeeping included; the optimizer step is timed the same way. Each of
+    those runs (the whole batch, a half, a quarter) is made ``ROUNDS`` times in turn, on
+    ``pool``'s ranks where given (else each on processes of its own). For the segment runtime
+    (``runtime="segments"``) the op path runs each share once, and the same plan runs in
+    segments ``ROUNDS`` times, each just after it in the first round: the ops' costs in a
+    segment are their op-path times less what the op path adds per op, fitted so they add up
+    to the segment runs' forward and backward (:func:`explorer.profiling.segment_fit.fit`),
+    and the optimizer step is the segment runs'. Hook-captured graphs time each leaf-module
+    call in real forward and backward passes.
 
-    ``first`` (where given) is called with the preliminary costs of the first whole-batch run
-    alone (:func:`first_run_costs`) as soon as that run is done, before the others; what this
-    returns does not depend on it.
+    ``first`` (where given) is called with the preliminary costs of the first whole-batch
+    run(s) alone (:func:`first_run_costs`) as soon as they are done, before the others; what
+    this returns does not depend on it.
     """
     sync = _sync(dev)
     with device_threads(dev), torch.random.fork_rng(devices=[]):
         per_byte, per_tensor = _measure_optimizers(dev, sync)
         tiny = torch.zeros(1, device=dev.torch_device)
         floor = _time(lambda: torch.add(tiny, 1.0), sync, max(repeats, 20), warmup)
-        fractions: list[float] = []
-        fwd_at: list[list[float]] = []
-        bwd_at: list[list[float]] = []
         if graph.source == "hooks":
             fwd, bwd = _measure_modules(graph, dev, repeats, warmup)
-        else:
-            # the whole batch, then the same ops on a half and a quarter of it (micro-batches
-            # and replicas run there, and small ops do not shrink in proportion)
-            splits = batch_fractions(graph)
-            bar = RunsBar(timing_runs(graph), f"profiling {graph.name} on {dev.id}",
-                          progress, report)
-            got: dict[int, list[tuple[list[float], list[float], float]]] = {}
-            for _ in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
-                for m in splits:
-                    got.setdefault(m, []).append(measure_in_runtime(
+            return _device_costs(graph, dev, fwd, bwd, floor, per_byte, per_tensor,
+                                 runtime=runtime)
+        # the whole batch, then the same ops on a half and a quarter of it (micro-batches
+        # and replicas run there, and small ops do not shrink in proportion)
+        splits = batch_fractions(graph)
+        bar = RunsBar(timing_runs(graph, runtime), f"profiling {graph.name} on {dev.id}",
+                      progress, report)
+        on_ops: dict[int, list[Run]] = {}
+        in_segments: dict[int, list[Run]] = {}
+        for r in range(ROUNDS):  # in turn, so a slow spell of the host hits every split
+            for m in splits:
+                if runtime == "ops" or r == 0:
+                    on_ops.setdefault(m, []).append(measure_in_runtime(
                         graph, dev, repeats, warmup, False, micro_batches=m, pool=pool))
                     bar.update()
-                    if first is not None and bar.done == 1:
-                        first(first_run_costs(graph, dev, got[1][0], floor, per_byte,
-                                              per_tensor))
-            bar.close()
-            fwd, bwd, opt_s = _mean_of_rounds(got[1])
-            for m in splits[1:]:
-                f, b, _ = _mean_of_rounds(got[m])
-                fractions.append(1.0 / m)
-                fwd_at.append(_at_most(f, fwd_at[-1] if fwd_at else fwd))
-                bwd_at.append(_at_most(b, bwd_at[-1] if bwd_at else bwd))
-            per_byte, per_tensor = _optimizer_to_step(graph, opt_s, per_byte, per_tensor)
-    return _device_costs(graph, dev, fwd, bwd, floor, per_byte, per_tensor, fractions, fwd_at,
-                         bwd_at)
+                if runtime == "segments":
+                    in_segments.setdefault(m, []).append(measure_in_runtime(
+                        graph, dev, repeats, warmup, False, micro_batches=m, pool=pool,
+                        runtime="segments"))
+                    bar.update()
+                if first is not None and r == 0 and m == 1:
+                    first(first_run_costs(graph, dev, on_ops[1][0], floor, per_byte,
+                                          per_tensor, in_segments.get(1, [None])[0]))
+        bar.close()
+    return _from_runs(graph, dev, splits, on_ops, in_segments, floor, per_byte, per_tensor)
+
+
+def _from_runs(graph: OpGraph, dev: Device, splits: list[int], on_ops: dict[int, list[Run]],
+               in_segments: dict[int, list[Run]], floor_s: float,
+               per_byte: dict[str, float], per_tensor: dict[str, float]) -> DeviceCosts:
+    """The profile from its timing runs: per micro-batch count in ``splits``, the op path's
+    runs ``on_ops`` (per op, the mean over them) and, for the segment runtime, the segment
+    runs ``in_segments`` the ops' costs are fitted to (:func:`segment_fit.fit`)."""
+    fwd_at: list[list[float]] = []
+    bwd_at: list[list[float]] = []
+    for m in splits:
+        f, b, _ = _mean_of_rounds(on_ops[m])
+        fwd_at.append(_at_most(f, fwd_at[-1]) if fwd_at else f)
+        bwd_at.append(_at_most(b, bwd_at[-1]) if bwd_at else b)
+    opt_s = _mean_of_rounds(on_ops[splits[0]])[2]  # (the whole batch's step)
+    extra: list[list[float]] = []
+    if in_segments:
+        seg = [_mean_of_rounds(in_segments[m]) for m in splits]
+        fitted = segment_fit.fit(fwd_at, bwd_at, [sum(f) for f, _, _ in seg],
+                                 [sum(b) for _, b, _ in seg], floor_s)
+        fwd_at, bwd_at, extra, opt_s = fitted.fwd_at, fitted.bwd_at, fitted.extra_s, seg[0][2]
+    per_byte, per_tensor = _optimizer_to_step(graph, opt_s, per_byte, per_tensor)
+    return _device_costs(graph, dev, fwd_at[0], bwd_at[0], floor_s, per_byte, per_tensor,
+                         [1.0 / m for m in splits[1:]], fwd_at[1:], bwd_at[1:],
+                         "segments" if in_segments else "ops", extra)
 
 
 def batch_fractions(graph: OpGraph) -> list[int]:
@@ -290,21 +326,24 @@ def batch_fractions(graph: OpGraph) -> list[int]:
                   and graph.batch_size % m == 0]
 
 
-def timing_runs(graph: OpGraph) -> int:
-    """How many runs the op timing of ``graph`` makes (:func:`measure`; 0 for hook-captured
-    graphs, timed in this process)."""
-    return 0 if graph.source == "hooks" else ROUNDS * len(batch_fractions(graph))
+def timing_runs(graph: OpGraph, runtime: Runtime = "segments") -> int:
+    """How many runs the op timing of ``graph`` for ``runtime`` makes (:func:`measure`; 0 for
+    hook-captured graphs, timed in this process): ``ROUNDS`` per share of the batch on the
+    op path, or for the segment runtime one there and ``ROUNDS`` in segments."""
+    if graph.source == "hooks":
+        return 0
+    return (ROUNDS if runtime == "ops" else 1 + ROUNDS) * len(batch_fractions(graph))
 
 
-def first_run_costs(graph: OpGraph, dev: Device,
-                    run: tuple[list[float], list[float], float], floor_s: float,
-                    per_byte: dict[str, float], per_tensor: dict[str, float]) -> DeviceCosts:
-    """Preliminary costs from one whole-batch run (per-op times and the optimizer step as
-    measured there): no fractions of the batch (smaller shares scale in proportion) and no
-    contention, which later runs measure."""
-    fwd, bwd, opt_s = run
-    per_byte, per_tensor = _optimizer_to_step(graph, opt_s, per_byte, per_tensor)
-    return _device_costs(graph, dev, list(fwd), list(bwd), floor_s, per_byte, per_tensor)
+def first_run_costs(graph: OpGraph, dev: Device, run: Run, floor_s: float,
+                    per_byte: dict[str, float], per_tensor: dict[str, float],
+                    segments: Run | None = None) -> DeviceCosts:
+    """Preliminary costs from one whole-batch run of the op path (per-op times and the
+    optimizer step as measured there), fitted to one of the segments where ``segments`` is
+    given: no fractions of the batch (smaller shares scale in proportion) and no contention,
+    which later runs measure."""
+    return _from_runs(graph, dev, [1], {1: [run]}, {1: [segments]} if segments else {},
+                      floor_s, per_byte, per_tensor)
 
 
 def _optimizer_to_step(graph: OpGraph, opt_s: float, per_byte: dict[str, float],
@@ -324,15 +363,16 @@ def _optimizer_to_step(graph: OpGraph, opt_s: float, per_byte: dict[str, float],
 def _device_costs(graph: OpGraph, dev: Device, fwd: list[float], bwd: list[float],
                   floor_s: float, per_byte: dict[str, float], per_tensor: dict[str, float],
                   fractions: list[float] | None = None, fwd_at: list[list[float]] | None = None,
-                  bwd_at: list[list[float]] | None = None) -> DeviceCosts:
+                  bwd_at: list[list[float]] | None = None, runtime: Runtime = "ops",
+                  op_path_extra_s: list[list[float]] | None = None) -> DeviceCosts:
     op_times = sorted(t for t, n in zip(fwd, graph.nodes, strict=True) if n.kind == "op" and t)
     overhead = max(floor_s, op_times[0]) if op_times else floor_s
     src = ["measured" if n.kind == "op" else "free" for n in graph.nodes]
     held = (library_workspace_bytes(torch.device(dev.torch_device)) if dev.kind == "cuda"
             else 0)
     return DeviceCosts(dev.type_key, fwd, bwd, src, overhead, per_byte, per_tensor,
-                       fractions or [], fwd_at or [], bwd_at or [], workspace_bytes=held)
-
+                       fractions or [], fwd_at or [], bwd_at or [], workspace_bytes=held,
+                       runtime=runtime, op_path_extra_s=op_path_extra_s or [])
 
 
 def _mean_of_rounds(rounds: list[tuple[list[float], list[float], float]]
@@ -359,7 +399,9 @@ def measure_precision(graph: OpGraph, dev: Device, precision: str, base: DeviceC
     Each of ``ROUNDS`` rounds times the whole batch in fp32 and then in ``precision``, back to
     back, so both see the host alike; each op's ratio of the two (means over the rounds)
     scales its times in ``base``, the fp32 profile the result goes with, which may have been
-    measured at another moment.
+    measured at another moment. Where ``base`` is of the segment runtime, the ratio is of the
+    op-path times less what the op path adds per op (``DeviceCosts.op_path_extra_s`` at the
+    whole batch; :func:`segment_fit.in_segments`), as the segments run the ops.
     """
     bar = RunsBar(2 * ROUNDS, f"profiling {graph.name} on {dev.id} in {precision}", False,
                   report)
@@ -371,6 +413,10 @@ def measure_precision(graph: OpGraph, dev: Device, precision: str, base: DeviceC
             bar.update()
     bar.close()
     (f32, b32, _), (f16, b16, _) = _mean_of_rounds(full), _mean_of_rounds(half)
+    if base.op_path_extra_s:  # (a profile of the segment runtime)
+        (x_f, *_), (x_b, *_) = base.op_path_extra_s
+        f32, f16 = (segment_fit.in_segments(t, x_f, base.overhead_s) for t in (f32, f16))
+        b32, b16 = (segment_fit.in_segments(t, x_b, base.overhead_s) for t in (b32, b16))
 
     def scaled(times: list[float], new: list[float], old: list[float]) -> list[float]:
         return [t * n / o if o > 0.0 else t for t, n, o in zip(times, new, old, strict=True)]
@@ -380,16 +426,18 @@ def measure_precision(graph: OpGraph, dev: Device, precision: str, base: DeviceC
 
 def measure_in_runtime(graph: OpGraph, dev: Device, repeats: int, warmup: int,
                        progress: bool, micro_batches: int = 1, pool: RankPool | None = None,
-                       precision: str = "fp32") -> tuple[list[float], list[float], float]:
+                       precision: str = "fp32", runtime: Runtime = "ops") -> Run:
     """Per-op forward/backward seconds and the optimizer step, from real steps on one rank
-    (its ops in ``precision``): each op's median over steps and micro-batches, scaled so
-    that together they make the median step's busy time."""
+    (its ops in ``precision``) of ``runtime``: each op's median over steps and micro-batches,
+    scaled so that together they make the median step's busy time. In segments
+    (``runtime="segments"``) a segment runs a micro-batch's ops: its forward is at its first
+    op's node, its backward at the node of its first backward, the others 0."""
     plan = Plan.single(graph, dev.id, optimizer="adam", micro_batches=micro_batches)
     if precision != "fp32":
         plan = plan.with_memory(precision=precision)
     meas = launch.run(graph, plan=plan, steps=repeats, warmup=warmup, progress=progress,
                       device_override={dev.id: dev.torch_device or "cpu"}, timeout_s=600.0,
-                      pool=pool, runtime="ops")
+                      pool=pool, runtime=runtime)
     task = meas.task_s
     fwd = [task.get(f"fwd:{i}", 0.0) for i in range(len(graph))]
     bwd = [task.get(f"bwd:{i}", 0.0) for i in range(len(graph))]

@@ -10,6 +10,7 @@ damaged: a warning, and the caller measures again (:func:`explorer.profiling.ops
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import warnings
@@ -21,7 +22,7 @@ import torch
 
 from explorer.core import cachefile
 from explorer.core.graph import OpGraph
-from explorer.costs.model import DeviceCosts
+from explorer.costs.model import PROFILED_RUNTIMES, DeviceCosts
 from explorer.devices.cluster import Device
 from explorer.platforms import platform_of
 from explorer.platforms.cpu.host_cache import finite_number
@@ -33,8 +34,9 @@ from explorer.profiling import recheck
 # pinned to cores; 7: ranks keep the memory they free (glibc's allocator), and the optimizer
 # step's contention is measured; 9: a tensor-parallel split's costs fitted on the graph's own
 # split run (kept with the profile, as the contention is); 10: the host's load while it was
-# measured and the re-check's reference kept with it
-PROFILE_VERSION = 10
+# measured and the re-check's reference kept with it; 11: the runtime the times are of, the
+# segment runtime's fitted on segment runs (what the op path adds per op kept with them)
+PROFILE_VERSION = 11
 
 
 def cache_dir() -> Path:
@@ -44,10 +46,12 @@ def cache_dir() -> Path:
 
 
 
-def cache_path(graph: OpGraph, dev: Device, repeats: int) -> Path:
-    """The cache file of ``graph``'s profile on ``dev``'s type, measured with ``repeats``."""
+def cache_path(graph: OpGraph, dev: Device, repeats: int, runtime: str = "segments") -> Path:
+    """The cache file of ``graph``'s profile on ``dev``'s type for ``runtime``, measured with
+    ``repeats``."""
     tag = platform_of(dev.kind).rank_settings_tag()
-    return cache_dir() / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{tag}.json"
+    return (cache_dir()
+            / f"{graph.fingerprint}-{_slug(dev.type_key)}-r{repeats}{tag}-{runtime}.json")
 
 
 @dataclass(frozen=True)
@@ -66,18 +70,18 @@ def _slug(text: str) -> str:
 
 
 
-def load(path: Path, nodes: int | None = None, type_key: str | None = None
-         ) -> DeviceCosts | None:
+def load(path: Path, nodes: int | None = None, type_key: str | None = None,
+         runtime: str | None = None) -> DeviceCosts | None:
     """The profile cached at ``path`` for a graph of ``nodes`` nodes on devices of
-    ``type_key`` (None: any); None when there is none,
+    ``type_key`` and of ``runtime`` (None: any); None when there is none,
     it is of another format or torch, or it is damaged (then with a warning: the caller
     measures again and replaces it)."""
-    got = load_entry(path, nodes, type_key)
+    got = load_entry(path, nodes, type_key, runtime)
     return None if got is None else got.costs
 
 
-def load_entry(path: Path, nodes: int | None = None, type_key: str | None = None
-               ) -> CachedProfile | None:
+def load_entry(path: Path, nodes: int | None = None, type_key: str | None = None,
+               runtime: str | None = None) -> CachedProfile | None:
     """:func:`load`, with what the profile was measured under."""
     try:
         d = cachefile.read(path)
@@ -94,6 +98,8 @@ def load_entry(path: Path, nodes: int | None = None, type_key: str | None = None
     problem = costs_problem(d, nodes)
     if not problem and type_key is not None and d["type_key"] != type_key:
         problem = f"it is for {d['type_key']!r}, not {type_key!r}"
+    if not problem and runtime is not None and d.get("runtime", "ops") != runtime:
+        problem = f"it is of runtime {d.get('runtime', 'ops')!r}, not {runtime!r}"
     if not problem:
         problem = _load_problem(under) or _reference_problem(reference, len(d["fwd_s"]))
     if problem:
@@ -183,6 +189,12 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
     checks.append(("collective_s", _bounded(d.get("collective_s", 0.0))))
     opt = d.get("optimizer_contention", 1.0)
     checks.append(("optimizer_contention", _bounded(opt) and opt > 0))
+    checks.append(("runtime", d.get("runtime", "ops") in PROFILED_RUNTIMES))
+    extra = d.get("op_path_extra_s", [])
+    checks.append(("op_path_extra_s", extra == [] or (
+        isinstance(extra, list) and len(extra) == 2 and isinstance(fractions, list)
+        and all(isinstance(row, list) and len(row) == len(fractions) + 1
+                and all(_signed(x) for x in row) for row in extra))))
     held = d.get("workspace_bytes", 0)
     checks.append(("workspace_bytes", isinstance(held, int) and not isinstance(held, bool)
                    and 0 <= held < 2**50))
@@ -198,6 +210,9 @@ _WHAT = {"source": "a list of texts, one per node",
          "collective_s": "a number of 0 to 1e6",
          "optimizer_contention": "a number above 0, at most 1e6",
          "workspace_bytes": "a whole number of bytes >= 0",
+         "runtime": " or ".join(repr(r) for r in PROFILED_RUNTIMES),
+         "op_path_extra_s": "two lists (forward, backward) of a number of -1e6 to 1e6 for the "
+                            "whole batch and for each fraction",
          "optimizer_s_per_byte": "a table of numbers of 0 to 1e6",
          "optimizer_s_per_tensor": "a table of numbers of 0 to 1e6",
          "dtensor": "a table of numbers of 0 to 1e6",
@@ -215,6 +230,12 @@ def _bounded(x: Any) -> bool:
     """A finite number of 0 to ``MAX_OP_S``: larger costs or factors are damage (and would
     overflow the simulator's sums)."""
     return finite_number(x) and x <= MAX_OP_S
+
+
+def _signed(x: Any) -> bool:
+    """A finite number of -``MAX_OP_S`` to ``MAX_OP_S`` (not a bool)."""
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and abs(x) <= MAX_OP_S)
 
 
 def _times(xs: Any, n: int) -> bool:

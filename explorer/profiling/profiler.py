@@ -23,8 +23,9 @@ from explorer.core.plan import PRECISIONS
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
-from explorer.profiling import collective_probe, dtensor_probe, host, ops
+from explorer.profiling import collective_probe, dtensor_probe, host, ops, segment_fit
 from explorer.profiling.ops import REPEATS
+from explorer.runtime.jobfiles import RUNTIMES, Runtime
 from explorer.runtime.pool import RankPool
 
 #: the precisions a profile can also time devices at (besides fp32)
@@ -58,7 +59,7 @@ Partial = Callable[[Preliminary], None]
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
             cache: bool = True, progress: bool = True, message: bool = True,
             report: ops.Report | None = None, partial: Partial | None = None,
-            precisions: tuple[str, ...] = ()) -> CostModel:
+            precisions: tuple[str, ...] = (), runtime: Runtime = "segments") -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -83,7 +84,16 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     timed with their ops in those precisions (:func:`ops.measure_precision`, kept with the
     profile), so stages set to compute in them are predicted from what they cost here rather
     than from a rule (which on CPUs leaves the fp32 times).
+
+    ``runtime`` is the runtime whose steps the costs predict (``ex.run``'s ``runtime``):
+    "segments" (a rank's consecutive ops as one piece of generated code with one backward),
+    the ops timed one at a time and fitted to segment runs of the same plan
+    (:func:`ops.measure`), and the message cost probed in segments; or "ops" (one op at a
+    time), the op timing alone. Each is cached apart.
     """
+    if runtime not in RUNTIMES:
+        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
+                            f"{runtime!r}")
     if bad := sorted(set(precisions) - set(HALF_PRECISIONS)):
         raise ExplorerError(f"precision {bad[0]!r} is not one a profile can time: "
                             f"use {' or '.join(HALF_PRECISIONS)}")
@@ -94,7 +104,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     cluster = cluster.measured()
     per_type: dict[str, DeviceCosts] = {}
     # every part's runs counted before the first (so a status line's total never changes)
-    runs = ops.ProfileRuns(_runs_total(graph, cluster, precisions), report)
+    runs = ops.ProfileRuns(_runs_total(graph, cluster, precisions, runtime), report)
     with contextlib.ExitStack() as stack:
         pools: dict[str, RankPool | None] = {}
         for dev in cluster.devices:
@@ -113,18 +123,19 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                 graph, cluster, per_type, dev.type_key, partial, runs)
             start = runs.done
             dc = ops.measured(graph, dev, repeats, warmup, cache, progress, pool=pool,
-                              report=runs, first=first,
+                              report=runs, first=first, runtime=runtime,
                               complete=functools.partial(
                                   _complete, graph=graph, dev=dev, ranks=ranks,
                                   contention=contention, precisions=precisions,
                                   repeats=repeats, warmup=warmup, progress=progress,
                                   pool=pool, runs=runs, start=start))
             # (the runs its cache entry made unnecessary, or a part that failed did not make)
-            runs.done_up_to(start + _type_runs(graph, contention, precisions))
+            runs.done_up_to(start + _type_runs(graph, contention, precisions, runtime))
             per_type[dev.type_key] = dc
         message_s = 0.0
         if message and graph.runtime is not None:
-            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=runs)
+            message_s = host.cpu_message_s(cluster, pool=pools.get("cpu"), report=runs,
+                                           runtime=runtime)
             cpus = [per_type[d.type_key] for d in cluster.devices
                     if d.kind == "cpu" and d.present]
             # the host probe's costs where the model's own split run gave none
@@ -150,7 +161,7 @@ def _complete(dc: DeviceCosts, graph: OpGraph, dev: Device, ranks: list[Device],
     (this device type's from ``start``): each part not needed counts as done before the
     next begins."""
     added = False
-    at = start + ops.timing_runs(graph)
+    at = start + ops.timing_runs(graph, dc.runtime)
     runs.done_up_to(at)
     for p in precisions:
         if graph.source != "export":
@@ -173,30 +184,36 @@ def _complete(dc: DeviceCosts, graph: OpGraph, dev: Device, ranks: list[Device],
             warnings.warn(f"could not measure how CPU ranks of this host slow each "
                           f"other ({exc}); predictions leave it out", stacklevel=4)
     runs.done_up_to(at + 2 * host.CONTENTION_ROUNDS)
-    if not dc.dtensor:  # (the host probe's costs where this finds none)
-        dc.dtensor = dtensor_probe.model_dtensor_costs(graph, dc, runs)
+    if not dc.dtensor:  # (the host probe's costs where this finds none; its split runs go
+        # one op at a time, compared with the op path's times)
+        dc.dtensor = dtensor_probe.model_dtensor_costs(graph, segment_fit.op_path_costs(dc),
+                                                       runs)
         added = added or bool(dc.dtensor)
     return added
 
 
-def _runs_total(graph: OpGraph, cluster: Cluster, precisions: tuple[str, ...] = ()) -> int:
-    """How many runs profiling ``graph`` on ``cluster`` makes, the cache aside: per measured
-    device type, its op timing, precisions, contention and split runs
+def _runs_total(graph: OpGraph, cluster: Cluster, precisions: tuple[str, ...] = (),
+                runtime: Runtime = "segments") -> int:
+    """How many runs profiling ``graph`` on ``cluster`` for ``runtime`` makes, the cache
+    aside: per measured device type, its op timing, precisions, contention and split runs
     (:func:`_type_runs`)."""
     if graph.runtime is None:
         return 0
     total = 0
     for type_key in dict.fromkeys(d.type_key for d in cluster.devices if d.present):
         ranks = [d for d in cluster.devices if d.present and d.type_key == type_key]
-        total += _type_runs(graph, _measures_contention(graph, cluster, ranks), precisions)
+        total += _type_runs(graph, _measures_contention(graph, cluster, ranks), precisions,
+                            runtime)
     return total
 
 
-def _type_runs(graph: OpGraph, contention: bool, precisions: tuple[str, ...]) -> int:
-    """The runs of one measured device type, the cache aside: the op timing, each of
+def _type_runs(graph: OpGraph, contention: bool, precisions: tuple[str, ...],
+               runtime: Runtime = "segments") -> int:
+    """The runs of one measured device type, the cache aside: the op timing (for
+    ``runtime``, :func:`ops.timing_runs`), each of
     ``precisions`` (:func:`ops.measure_precision`), and where ``contention`` is measured,
     the contention pairs and the model split two ways (:func:`_complete`)."""
-    return (ops.timing_runs(graph)
+    return (ops.timing_runs(graph, runtime)
             + (2 * ops.ROUNDS * len(precisions) if graph.source == "export" else 0)
             + (2 * host.CONTENTION_ROUNDS + dtensor_probe.split_runs(graph) if contention
                else 0))

@@ -104,11 +104,14 @@ def no_load_sample(monkeypatch):
     monkeypatch.setattr(ops, "LOAD_SAMPLE_S", 0.0)
 
 
-def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None, first=None):
+def _fresh(graph_, dev, repeats, warmup, progress, pool=None, report=None, first=None,
+           runtime="segments"):
     n = len(graph_)
     return DeviceCosts(dev.type_key, [1e-3] * n, [2e-3] * n, ["measured"] * n, 1e-6,
                        {"adam": 1e-9}, {"adam": 1e-6}, [0.5], [[5e-4] * n], [[1e-3] * n],
-                       [1.2] * n, 0.05, 1.3)
+                       [1.2] * n, 0.05, 1.3, runtime=runtime,
+                       op_path_extra_s=[[3e-5, 2e-5], [4e-5, -1e-6]]
+                       if runtime == "segments" else [])
 
 
 def _valid_entry() -> dict:
@@ -162,6 +165,10 @@ def test_the_valid_entry_is_used(cache_home, monkeypatch):
     ({"fwd_at": [[float("inf")] * 5]}, r"fwd_at is not one list of times per node"),
     ({"fractions": [1.0]}, r"fractions is not a decreasing list"),
     ({"type_key": "T4"}, r"it is for 'T4'"),
+    ({"runtime": "ops", "op_path_extra_s": []}, r"it is of runtime 'ops', not 'segments'"),
+    ({"runtime": "compiled"}, r"runtime is not 'ops' or 'segments'"),
+    ({"op_path_extra_s": [[3e-5], [4e-5]]}, r"op_path_extra_s is not two lists"),
+    ({"op_path_extra_s": [[3e-5, float("nan")], [4e-5, 0.0]]}, r"op_path_extra_s is not"),
 ])
 def test_a_wrong_entry_is_measured_again_with_a_warning(cache_home, monkeypatch, damage, why):
     monkeypatch.setattr(ops, "measure", _fresh)
@@ -196,14 +203,14 @@ def _host_measured() -> dict:
 
 def _host_cases(n: int, seed: int, monkeypatch) -> None:
     monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
-    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: 2e-5)
+    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None, runtime=None: 2e-5)
     rng = random.Random(seed)
     path, key = cache_file(), cache_key()
     path.parent.mkdir(parents=True, exist_ok=True)
     two = Cluster.cpu(2, measure=False)
     two = replace(two, default_link=replace(two.default_link, source="measured (fake)"))
     good = {k: v for k, v in _host_measured().items() if k != "link_measured"}
-    message_key = f"{key}|{probe.PROBE_KEY}"
+    message_key = f"{key}|{probe.PROBE_KEY}{probe.SEGMENTS_KEY}"
     for _ in range(n):
         whole = {key: good, message_key: {"message_s": 1e-5, "how": "fake"}}
         path.write_text(damaged_text(whole, rng))
@@ -297,9 +304,9 @@ def _host_file_damaged(kind: str, good: dict, key: str, message_key: str) -> byt
                                   "10**400 in the message cost"])
 def test_damaged_bytes_in_the_host_cache_are_measured_again(cache_home, monkeypatch, kind):
     monkeypatch.setattr(cpu_host, "measure_host_profile", _host_measured)
-    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: 2e-5)
+    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None, runtime=None: 2e-5)
     path, key = cache_file(), cache_key()
-    message_key = f"{key}|{probe.PROBE_KEY}"
+    message_key = f"{key}|{probe.PROBE_KEY}{probe.SEGMENTS_KEY}"
     path.parent.mkdir(parents=True)
     good = {k: v for k, v in _host_measured().items() if k != "link_measured"}
     path.write_bytes(_host_file_damaged(kind, good, key, message_key))

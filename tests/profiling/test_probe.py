@@ -23,7 +23,8 @@ def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     probe.forget_message_s()
     calls = []
-    monkeypatch.setattr(probe, "measure_message_s", lambda pool=None: calls.append(1) or 1.25e-4)
+    monkeypatch.setattr(probe, "measure_message_s",
+                        lambda pool=None, runtime=None: calls.append(1) or 1.25e-4)
     bm = ex.builtin_model("mlp", "tiny")
     g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
     cl = ex.Cluster.cpu(2)
@@ -42,7 +43,7 @@ def test_a_probe_that_fails_leaves_the_cost_at_zero(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     probe.forget_message_s()
 
-    def broken(pool=None):
+    def broken(pool=None, runtime=None):
         raise RuntimeError("no ranks today")
 
     monkeypatch.setattr(probe, "measure_message_s", broken)

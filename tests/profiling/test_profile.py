@@ -77,11 +77,12 @@ def fake(monkeypatch):
     """Replace the real measurement: every op 1 ms forward, 2 ms backward; calls are counted."""
     calls = []
 
-    def measure(graph, dev, repeats, warmup, progress, pool=None, report=None, first=None):
+    def measure(graph, dev, repeats, warmup, progress, pool=None, report=None, first=None,
+                runtime="segments"):
         calls.append((dev.id, repeats))
         ops = [n.kind == "op" for n in graph.nodes]
         return DeviceCosts(dev.type_key, [1e-3 * o for o in ops], [2e-3 * o for o in ops],
-                           ["measured" if o else "free" for o in ops], 1e-6)
+                           ["measured" if o else "free" for o in ops], 1e-6, runtime=runtime)
 
     monkeypatch.setattr(ops, "measure", measure)
     # the re-check's look at a few ops steady too, as on a quiet host: whether a cache entry
@@ -173,7 +174,8 @@ class TestMeasured:
     def test_runs_in_rounds_and_averages_them(self, gpt, monkeypatch):
         calls = []
 
-        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1, pool=None):
+        def fake_run(graph, dev, repeats, warmup, progress, micro_batches=1, pool=None,
+                     runtime="ops"):
             calls.append(micro_batches)
             slow = 1.0 + 0.5 * (len(calls) > 3)  # the host slows down in the second round
             ops = [slow * (n.kind == "op") * 1e-3 / micro_batches for n in graph.nodes]
@@ -181,7 +183,8 @@ class TestMeasured:
 
         monkeypatch.setattr(ops, "measure_in_runtime", fake_run)
         monkeypatch.setattr(ops, "ROUNDS", 2)
-        dc = ops.measure(gpt, Cluster.cpu(1, measure=False).devices[0], 2, 0, False)
+        dc = ops.measure(gpt, Cluster.cpu(1, measure=False).devices[0], 2, 0, False,
+                         runtime="ops")
         assert calls == [1, 2, 4, 1, 2, 4]  # in turn: a slow spell lands on every split
         i = gpt.index[gpt.loss]
         assert dc.fwd_s[i] == pytest.approx(1.25e-3) and dc.bwd_s[i] == pytest.approx(2.5e-3)
@@ -243,7 +246,7 @@ class TestCache:
                                                 monkeypatch):
         files = [p.name for p in module_cache.iterdir()]
         tag = rank_settings_tag()
-        assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2{tag}.json"]
+        assert files == [f"{gpt.fingerprint}-cpu_CPU_rank_1_thread_-r2{tag}-segments.json"]
         monkeypatch.setattr(ops, "measure", _no_measuring)
         again = ex.profile(gpt, Cluster.cpu(2, measure=False), **FAST)
         assert again == measured[0]
@@ -263,7 +266,7 @@ class TestCache:
         assert fake == [("cpu:0", 2), ("cpu:0", 3)]
         tag = rank_settings_tag()
         assert sorted(p.name.rsplit("-r", 1)[1] for p in cache.iterdir()) == [
-            f"2{tag}.json", f"3{tag}.json"]
+            f"2{tag}-segments.json", f"3{tag}-segments.json"]
 
     @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins cores on Linux only")
     def test_pinned_and_unpinned_ranks_are_profiled_apart(self, gpt, fake, cache, monkeypatch):
@@ -274,7 +277,7 @@ class TestCache:
         ex.profile(gpt, cl, **FAST)
         ex.profile(gpt, cl, **FAST)
         assert len(fake) == 2
-        assert sorted(p.name.endswith("-r2-pinned.json") for p in cache.iterdir()) == [
+        assert sorted(p.name.endswith("-r2-pinned-segments.json") for p in cache.iterdir()) == [
             False, True]
 
     @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
@@ -288,7 +291,7 @@ class TestCache:
         ex.profile(gpt, cl, **FAST)
         assert len(fake) == 2
         assert sorted(p.name.rsplit("-r", 1)[1] for p in cache.iterdir()) == [
-            "2-held.json", "2.json"]
+            "2-held-segments.json", "2-segments.json"]
 
     @pytest.mark.parametrize("damage", ["{not json", json.dumps({"version": 1}),
                                         json.dumps({"version": 999, "torch": "x"})])
@@ -461,7 +464,7 @@ class TestSharedRanks:
 
         monkeypatch.setattr("explorer.runtime.launch.run", run)
         monkeypatch.setattr(host, "cpu_message_s",
-                            lambda cl, pool=None, report=None:
+                            lambda cl, pool=None, report=None, runtime=None:
                             got.append(("message", pool)) or 0.0)
         monkeypatch.setattr(dtensor_probe, "dtensor_costs",
                             lambda cl, cache, pool=None, report=None:
@@ -487,50 +490,61 @@ class TestSharedRanks:
         costs = ex.profile(gpt, host2, report=said.append, **FAST)
         pools = {id(p) for _, p in runs}
         assert len(pools) == 1 and runs[0][1] is not None
-        assert [n for n, _ in runs] == [1] * 6 + [1, 2] * 2 + ["message", "dtensor",
+        assert [n for n, _ in runs] == [1] * 9 + [1, 2] * 2 + ["message", "dtensor",
                                                                "collective"]
         assert costs.per_type[CPU_KEY].dtensor == {"op_fwd_s": 1e-4}
         assert costs.per_type[CPU_KEY].collective_s == 2e-4
         assert closed == [runs[0][1]] and runs[0][1].size == 2
         # how far it is, in words, for a widget: the whole profile's runs, counted before the
-        # first (6 op timing, 4 contention, 4 of the model split two ways, stood in for here)
-        assert said == [f"profiling gpt on cpu:0: {k} of 14 runs" for k in range(7)] + [
-            f"contention of gpt on cpu:0+cpu:1: {k} of 14 runs" for k in range(6, 11)]
+        # first (9 op timing: 3 on the op path, 6 in segments; 4 contention, 4 of the model
+        # split two ways, stood in for here)
+        assert said == [f"profiling gpt on cpu:0: {k} of 17 runs" for k in range(10)] + [
+            f"contention of gpt on cpu:0+cpu:1: {k} of 17 runs" for k in range(9, 14)]
 
+    @pytest.mark.parametrize("runtime,first_runs,total,first_s,final_s", [
+        # the op path: its first run alone (2 ms), then the mean of the rounds
+        ("ops", 1, 14, 2e-3, 1.5e-3),
+        # segments: the first op-path run fitted to the first segment run (0.6 ms), then to
+        # the mean of the segment rounds (9 op timing runs: 3 on the op path, 6 in segments)
+        ("segments", 2, 17, 0.6e-3, 0.8e-3)])
     def test_preliminary_numbers_after_the_first_run_final_ones_unchanged(
-            self, gpt, runs, host2, cache, monkeypatch):
+            self, gpt, runs, host2, cache, monkeypatch, runtime, first_runs, total, first_s,
+            final_s):
         stand_in = ex.runtime.launch.run
 
-        def first_run_slower(graph, plan, **kwargs):  # the first op timing run: 2 ms, then 1
-            meas = stand_in(graph, plan, **kwargs)
-            if len(runs) % 10 == 1:
+        def first_runs_differ(graph, plan, **kwargs):  # 2 ms on the op path's first run,
+            meas = stand_in(graph, plan, **kwargs)   # 0.6 ms in the first segment run, else 1
+            if len(runs) == 1:
                 meas.task_s = {"fwd:1": 2e-3}
+            if len(runs) == 2 and kwargs.get("runtime") == "segments":
+                meas.task_s = {"fwd:1": 0.6e-3}
             return meas
 
-        monkeypatch.setattr("explorer.runtime.launch.run", first_run_slower)
+        monkeypatch.setattr("explorer.runtime.launch.run", first_runs_differ)
         early = []
         final = ex.profile(gpt, host2, partial=lambda pre: early.append((pre, len(runs))),
-                           **FAST)
+                           runtime=runtime, **FAST)
         [(pre, runs_then)] = early
-        assert runs_then == 1  # told after the first run, before the others
-        # 6 op timing, 4 contention, 4 of the model split two ways
-        assert (pre.runs_done, pre.runs_total) == (1, 14)
-        assert pre.label == "preliminary: 1 of 14 runs"
+        assert runs_then == first_runs  # told after the first run(s), before the others
+        # op timing, 4 contention, 4 of the model split two ways
+        assert (pre.runs_done, pre.runs_total) == (first_runs, total)
+        assert pre.label == f"preliminary: {first_runs} of {total} runs"
         dc = pre.costs.per_type[CPU_KEY]
-        assert dc.fwd_s[1] == 2e-3 and dc.source[gpt.index[gpt.loss]] == "measured"
+        assert dc.fwd_s[1] == pytest.approx(first_s)
+        assert dc.source[gpt.index[gpt.loss]] == "measured" and dc.runtime == runtime
         assert dc.fractions == [] and dc.contention == []  # not measured yet
         pre.costs.check(gpt)
         # the final profile: every run, as without ``partial``; only it is cached
-        assert final.per_type[CPU_KEY].fwd_s[1] == pytest.approx(1.5e-3)
+        assert final.per_type[CPU_KEY].fwd_s[1] == pytest.approx(final_s)
         assert final.per_type[CPU_KEY].fractions == [0.5, 0.25]
         runs.clear()
-        alone = ex.profile(gpt, host2, cache=False, **FAST).per_type[CPU_KEY]
+        alone = ex.profile(gpt, host2, cache=False, runtime=runtime, **FAST).per_type[CPU_KEY]
         timed_here = ("overhead_s", "optimizer_s_per_byte", "optimizer_s_per_tensor")
         for f in dataclasses.fields(DeviceCosts):  # those timed in this process aside
             if f.name not in timed_here:
                 assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
         cached = profile_cache.load(
-            profile_cache.cache_path(gpt, host2.devices[0], FAST["repeats"]), len(gpt))
+            profile_cache.cache_path(gpt, host2.devices[0], FAST["repeats"], runtime), len(gpt))
         # (DTensor's and ZeRO's collective costs are host measurements, cached apart and set
         # on every profile)
         assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={},
