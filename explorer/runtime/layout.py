@@ -61,6 +61,10 @@ class RankLayout:
             for p in ps:
                 self.succs[p].append(i)
         self.spec = [treespec_loads(c.spec) if c.spec else None for c in calls]
+        #: per node, the other stages with a consumer of it, and its consumers on this stage
+        #: (asked for every value of every step: worked out once)
+        self._remote: list[list[int]] = []
+        self._local: list[int] = []
         self.nflat = [c.nflat for c in calls]
         # this rank's stage, replica and shards
         self.s = plan.stage_of_device(self.device_id)
@@ -88,6 +92,8 @@ class RankLayout:
                                 f"micro-batches x {self.shards} shards; change the batch size "
                                 "or the plan")
         self.rows = batch // (self.micro_batches * self.shards)
+        self._remote = [sorted({self.stage[c] for c in cs} - {self.s}) for cs in self.succs]
+        self._local = [sum(1 for c in cs if self.stage[c] == self.s) for cs in self.succs]
 
     def tag(self, kind: int, micro_batch: int, shard: int, node: int) -> int:
         """The tag of a message about ``node`` (see :func:`message_tag`)."""
@@ -114,11 +120,11 @@ class RankLayout:
 
     def local_consumers(self, i: int) -> int:
         """How many consumers of node ``i`` are on this rank's stage."""
-        return sum(1 for c in self.succs[i] if self.stage[c] == self.s)
+        return self._local[i]
 
     def remote_stages(self, i: int) -> list[int]:
-        """The other stages with a consumer of node ``i``, in order."""
-        return sorted({self.stage[c] for c in self.succs[i]} - {self.s})
+        """The other stages with a consumer of node ``i``, in order (a list not to change)."""
+        return self._remote[i]
 
     def weight_home(self, i: int) -> int:
         """The rank that owns weight ``i`` (of another stage) for this replica."""

@@ -322,12 +322,16 @@ class StageRunner(SegmentSteps):
 
     def _batch(self, m: int, u: int, p: int) -> torch.Tensor:
         """The rows of input ``p`` for micro-batch ``m``, shard ``u``, as a tensor of their own
-        on the device (a copy on CPU too, as on a GPU: the batch itself is host data)."""
+        on the device (a copy on CPU too, as on a GPU: the batch itself is host data; but the
+        whole batch on CPU is read where it is, as eager training on CPU reads it)."""
         L = self.layout
         k = int(L.names[p].split("_")[1])
         src = self.job.inputs[k] if L.names[p].startswith("input_") else self.job.targets[k]
         start = (m * L.shards + u) * L.rows
-        return src[start: start + L.rows].to(L.tdev, copy=True)
+        rows = src[start: start + L.rows]
+        if L.tdev.type == "cpu" and len(rows) == len(src):  # (the whole batch, where it is)
+            return rows
+        return rows.to(L.tdev, copy=True)
 
     def _call(self, m: int, u: int, i: int, lookup: dict[str, Any]) -> Any:
         """Op ``i`` on micro-batch ``m``, shard ``u``, its inputs by name in ``lookup``: the
