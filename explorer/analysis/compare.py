@@ -36,6 +36,19 @@ class Report:
     rows: tuple[Row, ...]
     algorithm: str
     memory_source: str
+    #: how the ranks ran their ops (:attr:`Measurement.runtime`, ``runtime_note``,
+    #: ``compiled``)
+    runtime: str = "segments"
+    runtime_note: str | None = None
+    compiled: bool = False
+
+    @property
+    def ran_as(self) -> str:
+        """How the ranks ran, in words: "as generated segments (compiled)", "one op at a
+        time: <why>"."""
+        words = ("as generated segments" + (" (compiled)" if self.compiled else "")
+                 if self.runtime == "segments" else "one op at a time")
+        return words + (f" ({self.runtime_note})" if self.runtime_note else "")
 
     def row(self, what: str, device: str = "") -> Row:
         for r in self.rows:
@@ -53,6 +66,8 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "memory_source": self.memory_source,
+                "runtime": self.runtime, "runtime_note": self.runtime_note,
+                "compiled": self.compiled,
                 "rows": [{"what": r.what, "device": r.device, "unit": r.unit,
                           "predicted": r.predicted, "measured": r.measured, "error": r.error}
                          for r in self.rows]}
@@ -68,7 +83,7 @@ class Report:
         rows = [(r.what, r.device or "all", fmt(r, r.predicted), fmt(r, r.measured),
                  f"{r.error * 100:+.1f}%") for r in self.rows]
         return table(("figure", "device", "predicted", "measured", "error"), rows) + \
-            f"\n(memory measured by {self.memory_source})"
+            f"\n(memory measured by {self.memory_source}; the ranks ran {self.ran_as})"
 
     def _repr_html_(self) -> str:  # a table in notebooks
         cells = "".join(
@@ -90,7 +105,8 @@ def compare(pred: Prediction, meas: Measurement) -> Report:
         rows.append(Row("peak memory", d, "bytes", pred.peak_bytes[d], meas.peak_bytes[d]))
     if meas.energy_j is not None:
         rows.append(Row("energy", "", "J", pred.energy_j, meas.energy_j))
-    return Report(tuple(rows), meas.algorithm, meas.memory_source)
+    return Report(tuple(rows), meas.algorithm, meas.memory_source, runtime=meas.runtime,
+                  runtime_note=meas.runtime_note, compiled=meas.compiled)
 
 
 def calibrate(costs: CostModel, measurements: Measurement | Iterable[Measurement],

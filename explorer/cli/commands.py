@@ -277,9 +277,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{getattr(bm, 'name', args.factory)} ({getattr(bm, 'size', 'factory')}) under "
           f"{plan.algorithm} on {', '.join(plan.devices)}: "
           f"{args.steps} steps after {args.warmup} warm-up"
-          + (f" ({settings})" if settings else "")
-          + f", runtime {meas.runtime}" + (" compiled" if meas.compiled else "")
-          + (f" ({meas.runtime_note})" if meas.runtime_note else ""))
+          + (f" ({settings})" if settings else ""))
     print(f"losses: {' '.join(f'{x:.4f}' for x in meas.losses)}\n")
     print(report)
     return 0

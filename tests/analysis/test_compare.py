@@ -77,6 +77,18 @@ class TestCompare:
         assert "<table>" in rep._repr_html_()
         assert rep.to_dict()["rows"][0]["what"] == "step time"
 
+    def test_the_report_says_how_the_ranks_ran(self, case):
+        graph, cluster, costs, truth = case
+        plan = ex.partition(graph, cluster, costs, "even-layers")
+        pred = ex.simulate(graph, plan, costs)
+        meas = _fake_measurement(graph, plan, truth)
+        assert "the ranks ran as generated segments)" in str(ex.compare(pred, meas))
+        compiled = ex.compare(pred, replace(meas, compiled=True))
+        assert compiled.ran_as == "as generated segments (compiled)"
+        ops = ex.compare(pred, replace(meas, runtime="ops", runtime_note="ran op by op: X"))
+        assert ops.ran_as == "one op at a time (ran op by op: X)"
+        assert ops.to_dict()["runtime"] == "ops" and ops.to_dict()["runtime_note"].endswith("X")
+
     def test_error_sign(self):
         assert Row("x", "", "s", 1.2, 1.0).error == pytest.approx(0.2)
         assert Row("x", "", "s", 0.8, 1.0).error == pytest.approx(-0.2)

@@ -55,7 +55,8 @@ class RunPanel(Panel):
             rows.append((html.escape(r.what), html.escape(r.device), fmt(r.predicted),
                          fmt(r.measured), f"{r.error:+.1%}"))
         table = html_table(("", "device", "predicted", "measured", "error"), rows,
-                           f"memory measured by {html.escape(rep.memory_source)}")
+                           f"memory measured by {html.escape(rep.memory_source)}; the "
+                           f"ranks ran {html.escape(rep.ran_as)}")
         if self.session.report_is_stale:  # kept to compare with, marked as another plan's
             table = (f"<div class='pe-report-stale'><b>{STALE}</b><div style='opacity:0.55'>"
                      f"{table}</div></div>")
