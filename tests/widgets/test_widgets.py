@@ -614,7 +614,7 @@ def test_run_errors_are_the_real_cause_next_to_the_run_button(gpt, monkeypatch):
     assert "7 replicas x 3 micro-batches" in w.editing.runnable.value
 
 
-def test_bokehjs_goes_with_every_display(widget):
+def test_bokehjs_bundle_is_guarded_against_a_second_load(widget):
     from widgets.panels.base import bokehjs_bundle
 
     js = bokehjs_bundle()["application/javascript"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import bokeh
 import ipywidgets as W
-from bokeh.io.notebook import LOAD_MIME_TYPE
 from bokeh.resources import INLINE
+from IPython import get_ipython
 from jupyter_bokeh.widgets import BokehModel
 
 from widgets.session import Session
@@ -61,21 +61,51 @@ def bokeh_widget(model: Any, css: str = "") -> W.Widget:
     return w
 
 
+#: the page connections (see :func:`page_connection`) BokehJS was sent to
+PAGES_WITH_BOKEHJS: set[str] = set()
+
+
+def page_connection() -> str:
+    """Which page the running cell was sent from: the session of the kernel request.
+
+    A JupyterLab page connects to the kernel with a session of its own, a new one after a
+    reload (as does each headless run, nbclient's for one); "" outside a kernel."""
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return ""
+    return str(kernel.get_parent().get("header", {}).get("session", ""))
+
+
 def bokehjs_bundle() -> dict[str, str]:
     """The display data that loads BokehJS (offline, inline) into a page that lacks it.
 
     A page loads BokehJS once, but a kernel outlives its pages: after a browser reload the
-    kernel's widgets are drawn in a page without it. So every explorer shown carries this
-    bundle; the check makes it a no-op in a page that has BokehJS already (loading it twice
-    would break the plots drawn with the first copy). It is inline (megabytes in a saved
-    notebook) because nothing offline serves it by URL: jupyter_bokeh's JupyterLab extension
-    expects ``window.Bokeh`` and does not bundle it, bokeh has no Jupyter server extension for
-    its static files, a CDN needs the internet, and the kernel cannot tell whether a page
-    (reloaded or not) has it already."""
+    kernel's widgets are drawn in a page without it. So the first explorer shown from each page
+    (see :func:`bokehjs_for_this_page`) carries this bundle; the check makes it a no-op in a
+    page that has BokehJS already (loading it twice would break the plots drawn with the first
+    copy). It is inline (megabytes in a saved notebook, once) because nothing offline serves it
+    by URL: jupyter_bokeh's JupyterLab extension expects ``window.Bokeh`` and does not bundle
+    it, bokeh has no Jupyter server extension for its static files and a CDN needs the
+    internet. One MIME type only (JupyterLab runs ``application/javascript`` in a trusted
+    notebook): bokeh's own loader adds a copy as ``application/vnd.bokehjs_load.v0+json``,
+    which would double what is saved."""
     code = "\n".join(f"(function() {{\n{js}\n}}).call(window);" for js in INLINE.js_raw)
     guarded = ("if (typeof window.Bokeh === 'undefined' || "
                f"window.Bokeh.version !== {bokeh.__version__!r}) {{\n{code}\n}}")
-    return {"application/javascript": guarded, LOAD_MIME_TYPE: guarded}
+    return {"application/javascript": guarded}
+
+
+def bokehjs_for_this_page() -> dict[str, str] | None:
+    """The BokehJS bundle if the page the running cell came from was not sent it yet, else
+    None: shown with the first explorer of each page, not with every one (five explorers made a
+    40 MB notebook). Outside a kernel (no page to tell apart) always the bundle."""
+    page = page_connection()
+    if page and page in PAGES_WITH_BOKEHJS:
+        return None
+    if page:
+        PAGES_WITH_BOKEHJS.add(page)
+    return bokehjs_bundle()
 
 
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[str]], note: str = "") -> str:
