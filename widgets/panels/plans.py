@@ -12,7 +12,7 @@ import ipywidgets as W
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import untrusted_factory
-from explorer.core.units import format_seconds
+from explorer.core.units import format_bytes, format_seconds
 from explorer.partition import algorithm as get_algorithm
 from widgets.panels.base import Panel, button, checkbox, html_table, wrapping
 from widgets.session import Session
@@ -83,12 +83,13 @@ class PlansPanel(Panel):
         best = min(fitting) if fitting else None
         rows = []
         for e in entries:
-            r = e.row()
-            mark = " *" if best is not None and e.prediction.step_s == best else ""
-            rows.append((html.escape(e.name) + mark, r["degrees"], f"{r['step_ms']:,.2f} ms",
-                         f"{r['max_memory_mib']:,.1f} MiB", "yes" if r["fits"] else "NO",
-                         f"{r['cross_mib']:,.2f} MiB", f"{r['gap_pct']:+.0f} %",
-                         f"{r['solve_s']:.2f} s"))
+            r, p = e.row(), e.prediction
+            mark = " *" if best is not None and p.step_s == best else ""
+            # the units the estimate panel picks (s or ms, GiB or MiB), not fixed ones
+            rows.append((html.escape(e.name) + mark, r["degrees"], format_seconds(p.step_s),
+                         format_bytes(max(p.peak_bytes.values(), default=0)),
+                         "yes" if p.fits else "NO", format_bytes(p.cross_device_bytes),
+                         f"{r['gap_pct']:+.0f} %", format_seconds(e.solve_s)))
         self.table.value = html_table(
             ("plan", "dp x tp x pp", "step", "max memory", "fits", "across devices", "gap to bound",
              "solved in"), rows, "* fastest that fits")

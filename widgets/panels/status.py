@@ -45,7 +45,10 @@ class StatusPanel(Panel):
         """The message line of area ``where`` (made once; put it under that area's controls).
         """
         if where not in self.lines:
-            w = self.lines[where] = W.HTML("", layout=W.Layout(width="100%"))
+            # as wide as its column less the widget's margins (not width 100%, which the
+            # margins push past the column's right edge), never wider
+            w = self.lines[where] = W.HTML("", layout=W.Layout(width="auto", min_width="0",
+                                                               max_width="100%"))
             w.add_class("pe-message")
             w.add_class(f"pe-message-{where or 'top'}")
         return self.lines[where]
@@ -64,8 +67,11 @@ class StatusPanel(Panel):
         """The session's message as HTML."""
         s = self.session
         color = "#b00020" if s.message_is_error else "#1a5e20"
-        extra = (f"<details><summary>details</summary><pre>{html.escape(s.message_detail)}"
+        # long paths and trace lines wrap inside the box instead of running out of it
+        extra = ("<details><summary>details</summary><pre style='white-space:pre-wrap;"
+                 f"overflow-wrap:anywhere;margin:4px 0 0'>{html.escape(s.message_detail)}"
                  "</pre></details>" if s.message_detail else "")
         return (f"<div style='color:{color};padding:4px;border:1px solid {color};"
-                f"border-radius:4px;white-space:normal;overflow-wrap:anywhere'>"
+                "border-radius:4px;box-sizing:border-box;max-width:100%;line-height:1.4;"
+                "white-space:normal;overflow-wrap:anywhere'>"
                 f"{html.escape(s.message)}{extra}</div>")
