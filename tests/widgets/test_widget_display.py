@@ -7,6 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from IPython.core.formatters import DisplayFormatter
 
 import explorer as ex
 from explorer.core.units import GiB, MiB, format_bytes, format_seconds
@@ -51,6 +52,11 @@ def shown(monkeypatch):
     return out
 
 
+def show(widget) -> None:
+    """Show ``widget`` as a notebook cell's ``display(widget)`` does (IPython's formatter)."""
+    assert DisplayFormatter().format(widget) == ({}, {})  # the widget published itself
+
+
 def loaders(published: list[dict]) -> int:
     return sum("application/javascript" in data for data in published)
 
@@ -59,20 +65,20 @@ def test_bokehjs_goes_with_the_first_explorer_of_each_page(widget, shown, monkey
     kernel = FakeKernel()
     monkeypatch.setattr(base, "get_ipython", lambda: SimpleNamespace(kernel=kernel))
     for _ in range(3):
-        widget._ipython_display_()
+        show(widget)
     assert loaders(shown) == 1 and len(shown) == 4
     assert shown[0].keys() == {"application/javascript"}  # one copy, not one per MIME type
     assert all("application/vnd.jupyter.widget-view+json" in d for d in shown[1:])
     kernel.page = "page-2"  # the page reloaded, or another page on the same kernel
-    widget._ipython_display_()
-    widget._ipython_display_()
+    show(widget)
+    show(widget)
     assert loaders(shown) == 2 and len(shown) == 7
 
 
 def test_outside_a_kernel_every_explorer_brings_bokehjs(widget, shown, monkeypatch):
     monkeypatch.setattr(base, "get_ipython", lambda: None)
-    widget._ipython_display_()
-    widget._ipython_display_()
+    show(widget)
+    show(widget)
     assert loaders(shown) == 2
 
 
