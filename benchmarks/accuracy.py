@@ -2,8 +2,9 @@
 
 Run: python benchmarks/accuracy.py [--size default] [--models mlp,gpt,...|all] [--steps 5]
        [--passes 4] [--partitioners all|none|NAME,...] [--devices 2] [--cached]
-       [--strategies | --tensor]
-For every model it profiles afresh (through the runtime, one thread per rank), then makes the
+       [--strategies | --tensor] [--runtime segments|ops]
+For every model it profiles afresh (through the runtime, one thread per rank) for the runtime
+the plans run on (``--runtime``: ``ex.run``'s, the segments by default), then makes the
 baseline plans and one plan per registered partitioner. Partitioners that arrive at a plan
 already made (the same placement, stages, micro-batches and schedule) share its row, so every
 distinct plan is run once per pass. Each plan is predicted, then run for real with ``ex.run``
@@ -39,6 +40,11 @@ splits more), recorded apart (``accuracy-tensor*.json``).
 
 Both say whether the plans meet the accuracy targets (:data:`TARGETS`).
 
+A plan the segment runtime does not run yet (tensor parallelism, recomputation, ZeRO 3:
+``explorer.runtime.segments.segments_problem``) runs on the op path, predicted from a profile
+of the op path, and is calibrated with nothing; its row says so (``runtime``). The records
+say which runtime the benchmark asked for, in their titles.
+
 Run it on a quiet machine: the ranks share its cores.
 
 Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
@@ -58,6 +64,7 @@ from scipy.stats import kendalltau
 import explorer as ex
 from explorer.core.tensor_layout import megatron_layout
 from explorer.core.units import table
+from explorer.runtime.segments import segments_problem
 
 PLANS = [
     ("single", {}),
@@ -129,6 +136,9 @@ def main() -> None:
     ap.add_argument("--tensor", action="store_true",
                     help="run only the tensor-parallel plans (recorded as "
                          "accuracy-tensor*.json)")
+    ap.add_argument("--runtime", choices=("segments", "ops"), default="segments",
+                    help="how the ranks run their ops (ex.run's runtime) and what the profile "
+                         "predicts: segments (default) or one op at a time (ops)")
     add_results_option(ap)
     args = ap.parse_args()
     if args.models is None:
@@ -154,7 +164,7 @@ def main() -> None:
                  for m, sch, seq in TENSOR]
     cluster = ex.Cluster.cpu(args.devices)
     # (model, label, graph, costs, plan, pred, meas, per-pass measurements, same plan from,
-    #  prediction from the second profile)
+    #  prediction from the second profile, runtime)
     runs = []
     skipped = []
     t_all = time.perf_counter()
@@ -166,7 +176,9 @@ def main() -> None:
         # --precision` does
         half = tuple(sorted({m["precision"] for _, _, m in plans
                              if m.get("precision", "fp32") != "fp32"}))
-        costs = ex.profile(graph, cluster, progress=False, cache=args.cached, precisions=half)
+        profiles = {args.runtime: ex.profile(graph, cluster, progress=False, cache=args.cached,
+                                             precisions=half, runtime=args.runtime)}
+        costs = profiles[args.runtime]
         todo = []
         seen: dict[tuple, int] = {}  # a plan's signature -> its row in todo
         for alg, opts, memory in plans:
@@ -181,29 +193,37 @@ def main() -> None:
             key = _signature(plan)
             if key in seen:  # the same plan again: one row, every algorithm that made it
                 row = todo[seen[key]]
-                todo[seen[key]] = (row[0], row[1], row[2], row[3] + [label])
+                todo[seen[key]] = (row[0], row[1], row[2], row[3] + [label], row[4])
                 continue
             seen[key] = len(todo)
-            todo.append((label, plan, [], []))
+            # (the op path, and its profile, where the segments do not run the plan yet)
+            rt = "ops" if args.runtime == "ops" or segments_problem(plan) else "segments"
+            if rt not in profiles:
+                profiles[rt] = ex.profile(graph, cluster, progress=False, cache=args.cached,
+                                          precisions=half, runtime=rt)
+            todo.append((label, plan, [], [], rt))
         # passes in turn over the plans: a burst of load on the host lands on one pass of
         # several plans, not on every step of one plan
         for _ in range(args.passes):
-            for _, plan, got, _ in todo:
-                got.append(ex.run(graph, plan=plan, costs=costs, steps=args.steps,
-                                  warmup=args.warmup, progress=False))
+            for _, plan, got, _, rt in todo:
+                got.append(ex.run(graph, plan=plan, costs=profiles[rt], steps=args.steps,
+                                  warmup=args.warmup, progress=False, runtime=rt))
         # the profile again, a few minutes later: how much a prediction moves with it
-        again = ex.profile(graph, cluster, progress=False, cache=False, precisions=half)
-        for label, plan, got, same in todo:
-            runs.append((name, label, graph, costs, plan, ex.simulate(graph, plan, costs),
-                         _pooled(got), got, same, ex.simulate(graph, plan, again)))
+        again = {rt: ex.profile(graph, cluster, progress=False, cache=False, precisions=half,
+                                runtime=rt) for rt in profiles}
+        for label, plan, got, same, rt in todo:
+            runs.append((name, label, graph, profiles[rt], plan,
+                         ex.simulate(graph, plan, profiles[rt]), _pooled(got), got, same,
+                         ex.simulate(graph, plan, again[rt]), rt))
     # calibrated: fitted on the runs of the *other* models only, then predicting this one
+    # (the runs of the runtime asked for: a profile of each runtime has its own fit)
     calibrated = {}
     fits = []
     models = sorted({r[0] for r in runs})
     for name in models:
-        mine = [r for r in runs if r[0] == name]
-        rest = [r for r in runs if r[0] != name]
-        if not rest:
+        mine = [r for r in runs if r[0] == name and r[10] == args.runtime]
+        rest = [r for r in runs if r[0] != name and r[10] == args.runtime]
+        if not mine or not rest:
             continue
         others = {r[3].graph_fingerprint: r[3] for r in rest}
         fitted = ex.calibrate(mine[0][3], [r[6] for r in rest], others=others.values())
@@ -218,7 +238,7 @@ def main() -> None:
     rows, mem_err, pairs, flat_pairs, cal_pairs, self_pairs = [], [], [], [], [], []
     again_pairs, profile_pairs, on_time_pairs, plain_pairs = [], [], [], []
     for r in runs:
-        name, label, graph, costs, plan, pred, meas, got, same, pred2 = r
+        name, label, graph, costs, plan, pred, meas, got, same, pred2, rt = r
         per_pass = [m.step_s for m in got]
         spread = max(per_pass) / min(per_pass) - 1
         if len(got) >= 2:  # the measurement against itself: odd passes against even ones
@@ -247,7 +267,7 @@ def main() -> None:
         if cal is not None:
             e_cal = cal.step_s / meas.step_s - 1
             cal_pairs.append((cal.step_s, meas.step_s))
-        rows.append((name, label, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
+        rows.append((name, label, rt, f"{pred.step_s * 1e3:.2f}", f"{meas.step_s * 1e3:.2f}",
                      f"{e_step * 100:+.1f}%", f"{e_flat * 100:+.1f}%",
                      f"{e_on_time * 100:+.1f}%",
                      f"{(pred2.step_s / meas.step_s - 1) * 100:+.1f}%",
@@ -259,10 +279,11 @@ def main() -> None:
                      "same plan from " + ", ".join(same) if same else ""))
     for name, label, note in skipped:
         rows.append((name, label, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
-                     note))
-    title = (f"Predicted vs measured on {cluster.name} ({args.size} models, {args.passes} x "
-             f"{args.steps} steps after {args.warmup} warm-up, median of the slowest rank)")
-    header = ("model", "plan", "pred ms", "meas ms", "step err", "no-contention err",
+                     "-", note))
+    title = (f"Predicted vs measured on {cluster.name} ({args.runtime} runtime, {args.size} "
+             f"models, {args.passes} x {args.steps} steps after {args.warmup} warm-up, median "
+             "of the slowest rank)")
+    header = ("model", "plan", "runtime", "pred ms", "meas ms", "step err", "no-contention err",
               "no-late err", "2nd profile err", "calib ms", "calib err",
               "pred MiB", "meas MiB", "mem err (worst device)", "pass spread", "note")
     print(title)
@@ -282,7 +303,12 @@ def main() -> None:
 
     totals = ""
     if pairs:
-        totals = (f"plans: {len(pairs)}; memory error mean {statistics.mean(mem_err) * 100:.1f}%,"
+        fallback = sum(r[10] != args.runtime for r in runs)
+        totals = (f"runtime {args.runtime}"
+                  + (f" ({fallback} plans it does not run yet on the op path)" if fallback
+                     else "")
+                  + f"; plans: {len(pairs)}; memory error mean "
+                  f"{statistics.mean(mem_err) * 100:.1f}%,"
                   f" max {max(mem_err) * 100:.1f}%; wall {time.perf_counter() - t_all:.0f} s;"
                   f" {load_start} at the start, {load_average()} at the end")
         print("\n" + totals)
@@ -310,7 +336,8 @@ def main() -> None:
         summary("calibrated on the other models' runs", cal_pairs)
     write_result(f"{record}-summary", summaries,
                  columns=("prediction", "error mean", "error max", "Kendall tau"),
-                 title="Step-time error over all plans", notes=totals, folder=args.results)
+                 title=f"Step-time error over all plans ({args.runtime} runtime)", notes=totals,
+                 folder=args.results)
 
 
 def _signature(plan: ex.Plan) -> tuple:
