@@ -5,11 +5,14 @@ placed in rows top-down by dependency, with edges routed between the items of th
 skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lasso-selecting
 items selects them in the session; the expand/collapse buttons, the depth box and the find
 box change which items are shown, and each change re-fits the view (the reset tool comes
-back to it; "zoom to selection" goes close). Only nodes have a hover text (edges are summed
-up in it): a hover over a node never opens the texts of the edges that end at it. Beside the
-graph, an overview of the whole layout shows the view as a box to drag. Labels are drawn only
-where neighbouring ones fit on screen: the ``MAX_LABELS`` largest items', and zoomed in on at
-most ``MAX_LABELS`` items, every item's in view (:mod:`widgets.panels.overview`).
+back to it; "zoom to selection" goes close). The wheel over the graph zooms it (not the
+page), and its toolbar has a row of its own, so zoom, reset and hover stay in view when the
+graph is narrow (bokeh moves the buttons that do not fit behind a menu). Only nodes have a
+hover text (edges are summed up in it): a hover over a node never opens the texts of the
+edges that end at it. Beside the graph, an overview of the whole layout shows the view as a
+box to drag. Labels are drawn only where neighbouring ones fit on screen: the ``MAX_LABELS``
+largest items', and zoomed in on at most ``MAX_LABELS`` items, every item's in view
+(:mod:`widgets.panels.overview`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from bokeh.models import (
     HoverTool,
     LabelSet,
     LassoSelectTool,
+    PanTool,
     Range1d,
+    ResetTool,
     TapTool,
+    WheelZoomTool,
 )
 from bokeh.plotting import figure
 
@@ -144,18 +150,10 @@ class GraphPanel(Panel):
         self.overview = Overview(self.figure, self.nodes, self.edges, self.frames, backend)
         # fit before the plot goes to the browser: changes sent before it is shown can be lost
         self._fit_ranges()
-        legend = W.HTML(
-            "nodes are colored by device (striped: replicated, data-parallel; upright "
-            "stripes and a mark after the name: split by tensor parallelism, col/row/vocab "
-            "for column-, row- and vocab-parallel, the hover says over which devices); "
-            f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
-            "a black outline marks pins; the overview on the right shows where the view is "
-            "(drag its box, or click). "
-            + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d]))
-                       for d in session.cluster.ids)
-            + " " + swatch("mixed", MIXED, fg="black"))
+        #: what the colors, edges and outlines mean (and the overview, while it is shown)
+        self.legend = W.HTML(self.legend_text())
         plots = row(self.figure, self.overview.figure, sizing_mode="stretch_width")
-        self.widget = W.VBox([legend, bokeh_widget(plots, "pe-graph")],
+        self.widget = W.VBox([self.legend, bokeh_widget(plots, "pe-graph")],
                              layout=W.Layout(flex="3 1 320px", min_width="0"))
 
         s = session
@@ -192,10 +190,27 @@ class GraphPanel(Panel):
                     self.collapse_all_button, self.zoom_button], layout=wrap),
             W.HBox([self.depth, self.depth_button], layout=wrap), self.find])
 
+    def legend_text(self) -> str:
+        """The legend above the graph, in HTML: it mentions the overview only while the
+        overview is shown (from ``OVERVIEW_FROM`` items on)."""
+        overview = ("the overview on the right shows where the view is (drag its box, or "
+                    "click). " if self.overview.figure.visible else "")
+        ids = self.session.cluster.ids
+        return ("nodes are colored by device (striped: replicated, data-parallel; upright "
+                "stripes and a mark after the name: split by tensor parallelism, col/row/vocab "
+                "for column-, row- and vocab-parallel, the hover says over which devices); "
+                f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
+                "a black outline marks pins; the wheel over the graph zooms it. " + overview
+                + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d])) for d in ids)
+                + " " + swatch("mixed", MIXED, fg="black"))
+
     def _draw(self, backend: str, height: int) -> Any:
-        p = figure(height=height, sizing_mode="stretch_width", tools="pan,wheel_zoom,reset",
-                   toolbar_location="above", output_backend=backend,
+        wheel = WheelZoomTool()
+        p = figure(height=height, sizing_mode="stretch_width",
+                   tools=[PanTool(), wheel, ResetTool()], toolbar_location="above",
+                   toolbar_sticky=False, output_backend=backend,
                    x_range=Range1d(-5, 5), y_range=Range1d(-5, 1), min_border=4)
+        p.toolbar.active_scroll = wheel  # the wheel zooms the graph, not the notebook
         p.axis.visible = False
         p.grid.visible = False
         p.name = "pe-graph-plot"  # (browser tests find the plot by this name)
@@ -237,6 +252,9 @@ class GraphPanel(Panel):
             self.edges.data = self.edge_columns(data["device"])
             self.frames.data = self.frame_columns()
             self._fit_ranges()
+            text = self.legend_text()
+            if self.legend.value != text:
+                self.legend.value = text
         elif what in ("plan", "costs"):
             dynamic = self.dynamic_columns()
             patch(self.nodes, dynamic)

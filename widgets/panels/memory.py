@@ -2,7 +2,9 @@
 
 The scale follows what is used, so bars stay readable at any capacity: in GiB when devices
 are large, zoomed to the usage (the capacity said in words) when a plan uses a small part of
-it, and as wide as the notebook.
+it, and as wide as the notebook. The title says the unit and, on a line of its own, where the
+capacity is; the legend takes two rows; the toolbar has a row of its own (zoom along the
+axis, reset, hover): all stay inside the chart in a narrow column.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from bokeh.models import (
     Legend,
     LegendItem,
     Range1d,
+    Title,
 )
 from bokeh.plotting import figure
 from bokeh.transform import dodge
@@ -91,9 +94,11 @@ class MemoryPanel(Panel):
         devices = list(session.cluster.ids)
         self.unit, self.unit_bytes = "GiB", GiB
         self.source = ColumnDataSource(self.columns())
-        p = figure(height=110 + 44 * len(devices), sizing_mode="stretch_width",
+        p = figure(height=150 + 44 * len(devices), sizing_mode="stretch_width",
                    y_range=FactorRange(*devices[::-1]), x_range=Range1d(0, 1),
-                   toolbar_location=None, output_backend=backend, min_border_right=12)
+                   tools="xpan,xwheel_zoom,reset", toolbar_location="above",
+                   toolbar_sticky=False, output_backend=backend, min_border_right=12)
+        p.name = "pe-memory-plot"  # (browser tests find the plot by this name)
         bar_y = dodge("device", -0.12, range=p.y_range)
         stack = p.hbar_stack(list(CATEGORIES), y=bar_y, height=0.45, source=self.source,
                              color=list(CATEGORY_COLORS))
@@ -105,9 +110,12 @@ class MemoryPanel(Panel):
                               text_baseline="middle", text_color="cap_color"))
         legend = Legend(items=[LegendItem(label=c, renderers=[r])
                                for c, r in zip(CATEGORIES, stack, strict=True)],
-                        orientation="horizontal", label_text_font_size="8pt",
+                        orientation="horizontal", nrows=2, label_text_font_size="8pt",
                         glyph_width=10, spacing=6, padding=2, margin=2)
         p.add_layout(legend, "below")
+        #: the second line of the title: where the capacity is
+        self.capacity_note = Title(text="", text_font_size="8pt", text_font_style="normal")
+        p.add_layout(self.capacity_note, "above")
         p.add_tools(HoverTool(tooltips=[("device", "@device"), ("total", "@total_text"),
                                         ("capacity", "@capacity_text"),
                                         ("params/grads/opt", "@detail"),
@@ -125,12 +133,12 @@ class MemoryPanel(Panel):
         end, zoomed = scale_end(totals, d["capacity"])
         self.unit, self.unit_bytes = memory_unit(end)
         self.source.data = self.columns()
-        self.figure.x_range.start, self.figure.x_range.end = 0, end / self.unit_bytes
+        xr = self.figure.x_range
+        xr.start, xr.end = xr.reset_start, xr.reset_end = 0, end / self.unit_bytes
         self.figure.xaxis.axis_label = self.unit
-        self.figure.title.text = (
-            f"memory at the peak, {self.unit}; "
-            + ("capacity beyond the right edge (said in words)" if zoomed
-               else "capacity: dashed box"))
+        self.figure.title.text = f"memory at the peak, {self.unit}"
+        self.capacity_note.text = ("capacity beyond the right edge (said in words)" if zoomed
+                                   else "capacity: dashed box")
 
     def columns(self) -> dict[str, list]:
         """The bars' columns from the session's prediction (in ``unit``, and in words)."""
