@@ -71,7 +71,9 @@ def _prepare(args: argparse.Namespace, made: Any = None):
     t0 = time.perf_counter()
     half = getattr(args, "precision", None)  # timed too, so that stages in it are measured
     costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet,
-                       precisions=(half,) if half not in (None, "fp32") else ())
+                       precisions=(half,) if half not in (None, "fp32") else (),
+                       # (the runtime the run asks for: its profile predicts it)
+                       runtime="ops" if getattr(args, "runtime", None) == "ops" else "segments")
     t_profile = time.perf_counter() - t0
     return bm, graph, cluster, costs, t_capture, t_profile
 

@@ -12,8 +12,8 @@ less what the op path adds (one number per direction and share of the batch, the
 every op), never under the per-op dispatch cost (what the least op costs), nor over its cost
 at a larger share: what the op path adds is the number that makes the ops' costs add up to the
 segment runs' forward and backward (:func:`fit_extra`). The op path adds more per op at the
-whole batch than at a quarter of it (the built-in GPT's 122 ops at its default size, one CPU
-rank, 2026-11-29: 36-43 us per forward at the whole batch, 26-28 us at a quarter): fitted per
+whole batch than at a quarter of it (tens of microseconds per forward op on a CPU rank,
+about a third more at the whole batch than at a quarter on the built-in GPT): fitted per
 share, the single-device plan's segment steps are what the profile predicts at every share it
 timed. A segment call's own cost and a per-op cost are one number on one device (every
 micro-batch runs as one segment there), so it is spread over the ops.
