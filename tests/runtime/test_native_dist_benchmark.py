@@ -95,19 +95,20 @@ def test_the_same_start_check_catches_other_weights_or_losses(nd):
 @pytest.mark.slow
 def test_a_quick_run_writes_every_case(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # (gpt only: resnet's halves and plans are checked above without running them)
     p = subprocess.run([sys.executable, str(BENCH / "native_dist.py"), "--quick",
-                        "--results", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
+                        "--models", "gpt", "--results", str(tmp_path)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads((tmp_path / "native_dist.json").read_text())
     assert rec["command"].startswith("python benchmarks/native_dist.py --quick")
     rows = rec["rows"]
     assert [(r["model"], r["case"]) for r in rows] == [
-        (m, c) for m in ("gpt", "resnet") for c in ("data parallel", "1F1B pipeline", "ZeRO-3")]
+        ("gpt", c) for c in ("data parallel", "1F1B pipeline", "ZeRO-3")]
     for r in rows:
         assert r["size"] == "small" and r["steps each"] == 2
         assert r["runtime"] in ("ops", "segments")
         assert r["explorer ms"] > 0 and r["reference ms"] > 0
         assert r["met"] == ("yes" if r["ratio"] <= r["target"] else "no")
         assert float(r["loss gap"]) <= 1e-5
-    assert {r["runtime"] for r in rows if r["case"] != "ZeRO-3"} == {"segments"}
+    assert {r["runtime"] for r in rows} == {"segments"}
