@@ -405,6 +405,17 @@ def _whole(text: str) -> int:
     return _whole_from(0, text)
 
 
+def add_runtime_options(p: argparse.ArgumentParser, after: str = "") -> None:
+    """``--runtime`` and ``--compile``, as ``ex.run`` takes them (run and export)."""
+    p.add_argument("--runtime", choices=RUNTIMES, default=None,
+                   help="how ranks run their ops: as generated segments with one backward "
+                        "each (segments, the default where they run the plan: the work "
+                        f"eager PyTorch does) or one at a time (ops){after}")
+    p.add_argument("--compile", action="store_true",
+                   help="run each segment's code through torch.compile (inductor; compiled "
+                        f"in the warm-up steps; segments only){after}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="explorer", description="Plan how a model's training step is split across devices.")
@@ -463,13 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(r)
     add_memory_options(r)
-    r.add_argument("--runtime", choices=RUNTIMES, default=None,
-                   help="how ranks run their ops: as generated segments with one backward "
-                        "each (segments, the default where they run the plan: the work "
-                        "eager PyTorch does) or one at a time (ops)")
-    r.add_argument("--compile", action="store_true",
-                   help="run each segment's code through torch.compile (inductor; compiled "
-                        "in the warm-up steps; segments only)")
+    add_runtime_options(r)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     r.add_argument("--force", action="store_true", help="run even if predicted not to fit")
     r.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -489,13 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch, like ex.builtin_model (a factory the plan names is used only "
                         "when you name it here)")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
-    e.add_argument("--runtime", choices=RUNTIMES, default=None,
-                   help="how the ranks run their ops: one at a time (ops, the default) or as "
-                        "generated segments (segments, the default with --compile); the "
-                        "script's own --runtime overrides it")
-    e.add_argument("--compile", action="store_true",
-                   help="run each segment's code through torch.compile (the script's "
-                        "--compile / --no-compile override it)")
+    add_runtime_options(e, "; the script's own --runtime and --compile / --no-compile "
+                           "override them")
     e.add_argument("--force", action="store_true",
                    help="overwrite an existing script and job folder")
     e.set_defaults(fn=cmd_export)
