@@ -60,6 +60,18 @@ def tiny_builtin_graph(name: str) -> OpGraph:
 
 
 @functools.cache
+def dropout_mlp_graph() -> OpGraph:
+    """A small MLP with two dropouts (p 0.5 and 0.3), seeded weights and batch, captured once
+    per test process (runs only read it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    return ex.capture(model, x, torch.nn.MSELoss(), y, name="dropout-mlp")
+
+
+@functools.cache
 def builtin_reference(name: str, steps: int, shards: int, optimizer: str) -> Reference:
     """One device's steps of a built-in model's tiny size (shared by the tests that compare
     runs of it with one device; only read)."""

@@ -14,8 +14,7 @@ import sys
 
 import pytest
 import torch
-from builders import tiny_builtin_graph
-from torch import nn
+from builders import dropout_mlp_graph, tiny_builtin_graph
 
 import explorer as ex
 import explorer.runtime.export as export
@@ -43,11 +42,7 @@ def mlp():
 
 @pytest.fixture(scope="module")
 def dropout_graph():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32),
-                          nn.Dropout(0.3), nn.Linear(32, 1))
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
-    return ex.capture(model, x, nn.MSELoss(), y, name="dropout-mlp")
+    return dropout_mlp_graph()
 
 
 def _job(graph, plan, **settings) -> Job:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from builders import dropout_mlp_graph
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
@@ -15,11 +15,7 @@ STEPS, WARMUP = 2, 1
 
 @pytest.fixture(scope="module")
 def dropout_graph():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 32),
-                          nn.Dropout(0.3), nn.Linear(32, 1))
-    x, y = torch.randn(8, 16), torch.randn(8, 1)
-    return ex.capture(model, x, nn.MSELoss(), y, name="dropout-mlp")
+    return dropout_mlp_graph()
 
 
 def _plans(graph):
