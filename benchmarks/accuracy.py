@@ -40,10 +40,8 @@ splits more), recorded apart (``accuracy-tensor*.json``).
 
 Both say whether the plans meet the accuracy targets (:data:`TARGETS`).
 
-A plan the segment runtime does not run yet (tensor parallelism, recomputation, ZeRO 3:
-``explorer.runtime.segments.segments_problem``) runs on the op path, predicted from a profile
-of the op path, and is calibrated with nothing; its row says so (``runtime``). The records
-say which runtime the benchmark asked for, in their titles.
+``--runtime`` says which runtime the plans run on (and are profiled for): the segments by
+default, as ``ex.run``; the records say which, in their titles.
 
 Run it on a quiet machine: the ranks share its cores.
 
@@ -64,7 +62,6 @@ from scipy.stats import kendalltau
 import explorer as ex
 from explorer.core.tensor_layout import megatron_layout
 from explorer.core.units import table
-from explorer.runtime.segments import segments_problem
 
 PLANS = [
     ("single", {}),
@@ -196,8 +193,7 @@ def main() -> None:
                 todo[seen[key]] = (row[0], row[1], row[2], row[3] + [label], row[4])
                 continue
             seen[key] = len(todo)
-            # (the op path, and its profile, where the segments do not run the plan yet)
-            rt = "ops" if args.runtime == "ops" or segments_problem(plan) else "segments"
+            rt = args.runtime
             if rt not in profiles:
                 profiles[rt] = ex.profile(graph, cluster, progress=False, cache=args.cached,
                                           precisions=half, runtime=rt)

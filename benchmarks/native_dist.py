@@ -30,9 +30,9 @@ rate:
   ``fully_shard`` on every block (gpt's transformer blocks, resnet's basic blocks) then on the
   root. Target <= 1.25.
 
-``ex.run`` takes ``--runtime``; ``auto`` (the default) uses ``"segments"`` where
-:func:`explorer.runtime.segments.segments_problem` has nothing against the plan, else
-``"ops"``; the ``runtime`` column records which ran. Each case runs ``--rounds`` times, the
+``ex.run`` takes ``--runtime``; ``auto`` (the default) is what ``ex.run`` takes unasked
+(:func:`explorer.runtime.segments.choose_runtime`: the segments); the ``runtime`` column
+records which ran. Each case runs ``--rounds`` times, the
 explorer then the reference, ``--steps`` measured steps each after :data:`WARMUP` steps; a
 step's time is the slowest rank's, from a barrier to the end of its optimizer step (as
 ``ex.run`` times it), and each column is the median over all measured steps (``--rounds x
@@ -87,7 +87,7 @@ from explorer.core.units import table
 from explorer.platforms import platform_of
 from explorer.platforms.net import free_port
 from explorer.runtime.params import make_optimizer
-from explorer.runtime.segments import segments_problem
+from explorer.runtime.segments import choose_runtime
 
 Case = Literal["data parallel", "1F1B pipeline", "ZeRO-3"]
 RuntimeChoice = Literal["auto", "ops", "segments"]
@@ -214,11 +214,9 @@ def plan_for(case: Case, graph: OpGraph, name: str, module: nn.Module) -> ex.Pla
                                    micro_batches=MICRO_BATCHES, schedule="1f1b")
 
 
-def chosen_runtime(plan: ex.Plan, runtime: RuntimeChoice) -> Literal["ops", "segments"]:
-    """``runtime``, or for ``auto`` segments where they run the plan, else ops."""
-    if runtime != "auto":
-        return runtime
-    return "segments" if segments_problem(plan) is None else "ops"
+def chosen_runtime(runtime: RuntimeChoice) -> Literal["ops", "segments"]:
+    """``runtime``, or for ``auto`` what ``ex.run`` takes unasked."""
+    return choose_runtime(None if runtime == "auto" else runtime, False)
 
 
 # -- same start on both sides -----------------------------------------------------------------
@@ -410,7 +408,7 @@ def measure(name: str, size: str, rounds: int, steps: int, warmup: int,
     for _ in range(rounds):
         for case in CASES:
             plan = plans[case]
-            used[case] = chosen_runtime(plan, runtime)
+            used[case] = chosen_runtime(runtime)
             m = ex.run(graph, plan=plan, steps=steps, warmup=warmup, progress=False,
                        runtime=used[case], timeout_s=timeout_s)
             ref = run_reference(case, name, size, plan.optimizer, steps, warmup, timeout_s)

@@ -36,19 +36,16 @@ class Report:
     rows: tuple[Row, ...]
     algorithm: str
     memory_source: str
-    #: how the ranks ran their ops (:attr:`Measurement.runtime`, ``runtime_note``,
-    #: ``compiled``)
+    #: how the ranks ran their ops (:attr:`Measurement.runtime`, ``compiled``)
     runtime: str = "segments"
-    runtime_note: str | None = None
     compiled: bool = False
 
     @property
     def ran_as(self) -> str:
         """How the ranks ran, in words: "as generated segments (compiled)", "one op at a
-        time: <why>"."""
-        words = ("as generated segments" + (" (compiled)" if self.compiled else "")
-                 if self.runtime == "segments" else "one op at a time")
-        return words + (f" ({self.runtime_note})" if self.runtime_note else "")
+        time"."""
+        return ("as generated segments" + (" (compiled)" if self.compiled else "")
+                if self.runtime == "segments" else "one op at a time")
 
     def row(self, what: str, device: str = "") -> Row:
         for r in self.rows:
@@ -66,8 +63,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm, "memory_source": self.memory_source,
-                "runtime": self.runtime, "runtime_note": self.runtime_note,
-                "compiled": self.compiled,
+                "runtime": self.runtime, "compiled": self.compiled,
                 "rows": [{"what": r.what, "device": r.device, "unit": r.unit,
                           "predicted": r.predicted, "measured": r.measured, "error": r.error}
                          for r in self.rows]}
@@ -106,7 +102,7 @@ def compare(pred: Prediction, meas: Measurement) -> Report:
     if meas.energy_j is not None:
         rows.append(Row("energy", "", "J", pred.energy_j, meas.energy_j))
     return Report(tuple(rows), meas.algorithm, meas.memory_source, runtime=meas.runtime,
-                  runtime_note=meas.runtime_note, compiled=meas.compiled)
+                  compiled=meas.compiled)
 
 
 def calibrate(costs: CostModel, measurements: Measurement | Iterable[Measurement],

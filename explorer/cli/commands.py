@@ -269,8 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": getattr(bm, "name", args.factory),
                           "size": getattr(bm, "size", None), "plan": plan.to_dict(),
-                          "runtime": meas.runtime, "runtime_note": meas.runtime_note,
-                          "compiled": meas.compiled,
+                          "runtime": meas.runtime, "compiled": meas.compiled,
                           "losses": list(meas.losses), **report.to_dict(),
                           "measured_peak_by_category": meas.peak_by_category}, indent=1))
         return 0

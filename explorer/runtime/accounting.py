@@ -69,7 +69,10 @@ class MemTracker:
         if self._held is not None:
             self._held.append(t)  # (keeps the storage, so its address is not reused meanwhile)
             return
-        key = _storage(t).data_ptr()
+        self.forget(storage_key(t))
+
+    def forget(self, key: int) -> None:
+        """Drop one count of the storage at address ``key`` (:func:`storage_key`), at once."""
         ref = self.refs.get(key)
         if ref is None:
             return
@@ -107,6 +110,11 @@ class MemTracker:
             return kept if kept is not None else SavedTensor(t, self)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.unpack())
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The address of the storage ``t`` uses on this rank (what the tracker counts by)."""
+    return _storage(t).data_ptr()
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

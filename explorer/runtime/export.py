@@ -26,14 +26,13 @@ from typing import Any
 import torch
 
 from explorer.capture.tracing import captured_graph, step_program
-from explorer.core.errors import ExplorerError, PlanError
+from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.runtime.jobfiles import (
-    RUNTIMES,
     Job,
     Runtime,
     job_problem,
@@ -41,7 +40,7 @@ from explorer.runtime.jobfiles import (
     write_job,
 )
 from explorer.runtime.modelsource import model_source
-from explorer.runtime.segments import choose_runtime, segments_problem
+from explorer.runtime.segments import choose_runtime
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
 from explorer.simulate.simulator import execution_order
@@ -150,18 +149,11 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     tensors.
 
     ``runtime`` and ``compile`` are how the ranks run their ops, as in ``ex.run``: as
-    segments where they run the plan, else one at a time (``runtime`` asks for one), with
+    segments unless ``runtime="ops"`` asks for one at a time, with
     ``compile=True`` running the segments through ``torch.compile``. The script's
     ``--runtime`` and ``--compile`` / ``--no-compile`` override them.
     """
-    if runtime is not None and runtime not in RUNTIMES:
-        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
-                            f"{runtime!r}")
-    if not isinstance(compile, bool):
-        raise ExplorerError(f"compile must be True or False, not {compile!r}")
-    if compile and runtime == "ops":
-        raise ExplorerError("compile=True compiles the segments' code: export with "
-                            "runtime='segments' (--runtime segments)")
+    runtime = choose_runtime(runtime, compile)
     graph = graph or captured_graph(plan.graph_fingerprint)
     if graph is None:
         raise ExplorerError("export needs the captured model this plan was made for: pass "
@@ -181,10 +173,6 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     plan.validate(graph)
     plan.check_batch(graph.batch_size)
     check_supported(graph, plan)
-    if compile and (problem := segments_problem(plan)):
-        raise PlanError(f"compile=True needs the segment runtime, but {problem}; drop that "
-                        "setting, or export with compile=False")
-    runtime, _ = choose_runtime(plan, runtime)
     path = Path(path)
     if path.suffix != ".py":
         raise ExplorerError(f"the script name should end in .py, not {path.name!r}")

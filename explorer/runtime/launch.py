@@ -30,10 +30,10 @@ from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, saved_across_units
 from explorer.platforms.net import free_port
 from explorer.runtime.folders import job_folder, space_errors
-from explorer.runtime.jobfiles import RUNTIMES, Job, Runtime, program_parts, write_job
+from explorer.runtime.jobfiles import Job, Runtime, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
-from explorer.runtime.segments import choose_runtime, segments_problem
+from explorer.runtime.segments import choose_runtime
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
@@ -68,9 +68,8 @@ class Measurement:
     #: the seed random ops (dropout) drew from: the same seed gives the same losses
     seed: int = 0
     #: how the ranks ran their ops: as generated segments ("segments") or one at a time
-    #: ("ops"), and why the op path where the segments were not asked against
+    #: ("ops")
     runtime: Runtime = "segments"
-    runtime_note: str | None = None
     #: whether the segments ran through ``torch.compile`` (``compile=True``)
     compiled: bool = False
     #: per CPU rank, the bytes of each memory category (parameters, gradients, optimizer
@@ -128,12 +127,11 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
     (:func:`explorer.runtime.stage.draw_seed`). With ``pool`` the steps run on its rank
     processes (started once for many runs) rather than on processes started for this run.
     Each rank runs its consecutive ops as generated segments with one backward each
-    (:mod:`explorer.runtime.segments`), the work eager PyTorch does; a plan the segments do not
-    run yet (:func:`~explorer.runtime.segments.segments_problem`) runs one op at a time, and
-    ``runtime_note`` says why. ``runtime="ops"`` or ``"segments"`` asks for one of them (the
-    segments refuse what they cannot run). ``compile=True`` runs each segment's code through
-    ``torch.compile`` (inductor, :mod:`explorer.runtime.segment_compile`): the segments only,
-    compiled on the first (warm-up) step, seeded random ops drawing what they draw eagerly.
+    (:mod:`explorer.runtime.segments`), the work eager PyTorch does; ``runtime="ops"`` runs
+    them one at a time instead (as the profiler times them). ``compile=True`` runs each
+    segment's code through ``torch.compile`` (inductor, :mod:`explorer.runtime.
+    segment_compile`): the segments only, compiled on the first (warm-up) step, seeded random
+    ops drawing what they draw eagerly.
     """
     if plan is None:
         raise ExplorerError("run needs a plan: ex.run(model, example_inputs, plan)")
@@ -146,21 +144,10 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         raise ExplorerError("steps must be >= 1 and warmup >= 0")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ExplorerError(f"seed must be a whole number >= 0, not {seed!r}")
-    if runtime is not None and runtime not in RUNTIMES:
-        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
-                            f"{runtime!r}")
     cluster = cluster if cluster is not None else (costs.cluster if costs else None)
     plan.validate(graph)
     check_supported(graph, plan)
-    if not isinstance(compile, bool):
-        raise ExplorerError(f"compile must be True or False, not {compile!r}")
-    if compile and runtime == "ops":
-        raise ExplorerError("compile=True compiles the segments' code, and runtime='ops' runs "
-                            "one op at a time: use runtime='segments' (or compile=False)")
-    if compile and (problem := segments_problem(plan)):
-        raise PlanError(f"compile=True needs the segment runtime, but {problem}; drop that "
-                        "setting, or run with compile=False")
-    runtime, runtime_note = choose_runtime(plan, runtime)
+    runtime = choose_runtime(runtime, compile)
     try:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
     except PlanError as e:
@@ -191,7 +178,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,
                                 plan, pool)
     return replace(_measurement(results, grads, plan, graph, steps, warmup), seed=seed,
-                   runtime=runtime, runtime_note=runtime_note, compiled=compile)
+                   runtime=runtime, compiled=compile)
 
 
 def launch(folder: Path, world: int, total_steps: int, timeout_s: float, progress: bool,

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
+from explorer.runtime.selective import Held, selective_contexts
 from explorer.runtime.tensor_parallel import local
 
 
@@ -55,6 +56,10 @@ class SegmentSteps:
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
     _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
     checkpointed: bool  # the stage recomputes its segments in their backward
+    recompute_mode: str  # "full" or "selective" where checkpointed
+    #: per segment run (its first action's position, shard), what its selective
+    #: recomputation holds counted on CPU until its backward ends
+    selective_held: dict[tuple[int, int], Held]
     #: per parameter, the uses of the segment whose backward runs now not yet done
     param_uses: dict[int, int]
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
@@ -112,8 +117,8 @@ class SegmentSteps:
         saving = (tracker.saving(self._stand_in) if L.tdev.type != "cuda"
                   or self.weights.shards.ghost else contextlib.nullcontext())
         with saving, self._autocast():
-            outs = (self._checkpointed(code, args) if self.checkpointed and seg.backward_nodes
-                    else code.forward(*args))
+            outs = (self._checkpointed(code, args, (seg.forward_at, u))
+                    if self.checkpointed and seg.backward_nodes else code.forward(*args))
         env = self.env[(m, u)]
         edges = []
         for o, readers, out in zip(seg.outputs, seg.readers_after, outs, strict=True):
@@ -151,23 +156,33 @@ class SegmentSteps:
             if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
                 self._release_output(m, u, o)
 
-    def _checkpointed(self, code: Any, args: list) -> Any:
-        """Segment ``code``'s outputs on ``args`` as ``torch.utils.checkpoint`` (reentrant)
-        makes them: its forward saves nothing but its inputs; its backward runs the forward
-        again (the same seeds and precision) and back-propagates through that, so what the
-        ops save lives only during the segment's backward (counted then, on CPU)."""
+    def _checkpointed(self, code: Any, args: list, run: tuple[int, int]) -> Any:
+        """Segment ``code``'s outputs on ``args`` under ``torch.utils.checkpoint``.
+
+        "full" (reentrant): the forward saves nothing but its inputs; the backward runs the
+        forward again (the same seeds and precision) and back-propagates through that, so
+        what the ops save lives only during the segment's backward (counted then, on CPU).
+        "selective" (non-reentrant, :mod:`explorer.runtime.selective`): matmul-like ops'
+        outputs are saved too and only the other ops run again; ``run`` keys what that
+        holds counted on CPU until the segment's backward ends."""
         counting = self.layout.tdev.type != "cuda"
         spec: list = []
+        selective = self.recompute_mode == "selective"
 
-        def run(*inputs: Any) -> tuple:
-            again = torch.is_grad_enabled()  # (the backward's run: count what it saves)
+        def forward(*inputs: Any) -> tuple:
+            again = torch.is_grad_enabled() and not selective  # (count what the rerun saves)
             with (self.tracker.saving() if again and counting else contextlib.nullcontext()), \
                     self._autocast():
                 flat, tree = tree_flatten(code.forward(*inputs))
             spec[:] = [tree]
             return tuple(flat)
 
-        flat = checkpoint(run, *args, use_reentrant=True, preserve_rng_state=False)
+        if selective:
+            held = self.selective_held[run] = Held(self.tracker) if counting else None
+            flat = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
+                              context_fn=selective_contexts(held))
+        else:
+            flat = checkpoint(forward, *args, use_reentrant=True, preserve_rng_state=False)
         return tree_unflatten(list(flat), spec[0])
 
     def _segment_backward(self, seg: Segment, u: int) -> None:
@@ -205,6 +220,9 @@ class SegmentSteps:
         # values that only live inside it are not)
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+        held_now = self.selective_held.pop((seg.forward_at, u), None)
+        if held_now is not None:
+            held_now.release()
         whole_split, partial_slots = self.segment_partial_slots.pop((seg.forward_at, u),
                                                                     ((), []))
         made = [g for _, _, slot in [*slots, *partial_slots] for g in slot]

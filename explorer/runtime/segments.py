@@ -32,10 +32,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from explorer.core.errors import PlanError
-from explorer.core.plan import Plan
+from explorer.core.errors import ExplorerError
 from explorer.core.schedule import BWD, FWD, Action
-from explorer.runtime.jobfiles import OpCall, Ref, Runtime, map_leaves
+from explorer.runtime.jobfiles import RUNTIMES, OpCall, Ref, Runtime, map_leaves
 
 
 @dataclass(frozen=True)
@@ -171,31 +170,20 @@ def _segment(m: int, nodes: list[int], s: int, stage: Sequence[int],
                    forward_at=fwd_at[(m, nodes[0])], backward_at=min(at) if at else None)
 
 
-def segments_problem(plan: Plan) -> str | None:
-    """What of ``plan`` the segment runtime does not run yet (naming the stage and the
-    setting), or None: selective recomputation keeps the op-at-a-time path for now."""
-    for s in range(len(plan.stages)):
-        st = plan.settings_of(s)
-        if st.recompute == "selective":
-            what = "selective activation recomputation"
-        else:
-            continue
-        return f"the segment runtime does not run stage {s}'s {what} yet"
-    return None
-
-
-def choose_runtime(plan: Plan, asked: Runtime | None) -> tuple[Runtime, str | None]:
-    """The runtime a run of ``plan`` uses, and why it is not the segments where they were not
-    asked for: ``asked`` if given (segments a plan they cannot run yet are refused, saying
-    what to change), else segments where they run the plan and the op path where not."""
-    problem = segments_problem(plan)
-    if asked == "segments" and problem:
-        raise PlanError(f"{problem}; run this plan with runtime='ops', or drop that setting")
-    if asked is not None:
-        return asked, None
-    if problem:
-        return "ops", f"ran op by op: {problem}"
-    return "segments", None
+def choose_runtime(asked: Runtime | None, compile: bool) -> Runtime:
+    """The runtime a run (or an exported script) uses: ``asked``, by default the segments,
+    which run every plan (the op path stays as the profiler's way to time single ops, and to
+    compare with). ``compile=True`` compiles the segments' code, so it needs them."""
+    if asked is not None and asked not in RUNTIMES:
+        raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
+                            f"{asked!r}")
+    if not isinstance(compile, bool):
+        raise ExplorerError(f"compile must be True or False, not {compile!r}")
+    if compile and asked == "ops":
+        raise ExplorerError("compile=True compiles the segments' code, and runtime='ops' runs "
+                            "one op at a time: use runtime='segments' (--runtime segments), "
+                            "or compile=False")
+    return asked or "segments"
 
 
 def reseed(generator: torch.Generator, seed: int) -> None:

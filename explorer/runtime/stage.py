@@ -47,7 +47,6 @@ from explorer.runtime.segment_steps import SegmentSteps
 from explorer.runtime.segments import (
     Segment,
     SegmentCode,
-    choose_runtime,
     group_segments,
 )
 from explorer.runtime.tensor_parallel import TensorMesh, local
@@ -126,7 +125,9 @@ class StageRunner(SegmentSteps):
         self.autocast_dtype = AUTOCAST_DTYPES.get(settings.precision)
         self.recompute: Recomputer | None = None
         #: the segments recompute: each unit's segment is checkpointed
-        self.checkpointed = settings.recompute == "full" and job.runtime == "segments"
+        self.checkpointed = settings.recompute != "none" and job.runtime == "segments"
+        self.recompute_mode = settings.recompute
+        self.selective_held: dict[tuple[int, int], Any] = {}
         if settings.recompute != "none" and job.units is None:
             raise ExplorerError("this job folder was written without recomputation units; "
                                 "export the plan again (ex.export_script)")
@@ -145,7 +146,6 @@ class StageRunner(SegmentSteps):
         self.segment_at: dict[int, Segment] | None = None
         self.codes: dict[tuple[int, ...], SegmentCode] = {}
         if job.runtime == "segments":
-            choose_runtime(L.plan, "segments")  # (refuses what the segments cannot run yet)
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name),
                                       job.units if self.weights.shards.ghost

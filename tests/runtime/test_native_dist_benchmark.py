@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import explorer as ex
-from explorer.runtime.segments import segments_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -68,9 +67,8 @@ def test_the_plans_cut_where_the_reference_does(nd, name):
     assert zero.stages == (nd.DEVICES,) and zero.settings_of(0).zero == 3
     dp = nd.plan_for("data parallel", graph, name, bm.module)
     assert dp.stages == (nd.DEVICES,) and dp.settings_of(0).zero == 0
-    assert nd.chosen_runtime(zero, "auto") == ("ops" if segments_problem(zero) else "segments")
-    assert nd.chosen_runtime(dp, "auto") == "segments"
-    assert nd.chosen_runtime(dp, "ops") == "ops"
+    assert nd.chosen_runtime("auto") == "segments"
+    assert nd.chosen_runtime("ops") == "ops"
 
 
 def test_the_same_start_check_catches_other_weights_or_losses(nd):

@@ -11,7 +11,6 @@ from builders import tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
-from explorer.core.errors import PlanError
 from explorer.core.schedule import BWD, FWD, Action
 from explorer.costs.strategies import recompute_units
 from explorer.models.synthetic import roofline_costs
@@ -30,7 +29,6 @@ from explorer.runtime.segments import (
     grad_sources,
     group_segments,
     segment_code,
-    segments_problem,
 )
 from explorer.simulate.simulator import execution_order
 
@@ -305,37 +303,16 @@ class TestCode:
 
 
 class TestSettings:
-    def test_a_plan_the_segments_do_not_cover_is_refused(self):
+    def test_the_default_is_the_segments(self):
+        """Not asked, a run takes the segments, whatever the plan's settings; asked, the
+        runtime asked for."""
+        assert choose_runtime(None, False) == "segments"
+        assert choose_runtime("ops", False) == "ops"
+        assert choose_runtime(None, True) == "segments"
         graph = tiny_builtin_graph("mlp")
         plan = _plan("mlp", "data-parallel").with_memory(recompute="selective")
-        words = "stage 0's selective activation recomputation"
-        assert segments_problem(_plan("mlp", "data-parallel")) is None
-        with pytest.raises(PlanError, match=f"the segment runtime does not run {words} yet; "
-                                            "run this plan with runtime='ops'"):
-            ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, runtime="segments")
-
-    def test_the_default_is_the_segments_where_they_run_the_plan(self):
-        """Not asked, a run takes the segments; a plan they do not run yet runs op by op,
-        and the measurement says why."""
-        plan = _plan("mlp", "data-parallel")
-        assert choose_runtime(plan, None) == ("segments", None)
-        assert choose_runtime(plan, "ops") == ("ops", None)
-        assert choose_runtime(plan.with_memory(zero=3), None) == ("segments", None)
-        assert choose_runtime(plan.with_memory(recompute="full"), None) == ("segments", None)
-        selective = plan.with_memory(recompute="selective")
-        assert choose_runtime(selective, None) == (
-            "ops", "ran op by op: the segment runtime does not run stage 0's selective "
-                   "activation recomputation yet")
-        graph = tiny_builtin_graph("mlp")
         meas = ex.run(graph, plan=plan, steps=1, warmup=0, progress=False)
-        assert (meas.runtime, meas.runtime_note) == ("segments", None)
-
-    def test_tensor_and_sequence_parallelism_run_in_segments(self):
-        """(their runs: tests/runtime/test_runtime_tensor.py and test_runtime_sequence.py)"""
-        split = _plan("mlp", "data-parallel").with_tensor(2)
-        assert choose_runtime(split, None) == ("segments", None)
-        sequence = _plan("gpt", "data-parallel").with_tensor(2, sequence=True)
-        assert choose_runtime(sequence, None) == ("segments", None)
+        assert meas.runtime == "segments"
 
     def test_an_unknown_runtime_is_refused(self):
         graph = tiny_builtin_graph("mlp")
@@ -455,18 +432,20 @@ def test_segments_run_zero(zero):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_segments_recompute_a_unit_in_its_backward(name):
-    """Full recomputation checkpoints each unit's segment: the values run again are the
-    values the forward made, so losses and gradients equal the op path's recomputation and
-    the run without it bit for bit; on gpt (whose activations outweigh what a unit holds to
-    run again) the fuller rank holds less at its peak than without."""
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_segments_recompute_a_unit_in_its_backward(name, mode):
+    """Recomputation checkpoints each unit's segment (full: reentrant; selective: torch's
+    selective checkpointing, matmul outputs saved): the values run again are the values the
+    forward made, so losses and gradients equal the op path's recomputation and the run
+    without it bit for bit; on gpt (whose activations outweigh what a unit holds to run
+    again) the fuller rank holds less at its peak than without."""
     graph = tiny_builtin_graph(name)
     path = "1f1b" if name == "gpt" else "gpipe"
     plan = _plan(name, path)
-    full = plan.with_memory(recompute="full")
-    seg = _run(graph, full, "segments", (name, path, "full"))
+    again = plan.with_memory(recompute=mode)
+    seg = _run(graph, again, "segments", (name, path, mode))
     plain = _run(graph, plan, "segments", (name, path))
-    _assert_same_as_ops(seg, _run(graph, full, "ops", (name, path, "full")))
+    _assert_same_as_ops(seg, _run(graph, again, "ops", (name, path, mode)))
     _assert_same_as_ops(seg, plain)
     if name == "gpt":
         fuller = max(plain.peak_bytes, key=plain.peak_bytes.get)

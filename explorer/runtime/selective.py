@@ -1,0 +1,120 @@
+"""Selective recomputation of a segment: torch's selective activation checkpointing, saving
+the outputs of matmul-like ops and running the other ops again in the backward, with what it
+holds counted on a CPU rank.
+
+The rule is the simulator's and the op path's (:mod:`explorer.runtime.recompute`): a unit keeps
+its inputs and its matmul-like ops' outputs (:func:`~explorer.costs.strategies.
+op_is_matmul_like`) through the forward; norms, activations, softmax, dropout and views run
+again. Here ``torch.utils.checkpoint`` (non-reentrant) runs it around a unit's segment, with a
+policy from ``create_selective_checkpoint_contexts``.
+
+On CPU there is no allocator to ask (:mod:`explorer.runtime.accounting`), and checkpoint's own
+saved-tensor hooks hide what the ops save from the rank's. The inputs checkpoint keeps pass
+through the rank's hooks and are counted there; the saved matmul outputs are counted from the
+forward until the backward's second run, and what that run saves (seen on its way to
+checkpoint's hooks) while autograd holds it (:class:`Held`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
+
+from explorer.costs.strategies import op_is_matmul_like
+from explorer.runtime.accounting import MemTracker, storage_key
+
+
+def save_matmuls(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
+                 **kwargs: Any) -> CheckpointPolicy:
+    """The policy: keep a matmul-like op's output, run every other op again."""
+    if op_is_matmul_like(str(func)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Held:
+    """What one segment's selective recomputation holds on one block of the batch, counted:
+    the matmul outputs its forward saves (until the backward's second run starts, which takes
+    them over), and what that run saves (each until autograd lets go of it, the rest when the
+    segment's backward ends: :meth:`release`)."""
+
+    def __init__(self, tracker: MemTracker) -> None:
+        self.tracker = tracker
+        self.kept: list[torch.Tensor] = []
+        self.saved: list[weakref.finalize] = []
+
+    def keep(self, value: Any) -> None:
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tracker.add(t)
+                self.kept.append(t)
+
+    def let_go_of_kept(self) -> None:
+        for t in self.kept:
+            self.tracker.drop(t)
+        self.kept.clear()
+
+    def save(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t``, saved by the second run, while the alias of it returned is alive."""
+        alias = t.detach()
+        self.tracker.add(alias)
+        self.saved.append(weakref.finalize(alias, self.tracker.forget, storage_key(alias)))
+        return alias
+
+    def release(self) -> None:
+        self.let_go_of_kept()
+        for done in self.saved:
+            done()
+        self.saved.clear()
+
+
+@contextlib.contextmanager
+def _counting_saves(held: Held) -> Iterator[None]:
+    """Inside checkpoint's second run: count each value handed to its saved-tensor hooks
+    (what the backward saves) while it is held, and hand it on to them."""
+    pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    held.let_go_of_kept()
+
+    def counted(t: torch.Tensor) -> Any:
+        return pack(held.save(t))
+
+    with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+        yield
+
+
+def selective_contexts(held: Held | None) -> Callable[[], tuple[Any, Any]]:
+    """The ``context_fn`` for ``torch.utils.checkpoint``: torch's selective checkpointing
+    under :func:`save_matmuls`; with ``held`` (a CPU rank), the saved outputs and the second
+    run's values are counted in it as well."""
+    if held is None:
+        return partial(create_selective_checkpoint_contexts, save_matmuls)
+
+    def counting_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
+                        **kwargs: Any) -> CheckpointPolicy:
+        policy = save_matmuls(ctx, func, *args, **kwargs)
+        if policy == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+            held.keep(ctx.op_output)
+        return policy
+
+    def contexts() -> tuple[Any, Any]:
+        forward, again = create_selective_checkpoint_contexts(counting_policy)
+
+        @contextlib.contextmanager
+        def counted_again() -> Iterator[None]:
+            with again, _counting_saves(held):
+                yield
+
+        return forward, counted_again()
+
+    return contexts
