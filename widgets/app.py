@@ -17,7 +17,7 @@ from IPython.display import publish_display_data
 import explorer as ex
 from explorer.devices.cluster import parse_devices
 from explorer.models.builtin import DEFAULT_SIZE
-from widgets.panels.base import Panel, bokehjs_for_this_page
+from widgets.panels.base import Panel, bokehjs_for_this_page, renew_bokeh_views
 from widgets.panels.editing import EditingPanel
 from widgets.panels.estimate import EstimatePanel
 from widgets.panels.graph import GraphPanel
@@ -95,6 +95,8 @@ class Explorer(W.VBox):
         s.start_measuring()
 
     def _ipython_display_(self) -> None:
+        # a view drawn now shows the plots as they are now, not as they were first shown
+        renew_bokeh_views(self)
         # BokehJS with the first display from each page (a reloaded page has lost the copy
         # loaded before), not with every one
         bundle = bokehjs_for_this_page()

@@ -47,6 +47,17 @@ class Item:
     kind: str  # "module" | "block" | "op"
 
 
+def name_in_key(key: str) -> str:
+    """The op name or module path an item's key ends with ("" for a block or a run of loose
+    ops): what finds the item again once other items are shown."""
+    last = key.rsplit("/", 1)[-1]
+    if last.startswith("op:"):
+        return last[3:]
+    if last.startswith("m:") and not last.startswith("m:ops@"):
+        return last[2:].rsplit("@", 1)[0]
+    return ""
+
+
 class GraphView:
     """The items currently shown for ``graph``, given which items are expanded."""
 

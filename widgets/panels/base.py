@@ -53,9 +53,71 @@ def wrapping(children: list[W.Widget]) -> W.HBox:
     return W.HBox(children, layout=W.Layout(flex_flow="row wrap", align_items="center"))
 
 
+class CurrentBokehModel(BokehModel):
+    """jupyter_bokeh's ``BokehModel`` whose every view, however late it is drawn, shows the
+    document as it is now.
+
+    ``BokehModel`` puts its document in ``render_bundle`` once, when it is made; later changes
+    reach the views already drawn as patches only. A view drawn later (the widget displayed
+    again, or the page reloaded, which asks the kernel for every widget's state) would draw the
+    document as it was made, and get patches meant for the current one. This model notes every
+    change of its document and puts the current document in the bundle before a view can be
+    drawn from it: when its state is asked for (:meth:`get_state`) and when it, or a widget
+    holding it, is displayed (:meth:`renew`, :func:`renew_bokeh_views`). Renewing re-draws the
+    views already shown, from the same (current) document."""
+
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        #: whether the document changed since ``render_bundle`` was made
+        self.changed_since_bundle = False
+        super().__init__(model, **kwargs)
+
+    def _document_patched(self, event: Any) -> None:
+        self.changed_since_bundle = True
+        super()._document_patched(event)
+
+    def renew(self) -> bool:
+        """Put the current document in ``render_bundle`` if it changed since the bundle was
+        made (the front ends then draw their views of it again); whether it did."""
+        if not self.changed_since_bundle:
+            return False
+        self.changed_since_bundle = False
+        self.render_bundle = self._model_to_traits(self._model)
+        return True
+
+    def get_state(self, key: Any = None, drop_defaults: bool = False) -> dict[str, Any]:
+        """The widget's state (see ``ipywidgets.Widget.get_state``), with the document as it
+        is now in ``render_bundle``."""
+        if key is None or key == "render_bundle" or (
+                not isinstance(key, str) and "render_bundle" in key):
+            self.renew()
+        return super().get_state(key, drop_defaults)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        self.renew()
+        return super()._repr_mimebundle_(**kwargs)
+
+
+def renew_bokeh_views(widget: W.Widget) -> int:
+    """Renew (:meth:`CurrentBokehModel.renew`) the bokeh models in ``widget`` and the widgets
+    it holds, before it is displayed (again); how many had changed."""
+    if isinstance(widget, CurrentBokehModel):
+        return int(widget.renew())
+    return sum(renew_bokeh_views(child) for child in getattr(widget, "children", ()))
+
+
+class PlotBox(W.VBox):
+    """A column of widgets holding bokeh plots: displayed on its own (a panel's ``widget``),
+    its plots' views show their current document too (:func:`renew_bokeh_views`)."""
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        renew_bokeh_views(self)
+        return super()._repr_mimebundle_(**kwargs)
+
+
 def bokeh_widget(model: Any, css: str = "") -> W.Widget:
-    """A bokeh model as an ipywidget (jupyter_bokeh), with a CSS class to find it by."""
-    w = BokehModel(model)
+    """A bokeh model as an ipywidget (jupyter_bokeh's, whose views all show the current
+    document: :class:`CurrentBokehModel`), with a CSS class to find it by."""
+    w = CurrentBokehModel(model)
     if css:
         w.add_class(css)
     return w

@@ -3,9 +3,11 @@
 Nodes are the session's view items (modules, blocks or ops, see :mod:`widgets.graphview`),
 placed in rows top-down by dependency, with edges routed between the items of the rows they
 skip and expanded modules framed (:mod:`widgets.layout`). Clicking, box- or lasso-selecting
-items selects them in the session; the expand/collapse buttons, the depth box and the find
-box change which items are shown, and each change re-fits the view (the reset tool comes
-back to it; "zoom to selection" goes close). The wheel over the graph zooms it (not the
+items selects them in the session, by the keys of the items the view clicked in draws (not
+their positions, which are another item's once the kernel's items changed); the
+expand/collapse buttons, the depth box and the find box change which items are shown, and
+each change re-fits the view (the reset tool comes back to it; "zoom to selection" goes
+close). The wheel over the graph zooms it (not the
 page), and its toolbar has a row of its own, so zoom, reset and hover stay in view when the
 graph is narrow (bokeh moves the buttons that do not fit behind a menu). Only nodes have a
 hover text (edges are summed up in it): a hover over a node never opens the texts of the
@@ -22,10 +24,12 @@ from typing import Any
 
 import ipywidgets as W
 import numpy as np
+from bokeh import events
 from bokeh.layouts import row
 from bokeh.models import (
     BoxSelectTool,
     ColumnDataSource,
+    CustomJS,
     HoverTool,
     LabelSet,
     LassoSelectTool,
@@ -39,9 +43,9 @@ from bokeh.plotting import figure
 
 from explorer.core.errors import ExplorerError
 from explorer.core.units import format_bytes, format_flops, format_seconds
-from widgets.graphview import Item
+from widgets.graphview import Item, name_in_key
 from widgets.layout import ITEM_H, ITEM_W
-from widgets.panels.base import Panel, bokeh_widget, button, swatch
+from widgets.panels.base import Panel, PlotBox, bokeh_widget, button, swatch
 from widgets.panels.overview import Overview, add_labels
 from widgets.session import Session
 from widgets.splits import SplitView
@@ -71,6 +75,15 @@ LONG_SPAN = 4
 MAX_FRAME_LABELS = 150
 #: rows shown when the view is fitted (deeper graphs: the top rows, pan or zoom out for more)
 FIT_ROWS = 30
+#: what a click, box or lasso selection in a view of the graph sends the kernel: the keys of
+#: the items it selected, as that view draws them (positions can be another item's in the
+#: kernel's items), and a count that makes each gesture a change (one row)
+PICK_JS = """
+if (!cb_obj.final) return;
+const keys = Array.from(source.selected.indices, (i) => source.data.key[i]);
+const count = picked.data.gesture.length ? Number(picked.data.gesture[0]) + 1 : 1;
+picked.data = {keys: [keys], gesture: [count]};
+"""
 
 
 def short_label(label: str, width: int = LABEL_CHARS) -> str:
@@ -153,8 +166,8 @@ class GraphPanel(Panel):
         #: what the colors, edges and outlines mean (and the overview, while it is shown)
         self.legend = W.HTML(self.legend_text())
         plots = row(self.figure, self.overview.figure, sizing_mode="stretch_width")
-        self.widget = W.VBox([self.legend, bokeh_widget(plots, "pe-graph")],
-                             layout=W.Layout(flex="3 1 320px", min_width="0"))
+        self.widget = PlotBox([self.legend, bokeh_widget(plots, "pe-graph")],
+                              layout=W.Layout(flex="3 1 320px", min_width="0"))
 
         s = session
         self.expand_button = button(s, "expand", "show the selected modules' parts",
@@ -235,6 +248,11 @@ class GraphPanel(Panel):
                 ("pinned", "@pinned")]),
             TapTool(renderers=[r]), BoxSelectTool(renderers=[r]),
             LassoSelectTool(renderers=[r]))
+        #: the item keys the last selecting gesture in a browser picked (:data:`PICK_JS`)
+        self.picked = ColumnDataSource({"keys": [], "gesture": []})
+        p.js_on_event(events.SelectionGeometry,
+                      CustomJS(args={"source": self.nodes, "picked": self.picked}, code=PICK_JS))
+        self.picked.on_change("data", self._on_pick)
         self.nodes.selected.on_change("indices", self._on_select)
         return p
 
@@ -307,9 +325,35 @@ class GraphPanel(Panel):
 
     # -- events --------------------------------------------------------------------------
     def _on_select(self, attr, old, new) -> None:
-        new = sorted(int(i) for i in new)
-        if new != self.session.selected:  # the browser reports a selection twice
-            self.session.select_items(new)
+        # a selection cleared in the browser (the Escape key); the gestures that select send
+        # the keys of what they selected (_on_pick)
+        if not len(new) and self.session.selected:
+            self.session.select_items([])
+
+    def _on_pick(self, attr, old, new) -> None:
+        """Select the items a click, box or lasso picked in a view, by the keys that view
+        draws them with; an item no longer shown (the view was drawn before the items
+        changed) by the op or module it shows."""
+        self.pick([str(k) for k in (new.get("keys") or [[]])[0]])
+
+    def pick(self, keys: list[str]) -> list[int]:
+        """Select the items with these keys, as a selecting gesture in a view of the graph
+        does; an item not shown now by the op or module its key names (expanding what it is
+        in; blocks and runs of loose ops no longer shown are left out). Every view is then
+        shown the selection. Returns the selected positions."""
+        s = self.session
+        shown = {it.key for it in s.view.items}
+        if sorted(keys) != sorted(s.view.items[k].key for k in s.selected):
+            wanted = [k if k in shown else name_in_key(k) for k in keys]
+            try:
+                s.select([w for w in wanted if w])
+            except ExplorerError as e:  # (names come from the same graph: not expected)
+                s.say(str(e), error=True)
+        # the view the gesture came from has the selection already, the others not: send it
+        # to all of them
+        sel = self.nodes.selected
+        sel.trigger("indices", list(sel.indices), list(sel.indices))
+        return s.selected
 
     def _on_find(self, change) -> None:
         if change["new"]:

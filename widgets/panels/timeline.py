@@ -10,7 +10,7 @@ import numpy as np
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool
 from bokeh.plotting import figure
 
-from widgets.panels.base import Panel, bokeh_widget, swatch
+from widgets.panels.base import Panel, PlotBox, bokeh_widget, swatch
 from widgets.session import Session
 
 KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#c44e52",
@@ -44,7 +44,7 @@ class TimelinePanel(Panel):
         p.name = "pe-timeline-plot"
         self.figure = p
         legend = W.HTML(" ".join(swatch(k, c) for k, c in KIND_COLORS.items() if k != "recv"))
-        self.widget = W.VBox([legend, bokeh_widget(p)])
+        self.widget = PlotBox([legend, bokeh_widget(p)])
 
     def update(self, what: str) -> None:
         self.source.data = self.columns()
