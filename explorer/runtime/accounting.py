@@ -9,7 +9,8 @@ apart as the simulator predicts it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,21 @@ class MemTracker:
         self.live += nbytes - ref[1]
         self.live_by[ref[2]] += nbytes - ref[1]
 
+    @contextlib.contextmanager
+    def transient(self, nbytes: int, category: str = GRADIENTS) -> Iterator[None]:
+        """``nbytes`` more held for the length of the block (a tensor autograd makes and
+        frees inside it, out of the rank's sight)."""
+        self.live += nbytes
+        self.live_by[category] += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by = dict(self.live_by)
+        try:
+            yield
+        finally:
+            self.live -= nbytes
+            self.live_by[category] -= nbytes
+
     def reset_peak(self) -> None:
         self.peak = self.live
         self.peak_by = dict(self.live_by)
@@ -110,6 +126,38 @@ class MemTracker:
             return kept if kept is not None else SavedTensor(t, self)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s.unpack())
+
+
+def count_gradients_made(tracker: MemTracker, roots: Iterable[Any], hooked: set,
+                         boundary: Callable[[Any], bool]) -> None:
+    """Count in ``tracker`` every gradient a backward makes at the autograd nodes reachable
+    from ``roots`` (output tensors) before a ``boundary`` node, from when the node makes it
+    until it is freed (a post-hook on each node not in ``hooked``, which it joins).
+
+    Autograd frees a node's incoming gradient and what it saved only after the node has made
+    its gradients, as the op path counts them; gradients flowing between ops of one piece of
+    code are otherwise seen by no hook of the rank's."""
+    def hook(node: Any) -> Callable[[Sequence[Any], Sequence[Any]], None]:
+        # (a gradient handed to a weight's accumulation is the weight's gradient)
+        kinds = [GRADIENTS if type(n).__name__ == "AccumulateGrad" else ACTIVATIONS
+                 for n, _ in node.next_functions]
+
+        def made(grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> None:
+            for g, kind in zip(grad_inputs, kinds, strict=False):
+                if isinstance(g, torch.Tensor):
+                    tracker.add(g, kind)
+                    weakref.finalize(g, tracker.forget, storage_key(g))
+
+        return made
+
+    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in hooked or boundary(node):
+            continue
+        hooked.add(node)
+        node.register_hook(hook(node))
+        todo.extend(n for n, _ in node.next_functions)
 
 
 def storage_key(t: torch.Tensor) -> int:

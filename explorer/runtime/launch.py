@@ -219,8 +219,10 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
     per_step = [max(m[k]["step_s"] for m in measured) for k in range(steps)]
     busy = {r["device"]: statistics.median(s["busy_s"] for s in m)
             for r, m in zip(results, measured, strict=True)}
-    peak = {r["device"]: max(s["peak_bytes"] for s in m)
-            for r, m in zip(results, measured, strict=True)}
+    # (a CPU rank reports its peak from its last step only: StageRunner.memory_step)
+    counted = [[s for s in m if s["peak_bytes"] is not None] for m in measured]
+    peak = {r["device"]: max(s["peak_bytes"] for s in c)
+            for r, c in zip(results, counted, strict=True)}
     losses = []
     for k in range(warmup + steps):
         vals = [r["steps"][k]["loss"] for r in results if r["steps"][k]["loss"] is not None]
@@ -239,9 +241,9 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
         grads=grads,
         cores={r["device"]: tuple(r["cores"]) if r.get("cores") else None for r in results},
         memory_held={r["device"]: bool(r.get("held")) for r in results},
-        peak_by_category={r["device"]: max(m, key=lambda s: s["peak_bytes"])["peak_by_category"]
-                          for r, m in zip(results, measured, strict=True)
-                          if m[0].get("peak_by_category") is not None},
+        peak_by_category={r["device"]: max(c, key=lambda s: s["peak_bytes"])["peak_by_category"]
+                          for r, c in zip(results, counted, strict=True)
+                          if c[0].get("peak_by_category") is not None},
         plan=plan,
         graph=graph)
 

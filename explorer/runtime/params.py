@@ -4,6 +4,7 @@ optimizer step (on this replica's shard with ZeRO, :mod:`explorer.runtime.shardi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -157,6 +158,16 @@ class Weights:
     def stand_in(self, t: torch.Tensor) -> GatheredRef | None:
         """What autograd keeps of ``t`` when it is a gathered weight (ZeRO 3), else None."""
         return self.shards.stand_in(t)
+
+    def accumulated_bytes(self, nodes: Iterable[int]) -> int:
+        """The bytes of the gradients a backward reading ``nodes`` makes for weights that
+        have one already: autograd makes each anew and adds it into the one held (a
+        segment's accounting sees them, :func:`~explorer.runtime.accounting.
+        count_gradients_made`; the op path counts them so)."""
+        L, value = self.layout, self.value
+        return sum(value[p].grad.nbytes for p in nodes
+                   if L.kind[p] == "param" and p not in self.shards.ghost
+                   and value[p].grad is not None)
 
     def used(self, p: int, at: tuple[int, int] | None = None) -> None:
         """A backward that used parameter ``p`` (on micro-batch and shard ``at``; None: its

@@ -23,9 +23,10 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from explorer.runtime.accounting import count_gradients_made
+from explorer.runtime.checkpointing import Held, recompute_contexts
 from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
-from explorer.runtime.selective import Held, selective_contexts
 from explorer.runtime.tensor_parallel import local
 
 
@@ -57,11 +58,14 @@ class SegmentSteps:
     _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
     checkpointed: bool  # the stage recomputes its segments in their backward
     recompute_mode: str  # "full" or "selective" where checkpointed
-    #: per segment run (its first action's position, shard), what its selective
-    #: recomputation holds counted on CPU until its backward ends
-    selective_held: dict[tuple[int, int], Held]
+    #: per segment run (its first action's position, shard), what its recomputation holds
+    #: counted in a CPU rank's memory step until its backward ends
+    recompute_held: dict[tuple[int, int], Held]
     #: per parameter, the uses of the segment whose backward runs now not yet done
     param_uses: dict[int, int]
+    memory_step: bool  # (a CPU rank's step that counts what autograd holds)
+    hooked: set  # the autograd nodes counting their gradients this step
+    _gradient_boundary: Any  # node -> whether a segment's own nodes end there
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
@@ -112,13 +116,17 @@ class SegmentSteps:
         if code.random:
             args.append(self.generator)
             args += [self._draw(m, u, i) for i in code.random]
-        # (a GPU's allocator measures itself: no need to count what autograd saves, but a
-        # gathered ZeRO 3 weight is saved as a reference that gathers it again, on any device)
-        saving = (tracker.saving(self._stand_in) if L.tdev.type != "cuda"
+        # (what autograd saves is counted in a CPU rank's memory step, a GPU's allocator
+        # measures itself; but a gathered ZeRO 3 weight is saved as a reference that gathers
+        # it again, on any device in any step)
+        saving = (tracker.saving(self._stand_in) if self.memory_step
                   or self.weights.shards.ghost else contextlib.nullcontext())
         with saving, self._autocast():
             outs = (self._checkpointed(code, args, (seg.forward_at, u))
                     if self.checkpointed and seg.backward_nodes else code.forward(*args))
+        if self.memory_step:  # (and the gradients its backward passes between its ops)
+            count_gradients_made(tracker, tree_flatten(list(outs))[0], self.hooked,
+                                 self._gradient_boundary)
         env = self.env[(m, u)]
         edges = []
         for o, readers, out in zip(seg.outputs, seg.readers_after, outs, strict=True):
@@ -157,32 +165,30 @@ class SegmentSteps:
                 self._release_output(m, u, o)
 
     def _checkpointed(self, code: Any, args: list, run: tuple[int, int]) -> Any:
-        """Segment ``code``'s outputs on ``args`` under ``torch.utils.checkpoint``.
-
-        "full" (reentrant): the forward saves nothing but its inputs; the backward runs the
-        forward again (the same seeds and precision) and back-propagates through that, so
-        what the ops save lives only during the segment's backward (counted then, on CPU).
-        "selective" (non-reentrant, :mod:`explorer.runtime.selective`): matmul-like ops'
-        outputs are saved too and only the other ops run again; ``run`` keys what that
-        holds counted on CPU until the segment's backward ends."""
-        counting = self.layout.tdev.type != "cuda"
+        """Segment ``code``'s outputs on ``args`` under ``torch.utils.checkpoint``
+        (non-reentrant, :mod:`explorer.runtime.checkpointing`): its forward keeps its inputs
+        (and with "selective" its matmul-like ops' outputs); its backward runs the rest again
+        (the same seeds and precision) and back-propagates through that. ``run`` keys what
+        that holds, counted in a CPU rank's memory step until the segment's backward ends."""
         spec: list = []
-        selective = self.recompute_mode == "selective"
+        # (buffers reach the code from outside checkpoint, as a module's buffers do: one a
+        # kept op updates in place, a batch norm's step count, must not be saved as an input)
+        L = self.layout
+        buffers = {k: a for k, ((p, _), a) in enumerate(zip(code.reads, args, strict=False))
+                   if L.kind[p] == "buffer"}
 
         def forward(*inputs: Any) -> tuple:
-            again = torch.is_grad_enabled() and not selective  # (count what the rerun saves)
-            with (self.tracker.saving() if again and counting else contextlib.nullcontext()), \
-                    self._autocast():
-                flat, tree = tree_flatten(code.forward(*inputs))
+            given = iter(inputs)
+            every = [buffers[k] if k in buffers else next(given) for k in range(len(args))]
+            with self._autocast():
+                flat, tree = tree_flatten(code.forward(*every))
             spec[:] = [tree]
             return tuple(flat)
 
-        if selective:
-            held = self.selective_held[run] = Held(self.tracker) if counting else None
-            flat = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False,
-                              context_fn=selective_contexts(held))
-        else:
-            flat = checkpoint(forward, *args, use_reentrant=True, preserve_rng_state=False)
+        held = self.recompute_held[run] = Held(self.tracker) if self.memory_step else None
+        flat = checkpoint(forward, *[a for k, a in enumerate(args) if k not in buffers],
+                          use_reentrant=False, preserve_rng_state=False,
+                          context_fn=recompute_contexts(self.recompute_mode, held))
         return tree_unflatten(list(flat), spec[0])
 
     def _segment_backward(self, seg: Segment, u: int) -> None:
@@ -215,12 +221,11 @@ class SegmentSteps:
         self.weights.shards.current = (m, u)
         self.param_uses = {p: n for p, n in zip(seg.inputs, seg.backward_uses, strict=True)
                            if L.kind[p] == "param" and n}
-        # (what autograd saved is counted free when it frees it, inside the backward: the
-        # gradients flowing between the segment's ops are not counted, as its forward's
-        # values that only live inside it are not)
+        # (in the memory step, what autograd saved is counted free when it frees it, and a
+        # gradient passed between the segment's ops from when it is made until it is freed)
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        held_now = self.selective_held.pop((seg.forward_at, u), None)
+        held_now = self.recompute_held.pop((seg.forward_at, u), None)
         if held_now is not None:
             held_now.release()
         whole_split, partial_slots = self.segment_partial_slots.pop((seg.forward_at, u),

@@ -12,8 +12,9 @@ rank runs its forward actions a segment at a time instead (:mod:`explorer.runtim
 the segment's generated code on the same weights, one autograd backward per segment and
 micro-batch at the first backward action of its ops, the others skipped. Its inputs enter
 through the same identity function as an op's. The memory it counts differs from the op
-path's only in the values that live inside a segment (an intermediate of its forward, a
-gradient flowing between its ops), counted only where autograd saves them. With the job's
+path's only in an intermediate of a segment's forward, counted only where autograd saves it.
+A CPU rank counts what autograd holds in its last step (:attr:`StageRunner.memory_step`),
+and reports its peak from that step. With the job's
 ``compile`` each segment's code runs through ``torch.compile``
 (:mod:`explorer.runtime.segment_compile`).
 """
@@ -127,7 +128,7 @@ class StageRunner(SegmentSteps):
         #: the segments recompute: each unit's segment is checkpointed
         self.checkpointed = settings.recompute != "none" and job.runtime == "segments"
         self.recompute_mode = settings.recompute
-        self.selective_held: dict[tuple[int, int], Any] = {}
+        self.recompute_held: dict[tuple[int, int], Any] = {}
         if settings.recompute != "none" and job.units is None:
             raise ExplorerError("this job folder was written without recomputation units; "
                                 "export the plan again (ex.export_script)")
@@ -212,6 +213,12 @@ class StageRunner(SegmentSteps):
         #: and (tensor parallelism) the whole inputs its split ops read, their slots
         self.segment_partial_slots: dict[tuple[int, int], tuple[list[int], list]] = {}
         busy = 0.0
+        #: a CPU rank counts what autograd holds (saved tensors, gradients inside segments)
+        #: in its last step only: the hooks that count them cost time eager PyTorch does
+        #: not spend, and every step holds the same
+        self.memory_step = (L.tdev.type != "cuda"
+                            and self.steps_done == self.job.warmup + self.job.steps - 1)
+        self.hooked: set = set()  # (the autograd nodes counting their gradients, this step)
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(L.tdev)
@@ -249,12 +256,13 @@ class StageRunner(SegmentSteps):
         self._sync()
         t1 = time.perf_counter()
         peak = (torch.cuda.max_memory_allocated(L.tdev) if L.tdev.type == "cuda"
-                else self.tracker.peak)
+                else self.tracker.peak if self.memory_step else None)
         loss = sum(self.losses) / len(self.losses) if self.losses else None
         self.env.clear()
+        self.hooked.clear()
         self.steps_done += 1
         return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss,
-                "peak_by_category": None if L.tdev.type == "cuda" else self.tracker.peak_by}
+                "peak_by_category": self.tracker.peak_by if self.memory_step else None}
 
     def _timed(self, fn: Callable[..., None], *args: Any) -> float:
         """Seconds ``fn(*args)`` took, the device synchronized, waits for messages excluded."""
@@ -351,6 +359,13 @@ class StageRunner(SegmentSteps):
     def _draw(self, m: int, u: int, i: int) -> int:
         """The seed random op ``i`` draws from on micro-batch ``m``, shard ``u`` this step."""
         return draw_seed(self.job.seed, self.steps_done, m * self.layout.shards + u, i)
+
+    @staticmethod
+    def _gradient_boundary(node: Any) -> bool:
+        """Where the autograd nodes of a segment's forward end: a weight's gradient
+        accumulation, or an input's entry (whose gradient the rank counts itself)."""
+        return type(node).__name__ == "AccumulateGrad" or \
+            getattr(node, "_forward_cls", None) is _Entry
 
     def _stand_in(self, t: torch.Tensor) -> Any:
         """What autograd keeps instead of ``t``: a reference to a gathered weight (ZeRO 3) or
@@ -458,7 +473,10 @@ class StageRunner(SegmentSteps):
         # the gradients of its inputs: count those first (on CPU; a GPU's allocator measures
         # itself, and holding the freed tensors a little longer would only raise its peak)
         self.weights.shards.current = (m, u)
-        with (self.tracker.deferred() if L.tdev.type != "cuda" else contextlib.nullcontext()):
+        counting = L.tdev.type != "cuda"
+        made_anew = self.weights.accumulated_bytes(L.preds[i]) if counting else 0
+        with (self.tracker.deferred() if counting else contextlib.nullcontext()), \
+                self.tracker.transient(made_anew):
             if pairs:
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
             made = [g for _, _, slot in slots for g in slot]

@@ -297,9 +297,11 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             g0 = np.concatenate([g0, done[k]])
             g_end = np.concatenate([np.where(np.isnan(done), g_end, done), g_end[k]])
             gsize = np.concatenate([gsize, eff.shard[gp[k]]])
-        g_ev_s = np.concatenate([gs, gs])
-        g_ev_t = np.concatenate([g0, g_end])
-        g_ev_b = np.concatenate([gsize, -gsize])
+        a_s, a_t, a_b = _accumulations(g_node, g_user, g_s_, off_b, per_m, M, timing.arrays,
+                                       pbytes, S)
+        g_ev_s = np.concatenate([gs, gs, a_s])
+        g_ev_t = np.concatenate([g0, g_end, a_t])
+        g_ev_b = np.concatenate([gsize, -gsize, a_b])
     # each stage's peak of activations plus gradients, and what fills it
     w_s, w_t, w_b = _gathered(eff, tasks, start_a, end_a)
     es = np.concatenate([*ev_s, g_ev_s, w_s]).astype(np.int16 if S < 2**15 else np.int64)
@@ -324,6 +326,28 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         for d in plan.stages[s]:
             out[d] = mb
     return out
+
+
+def _accumulations(node: np.ndarray, user: np.ndarray, stage: np.ndarray, off_b: np.ndarray,
+                   per_m: int, M: int, task_times: tuple[np.ndarray, np.ndarray],
+                   nbytes: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Memory events (stage, time, bytes) of gradient accumulation: a backward that reaches a
+    weight after the first on its stage (another micro-batch, another op reading it) makes
+    the weight's gradient anew, and autograd adds it into the one held when that backward
+    ends: a gradient's size more for the length of the backward. ``node`` are the weights,
+    ``user`` the ops whose backward reaches them, ``stage`` the stage holding each."""
+    start_a, end_a = task_times
+    task = (off_b[user][:, None] + np.arange(M)[None, :] * per_m).ravel()
+    weight, held = np.repeat(node, M), np.repeat(stage, M)
+    t0, t1 = start_a[task], end_a[task]
+    key = weight * S + held
+    order = np.lexsort((t0, key))
+    again = np.zeros(len(order), dtype=bool)
+    again[1:] = key[order][1:] == key[order][:-1]
+    later = order[again]
+    size = nbytes[weight[later]].astype(np.int64)
+    return (np.concatenate([held[later], held[later]]), np.concatenate([t0[later], t1[later]]),
+            np.concatenate([size, -size]))
 
 
 def _peaks(S: int, es: np.ndarray, et: np.ndarray, eb: np.ndarray, bounds: tuple[int, int]

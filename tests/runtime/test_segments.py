@@ -417,7 +417,7 @@ def test_segments_run_replica_counts_that_differ():
 def test_segments_run_zero(zero):
     """Two data-parallel replicas with ZeRO 1-3 train as the op path and one device. ZeRO 3
     gathers a unit's weights for its segment, as the op path gathers them for its ops: no
-    more gathered at the peak than op by op."""
+    more gathered at the peak than op by op, and the peak within 5 % of the prediction."""
     graph = tiny_builtin_graph("gpt")
     plan = _plan("gpt", "data-parallel").with_memory(zero=zero)
     seg = _run(graph, plan, "segments", ("gpt", "zero", zero))
@@ -427,15 +427,18 @@ def test_segments_run_zero(zero):
     if zero == 3:
         for d, by in ops.peak_by_category.items():
             assert 0 < seg.peak_by_category[d]["gathered"] <= by["gathered"], d
-            assert seg.peak_bytes[d] <= ops.peak_bytes[d], d
+        predicted = ex.simulate(graph, plan, roofline_costs(
+            graph, ex.Cluster.cpu(2, measure=False))).peak_bytes
+        for d, peak in predicted.items():
+            assert abs(seg.peak_bytes[d] / peak - 1) < 0.05, (d, seg.peak_bytes[d], peak)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_segments_recompute_a_unit_in_its_backward(name, mode):
-    """Recomputation checkpoints each unit's segment (full: reentrant; selective: torch's
-    selective checkpointing, matmul outputs saved): the values run again are the values the
+    """Recomputation checkpoints each unit's segment (torch's selective checkpointing; with
+    "selective" matmul outputs kept): the values run again are the values the
     forward made, so losses and gradients equal the op path's recomputation and the run
     without it bit for bit; on gpt (whose activations outweigh what a unit holds to run
     again) the fuller rank holds less at its peak than without."""
@@ -503,21 +506,24 @@ def test_dropout_draws_what_the_op_path_draws():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["single", "gpipe", "1f1b", "data-parallel"])
-def test_segments_measure_peak_memory_near_the_op_path(path):
-    """The tensor accounting still runs on the segment path. It counts what autograd saves
-    while it is saved and the segments' outputs and inputs as the op path counts values, but
-    not the values that live only inside a segment (an intermediate of its forward, a
-    gradient flowing between its ops in its backward), so it measures a little less: on the
-    MLP the plan's largest peak is within 5 % of the op path's, each rank's within 15 % (a
-    rank holding only the head and the loss misses their gradients, 2 KB of 15 KB)."""
+def test_segments_measure_peak_memory_as_predicted(path):
+    """The tensor accounting runs on the segment path: in a rank's last step it counts what
+    autograd saves while it is saved, the segments' outputs and inputs as the op path counts
+    values, and each gradient the backward makes inside a segment while it lives (the op path
+    misses the gradient a weight's accumulation makes anew). So it measures at least what the
+    op path does, and what the simulator predicts: the plan's largest peak within 1 %, each
+    rank's within 12 % (a rank holding only the MLP's head and loss: 1.5 KB of 15 KB)."""
     graph, plan = tiny_builtin_graph("mlp"), _plan("mlp", path)
     seg = _run(graph, plan, "segments", ("mlp", path))
     ops = _run(graph, plan, "ops", ("mlp", path))
     assert seg.memory_source == ops.memory_source == "tensor accounting"
-    largest = max(ops.peak_bytes.values())
-    assert abs(max(seg.peak_bytes.values()) - largest) <= 0.05 * largest
-    for d, peak in ops.peak_bytes.items():
-        assert abs(seg.peak_bytes[d] - peak) <= 0.15 * peak, (d, seg.peak_bytes[d], peak)
+    predicted = ex.simulate(graph, plan, roofline_costs(graph, ex.Cluster.cpu(2, measure=False))
+                            ).peak_bytes
+    largest = max(predicted.values())
+    assert abs(max(seg.peak_bytes.values()) - largest) <= 0.01 * largest
+    for d, peak in predicted.items():
+        assert abs(seg.peak_bytes[d] - peak) <= 0.12 * peak, (d, seg.peak_bytes[d], peak)
+        assert seg.peak_bytes[d] >= ops.peak_bytes[d], d
         assert seg.peak_by_category[d]["parameters"] == ops.peak_by_category[d]["parameters"]
 
 

@@ -1,12 +1,14 @@
-"""Selective recomputation of a segment: torch's selective activation checkpointing, saving
-the outputs of matmul-like ops and running the other ops again in the backward, with what it
-holds counted on a CPU rank.
+"""Recomputation of a segment: ``torch.utils.checkpoint`` (non-reentrant) around a unit's
+segment, with a policy from ``create_selective_checkpoint_contexts``, and what it holds
+counted on a CPU rank.
 
 The rule is the simulator's and the op path's (:mod:`explorer.runtime.recompute`): a unit keeps
-its inputs and its matmul-like ops' outputs (:func:`~explorer.costs.strategies.
-op_is_matmul_like`) through the forward; norms, activations, softmax, dropout and views run
-again. Here ``torch.utils.checkpoint`` (non-reentrant) runs it around a unit's segment, with a
-policy from ``create_selective_checkpoint_contexts``.
+its inputs through the forward, with "selective" its matmul-like ops' outputs too
+(:func:`~explorer.costs.strategies.op_is_matmul_like`); everything else (with "selective":
+norms, activations, softmax, dropout, views) runs again in the backward. An op that writes
+into its input (a batch norm's step count) is never run again: its result is kept, so the
+buffers it updates move once per step, as without recomputation (its kept result, the
+buffer, may move again later in the step: nothing differentiates it).
 
 On CPU there is no allocator to ask (:mod:`explorer.runtime.accounting`), and checkpoint's own
 saved-tensor hooks hide what the ops save from the rank's. The inputs checkpoint keeps pass
@@ -21,7 +23,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -34,18 +36,24 @@ from torch.utils.checkpoint import (
 from explorer.costs.strategies import op_is_matmul_like
 from explorer.runtime.accounting import MemTracker, storage_key
 
+RecomputeMode = Literal["full", "selective"]
 
-def save_matmuls(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
-                 **kwargs: Any) -> CheckpointPolicy:
-    """The policy: keep a matmul-like op's output, run every other op again."""
-    if op_is_matmul_like(str(func)):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+
+def policy(mode: RecomputeMode) -> Callable[..., CheckpointPolicy]:
+    """What ``mode`` keeps of an op (``func``, an ATen op): a mutating op's result always,
+    a matmul-like op's with "selective"; every other op runs again."""
+    def keep(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
+             **kwargs: Any) -> CheckpointPolicy:
+        if func._schema.is_mutable or (mode == "selective" and op_is_matmul_like(str(func))):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return keep
 
 
 class Held:
-    """What one segment's selective recomputation holds on one block of the batch, counted:
-    the matmul outputs its forward saves (until the backward's second run starts, which takes
+    """What one segment's recomputation holds on one block of the batch, counted: the
+    outputs its forward keeps (until the backward's second run starts, which takes
     them over), and what that run saves (each until autograd lets go of it, the rest when the
     segment's backward ends: :meth:`release`)."""
 
@@ -93,22 +101,26 @@ def _counting_saves(held: Held) -> Iterator[None]:
         yield
 
 
-def selective_contexts(held: Held | None) -> Callable[[], tuple[Any, Any]]:
+def recompute_contexts(mode: RecomputeMode, held: Held | None
+                       ) -> Callable[[], tuple[Any, Any]]:
     """The ``context_fn`` for ``torch.utils.checkpoint``: torch's selective checkpointing
-    under :func:`save_matmuls`; with ``held`` (a CPU rank), the saved outputs and the second
-    run's values are counted in it as well."""
+    under :func:`policy`; with ``held`` (a CPU rank's memory step), the kept outputs and the
+    second run's saved values are counted in it as well."""
+    keep = policy(mode)
     if held is None:
-        return partial(create_selective_checkpoint_contexts, save_matmuls)
+        return partial(create_selective_checkpoint_contexts, keep,
+                       allow_cache_entry_mutation=True)
 
     def counting_policy(ctx: SelectiveCheckpointContext, func: Any, *args: Any,
                         **kwargs: Any) -> CheckpointPolicy:
-        policy = save_matmuls(ctx, func, *args, **kwargs)
-        if policy == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
+        chosen = keep(ctx, func, *args, **kwargs)
+        if chosen == CheckpointPolicy.MUST_SAVE and not ctx.is_recompute:
             held.keep(ctx.op_output)
-        return policy
+        return chosen
 
     def contexts() -> tuple[Any, Any]:
-        forward, again = create_selective_checkpoint_contexts(counting_policy)
+        forward, again = create_selective_checkpoint_contexts(
+            counting_policy, allow_cache_entry_mutation=True)
 
         @contextlib.contextmanager
         def counted_again() -> Iterator[None]:

@@ -1,0 +1,59 @@
+"""Recomputation of a segment under torch.utils.checkpoint (explorer.runtime.checkpointing): what
+each mode keeps, buffers updated once, gradients as without it, and what a CPU rank counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+from explorer.runtime.accounting import MemTracker
+from explorer.runtime.checkpointing import Held, policy, recompute_contexts
+
+aten = torch.ops.aten
+
+
+def _code(x, w1, w2, steps):
+    """A unit's code as a segment runs it: ATen ops, a step count updated in place."""
+    aten.add_.Tensor(steps, 1)
+    h = aten.relu.default(aten.mm.default(x, w1))
+    return (aten.sum.default(aten.mm.default(h, w2)),)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return (torch.randn(8, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True),
+            torch.randn(32, 4, requires_grad=True), torch.zeros((), dtype=torch.long))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_policy_keeps_what_the_mode_says(mode):
+    keep = policy(mode)
+    assert keep(None, aten.add_.Tensor) == CheckpointPolicy.MUST_SAVE  # (mutates: never again)
+    assert keep(None, aten.relu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep(None, aten.mm.default) == (CheckpointPolicy.MUST_SAVE if mode == "selective"
+                                           else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("counting", [False, True])
+def test_recomputation_gives_the_gradients_and_updates_a_buffer_once(mode, counting):
+    x, w1, w2, steps = _inputs()
+    (loss,) = _code(x, w1, w2, steps)
+    loss.backward()
+    plain = [t.grad.clone() for t in (x, w1, w2)]
+    x, w1, w2, steps = _inputs()
+    tracker = MemTracker()
+    held = Held(tracker) if counting else None
+    (loss,) = checkpoint(lambda *a: _code(*a, steps), x, w1, w2, use_reentrant=False,
+                         preserve_rng_state=False, context_fn=recompute_contexts(mode, held))
+    if counting:  # (the step count kept; with selective both matmul outputs too)
+        assert tracker.live == 8 + (8 * 32 + 8 * 4) * 4 * (mode == "selective")
+    loss.backward()
+    assert int(steps) == 1
+    for got, want in zip((x.grad, w1.grad, w2.grad), plain, strict=True):
+        assert torch.equal(got, want)
+    if counting:
+        assert tracker.peak >= 8 * 32 * 4  # (the relu's input, saved by the second run)
+        held.release()
+        assert tracker.live == 0
