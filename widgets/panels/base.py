@@ -89,7 +89,10 @@ class CurrentBokehModel(BokehModel):
         is now in ``render_bundle``."""
         if key is None or key == "render_bundle" or (
                 not isinstance(key, str) and "render_bundle" in key):
-            self.renew()
+            try:
+                self.renew()
+            except Exception:  # a page asking for every widget's state restores none if one
+                self.changed_since_bundle = True  # fails: it gets this one's last bundle
         return super().get_state(key, drop_defaults)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
