@@ -108,9 +108,12 @@ class Weights:
         self.state_tracked: set[int] = set()
         #: the first step's gradients of this rank's parameters, when the job records them
         self.first_grads: dict[str, torch.Tensor] | None = None
+        #: whether this step counts memory (a CPU rank's memory step): a gradient autograd
+        #: makes is counted from its making then
+        self.counting = False
         for i, t in self.value.items():
             if L.kind[i] == "param" and t.requires_grad:
-                t.register_post_accumulate_grad_hook(self.grad_born)
+                t.register_post_accumulate_grad_hook(self._grad_made)
 
     def start_step(self) -> None:
         """Send this rank's weights to the other stages' ranks that use them, receive the
@@ -298,6 +301,10 @@ class Weights:
                         id(v) not in self.state_tracked:
                     self.state_tracked.add(id(v))
                     self.tracker.add(v, OPTIMIZER)
+
+    def _grad_made(self, p: torch.Tensor) -> None:
+        if self.counting:
+            self.grad_born(p)
 
     def grad_born(self, p: torch.Tensor) -> None:
         """Count a parameter's gradient from when autograd (or this class) creates it."""

@@ -161,9 +161,9 @@ class StageRunner(SegmentSteps):
             #: per (micro-batch, op), its segment
             self.segment_of = {(seg.micro_batch, i): seg for seg in segments
                                for i in seg.nodes}
-            self.param_uses = {}
+            self.param_uses = {}  # (a stage of one device has no reduction to start)
             for i, t in self.weights.value.items():
-                if L.kind[i] == "param" and t.requires_grad:
+                if L.kind[i] == "param" and t.requires_grad and len(L.plan.stages[L.s]) > 1:
                     t.register_post_accumulate_grad_hook(
                         lambda _, i=i: self.param_grad_made(i))
         #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
@@ -213,11 +213,11 @@ class StageRunner(SegmentSteps):
         #: and (tensor parallelism) the whole inputs its split ops read, their slots
         self.segment_partial_slots: dict[tuple[int, int], tuple[list[int], list]] = {}
         busy = 0.0
-        #: a CPU rank counts what autograd holds (saved tensors, gradients inside segments)
-        #: in its last step only: the hooks that count them cost time eager PyTorch does
-        #: not spend, and every step holds the same
+        #: a CPU rank counts what autograd holds in its last step only: the hooks that count
+        #: it cost time eager PyTorch does not spend, and every step holds the same
         self.memory_step = (L.tdev.type != "cuda"
                             and self.steps_done == self.job.warmup + self.job.steps - 1)
+        self.weights.counting = self.memory_step
         self.hooked: set = set()  # (the autograd nodes counting their gradients, this step)
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
