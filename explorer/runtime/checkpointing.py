@@ -12,8 +12,8 @@ buffer, may move again later in the step: nothing differentiates it).
 
 On CPU there is no allocator to ask (:mod:`explorer.runtime.accounting`), and checkpoint's own
 saved-tensor hooks hide what the ops save from the rank's. The inputs checkpoint keeps pass
-through the rank's hooks and are counted there; the saved matmul outputs are counted from the
-forward until the backward's second run, and what that run saves (seen on its way to
+through the rank's hooks and are counted there; the outputs the policy keeps are counted from
+the forward until the backward's second run, and what that run saves (seen on its way to
 checkpoint's hooks) while autograd holds it (:class:`Held`).
 """
 
@@ -90,7 +90,9 @@ class Held:
 @contextlib.contextmanager
 def _counting_saves(held: Held) -> Iterator[None]:
     """Inside checkpoint's second run: count each value handed to its saved-tensor hooks
-    (what the backward saves) while it is held, and hand it on to them."""
+    (what the backward saves) while it is held, and hand it on to them. (Only the innermost
+    saved-tensor hooks see a tensor: torch has no public way to stack a pair over another, so
+    checkpoint's are read from the top of autograd's stack.)"""
     pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
     held.let_go_of_kept()
 
