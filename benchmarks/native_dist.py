@@ -441,7 +441,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--runtime", choices=["auto", "ops", "segments"], default="auto",
-                    help="ex.run's runtime (auto: segments where they run the plan, else ops)")
+                    help="ex.run's runtime (auto: what ex.run takes unasked, the segments)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: small size, 1 round, 2 steps after 1 warm-up step")
     ap.add_argument("--timeout-s", type=float, default=TIMEOUT_S,

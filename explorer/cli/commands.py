@@ -408,7 +408,7 @@ def add_runtime_options(p: argparse.ArgumentParser, after: str = "") -> None:
     """``--runtime`` and ``--compile``, as ``ex.run`` takes them (run and export)."""
     p.add_argument("--runtime", choices=RUNTIMES, default=None,
                    help="how ranks run their ops: as generated segments with one backward "
-                        "each (segments, the default where they run the plan: the work "
+                        "each (segments, the default: the work "
                         f"eager PyTorch does) or one at a time (ops){after}")
     p.add_argument("--compile", action="store_true",
                    help="run each segment's code through torch.compile (inductor; compiled "
