@@ -8,7 +8,8 @@ stages; GPipe and 1F1B with 1 to 4 micro-batches; scaled, calibrated and unit co
 :class:`Prediction` field and the per-stage execution order must match it (floats to 1e-12
 relative). Regenerate the file only when the simulator's results change on purpose:
 ``python tests/test_simulate_speed.py --regenerate`` (the memory figures were, when activation
-gradients came to be modelled as autograd's buffers; everything else is the original's).
+gradients came to be modelled as autograd's buffers, and again when the gradient a weight's
+accumulation makes anew came to be counted; everything else is the original's).
 """
 
 from __future__ import annotations
