@@ -73,9 +73,11 @@ class Explorer(W.VBox):
                                           self.editing, self.timeline, self.plans, self.runs,
                                           self.stages)
         line = self.status.line
-        # the graph and the side column share a row while both fit, else the side wraps under
-        side = W.VBox([self.estimate.table, self.memory.widget, self.editing.widget,
-                       self.graph.controls, line("side")],
+        # the graph and the side column share a row while both fit, else the side wraps under;
+        # the controls come first, beside the top of the graph however many devices the
+        # numbers and bars below them list
+        side = W.VBox([self.editing.widget, self.graph.controls, line("side"),
+                       self.estimate.table, self.memory.widget],
                       layout=W.Layout(flex="2 1 300px", min_width="0", max_width="100%"))
         self.tabs = W.Tab([self.timeline.widget,
                            W.VBox([self.plans.solvers, line("partitioners")]),

@@ -7,14 +7,26 @@ import html
 import ipywidgets as W
 
 from explorer.core.units import format_bytes, format_seconds
+from widgets.device_groups import device_groups, device_span, grouped, spread_text, worst_device
 from widgets.panels.base import Panel
 from widgets.session import Session
+
+
+def folded(line: str, detail: str, css: str) -> str:
+    """HTML: ``line`` with ``detail`` folded under it (both HTML), opened by a click on
+    "per stage"."""
+    return (f"<details class='{css}'><summary>{line}"
+            " <span style='color:#1f77b4'>(per stage)</span></summary>"
+            f"<div style='font-size:12px'>{detail}</div></details>")
 
 
 class EstimatePanel(Panel):
     """``table`` shows the session's prediction; the step time, the bytes across devices and
     each device's peak memory carry their exact value in ``data-value`` attributes (classes
-    ``pe-step``, ``pe-cross``, ``pe-mem``) for tests and scripts to read."""
+    ``pe-step``, ``pe-cross``, ``pe-mem``) for tests and scripts to read. Above
+    ``GROUPED_ABOVE`` devices, busy time and peak memory are said per group of devices
+    (:func:`widgets.device_groups.device_groups`: per stage) as their spread with the device
+    that has the most named, and ``pe-mem`` is the device with the highest peak only."""
 
     topics = frozenset({"plan", "costs"})
 
@@ -28,7 +40,17 @@ class EstimatePanel(Panel):
         p = s.prediction
         used = set(s.plan.devices)
         over = p.memory_report()
-        busy = " ".join(f"{d} {format_seconds(b)}" for d, b in p.busy_s.items() if d in used)
+        if grouped(len(s.cluster.ids)) and len(p.over_memory_bytes) > 3:
+            worst = worst_device(p.over_memory_bytes)
+            over = (f"{len(p.over_memory_bytes)} devices ({device_span(p.over_memory_bytes)}); "
+                    f"the most over: " + next(part for part in over.split("; ")
+                                              if part.startswith(worst + " ")))
+        if grouped(len(s.cluster.ids)):
+            busy = folded(html.escape(spread_text(p.busy_s, sorted(used), format_seconds)),
+                          self.grouped_text(p.busy_s, format_seconds, used), "pe-busy")
+        else:
+            busy = " ".join(f"{d} {format_seconds(b)}" for d, b in p.busy_s.items()
+                            if d in used)
         rows = [
             ("step time", f"<span class='pe-step' data-value='{p.step_s!r}'>"
                           f"{format_seconds(p.step_s)}</span>"),
@@ -43,7 +65,13 @@ class EstimatePanel(Panel):
                                  f"{s.plan.optimizer}; {len(s.pins)} pin(s)")),
         ]
         peak = " ".join(f"<span class='pe-mem' data-device='{d}' data-value='{b}'>"
-                        f"{d} {format_bytes(b)}</span>" for d, b in p.peak_bytes.items())
+                        f"{d} {format_bytes(b)}</span>" for d, b in p.peak_bytes.items()
+                        if not grouped(len(s.cluster.ids)) or d == worst_device(p.peak_bytes))
+        if grouped(len(s.cluster.ids)):
+            everyone = spread_text(p.peak_bytes, list(p.peak_bytes), format_bytes)
+            peak = folded(f"highest {peak}; {html.escape(everyone)}",
+                          self.grouped_text(p.peak_bytes, format_bytes, set(s.cluster.ids)),
+                          "pe-peak")
         rows.append(("peak memory", peak))
         why = s.run_problem
         if why:
@@ -58,3 +86,16 @@ class EstimatePanel(Panel):
                 for k, v in rows) + "</table>"
             f"<div style='color:#888;font-size:11px'>estimated in {s.estimate_s * 1e3:.0f} ms"
             "</div>")
+
+    def grouped_text(self, values: dict[str, float], fmt, shown: set[str]) -> str:
+        """``values`` per device group of the plan (those of devices in ``shown``), one line
+        each: the group, its devices and their spread (:func:`spread_text`)."""
+        s = self.session
+        lines = []
+        for grp in device_groups(s.plan, s.cluster.ids):
+            devs = [d for d in grp.devices if d in shown]
+            if devs:
+                lines.append(f"<span class='pe-group'>{html.escape(grp.label)} "
+                             f"({html.escape(device_span(devs))}): "
+                             f"{html.escape(spread_text(values, devs, fmt))}</span>")
+        return "<br>".join(lines)

@@ -43,6 +43,15 @@ from bokeh.plotting import figure
 
 from explorer.core.errors import ExplorerError
 from explorer.core.units import format_bytes, format_flops, format_seconds
+from widgets.device_groups import (
+    UNUSED_COLOR,
+    device_groups,
+    device_span,
+    grouped,
+    mix_text,
+    stage_colors,
+    stage_hue,
+)
 from widgets.graphview import Item, name_in_key
 from widgets.layout import ITEM_H, ITEM_W
 from widgets.panels.base import Panel, PlotBox, bokeh_widget, button, swatch
@@ -52,10 +61,12 @@ from widgets.splits import SplitView
 
 MIXED = "#b0b0b0"
 CROSS = "#d62728"
-#: device colors: the first eight (Okabe-Ito's colour-blind safe set without its red and black,
-#: then Tol's indigo and wine) stay apart for red-green colour blindness too; the next eight
-#: (Tol's and IBM's) are chosen to be as far from those as possible. None is the cross-device
-#: edge red or the "mixed" grey; beyond 16 devices they repeat.
+#: device colors up to ``GROUPED_ABOVE`` devices, one per device: the first eight (Okabe-Ito's
+#: colour-blind safe set without its red and black, then Tol's indigo and wine) stay apart for
+#: red-green colour blindness too; the next eight (Tol's and IBM's) are chosen to be as far
+#: from those as possible. None is the cross-device edge red or the "mixed" grey. Larger
+#: clusters are coloured by stage: a hue per stage, a shade per device
+#: (:func:`widgets.device_groups.stage_colors`).
 DEVICE_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#332288",
                  "#882255", "#DDCC77", "#1A85FF", "#117733", "#99DDFF", "#004488", "#EE8866",
                  "#BBCC33", "#AA4499")
@@ -148,8 +159,8 @@ class GraphPanel(Panel):
 
     def __init__(self, session: Session, backend: str = "canvas", height: int = 560) -> None:
         super().__init__(session)
-        self.colors = {d: DEVICE_COLORS[k % len(DEVICE_COLORS)]
-                       for k, d in enumerate(session.cluster.ids)}
+        #: each device's colour (:meth:`device_colors`)
+        self.colors = self.device_colors()
         #: each node's part in its stage's tensor-parallel split (hover text and mark)
         self.splits = SplitView(session.graph)
         self._relayout()
@@ -203,19 +214,40 @@ class GraphPanel(Panel):
                     self.collapse_all_button, self.zoom_button], layout=wrap),
             W.HBox([self.depth, self.depth_button], layout=wrap), self.find])
 
+    def device_colors(self) -> dict[str, str]:
+        """Each device's colour: one of ``DEVICE_COLORS`` per device up to
+        ``GROUPED_ABOVE`` devices, else a hue per stage of the plan and a shade per device
+        (:func:`widgets.device_groups.stage_colors`)."""
+        s = self.session
+        ids = s.cluster.ids
+        if grouped(len(ids)):
+            return stage_colors(s.plan, ids)
+        return {d: DEVICE_COLORS[k % len(DEVICE_COLORS)] for k, d in enumerate(ids)}
+
     def legend_text(self) -> str:
         """The legend above the graph, in HTML: it mentions the overview only while the
-        overview is shown (from ``OVERVIEW_FROM`` items on)."""
+        overview is shown (from ``OVERVIEW_FROM`` items on); a swatch per device, or per
+        stage (or run of stages) with its devices in a large cluster."""
         overview = ("the overview on the right shows where the view is (drag its box, or "
                     "click). " if self.overview.figure.visible else "")
         ids = self.session.cluster.ids
-        return ("nodes are colored by device (striped: replicated, data-parallel; upright "
+        if grouped(len(ids)):
+            what = "nodes are colored by stage (a hue per stage, a shade per device; "
+            keys = []
+            for grp in device_groups(self.session.plan, ids):
+                color = stage_hue(grp.stages[0]) if grp.stages else UNUSED_COLOR
+                keys.append(swatch(f"{grp.label}: {device_span(grp.devices)}", color,
+                                   fg=text_on(color)))
+        else:
+            what = "nodes are colored by device ("
+            keys = [swatch(d, self.colors[d], fg=text_on(self.colors[d])) for d in ids]
+        return (what + "striped: replicated, data-parallel; upright "
                 "stripes and a mark after the name: split by tensor parallelism, col/row/vocab "
                 "for column-, row- and vocab-parallel, the hover says over which devices); "
                 f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
-                "a black outline marks pins; the wheel over the graph zooms it. " + overview
-                + " ".join(swatch(d, self.colors[d], fg=text_on(self.colors[d])) for d in ids)
-                + " " + swatch("mixed", MIXED, fg="black"))
+                "a black outline marks pins; grey: the item's ops are on several stages (the "
+                "hover says its mix); the wheel over the graph zooms it. " + overview
+                + " ".join(keys) + " " + swatch("mixed", MIXED, fg="black"))
 
     def _draw(self, backend: str, height: int) -> Any:
         wheel = WheelZoomTool()
@@ -260,6 +292,7 @@ class GraphPanel(Panel):
     def update(self, what: str) -> None:
         if what == "costs":
             self._time_cache.clear()  # calibration changed the op times
+        self.colors = self.device_colors()
         if what in ("view", "all"):
             self._relayout()
             data = self.node_columns()
@@ -274,6 +307,9 @@ class GraphPanel(Panel):
             if self.legend.value != text:
                 self.legend.value = text
         elif what in ("plan", "costs"):
+            text = self.legend_text()  # (a large cluster's colours follow the stages)
+            if self.legend.value != text:
+                self.legend.value = text
             dynamic = self.dynamic_columns()
             patch(self.nodes, dynamic)
             patch(self.edges, self.edge_dynamic_columns(dynamic["device"]))
@@ -414,8 +450,9 @@ class GraphPanel(Panel):
             dev, color, rep = self._item_device(it)
             split = self.splits.of(s.plan, it.ops)
             tag = short_label(it.label)
-            cols["short"].append((f"{tag} [{split.mark}]" if split.mark else tag)
-                                 if k in shown else "")
+            mark = split.mark or (dev.split(",")[0][len("mixed: "):]
+                                  if dev.startswith("mixed") else "")
+            cols["short"].append((f"{tag} [{mark}]" if mark else tag) if k in shown else "")
             cols["split"].append(split.text or "none")
             first = dev.split("+")[0] if not dev.startswith("mixed") else s.cluster.ids[0]
             n_pinned = sum(1 for i in it.nodes if g.nodes[i].name in pins) if pins else 0
@@ -505,8 +542,8 @@ class GraphPanel(Panel):
         plan = self.session.plan
         stages = {plan.placement[self.session.graph.nodes[i].name] for i in it.ops}
         if len(stages) > 1:
-            return ("mixed: " + ", ".join("+".join(plan.stages[s]) for s in sorted(stages)),
-                    MIXED, False)
+            return (mix_text(plan, [plan.placement[self.session.graph.nodes[i].name]
+                                    for i in it.ops]), MIXED, False)
         devs = plan.stages[next(iter(stages))] if stages else plan.stages[0]
         return "+".join(devs), self.colors.get(devs[0], MIXED), len(devs) > 1
 

@@ -9,6 +9,7 @@ axis, reset, hover): all stay inside the chart in a narrow column.
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 
 from bokeh.models import (
@@ -27,6 +28,7 @@ from bokeh.transform import dodge
 import explorer as ex
 from explorer.core.plan import Plan
 from explorer.core.units import GiB, KiB, MiB, format_bytes
+from widgets.device_groups import device_groups, device_span, grouped, worst_device
 from widgets.panels.base import Panel, bokeh_widget
 from widgets.session import Session
 
@@ -35,6 +37,11 @@ from widgets.session import Session
 #: libraries hold for the whole run (0 where a breakdown has none)
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "gathered", "workspace")
 CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868", "#da8bc3", "#8c8c8c")
+
+
+def bars_height(n_rows: int) -> int:
+    """Pixels of a memory chart with ``n_rows`` bars."""
+    return 150 + 44 * n_rows
 
 
 #: below this share of the largest capacity, the scale zooms to the memory used
@@ -85,27 +92,29 @@ def recompute_text(session: Session) -> dict[str, str]:
 class MemoryPanel(Panel):
     """Stacked bars per device with the capacity as a dashed box (red when over) and the
     numbers in words above each bar; ``source`` holds the columns drawn (one row per device,
-    in ``unit``), ``figure.x_range`` follows :func:`scale_end`."""
+    in ``unit``), ``figure.x_range`` follows :func:`scale_end`. Above ``GROUPED_ABOVE``
+    devices a row is a group of devices (a stage, :func:`widgets.device_groups.device_groups`)
+    drawn as its device with the highest peak, named with the group's median in words."""
 
     topics = frozenset({"plan", "costs"})
 
     def __init__(self, session: Session, backend: str = "canvas") -> None:
         super().__init__(session)
-        devices = list(session.cluster.ids)
         self.unit, self.unit_bytes = "GiB", GiB
         self.source = ColumnDataSource(self.columns())
-        p = figure(height=150 + 44 * len(devices), sizing_mode="stretch_width",
-                   y_range=FactorRange(*devices[::-1]), x_range=Range1d(0, 1),
+        rows = list(self.source.data["row"])
+        p = figure(height=bars_height(len(rows)), sizing_mode="stretch_width",
+                   y_range=FactorRange(*rows[::-1]), x_range=Range1d(0, 1),
                    tools="xpan,xwheel_zoom,reset", toolbar_location="above",
                    toolbar_sticky=False, output_backend=backend, min_border_right=12)
         p.name = "pe-memory-plot"  # (browser tests find the plot by this name)
-        bar_y = dodge("device", -0.12, range=p.y_range)
+        bar_y = dodge("row", -0.12, range=p.y_range)
         stack = p.hbar_stack(list(CATEGORIES), y=bar_y, height=0.45, source=self.source,
                              color=list(CATEGORY_COLORS))
         p.hbar(y=bar_y, right="capacity", height=0.55, source=self.source, fill_alpha=0,
                line_color="cap_color", line_width="cap_width", line_dash="dashed")
         # the numbers in words, on their own row above each bar (bars may be short)
-        p.add_layout(LabelSet(x=0, y=dodge("device", 0.3, range=p.y_range), text="summary",
+        p.add_layout(LabelSet(x=0, y=dodge("row", 0.3, range=p.y_range), text="summary",
                               source=self.source, x_offset=2, text_font_size="8pt",
                               text_baseline="middle", text_color="cap_color"))
         legend = Legend(items=[LegendItem(label=c, renderers=[r])
@@ -133,6 +142,10 @@ class MemoryPanel(Panel):
         end, zoomed = scale_end(totals, d["capacity"])
         self.unit, self.unit_bytes = memory_unit(end)
         self.source.data = self.columns()
+        rows = list(self.source.data["row"])[::-1]
+        if list(self.figure.y_range.factors) != rows:  # (the groups follow the stages)
+            self.figure.y_range.factors = rows
+            self.figure.height = bars_height(len(rows))
         xr = self.figure.x_range
         xr.start, xr.end = xr.reset_start, xr.reset_end = 0, end / self.unit_bytes
         self.figure.xaxis.axis_label = self.unit
@@ -146,7 +159,13 @@ class MemoryPanel(Panel):
         unit = self.unit_bytes
         cols = defaultdict(list)
         recomputed = recompute_text(self.session)
-        for d in self.session.cluster.ids:
+        ids = self.session.cluster.ids
+        rows = [(d, d, ()) for d in ids]
+        if grouped(len(ids)):  # a bar per group: its device with the highest peak
+            totals = {d: self.total_bytes(d) for d in ids}
+            rows = [(grp.label, worst_device(totals, grp.devices), grp.devices)
+                    for grp in device_groups(plan, ids)]
+        for row, d, group in rows:
             m = pred.memory.get(d)
             vals = tuple(getattr(m, f"{c}_bytes", 0) if m else 0 for c in CATEGORIES)
             for c, v in zip(CATEGORIES, vals, strict=True):
@@ -154,6 +173,7 @@ class MemoryPanel(Panel):
             total = sum(vals)
             cap = pred.capacity_bytes.get(d, self.session.cluster.device(d).memory_bytes)
             over = total > cap
+            cols["row"].append(row)
             cols["device"].append(d)
             cols["capacity"].append(cap / unit)
             cols["total_text"].append(format_bytes(total) + (" (unused)" if not m else ""))
@@ -164,6 +184,20 @@ class MemoryPanel(Panel):
             cols["settings"].append(settings_text(plan, d))
             cols["recompute"].append(recomputed.get(d, "none"))
             share = f" ({total / cap:.1%})" if cap > 0 else ""
-            cols["summary"].append(f"{d}: {format_bytes(total)} of {format_bytes(cap)}{share}"
-                                   + (" OVER" if over else "") if m else f"{d}: unused")
+            text = (f"{d}: {format_bytes(total)} of {format_bytes(cap)}{share}"
+                    + (" OVER" if over else "") if m else f"{d}: unused")
+            if group:
+                text = (f"{row} ({device_span(group)}): highest {text}"
+                        + (f"; median {format_bytes(self.median_bytes(group))}"
+                           if len(group) > 1 and m else ""))
+            cols["summary"].append(text)
         return dict(cols)
+
+    def total_bytes(self, device: str) -> int:
+        """What ``device`` holds at its peak, all categories (0: unused)."""
+        m = self.session.prediction.memory.get(device)
+        return sum(getattr(m, f"{c}_bytes", 0) for c in CATEGORIES) if m else 0
+
+    def median_bytes(self, devices: tuple[str, ...]) -> float:
+        """The median of what ``devices`` hold at their peaks."""
+        return statistics.median(self.total_bytes(d) for d in devices)

@@ -9,8 +9,17 @@ import ipywidgets as W
 
 from explorer.capture.fake import FAKE_NOTE
 from explorer.core.units import format_bytes
+from widgets.device_groups import device_span, grouped
 from widgets.panels.base import Panel
 from widgets.session import Session
+
+
+def devices_text(ids: tuple[str, ...]) -> str:
+    """A cluster's devices in the header: each one, or above ``GROUPED_ABOVE`` their count
+    and ranges ("64 devices: H100:0-63")."""
+    if grouped(len(ids)):
+        return f"{len(ids)} devices: {device_span(ids)}"
+    return ", ".join(ids)
 
 
 class StatusPanel(Panel):
@@ -36,7 +45,7 @@ class StatusPanel(Panel):
         status = self.session.measure_status
         return (f"<b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
                 f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
-                f"{html.escape(cl.name)} ({', '.join(cl.ids)})"
+                f"{html.escape(cl.name)} ({html.escape(devices_text(cl.ids))})"
                 + (f" <i>({html.escape('; '.join(notes))})</i>" if notes else "")
                 + (f"<br><span class='pe-measure'>{html.escape(status)}</span>"
                    if status else ""))

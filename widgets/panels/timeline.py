@@ -1,5 +1,6 @@
 """The simulated step as a timeline: a compute lane per device the plan uses, and a
-communication lane for each that communicates."""
+communication lane for each that communicates; in a large cluster, for the busiest device of
+each group of stages only (:mod:`widgets.device_groups`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool
 from bokeh.plotting import figure
 
+from widgets.device_groups import device_groups, grouped, worst_device
 from widgets.panels.base import Panel, PlotBox, bokeh_widget, swatch
 from widgets.session import Session
 
@@ -33,9 +35,11 @@ class TimelinePanel(Panel):
         super().__init__(session)
         self.source = ColumnDataSource(self.columns())
         lanes = self.lanes()
+        title = ("simulated step, the busiest device of each stage"
+                 if grouped(len(session.cluster.ids)) else "simulated step per device")
         p = figure(height=lanes_height(len(lanes)), sizing_mode="stretch_width",
                    y_range=FactorRange(*lanes), x_axis_label="ms into the step",
-                   title="simulated step per device", tools="xpan,xwheel_zoom,reset",
+                   title=title, tools="xpan,xwheel_zoom,reset",
                    output_backend=backend)
         p.hbar(y="lane", left="start", right="end", height=0.8, color="color",
                source=self.source)
@@ -56,16 +60,29 @@ class TimelinePanel(Panel):
     def lanes(self) -> list[str]:
         """The lanes drawn, top first: each used device's compute lane, and its comm lane
         when it communicates."""
-        used = self.session.plan.devices
+        used = self.shown_devices()
         talks = {iv.device for iv in self.session.prediction.timeline if iv.lane != "compute"}
         return [f"{d} {lane}" for d in used for lane in ("compute", "comm")
                 if lane == "compute" or d in talks][::-1]
+
+    def shown_devices(self) -> list[str]:
+        """The devices with lanes: every one the plan uses, or above ``GROUPED_ABOVE``
+        devices the busiest of each group (:func:`widgets.device_groups.device_groups`)."""
+        s = self.session
+        used = list(s.plan.devices)
+        if not grouped(len(s.cluster.ids)):
+            return used
+        busy = s.prediction.busy_s
+        return [worst_device({d: busy.get(d, 0.0) for d in grp.devices})
+                for grp in device_groups(s.plan, s.cluster.ids) if grp.stages]
 
     def columns(self) -> dict[str, Any]:
         """One bar per interval (ms); beyond ``MAX_BARS``, neighbours of the same kind on a
         lane closer than step/MAX_BARS are merged into one bar."""
         pred = self.session.prediction
-        bars = sorted(pred.timeline, key=lambda iv: (iv.device, iv.lane, iv.start_s))
+        shown = set(self.shown_devices())
+        bars = sorted((iv for iv in pred.timeline if iv.device in shown),
+                      key=lambda iv: (iv.device, iv.lane, iv.start_s))
         tol_ms = pred.step_s / MAX_BARS * 1e3 if len(bars) > MAX_BARS else 0.0
         cols: dict[str, list] = {k: [] for k in ("lane", "start", "end", "color", "label")}
         last, count, first_label = None, 0, ""
