@@ -133,7 +133,7 @@ def test_64_devices_are_shown_in_groups_with_the_worst_named(wide):
     assert list(bars["row"]) == [f"stage {k}" for k in range(8)]
     assert all(s.startswith(f"stage {k} (H100:{8 * k}-{8 * k + 7}): highest H100:")
                for k, s in enumerate(bars["summary"]))
-    assert w.memory.figure.height <= 150 + 44 * 8
+    assert w.memory.figure.height <= 150 + 32 * 8
     lanes = list(w.timeline.figure.y_range.factors)
     assert 8 <= len(lanes) <= 16  # the busiest device of each stage
     assert len({lane.split()[0] for lane in lanes}) == 8

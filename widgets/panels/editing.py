@@ -45,9 +45,10 @@ class EditingPanel(Panel):
         self.assign_button = button(s, "assign", "move the selection to this device",
                                     lambda *_: self.assign(self.target.value), "pe-assign",
                                     "primary", where="side")
+        # (as wide as its longest choice otherwise: many devices push the button under it)
         self.split_over = W.Dropdown(options=s.split_targets(), description="split over",
                                      style={"description_width": "initial"},
-                                     layout=W.Layout(width="auto"))
+                                     layout=W.Layout(width="auto", max_width="260px"))
         self.split_over.add_class("pe-split-over")
         self.split_button = button(s, "split", "split the selection's layers over these "
                                    "devices (tensor parallelism)",

@@ -65,11 +65,15 @@ class EstimatePanel(Panel):
                                  f"{s.plan.optimizer}; {len(s.pins)} pin(s)")),
         ]
         peak = " ".join(f"<span class='pe-mem' data-device='{d}' data-value='{b}'>"
-                        f"{d} {format_bytes(b)}</span>" for d, b in p.peak_bytes.items()
-                        if not grouped(len(s.cluster.ids)) or d == worst_device(p.peak_bytes))
-        if grouped(len(s.cluster.ids)):
-            everyone = spread_text(p.peak_bytes, list(p.peak_bytes), format_bytes)
-            peak = folded(f"highest {peak}; {html.escape(everyone)}",
+                        f"{d} {format_bytes(b)}</span>" for d, b in p.peak_bytes.items())
+        if grouped(len(s.cluster.ids)):  # the spread, the device with the most as its span
+            worst = worst_device(p.peak_bytes)
+            everyone = html.escape(spread_text(p.peak_bytes, list(p.peak_bytes), format_bytes))
+            mine = f"<span class='pe-mem' data-device='{worst}' data-value='{p.peak_bytes[worst]}'>"
+            cut = everyone.rfind(worst)  # ("... on each": said after it)
+            line = (f"{everyone[:cut]}{mine}{worst}</span>{everyone[cut + len(worst):]}"
+                    if cut >= 0 else f"{everyone} ({mine}{worst}</span>)")
+            peak = folded(line,
                           self.grouped_text(p.peak_bytes, format_bytes, set(s.cluster.ids)),
                           "pe-peak")
         rows.append(("peak memory", peak))
@@ -81,7 +85,8 @@ class EstimatePanel(Panel):
             rows.append(("does not fit", f"<span style='color:#d62728'>{html.escape(over)}"
                                          "</span>"))
         self.table.value = (
-            "<table style='font-size:13px;table-layout:auto;width:100%'>" + "".join(
+            "<table style='font-size:13px;table-layout:auto;width:100%;line-height:1.35'>"
+            + "".join(
                 f"<tr><td style='padding-right:8px;color:#555'>{k}</td><td>{v}</td></tr>"
                 for k, v in rows) + "</table>"
             f"<div style='color:#888;font-size:11px'>estimated in {s.estimate_s * 1e3:.0f} ms"

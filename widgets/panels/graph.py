@@ -241,13 +241,15 @@ class GraphPanel(Panel):
         else:
             what = "nodes are colored by device ("
             keys = [swatch(d, self.colors[d], fg=text_on(self.colors[d])) for d in ids]
-        return (what + "striped: replicated, data-parallel; upright "
+        # compact lines (a widget's text has a line as tall as a button otherwise)
+        return ("<div style='line-height:1.5;font-size:12px'>" + what
+                + "striped: replicated, data-parallel; upright "
                 "stripes and a mark after the name: split by tensor parallelism, col/row/vocab "
                 "for column-, row- and vocab-parallel, the hover says over which devices); "
                 f"<span style='color:{CROSS}'><b>red dashed edges</b></span> cross devices; "
                 "a black outline marks pins; grey: the item's ops are on several stages (the "
                 "hover says its mix); the wheel over the graph zooms it. " + overview
-                + " ".join(keys) + " " + swatch("mixed", MIXED, fg="black"))
+                + "<br>" + " ".join(keys) + " " + swatch("mixed", MIXED, fg="black") + "</div>")
 
     def _draw(self, backend: str, height: int) -> Any:
         wheel = WheelZoomTool()
