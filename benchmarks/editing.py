@@ -3,7 +3,7 @@
 Run: python benchmarks/editing.py [--sizes 500,2000,10000|none] [--edits 20] [--devices 4xH100]
      [--models mlp,alexnet,...|none] [--model-size default] [--shapes llama-70b|none]
      [--shape-devices 64xH100] [--cpu-models mlp,alexnet,...|none] [--cpu-ranks 2]
-     [--cpu-gpt2]
+     [--cpu-gpt2] [--device-counts 8,64,256|none] [--counts-shape llama-70b] [--no-page]
 
 First picture: for each built-in model (and Hugging Face's GPT-2 small built from its config,
 no download, when ``transformers`` is importable), the time from ``Explorer(model, inputs,
@@ -42,6 +42,14 @@ opening plan the fastest quick baseline), and the same edits as above on its ite
 open under 3 s, an edit under 100 ms. Wall seconds, with the process's CPU seconds beside them
 (the machine is shared: CPU time is what the widget itself spends).
 
+Many devices (``--device-counts``, on ``N``xH100 presets): the shape ``--counts-shape`` (a
+published shape, or ``name:size`` of a built-in model) captured once, then at each device
+count the first picture (``Explorer(graph, costs)`` to the drawn widget, folded, the opening
+plan), the same edits, and the page: how tall the explorer is drawn in JupyterLab in a
+1,400 x 900 Chromium window and whether its assign button is beside the graph (no page
+without Chromium and playwright, or with ``--no-page``). Target: the page under 1,400 px
+(one screen, scrolled once at most) at every count.
+
 Prints its tables and records them under ``benchmarks/results/`` (``--results``), which
 ``python benchmarks/report.py`` renders into docs/.
 """
@@ -62,6 +70,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import add_results_option, load_average, write_result
+from _page import browser_missing, page_measures
 
 import explorer as ex
 from explorer.core.units import table
@@ -76,6 +85,8 @@ from widgets.session import Session
 FIRST_PICTURE_S = 5.0
 #: the measured numbers should replace the estimates within this long (seconds)
 MEASURED_S = 60.0
+#: the explorer's page should be at most this tall at any device count (pixels)
+PAGE_PX = 1400
 #: phases of the background measuring, by the words of its progress reports
 PHASES = (("profile", "profiling "), ("contention", "contention of"),
           ("message", "message between"))
@@ -326,6 +337,64 @@ def large_shapes(shapes: list[str], devices: str, edits: int, folder: str) -> No
                  folder=folder)
 
 
+def load_shape(spec: str) -> tuple[ex.OpGraph, float]:
+    """A published shape ("llama-70b") or built-in model at a size ("gpt:tiny") captured
+    (published shapes on fake tensors), and the seconds the capture took."""
+    name, _, size = spec.partition(":")
+    bm = ex.builtin_model(name, size) if size else ex.builtin_model(name)
+    t0 = time.perf_counter()
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
+    return graph, time.perf_counter() - t0
+
+
+def page_cells(spec: str, counts: list[int]) -> list[str]:
+    """Notebook cells that capture ``spec`` (as :func:`load_shape`) and show an explorer on
+    it at each device count (``N``xH100 presets, roofline costs)."""
+    name, _, size = spec.partition(":")
+    args = repr(name) + (f", {size!r}" if size else "")
+    setup = ("import explorer as ex\nfrom explorer.models.synthetic import roofline_costs\n"
+             f"from widgets import Explorer\nbm = ex.builtin_model({args})\n"
+             "g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, "
+             f"name={name!r})")
+    return [setup, *(f"cl = ex.Cluster.preset('{n}xH100')\n"
+                     f"w{n} = Explorer(g, roofline_costs(g, cl))\nw{n}" for n in counts)]
+
+
+def device_counts(spec: str, counts: list[int], edits: int, page: bool,
+                  folder: str) -> list[tuple]:
+    """The first picture, the edits and the page of the explorer on ``spec`` at each device
+    count; prints the table, records it as ``editing_devices`` and returns its rows."""
+    graph, capture_s = load_shape(spec)
+    measured = []
+    for n in counts:
+        measured.append((n, bench(graph, f"{n}xH100", edits, expand=False)))
+        print(f"  {n} devices: done", file=sys.stderr)
+    why = browser_missing() if page else "not asked (--no-page)"
+    pages = page_measures(page_cells(spec, counts), len(counts)) if not why else []
+    title = (f"The explorer widget at many devices ({spec}, captured once in "
+             f"{capture_s:.1f} s; NxH100 presets, roofline costs, folded; first picture: "
+             f"Explorer(graph, costs) to the drawn widget; edits: ms, median / slowest of "
+             f"{edits}; page: the explorer's height in JupyterLab, 1,400 x 900 Chromium)")
+    load = load_average()
+    notes = load + "." + (f" No page: {why}." if why else "")
+    print(f"{title}; {notes}")
+    head = ("devices", "ops", "items shown", "opening plan", "first picture (s)", "engine ms",
+            "widget ms", "widget max", "page height (px)", "assign beside the graph",
+            f"page <= {PAGE_PX:,} px")
+    out = []
+    for k, (n, r) in enumerate(measured):
+        height, beside = pages[k] if k < len(pages) else (None, None)
+        out.append((n, f"{r['ops']:,}", f"{r['items']:,}", r["plan"], f"{r['open_s']:.2f}",
+                    f"{r['engine_ms']:.1f}", f"{r['widget_ms']:.1f}",
+                    f"{r['widget_max_ms']:.1f}", "-" if height is None else f"{height:,.0f}",
+                    "-" if beside is None else _yes(beside),
+                    "-" if height is None else _yes(height <= PAGE_PX)))
+    print(table(head, out))
+    write_result("editing_devices", out, columns=head, title=title, notes=notes,
+                 folder=folder)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="500,2000,10000",
@@ -344,8 +413,17 @@ def main() -> None:
     ap.add_argument("--cpu-ranks", type=int, default=2)
     ap.add_argument("--cpu-gpt2", action="store_true",
                     help="also GPT-2 small on CPU ranks (minutes)")
+    ap.add_argument("--device-counts", default="8,64,256",
+                    help="device counts (NxH100) to open --counts-shape on ('none': skip)")
+    ap.add_argument("--counts-shape", default="llama-70b",
+                    help="published shape, or built-in model as name:size, for the counts")
+    ap.add_argument("--no-page", action="store_true",
+                    help="leave out the page heights (JupyterLab in Chromium)")
     add_results_option(ap)
     args = ap.parse_args()
+    if args.device_counts != "none":
+        device_counts(args.counts_shape, [int(n) for n in args.device_counts.split(",")],
+                      args.edits, not args.no_page, args.results)
     if args.shapes != "none":
         large_shapes(args.shapes.split(","), args.shape_devices, args.edits, args.results)
     if args.models != "none":

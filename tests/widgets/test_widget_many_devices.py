@@ -187,3 +187,27 @@ def test_small_clusters_keep_a_number_bar_and_colour_per_device(gpt):
     assert w.graph.colors == dict(zip(cl.ids, DEVICE_COLORS, strict=True))
     assert all(a != b for a, b in itertools.pairwise(w.graph.colors.values()))
 
+
+def test_the_editing_benchmark_records_each_device_count(tmp_path, monkeypatch):
+    """``benchmarks/editing.py --device-counts``, without the page (no browser): a row per
+    count with the first picture and the edit times, recorded as ``editing_devices``."""
+    pytest.importorskip("jupyter_bokeh")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location("editing_bench", folder / "editing.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cells = bench.page_cells("gpt:tiny", [8, 64])
+    assert len(cells) == 3 and "builtin_model('gpt', 'tiny')" in cells[0]
+    for cell in cells:
+        compile(cell, "cell", "exec")
+    bench.device_counts("gpt:tiny", [8, 64], 2, False, str(tmp_path))
+    record = json.loads((tmp_path / "editing_devices.json").read_text())
+    rows = record["rows"]
+    assert [r["devices"] for r in rows] == [8, 64]
+    assert all(float(r["first picture (s)"]) > 0 and float(r["widget ms"]) > 0 for r in rows)
+    assert rows[0]["page height (px)"] == "-" and "No page: not asked" in record["notes"]
