@@ -74,10 +74,12 @@ class Explorer(W.VBox):
                                           self.stages)
         line = self.status.line
         # the graph and the side column share a row while both fit, else the side wraps under;
-        # the controls come first, beside the top of the graph however many devices the
-        # numbers and bars below them list
-        side = W.VBox([self.editing.widget, self.graph.controls, line("side"),
-                       self.estimate.table, self.memory.widget],
+        # the editing controls come first, beside the top of the graph however many devices
+        # the numbers and bars below them list; the view's controls under the graph
+        graph = W.VBox([self.graph.widget, self.graph.controls],
+                       layout=W.Layout(flex="3 1 320px", min_width="0"))
+        side = W.VBox([self.editing.widget, line("side"), self.estimate.table,
+                       self.memory.widget],
                       layout=W.Layout(flex="2 1 300px", min_width="0", max_width="100%"))
         self.tabs = W.Tab([self.timeline.widget,
                            W.VBox([self.plans.solvers, line("partitioners")]),
@@ -87,7 +89,7 @@ class Explorer(W.VBox):
         for k, title in enumerate(TABS):
             self.tabs.set_title(k, title)
         super().__init__([self.status.header, self.status.message,
-                          W.HBox([self.graph.widget, side],
+                          W.HBox([graph, side],
                                  layout=W.Layout(flex_flow="row wrap", width="100%")),
                           self.tabs],
                          layout=W.Layout(width="100%", overflow="hidden"))

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from explorer.core.plan import Plan
 
-#: clusters of more devices than this are shown in groups, not device by device
-GROUPED_ABOVE = 16
+#: clusters of more devices than this are shown in groups, not device by device (from 8
+#: devices on: 8 devices' numbers, bars and lanes one by one make the widget taller than a
+#: screen)
+GROUPED_ABOVE = 7
 #: most groups shown: more stages than this are grouped in runs of consecutive stages
 MAX_GROUPS = 8
 #: the first eight stages' hues: eight hues spread around the colour wheel (210, 35, 125, 285,

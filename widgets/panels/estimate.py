@@ -40,11 +40,10 @@ class EstimatePanel(Panel):
         p = s.prediction
         used = set(s.plan.devices)
         over = p.memory_report()
-        if grouped(len(s.cluster.ids)) and len(p.over_memory_bytes) > 3:
+        if len(p.over_memory_bytes) > 3:  # (not a paragraph per device)
             worst = worst_device(p.over_memory_bytes)
             over = (f"{len(p.over_memory_bytes)} devices ({device_span(p.over_memory_bytes)}); "
-                    f"the most over: " + next(part for part in over.split("; ")
-                                              if part.startswith(worst + " ")))
+                    f"the most {worst}, by {format_bytes(p.over_memory_bytes[worst])}")
         if grouped(len(s.cluster.ids)):
             busy = folded(html.escape(spread_text(p.busy_s, sorted(used), format_seconds)),
                           self.grouped_text(p.busy_s, format_seconds, used), "pe-busy")

@@ -178,7 +178,7 @@ class GraphPanel(Panel):
         self.legend = W.HTML(self.legend_text())
         plots = row(self.figure, self.overview.figure, sizing_mode="stretch_width")
         self.widget = PlotBox([self.legend, bokeh_widget(plots, "pe-graph")],
-                              layout=W.Layout(flex="3 1 320px", min_width="0"))
+                              layout=W.Layout(min_width="0"))
 
         s = session
         self.expand_button = button(s, "expand", "show the selected modules' parts",
@@ -205,14 +205,14 @@ class GraphPanel(Panel):
         self.find = W.Combobox(placeholder="find: a name or part of one (h.3, attention)",
                                options=s.view.names_to_find()[:FIND_OPTIONS],
                                ensure_option=False, continuous_update=False,
-                               layout=W.Layout(width="100%", max_width="360px"))
+                               layout=W.Layout(width="280px", max_width="100%"))
         self.find.add_class("pe-find")
         self.find.observe(self._on_find, "value")
         wrap = W.Layout(flex_flow="row wrap")
         self.controls = W.VBox([
             W.HBox([self.expand_button, self.collapse_button, self.expand_all_button,
                     self.collapse_all_button, self.zoom_button], layout=wrap),
-            W.HBox([self.depth, self.depth_button], layout=wrap), self.find])
+            W.HBox([self.depth, self.depth_button, self.find], layout=wrap)])
 
     def device_colors(self) -> dict[str, str]:
         """Each device's colour: one of ``DEVICE_COLORS`` per device up to

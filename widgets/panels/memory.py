@@ -39,10 +39,10 @@ CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations", "gathere
 CATEGORY_COLORS = ("#4c72b0", "#dd8452", "#8172b3", "#937860", "#55a868", "#da8bc3", "#8c8c8c")
 
 
-def bars_height(n_rows: int, compact: bool = False) -> int:
-    """Pixels of a memory chart with ``n_rows`` bars (``compact``: closer together, as for
-    the groups of a large cluster)."""
-    return 150 + (32 if compact else 44) * n_rows
+def bars_height(n_rows: int) -> int:
+    """Pixels of a memory chart with ``n_rows`` bars (closer together from five on, so that
+    the chart of 8 devices or groups stays beside the graph)."""
+    return 150 + (44 if n_rows <= 4 else 30) * n_rows
 
 
 #: below this share of the largest capacity, the scale zooms to the memory used
@@ -104,8 +104,7 @@ class MemoryPanel(Panel):
         self.unit, self.unit_bytes = "GiB", GiB
         self.source = ColumnDataSource(self.columns())
         rows = list(self.source.data["row"])
-        p = figure(height=bars_height(len(rows), grouped(len(session.cluster.ids))),
-                   sizing_mode="stretch_width",
+        p = figure(height=bars_height(len(rows)), sizing_mode="stretch_width",
                    y_range=FactorRange(*rows[::-1]), x_range=Range1d(0, 1),
                    tools="xpan,xwheel_zoom,reset", toolbar_location="above",
                    toolbar_sticky=False, output_backend=backend, min_border_right=12)
@@ -147,7 +146,7 @@ class MemoryPanel(Panel):
         rows = list(self.source.data["row"])[::-1]
         if list(self.figure.y_range.factors) != rows:  # (the groups follow the stages)
             self.figure.y_range.factors = rows
-            self.figure.height = bars_height(len(rows), grouped(len(self.session.cluster.ids)))
+            self.figure.height = bars_height(len(rows))
         xr = self.figure.x_range
         xr.start, xr.end = xr.reset_start, xr.reset_end = 0, end / self.unit_bytes
         self.figure.xaxis.axis_label = self.unit

@@ -43,12 +43,13 @@ class StatusPanel(Panel):
         # while the capture with real weights runs, the status line says what the note would
         notes = [n for n in g.notes if n != FAKE_NOTE or not self.session.measure_running]
         status = self.session.measure_status
-        return (f"<b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
+        # compact lines (a widget's text has a line as tall as a button otherwise)
+        return (f"<div style='line-height:1.4'><b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
                 f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
                 f"{html.escape(cl.name)} ({html.escape(devices_text(cl.ids))})"
                 + (f" <i>({html.escape('; '.join(notes))})</i>" if notes else "")
                 + (f"<br><span class='pe-measure'>{html.escape(status)}</span>"
-                   if status else ""))
+                   if status else "") + "</div>")
 
     def line(self, where: str) -> W.HTML:
         """The message line of area ``where`` (made once; put it under that area's controls).

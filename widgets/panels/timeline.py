@@ -21,10 +21,10 @@ KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#
 MAX_BARS = 1000
 
 
-def lanes_height(n_lanes: int, compact: bool = False) -> int:
-    """Pixels of a timeline with ``n_lanes`` lanes (``compact``: closer together, as for the
-    groups of a large cluster)."""
-    return 90 + (14 if compact else 26) * n_lanes
+def lanes_height(n_lanes: int) -> int:
+    """Pixels of a timeline with ``n_lanes`` lanes (closer together beyond eight, so that
+    the timeline of 8 devices or groups stays within a screen)."""
+    return 90 + (26 if n_lanes <= 8 else 12) * n_lanes
 
 
 class TimelinePanel(Panel):
@@ -38,8 +38,7 @@ class TimelinePanel(Panel):
         lanes = self.lanes()
         title = ("simulated step, the busiest device of each stage"
                  if grouped(len(session.cluster.ids)) else "simulated step per device")
-        p = figure(height=lanes_height(len(lanes), grouped(len(session.cluster.ids))),
-                   sizing_mode="stretch_width",
+        p = figure(height=lanes_height(len(lanes)), sizing_mode="stretch_width",
                    y_range=FactorRange(*lanes), x_axis_label="ms into the step",
                    title=title, tools="xpan,xwheel_zoom,reset",
                    output_backend=backend)
@@ -57,8 +56,7 @@ class TimelinePanel(Panel):
         lanes = self.lanes()
         if list(self.figure.y_range.factors) != lanes:
             self.figure.y_range.factors = lanes
-            self.figure.height = lanes_height(len(lanes),
-                                              grouped(len(self.session.cluster.ids)))
+            self.figure.height = lanes_height(len(lanes))
 
     def lanes(self) -> list[str]:
         """The lanes drawn, top first: each used device's compute lane, and its comm lane
