@@ -9,12 +9,9 @@ its own browser download). Skipped when either is missing, unless ``PE_REQUIRE_B
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -123,38 +120,20 @@ def lab(tmp_path_factory):
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                      "language": "python"}
         nbformat.write(nb, root / name)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(root / ".cfg"),
-           "JUPYTER_RUNTIME_DIR": str(root / ".rt"), "JUPYTER_DATA_DIR_UNUSED": ""}
-    log = open(root / "server.log", "w")
-    srv = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip",
-         "127.0.0.1", "--port", str(port), "--ServerApp.token=", "--ServerApp.password=",
-         "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={root}",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class="
-         "jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 1).close()
-                break
-            except OSError:
-                if srv.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("JupyterLab did not start: "
-                                + (root / "server.log").read_text()[-2000:])
-                time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}", root
-    finally:
-        srv.terminate()
-        try:
-            srv.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(srv.pid, 9)
-        log.close()
+        with _page().jupyterlab(root) as url:  # (the server the benchmarks measure pages on)
+            yield url, root
+    except RuntimeError as e:  # (it did not start: its log's end)
+        pytest.fail(str(e))
+
+
+def _page():
+    """benchmarks/_page.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "_page", Path(__file__).resolve().parents[2] / "benchmarks" / "_page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_click_a_node_assign_it_and_see_the_engines_numbers(lab):
