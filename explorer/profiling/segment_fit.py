@@ -33,10 +33,6 @@ import numpy as np
 
 from explorer.costs.model import DeviceCosts
 
-#: bisection steps of :func:`fit_extra` (each halves the interval: far below a nanosecond)
-FIT_STEPS = 200
-
-
 def fit_extra(times: Sequence[float], target_s: float, floor_s: float,
               caps: Sequence[float] | None = None) -> float:
     """The seconds ``extra`` that, taken off every op's time in ``times`` (an op of time 0 is
@@ -56,27 +52,30 @@ def fit_extra(times: Sequence[float], target_s: float, floor_s: float,
         return float(t.max() - floor_s)
     if target_s >= float(cap.sum()):  # every op at its cap, or less (inf: no caps)
         return float((t - cap).min())
-    # from an extra where the costs add up to target_s or more (every op above its floor,
-    # or at its cap) to one where they add up to target_s or less (every op at its floor)
+    # The ops' total is continuous, piecewise linear and falling in ``extra``, bent where an
+    # op leaves its cap or reaches its floor: find the piece that crosses target_s among
+    # those bends and solve its line. The answer depends on the ops alone, not on where a
+    # search started (a bisection's last bit moves with the floor).
     def total(x: float) -> float:
         return float(np.clip(t - x, floor_s, cap).sum())
 
-    lo = float((t.sum() - target_s) / len(t))
-    if np.isfinite(cap).any():
-        lo = min(lo, float((t - cap)[np.isfinite(cap)].min()))
-    step = max(abs(lo), target_s)
-    while total(lo) < target_s:  # (some ops capped, the others not: further down)
-        lo, step = lo - step, 2 * step
-    hi = float(t.max() - floor_s)
-    for _ in range(FIT_STEPS):
-        mid = 0.5 * (lo + hi)
-        if total(mid) > target_s:
-            lo = mid
+    bends = np.unique(np.concatenate([t - floor_s, (t - cap)[np.isfinite(cap)]]))
+    below, above = -1, len(bends)  # total(bends[below]) >= target_s > total(bends[above])
+    while above - below > 1:
+        mid = (below + above) // 2
+        if total(float(bends[mid])) >= target_s:
+            below = mid
         else:
-            hi = mid
-        if hi - lo <= 1e-15:
-            break
-    return 0.5 * (lo + hi)
+            above = mid
+    if below >= 0 and total(float(bends[below])) == target_s:
+        return float(bends[below])
+    lo = float(bends[below]) if below >= 0 else -np.inf
+    hi = float(bends[above]) if above < len(bends) else np.inf
+    inside = 0.5 * (lo + hi) if np.isfinite(lo) and np.isfinite(hi) else (
+        hi - 1.0 if np.isfinite(hi) else lo + 1.0)
+    free = (t - cap < inside) & (inside < t - floor_s)  # the ops neither capped nor floored
+    held = float(np.clip(t - inside, floor_s, cap)[~free].sum())
+    return float((t[free].sum() + held - target_s) / free.sum())
 
 
 def _caps(caps: Sequence[float] | None, n: int, floor_s: float) -> np.ndarray:

@@ -92,6 +92,23 @@ class TestFitExtra:
         x = fit_extra(times, 140e-6, FLOOR, caps)
         assert sum(in_segments(times, x, FLOOR, caps)) == pytest.approx(140e-6, rel=1e-9)
 
+    @pytest.mark.parametrize("seed", range(20))
+    def test_the_costs_add_up_on_random_ops_floors_and_caps(self, seed):
+        rng = np.random.default_rng(seed)
+        times = np.where(rng.random(40) < 0.2, 0.0, rng.uniform(1e-6, 1e-3, 40))
+        caps = np.where(rng.random(40) < 0.5, 0.0, times * rng.uniform(0.2, 1.0, 40))
+        reach = in_segments(times, 1.0, FLOOR, caps), in_segments(times, -1.0, FLOOR, caps)
+        target = float(rng.uniform(sum(reach[0]), sum(reach[1])))
+        x = fit_extra(times.tolist(), target, FLOOR, caps.tolist())
+        assert sum(in_segments(times, x, FLOOR, caps)) == pytest.approx(target, rel=1e-12)
+
+    def test_the_answer_does_not_move_with_a_floor_no_op_reaches(self):
+        # the floor is timed anew in every profile: where no op is at it, the fitted costs of
+        # two profiles of the same runs are the same to the last bit
+        times = [1e-3, 0.0, 0.4e-3, 0.7e-3]
+        got = {fit_extra(times, 1.8e-3, floor) for floor in (1e-6, 2.9e-6, 3.1e-6, 7e-6)}
+        assert got == {(sum(times) - 1.8e-3) / 3}
+
 
 class TestFit:
     def test_each_share_and_direction_is_fitted_apart(self):
