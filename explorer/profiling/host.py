@@ -74,8 +74,8 @@ def measured_once(cluster: Cluster, cache: bool, probe_key: str, fields: tuple[s
 
 def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.REPEATS,
                        warmup: int = 2, progress: bool = True, rounds: int | None = None,
-                       pool: RankPool | None = None, report: ops.Report | None = None
-                       ) -> ReplicaEffects:
+                       pool: RankPool | None = None, report: ops.Report | None = None,
+                       runtime: Runtime = "segments") -> ReplicaEffects:
     """How two replicas of ``graph`` on CPU ranks of this host slow each other.
 
     Per node: how much slower its forward + backward ran while another rank of this host
@@ -91,8 +91,10 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     half the batch each, ``rounds`` times in turn: one rank alone with the batch in two
     micro-batches, then two ranks data-parallel; per op, the summed times. Each op's time is
     the runtime's own per-op timing, waits excluded, so the all-reduce at the end of the
-    backward does not count. The runs are made on ``pool``'s ranks where given; how far they
-    are is told to ``report``.
+    backward does not count. The runs are made in ``runtime``, the one the profile predicts:
+    in segments an op's own time is not measured apart, so every op slows as the model's
+    forward and backward together did. The runs are made on ``pool``'s ranks where given;
+    how far they are is told to ``report``.
     """
     rounds = CONTENTION_ROUNDS if rounds is None else rounds
     a, b = ranks[0], ranks[1]
@@ -107,11 +109,11 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
         solos.append(launch.run(graph, plan=single, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0,
                                 device_override={a.id: override[a.id]}, pool=pool,
-                                runtime="ops"))
+                                runtime=runtime))
         bar.update()
         boths.append(launch.run(graph, plan=pair, steps=repeats, warmup=warmup,
                                 progress=False, timeout_s=600.0, device_override=override,
-                                pool=pool, runtime="ops"))
+                                pool=pool, runtime=runtime))
         bar.update()
     bar.close()
 
@@ -130,6 +132,8 @@ def measure_contention(graph: OpGraph, ranks: list[Device], repeats: int = ops.R
     opt = [sum(m.task_s.get("optimizer:-1", 0.0) for m in ms) for ms in (boths, solos)]
     # the whole model's ratio (bounded the same way) where an op took no measurable time alone
     whole = ratio(sum(shared), sum(alone), 1.0)
+    if runtime == "segments":
+        shared = [0.0] * len(graph)
     return ReplicaEffects([ratio(s, t, whole) for s, t in zip(shared, alone, strict=True)],
                           statistics.fmean(spread) if spread else 0.0, ratio(*opt, 1.0))
 

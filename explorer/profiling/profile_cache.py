@@ -35,8 +35,9 @@ from explorer.profiling import recheck
 # step's contention is measured; 9: a tensor-parallel split's costs fitted on the graph's own
 # split run (kept with the profile, as the contention is); 10: the host's load while it was
 # measured and the re-check's reference kept with it; 11: the runtime the times are of, the
-# segment runtime's fitted on segment runs (what the op path adds per op kept with them)
-PROFILE_VERSION = 11
+# segment runtime's fitted on segment runs (what the op path adds per op kept with them);
+# 12: the contention measured in the profile's runtime
+PROFILE_VERSION = 12
 
 
 def cache_dir() -> Path:

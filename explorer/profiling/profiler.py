@@ -178,7 +178,7 @@ def _complete(dc: DeviceCosts, graph: OpGraph, dev: Device, ranks: list[Device],
         try:
             dc.contention, dc.replica_spread, dc.optimizer_contention = \
                 host.measure_contention(graph, ranks[:2], repeats, warmup, progress,
-                                        pool=pool, report=runs)
+                                        pool=pool, report=runs, runtime=dc.runtime)
             added = True
         except ExplorerError as exc:  # e.g. two copies do not fit: the op times stand
             warnings.warn(f"could not measure how CPU ranks of this host slow each "

@@ -368,14 +368,17 @@ class TestRoofline:
 
 @pytest.mark.slow
 class TestContention:
-    def test_measured_on_two_real_ranks(self):
+    @pytest.mark.parametrize("runtime", ["segments", "ops"])
+    def test_measured_on_two_real_ranks(self, runtime):
         bm = ex.builtin_model("mlp", "tiny")
         g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
         ranks = list(Cluster.cpu(2, measure=False).devices)
         ratios, spread, opt = host.measure_contention(g, ranks, repeats=3, warmup=1,
-                                                      progress=False)
+                                                      progress=False, runtime=runtime)
         assert len(ratios) == len(g)
         assert all(0.5 <= r <= 4.0 for r in ratios)
+        # in segments no op is timed apart: each slows as the whole model did
+        assert (len(set(ratios)) == 1) == (runtime == "segments")
         assert 0.5 <= opt <= 4.0 and opt != 1.0  # measured, not the default
         # the busier of two ranks is above their mean, by less than the mean itself
         assert 0.0 < spread < 1.0
