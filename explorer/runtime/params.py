@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
@@ -97,6 +98,15 @@ class Weights:
                      for i in self.value if L.kind[i] == "param"}
         self.uses_left = dict(self.uses)
         self.loss_scale = loss_scale(L.plan)
+        #: this rank's trainable weights, and with the ranks of other stages that use each
+        #: (fixed for the run: the step walks these lists, not every node)
+        self.trainable = [i for i in self.owned
+                          if L.kind[i] == "param" and self.value[i].requires_grad]
+        self.users = {i: L.weight_users(i) for i in self.trainable}
+        self.copies = [i for i in self.used_remote
+                       if L.kind[i] == "param" and self.value[i].requires_grad]
+        #: how many parameters have optimizer state (it is counted when it appears)
+        self._with_state = 0
         self.buckets = GradBuckets(
             [(i, self.value[i]) for i in reversed(self.owned)
              if L.kind[i] == "param" and self.value[i].requires_grad],
@@ -108,12 +118,10 @@ class Weights:
         self.state_tracked: set[int] = set()
         #: the first step's gradients of this rank's parameters, when the job records them
         self.first_grads: dict[str, torch.Tensor] | None = None
-        #: whether this step counts memory (a CPU rank's memory step): a gradient autograd
-        #: makes is counted from its making then
-        self.counting = False
-        for i, t in self.value.items():
-            if L.kind[i] == "param" and t.requires_grad:
-                t.register_post_accumulate_grad_hook(self._grad_made)
+        #: the hooks that count a gradient autograd makes from its making, held while a
+        #: step counts memory (:attr:`counting`)
+        self._made_hooks: list[RemovableHandle] = []
+        self._counting = False
 
     def start_step(self) -> None:
         """Send this rank's weights to the other stages' ranks that use them, receive the
@@ -183,7 +191,8 @@ class Weights:
                 self.scatter.ready(p, self._grad_of)
                 self._take_shards(self.scatter.done())
             else:
-                self._place_grad(self.value[p])
+                if self.mesh is not None:  # (a DTensor's gradient, laid out as it)
+                    self._place_grad(self.value[p])
                 self.buckets.ready(p)
 
     def _grad_of(self, p: int) -> torch.Tensor:
@@ -224,17 +233,13 @@ class Weights:
         L, msg = self.layout, self.messenger
         self.shards.cancel_prefetches()
         # remote param copies send their gradient to the owner; owners add what they receive
-        for i in self.used_remote:
-            if L.kind[i] != "param" or not self.value[i].requires_grad:
-                continue
+        for i in self.copies:
             g = self.value[i].grad
             msg.send(g if g is not None else torch.zeros_like(self.value[i]), L.weight_home(i),
                      L.tag(WEIGHT_GRADIENT, 0, L.j, i))
             self.drop_grad(self.value[i])
-        for i in self.owned:
-            if L.kind[i] != "param" or not self.value[i].requires_grad:
-                continue
-            users = L.weight_users(i)
+        for i in self.trainable:
+            users = self.users[i]
             for jt, src in users:
                 (g,) = msg.recv(src, L.tag(WEIGHT_GRADIENT, 0, jt, i))
                 p = self.value[i]
@@ -295,6 +300,9 @@ class Weights:
 
     def _track_optimizer_state(self) -> None:
         assert self.optimizer is not None
+        if len(self.optimizer.state) == self._with_state:  # (no parameter has new state)
+            return
+        self._with_state = len(self.optimizer.state)
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and \
@@ -302,9 +310,26 @@ class Weights:
                     self.state_tracked.add(id(v))
                     self.tracker.add(v, OPTIMIZER)
 
-    def _grad_made(self, p: torch.Tensor) -> None:
-        if self.counting:
-            self.grad_born(p)
+    @property
+    def counting(self) -> bool:
+        """Whether this step counts memory (a CPU rank's memory step): a gradient autograd
+        makes is counted from its making then. The hooks that count it are on the weights
+        in that step only: a Python call per weight in every backward is time eager
+        PyTorch does not spend."""
+        return self._counting
+
+    @counting.setter
+    def counting(self, on: bool) -> None:
+        if on and not self._counting:
+            L = self.layout
+            self._made_hooks = [t.register_post_accumulate_grad_hook(self.grad_born)
+                                for i, t in self.value.items()
+                                if L.kind[i] == "param" and t.requires_grad]
+        elif not on:
+            for hook in self._made_hooks:
+                hook.remove()
+            self._made_hooks = []
+        self._counting = on
 
     def grad_born(self, p: torch.Tensor) -> None:
         """Count a parameter's gradient from when autograd (or this class) creates it."""

@@ -45,9 +45,6 @@ class SegmentSteps:
     grad: dict
     bwd_left: dict
     losses: list
-    segment_edges: dict
-    segment_slots: dict
-    segment_partial_slots: dict
     generator: Any
     mesh: Any
     split: set
@@ -69,6 +66,17 @@ class SegmentSteps:
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
+    #: per segment code (by id), its arguments as every step has them (:meth:`_reads_of`)
+    _code_reads: dict
+
+    def _start_segments(self) -> None:
+        """A new step's segment runs: none yet."""
+        #: per segment run (its forward position, shard): its outputs' gradient edges and
+        #: its inputs' gradient slots, until its backward
+        self.segment_edges: dict[tuple[int, int], list[list]] = {}
+        self.segment_slots: dict[tuple[int, int], list] = {}
+        #: and (tensor parallelism) the whole inputs its split ops read, their slots
+        self.segment_partial_slots: dict[tuple[int, int], tuple[list[int], list]] = {}
 
     def _segment_code(self, seg: Segment) -> SegmentCode:
         """Segment ``seg``'s code; on a tensor-parallel stage each op called through the
@@ -85,6 +93,24 @@ class SegmentSteps:
                 for i, t in enumerate(L.targets)]
         return segment_code(seg, L.calls, self._tensor_targets, L.random, self._split_read,
                             self.mesh.partial_entry)
+
+    def _reads_of(self, code: SegmentCode) -> tuple[list, list[tuple[int, int, bool]]]:
+        """``code``'s arguments as every step has them: a list with each weight's tensor in
+        its place (this rank's, updated in place all run long; a ZeRO 3 weight is gathered
+        anew, so it is not among them), and the places of the others, each with the node it
+        reads and whether split ops read it there."""
+        reads = self._code_reads.get(id(code))
+        if reads is None:
+            L, ghost, value = self.layout, self.weights.shards.ghost, self.weights.value
+            fixed: list = [None] * len(code.reads)
+            varying = []
+            for k, (p, split) in enumerate(code.reads):
+                if L.kind[p] in ("param", "buffer") and p not in ghost and not split:
+                    fixed[k] = value[p]
+                else:
+                    varying.append((k, p, split))
+            reads = self._code_reads[id(code)] = (fixed, varying)
+        return reads
 
     def _split_read(self, i: int, p: int) -> bool:
         """Whether op ``i``'s gradient of value ``p`` is this rank's partial sum when ``p``
@@ -103,16 +129,17 @@ class SegmentSteps:
         # (inputs split ops read whole: their partial gradients' slots, apart)
         partial_slots: list = []
         whole_split: list[int] = []
-        args = []
-        for p, split in code.reads:
+        fixed, varying = self._reads_of(code)
+        args = list(fixed)
+        for k, p, split in varying:
             if not split:
-                args.append(self._arg(m, u, p, slots))
+                args[k] = self._arg(m, u, p, slots)
                 continue
             val = self._value(m, u, p)
             whole = not any(self.mesh.is_shard(t) for t in tree_flatten(val)[0])
             if whole:
                 whole_split.append(p)
-            args.append(self._enter(p, val, partial_slots if whole else slots))
+            args[k] = self._enter(p, val, partial_slots if whole else slots)
         if code.random:
             args.append(self.generator)
             args += [self._draw(m, u, i) for i in code.random]
@@ -151,10 +178,12 @@ class SegmentSteps:
         self.segment_slots[(seg.forward_at, u)] = slots
         if whole_split:
             self.segment_partial_slots[(seg.forward_at, u)] = (whole_split, partial_slots)
+        gathered = self.weights.shards.ghost
         for p, n in zip(seg.inputs, seg.uses, strict=True):
             if L.kind[p] == "param":
-                for _ in range(n):
+                for _ in range(n if gathered else 0):  # (ZeRO 3: this use is done)
                     self.weights.forward_done(p, m, u)
+                continue
             k = (m, u, p)
             if k in self.fwd_left:
                 self.fwd_left[k] -= n

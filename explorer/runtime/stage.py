@@ -146,6 +146,7 @@ class StageRunner(SegmentSteps):
         #: other actions of its ops are skipped), and each segment's code by its ops
         self.segment_at: dict[int, Segment] | None = None
         self.codes: dict[tuple[int, ...], SegmentCode] = {}
+        self._code_reads = {}
         if job.runtime == "segments":
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name),
@@ -206,12 +207,7 @@ class StageRunner(SegmentSteps):
         self.edges: dict[Key, list] = {}
         self.received: dict[Key, Any] = {}
         self.losses: list[float] = []
-        #: per segment run (its forward position, shard): its outputs' gradient edges and
-        #: its inputs' gradient slots, until its backward
-        self.segment_edges: dict[tuple[int, int], list[list]] = {}
-        self.segment_slots: dict[tuple[int, int], list] = {}
-        #: and (tensor parallelism) the whole inputs its split ops read, their slots
-        self.segment_partial_slots: dict[tuple[int, int], tuple[list[int], list]] = {}
+        self._start_segments()
         busy = 0.0
         #: a CPU rank counts what autograd holds in its last step only: the hooks that count
         #: it cost time eager PyTorch does not spend, and every step holds the same
@@ -222,8 +218,9 @@ class StageRunner(SegmentSteps):
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(L.tdev)
-        with self.messenger.waiting():
-            dist.barrier()
+        if dist.get_world_size() > 1:  # (every rank starts the step together)
+            with self.messenger.waiting():
+                dist.barrier()
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
@@ -335,11 +332,10 @@ class StageRunner(SegmentSteps):
         L = self.layout
         k = int(L.names[p].split("_")[1])
         src = self.job.inputs[k] if L.names[p].startswith("input_") else self.job.targets[k]
+        if L.rows == src.shape[0] and L.tdev.type == "cpu":  # (the whole batch, where it is)
+            return src
         start = (m * L.shards + u) * L.rows
-        rows = src[start: start + L.rows]
-        if L.tdev.type == "cpu" and len(rows) == len(src):  # (the whole batch, where it is)
-            return rows
-        return rows.to(L.tdev, copy=True)
+        return src[start: start + L.rows].to(L.tdev, copy=True)
 
     def _call(self, m: int, u: int, i: int, lookup: dict[str, Any]) -> Any:
         """Op ``i`` on micro-batch ``m``, shard ``u``, its inputs by name in ``lookup``: the

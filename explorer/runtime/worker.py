@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import statistics
@@ -224,6 +225,7 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
     results = []
     fault = _fault(rank)
     total = job.warmup + job.steps
+    told = -math.inf  # (when rank 0 last wrote how many steps are done)
     for k in range(total):
         if pulse is not None:
             pulse.step = k
@@ -243,12 +245,17 @@ def _run_steps(r: StageRunner, job: Job, rank: int, out: Path, batches: Any, ver
         if verbose and res["loss"] is not None and r.layout.j == 0:
             print(f"step {k + 1}/{total}: loss {res['loss']:.6f}, "
                   f"{res['step_s'] * 1e3:.1f} ms", flush=True)
-        if rank == 0:
+        if rank == 0 and (k + 1 == total or time.monotonic() >= told + PROGRESS_PERIOD_S):
             (out / "progress").write_text(str(k + 1))
+            told = time.monotonic()
     task_s = {f"{kind}:{i}": statistics.median(v[job.warmup * len(v) // total:])
               for (kind, i), v in all_times.items()}
     return results, task_s
 
+
+#: the least seconds between two writes of rank 0's step count (the launcher reads it for its
+#: progress bar every 50 ms; a file written every step of a short one costs step time)
+PROGRESS_PERIOD_S = 0.05
 
 #: the step of :func:`_fault` that means "at the start, before the first heartbeat"
 START = -1
