@@ -9,6 +9,7 @@ need gradients), so the repeated layers of a deep model are replayed once.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class Replay:
     saves: tuple[int, ...]
     saved_extra_bytes: int
     is_view: bool
+    #: the most bytes of gradients passed between the autograd nodes the op is made of
+    #: (a cross-entropy's log-softmax gradient) held at once in its backward
+    backward_scratch_bytes: int = 0
 
     def saved_names(self, slot_names: list[str], me: str) -> tuple[str, ...]:
         """The node names behind ``saves``, first occurrence first."""
@@ -95,13 +99,15 @@ def replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> tup
     out_keys = {storage_key(t) for t in outs}
     is_view = bool(outs) and all(k in slot_of for k in out_keys)
     grads_needed = [t for t in outs if t.requires_grad]
-    bwd_flops = 0
+    bwd_flops = scratch = 0
     if grads_needed and leaves:
+        passed = _GradientsPassed(grads_needed)
         with FlopCounterMode(display=False) as bwd_counter:
-            torch.autograd.grad(grads_needed, leaves,
-                                grad_outputs=[torch.ones_like(t) for t in grads_needed],
-                                allow_unused=True)
+            seeds = [torch.ones_like(t) for t in grads_needed]
+            made = torch.autograd.grad(grads_needed, leaves, grad_outputs=seeds,
+                                       allow_unused=True)
         bwd_flops = bwd_counter.get_total_flops()
+        scratch = passed.peak_bytes([*made, *seeds])
     saves: list[int] = []
     extra, seen = 0, set()
     for t in saved:
@@ -116,7 +122,56 @@ def replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> tup
         else:
             extra += t.untyped_storage().nbytes()
     return (Replay(fwd_counter.get_total_flops(), bwd_flops, bool(grads_needed), tuple(saves),
-                   extra, is_view), slot_names)
+                   extra, is_view, scratch), slot_names)
+
+
+class _GradientsPassed:
+    """The gradients one op's backward passes between the autograd nodes it is made of, from
+    when a node makes each until autograd frees it (a post-hook on every node of the op,
+    each gradient's end seen through ``weakref.finalize``): a composite op (a cross-entropy:
+    a log-softmax, then a negative log-likelihood) holds its inner gradient while its first
+    node computes the gradient of its input."""
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self.events: list[tuple[int, int]] = []  # (storage, +bytes made or -bytes freed)
+        own: set = set()
+        todo = [t.grad_fn for t in outputs]
+        while todo:
+            node = todo.pop()
+            if node is None or node in own or type(node).__name__ == "AccumulateGrad":
+                continue
+            own.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+        for node in own:
+            inner = [n in own for n, _ in node.next_functions]
+            node.register_hook(self._made(inner))
+
+    def _made(self, inner: list[bool]):
+        def hook(grad_inputs: Any, _grad_outputs: Any) -> None:
+            for g, passed in zip(grad_inputs, inner, strict=False):
+                if passed and isinstance(g, torch.Tensor):
+                    key, size = storage_key(g), g.untyped_storage().nbytes()
+                    self.events.append((key, size))
+                    weakref.finalize(g, self.events.append, (key, -size))
+        return hook
+
+    def peak_bytes(self, counted: list[torch.Tensor | None]) -> int:
+        """The most bytes of passed gradients held at once, each storage once (a view of a
+        gradient is not memory of its own), those that are the memory of a gradient counted
+        apart (``counted``: the output's gradient, or one the op returns, as a transpose's)
+        left out."""
+        apart = {storage_key(g) for g in counted if g is not None}
+        views: dict[int, int] = {}  # storage -> gradients held on it
+        held = peak = 0
+        for key, size in self.events:
+            if key in apart:
+                continue
+            before = views.get(key, 0)
+            views[key] = before + (1 if size > 0 else -1)
+            if before == 0 or views[key] == 0:
+                held += size
+                peak = max(peak, held)
+        return peak
 
 
 def _describe(v: Any) -> Any:

@@ -465,7 +465,8 @@ def _from_export(program: Any, runtime: CaptureRuntime, name: str,
         nodes.append(OpNode(
             nm, "op", _op_name(fx.target), mpath, mtype, tuple(preds), shapes, dtype,
             out_bytes, 0, prof.requires_grad, prof.fwd_flops, prof.bwd_flops,
-            prof.saved_names(slots, nm), prof.saved_extra_bytes, prof.is_view))
+            prof.saved_names(slots, nm), prof.saved_extra_bytes, prof.is_view,
+            prof.backward_scratch_bytes))
     bs = int(runtime.inputs[0].shape[0])
     graph = OpGraph(name, nodes, bs, "export", ours[loss_fx])
     graph.runtime = runtime

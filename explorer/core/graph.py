@@ -41,6 +41,10 @@ class OpNode:
     saved_extra_bytes: int = 0
     #: bytes of memory the op's outputs share with an input (views): not new memory
     is_view: bool = False
+    #: the most bytes the op's backward holds at once beyond its inputs' gradients: the
+    #: gradients passed between the autograd nodes one captured op is made of (a
+    #: cross-entropy's log-softmax gradient), held only while that backward runs
+    backward_scratch_bytes: int = 0
 
     @property
     def flops(self) -> int:

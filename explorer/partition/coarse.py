@@ -168,7 +168,9 @@ def coarsen(graph: OpGraph, costs: CostModel, target: int = 2000) -> Coarse:
             requires_grad=any(nodes[i].requires_grad for i in ops),
             fwd_flops=sum(nodes[i].fwd_flops for i in ops),
             bwd_flops=sum(nodes[i].bwd_flops for i in ops),
-            saves=tuple(saves), saved_extra_bytes=extra))
+            saves=tuple(saves), saved_extra_bytes=extra,
+            # (its members' backwards run one after another)
+            backward_scratch_bytes=max(nodes[i].backward_scratch_bytes for i in ops)))
         for i in ops:
             of[i] = name
         members[name] = tuple(grp)

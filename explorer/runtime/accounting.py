@@ -136,7 +136,8 @@ def count_gradients_made(tracker: MemTracker, roots: Iterable[Any], hooked: set,
 
     Autograd frees a node's incoming gradient and what it saved only after the node has made
     its gradients, as the op path counts them; gradients flowing between ops of one piece of
-    code are otherwise seen by no hook of the rank's."""
+    code, or between the autograd nodes of one op, are otherwise seen by no hook of the
+    rank's."""
     def hook(node: Any) -> Callable[[Sequence[Any], Sequence[Any]], None]:
         # (a gradient handed to a weight's accumulation is the weight's gradient)
         kinds = [GRADIENTS if type(n).__name__ == "AccumulateGrad" else ACTIVATIONS

@@ -201,7 +201,8 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         record=False, timeout_s=JOB_TIMEOUT_S, device_map=kinds,
         requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=0,
         model=source, units=recompute_units(graph),
-        kept_outputs=saved_across_units(graph).tolist(), placements=placements,
+        kept_outputs=saved_across_units(graph).tolist(),
+        backward_scratch=[n.backward_scratch_bytes for n in graph.nodes], placements=placements,
         split_ops=split_ops, local_ops=local_ops, sequence_ops=sequence_ops,
         runtime=runtime, compile=compile)
     problem = job_problem(record)  # before anything is written

@@ -207,6 +207,10 @@ class Job:
     #: whether each segment's ops run through ``torch.compile`` (``runtime="segments"``
     #: only: :mod:`explorer.runtime.segment_compile`)
     compile: bool = False
+    #: per node, the bytes its backward holds beyond its inputs' gradients at the whole
+    #: batch (``OpNode.backward_scratch_bytes``): the op path counts them while the op's
+    #: backward runs, as the simulator does (segments see them made); None: none
+    backward_scratch: list[int] | None = None
 
 
 class JobError(ExplorerError):
@@ -267,10 +271,11 @@ def write_job(folder: Path, job: Job) -> None:
 #: and model), with what each defaults to when an older folder lacks it (required: no entry)
 _SETTINGS = ("steps", "warmup", "lr", "record", "timeout_s", "device_map", "requires_grad",
              "loss", "seed", "units", "kept_outputs", "placements", "split_ops", "local_ops",
-             "sequence_ops", "runtime", "compile")
+             "sequence_ops", "runtime", "compile", "backward_scratch")
 _DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None,
                              "placements": {}, "split_ops": [], "local_ops": [],
-                             "sequence_ops": [], "runtime": "ops", "compile": False}
+                             "sequence_ops": [], "runtime": "ops", "compile": False,
+                             "backward_scratch": None}
 
 
 def _plan_record(plan: Plan) -> Any:
@@ -434,6 +439,8 @@ def job_problem(job: Job) -> str | None:
         ("runtime", lambda v: isinstance(v, str) and v in RUNTIMES,
          " or ".join(repr(r) for r in RUNTIMES)),
         ("compile", lambda v: isinstance(v, bool), "true or false"),
+        ("backward_scratch", lambda v: v is None or _list_of(int, n)(v) and min(v, default=0)
+         >= 0, f"null or one whole number of bytes >= 0 per node ({n})"),
     ]
     for name, ok, what in rules:
         value = getattr(job, name)

@@ -173,6 +173,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
             timeout_s=timeout_s, device_map=dmap,
             requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=seed,
             units=recompute_units(graph), kept_outputs=saved_across_units(graph).tolist(),
+            backward_scratch=[n.backward_scratch_bytes for n in graph.nodes],
             placements=placements, split_ops=split_ops, local_ops=local_ops,
             sequence_ops=sequence_ops, runtime=runtime, compile=compile))
         results, grads = launch(folder, len(plan.devices), warmup + steps, timeout_s, progress,

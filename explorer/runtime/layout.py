@@ -92,6 +92,13 @@ class RankLayout:
                                 f"micro-batches x {self.shards} shards; change the batch size "
                                 "or the plan")
         self.rows = batch // (self.micro_batches * self.shards)
+        #: per node, what its backward holds beyond its inputs' gradients on one shard of a
+        #: micro-batch (a split op's share on a tensor-parallel rank): the op path counts it
+        split = set(job.split_ops)
+        self.backward_scratch = [
+            b * self.rows // batch // (self.tensor if n in split else 1)
+            for b, n in zip(job.backward_scratch or [0] * len(self.names), self.names,
+                            strict=True)]
         self._remote = [sorted({self.stage[c] for c in cs} - {self.s}) for cs in self.succs]
         self._local = [sum(1 for c in cs if self.stage[c] == self.s) for cs in self.succs]
 

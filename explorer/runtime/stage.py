@@ -470,9 +470,12 @@ class StageRunner(SegmentSteps):
         # itself, and holding the freed tensors a little longer would only raise its peak)
         self.weights.shards.current = (m, u)
         counting = L.tdev.type != "cuda"
-        made_anew = self.weights.accumulated_bytes(L.preds[i]) if counting else 0
+        # (and what autograd makes and frees inside the call: a weight's gradient made anew
+        # before it is added in, the gradients passed between the op's own autograd nodes)
+        inside = (self.weights.accumulated_bytes(L.preds[i]) + L.backward_scratch[i]
+                  if counting else 0)
         with (self.tracker.deferred() if counting else contextlib.nullcontext()), \
-                self.tracker.transient(made_anew):
+                self.tracker.transient(inside):
             if pairs:
                 torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
             made = [g for _, _, slot in slots for g in slot]

@@ -74,8 +74,8 @@ class GraphArrays:
         self.n = N = len(nodes)
         self._preds, self._index = g.preds, g.index
         # one pass over the nodes (much faster than one pass per attribute on large graphs)
-        cols: list[list] = [[] for _ in range(10)]
-        name, kind, rg, out_bytes, param_bytes, view, extra, saves, op, outs = (
+        cols: list[list] = [[] for _ in range(11)]
+        name, kind, rg, out_bytes, param_bytes, view, extra, saves, op, outs, scratch = (
             c.append for c in cols)
         for n in nodes:
             name(n.name)
@@ -88,8 +88,9 @@ class GraphArrays:
             saves(n.saves)
             op(n.op)
             outs(len(n.shapes))
+            scratch(n.backward_scratch_bytes)
         (self.names, self.kinds, rg_l, self.out_bytes, self.param_bytes, self._views,
-         self._extra, self._saves, self._ops, self._outputs) = cols
+         self._extra, self._saves, self._ops, self._outputs, self._scratch) = cols
         self.kcode = np.fromiter(map(_KIND_CODE.__getitem__, self.kinds), dtype=np.int8,
                                  count=N)
         self.is_op = self.kcode == KIND_OP
@@ -120,6 +121,12 @@ class GraphArrays:
     @cached_property
     def extra(self) -> np.ndarray:
         return np.array(self._extra, dtype=np.int64)
+
+    @cached_property
+    def scratch(self) -> np.ndarray:
+        """Per node, what its backward holds beyond its inputs' gradients while it runs
+        (``OpNode.backward_scratch_bytes``)."""
+        return np.array(self._scratch, dtype=np.int64)
 
     @cached_property
     def root(self) -> list[int]:

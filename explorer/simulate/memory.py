@@ -133,6 +133,14 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         for m in range(M):
             live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
+    # the gradients an op's backward passes between the autograd nodes it is made of (a
+    # cross-entropy's log-softmax gradient): held while that backward runs
+    scratch = saved_extra_per_device(graph, plan, A.scratch)
+    xs_ = np.flatnonzero(has_b & (scratch != 0))
+    if len(xs_):
+        for m in range(M):
+            task = off_b[xs_] + m * per_m
+            live(st[xs_], start_a[task], end_a[task], size_on(scratch[xs_], st[xs_]))
     # bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
     # micro-batch (a weight's whole, an activation's share of the micro-batch)
     if eff is not None and len(eff.casts[0]):

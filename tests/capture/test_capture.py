@@ -159,6 +159,23 @@ class TestToyGraph:
         assert toy["1.weight"].requires_grad
         assert toy["relu"].requires_grad
 
+    def test_backward_scratch(self, toy):
+        # one autograd node per op, or a linear's matmul and transpose whose inner gradient
+        # is the weight's: nothing held beyond the inputs' gradients
+        assert all(n.backward_scratch_bytes == 0 for n in toy.nodes)
+
+    @pytest.mark.parametrize("fake", [False, True])
+    def test_a_cross_entropy_holds_its_log_softmax_gradient(self, fake):
+        # its backward passes a gradient the size of the logits from the negative
+        # log-likelihood's node to the log-softmax's, held while the latter makes the
+        # logits' gradient; a 3-D linear's reshapes are views of the gradients around them
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 50))
+        x, y = torch.randn(4, 6, 8), torch.randint(0, 50, (4, 6))
+        g = ex.capture(model, x, lambda out, t: nn.functional.cross_entropy(
+            out.flatten(0, 1), t.flatten()), [y], fake=fake)
+        assert g[g.loss].backward_scratch_bytes == 4 * 6 * 50 * 4
+        assert [n.name for n in g.nodes if n.backward_scratch_bytes] == [g.loss]
+
     def test_linear_then_relu_saves(self):
         g = ex.capture(nn.Sequential(nn.Linear(4, 3), nn.ReLU()), torch.randn(2, 4))
         assert g["relu"].saves == ("relu",)

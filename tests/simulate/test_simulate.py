@@ -8,6 +8,7 @@ import pytest
 from builders import cluster, costs, graph
 
 from explorer.core.errors import PlanError
+from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.simulate.simulator import execution_order, lower_bound_s, simulate
 
@@ -290,6 +291,27 @@ class TestMemory:
         # Peak in [4,5): x 100 + b 300 + grad b 300 + grad a 200 = 900
         assert m.activations_bytes == 900
         assert pred.peak_bytes["d:0"] == 940
+
+    @pytest.mark.parametrize("micro_batches", [1, 2])
+    def test_an_ops_backward_scratch_is_held_while_that_backward_runs(self, micro_batches):
+        # the same graph as above, b's backward passing 250 bytes between its own autograd
+        # nodes (at the whole batch): held in [4,5) beside the peak's 900, each micro-batch
+        # its share; a's (50) in [5,6), after the peak
+        g = graph([("x", "input", [], 100), ("w", "param", [], 40),
+                   ("a", "op", ["x", "w"], 200, 0, ["x"]),
+                   ("b", "op", ["a"], 300, 0, ["b"]), ("loss", "op", ["b"], 4)])
+        g.nodes[3] = replace(g.nodes[3], backward_scratch_bytes=250)
+        g.nodes[2] = replace(g.nodes[2], backward_scratch_bytes=50)
+        cl = cluster(1)
+        c = costs(g, cl, {"a": 1.0, "b": 1.0, "loss": 1.0}, {"a": 1.0, "b": 1.0, "loss": 1.0})
+        plan = Plan.single(g, "d:0", optimizer="sgd", micro_batches=micro_batches)
+        none = OpGraph(g.name, [replace(n, backward_scratch_bytes=0) for n in g.nodes],
+                       g.batch_size)
+        with_scratch = simulate(g, plan, c).memory["d:0"].activations_bytes
+        assert with_scratch == simulate(none, plan, c).memory["d:0"].activations_bytes \
+            + 250 // micro_batches
+        if micro_batches == 1:
+            assert with_scratch == 900 + 250
 
     def test_library_workspaces_count_on_every_device_that_has_them(self):
         """A GPU's cuBLAS workspaces, measured at profile time, are held for the whole run."""
