@@ -10,6 +10,7 @@ need gradients), so the repeated layers of a deep model are replayed once.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +147,7 @@ class _GradientsPassed:
             inner = [n in own for n, _ in node.next_functions]
             node.register_hook(self._made(inner))
 
-    def _made(self, inner: list[bool]):
+    def _made(self, inner: list[bool]) -> Callable[[Any, Any], None]:
         def hook(grad_inputs: Any, _grad_outputs: Any) -> None:
             for g, passed in zip(grad_inputs, inner, strict=False):
                 if passed and isinstance(g, torch.Tensor):

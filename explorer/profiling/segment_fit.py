@@ -33,6 +33,7 @@ import numpy as np
 
 from explorer.costs.model import DeviceCosts
 
+
 def fit_extra(times: Sequence[float], target_s: float, floor_s: float,
               caps: Sequence[float] | None = None) -> float:
     """The seconds ``extra`` that, taken off every op's time in ``times`` (an op of time 0 is

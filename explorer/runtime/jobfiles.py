@@ -439,8 +439,8 @@ def job_problem(job: Job) -> str | None:
         ("runtime", lambda v: isinstance(v, str) and v in RUNTIMES,
          " or ".join(repr(r) for r in RUNTIMES)),
         ("compile", lambda v: isinstance(v, bool), "true or false"),
-        ("backward_scratch", lambda v: v is None or _list_of(int, n)(v) and min(v, default=0)
-         >= 0, f"null or one whole number of bytes >= 0 per node ({n})"),
+        ("backward_scratch", lambda v: v is None or (_list_of(int, n)(v) and min(v, default=0)
+         >= 0), f"null or one whole number of bytes >= 0 per node ({n})"),
     ]
     for name, ok, what in rules:
         value = getattr(job, name)
