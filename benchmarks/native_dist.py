@@ -70,7 +70,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -309,9 +309,10 @@ def reference_step(case: Case, name: str, size: str, optimizer: str, rank: int
 
 
 def reference_rank(case: Case, name: str, size: str, optimizer: str, total: int,
-                   out: Path, timeout_s: float) -> None:
+                   out: Path, timeout_s: float) -> NoReturn:
     """This process as reference rank ``RANK``: set up as a CPU rank is, join the gloo group,
-    run ``total`` steps, write each step's seconds and loss to ``out``."""
+    run ``total`` steps, write each step's seconds and loss to ``out``, and end (this does
+    not return)."""
     rank = int(os.environ["RANK"])
     platform = platform_of("cpu")
     torch.set_num_threads(1)
@@ -329,6 +330,12 @@ def reference_rank(case: Case, name: str, size: str, optimizer: str, total: int,
     out.write_text(json.dumps({"step_s": times, "losses": losses, "fingerprint": printed}))
     dist.barrier()
     dist.destroy_process_group()
+    # the results are written: the process ends here, freeing nothing (freeing DDP's reducer
+    # destroys its gloo group, which can wait for a worker thread that waits for the
+    # interpreter lock, and the rank hangs at exit)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass(frozen=True)
@@ -453,7 +460,6 @@ def main() -> None:
     if args.reference_rank:
         case, name, size, optimizer, total, out, timeout_s = args.reference_rank
         reference_rank(case, name, size, optimizer, int(total), Path(out), float(timeout_s))
-        return
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:
