@@ -141,6 +141,7 @@ def run_within(work: Callable[[], T], limit_s: float, name: str, model: nn.Modul
         if not outcome.done.wait(UNWIND_S):
             restore()
             raise CaptureTimeout(_timeout_message(name, limit_s, where, stopped=False))
+        worker.join(UNWIND_S)  # (it has unwound: let the thread itself end, not just its work)
         if isinstance(outcome.error, _Stop):
             raise CaptureTimeout(_timeout_message(name, limit_s, where, stopped=True))
         # else it finished just as its time was up: its result stands
