@@ -432,6 +432,8 @@ class TestTimeLimit:
         err = capsys.readouterr().err
         assert code == 2 and err.startswith("error: capturing Spin did not finish within 1 s")
         assert "Traceback" not in err
+        for t in _capture_threads():  # stopped, it ends (in the whole suite its unwinding
+            t.join(30)                # has outlasted the capture's own 2 s wait for it)
         assert _capture_threads() == []
 
     def test_a_capture_in_time_gives_its_graph(self):
