@@ -108,8 +108,7 @@ class Weights:
         #: how many parameters have optimizer state (it is counted when it appears)
         self._with_state = 0
         self.buckets = GradBuckets(
-            [(i, self.value[i]) for i in reversed(self.owned)
-             if L.kind[i] == "param" and self.value[i].requires_grad],
+            [(i, self.value[i]) for i in reversed(self.trainable)],
             group if self.zero < 2 else None)
         self.scatter = ScatterBuckets(self.shards, [i for i in reversed(self.owned)
                                                     if i in self.shards.shard]
@@ -321,10 +320,8 @@ class Weights:
     @counting.setter
     def counting(self, on: bool) -> None:
         if on and not self._counting:
-            L = self.layout
-            self._made_hooks = [t.register_post_accumulate_grad_hook(self.grad_born)
-                                for i, t in self.value.items()
-                                if L.kind[i] == "param" and t.requires_grad]
+            self._made_hooks = [self.value[i].register_post_accumulate_grad_hook(self.grad_born)
+                                for i in (*self.trainable, *self.copies)]
         elif not on:
             for hook in self._made_hooks:
                 hook.remove()
