@@ -131,14 +131,12 @@ def run_within(work: Callable[[], T], limit_s: float, name: str, model: nn.Modul
     try:
         ended = _wait(outcome.done, limit_s)
     except BaseException:  # KeyboardInterrupt while waiting: stop the worker too
-        _stop(worker, outcome, KeyboardInterrupt)
-        if not outcome.done.wait(UNWIND_S):
+        if not _stop_and_wait(worker, outcome, KeyboardInterrupt):
             restore()
         raise
     if not ended:
         where = _user_frame(worker)
-        _stop(worker, outcome, _Stop)
-        if not outcome.done.wait(UNWIND_S):
+        if not _stop_and_wait(worker, outcome, _Stop):
             restore()
             raise CaptureTimeout(_timeout_message(name, limit_s, where, stopped=False))
         worker.join(UNWIND_S)  # (it has unwound: let the thread itself end, not just its work)
@@ -159,6 +157,38 @@ def _wait(done: threading.Event, limit_s: float) -> bool:
         if time.monotonic() >= end:
             return False
     return True
+
+
+def _stop_and_wait(worker: threading.Thread, outcome: _Outcome,
+                   exc_type: type[BaseException]) -> bool:
+    """Stop the worker with ``exc_type``; whether its work ended within ``UNWIND_S``.
+
+    An exception injected while the worker runs a finalizer (``__del__``, a weakref callback:
+    freeing tensors in a loop runs torch's) is dropped there: Python reports it to
+    ``sys.unraisablehook`` and the worker goes on. While stopping, that hook notes such a drop
+    (and passes the report on), and the exception is injected again."""
+    dropped = threading.Event()
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if unraisable.exc_type is exc_type and threading.get_ident() == worker.ident:
+            dropped.set()
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        end = time.monotonic() + UNWIND_S
+        _stop(worker, outcome, exc_type)
+        while not outcome.done.wait(min(WAIT_SLICE_S, max(0.0, end - time.monotonic()))):
+            if time.monotonic() >= end:
+                return False
+            if dropped.is_set():
+                dropped.clear()
+                _stop(worker, outcome, exc_type)
+        return True
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
 
 
 def _stop(worker: threading.Thread, outcome: _Outcome, exc_type: type[BaseException]) -> bool:

@@ -285,6 +285,26 @@ class Spin(nn.Module):
             x = x + 0
 
 
+class _SpinsWhenFreed:
+    def __del__(self) -> None:
+        while True:
+            pass
+
+
+class SpinsInAFinalizerFirst(nn.Module):
+    """A forward that loops for ever, first in a finalizer: Python drops an exception raised
+    there (torch's weakref callbacks, run as tensors are freed, are finalizers too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SpinsWhenFreed()
+        while True:
+            x = x + 0
+
+
 class Waits(nn.Module):
     """A forward blocked in ``queue.get()`` until the test puts something in the queue."""
 
@@ -339,6 +359,12 @@ class TestTimeLimit:
         assert "timeout_s=" in msg and deadline.TIMEOUT_ENV in msg  # how to raise the limit
         assert model.a.weight is weight and model.training
         assert _capture_threads() == []  # the looping forward was stopped, not left running
+
+    @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+    def test_a_stop_dropped_by_a_finalizer_is_made_again(self):
+        err = _capture_in_thread(SpinsInAFinalizerFirst(), timeout_s=1)
+        assert isinstance(err, CaptureTimeout) and "it was stopped" in str(err), err
+        assert _capture_threads() == []
 
     @pytest.mark.parametrize("fake", [False, True])
     def test_a_forward_blocked_in_a_call_ends_with_a_clear_error(self, fake):
