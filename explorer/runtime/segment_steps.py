@@ -266,6 +266,8 @@ class SegmentSteps:
             self.tracker.drop(g)
         self._hold_segment_partials(seg, u, whole_split, partial_slots)
         self._route_segment_grads(seg, u, slots)
+        release_slots(slots)
+        release_slots(partial_slots)
         for g in made:
             self.tracker.drop(g)
 
@@ -310,6 +312,14 @@ class SegmentSteps:
             if L.stage[p] != L.s:
                 self._readers_done(m, u, p, n)
 
+
+
+def release_slots(slots: list) -> None:
+    """Empty the gradient slots ``(input, part, slot)`` of entered tensors once their
+    gradients are handed on: the entry's autograd node keeps its slot as long as the entered
+    tensor lives (a received activation: the whole step), and with it the gradient."""
+    for _, _, slot in slots:
+        slot.clear()
 
 
 def _summed(slots: list, nflat: list[int]) -> dict[int, list]:

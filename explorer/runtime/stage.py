@@ -44,7 +44,7 @@ from explorer.runtime.layout import RankLayout
 from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
 from explorer.runtime.segment_compile import compile_segment
-from explorer.runtime.segment_steps import SegmentSteps
+from explorer.runtime.segment_steps import SegmentSteps, release_slots
 from explorer.runtime.segments import (
     Segment,
     SegmentCode,
@@ -54,7 +54,8 @@ from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
 class _Entry(torch.autograd.Function):
-    """Identity on a tensor entering an op; its gradient goes to ``slot`` (nothing is saved)."""
+    """Identity on a tensor entering an op; its gradient goes to ``slot`` (nothing is saved;
+    :func:`release_slots` empties it)."""
 
     @staticmethod
     def forward(ctx, anchor, x, slot):  # type: ignore[override]
@@ -500,6 +501,7 @@ class StageRunner(SegmentSteps):
             if slot:
                 lst = per_pred.setdefault(p, [None] * L.nflat[p])
                 lst[pos] = slot[0] if lst[pos] is None else lst[pos] + slot[0]
+        release_slots(slots)
         for p in L.preds[i]:
             if L.kind[p] == "param":
                 self.weights.used(p, (m, u))

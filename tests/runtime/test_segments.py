@@ -512,7 +512,9 @@ def test_segments_measure_peak_memory_as_predicted(path):
     values, and each gradient the backward makes inside a segment while it lives (the op path
     misses the gradient a weight's accumulation makes anew). So it measures at least what the
     op path does, and what the simulator predicts: the plan's largest peak within 1 %, each
-    rank's within 12 % (a rank holding only the MLP's head and loss: 1.5 KB of 15 KB)."""
+    rank's within 1 %. (The 1F1B rank holding only the MLP's head and loss sends the gradients
+    of its four micro-batches' inputs: each is gone once sent; a slot that the received
+    activation kept had held them all to the step's end, 11 % more.)"""
     graph, plan = tiny_builtin_graph("mlp"), _plan("mlp", path)
     seg = _run(graph, plan, "segments", ("mlp", path))
     ops = _run(graph, plan, "ops", ("mlp", path))
@@ -522,7 +524,7 @@ def test_segments_measure_peak_memory_as_predicted(path):
     largest = max(predicted.values())
     assert abs(max(seg.peak_bytes.values()) - largest) <= 0.01 * largest
     for d, peak in predicted.items():
-        assert abs(seg.peak_bytes[d] - peak) <= 0.12 * peak, (d, seg.peak_bytes[d], peak)
+        assert abs(seg.peak_bytes[d] - peak) <= 0.01 * peak, (d, seg.peak_bytes[d], peak)
         assert seg.peak_bytes[d] >= ops.peak_bytes[d], d
         assert seg.peak_by_category[d]["parameters"] == ops.peak_by_category[d]["parameters"]
 
