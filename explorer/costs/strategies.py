@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from explorer.core.graph import OpGraph, OpNode
+from explorer.core.plan import Plan
 
 #: an op is matmul-like (its output is kept by selective recomputation, made in half precision
 #: under autocast) when its name contains one of these
@@ -307,3 +308,12 @@ def recomputation(graph: OpGraph, mode: str | Sequence[str],
                     sources.add((root[p], last_b[(units[v], st[v])]))
     pairs = np.array(sorted(sources), dtype=np.int64).reshape(-1, 2)
     return Recomputation(dropped, first, (pairs[:, 0], pairs[:, 1]))
+
+
+def rerun_ops(graph: OpGraph, plan: Plan) -> list[bool]:
+    """[node] whether ``plan``'s recomputation runs the op again in a backward
+    (:func:`recomputation`, each node under its stage's mode). A unit with none keeps all it
+    saves (each value an op of another unit saves too): checkpointing it would only cost."""
+    stage = plan.assignment(graph)
+    modes = [plan.settings_of(s).recompute for s in stage]
+    return (recomputation(graph, modes, stage).first_use >= 0).tolist()

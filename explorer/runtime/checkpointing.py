@@ -31,12 +31,39 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
+    noop_context_fn,
 )
 
 from explorer.costs.strategies import op_is_matmul_like
 from explorer.runtime.accounting import MemTracker, storage_key
 
 RecomputeMode = Literal["full", "selective"]
+#: how a segment is checkpointed: "full" as ``checkpoint`` alone does it (every op runs again),
+#: "full-keeping-state" the same but an op that updates state (a batch norm's running
+#: statistics) is kept, "selective" keeps matmul-like ops' outputs too; the last two through
+#: a policy that sees every op (torch's selective checkpointing), which costs per op
+Checkpointing = Literal["full", "full-keeping-state", "selective"]
+
+#: argument names of ops that update what they are given (a normalization's running statistics)
+_STATE_ARGUMENTS = frozenset({"running_mean", "running_var"})
+
+
+def updates_state(target: Any) -> bool:
+    """Whether an op (an ATen op overload; other callables never) writes into an argument:
+    its schema says so, or it takes running statistics (``batch_norm``'s schema does not say
+    it updates them; the op it dispatches to does)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return schema.is_mutable or any(a.name in _STATE_ARGUMENTS for a in schema.arguments)
+
+
+def checkpointing(mode: RecomputeMode, targets: list[Any]) -> Checkpointing:
+    """How to checkpoint a segment of ops ``targets`` under ``mode`` (:data:`Checkpointing`):
+    "full" runs every op again unless one updates state, which must run once."""
+    if mode == "selective":
+        return "selective"
+    return "full-keeping-state" if any(updates_state(t) for t in targets) else "full"
 
 
 def policy(mode: RecomputeMode) -> Callable[..., CheckpointPolicy]:
@@ -103,12 +130,16 @@ def _counting_saves(held: Held) -> Iterator[None]:
         yield
 
 
-def recompute_contexts(mode: RecomputeMode, held: Held | None
+def recompute_contexts(how: Checkpointing, held: Held | None
                        ) -> Callable[[], tuple[Any, Any]]:
-    """The ``context_fn`` for ``torch.utils.checkpoint``: torch's selective checkpointing
-    under :func:`policy`; with ``held`` (a CPU rank's memory step), the kept outputs and the
-    second run's saved values are counted in it as well."""
-    keep = policy(mode)
+    """The ``context_fn`` for ``torch.utils.checkpoint``: none for "full", else torch's
+    selective checkpointing under :func:`policy`; with ``held`` (a CPU rank's memory step),
+    the kept outputs and the second run's saved values are counted in it as well."""
+    if how == "full":
+        if held is None:
+            return noop_context_fn
+        return lambda: (contextlib.nullcontext(), _counting_saves(held))
+    keep = policy("selective" if how == "selective" else "full")
     if held is None:
         return partial(create_selective_checkpoint_contexts, keep,
                        allow_cache_entry_mutation=True)

@@ -31,7 +31,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
-from explorer.costs.strategies import recompute_units, saved_across_units
+from explorer.costs.strategies import recompute_units, rerun_ops, saved_across_units
 from explorer.runtime.jobfiles import (
     Job,
     Runtime,
@@ -201,7 +201,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         record=False, timeout_s=JOB_TIMEOUT_S, device_map=kinds,
         requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=0,
         model=source, units=recompute_units(graph),
-        kept_outputs=saved_across_units(graph).tolist(),
+        kept_outputs=saved_across_units(graph).tolist(), reruns=rerun_ops(graph, plan),
         backward_scratch=[n.backward_scratch_bytes for n in graph.nodes], placements=placements,
         split_ops=split_ops, local_ops=local_ops, sequence_ops=sequence_ops,
         runtime=runtime, compile=compile)

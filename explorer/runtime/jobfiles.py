@@ -194,6 +194,10 @@ class Job:
     #: per node, whether recomputation keeps its output (an op of another unit saves it:
     #: :func:`explorer.costs.strategies.saved_across_units`); None: none is
     kept_outputs: list[bool] | None = None
+    #: per node, whether the plan's recomputation runs its op again in a backward
+    #: (:func:`explorer.costs.strategies.rerun_ops`): the segment runtime checkpoints only the
+    #: units that run an op again; None: every unit of a recomputing stage
+    reruns: list[bool] | None = None
     #: DTensor placement of each weight a tensor-parallel stage splits (others: replicated)
     placements: dict[str, str] = field(default_factory=dict)
     #: the ops tensor-parallel stages split (run on DTensors; the others on whole tensors)
@@ -271,8 +275,8 @@ def write_job(folder: Path, job: Job) -> None:
 #: and model), with what each defaults to when an older folder lacks it (required: no entry)
 _SETTINGS = ("steps", "warmup", "lr", "record", "timeout_s", "device_map", "requires_grad",
              "loss", "seed", "units", "kept_outputs", "placements", "split_ops", "local_ops",
-             "sequence_ops", "runtime", "compile", "backward_scratch")
-_DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None,
+             "sequence_ops", "runtime", "compile", "backward_scratch", "reruns")
+_DEFAULTS: dict[str, Any] = {"seed": 0, "units": None, "kept_outputs": None, "reruns": None,
                              "placements": {}, "split_ops": [], "local_ops": [],
                              "sequence_ops": [], "runtime": "ops", "compile": False,
                              "backward_scratch": None}
@@ -431,6 +435,8 @@ def job_problem(job: Job) -> str | None:
         ("units", lambda v: v is None or _list_of(str, n)(v),
          f"null or one unit name per node ({n})"),
         ("kept_outputs", lambda v: v is None or _list_of(bool, n)(v),
+         f"null or one true or false per node ({n})"),
+        ("reruns", lambda v: v is None or _list_of(bool, n)(v),
          f"null or one true or false per node ({n})"),
         ("placements", _text_map, "an object of weight names and placements (text)"),
         ("split_ops", _list_of(str), "a list of op names"),

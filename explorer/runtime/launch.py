@@ -27,7 +27,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
-from explorer.costs.strategies import recompute_units, saved_across_units
+from explorer.costs.strategies import recompute_units, rerun_ops, saved_across_units
 from explorer.platforms.net import free_port
 from explorer.runtime.folders import job_folder, space_errors
 from explorer.runtime.jobfiles import Job, Runtime, program_parts, write_job
@@ -173,6 +173,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
             timeout_s=timeout_s, device_map=dmap,
             requires_grad=[n.requires_grad for n in graph.nodes], loss=graph.loss, seed=seed,
             units=recompute_units(graph), kept_outputs=saved_across_units(graph).tolist(),
+            reruns=rerun_ops(graph, plan),
             backward_scratch=[n.backward_scratch_bytes for n in graph.nodes],
             placements=placements, split_ops=split_ops, local_ops=local_ops,
             sequence_ops=sequence_ops, runtime=runtime, compile=compile))

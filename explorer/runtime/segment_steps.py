@@ -24,7 +24,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from explorer.runtime.accounting import count_gradients_made
-from explorer.runtime.checkpointing import Held, recompute_contexts
+from explorer.runtime.checkpointing import (
+    Checkpointing,
+    Held,
+    checkpointing,
+    recompute_contexts,
+)
 from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
 from explorer.runtime.tensor_parallel import local
@@ -68,6 +73,8 @@ class SegmentSteps:
     _tensor_targets: list | None = None
     #: per segment code (by id), its arguments as every step has them (:meth:`_reads_of`)
     _code_reads: dict
+    #: per segment (its ops), how it is checkpointed (:meth:`_checkpoint_how`)
+    _checkpoint_kinds: dict
 
     def _start_segments(self) -> None:
         """A new step's segment runs: none yet."""
@@ -148,9 +155,10 @@ class SegmentSteps:
         # it again, on any device in any step)
         saving = (tracker.saving(self._stand_in) if self.memory_step
                   or self.weights.shards.ghost else contextlib.nullcontext())
+        how = self._checkpoint_how(seg) if self.checkpointed else None
         with saving, self._autocast():
-            outs = (self._checkpointed(code, args, (seg.forward_at, u))
-                    if self.checkpointed and seg.backward_nodes else code.forward(*args))
+            outs = (self._checkpointed(code, args, (seg.forward_at, u), how)
+                    if how is not None else code.forward(*args))
         if self.memory_step:  # (and the gradients its backward passes between its ops)
             count_gradients_made(tracker, tree_flatten(list(outs))[0], self.hooked,
                                  self._gradient_boundary)
@@ -193,12 +201,28 @@ class SegmentSteps:
             if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
                 self._release_output(m, u, o)
 
-    def _checkpointed(self, code: Any, args: list, run: tuple[int, int]) -> Any:
+    def _checkpoint_how(self, seg: Segment) -> Checkpointing | None:
+        """How segment ``seg`` is checkpointed (:func:`~explorer.runtime.checkpointing.
+        checkpointing`), None when it is not: it has no backward, or its unit runs no op
+        again (the job's ``reruns``: each value it saves is kept anyway)."""
+        nodes = seg.nodes
+        if nodes not in self._checkpoint_kinds:
+            reruns = self.job.reruns
+            L = self.layout
+            again = bool(seg.backward_nodes) and (reruns is None
+                                                  or any(reruns[i] for i in nodes))
+            self._checkpoint_kinds[nodes] = checkpointing(
+                self.recompute_mode, [L.targets[i] for i in nodes]) if again else None
+        return self._checkpoint_kinds[nodes]
+
+    def _checkpointed(self, code: Any, args: list, run: tuple[int, int],
+                      how: Checkpointing) -> Any:
         """Segment ``code``'s outputs on ``args`` under ``torch.utils.checkpoint``
-        (non-reentrant, :mod:`explorer.runtime.checkpointing`): its forward keeps its inputs
-        (and with "selective" its matmul-like ops' outputs); its backward runs the rest again
-        (the same seeds and precision) and back-propagates through that. ``run`` keys what
-        that holds, counted in a CPU rank's memory step until the segment's backward ends."""
+        (non-reentrant, :mod:`explorer.runtime.checkpointing`, as ``how`` says): its forward
+        keeps its inputs (and with "selective" its matmul-like ops' outputs); its backward
+        runs the rest again (the same seeds and precision) and back-propagates through that.
+        ``run`` keys what that holds, counted in a CPU rank's memory step until the segment's
+        backward ends."""
         spec: list = []
         # (buffers reach the code from outside checkpoint, as a module's buffers do: one a
         # kept op updates in place, a batch norm's step count, must not be saved as an input)
@@ -217,7 +241,7 @@ class SegmentSteps:
         held = self.recompute_held[run] = Held(self.tracker) if self.memory_step else None
         flat = checkpoint(forward, *[a for k, a in enumerate(args) if k not in buffers],
                           use_reentrant=False, preserve_rng_state=False,
-                          context_fn=recompute_contexts(self.recompute_mode, held))
+                          context_fn=recompute_contexts(how, held))
         return tree_unflatten(list(flat), spec[0])
 
     def _segment_backward(self, seg: Segment, u: int) -> None:

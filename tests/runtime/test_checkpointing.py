@@ -3,12 +3,20 @@ each mode keeps, buffers updated once, gradients as without it, and what a CPU r
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from explorer.runtime.accounting import MemTracker
-from explorer.runtime.checkpointing import Held, policy, recompute_contexts
+from explorer.runtime.checkpointing import (
+    Held,
+    checkpointing,
+    policy,
+    recompute_contexts,
+    updates_state,
+)
 
 aten = torch.ops.aten
 
@@ -35,7 +43,43 @@ def test_the_policy_keeps_what_the_mode_says(mode):
                                            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_full_segment_uses_a_policy_only_where_an_op_updates_state():
+    assert updates_state(aten.add_.Tensor) and updates_state(aten.batch_norm.default)
+    assert not updates_state(aten.mm.default) and not updates_state(operator.getitem)
+    assert checkpointing("full", [aten.mm.default, aten.relu.default, operator.getitem]) \
+        == "full"  # (checkpoint alone: no per-op policy to pay for)
+    assert checkpointing("full", [aten.batch_norm.default, aten.relu.default]) \
+        == "full-keeping-state"
+    assert checkpointing("selective", [aten.mm.default]) == "selective"
+
+
+@pytest.mark.parametrize("counting", [False, True])
+def test_full_recomputation_without_a_policy_gives_the_gradients(counting):
+    x, w1, w2, _ = _inputs()
+    (loss,) = _stateless(x, w1, w2)
+    loss.backward()
+    plain = [t.grad.clone() for t in (x, w1, w2)]
+    x, w1, w2, _ = _inputs()
+    tracker = MemTracker()
+    held = Held(tracker) if counting else None
+    (loss,) = checkpoint(_stateless, x, w1, w2, use_reentrant=False, preserve_rng_state=False,
+                         context_fn=recompute_contexts("full", held))
+    if counting:
+        assert tracker.live == 0  # (nothing kept but the inputs, which the rank counts)
+    loss.backward()
+    for got, want in zip((x.grad, w1.grad, w2.grad), plain, strict=True):
+        assert torch.equal(got, want)
+    if counting:
+        assert tracker.peak >= 8 * 32 * 4  # (the relu's input, saved by the second run)
+        held.release()
+        assert tracker.live == 0
+
+
+def _stateless(x, w1, w2):
+    return (aten.sum.default(aten.mm.default(aten.relu.default(aten.mm.default(x, w1)), w2)),)
+
+
+@pytest.mark.parametrize("mode", ["full-keeping-state", "selective"])
 @pytest.mark.parametrize("counting", [False, True])
 def test_recomputation_gives_the_gradients_and_updates_a_buffer_once(mode, counting):
     x, w1, w2, steps = _inputs()

@@ -18,6 +18,7 @@ from explorer.costs.strategies import (
     half_outputs,
     recomputation,
     recomputed_outputs,
+    rerun_ops,
     saved_across_units,
     shard_bytes,
     unit_of,
@@ -276,6 +277,23 @@ class TestRecompute:
             {"relu1": "mm2"}
         assert [(names[a], names[b]) for a, b in zip(*rec.sources, strict=True)] == \
             [("mm1", "mm1")]
+
+    def test_the_runtime_is_told_which_ops_run_again(self):
+        # what the segment runtime checkpoints: the units with an op that runs again, on the
+        # stages that recompute; a unit whose saved values another unit saves runs nothing
+        g = chain4()
+        names = [n.name for n in g.nodes]
+        assert rerun_ops(g, Plan.single(g, "d:0")) == [False] * len(g)
+        full = rerun_ops(g, Plan.single(g, "d:0").with_memory(recompute="full"))
+        assert [names[i] for i, again in enumerate(full) if again] == ["mm1", "relu1"]
+        selective = rerun_ops(g, Plan.single(g, "d:0").with_memory(recompute="selective"))
+        assert [names[i] for i, again in enumerate(selective) if again] == ["relu1"]
+        # one op per unit (an MLP of Linear and ReLU modules): each saved value is another
+        # unit's, so nothing runs again
+        per_op = OpGraph("per-op", [dataclasses.replace(n, module_path=f"layers.{k}")
+                                    for k, n in enumerate(g.nodes)], 8, "export", "loss")
+        assert not any(rerun_ops(per_op, Plan.single(per_op, "d:0").with_memory(
+            recompute="full")))
 
     def test_full_recomputation_runs_in_the_backward_that_unpacks(self):
         # Without recomputation the peak is relu2's backward: x 800, relu1 1600, relu2 1600,
