@@ -74,6 +74,17 @@ def grad_sources(i: int, s: int, stage: Sequence[int], succs: Sequence[Sequence[
     return sorted({stage[c] for c in succs[i] if requires_grad[c]} - {s})
 
 
+def rerunning_units(units: Sequence[str], reruns: Sequence[bool] | None) -> list[str]:
+    """Per node, its unit where recomputation runs an op of that unit again (``reruns``, the
+    job's; None: every unit), else "": the segments of a recomputing stage are cut where such
+    a unit starts or ends (its segment is checkpointed), not between units that run nothing
+    again."""
+    if reruns is None:
+        return list(units)
+    again = {u for u, r in zip(units, reruns, strict=True) if r}
+    return [u if u in again else "" for u in units]
+
+
 def group_segments(actions: Sequence[Action], s: int, stage: Sequence[int],
                    kind: Sequence[str], preds: Sequence[Sequence[int]],
                    requires_grad: Sequence[bool], loss: int | None = None,

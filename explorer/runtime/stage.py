@@ -45,7 +45,7 @@ from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
 from explorer.runtime.segment_compile import compile_segment
 from explorer.runtime.segment_steps import SegmentSteps, release_slots
-from explorer.runtime.segments import Segment, SegmentCode, group_segments
+from explorer.runtime.segments import Segment, SegmentCode, group_segments, rerunning_units
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
@@ -147,8 +147,9 @@ class StageRunner(SegmentSteps):
         if job.runtime == "segments":
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name),
-                                      job.units if self.weights.shards.ghost
-                                      or self.checkpointed else None)
+                                      job.units if self.weights.shards.ghost else
+                                      rerunning_units(job.units, job.reruns)
+                                      if self.checkpointed else None)
             self.segment_at = {seg.forward_at: seg for seg in segments}
             self.segment_at.update({seg.backward_at: seg for seg in segments
                                     if seg.backward_at is not None})

@@ -12,7 +12,7 @@ from torch import nn
 
 import explorer as ex
 from explorer.core.schedule import BWD, FWD, Action
-from explorer.costs.strategies import recompute_units
+from explorer.costs.strategies import recompute_units, rerun_ops
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime.jobfiles import (
     Job,
@@ -28,6 +28,7 @@ from explorer.runtime.segments import (
     choose_runtime,
     grad_sources,
     group_segments,
+    rerunning_units,
     segment_code,
 )
 from explorer.simulate.simulator import execution_order
@@ -191,6 +192,27 @@ def test_a_zero_3_stage_cuts_its_segments_where_the_unit_changes():
     for m, seg in enumerate(whole):
         assert sum((c.nodes for c in cut if c.micro_batch == m), ()) == seg.nodes
     _check_rules(graph, plan, 0, actions, cut)
+
+
+def test_a_recomputing_stage_cuts_only_around_units_that_run_an_op_again():
+    """Recomputing, a unit that runs an op again has segments of its own (each is
+    checkpointed); the units that run nothing again stay together: mlp's units (one module
+    each) run nothing again, so its one-device segments are the uncut ones."""
+    units = ["a", "a", "b", "b", "c"]
+    assert rerunning_units(units, [False, True, False, False, False]) == ["a", "a", "", "", ""]
+    assert rerunning_units(units, None) == units
+    for name, cut_more in (("mlp", False), ("gpt", True)):
+        graph = tiny_builtin_graph(name)
+        plan = ex.Plan.single(graph, "cpu:0")
+        preds, stage = _facts(graph, plan)
+        actions = execution_order(graph, plan)[0]
+        reruns = rerun_ops(graph, plan.with_memory(recompute="full"))
+        cut = group_segments(actions, 0, stage, [n.kind for n in graph.nodes], preds,
+                             [n.requires_grad for n in graph.nodes],
+                             [n.name for n in graph.nodes].index(graph.loss),
+                             rerunning_units(recompute_units(graph), reruns))
+        assert (len(cut) > 1) == cut_more == any(reruns), name
+        _check_rules(graph, plan, 0, actions, cut)
 
 
 def _check_rules(graph, plan, s, actions, segs):
