@@ -1,5 +1,5 @@
-"""Recomputation of a segment: ``torch.utils.checkpoint`` (non-reentrant) around a unit's
-segment, with a policy from ``create_selective_checkpoint_contexts``, and what it holds
+"""Recomputation in a segment: ``torch.utils.checkpoint`` (non-reentrant) around each run of a
+unit's ops, with a policy from ``create_selective_checkpoint_contexts``, and what it holds
 counted on a CPU rank.
 
 The rule is the simulator's and the op path's (:mod:`explorer.runtime.recompute`): a unit keeps

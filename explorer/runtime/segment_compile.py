@@ -3,14 +3,15 @@
 :func:`explorer.runtime.segments.segment_code` makes).
 
 The segment's ops are cut into pieces before each random op's reseed
-(:func:`explorer.runtime.segments.reseed`); each piece becomes a module of its own, compiled on
-its first call, and the segment's module calls the pieces in turn with the reseeds between
-them, outside the compiler. Dynamo cannot trace ``Generator.manual_seed`` (it breaks the graph
-there) and guards on a seed passed in as a number, compiling again for the next seed; kept
-out, the seeds never reach it. The random op, first of its piece, draws from the generator as
-the ATen op does (inductor's ``fallback_random``: the op itself, not inductor's own random
-numbers), so a compiled run draws the masks the op path and the eager segments draw, and a
-seeded run repeats.
+(:func:`explorer.runtime.segments.reseed`) and around each checkpointed run of a recomputing
+stage (:class:`explorer.runtime.segments.CheckpointedRun`); each piece becomes a module of its
+own, compiled on its first call, and the segment's module calls the pieces in turn with the
+reseeds between them, outside the compiler. Dynamo cannot trace ``Generator.manual_seed`` (it
+breaks the graph there) and guards on a seed passed in as a number, compiling again for the
+next seed; kept out, the seeds never reach it. The random op, first of its piece, draws from
+the generator as the ATen op does (inductor's ``fallback_random``: the op itself, not
+inductor's own random numbers), so a compiled run draws the masks the op path and the eager
+segments draw, and a seeded run repeats.
 
 Memory accounting on CPU ranks (:meth:`explorer.runtime.accounting.MemTracker.saving`) works
 as for eager segments: the saved-tensor hooks around a segment's forward see what each
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from explorer.runtime.segments import SegmentCode, reseed
+from explorer.runtime.segments import CheckpointedRun, SegmentCode, piece_module, reseed
 
 #: what ``torch.compile`` is told for every piece: random ops call the ATen op (on the
 #: generator the segment reseeds) instead of inductor's own random numbers
@@ -41,6 +42,16 @@ COMPILE_OPTIONS: dict[str, Any] = {"fallback_random": True}
 def compile_segment(code: SegmentCode) -> SegmentCode:
     """``code`` with its ops run through ``torch.compile`` in pieces cut at each reseed (the
     same inputs, outputs and calling convention; each piece compiles on its first call)."""
+    module = _compiled(code.module)
+    return dataclasses.replace(code, module=module, forward=module.forward)
+
+
+def _compiled(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module``'s calls in compiled pieces cut at each reseed and each checkpointed run
+    (:class:`~explorer.runtime.segments.CheckpointedRun`, which stays under
+    ``torch.utils.checkpoint``, outside the compiler: its body is compiled the same way where
+    it is checkpointed without a policy, "full", and runs eager where a policy chooses what
+    to keep)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     root = torch.nn.Module()
@@ -50,33 +61,26 @@ def compile_segment(code: SegmentCode) -> SegmentCode:
         if not piece:
             return
         name = f"piece_{len(root._modules)}"
-        reads, outs, module = _piece_module(piece)
-        root.add_module(name, torch.compile(module, options=COMPILE_OPTIONS))
+        reads, outs, part = piece_module(piece)
+        root.add_module(name, torch.compile(part, options=COMPILE_OPTIONS))
         made = graph.call_module(name, tuple(env[r] for r in reads))
         for k, o in enumerate(outs):
             env[o] = graph.call_function(operator.getitem, (made, k))
         piece.clear()
 
-    for node in code.module.graph.nodes:
-        if node.op == "call_function" and node.target is not reseed:
+    regions = {n for n in module.graph.nodes if n.op == "call_module"}
+    for node in module.graph.nodes:
+        if (node.op == "call_function" and node.target is not reseed
+                and not (node.target is operator.getitem and node.args[0] in regions)):
             piece.append(node)
             continue
         flush()
+        if node.op == "call_module":  # (a policy's run stays eager: torch's selective
+            # checkpointing sees the ATen ops a compiled body no longer calls, and a
+            # compiled body under it back-propagates NaN)
+            run = module.get_submodule(node.target)
+            body = _compiled(run.body) if run.how == "full" else run.body
+            root.add_module(node.target, CheckpointedRun(body, run.how, run.buffers,
+                                                         run._run))
         env[node] = graph.node_copy(node, env.__getitem__)
-    module = torch.fx.GraphModule(root, graph, class_name="CompiledSegment")
-    return dataclasses.replace(code, module=module, forward=module.forward)
-
-
-def _piece_module(nodes: list[torch.fx.Node]
-                  ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], torch.fx.GraphModule]:
-    """The values a run of ops reads from outside it (in order of first use), those of its
-    ops read outside it, and a module computing the latter from the former."""
-    inside = set(nodes)
-    reads = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-    outs = [n for n in nodes if any(u not in inside for u in n.users)]
-    graph = torch.fx.Graph()
-    env = {r: graph.placeholder(r.name) for r in reads}
-    for n in nodes:
-        env[n] = graph.node_copy(n, env.__getitem__)
-    graph.output(tuple(env[o] for o in outs))
-    return reads, outs, torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Piece")
+    return torch.fx.GraphModule(root, graph, class_name="CompiledSegment")

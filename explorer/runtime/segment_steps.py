@@ -20,18 +20,21 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from explorer.runtime.accounting import count_gradients_made
-from explorer.runtime.checkpointing import (
-    Checkpointing,
-    Held,
-    checkpointing,
-    recompute_contexts,
-)
+from explorer.runtime.checkpointing import Held, checkpointing, recompute_contexts
 from explorer.runtime.comm import ACTIVATION, GRADIENT
-from explorer.runtime.segments import Segment, SegmentCode, grad_sources, segment_code
+from explorer.runtime.segments import (
+    CheckpointedRun,
+    CheckpointRegions,
+    Segment,
+    SegmentCode,
+    grad_sources,
+    rerunning_units,
+    segment_code,
+)
 from explorer.runtime.tensor_parallel import local
 
 
@@ -58,11 +61,12 @@ class SegmentSteps:
     shard_dims: dict
     _draw: Any  # (micro-batch, shard, node) -> the seed the op path draws from
     _stand_in: Any  # what autograd keeps of a gathered weight (ZeRO 3), or None
-    checkpointed: bool  # the stage recomputes its segments in their backward
-    recompute_mode: str  # "full" or "selective" where checkpointed
-    #: per segment run (its first action's position, shard), what its recomputation holds
+    checkpointed: bool  # the stage recomputes its segments' units in their backward
+    recompute_mode: Any  # "full" or "selective" where checkpointed
+    #: per segment run (its first action's position, shard), what its checkpointed runs hold
     #: counted in a CPU rank's memory step until its backward ends
-    recompute_held: dict[tuple[int, int], Held]
+    recompute_held: dict[tuple[int, int], list[Held]]
+    _segment_run: tuple[int, int]  # the segment run whose forward runs now
     #: per parameter, the uses of the segment whose backward runs now not yet done
     param_uses: dict[int, int]
     memory_step: bool  # (a CPU rank's step that counts what autograd holds)
@@ -73,8 +77,6 @@ class SegmentSteps:
     _tensor_targets: list | None = None
     #: per segment code (by id), its arguments as every step has them (:meth:`_reads_of`)
     _code_reads: dict
-    #: per segment (its ops), how it is checkpointed (:meth:`_checkpoint_how`)
-    _checkpoint_kinds: dict
 
     def _start_segments(self) -> None:
         """A new step's segment runs: none yet."""
@@ -89,8 +91,9 @@ class SegmentSteps:
         """Segment ``seg``'s code; on a tensor-parallel stage each op called through the
         mesh, and split ops reading whole values apart (:func:`segment_code`)."""
         L = self.layout
+        regions = self._checkpoint_regions() if self.checkpointed else None
         if self.mesh is None:
-            return segment_code(seg, L.calls, L.targets, L.random)
+            return segment_code(seg, L.calls, L.targets, L.random, regions=regions)
         if self._tensor_targets is None:
             self._tensor_targets = [
                 self.mesh.op(t, f"tensor_{L.calls[i].target.replace('.', '_')}",
@@ -99,7 +102,20 @@ class SegmentSteps:
                 if L.kind[i] == "op" and L.stage[i] == L.s else t
                 for i, t in enumerate(L.targets)]
         return segment_code(seg, L.calls, self._tensor_targets, L.random, self._split_read,
-                            self.mesh.partial_entry)
+                            self.mesh.partial_entry, regions)
+
+    def _checkpoint_regions(self) -> CheckpointRegions:
+        """What a recomputing stage's segments checkpoint: each run of consecutive ops of a
+        unit that runs an op again (the job's ``reruns``, the simulator's rule; a unit that
+        runs none keeps each value it saves anyway), as
+        :func:`~explorer.runtime.checkpointing.checkpointing` says for its ops."""
+        L = self.layout
+        return CheckpointRegions(
+            units=rerunning_units(self.job.units, self.job.reruns),
+            buffer=[k == "buffer" for k in L.kind],
+            how=lambda nodes: checkpointing(self.recompute_mode,
+                                            [L.targets[i] for i in nodes]),
+            run=self._run_checkpointed)
 
     def _reads_of(self, code: SegmentCode) -> tuple[list, list[tuple[int, int, bool]]]:
         """``code``'s arguments as every step has them: a list with each weight's tensor in
@@ -155,10 +171,9 @@ class SegmentSteps:
         # it again, on any device in any step)
         saving = (tracker.saving(self._stand_in) if self.memory_step
                   or self.weights.shards.ghost else contextlib.nullcontext())
-        how = self._checkpoint_how(seg) if self.checkpointed else None
+        self._segment_run = (seg.forward_at, u)
         with saving, self._autocast():
-            outs = (self._checkpointed(code, args, (seg.forward_at, u), how)
-                    if how is not None else code.forward(*args))
+            outs = code.forward(*args)
         if self.memory_step:  # (and the gradients its backward passes between its ops)
             count_gradients_made(tracker, tree_flatten(list(outs))[0], self.hooked,
                                  self._gradient_boundary)
@@ -201,48 +216,30 @@ class SegmentSteps:
             if self.fwd_left[(m, u, o)] == 0 and L.names[o] != L.loss_name:
                 self._release_output(m, u, o)
 
-    def _checkpoint_how(self, seg: Segment) -> Checkpointing | None:
-        """How segment ``seg`` is checkpointed (:func:`~explorer.runtime.checkpointing.
-        checkpointing`), None when it is not: it has no backward, or its unit runs no op
-        again (the job's ``reruns``: each value it saves is kept anyway)."""
-        nodes = seg.nodes
-        if nodes not in self._checkpoint_kinds:
-            reruns = self.job.reruns
-            L = self.layout
-            again = bool(seg.backward_nodes) and (reruns is None
-                                                  or any(reruns[i] for i in nodes))
-            self._checkpoint_kinds[nodes] = checkpointing(
-                self.recompute_mode, [L.targets[i] for i in nodes]) if again else None
-        return self._checkpoint_kinds[nodes]
-
-    def _checkpointed(self, code: Any, args: list, run: tuple[int, int],
-                      how: Checkpointing) -> Any:
-        """Segment ``code``'s outputs on ``args`` under ``torch.utils.checkpoint``
-        (non-reentrant, :mod:`explorer.runtime.checkpointing`, as ``how`` says): its forward
-        keeps its inputs (and with "selective" its matmul-like ops' outputs); its backward
-        runs the rest again (the same seeds and precision) and back-propagates through that.
-        ``run`` keys what that holds, counted in a CPU rank's memory step until the segment's
-        backward ends."""
-        spec: list = []
-        # (buffers reach the code from outside checkpoint, as a module's buffers do: one a
+    def _run_checkpointed(self, run: CheckpointedRun, reads: tuple) -> Any:
+        """A checkpointed run of a segment's ops on ``reads`` under ``torch.utils.checkpoint``
+        (non-reentrant, :mod:`explorer.runtime.checkpointing`, as ``run.how`` says): its
+        forward keeps its inputs (and with "selective" its matmul-like ops' outputs); the
+        segment's backward runs the rest again (the same seeds and precision) and
+        back-propagates through that. What that holds is counted in a CPU rank's memory step
+        until the segment's backward ends."""
+        # (buffers reach the body from outside checkpoint, as a module's buffers do: one a
         # kept op updates in place, a batch norm's step count, must not be saved as an input)
-        L = self.layout
-        buffers = {k: a for k, ((p, _), a) in enumerate(zip(code.reads, args, strict=False))
-                   if L.kind[p] == "buffer"}
+        buffers = {k: a for k, a in enumerate(reads) if run.buffers[k]}
 
-        def forward(*inputs: Any) -> tuple:
+        def forward(*inputs: Any) -> Any:
             given = iter(inputs)
-            every = [buffers[k] if k in buffers else next(given) for k in range(len(args))]
-            with self._autocast():
-                flat, tree = tree_flatten(code.forward(*every))
-            spec[:] = [tree]
-            return tuple(flat)
+            every = [buffers[k] if k in buffers else next(given) for k in range(len(reads))]
+            with self._autocast():  # (the generated code itself: checkpoint's early stop
+                # raises through it, which a module call would report at a cost)
+                return run.body.forward(*every)
 
-        held = self.recompute_held[run] = Held(self.tracker) if self.memory_step else None
-        flat = checkpoint(forward, *[a for k, a in enumerate(args) if k not in buffers],
+        held = Held(self.tracker) if self.memory_step else None
+        if held is not None:
+            self.recompute_held.setdefault(self._segment_run, []).append(held)
+        return checkpoint(forward, *[a for k, a in enumerate(reads) if k not in buffers],
                           use_reentrant=False, preserve_rng_state=False,
-                          context_fn=recompute_contexts(how, held))
-        return tree_unflatten(list(flat), spec[0])
+                          context_fn=recompute_contexts(run.how, held))
 
     def _segment_backward(self, seg: Segment, u: int) -> None:
         """Run segment ``seg``'s backward on shard ``u``: its outputs' gradients (from later
@@ -278,8 +275,7 @@ class SegmentSteps:
         # gradient passed between the segment's ops from when it is made until it is freed)
         if pairs:
             torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
-        held_now = self.recompute_held.pop((seg.forward_at, u), None)
-        if held_now is not None:
+        for held_now in self.recompute_held.pop((seg.forward_at, u), ()):
             held_now.release()
         whole_split, partial_slots = self.segment_partial_slots.pop((seg.forward_at, u),
                                                                     ((), []))

@@ -25,6 +25,7 @@ draw the same masks.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ import torch.fx
 
 from explorer.core.errors import ExplorerError
 from explorer.core.schedule import BWD, FWD, Action
+from explorer.runtime.checkpointing import Checkpointing
 from explorer.runtime.jobfiles import RUNTIMES, OpCall, Ref, Runtime, map_leaves
 
 
@@ -220,7 +222,8 @@ class SegmentCode:
 def segment_code(segment: Segment, calls: Sequence[OpCall], targets: Sequence[Any],
                  random: Sequence[bool],
                  split_reads: Callable[[int, int], bool] | None = None,
-                 partial: Callable[[Any], Any] | None = None) -> SegmentCode:
+                 partial: Callable[[Any], Any] | None = None,
+                 regions: CheckpointRegions | None = None) -> SegmentCode:
     """The ``torch.fx`` module that runs ``segment``'s ops: one placeholder per input (then
     the generator and a seed per random op), each op called as the op path calls it (same
     target, same arguments), a reseed before each random op, its outputs as a tuple.
@@ -250,6 +253,7 @@ def segment_code(segment: Segment, calls: Sequence[OpCall], targets: Sequence[An
             value[(calls[p].name, split)] = graph.placeholder(name)
             reads.append((p, split))
     drawn = tuple(i for i in segment.nodes if random[i])
+    owner: dict[torch.fx.Node, int] = {}  # each call -> the op it runs (or seeds, or enters)
     generator = graph.placeholder("generator") if drawn else None
     seeds = {i: graph.placeholder(f"seed_{i}") for i in drawn}
 
@@ -263,16 +267,129 @@ def segment_code(segment: Segment, calls: Sequence[OpCall], targets: Sequence[An
             return value[key] if key in value else value[(v.name, not key[1])]
 
         if i in seeds:
-            graph.call_function(reseed, (generator, seeds[i]))
+            owner[graph.call_function(reseed, (generator, seeds[i]))] = i
         out = graph.call_function(
             targets[i], map_leaves(call.args, node_of), map_leaves(call.kwargs, node_of))
+        owner[out] = i
         value[(call.name, False)] = out
         if partial is not None and any(is_split(c, i) for c in readers.get(i, ())):
             value[(call.name, True)] = graph.call_function(partial, (out,))
+            owner[value[(call.name, True)]] = i
     graph.output(tuple(value[(calls[o].name, False)] for o in segment.outputs))
     module = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Segment")
+    if regions is not None:
+        module = _checkpointed_runs(module, segment, regions, owner,
+                                    [p for p, _ in reads])
     return SegmentCode(module=module, random=drawn, forward=module.forward,
                        reads=tuple(reads))
+
+
+@dataclass(frozen=True)
+class CheckpointRegions:
+    """Which of a recomputing stage's ops a segment checkpoints, and how
+    (:func:`segment_code`)."""
+
+    #: per node, the unit whose ops run again in a backward
+    #: (:func:`rerunning_units`), "" for an op that is not checkpointed
+    units: Sequence[str]
+    #: per node, whether it is a buffer (read from outside checkpoint, as a module reads its
+    #: buffers: a batch norm's step count, which a kept op updates in place, is no input)
+    buffer: Sequence[bool]
+    #: how a run of ops (their nodes) is checkpointed
+    #: (:func:`~explorer.runtime.checkpointing.checkpointing`)
+    how: Callable[[list[int]], Checkpointing]
+    #: what runs a :class:`CheckpointedRun` (``torch.utils.checkpoint`` around its body, the
+    #: rank's precision and memory counting with it)
+    run: Callable[[CheckpointedRun, tuple], Any]
+
+
+class CheckpointedRun(torch.nn.Module):
+    """Consecutive ops of a segment of one unit that runs ops again, called as one function
+    under ``torch.utils.checkpoint`` from the segment's code, as a user checkpoints a block
+    inside the model's forward: the segment keeps one autograd backward."""
+
+    def __init__(self, body: torch.fx.GraphModule, how: Checkpointing,
+                 buffers: tuple[bool, ...], run: Callable[[CheckpointedRun, tuple], Any]
+                 ) -> None:
+        super().__init__()
+        self.body = body
+        self.how = how
+        #: per argument of ``body``, whether it is a buffer
+        self.buffers = buffers
+        self._run = run
+
+    def forward(self, *reads: Any) -> Any:
+        return self._run(self, reads)
+
+
+def _checkpointed_runs(module: torch.fx.GraphModule, segment: Segment,
+                       regions: CheckpointRegions, owner: dict[torch.fx.Node, int],
+                       placeholder_nodes: list[int]) -> torch.fx.GraphModule:
+    """``module`` (a segment's code) with each maximal run of consecutive ops of one unit of
+    ``regions`` that has a backward (with the calls ``owner`` says are of its ops: reseeds
+    before its random ops, partial-sum entries after them) moved into a
+    :class:`CheckpointedRun`; the rest as it was. ``placeholder_nodes``: the node each
+    placeholder before the generator reads."""
+    backward = set(segment.backward_nodes)
+    runs: list[list[int]] = []
+    before = ""  # the unit of the op before
+    for i in segment.nodes:
+        unit = regions.units[i]
+        if unit and unit == before:
+            runs[-1].append(i)
+        elif unit:
+            runs.append([i])
+        before = unit
+    run_of = {i: k for k, r in enumerate(runs) if backward.intersection(r) for i in r}
+    if not run_of:
+        return module
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    buffer_of = {ph: k < len(placeholder_nodes) and regions.buffer[placeholder_nodes[k]]
+                 for k, ph in enumerate(placeholders)}
+    graph = torch.fx.Graph()
+    root = torch.nn.Module()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    piece: list[torch.fx.Node] = []
+
+    def flush() -> None:
+        if not piece:
+            return
+        reads, outs, body = piece_module(piece)
+        name = f"checkpointed_{len(root._modules)}"
+        how = regions.how(runs[run_of[owner[piece[-1]]]])
+        root.add_module(name, CheckpointedRun(
+            body, how, tuple(buffer_of.get(r, False) for r in reads), regions.run))
+        made = graph.call_module(name, tuple(env[r] for r in reads))
+        for k, o in enumerate(outs):
+            env[o] = graph.call_function(operator.getitem, (made, k))
+        piece.clear()
+
+    for node in module.graph.nodes:
+        k = run_of.get(owner.get(node, -1))
+        if k is not None and (not piece or run_of[owner[piece[-1]]] == k):
+            piece.append(node)
+            continue
+        flush()
+        if k is not None:
+            piece.append(node)
+            continue
+        env[node] = graph.node_copy(node, env.__getitem__)
+    return torch.fx.GraphModule(root, graph, class_name="Segment")
+
+
+def piece_module(nodes: list[torch.fx.Node]
+                 ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], torch.fx.GraphModule]:
+    """The values a run of fx calls reads from outside it (in order of first use), those of
+    its calls read outside it, and a module computing the latter (a tuple) from the former."""
+    inside = set(nodes)
+    reads = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    outs = [n for n in nodes if any(u not in inside for u in n.users)]
+    graph = torch.fx.Graph()
+    env = {r: graph.placeholder(r.name) for r in reads}
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[o] for o in outs))
+    return reads, outs, torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Piece")
 
 
 def _identifier(name: str) -> str:

@@ -45,7 +45,7 @@ from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
 from explorer.runtime.segment_compile import compile_segment
 from explorer.runtime.segment_steps import SegmentSteps, release_slots
-from explorer.runtime.segments import Segment, SegmentCode, group_segments, rerunning_units
+from explorer.runtime.segments import Segment, SegmentCode, group_segments
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
 
@@ -122,7 +122,7 @@ class StageRunner(SegmentSteps):
         settings = L.plan.settings_of(L.s)
         self.autocast_dtype = AUTOCAST_DTYPES.get(settings.precision)
         self.recompute: Recomputer | None = None
-        #: the segments recompute: a unit's segment is checkpointed (if it runs an op again)
+        #: the segments recompute: a run of a unit's ops is checkpointed (if it runs an op again)
         self.checkpointed = settings.recompute != "none" and job.runtime == "segments"
         self.recompute_mode = settings.recompute
         self.recompute_held: dict[tuple[int, int], Any] = {}
@@ -143,13 +143,11 @@ class StageRunner(SegmentSteps):
         #: other actions of its ops are skipped), and each segment's code by its ops
         self.segment_at: dict[int, Segment] | None = None
         self.codes: dict[tuple[int, ...], SegmentCode] = {}
-        self._code_reads, self._checkpoint_kinds = {}, {}
+        self._code_reads = {}
         if job.runtime == "segments":
             segments = group_segments(self.actions, L.s, L.stage, L.kind, L.preds,
                                       L.requires_grad, L.names.index(L.loss_name),
-                                      job.units if self.weights.shards.ghost else
-                                      rerunning_units(job.units, job.reruns)
-                                      if self.checkpointed else None)
+                                      job.units if self.weights.shards.ghost else None)
             self.segment_at = {seg.forward_at: seg for seg in segments}
             self.segment_at.update({seg.backward_at: seg for seg in segments
                                     if seg.backward_at is not None})

@@ -194,10 +194,13 @@ _RUNS: dict = {}
 
 
 def _plan(graph, path: str) -> ex.Plan:
-    """One device; two pipeline stages over two micro-batches (GPipe); two data-parallel
-    replicas."""
+    """One device (also recomputing, "single-full" or "single-selective": its blocks
+    checkpointed inside the compiled segment); two pipeline stages over two micro-batches
+    (GPipe); two data-parallel replicas."""
     if path == "single":
         return ex.Plan.single(graph, "cpu:0")
+    if path.startswith("single-"):  # (recomputing)
+        return ex.Plan.single(graph, "cpu:0").with_memory(recompute=path.split("-")[1])
     cluster = ex.Cluster.cpu(2, measure=False)
     costs = roofline_costs(graph, cluster)
     if path == "gpipe":
@@ -220,7 +223,8 @@ def _run(graph, plan, key, compile: bool = True, runtime: str = "segments",
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,path", [("mlp", "single"), ("mlp", "gpipe"),
-                                       ("mlp", "data-parallel"), ("gpt", "single")])
+                                       ("mlp", "data-parallel"), ("gpt", "single"),
+                                       ("gpt", "single-full"), ("gpt", "single-selective")])
 def test_compiled_segments_train_like_one_device(name, path):
     """One CPU rank, two pipeline stages and two data-parallel replicas: the compiled
     segments' losses and first gradients are one device's in eager PyTorch, within the

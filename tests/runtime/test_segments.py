@@ -9,11 +9,13 @@ import pytest
 import torch
 from builders import tiny_builtin_graph
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import explorer as ex
 from explorer.core.schedule import BWD, FWD, Action
 from explorer.costs.strategies import recompute_units, rerun_ops
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime.checkpointing import checkpointing
 from explorer.runtime.jobfiles import (
     Job,
     fill_refs,
@@ -25,6 +27,8 @@ from explorer.runtime.jobfiles import (
 )
 from explorer.runtime.launch import reference
 from explorer.runtime.segments import (
+    CheckpointedRun,
+    CheckpointRegions,
     choose_runtime,
     grad_sources,
     group_segments,
@@ -194,25 +198,62 @@ def test_a_zero_3_stage_cuts_its_segments_where_the_unit_changes():
     _check_rules(graph, plan, 0, actions, cut)
 
 
-def test_a_recomputing_stage_cuts_only_around_units_that_run_an_op_again():
-    """Recomputing, a unit that runs an op again has segments of its own (each is
-    checkpointed); the units that run nothing again stay together: mlp's units (one module
-    each) run nothing again, so its one-device segments are the uncut ones."""
+def test_rerunning_units_name_only_the_units_that_run_an_op_again():
     units = ["a", "a", "b", "b", "c"]
     assert rerunning_units(units, [False, True, False, False, False]) == ["a", "a", "", "", ""]
     assert rerunning_units(units, None) == units
-    for name, cut_more in (("mlp", False), ("gpt", True)):
-        graph = tiny_builtin_graph(name)
-        plan = ex.Plan.single(graph, "cpu:0")
-        preds, stage = _facts(graph, plan)
-        actions = execution_order(graph, plan)[0]
-        reruns = rerun_ops(graph, plan.with_memory(recompute="full"))
-        cut = group_segments(actions, 0, stage, [n.kind for n in graph.nodes], preds,
-                             [n.requires_grad for n in graph.nodes],
-                             [n.name for n in graph.nodes].index(graph.loss),
-                             rerunning_units(recompute_units(graph), reruns))
-        assert (len(cut) > 1) == cut_more == any(reruns), name
-        _check_rules(graph, plan, 0, actions, cut)
+
+
+@pytest.mark.parametrize("name,mode", [("gpt", "full"), ("gpt", "selective"), ("mlp", "full")])
+def test_a_recomputing_segment_checkpoints_each_run_of_a_rerunning_unit_inside_it(name, mode):
+    """Recomputing, the single-device segment stays one (one autograd backward), its code
+    calling each maximal run of consecutive ops of a unit that runs an op again under
+    checkpoint, as a user checkpoints a block inside the forward: gpt's blocks are such runs,
+    mlp's units (one module each) run nothing again, so its code checkpoints nothing. The
+    values and gradients are those of the code without checkpointing."""
+    graph = tiny_builtin_graph(name)
+    plan = ex.Plan.single(graph, "cpu:0")
+    (seg,) = _real_segments(graph, plan, 0, execution_order(graph, plan)[0])
+    rt = graph.runtime
+    calls, state = program_parts(rt.program, len(rt.inputs))
+    targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
+    reruns = rerun_ops(graph, plan.with_memory(recompute=mode))
+    units = rerunning_units(recompute_units(graph), reruns)
+    called: list = []
+
+    def run(region, reads):
+        called.append(region)
+        return checkpoint(region.body.forward, *reads, use_reentrant=False)
+
+    regions = CheckpointRegions(units=units, buffer=[c.kind == "buffer" for c in calls],
+                                how=lambda nodes: checkpointing(mode, [targets[i] for i in nodes]),
+                                run=run)
+    plain = segment_code(seg, calls, targets, [False] * len(calls))
+    code = segment_code(seg, calls, targets, [False] * len(calls), regions=regions)
+    runs = [m for m in code.module.modules() if isinstance(m, CheckpointedRun)]
+    expected: list[list[int]] = []  # the maximal runs of consecutive ops of one unit
+    for k, i in enumerate(seg.nodes):
+        if units[i] and k and units[seg.nodes[k - 1]] == units[i]:
+            expected[-1].append(i)
+        elif units[i]:
+            expected.append([i])
+    assert len(runs) == len(expected) == (name == "gpt") * len({units[i] for i in seg.nodes
+                                                                 if units[i]})
+    assert [sum(n.op == "call_function" for n in r.body.graph.nodes) for r in runs] == \
+        [len(run) for run in expected]
+    batch = {**{f"input_{k}": t for k, t in enumerate(rt.inputs)},
+             **{f"target_{k}": t for k, t in enumerate(rt.targets)}}
+    grads = []
+    for c in (plain, code):
+        args = [state[calls[p].name].detach().clone().requires_grad_(calls[p].kind == "param")
+                if calls[p].kind in ("param", "buffer") else batch[calls[p].name]
+                for p in seg.inputs]
+        (loss,) = c.forward(*args)
+        loss.backward()
+        grads.append([a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad])
+    assert len(called) == len(runs)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(got, want)
 
 
 def _check_rules(graph, plan, s, actions, segs):
