@@ -38,6 +38,12 @@ PROFILED_RUNTIMES: tuple[ProfiledRuntime, ...] = ("ops", "segments")
 #: optimizer steps, and per step of a tensor-parallel stage
 DTENSOR_KEYS = ("op_fwd_s", "op_bwd_s", "collective_s", "read_fwd_s", "read_bwd_s",
                 "optimizer_tensor_s", "step_s")
+#: what ``torch.utils.checkpoint`` adds to a recomputing stage beyond the ops it runs again
+#: (``DeviceCosts.checkpoint``, seconds): per checkpointed span of ops and micro-batch, in its
+#: forward and in its backward (the call, its saved-tensor hooks, the recomputation's
+#: set-up), and per op of a span under a policy (torch's selective checkpointing), in the
+#: forward and in the recomputation
+CHECKPOINT_KEYS = ("span_fwd_s", "span_bwd_s", "policy_op_fwd_s", "policy_op_bwd_s")
 
 
 @dataclass
@@ -83,6 +89,9 @@ class DeviceCosts:
     #: where not measured (then :func:`~explorer.costs.strategies.precision_time_factors`'
     #: rule prices that precision)
     precision_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: what checkpointing adds to a recomputing stage (:data:`CHECKPOINT_KEYS`), measured by
+    #: a host probe on CPU ranks; empty where not measured (then nothing is added)
+    checkpoint: dict[str, float] = field(default_factory=dict)
     #: processor seconds each of ZeRO's collectives costs a rank of this type beyond the
     #: link's time (issuing it, a communication thread taking the rank's core, waking the
     #: rank that waits for it), measured by a host probe on CPU ranks; 0 where not measured

@@ -317,3 +317,76 @@ def rerun_ops(graph: OpGraph, plan: Plan) -> list[bool]:
     stage = plan.assignment(graph)
     modes = [plan.settings_of(s).recompute for s in stage]
     return (recomputation(graph, modes, stage).first_use >= 0).tolist()
+
+
+@dataclass(frozen=True)
+class CheckpointSpan:
+    """A run of consecutive ops of one unit that runs an op again, which the segment runtime
+    checkpoints as one call (``torch.utils.checkpoint``, as a user checkpoints a block), on
+    one stage, per micro-batch (:func:`checkpoint_spans`)."""
+
+    stage: int
+    #: its ops, in node order
+    ops: tuple[int, ...]
+    #: whether a policy sees each of its ops (torch's selective checkpointing: "selective",
+    #: or an op of it updates state), which costs a call per op in the forward and again in
+    #: the recomputation
+    policy: bool
+    #: the ops checkpoint runs again in the backward: from the first up to the last that
+    #: saves a value for its backward (checkpoint stops early there), but those the policy
+    #: keeps
+    rerun: tuple[int, ...]
+    #: the op whose backward runs first (the recomputation runs there, when autograd first
+    #: unpacks a value the span saved)
+    backward_at: int
+
+
+def op_updates_state(op: str) -> bool:
+    """Whether an op, by its ATen name, writes into an argument: an in-place op
+    (``add_``) or a batch norm (its running statistics), which checkpointing keeps rather
+    than runs again (``explorer.runtime.checkpointing.updates_state`` reads the op's schema)."""
+    base = op_base_name(op)
+    return "batch_norm" in base or base.endswith("_")
+
+
+def checkpoint_spans(graph: OpGraph, mode: Sequence[str], stage: Sequence[int],
+                     has_backward: Sequence[bool], again: Sequence[bool]
+                     ) -> list[CheckpointSpan]:
+    """The spans the segment runtime checkpoints (:class:`CheckpointSpan`): on each stage, the
+    maximal runs of consecutive ops (in node order, its ops alone) of one unit that runs an op
+    again (``again``, per node: :func:`recomputation`'s ``first_use >= 0``) with an op whose
+    backward runs (``has_backward``), under each node's stage's ``mode``."""
+    nodes = graph.nodes
+    units = recompute_units(graph)
+    rerunning = {(units[i], stage[i]) for i in range(len(nodes)) if again[i]}
+    runs: list[list[int]] = []
+    last: dict[int, tuple[str, int]] = {}  # per stage: (unit, op) of its latest op
+    for i, n in enumerate(nodes):
+        if n.kind != "op":
+            continue
+        s, unit = stage[i], units[i]
+        before = last.get(s)
+        last[s] = (unit, i)
+        if (unit, s) not in rerunning:
+            continue
+        if before is not None and before[0] == unit and runs and runs[-1][-1] == before[1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    spans = []
+    for ops in runs:
+        back = [i for i in ops if has_backward[i]]
+        if not back:
+            continue
+        s = stage[ops[0]]
+        state = [op_updates_state(nodes[i].op) for i in ops]
+        selective = mode[ops[0]] == "selective"
+        saving = [i for i in back if nodes[i].saves]
+        end = ops.index(saving[-1]) + 1 if saving else 0
+        kept = {i for i, st in zip(ops, state, strict=True)
+                if st or (selective and is_matmul_like(nodes[i]))} if (selective or any(state)) \
+            else set()
+        spans.append(CheckpointSpan(stage=s, ops=tuple(ops), policy=selective or any(state),
+                                    rerun=tuple(i for i in ops[:end] if i not in kept),
+                                    backward_at=back[-1]))
+    return spans

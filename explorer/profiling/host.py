@@ -47,14 +47,15 @@ SEGMENTS_KEY = ", segment runtime"
 
 def measured_once(cluster: Cluster, cache: bool, probe_key: str, fields: tuple[str, ...],
                   measure: Callable[[], dict[str, float]], saying: str, how: str,
-                  report: ops.Report | None = None) -> dict[str, float] | None:
+                  report: ops.Report | None = None, ranks: int = 2
+                  ) -> dict[str, float] | None:
     """A host probe's figures (``fields``, seconds) for this host's CPU ranks: from the host
     measurement cache under ``probe_key``, or ``measure()``d and cached with ``how`` it was
     measured (``cache=False`` measures afresh and replaces the entry; ``report`` is told
-    ``saying`` first). None with fewer than two measured CPU ranks, or when the probe fails:
-    a probe that cannot run leaves its costs unknown, not an error."""
+    ``saying`` first). None with fewer than ``ranks`` measured CPU ranks, or when the probe
+    fails: a probe that cannot run leaves its costs unknown, not an error."""
     cpus = [d for d in cluster.devices if d.kind == "cpu" and d.present]
-    if len(cpus) < 2 or not cluster.default_link.source.startswith("measured"):
+    if len(cpus) < ranks or not cluster.default_link.source.startswith("measured"):
         return None
     path, key = cache_file(), f"{cache_key()}|{probe_key}"
     if cache:

@@ -167,7 +167,7 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
               ("source", isinstance(d["source"], list) and len(d["source"]) == n
                and all(isinstance(x, str) for x in d["source"])),
               ("overhead_s", _bounded(d["overhead_s"]))]
-    for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor", "dtensor"):
+    for k in ("optimizer_s_per_byte", "optimizer_s_per_tensor", "dtensor", "checkpoint"):
         v = d.get(k, {})
         checks.append((k, isinstance(v, dict) and all(isinstance(o, str) and _bounded(x)
                                                       for o, x in v.items())))
@@ -217,6 +217,7 @@ _WHAT = {"source": "a list of texts, one per node",
          "optimizer_s_per_byte": "a table of numbers of 0 to 1e6",
          "optimizer_s_per_tensor": "a table of numbers of 0 to 1e6",
          "dtensor": "a table of numbers of 0 to 1e6",
+         "checkpoint": "a table of numbers of 0 to 1e6",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
          "precision_s": "a table of [forward, backward] times per node for each precision",
          "fwd_at": "one list of times per node for each fraction",

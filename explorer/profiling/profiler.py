@@ -23,7 +23,14 @@ from explorer.core.plan import PRECISIONS
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
-from explorer.profiling import collective_probe, dtensor_probe, host, ops, segment_fit
+from explorer.profiling import (
+    checkpoint_probe,
+    collective_probe,
+    dtensor_probe,
+    host,
+    ops,
+    segment_fit,
+)
 from explorer.profiling.ops import REPEATS
 from explorer.runtime.jobfiles import RUNTIMES, Runtime
 from explorer.runtime.pool import RankPool
@@ -71,6 +78,8 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     (:func:`dtensor_probe.dtensor_costs`, ``cache=False`` measures it afresh too, as the
     host's load at the time moves it), fitted on ``graph``'s own run split two ways where
     a split splits it (:func:`dtensor_probe.model_dtensor_costs`, stored with the profile);
+    with one or more, what checkpointing adds to a recomputing stage of the segment runtime
+    (:func:`checkpoint_probe.checkpoint_costs`, once per host);
     and how much each op slows while another rank of the
     host runs it too, as replicas do (:func:`host.measure_contention`, stored with the
     profile). All are host measurements: not taken for ``Cluster.cpu(n, measure=False)``.
@@ -147,6 +156,11 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
                                                              runs)
             for dc in cpus:
                 dc.collective_s = collective_s
+            if runtime == "segments":  # (the op path recomputes op by op, unchecked)
+                checkpoint = checkpoint_probe.checkpoint_costs(cluster, cache,
+                                                               pools.get("cpu"), runs)
+                for dc in cpus:
+                    dc.checkpoint = checkpoint
     return CostModel(graph.fingerprint, cluster, per_type, message_s=message_s)
 
 

@@ -21,9 +21,11 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
-from explorer.costs.model import CostModel
+from explorer.costs.model import CHECKPOINT_KEYS, CostModel
 from explorer.costs.strategies import (
+    CheckpointSpan,
     activation_bytes,
+    checkpoint_spans,
     gather_groups,
     is_matmul_like,
     recomputation,
@@ -71,6 +73,8 @@ class StageEffects:
     #: last of their unit to run; :func:`~explorer.costs.strategies.recomputation`)
     sources: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+    #: what the segment runtime checkpoints on a recomputing stage (:func:`checkpoint_spans`)
+    spans: list[CheckpointSpan] = field(default_factory=list)
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
     #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
     #: that copy for its backward instead of the tensor itself
@@ -82,7 +86,7 @@ class StageEffects:
         """Scale ``fwd_d`` and ``bwd_d`` (seconds per node, in place) by each stage's
         precision on its slowest device type (:meth:`CostModel.precision_factors`: measured
         where the profile timed that precision), then add every recomputed forward to the
-        backward that runs it."""
+        backward that runs it (:meth:`_recomputed`)."""
         is_op, has_b = A.is_op, A.has_b
         for s, sett in enumerate(self.settings):
             if sett.precision == "fp32":
@@ -93,10 +97,7 @@ class StageEffects:
             on = (st == s) & is_op
             fwd_d[on] *= np.max([f for f, _ in factors], axis=0)[on]
             bwd_d[on] *= np.max([b for _, b in factors], axis=0)[on]
-        # every op with a recomputing backward runs its forward again there
-        extra = np.zeros(A.n)
-        rc = np.flatnonzero(is_op & (self.rc_op >= 0))
-        np.add.at(extra, self.rc_op[rc], fwd_d[rc])
+        extra = self._recomputed(costs, plan, A, st, fwd_d)
         self.recompute_s = np.bincount(st, weights=extra, minlength=len(self.settings)).tolist()
         bwd_d += np.where(has_b, extra, 0.0)
         # ZeRO 3: what each gather costs the rank's processor beyond the link (measured on
@@ -112,6 +113,34 @@ class StageEffects:
                 fwd_d[readers[0]] += cost
                 if back := [c for c in readers if has_b[c]]:
                     bwd_d[back[-1]] += cost
+
+
+    def _recomputed(self, costs: CostModel, plan: Plan, A: GraphArrays, st: np.ndarray,
+                    fwd_d: np.ndarray) -> np.ndarray:
+        """[node] the seconds recomputation adds to each op's backward (and checkpointing's
+        own cost to ``fwd_d``, in place). A stage profiled for the segment runtime
+        checkpoints spans (:func:`checkpoint_spans`): in each span's first backward, torch's
+        checkpoint runs the span's forward again from its start up to the last op that saves
+        a value, but the ops a policy keeps, and costs what the host probe measured per span
+        and per op under a policy (``DeviceCosts.checkpoint``); on the op path each op that
+        makes a dropped value runs again in the first backward that needs it."""
+        extra = np.zeros(A.n)
+        spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
+                                  for d in plan.stages[s]) for s in range(len(plan.stages))],
+                             dtype=bool)
+        rc = np.flatnonzero(A.is_op & (self.rc_op >= 0) & ~spans_run[st])
+        np.add.at(extra, self.rc_op[rc], fwd_d[rc])
+        spans = [x for x in self.spans if spans_run[x.stage]]
+        for span in spans:
+            extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
+        per_stage = {s: {k: max(costs.device_costs(d).checkpoint.get(k, 0.0)
+                                for d in plan.stages[s]) for k in CHECKPOINT_KEYS}
+                     for s in {x.stage for x in spans}}
+        for span in spans:
+            ck, policy_ops = per_stage[span.stage], len(span.ops) * span.policy
+            fwd_d[span.ops[0]] += ck["span_fwd_s"] + policy_ops * ck["policy_op_fwd_s"]
+            extra[span.backward_at] += ck["span_bwd_s"] + policy_ops * ck["policy_op_bwd_s"]
+        return extra
 
 
 def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
@@ -154,8 +183,10 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
             shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
+    spans = checkpoint_spans(graph, mode.tolist(), st.tolist(), A.has_b.tolist(),
+                             (rc_op >= 0).tolist())
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
-                        casts=(cv[:, 0], cv[:, 1]),
+                        casts=(cv[:, 0], cv[:, 1]), spans=spans,
                         units=recompute_units(graph) if 3 in zero else [])
 
 

@@ -33,6 +33,7 @@ host = importlib.import_module("explorer.profiling.host")
 profiler = importlib.import_module("explorer.profiling.profiler")
 dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
 collective_probe = importlib.import_module("explorer.profiling.collective_probe")
+checkpoint_probe = importlib.import_module("explorer.profiling.checkpoint_probe")
 recheck = importlib.import_module("explorer.profiling.recheck")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 CPU_KEY = Cluster.cpu(1, measure=False).devices[0].type_key
@@ -392,6 +393,7 @@ class TestContention:
         monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
+        monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
         two = Cluster.cpu(2)
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
@@ -425,6 +427,7 @@ class TestContention:
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs",
                             lambda g, dc, report=None: fits.append(g.name) or model)
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
+        monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
         two = Cluster.cpu(2)
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model  # cached
@@ -445,6 +448,7 @@ class TestContention:
         monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
+        monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
             costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
         assert costs.per_type[CPU_KEY].contention == []
@@ -477,6 +481,9 @@ class TestSharedRanks:
         monkeypatch.setattr(collective_probe, "collective_costs",
                             lambda cl, cache, pool=None, report=None:
                             got.append(("collective", pool)) or 2e-4)
+        monkeypatch.setattr(checkpoint_probe, "checkpoint_costs",
+                            lambda cl, cache, pool=None, report=None:
+                            got.append(("checkpoint", pool)) or {"span_fwd_s": 1e-4})
         return got
 
     @pytest.fixture
@@ -494,9 +501,10 @@ class TestSharedRanks:
         pools = {id(p) for _, p in runs}
         assert len(pools) == 1 and runs[0][1] is not None
         assert [n for n, _ in runs] == [1] * 9 + [1, 2] * 2 + ["message", "dtensor",
-                                                               "collective"]
+                                                               "collective", "checkpoint"]
         assert costs.per_type[CPU_KEY].dtensor == {"op_fwd_s": 1e-4}
         assert costs.per_type[CPU_KEY].collective_s == 2e-4
+        assert costs.per_type[CPU_KEY].checkpoint == {"span_fwd_s": 1e-4}
         assert closed == [runs[0][1]] and runs[0][1].size == 2
         # how far it is, in words, for a widget: the whole profile's runs, counted before the
         # first (9 op timing: 3 on the op path, 6 in segments; 4 contention, 4 of the model
@@ -548,10 +556,10 @@ class TestSharedRanks:
                 assert getattr(alone, f.name) == getattr(final.per_type[CPU_KEY], f.name)
         cached = profile_cache.load(
             profile_cache.cache_path(gpt, host2.devices[0], FAST["repeats"], runtime), len(gpt))
-        # (DTensor's and ZeRO's collective costs are host measurements, cached apart and set
-        # on every profile)
+        # (DTensor's, ZeRO's collective and checkpointing costs are host measurements,
+        # cached apart and set on every profile)
         assert cached == dataclasses.replace(final.per_type[CPU_KEY], dtensor={},
-                                             collective_s=0.0)
+                                             collective_s=0.0, checkpoint={})
 
     def test_no_preliminary_numbers_from_the_cache(self, gpt, runs, host2, cache):
         ex.profile(gpt, host2, **FAST)

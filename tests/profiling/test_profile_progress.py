@@ -17,6 +17,7 @@ ops = importlib.import_module("explorer.profiling.ops")
 host = importlib.import_module("explorer.profiling.host")
 dtensor_probe = importlib.import_module("explorer.profiling.dtensor_probe")
 collective_probe = importlib.import_module("explorer.profiling.collective_probe")
+checkpoint_probe = importlib.import_module("explorer.profiling.checkpoint_probe")
 FAST = {"repeats": 2, "warmup": 1, "progress": False}
 COUNT = re.compile(r"^(?P<part>.+): (?P<done>\d+) of (?P<total>\d+) runs$")
 
@@ -44,6 +45,7 @@ def runs(monkeypatch, tmp_path):
                         lambda cl, pool=None, report=None, runtime=None: 0.0)
     monkeypatch.setattr(dtensor_probe, "dtensor_costs", lambda *a, **kw: {})
     monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
+    monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
     # (the split runs' two ranks with nominal figures: this host's link is not measured)
     monkeypatch.setattr(dtensor_probe, "Cluster", types.SimpleNamespace(
         cpu=lambda n: Cluster.cpu(n, measure=False)))

@@ -1,0 +1,133 @@
+"""The checkpoint probe: what a checkpointed span costs beyond the ops it runs again, per span
+and per op under a policy, fitted from runs with and without recomputation; measured once per
+host; and the simulator charging it to a recomputing stage of the segment runtime."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from builders import costs, tiny_builtin_graph
+
+import explorer as ex
+from explorer.costs.strategies import checkpoint_spans, recomputation
+from explorer.profiling import checkpoint_probe
+from explorer.profiling.checkpoint_probe import BLOCKS, fit, probe_graph
+from explorer.runtime import RankPool
+from explorer.simulate.simulator import simulate
+
+COSTS = {"span_fwd_s": 8e-5, "span_bwd_s": 1.3e-4, "policy_op_fwd_s": 2e-5,
+         "policy_op_bwd_s": 2.5e-5}
+
+
+def _spans(graph, mode):
+    n = len(graph)
+    has_b = [x.kind == "op" and x.requires_grad for x in graph.nodes]
+    again = (recomputation(graph, mode, [0] * n, has_b).first_use >= 0).tolist()
+    return checkpoint_spans(graph, [mode] * n, [0] * n, has_b, again)
+
+
+def test_fit_recovers_the_costs_the_runs_were_made_with():
+    """Steps made from known costs (each op's share of the plain forward run again) give
+    those costs back: per span from the full run, per op under the policy from the
+    selective one."""
+    g = probe_graph()
+    ops = sum(x.kind == "op" for x in g.nodes)
+    fwd, bwd = 2e-3, 3e-3
+    steps = {"none": (fwd, bwd)}
+    for mode in ("full", "selective"):
+        spans = _spans(g, mode)
+        assert len(spans) == BLOCKS and all(x.policy == (mode == "selective") for x in spans)
+        policy_ops = sum(len(x.ops) for x in spans if x.policy)
+        rerun = fwd / ops * sum(len(x.rerun) for x in spans)
+        steps[mode] = (fwd + len(spans) * COSTS["span_fwd_s"]
+                       + policy_ops * COSTS["policy_op_fwd_s"],
+                       bwd + rerun + len(spans) * COSTS["span_bwd_s"]
+                       + policy_ops * COSTS["policy_op_bwd_s"])
+    assert fit(g, steps) == pytest.approx(COSTS, rel=1e-9)
+    # runs no slower than without recomputation: nothing below 0
+    assert fit(g, {m: (fwd, bwd) for m in steps}) == dict.fromkeys(COSTS, 0.0)
+
+
+def one_rank() -> ex.Cluster:
+    """One CPU rank as if this host's link were measured (nothing is)."""
+    nominal = ex.Cluster.cpu(1, measure=False)
+    return dataclasses.replace(nominal, default_link=dataclasses.replace(
+        nominal.default_link, source="measured (stand-in)"))
+
+
+def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(checkpoint_probe, "measure_checkpoint_costs",
+                        lambda pool=None: calls.append(1) or dict(COSTS))
+    assert checkpoint_probe.checkpoint_costs(one_rank()) == COSTS
+    assert checkpoint_probe.checkpoint_costs(one_rank()) == COSTS and len(calls) == 1
+    assert checkpoint_probe.checkpoint_costs(one_rank(), cache=False) == COSTS
+    assert len(calls) == 2
+    assert checkpoint_probe.checkpoint_costs(ex.Cluster.cpu(1, measure=False)) == {}
+
+    def broken(pool=None):
+        raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(checkpoint_probe, "measure_checkpoint_costs", broken)
+    assert checkpoint_probe.checkpoint_costs(one_rank(), cache=False) == {}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_simulator_charges_each_span_and_runs_again_what_checkpoint_runs_again(mode):
+    """A recomputing stage profiled for the segments: each span's forward costs the span
+    cost more (and per op under the policy), its backward the span cost and the forward of
+    the ops checkpoint runs again; the op path's profile keeps the op path's rule and no
+    span cost."""
+    g = tiny_builtin_graph("gpt")
+    cl = ex.Cluster.cpu(1, measure=False)
+    c = costs(g, cl, {n.name: 1e-4 for n in g.nodes if n.kind == "op"},
+              {n.name: 2e-4 for n in g.nodes if n.kind == "op"})
+    key = cl.devices[0].type_key
+    plan = ex.Plan.single(g, "cpu:0")
+    again = plan.with_memory(recompute=mode)
+    spans = _spans(g, mode)
+    assert spans and all(len(x.rerun) <= len(x.ops) for x in spans)
+    assert (mode == "selective") == all(x.policy for x in spans)
+    plain = simulate(g, plan, c).step_s
+    for runtime, checkpoint in (("ops", COSTS), ("segments", {}), ("segments", COSTS)):
+        dc = dataclasses.replace(c.per_type[key], runtime=runtime, checkpoint=checkpoint)
+        step = simulate(g, again, dataclasses.replace(c, per_type={key: dc})).step_s
+        if runtime == "ops":  # (the simulator's own rule: the ops making a dropped value)
+            rule = recomputation(g, mode)
+            expected = 1e-4 * int((rule.first_use >= 0).sum())
+        else:
+            policy_ops = sum(len(x.ops) for x in spans if x.policy)
+            expected = 1e-4 * sum(len(x.rerun) for x in spans) + (
+                len(spans) * (COSTS["span_fwd_s"] + COSTS["span_bwd_s"])
+                + policy_ops * (COSTS["policy_op_fwd_s"] + COSTS["policy_op_bwd_s"])
+                if checkpoint else 0.0)
+        assert step - plain == pytest.approx(expected, rel=1e-6), runtime
+
+
+def test_a_span_runs_again_up_to_its_last_saving_op_and_a_policy_keeps_what_it_keeps():
+    """gpt's blocks: full runs again every op of a block up to the last one that saves a
+    value (checkpoint stops early there), selective all of those but the matmul-like ones;
+    the spans are the blocks' runs of consecutive ops."""
+    g = tiny_builtin_graph("gpt")
+    full, selective = _spans(g, "full"), _spans(g, "selective")
+    assert [x.ops for x in full] == [x.ops for x in selective]
+    for f, s in zip(full, selective, strict=True):
+        assert list(f.ops) == list(range(f.ops[0], f.ops[-1] + 1)) or all(
+            g.nodes[i].kind != "op" for i in set(range(f.ops[0], f.ops[-1])) - set(f.ops))
+        saving = [i for i in f.ops if g.nodes[i].saves and g.nodes[i].requires_grad]
+        assert f.rerun == tuple(i for i in f.ops if i <= saving[-1])
+        assert set(s.rerun) == {i for i in f.rerun
+                                if not ex.costs.strategies.is_matmul_like(g.nodes[i])}
+        assert f.backward_at == max(i for i in f.ops if g.nodes[i].requires_grad)
+
+
+@pytest.mark.slow
+def test_the_probe_runs_on_one_cpu_rank():
+    with RankPool(1) as pool:  # (as the profiler's rank is)
+        got = checkpoint_probe.measure_checkpoint_costs(steps=4, warmup=1, pool=pool)
+    assert set(got) == set(COSTS)
+    assert all(0.0 <= v < 0.1 for v in got.values())  # seconds: a measurement, noise and all
+    assert got["span_fwd_s"] + got["span_bwd_s"] > 0.0
