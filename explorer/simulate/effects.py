@@ -75,6 +75,10 @@ class StageEffects:
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: what the segment runtime checkpoints on a recomputing stage (:func:`checkpoint_spans`)
     spans: list[CheckpointSpan] = field(default_factory=list)
+    #: [node] where what an op saves besides its output (statistics, masks, indices) starts
+    #: to be held: -1 from its forward; else the op in whose backward checkpoint makes it
+    #: again (an op its span runs again: checkpoint keeps none of what the span saves)
+    extra_from: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
     #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
     #: that copy for its backward instead of the tensor itself
@@ -123,7 +127,8 @@ class StageEffects:
         checkpoint runs the span's forward again from its start up to the last op that saves
         a value, but the ops a policy keeps, and costs what the host probe measured per span
         and per op under a policy (``DeviceCosts.checkpoint``); on the op path each op that
-        makes a dropped value runs again in the first backward that needs it."""
+        makes a dropped value runs again in the first backward that needs it. Sets
+        ``extra_from``."""
         extra = np.zeros(A.n)
         spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
                                   for d in plan.stages[s]) for s in range(len(plan.stages))],
@@ -131,8 +136,10 @@ class StageEffects:
         rc = np.flatnonzero(A.is_op & (self.rc_op >= 0) & ~spans_run[st])
         np.add.at(extra, self.rc_op[rc], fwd_d[rc])
         spans = [x for x in self.spans if spans_run[x.stage]]
+        self.extra_from = np.full(A.n, -1, dtype=np.int64)
         for span in spans:
             extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
+            self.extra_from[list(span.rerun)] = span.backward_at
         per_stage = {s: {k: max(costs.device_costs(d).checkpoint.get(k, 0.0)
                                 for d in plan.stages[s]) for k in CHECKPOINT_KEYS}
                      for s in {x.stage for x in spans}}

@@ -125,13 +125,17 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics, indices): made by the forward,
-    # kept until the backward; recomputation makes op outputs again, not these (the runtime
-    # keeps them from the forward)
+    # kept until the backward; the op path's recomputation makes op outputs again, not these
+    # (it keeps them from the forward), checkpoint makes again all a span saves
+    # (StageEffects.extra_from: from the backward that runs the span again)
     extra = saved_extra_per_device(graph, plan, A.extra) if eff is None else eff.extra_bytes
     xs_ = np.flatnonzero(has_b & (extra != 0))
     if len(xs_):
+        again = (eff.extra_from[xs_] if eff is not None and len(eff.extra_from)
+                 else np.full(len(xs_), -1, dtype=np.int64))
+        made = np.where(again >= 0, off_b[np.maximum(again, 0)], off_f[xs_])
         for m in range(M):
-            live(st[xs_], start_a[off_f[xs_] + m * per_m], end_a[off_b[xs_] + m * per_m],
+            live(st[xs_], start_a[made + m * per_m], end_a[off_b[xs_] + m * per_m],
                  size_on(extra[xs_], st[xs_]))
     # the gradients an op's backward passes between the autograd nodes it is made of (a
     # cross-entropy's log-softmax gradient): held while that backward runs

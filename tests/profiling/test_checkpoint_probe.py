@@ -131,3 +131,22 @@ def test_the_probe_runs_on_one_cpu_rank():
     assert set(got) == set(COSTS)
     assert all(0.0 <= v < 0.1 for v in got.values())  # seconds: a measurement, noise and all
     assert got["span_fwd_s"] + got["span_bwd_s"] > 0.0
+
+
+def test_what_a_span_saves_besides_outputs_is_held_from_its_recomputation():
+    """Checkpoint keeps none of what a span's ops save: their statistics and masks (gpt's
+    layer norms') are made again with the span, in the backward, not held from the forward
+    as the op path's recomputation holds them; so the fuller device's peak is lower."""
+    g = tiny_builtin_graph("gpt")
+    cl = ex.Cluster.cpu(1, measure=False)
+    c = costs(g, cl, {n.name: 1e-4 for n in g.nodes if n.kind == "op"},
+              {n.name: 2e-4 for n in g.nodes if n.kind == "op"})
+    key = cl.devices[0].type_key
+    plan = ex.Plan.single(g, "cpu:0").with_memory(recompute="full")
+    assert sum(g.nodes[i].saved_extra_bytes for x in _spans(g, "full") for i in x.rerun) > 0
+    peaks = {}
+    for runtime in ("ops", "segments"):
+        dc = dataclasses.replace(c.per_type[key], runtime=runtime)
+        peaks[runtime] = simulate(g, plan, dataclasses.replace(c, per_type={key: dc})
+                                  ).peak_bytes["cpu:0"]
+    assert peaks["segments"] < peaks["ops"]
