@@ -318,6 +318,8 @@ def main() -> None:
                    + ("): met" if met else "): NOT met"))
         print(targets)
         totals += "; " + targets
+        if ratios := setting_ratios(rows):
+            summary(SETTING_RATIOS, ratios)
         summary("as profiled, without contention", flat_pairs)
         summary("as profiled, without late receives", on_time_pairs)
         if plain_pairs:
@@ -334,6 +336,27 @@ def main() -> None:
                  columns=("prediction", "error mean", "error max", "Kendall tau"),
                  title=f"Step-time error over all plans ({args.runtime} runtime)", notes=totals,
                  folder=args.results)
+
+
+#: the summary line of :func:`setting_ratios`
+SETTING_RATIOS = ("each setting against its plan without settings (predicted step ratio vs "
+                  "measured step ratio: what the setting costs, the plain plan's error aside)")
+
+
+def setting_ratios(rows: list[tuple]) -> list[tuple[float, float]]:
+    """Per plan with memory settings (its label the plain plan's and the settings, as
+    "even-layers recompute=full"), its step over the same plan's without settings, predicted
+    and measured: how well the simulator prices what a setting adds or saves, apart from how
+    well it predicts the plain plan (on a noisy host, the two runs' shared slowness cancels).
+    ``rows``: the accuracy table's (model, label, runtime, pred ms, meas ms, ...)."""
+    by = {(r[0], r[1]): r for r in rows if r[3] != "-" and r[4] != "-"}
+    out = []
+    for (model, label), r in by.items():
+        plain = by.get((model, label.split(" ")[0]))
+        if plain is None or plain is r:
+            continue
+        out.append((float(r[3]) / float(plain[3]), float(r[4]) / float(plain[4])))
+    return out
 
 
 def _signature(plan: ex.Plan) -> tuple:
