@@ -75,10 +75,6 @@ class StageEffects:
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: what the segment runtime checkpoints on a recomputing stage (:func:`checkpoint_spans`)
     spans: list[CheckpointSpan] = field(default_factory=list)
-    #: (value, op) pairs: what a checkpointed span runs again from, held until the backward
-    #: of that op starts (the span's first, where it runs again)
-    span_sources: tuple[np.ndarray, np.ndarray] = field(
-        default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: [node] where what an op saves besides its output (statistics, masks, indices) starts
     #: to be held: -1 from its forward; else the op in whose backward checkpoint makes it
     #: again (an op its span runs again: checkpoint keeps none of what the span saves)
@@ -105,7 +101,7 @@ class StageEffects:
             on = (st == s) & is_op
             fwd_d[on] *= np.max([f for f, _ in factors], axis=0)[on]
             bwd_d[on] *= np.max([b for _, b in factors], axis=0)[on]
-        extra = self._recomputed(costs, plan, A, st, fwd_d, graph.preds)
+        extra = self._recomputed(costs, plan, A, st, fwd_d)
         self.recompute_s = np.bincount(st, weights=extra, minlength=len(self.settings)).tolist()
         bwd_d += np.where(has_b, extra, 0.0)
         # ZeRO 3: what each gather costs the rank's processor beyond the link (measured on
@@ -124,7 +120,7 @@ class StageEffects:
 
 
     def _recomputed(self, costs: CostModel, plan: Plan, A: GraphArrays, st: np.ndarray,
-                    fwd_d: np.ndarray, preds: list[list[int]]) -> np.ndarray:
+                    fwd_d: np.ndarray) -> np.ndarray:
         """[node] the seconds recomputation adds to each op's backward (and checkpointing's
         own cost to ``fwd_d``, in place). A stage profiled for the segment runtime
         checkpoints spans (:func:`checkpoint_spans`): in each span's first backward, torch's
@@ -144,8 +140,6 @@ class StageEffects:
         for span in spans:
             extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
             self.extra_from[list(span.rerun)] = span.backward_at
-        if spans:
-            self._recomputed_with_spans(spans, spans_run, A, st, preds)
         per_stage = {s: {k: max(costs.device_costs(d).checkpoint.get(k, 0.0)
                                 for d in plan.stages[s]) for k in CHECKPOINT_KEYS}
                      for s in {x.stage for x in spans}}
@@ -154,32 +148,6 @@ class StageEffects:
             fwd_d[span.ops[0]] += ck["span_fwd_s"] + policy_ops * ck["policy_op_fwd_s"]
             extra[span.backward_at] += ck["span_bwd_s"] + policy_ops * ck["policy_op_bwd_s"]
         return extra
-
-
-    def _recomputed_with_spans(self, spans: list[CheckpointSpan], spans_run: np.ndarray,
-                               A: GraphArrays, st: np.ndarray, preds: list[list[int]]
-                               ) -> None:
-        """What checkpoint holds on the stages it runs on (``spans_run``): a span's dropped
-        values are made again all at once, at the start of its first backward (``rc_op``),
-        and the values it runs again from (its inputs, what its policy kept) are held until
-        that backward starts (``span_sources``), not until the unit's last one: the
-        recomputation takes them over, each freed once what it makes again is made."""
-        rerun = np.zeros(A.n, dtype=bool)
-        for span in spans:
-            on = list(span.rerun)
-            self.rc_op[on] = np.where(self.rc_op[on] >= 0, span.backward_at, self.rc_op[on])
-            rerun[on] = True
-        value, op = self.sources
-        keep = ~spans_run[st[op]] if len(op) else np.zeros(0, dtype=bool)
-        self.sources = (value[keep], op[keep])
-        pairs = set()
-        for span in spans:
-            for i in span.rerun:
-                for p in preds[i]:
-                    if not rerun[p] and A.kcode[p] not in (KIND_PARAM, KIND_BUFFER):
-                        pairs.add((int(A.root_a[p]), span.backward_at))
-        got = np.array(sorted(pairs), dtype=np.int64).reshape(-1, 2)
-        self.span_sources = (got[:, 0], got[:, 1])
 
 
 def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,

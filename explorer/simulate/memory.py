@@ -120,14 +120,9 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         at_all = pos[np.concatenate([p[0] for p in parts])]
         base_all = np.concatenate([p[1] for p in parts])
         step_all = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
-        # (what a checkpointed span runs again from: until its recomputation starts)
-        span_p, span_v = eff.span_sources if eff is not None else (np.zeros(0, np.int64),) * 2
-        on = pos[span_p] >= 0
-        at_start, base_start = pos[span_p[on]], off_b[span_v[on]]
         for m in range(M):
             t1 = end_a[off_f[rops] + m * per_m]
             np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
-            np.maximum.at(t1, at_start, start_a[base_start + m * per_m])
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics, indices): made by the forward,
     # kept until the backward; the op path's recomputation makes op outputs again, not these

@@ -150,25 +150,3 @@ def test_what_a_span_saves_besides_outputs_is_held_from_its_recomputation():
         peaks[runtime] = simulate(g, plan, dataclasses.replace(c, per_type={key: dc})
                                   ).peak_bytes["cpu:0"]
     assert peaks["segments"] < peaks["ops"]
-
-
-def test_what_a_span_runs_again_from_is_held_until_its_recomputation_starts():
-    """vgg16's features are one span under selective recomputation: the conv outputs it keeps
-    are taken over by its recomputation at the start of its first backward, which makes the
-    ReLU outputs again, so it holds no more than without recomputation at its peak; the op
-    path's rule holds each kept output until the unit's last backward, on top of what it
-    makes again."""
-    g = tiny_builtin_graph("vgg16")
-    cl = ex.Cluster.cpu(1, measure=False)
-    c = costs(g, cl, {n.name: 1e-4 for n in g.nodes if n.kind == "op"},
-              {n.name: 2e-4 for n in g.nodes if n.kind == "op"})
-    key = cl.devices[0].type_key
-    plain = ex.Plan.single(g, "cpu:0")
-    again = plain.with_memory(recompute="selective")
-    assert any(len(x.ops) > 2 for x in _spans(g, "selective"))
-    peaks = {}
-    for runtime in ("ops", "segments"):
-        c_run = dataclasses.replace(c, per_type={key: dataclasses.replace(c.per_type[key],
-                                                                          runtime=runtime)})
-        peaks[runtime] = [simulate(g, p, c_run).peak_bytes["cpu:0"] for p in (plain, again)]
-    assert peaks["segments"][1] <= peaks["segments"][0] < peaks["ops"][1]
