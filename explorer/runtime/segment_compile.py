@@ -32,7 +32,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from explorer.runtime.segments import CheckpointedRun, SegmentCode, piece_module, reseed
+from explorer.runtime.segments import (
+    CheckpointedRun,
+    SegmentCode,
+    call_piece,
+    piece_module,
+    reseed,
+)
 
 #: what ``torch.compile`` is told for every piece: random ops call the ATen op (on the
 #: generator the segment reseeds) instead of inductor's own random numbers
@@ -63,9 +69,7 @@ def _compiled(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         name = f"piece_{len(root._modules)}"
         reads, outs, part = piece_module(piece)
         root.add_module(name, torch.compile(part, options=COMPILE_OPTIONS))
-        made = graph.call_module(name, tuple(env[r] for r in reads))
-        for k, o in enumerate(outs):
-            env[o] = graph.call_function(operator.getitem, (made, k))
+        call_piece(graph, env, name, reads, outs)
         piece.clear()
 
     regions = {n for n in module.graph.nodes if n.op == "call_module"}

@@ -75,6 +75,7 @@ class SegmentSteps:
     _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
+    _regions: CheckpointRegions | None = None  # what a recomputing stage checkpoints
     #: per segment code (by id), its arguments as every step has them (:meth:`_reads_of`)
     _code_reads: dict
 
@@ -91,7 +92,9 @@ class SegmentSteps:
         """Segment ``seg``'s code; on a tensor-parallel stage each op called through the
         mesh, and split ops reading whole values apart (:func:`segment_code`)."""
         L = self.layout
-        regions = self._checkpoint_regions() if self.checkpointed else None
+        if self.checkpointed and self._regions is None:  # (once for all the segments)
+            self._regions = self._checkpoint_regions()
+        regions = self._regions
         if self.mesh is None:
             return segment_code(seg, L.calls, L.targets, L.random, regions=regions)
         if self._tensor_targets is None:

@@ -359,9 +359,7 @@ def _checkpointed_runs(module: torch.fx.GraphModule, segment: Segment,
         how = regions.how(runs[run_of[owner[piece[-1]]]])
         root.add_module(name, CheckpointedRun(
             body, how, tuple(buffer_of.get(r, False) for r in reads), regions.run))
-        made = graph.call_module(name, tuple(env[r] for r in reads))
-        for k, o in enumerate(outs):
-            env[o] = graph.call_function(operator.getitem, (made, k))
+        call_piece(graph, env, name, reads, outs)
         piece.clear()
 
     for node in module.graph.nodes:
@@ -390,6 +388,15 @@ def piece_module(nodes: list[torch.fx.Node]
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[o] for o in outs))
     return reads, outs, torch.fx.GraphModule(torch.nn.Module(), graph, class_name="Piece")
+
+
+def call_piece(graph: torch.fx.Graph, env: dict[torch.fx.Node, torch.fx.Node], name: str,
+               reads: list[torch.fx.Node], outs: list[torch.fx.Node]) -> None:
+    """Call submodule ``name`` (made by :func:`piece_module`) in ``graph`` on what ``env``
+    maps its ``reads`` to, and map each of its ``outs`` to its item of the result."""
+    made = graph.call_module(name, tuple(env[r] for r in reads))
+    for k, o in enumerate(outs):
+        env[o] = graph.call_function(operator.getitem, (made, k))
 
 
 def _identifier(name: str) -> str:

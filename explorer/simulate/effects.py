@@ -118,7 +118,6 @@ class StageEffects:
                 if back := [c for c in readers if has_b[c]]:
                     bwd_d[back[-1]] += cost
 
-
     def _recomputed(self, costs: CostModel, plan: Plan, A: GraphArrays, st: np.ndarray,
                     fwd_d: np.ndarray) -> np.ndarray:
         """[node] the seconds recomputation adds to each op's backward (and checkpointing's

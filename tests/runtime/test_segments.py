@@ -178,6 +178,17 @@ def _real_segments(graph, plan, s, actions):
                           [n.name for n in graph.nodes].index(graph.loss))
 
 
+def _one_device_segment(graph):
+    """The single-device plan's one segment of ``graph``, the job's calls, state and each
+    call's target (None for a non-op)."""
+    plan = ex.Plan.single(graph, "cpu:0")
+    (seg,) = _real_segments(graph, plan, 0, execution_order(graph, plan)[0])
+    rt = graph.runtime
+    calls, state = program_parts(rt.program, len(rt.inputs))
+    targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
+    return seg, calls, state, targets
+
+
 def test_a_zero_3_stage_cuts_its_segments_where_the_unit_changes():
     """With units (a ZeRO 3 stage's gather groups), each segment holds one unit's ops, in
     the order the uncut segments hold them."""
@@ -213,10 +224,8 @@ def test_a_recomputing_segment_checkpoints_each_run_of_a_rerunning_unit_inside_i
     values and gradients are those of the code without checkpointing."""
     graph = tiny_builtin_graph(name)
     plan = ex.Plan.single(graph, "cpu:0")
-    (seg,) = _real_segments(graph, plan, 0, execution_order(graph, plan)[0])
+    seg, calls, state, targets = _one_device_segment(graph)
     rt = graph.runtime
-    calls, state = program_parts(rt.program, len(rt.inputs))
-    targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
     reruns = rerun_ops(graph, plan.with_memory(recompute=mode))
     units = rerunning_units(recompute_units(graph), reruns)
     called: list = []
@@ -327,11 +336,8 @@ class TestCode:
         """The single-device segment's generated Python (no interpreter) gives the values
         the op path's calls give, bit for bit."""
         graph = tiny_builtin_graph(name)
-        plan = ex.Plan.single(graph, "cpu:0")
-        (seg,) = _real_segments(graph, plan, 0, execution_order(graph, plan)[0])
+        seg, calls, state, targets = _one_device_segment(graph)
         rt = graph.runtime
-        calls, state = program_parts(rt.program, len(rt.inputs))
-        targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
         code = segment_code(seg, calls, targets, [False] * len(calls))
         assert "torch.ops.aten" in code.module.code and "Interpreter" not in code.module.code
         batch = {**{f"input_{k}": t for k, t in enumerate(rt.inputs)},
@@ -346,12 +352,7 @@ class TestCode:
         assert torch.equal(outs[0], values[graph.loss])
 
     def test_a_random_op_is_seeded_before_it_runs(self):
-        graph = _dropout_graph()
-        plan = ex.Plan.single(graph, "cpu:0")
-        (seg,) = _real_segments(graph, plan, 0, execution_order(graph, plan)[0])
-        rt = graph.runtime
-        calls, _ = program_parts(rt.program, len(rt.inputs))
-        targets = [resolve_target(c.target) if c.kind == "op" else None for c in calls]
+        seg, calls, _, targets = _one_device_segment(_dropout_graph())
         random = [isinstance(t, torch._ops.OpOverload)
                   and torch.Tag.nondeterministic_seeded in t.tags for t in targets]
         code = segment_code(seg, calls, targets, random)
