@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,7 @@ import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
+from explorer.platforms.cpu import host_cache
 from explorer.runtime.launch import Reference
 from explorer.runtime.pool import RankPool
 
@@ -95,3 +97,17 @@ def check_matches_one_device(name: str, plan: ex.Plan, shards: int, steps: int =
     for k, g in ref.grads.items():
         torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
     return meas
+
+
+def host_cache_without(folder: Path, monkeypatch, *probe_keys: str) -> None:
+    """Point ``XDG_CACHE_HOME`` at ``folder`` (an empty profile cache) with this user's host
+    measurements copied in, but the entries of the host probes named by ``probe_keys`` (their
+    keys after the host's, as a prefix): a test of one probe measures that probe afresh, not
+    every other host figure a profile reads (the link, the contention, the other probes)."""
+    entries = host_cache.read_cache(host_cache.cache_file())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder))
+    host = host_cache.cache_key()
+    for key, entry in entries.items():
+        probe = key[len(host) + 1:] if key.startswith(host + "|") else ""
+        if key == host or (probe and not probe.startswith(probe_keys)):
+            host_cache.write_cache(host_cache.cache_file(), key, entry)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from builders import costs
+from builders import costs, host_cache_without
 
 import explorer as ex
 from explorer.profiling import collective_probe
@@ -63,7 +63,7 @@ def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_
 
 @pytest.mark.slow
 def test_the_probe_runs_on_two_cpu_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    host_cache_without(tmp_path, monkeypatch, collective_probe.PROBE_KEY)
     with RankPool(1) as pool:  # (the profile's runs on it, as the profiler's are)
         value = collective_probe.measure_collective_s(steps=3, warmup=1, pool=pool, rounds=1,
                                                       repeats=2)

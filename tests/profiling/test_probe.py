@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from builders import host_cache_without
 
 import explorer as ex
 from explorer.profiling import host as probe
@@ -20,7 +21,7 @@ def test_measured_through_the_runtime_on_two_ranks():
 
 
 def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    host_cache_without(tmp_path, monkeypatch, probe.PROBE_KEY)
     probe.forget_message_s()
     calls = []
     monkeypatch.setattr(probe, "measure_message_s",
@@ -40,7 +41,7 @@ def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
 
 
 def test_a_probe_that_fails_leaves_the_cost_at_zero(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    host_cache_without(tmp_path, monkeypatch, probe.PROBE_KEY)
     probe.forget_message_s()
 
     def broken(pool=None, runtime=None):
