@@ -92,7 +92,7 @@ class StageRunner(SegmentSteps):
     """One device's share of the plan: its stage's actions, one training step at a time."""
 
     def __init__(self, job: Job, rank: int, world: int, local_rank: int) -> None:
-        self.job = job
+        self.job, self.world = job, world
         L = self.layout = RankLayout(job, rank, world, local_rank)
         self.tracker = MemTracker()
         self.messenger = Messenger(L.tdev)
@@ -165,6 +165,11 @@ class StageRunner(SegmentSteps):
                         lambda _, i=i: self.param_grad_made(i))
         #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
         self.prefetch_before = self._prefetches()
+        #: the action positions a step runs something at (not a segment's other ops')
+        self.runs_at = [k for k, a in enumerate(self.actions)
+                        if self.segment_at is None or a.kind == OPTIMIZER
+                        or k in self.segment_at]
+        self.steps_optimizer = any(a.kind == OPTIMIZER for a in self.actions)
 
     def _prefetches(self) -> list[int | None]:
         """Per action position, the op whose sharded weights to start gathering (ZeRO 3) as
@@ -214,13 +219,14 @@ class StageRunner(SegmentSteps):
         self.tracker.reset_peak()
         if L.tdev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(L.tdev)
-        if dist.get_world_size() > 1:  # (every rank starts the step together)
+        if self.world > 1:  # (every rank starts the step together)
             with self.messenger.waiting():
                 dist.barrier()
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
-        for k, a in enumerate(self.actions):
+        for k in self.runs_at:
+            a = self.actions[k]
             if self.prefetch_before[k] is not None:
                 self.weights.prefetch(self.prefetch_before[k])
             if a.kind == OPTIMIZER:
@@ -229,9 +235,7 @@ class StageRunner(SegmentSteps):
                 times[OPTIMIZER, -1].append(dt)
                 continue
             if self.segment_at is not None:
-                seg = self.segment_at.get(k)
-                if seg is None:  # an op of a segment that runs at another action
-                    continue
+                seg = self.segment_at[k]
                 run_segment = self._segment_forward if a.kind == FWD else self._segment_backward
                 for u in L.units:
                     dt = self._timed(run_segment, seg, u)
@@ -243,7 +247,7 @@ class StageRunner(SegmentSteps):
                 dt = self._timed(run, a.micro_batch, u, a.node)
                 busy += dt
                 times[a.kind, a.node].append(dt)
-        if not any(a.kind == OPTIMIZER for a in self.actions):
+        if not self.steps_optimizer:
             busy += self._timed(self.weights.finish)
         self.messenger.flush()
         self._sync()
