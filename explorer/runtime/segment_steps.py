@@ -23,15 +23,14 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from explorer.core.segments import Segment, grad_sources
 from explorer.runtime.accounting import count_gradients_made
 from explorer.runtime.checkpointing import Held, checkpointing, recompute_contexts
 from explorer.runtime.comm import ACTIVATION, GRADIENT
 from explorer.runtime.segments import (
     CheckpointedRun,
     CheckpointRegions,
-    Segment,
     SegmentCode,
-    grad_sources,
     rerunning_units,
     segment_code,
 )

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explorer.core.errors import ExplorerError
 from explorer.core.schedule import BWD, FWD, OPTIMIZER
+from explorer.core.segments import Segment, group_segments
 from explorer.core.tensor_layout import EMBEDDING_OPS
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
@@ -45,7 +46,7 @@ from explorer.runtime.params import AUTOCAST_DTYPES, Weights
 from explorer.runtime.recompute import Recomputer
 from explorer.runtime.segment_compile import compile_segment
 from explorer.runtime.segment_steps import SegmentSteps, release_slots
-from explorer.runtime.segments import Segment, SegmentCode, group_segments
+from explorer.runtime.segments import SegmentCode
 from explorer.runtime.tensor_parallel import TensorMesh, local
 
 

@@ -13,6 +13,7 @@ from explorer.simulate.arrays import KIND_BUFFER, KIND_INPUT, KIND_PARAM, ranges
 from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER, StageEffects
 from explorer.simulate.prediction import MemoryBreakdown
 from explorer.simulate.schedule import Timing
+from explorer.simulate.segment_spans import segment_backward_spans
 from explorer.simulate.taskgraph import ALLREDUCE, OPTIMIZER, TaskGraph
 from explorer.simulate.tensor import activations_per_device, per_device, saved_extra_per_device
 
@@ -263,6 +264,13 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         ok = (st[v] == x_dst[k]) & has_b[v]
         k, v = k[ok], v[ok]
         np.maximum.at(t1, k, end_a[off_b[v] + x_m[k] * per_m])
+        # (a stage running segments receives its segment's gradients before the segment's
+        # one backward call, and holds them until it ends)
+        spans = segment_backward_spans(graph, plan, tasks, timing)
+        for k in np.flatnonzero(~x_fwd).tolist() if spans else ():
+            span = spans.get((int(x_dst[k]), int(x_m[k]), int(x_node[k])))
+            if span is not None:
+                t0[k], t1[k] = span[0], max(t1[k], span[1])
         keep = x_fwd | ~local_grad[x_node]
         gk = np.flatnonzero(~x_fwd & keep)
         if len(gk):  # one received gradient per op and micro-batch

@@ -47,7 +47,7 @@ import numpy as np
 
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
-from explorer.core.schedule import Action, Schedule
+from explorer.core.schedule import Schedule
 from explorer.costs.model import CostModel, DeviceCosts
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
@@ -56,6 +56,7 @@ from explorer.simulate.memory import memory_at_peaks
 from explorer.simulate.prediction import Deferred, Interval, MemoryBreakdown, Prediction
 from explorer.simulate.schedule import Timing, run
 from explorer.simulate.seconds import Seconds, arrays_lower_bound_s, lower_bound_s, plain_costs
+from explorer.simulate.segment_spans import stage_actions
 from explorer.simulate.taskgraph import GATE, TaskGraph
 from explorer.simulate.tasks import BUCKET_BYTES, build_tasks
 
@@ -146,14 +147,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
         costs = unit_costs(graph, plan)
     with without_cycle_collection():
         tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
-    S = len(plan.stages)
-    out: Schedule = [[] for _ in plan.stages]
-    kind, res, mb, node = tasks.kind.list(), tasks.res, tasks.mb.list(), tasks.node.list()
-    for t in timing.order:
-        r = res[t]
-        if r < S:  # the stages are resources 0 .. S-1
-            out[r].append(Action(kind[t], mb[t], node[t]))
-    return out
+    return stage_actions(tasks, timing, len(plan.stages))
 
 
 def unit_costs(graph: OpGraph, plan: Plan) -> CostModel:

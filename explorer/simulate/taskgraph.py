@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -216,3 +216,5 @@ class TaskGraph:
     allreduce_bytes: int
     # what the plan's memory settings change (None for a plan without them)
     effects: StageEffects | None = None
+    # [stage] whether its devices' costs are the segment runtime's (its ranks run segments)
+    segment_stages: list[bool] = field(default_factory=list)

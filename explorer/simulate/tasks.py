@@ -443,7 +443,9 @@ class _Builder:
             first=np.flatnonzero(ndeps == 0).tolist(), late_in=late_in,
             negative_times=bool(negative), plan=plan, arrays=A, stage=stage, stage_a=st,
             batch_fraction=frac, fb=fb, receives=receives,
-            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes, effects=eff)
+            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes, effects=eff,
+            segment_stages=[any(self.costs.device_costs(d).runtime == "segments" for d in st)
+                            for st in plan.stages])
 
     def _opt_slowed(self, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas

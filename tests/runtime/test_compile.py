@@ -20,12 +20,13 @@ import explorer as ex
 from explorer.cli.commands import build_parser
 from explorer.cli.commands import main as cli
 from explorer.core.errors import ExplorerError
+from explorer.core.segments import group_segments
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime.jobfiles import Job, job_problem, program_parts, read_job, write_job
 from explorer.runtime.launch import reference
 from explorer.runtime.layout import RankLayout
 from explorer.runtime.segment_compile import compile_segment
-from explorer.runtime.segments import group_segments, segment_code
+from explorer.runtime.segments import segment_code
 from explorer.simulate.simulator import execution_order
 
 STEPS, WARMUP = 2, 1

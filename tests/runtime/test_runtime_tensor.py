@@ -13,8 +13,8 @@ from torch import nn
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.plan_layout import plan_placements
+from explorer.core.segments import group_segments
 from explorer.runtime import RankPool
-from explorer.runtime.segments import group_segments
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.simulate.simulator import execution_order
 

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import explorer as ex
 from explorer.core.schedule import BWD, FWD, Action
+from explorer.core.segments import grad_sources, group_segments
 from explorer.costs.strategies import recompute_units, rerun_ops
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime.checkpointing import checkpointing
@@ -30,8 +31,6 @@ from explorer.runtime.segments import (
     CheckpointedRun,
     CheckpointRegions,
     choose_runtime,
-    grad_sources,
-    group_segments,
     rerunning_units,
     segment_code,
 )
