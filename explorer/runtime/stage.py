@@ -167,9 +167,8 @@ class StageRunner(SegmentSteps):
         #: per action position, the op whose weights start gathering (ZeRO 3) before it runs
         self.prefetch_before = self._prefetches()
         #: the action positions a step runs something at (not a segment's other ops')
-        self.runs_at = [k for k, a in enumerate(self.actions)
-                        if self.segment_at is None or a.kind == OPTIMIZER
-                        or k in self.segment_at]
+        self.runs_at = [k for k, a in enumerate(self.actions) if self.segment_at is None
+                        or a.kind == OPTIMIZER or k in self.segment_at]
         self.steps_optimizer = any(a.kind == OPTIMIZER for a in self.actions)
 
     def _prefetches(self) -> list[int | None]:
