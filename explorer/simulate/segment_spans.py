@@ -12,8 +12,7 @@ from __future__ import annotations
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.schedule import Action, Schedule
-from explorer.core.segments import group_segments
-from explorer.costs.strategies import recompute_units
+from explorer.core.segments import segment_runs
 from explorer.simulate.schedule import Timing
 from explorer.simulate.taskgraph import TaskGraph
 
@@ -38,27 +37,26 @@ def segment_backward_spans(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing:
     S = len(plan.stages)
     if not any(tasks.segment_stages):
         return {}
-    preds = [[graph.index[x] for x in n.inputs] for n in graph.nodes]
+    preds, succs = graph.preds, graph.succs
     kinds = [n.kind for n in graph.nodes]
     needs_grad = [n.requires_grad for n in graph.nodes]
-    loss = graph.index.get(graph.loss) if graph.loss else None
-    # (a ZeRO 3 stage of several replicas gathers its weights a unit at a time: its segments
-    # are cut where the unit changes)
-    units = recompute_units(graph)
+    has_b, eff = tasks.arrays.has_b, tasks.effects
     start, end = timing.start, timing.end
     off_b, per_m = tasks.fb.bwd, tasks.fb.per_mb
     out: dict[tuple[int, int, int], tuple[float, float]] = {}
     for s, actions in enumerate(stage_actions(tasks, timing, S)):
         if not tasks.segment_stages[s]:
             continue
-        gathered = plan.settings_of(s).zero == 3 and plan.replicas_of(s) > 1
-        for seg in group_segments(actions, s, tasks.stage, kinds, preds, needs_grad, loss,
-                                  units if gathered else None):
-            backward = [off_b[i] + seg.micro_batch * per_m for i in seg.backward_nodes]
+        # (a ZeRO 3 stage of several replicas gathers its weights a unit at a time: its
+        # segments are cut where the unit changes)
+        gathered = eff is not None and eff.zero[s] == 3
+        for m, nodes in segment_runs(actions, s, tasks.stage, kinds, preds, needs_grad,
+                                     eff.units if gathered else None, succs):
+            backward = [off_b[i] + m * per_m for i in nodes if has_b[i]]
             if not backward:
                 continue
             span = (min(start[t] for t in backward), max(end[t] for t in backward))
-            for i in seg.nodes:
-                out[(s, seg.micro_batch, i)] = span
+            for i in nodes:
+                out[(s, m, i)] = span
     return out
 
