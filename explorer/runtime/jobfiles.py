@@ -216,6 +216,13 @@ class Job:
     #: backward runs, as the simulator does (segments see them made); None: none
     backward_scratch: list[int] | None = None
 
+    @property
+    def memory_step(self) -> int:
+        """The step a CPU rank counts its memory in: the last warm-up step where there are two
+        (every step after the first holds the optimizer's state, so it holds what a measured
+        step holds, and no timed step pays for the counting), else the last step."""
+        return self.warmup - 1 if self.warmup >= 2 else self.warmup + self.steps - 1
+
 
 class JobError(ExplorerError):
     """A job folder whose files do not belong together or hold values a rank cannot run."""

@@ -221,8 +221,9 @@ def _measurement(results: list[dict], grads, plan: Plan, graph: OpGraph, steps: 
     per_step = [max(m[k]["step_s"] for m in measured) for k in range(steps)]
     busy = {r["device"]: statistics.median(s["busy_s"] for s in m)
             for r, m in zip(results, measured, strict=True)}
-    # (a CPU rank reports its peak from its last step only: StageRunner.memory_step)
-    counted = [[s for s in m if s["peak_bytes"] is not None] for m in measured]
+    # (a CPU rank reports its peak from one step only, maybe a warm-up step: Job.memory_step)
+    counted = [[s for s in r["steps"] if s["peak_bytes"] is not None
+                and (s["measured"] or s.get("memory_step"))] for r in results]
     peak = {r["device"]: max(s["peak_bytes"] for s in c)
             for r, c in zip(results, counted, strict=True)}
     losses = []

@@ -13,10 +13,9 @@ the segment's generated code on the same weights, one autograd backward per segm
 micro-batch at the first backward action of its ops, the others skipped. Its inputs enter
 through the same identity function as an op's. The memory it counts differs from the op
 path's only in an intermediate of a segment's forward, counted only where autograd saves it.
-A CPU rank counts what autograd holds in its last step (:attr:`StageRunner.memory_step`),
-and reports its peak from that step. With the job's
-``compile`` each segment's code runs through ``torch.compile``
-(:mod:`explorer.runtime.segment_compile`).
+A CPU rank counts what autograd holds in one step (:attr:`Job.memory_step`, untimed where it
+can be) and reports its peak from it. With the job's ``compile`` each segment's code runs
+through ``torch.compile`` (:mod:`explorer.runtime.segment_compile`).
 """
 
 from __future__ import annotations
@@ -210,10 +209,10 @@ class StageRunner(SegmentSteps):
         self.losses: list[float] = []
         self._start_segments()
         busy = 0.0
-        #: a CPU rank counts what autograd holds in its last step only: the hooks that count
-        #: it cost time eager PyTorch does not spend, and every step holds the same
+        #: a CPU rank counts what autograd holds in one step only: the hooks that count it cost
+        #: time eager PyTorch does not spend, and every step after the first holds the same
         self.memory_step = (L.tdev.type != "cuda"
-                            and self.steps_done == self.job.warmup + self.job.steps - 1)
+                            and self.steps_done == self.job.memory_step)
         self.weights.counting = self.memory_step
         self.hooked: set = set()  # (the autograd nodes counting their gradients, this step)
         self.tracker.reset_peak()
@@ -259,6 +258,7 @@ class StageRunner(SegmentSteps):
         self.hooked.clear()
         self.steps_done += 1
         return {"step_s": t1 - t0, "busy_s": busy, "peak_bytes": peak, "loss": loss,
+                "memory_step": self.memory_step,
                 "peak_by_category": self.tracker.peak_by if self.memory_step else None}
 
     def _timed(self, fn: Callable[..., None], *args: Any) -> float:

@@ -18,6 +18,7 @@ import torch
 import explorer as ex
 from explorer.core.errors import MemoryExceededError, PlanError
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime.jobfiles import Job
 from explorer.runtime.launch import reference
 from explorer.runtime.watch import RunFailed
 
@@ -152,6 +153,28 @@ class TestMeasurement:
         assert fitted.compute_scale > 0
         other = ex.partition(graph, cpu2, fitted, "data-parallel")
         assert ex.simulate(graph, other, fitted).step_s > 0
+
+
+    def test_memory_is_counted_in_a_warm_up_step_where_there_are_two(self, cpu2):
+        """A CPU rank's accounting costs step time, so it runs in the last of two warm-up
+        steps, not in a timed one: the peak is the one a measured step would count."""
+        _, graph = _case("gpt")
+        plan = _plans(graph, cpu2)["1f1b"]
+        runs = {warmup: ex.run(graph, plan=plan, steps=1, warmup=warmup, progress=False)
+                for warmup in (1, 2)}
+        assert all(p > 0 for p in runs[1].peak_bytes.values())
+        assert runs[2].peak_bytes == runs[1].peak_bytes
+        assert runs[2].peak_by_category == runs[1].peak_by_category
+        job = dataclasses.replace(_job_fields(), steps=3)
+        assert [dataclasses.replace(job, warmup=w).memory_step for w in (0, 1, 2, 5)] == \
+            [2, 3, 1, 4]
+
+
+def _job_fields():
+    """A job with only its step counts to go by (:attr:`Job.memory_step`)."""
+    return Job(calls=[], state={}, plan=None, schedule=None, inputs=[], targets=[], steps=1,
+               warmup=0, lr=0.0, record=False, timeout_s=1.0, device_map={}, requires_grad=[],
+               loss="")
 
 
 def _children() -> list[str]:
