@@ -40,10 +40,12 @@ DTENSOR_KEYS = ("op_fwd_s", "op_bwd_s", "collective_s", "read_fwd_s", "read_bwd_
                 "optimizer_tensor_s", "step_s")
 #: what ``torch.utils.checkpoint`` adds to a recomputing stage beyond the ops it runs again
 #: (``DeviceCosts.checkpoint``, seconds): per checkpointed span of ops and micro-batch, in its
-#: forward and in its backward (the call, its saved-tensor hooks, the recomputation's
-#: set-up), and per op of a span under a policy (torch's selective checkpointing), in the
+#: forward and in its backward (the call, the recomputation's set-up), per tensor its ops
+#: save (its saved-tensor hooks: packed in the forward, packed again in the recomputation and
+#: unpacked), and per op of a span under a policy (torch's selective checkpointing), in the
 #: forward and in the recomputation
-CHECKPOINT_KEYS = ("span_fwd_s", "span_bwd_s", "policy_op_fwd_s", "policy_op_bwd_s")
+CHECKPOINT_KEYS = ("span_fwd_s", "span_bwd_s", "saved_fwd_s", "saved_bwd_s", "policy_op_fwd_s",
+                   "policy_op_bwd_s")
 
 
 @dataclass

@@ -339,6 +339,9 @@ class CheckpointSpan:
     #: the op whose backward runs first (the recomputation runs there, when autograd first
     #: unpacks a value the span saved)
     backward_at: int
+    #: the tensors its ops save for their backward, each of which checkpoint's hooks pack in
+    #: the forward, pack again in the recomputation and unpack in the backward
+    saves: int = 0
 
 
 def op_updates_state(op: str) -> bool:
@@ -388,5 +391,6 @@ def checkpoint_spans(graph: OpGraph, mode: Sequence[str], stage: Sequence[int],
             else set()
         spans.append(CheckpointSpan(stage=s, ops=tuple(ops), policy=selective or any(state),
                                     rerun=tuple(i for i in ops[:end] if i not in kept),
-                                    backward_at=back[-1]))
+                                    backward_at=back[-1],
+                                    saves=sum(len(nodes[i].saves) for i in back)))
     return spans

@@ -7,19 +7,23 @@ of non-reentrant checkpoint per span and micro-batch, its saved-tensor hooks pac
 span saves, and in the backward a recomputation set up and run under hooks of its own; under
 torch's selective checkpointing a policy is also called from Python for every op of the span,
 in the forward and again in the recomputation. On CPU ranks that is processor time the ops'
-profile does not hold, tens to hundreds of microseconds per span. The probe measures it once
-per host (or afresh, as the profile is): a small residual MLP of :data:`BLOCKS` blocks (each a
-span), run in segments without recomputation, with "full" and with "selective" in turn
-(:data:`ROUNDS` times); the forward and backward each run adds, less the forward it runs again
-in the backward, per span (the "full" runs) and then per op under the policy (the
-"selective" ones) is ``DeviceCosts.checkpoint``, which the simulator charges each span
+profile does not hold, tens to hundreds of microseconds per span, more the more tensors
+the span saves (each goes through checkpoint's hooks three times). The probe measures it once
+per host (or afresh, as the profile is): small residual MLPs of :data:`BLOCKS` blocks (each a
+span) of one and of four layers (:data:`DEPTHS`), run in segments without recomputation, with
+"full" and (the shallow one) with "selective" in turn (:data:`ROUNDS` times); the forward and
+backward each run adds, less the forward it runs again in the backward, per span and per
+saved tensor (the "full" runs of both depths) and then per op under the policy (the
+"selective" one) is ``DeviceCosts.checkpoint``, which the simulator charges each span
 (:mod:`explorer.simulate.effects`).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,17 +38,21 @@ from explorer.runtime import launch
 from explorer.runtime.pool import RankPool
 
 #: the probe's entry in the host measurement cache
-PROBE_KEY = ("checkpoint cost per span and per op under a policy, segment runtime on 1 CPU "
-             "rank")
+PROBE_KEY = ("checkpoint cost per span, per saved tensor and per op under a policy, segment "
+             "runtime on 1 CPU rank")
 KEYS = CHECKPOINT_KEYS
-#: how many times each of the three runs is made, in turn
+#: how many times each of the runs is made, in turn
 ROUNDS = 3
 #: the probe model's residual blocks, each a checkpointed span
 BLOCKS = 6
-MODES = ("none", "full", "selective")
+#: the layers of a block in the probe's two models: spans that save four times as many
+#: tensors tell the cost per span from the cost per saved tensor
+DEPTHS = (1, 4)
+#: the probe's runs: (recomputation, depth); selective runs on the shallow blocks only
+RUNS = (("none", 1), ("full", 1), ("selective", 1), ("none", 4), ("full", 4))
 
 
-class _Block(nn.Module):
+class _Layer(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
@@ -56,9 +64,12 @@ class _Block(nn.Module):
 
 
 class _Probe(nn.Module):
-    def __init__(self, width: int = 32, classes: int = 10) -> None:
+    """:data:`BLOCKS` residual blocks of ``depth`` layers each (a block is a span)."""
+
+    def __init__(self, depth: int, width: int = 32, classes: int = 10) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block(width) for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(nn.Sequential(*(_Layer(width) for _ in range(depth)))
+                                    for _ in range(BLOCKS))
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +78,13 @@ class _Probe(nn.Module):
         return self.head(x)
 
 
-def probe_graph() -> OpGraph:
-    """The probe's model (small tensors: what checkpointing adds is most of what it costs)."""
+def probe_graph(depth: int = 1) -> OpGraph:
+    """The probe's model with blocks of ``depth`` layers (small tensors: what checkpointing
+    adds is most of what it costs)."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    return capture(_Probe(), (x,), nn.functional.cross_entropy, (y,), name="checkpoint-probe")
+    return capture(_Probe(depth), (x,), nn.functional.cross_entropy, (y,),
+                   name=f"checkpoint-probe-{depth}")
 
 
 def checkpoint_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None = None,
@@ -82,58 +95,95 @@ def checkpoint_costs(cluster: Cluster, cache: bool = True, pool: RankPool | None
     return host.measured_once(
         cluster, cache, PROBE_KEY, KEYS, lambda: measure_checkpoint_costs(pool=pool),
         "measuring what checkpointing adds on CPU ranks",
-        f"{BLOCKS}-block residual MLP on 1 CPU rank in segments, without recomputation, "
-        f"full and selective in turn ({ROUNDS} rounds): the medians' differences less the "
-        "forward run again, per span (full), then per op under the policy (selective)",
+        f"{BLOCKS}-block residual MLPs of {DEPTHS} layers a block on 1 CPU rank in "
+        f"segments, without recomputation, full and selective in turn ({ROUNDS} rounds): "
+        "the medians' differences less the forward run again, per span and per saved "
+        "tensor (full, both depths), then per op under the policy (selective)",
         report, ranks=1) or {}
 
 
 def measure_checkpoint_costs(steps: int = 20, warmup: int = 3, pool: RankPool | None = None
                              ) -> dict[str, float]:
     """Run the probe (a few seconds, on ``pool``'s rank where given) and fit its costs."""
-    graph = probe_graph()
+    graphs = {depth: probe_graph(depth) for depth in DEPTHS}
     dev = Cluster.cpu(1, measure=False).devices[0]
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    for _ in range(ROUNDS):  # in turn: a host that slows down moves all three alike
-        for mode in MODES:
-            plan = Plan.single(graph, dev.id, optimizer="adam")
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {run: [] for run in RUNS}
+    for _ in range(ROUNDS):  # in turn: a host that slows down moves all runs alike
+        for mode, depth in RUNS:
+            plan = Plan.single(graphs[depth], dev.id, optimizer="adam")
             if mode != "none":
                 plan = plan.with_memory(recompute=mode)
-            meas = launch.run(graph, plan=plan, steps=steps, warmup=warmup, progress=False,
-                              pool=pool, runtime="segments", timeout_s=300.0)
+            meas = launch.run(graphs[depth], plan=plan, steps=steps, warmup=warmup,
+                              progress=False, pool=pool, runtime="segments", timeout_s=300.0)
             task = meas.task_s
-            times[mode].append((sum(v for k, v in task.items() if k.startswith("fwd:")),
-                                sum(v for k, v in task.items() if k.startswith("bwd:"))))
-    median = {m: (statistics.median(f for f, _ in t), statistics.median(b for _, b in t))
-              for m, t in times.items()}
-    return fit(graph, median)
+            times[mode, depth].append((sum(v for k, v in task.items() if k.startswith("fwd:")),
+                                       sum(v for k, v in task.items() if k.startswith("bwd:"))))
+    median = {run: (statistics.median(f for f, _ in t), statistics.median(b for _, b in t))
+              for run, t in times.items()}
+    return fit(graphs, median)
 
 
-def fit(graph: OpGraph, steps: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """The costs of :data:`KEYS` from the (forward, backward) seconds of one step of
-    ``graph`` on one device for each of :data:`MODES` (``steps``): the "full" run's extra
-    forward per span, and its extra backward per span less the forward it runs again (each
-    op's share of the plain forward); then the "selective" run's extra, less its spans' cost,
-    per op of its spans (all under the policy). None below 0."""
+@dataclass(frozen=True)
+class _Extra:
+    """What one recomputing run of a probe model took beyond its run without, and what its
+    spans hold."""
+
+    fwd_s: float
+    #: less the forward its spans run again (each op's share of the plain forward)
+    bwd_s: float
+    spans: int
+    saves: int
+    policy_ops: int
+
+
+def _extra(graph: OpGraph, mode: str, steps: dict[tuple[str, int], tuple[float, float]],
+           depth: int) -> _Extra:
     n = len(graph)
     stage = [0] * n
     has_b = [x.kind == "op" and x.requires_grad for x in graph.nodes]
-    fwd_none, bwd_none = steps["none"]
+    again = (recomputation(graph, mode, stage, has_b).first_use >= 0).tolist()
+    spans = checkpoint_spans(graph, [mode] * n, stage, has_b, again)
+    (fwd_none, bwd_none), (fwd, bwd) = steps["none", depth], steps[mode, depth]
     per_op = fwd_none / max(sum(x.kind == "op" for x in graph.nodes), 1)
+    return _Extra(fwd_s=fwd - fwd_none,
+                  bwd_s=bwd - bwd_none - per_op * sum(len(x.rerun) for x in spans),
+                  spans=len(spans), saves=sum(x.saves for x in spans),
+                  policy_ops=sum(len(x.ops) for x in spans if x.policy))
+
+
+def _per_span_and_saved(runs: list[_Extra], seconds: list[float]) -> tuple[float, float]:
+    """Seconds per span and per saved tensor that best give ``seconds`` (one per run), by
+    least squares, neither below 0."""
+    a = np.array([[r.spans, r.saves] for r in runs], dtype=float)
+    y = np.array(seconds, dtype=float)
+    both = np.linalg.lstsq(a, y, rcond=None)[0]
+    if (both >= 0).all():
+        return float(both[0]), float(both[1])
+    # one of them below 0: the other alone
+    fits = []
+    for k in (0, 1):
+        col = a[:, k]
+        x = max(float(col @ y / (col @ col)), 0.0)
+        fits.append((float(((y - x * col) ** 2).sum()), k, x))
+    _, k, x = min(fits)
+    return (x, 0.0) if k == 0 else (0.0, x)
+
+
+def fit(graphs: dict[int, OpGraph], steps: dict[tuple[str, int], tuple[float, float]]
+        ) -> dict[str, float]:
+    """The costs of :data:`KEYS` from the (forward, backward) seconds of one step of each
+    probe model (by depth: ``graphs``) on one device for each of :data:`RUNS` (``steps``):
+    the "full" runs' extra forward, and extra backward less the forward run again, per span
+    and per tensor the spans save (the two depths tell them apart); then the "selective"
+    run's extra, less what its spans and saved tensors cost, per op of its spans (all under
+    the policy). None below 0."""
+    full = [_extra(graphs[depth], "full", steps, depth) for depth in DEPTHS]
     out: dict[str, float] = {}
-    for mode in ("full", "selective"):
-        again = (recomputation(graph, mode, stage, has_b).first_use >= 0).tolist()
-        spans = checkpoint_spans(graph, [mode] * n, stage, has_b, again)
-        fwd, bwd = steps[mode]
-        extra_f = fwd - fwd_none
-        extra_b = bwd - bwd_none - per_op * sum(len(x.rerun) for x in spans)
-        policy_ops = sum(len(x.ops) for x in spans if x.policy)
-        if mode == "full":  # (no op of the probe updates state: no policy)
-            out["span_fwd_s"] = max(extra_f / max(len(spans), 1), 0.0)
-            out["span_bwd_s"] = max(extra_b / max(len(spans), 1), 0.0)
-            continue
-        out["policy_op_fwd_s"] = max((extra_f - len(spans) * out["span_fwd_s"])
-                                     / max(policy_ops, 1), 0.0)
-        out["policy_op_bwd_s"] = max((extra_b - len(spans) * out["span_bwd_s"])
-                                     / max(policy_ops, 1), 0.0)
-    return out
+    out["span_fwd_s"], out["saved_fwd_s"] = _per_span_and_saved(full, [r.fwd_s for r in full])
+    out["span_bwd_s"], out["saved_bwd_s"] = _per_span_and_saved(full, [r.bwd_s for r in full])
+    sel = _extra(graphs[DEPTHS[0]], "selective", steps, DEPTHS[0])
+    for part in ("fwd", "bwd"):
+        spans_cost = sel.spans * out[f"span_{part}_s"] + sel.saves * out[f"saved_{part}_s"]
+        out[f"policy_op_{part}_s"] = max(
+            (getattr(sel, f"{part}_s") - spans_cost) / max(sel.policy_ops, 1), 0.0)
+    return {k: out[k] for k in KEYS}

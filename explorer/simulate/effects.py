@@ -124,9 +124,10 @@ class StageEffects:
         own cost to ``fwd_d``, in place). A stage profiled for the segment runtime
         checkpoints spans (:func:`checkpoint_spans`): in each span's first backward, torch's
         checkpoint runs the span's forward again from its start up to the last op that saves
-        a value, but the ops a policy keeps, and costs what the host probe measured per span
-        and per op under a policy (``DeviceCosts.checkpoint``); on the op path each op that
-        makes a dropped value runs again in the first backward that needs it. Sets
+        a value, but the ops a policy keeps, and costs what the host probe measured per span,
+        per tensor its ops save and per op under a policy (``DeviceCosts.checkpoint``); on
+        the op path each op that makes a dropped value runs again in the first backward that
+        needs it. Sets
         ``extra_from``."""
         extra = np.zeros(A.n)
         spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
@@ -144,8 +145,10 @@ class StageEffects:
                      for s in {x.stage for x in spans}}
         for span in spans:
             ck, policy_ops = per_stage[span.stage], len(span.ops) * span.policy
-            fwd_d[span.ops[0]] += ck["span_fwd_s"] + policy_ops * ck["policy_op_fwd_s"]
-            extra[span.backward_at] += ck["span_bwd_s"] + policy_ops * ck["policy_op_bwd_s"]
+            fwd_d[span.ops[0]] += (ck["span_fwd_s"] + span.saves * ck["saved_fwd_s"]
+                                   + policy_ops * ck["policy_op_fwd_s"])
+            extra[span.backward_at] += (ck["span_bwd_s"] + span.saves * ck["saved_bwd_s"]
+                                        + policy_ops * ck["policy_op_bwd_s"])
         return extra
 
 

@@ -1,6 +1,7 @@
-"""The checkpoint probe: what a checkpointed span costs beyond the ops it runs again, per span
-and per op under a policy, fitted from runs with and without recomputation; measured once per
-host; and the simulator charging it to a recomputing stage of the segment runtime."""
+"""The checkpoint probe: what a checkpointed span costs beyond the ops it runs again, per span,
+per saved tensor and per op under a policy, fitted from runs with and without recomputation;
+measured once per host; and the simulator charging it to a recomputing stage of the segment
+runtime."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from builders import costs, tiny_builtin_graph
 import explorer as ex
 from explorer.costs.strategies import checkpoint_spans, recomputation
 from explorer.profiling import checkpoint_probe
-from explorer.profiling.checkpoint_probe import BLOCKS, fit, probe_graph
+from explorer.profiling.checkpoint_probe import BLOCKS, DEPTHS, RUNS, fit, probe_graph
 from explorer.runtime import RankPool
 from explorer.simulate.simulator import simulate
 
-COSTS = {"span_fwd_s": 8e-5, "span_bwd_s": 1.3e-4, "policy_op_fwd_s": 2e-5,
-         "policy_op_bwd_s": 2.5e-5}
+COSTS = {"span_fwd_s": 4e-5, "span_bwd_s": 9e-5, "saved_fwd_s": 5e-6, "saved_bwd_s": 6e-6,
+         "policy_op_fwd_s": 2e-5, "policy_op_bwd_s": 2.5e-5}
 
 
 def _spans(graph, mode):
@@ -27,26 +28,53 @@ def _spans(graph, mode):
     return checkpoint_spans(graph, [mode] * n, [0] * n, has_b, again)
 
 
-def test_fit_recovers_the_costs_the_runs_were_made_with():
-    """Steps made from known costs (each op's share of the plain forward run again) give
-    those costs back: per span from the full run, per op under the policy from the
-    selective one."""
-    g = probe_graph()
-    ops = sum(x.kind == "op" for x in g.nodes)
-    fwd, bwd = 2e-3, 3e-3
-    steps = {"none": (fwd, bwd)}
-    for mode in ("full", "selective"):
+def _steps(graphs, costs, fwd=2e-3, bwd=3e-3):
+    """(forward, backward) seconds of a step of each probe run made from ``costs`` (each
+    op's share of the plain forward run again; deeper blocks' steps longer)."""
+    steps = {}
+    for mode, depth in RUNS:
+        g = graphs[depth]
+        ops = sum(x.kind == "op" for x in g.nodes)
+        f, b = fwd * depth, bwd * depth
+        if mode == "none":
+            steps[mode, depth] = (f, b)
+            continue
         spans = _spans(g, mode)
-        assert len(spans) == BLOCKS and all(x.policy == (mode == "selective") for x in spans)
         policy_ops = sum(len(x.ops) for x in spans if x.policy)
-        rerun = fwd / ops * sum(len(x.rerun) for x in spans)
-        steps[mode] = (fwd + len(spans) * COSTS["span_fwd_s"]
-                       + policy_ops * COSTS["policy_op_fwd_s"],
-                       bwd + rerun + len(spans) * COSTS["span_bwd_s"]
-                       + policy_ops * COSTS["policy_op_bwd_s"])
-    assert fit(g, steps) == pytest.approx(COSTS, rel=1e-9)
+        saves = sum(x.saves for x in spans)
+        steps[mode, depth] = (
+            f + len(spans) * costs["span_fwd_s"] + saves * costs["saved_fwd_s"]
+            + policy_ops * costs["policy_op_fwd_s"],
+            b + f / ops * sum(len(x.rerun) for x in spans) + len(spans) * costs["span_bwd_s"]
+            + saves * costs["saved_bwd_s"] + policy_ops * costs["policy_op_bwd_s"])
+    return steps
+
+
+def test_fit_recovers_the_costs_the_runs_were_made_with():
+    """Steps made from known costs give those costs back: per span and per saved tensor
+    from the full runs of the two depths, per op under the policy from the selective one."""
+    graphs = {depth: probe_graph(depth) for depth in DEPTHS}
+    for g in graphs.values():
+        for mode in ("full", "selective"):
+            spans = _spans(g, mode)
+            assert len(spans) == BLOCKS and all(x.policy == (mode == "selective")
+                                                for x in spans)
+            assert all(x.saves > 0 for x in spans)
+    assert _spans(graphs[4], "full")[0].saves == 4 * _spans(graphs[1], "full")[0].saves
+    assert fit(graphs, _steps(graphs, COSTS)) == pytest.approx(COSTS, rel=1e-9)
+    # spans that cost the same whatever they save: no cost per saved tensor
+    flat = dict(COSTS, saved_fwd_s=0.0, saved_bwd_s=0.0)
+    assert fit(graphs, _steps(graphs, flat)) == pytest.approx(flat, rel=1e-9, abs=1e-12)
+    # a cost per saved tensor only: none per span, and none below 0 on noise that says less
+    only = dict(COSTS, span_fwd_s=0.0, span_bwd_s=0.0)
+    assert fit(graphs, _steps(graphs, only)) == pytest.approx(only, rel=1e-9, abs=1e-12)
+    noisy = _steps(graphs, only)
+    noisy["full", 1] = (noisy["full", 1][0] + 2e-4, noisy["full", 1][1])
+    got = fit(graphs, noisy)
+    assert all(v >= 0.0 for v in got.values()) and got["span_fwd_s"] > 0.0
     # runs no slower than without recomputation: nothing below 0
-    assert fit(g, {m: (fwd, bwd) for m in steps}) == dict.fromkeys(COSTS, 0.0)
+    plain = {run: _steps(graphs, COSTS)["none", run[1]] for run in RUNS}
+    assert fit(graphs, plain) == dict.fromkeys(COSTS, 0.0)
 
 
 def one_rank() -> ex.Cluster:
@@ -78,7 +106,8 @@ def test_measured_once_per_host_afresh_when_asked_and_unknown_when_it_fails(tmp_
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_the_simulator_charges_each_span_and_runs_again_what_checkpoint_runs_again(mode):
     """A recomputing stage profiled for the segments: each span's forward costs the span
-    cost more (and per op under the policy), its backward the span cost and the forward of
+    cost more (and per saved tensor, and per op under the policy), its backward the span
+    cost (and per saved tensor) and the forward of
     the ops checkpoint runs again; the op path's profile keeps the op path's rule and no
     span cost."""
     g = tiny_builtin_graph("gpt")
@@ -102,6 +131,7 @@ def test_the_simulator_charges_each_span_and_runs_again_what_checkpoint_runs_aga
             policy_ops = sum(len(x.ops) for x in spans if x.policy)
             expected = 1e-4 * sum(len(x.rerun) for x in spans) + (
                 len(spans) * (COSTS["span_fwd_s"] + COSTS["span_bwd_s"])
+                + sum(x.saves for x in spans) * (COSTS["saved_fwd_s"] + COSTS["saved_bwd_s"])
                 + policy_ops * (COSTS["policy_op_fwd_s"] + COSTS["policy_op_bwd_s"])
                 if checkpoint else 0.0)
         assert step - plain == pytest.approx(expected, rel=1e-6), runtime
