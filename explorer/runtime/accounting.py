@@ -38,6 +38,9 @@ class MemTracker:
         #: bytes of each category at the moment of :attr:`peak`
         self.peak_by: dict[str, int] = dict(self.live_by)
         self._held: list[torch.Tensor] | None = None
+        #: while an autograd node runs (:meth:`node_running`): (bytes, category) of the
+        #: storages freed meanwhile, still counted
+        self._freed_in_node: list[tuple[int, str]] | None = None
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -79,9 +82,35 @@ class MemTracker:
             return
         ref[0] -= 1
         if ref[0] == 0:
+            del self.refs[key]
+            if self._freed_in_node is not None:
+                self._freed_in_node.append((ref[1], ref[2]))
+                return
             self.live -= ref[1]
             self.live_by[ref[2]] -= ref[1]
-            del self.refs[key]
+
+    def hand_over(self, t: torch.Tensor) -> None:
+        """Drop one count of ``t``'s storage at once, also while a node runs: what another
+        count of the same storage takes over (not a free)."""
+        running, self._freed_in_node = self._freed_in_node, None
+        try:
+            self.drop(t)
+        finally:
+            self._freed_in_node = running
+
+    def node_running(self) -> None:
+        """An autograd node's backward starts: what is freed while it runs (a value it
+        unpacked, which checkpoint made again for it alone) stays counted until
+        :meth:`node_done`, as a device holds it while the node makes its gradients."""
+        self.node_done()
+        self._freed_in_node = []
+
+    def node_done(self) -> None:
+        """The node's backward has made its gradients (counted): what it freed goes."""
+        freed, self._freed_in_node = self._freed_in_node, None
+        for nbytes, category in freed or ():
+            self.live -= nbytes
+            self.live_by[category] -= nbytes
 
     def move(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Count ``new``'s storage in place of ``old``'s, at once (a copy that replaces the
@@ -111,6 +140,7 @@ class MemTracker:
             self.live_by[category] -= nbytes
 
     def reset_peak(self) -> None:
+        self.node_done()
         self.peak = self.live
         self.peak_by = dict(self.live_by)
 
@@ -137,7 +167,9 @@ def count_gradients_made(tracker: MemTracker, roots: Iterable[Any], hooked: set,
     Autograd frees a node's incoming gradient and what it saved only after the node has made
     its gradients, as the op path counts them; gradients flowing between ops of one piece of
     code, or between the autograd nodes of one op, are otherwise seen by no hook of the
-    rank's."""
+    rank's. What is freed while a node runs (a value checkpoint made again for it, which it
+    unpacked and let go of) stays counted until the node has made its gradients
+    (:meth:`MemTracker.node_running`): a device allocates those while it still holds it."""
     def hook(node: Any) -> Callable[[Sequence[Any], Sequence[Any]], None]:
         # (a gradient handed to a weight's accumulation is the weight's gradient)
         kinds = [GRADIENTS if type(n).__name__ == "AccumulateGrad" else ACTIVATIONS
@@ -148,8 +180,12 @@ def count_gradients_made(tracker: MemTracker, roots: Iterable[Any], hooked: set,
                 if isinstance(g, torch.Tensor):
                     tracker.add(g, kind)
                     weakref.finalize(g, tracker.forget, storage_key(g))
+            tracker.node_done()
 
         return made
+
+    def running(grad_outputs: Sequence[Any]) -> None:
+        tracker.node_running()
 
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while todo:
@@ -157,6 +193,7 @@ def count_gradients_made(tracker: MemTracker, roots: Iterable[Any], hooked: set,
         if node is None or node in hooked or boundary(node):
             continue
         hooked.add(node)
+        node.register_prehook(running)
         node.register_hook(hook(node))
         todo.extend(n for n, _ in node.next_functions)
 

@@ -96,8 +96,8 @@ class Held:
                 self.kept.append(t)
 
     def let_go_of_kept(self) -> None:
-        for t in self.kept:
-            self.tracker.drop(t)
+        for t in self.kept:  # (the second run, which starts, saves them: it takes them over)
+            self.tracker.hand_over(t)
         self.kept.clear()
 
     def save(self, t: torch.Tensor) -> torch.Tensor:

@@ -101,3 +101,27 @@ def test_recomputation_gives_the_gradients_and_updates_a_buffer_once(mode, count
         assert tracker.peak >= 8 * 32 * 4  # (the relu's input, saved by the second run)
         held.release()
         assert tracker.live == 0
+
+
+def test_what_a_node_lets_go_of_is_counted_until_it_has_made_its_gradients():
+    """A value freed while an autograd node runs stays counted until the node is done (a
+    device allocates the node's gradients while it still holds it); a count handed over to
+    another of the same storage is not a free and goes at once."""
+    tracker = MemTracker()
+    held, grad = torch.zeros(256), torch.zeros(128)
+    tracker.add(held)
+    tracker.node_running()
+    tracker.drop(held)  # (the node unpacked it and let go of it)
+    assert tracker.live == held.nbytes
+    tracker.add(grad, "gradients")  # the gradient it makes meanwhile
+    assert tracker.peak == held.nbytes + grad.nbytes
+    tracker.node_done()
+    assert tracker.live == grad.nbytes and tracker.live_by["activations"] == 0
+    kept = torch.zeros(64)
+    tracker.add(kept)
+    tracker.node_running()
+    tracker.hand_over(kept)  # (the second run saves it again: counted once throughout)
+    tracker.add(kept)
+    assert tracker.live == grad.nbytes + kept.nbytes
+    tracker.node_done()
+    assert tracker.live == grad.nbytes + kept.nbytes
