@@ -79,6 +79,9 @@ class StageEffects:
     #: to be held: -1 from its forward; else the op in whose backward checkpoint makes it
     #: again (an op its span runs again: checkpoint keeps none of what the span saves)
     extra_from: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: [node] the op whose backward runs first in the checkpointed span of the node's op, on a
+    #: stage that runs segments (where checkpoint runs the span again), else -1
+    span_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
     #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
     #: that copy for its backward instead of the tensor itself
@@ -128,7 +131,7 @@ class StageEffects:
         per tensor its ops save and per op under a policy (``DeviceCosts.checkpoint``); on
         the op path each op that makes a dropped value runs again in the first backward that
         needs it. Sets
-        ``extra_from``."""
+        ``extra_from`` and ``span_first``."""
         extra = np.zeros(A.n)
         spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
                                   for d in plan.stages[s]) for s in range(len(plan.stages))],
@@ -137,9 +140,11 @@ class StageEffects:
         np.add.at(extra, self.rc_op[rc], fwd_d[rc])
         spans = [x for x in self.spans if spans_run[x.stage]]
         self.extra_from = np.full(A.n, -1, dtype=np.int64)
+        self.span_first = np.full(A.n, -1, dtype=np.int64)
         for span in spans:
             extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
             self.extra_from[list(span.rerun)] = span.backward_at
+            self.span_first[list(span.ops)] = span.backward_at
         per_stage = {s: {k: max(costs.device_costs(d).checkpoint.get(k, 0.0)
                                 for d in plan.stages[s]) for k in CHECKPOINT_KEYS}
                      for s in {x.stage for x in spans}}

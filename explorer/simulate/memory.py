@@ -69,8 +69,16 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
         sv_p_any, sv_v_any = sv_p_any[~cast], sv_v_any[~cast]
     # (a source is held as made by the forward, even where its own unit drops it as saved)
     n_saved = len(sv_p_a)
+    # (a value of a checkpointed span that its policy kept is held by the policy's cache until
+    # the span runs again, at the start of its first backward: (value, that op) pairs)
+    cached_p = cached_v = np.zeros(0, dtype=np.int64)
     if eff is not None and len(eff.sources[0]):
         src_p, src_v = eff.sources
+        if len(eff.span_first):
+            first = eff.span_first[src_p]
+            cached = (first >= 0) & (first == eff.span_first[src_v])
+            cached_p, cached_v = src_p[cached], first[cached]
+            src_p, src_v = src_p[~cached], src_v[~cached]
         sv_p_a, sv_v_a = np.concatenate([sv_p_a, src_p]), np.concatenate([sv_v_a, src_v])
         sv_p_any = np.concatenate([sv_p_any, src_p])
         sv_v_any = np.concatenate([sv_v_any, src_v])
@@ -115,15 +123,21 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             again = eff.dropped[sv_p_a] & (np.arange(len(sv_p_a)) < n_saved)
             rc = sel & again
             sel &= ~again
-            _recomputed(live, eff.rc_op, sv_p_a[rc], sv_v_a[rc], st, off_b, per_m, M,
+            # (checkpoint runs a span again whole, in its first backward: StageEffects.
+            # extra_from; the op path each op in the first backward that needs it)
+            made_in = (np.where(eff.extra_from >= 0, eff.extra_from, eff.rc_op)
+                       if len(eff.extra_from) else eff.rc_op)
+            _recomputed(live, made_in, sv_p_a[rc], sv_v_a[rc], st, off_b, per_m, M,
                         start_a, end_a, size_on(out_b[sv_p_a[rc]], st[sv_p_a[rc]]))
         parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
         at_all = pos[np.concatenate([p[0] for p in parts])]
         base_all = np.concatenate([p[1] for p in parts])
         step_all = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
+        cached_at = pos[cached_p]
         for m in range(M):
             t1 = end_a[off_f[rops] + m * per_m]
             np.maximum.at(t1, at_all, end_a[base_all + m * step_all])
+            np.maximum.at(t1, cached_at, start_a[off_b[cached_v] + m * per_m])
             live(rs, start_a[off_f[rops] + m * per_m], t1, size)
     # extra tensors saved for the backward (masks, statistics, indices): made by the forward,
     # kept until the backward; the op path's recomputation makes op outputs again, not these
