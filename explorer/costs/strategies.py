@@ -342,6 +342,9 @@ class CheckpointSpan:
     #: the tensors its ops save for their backward, each of which checkpoint's hooks pack in
     #: the forward, pack again in the recomputation and unpack in the backward
     saves: int = 0
+    #: whether an op of it updates state (kept by the policy: a batch norm's running
+    #: statistics move once)
+    keeps_state: bool = False
 
 
 def op_updates_state(op: str) -> bool:
@@ -392,5 +395,6 @@ def checkpoint_spans(graph: OpGraph, mode: Sequence[str], stage: Sequence[int],
         spans.append(CheckpointSpan(stage=s, ops=tuple(ops), policy=selective or any(state),
                                     rerun=tuple(i for i in ops[:end] if i not in kept),
                                     backward_at=back[-1],
-                                    saves=sum(len(nodes[i].saves) for i in back)))
+                                    saves=sum(len(nodes[i].saves) for i in back),
+                                    keeps_state=any(state)))
     return spans

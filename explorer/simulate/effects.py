@@ -82,6 +82,9 @@ class StageEffects:
     #: [node] the op whose backward runs first in the checkpointed span of the node's op, on a
     #: stage that runs segments (where checkpoint runs the span again), else -1
     span_first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: [node] the op in whose backward checkpoint makes the node's output again, where its
+    #: span keeps no state (then it runs again whole there), else -1
+    rerun_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
     #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
     #: that copy for its backward instead of the tensor itself
@@ -131,7 +134,7 @@ class StageEffects:
         per tensor its ops save and per op under a policy (``DeviceCosts.checkpoint``); on
         the op path each op that makes a dropped value runs again in the first backward that
         needs it. Sets
-        ``extra_from`` and ``span_first``."""
+        ``extra_from``, ``span_first`` and ``rerun_at``."""
         extra = np.zeros(A.n)
         spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
                                   for d in plan.stages[s]) for s in range(len(plan.stages))],
@@ -141,7 +144,10 @@ class StageEffects:
         spans = [x for x in self.spans if spans_run[x.stage]]
         self.extra_from = np.full(A.n, -1, dtype=np.int64)
         self.span_first = np.full(A.n, -1, dtype=np.int64)
+        self.rerun_at = np.full(A.n, -1, dtype=np.int64)
         for span in spans:
+            if not span.keeps_state:
+                self.rerun_at[list(span.rerun)] = span.backward_at
             extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
             self.extra_from[list(span.rerun)] = span.backward_at
             self.span_first[list(span.ops)] = span.backward_at

@@ -124,9 +124,9 @@ def memory_at_peaks(graph: OpGraph, plan: Plan, tasks: TaskGraph, timing: Timing
             rc = sel & again
             sel &= ~again
             # (checkpoint runs a span again whole, in its first backward: StageEffects.
-            # extra_from; the op path each op in the first backward that needs it)
-            made_in = (np.where(eff.extra_from >= 0, eff.extra_from, eff.rc_op)
-                       if len(eff.extra_from) else eff.rc_op)
+            # rerun_at; the op path each op in the first backward that needs it)
+            made_in = (np.where(eff.rerun_at >= 0, eff.rerun_at, eff.rc_op)
+                       if len(eff.rerun_at) else eff.rc_op)
             _recomputed(live, made_in, sv_p_a[rc], sv_v_a[rc], st, off_b, per_m, M,
                         start_a, end_a, size_on(out_b[sv_p_a[rc]], st[sv_p_a[rc]]))
         parts.append((sv_p_a[sel], off_b[sv_v_a[sel]], per_m))
