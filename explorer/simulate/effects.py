@@ -133,8 +133,7 @@ class StageEffects:
         a value, but the ops a policy keeps, and costs what the host probe measured per span,
         per tensor its ops save and per op under a policy (``DeviceCosts.checkpoint``); on
         the op path each op that makes a dropped value runs again in the first backward that
-        needs it. Sets
-        ``extra_from``, ``span_first`` and ``rerun_at``."""
+        needs it. Sets ``extra_from``, ``span_first`` and ``rerun_at``."""
         extra = np.zeros(A.n)
         spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
                                   for d in plan.stages[s]) for s in range(len(plan.stages))],
