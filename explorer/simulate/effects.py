@@ -222,10 +222,7 @@ def weight_groups(A: GraphArrays, st: np.ndarray, s: int, succs: list[list[int]]
                                        units.__getitem__)]
 
 
-def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray,
-                       succs: list[list[int]], ops_by_stage: list[np.ndarray],
-                       fb: Any, slots: tuple[np.ndarray, np.ndarray], M: int,
-                       py_src: list[int], py_dst: list[int]) -> int:
+def add_weight_gathers(b: Any) -> int:
     """ZeRO 3: per micro-batch, one all-gather of each group of weights (those first read in
     the same recomputation unit, :func:`gather_groups`, as the runtime gathers them) before the
     forward of the first op that reads one and another before the backward of the last one
@@ -234,13 +231,16 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
     two places before its first user (in running order) is done, so it overlaps the op
     between (the two weights used first in a micro-batch's backward, once the backward
     before it is done, or for the first, the forward that runs last before it). ``b`` is the
-    task builder; returns the bytes the gathers move."""
+    task builder (:mod:`explorer.simulate.tasks`), its stage effects and forward/backward
+    block made; returns the bytes the gathers move."""
     moved = 0
-    off_f, off_b, per_m = fb.fwd, fb.bwd, fb.per_mb
-    sf, sb = slots
+    eff, A, st, M = b.eff, b.A, b.st, b.M
+    off_f, off_b, per_m = b.fb.fwd, b.fb.bwd, b.fb.per_mb
+    sf, sb = b.slots_f, b.slots_b
+    py_src, py_dst = b.edges.src, b.edges.dst
     N = A.n
     for s, z in enumerate(eff.zero):
-        ops = ops_by_stage[s]
+        ops = b.ops_by_stage[s]
         if z != 3 or not len(ops):
             continue
         devs = b.plan.stages[s]
@@ -249,7 +249,7 @@ def add_weight_gathers(b: Any, eff: StageEffects, A: GraphArrays, st: np.ndarray
         bops = ops[A.has_b[ops]].tolist()
         bpos = {o: k for k, o in enumerate(bops)}
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
-        for group, readers in weight_groups(A, st, s, succs, pos, eff.units):
+        for group, readers in weight_groups(A, st, s, b.g.succs, pos, eff.units):
             nbytes = int(A.pbytes[group].sum())
             label = "all-gather " + ", ".join(A.names[w] for w in group)
             dur = b.costs.allgather_s(devs, nbytes)

@@ -49,6 +49,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.core.schedule import Schedule
 from explorer.costs.model import CostModel, DeviceCosts
+from explorer.costs.strategies import BUCKET_BYTES
 from explorer.devices.cluster import Cluster, Device, Link
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.budget import check_simulation_size
@@ -58,7 +59,7 @@ from explorer.simulate.schedule import Timing, run
 from explorer.simulate.seconds import Seconds, arrays_lower_bound_s, lower_bound_s, plain_costs
 from explorer.simulate.segment_spans import stage_actions
 from explorer.simulate.taskgraph import GATE, TaskGraph
-from explorer.simulate.tasks import BUCKET_BYTES, build_tasks
+from explorer.simulate.tasks import build_tasks
 
 __all__ = ["BUCKET_BYTES", "Interval", "MemoryBreakdown", "Prediction", "clear_caches",
            "execution_order", "lower_bound_s", "simulate", "unit_costs"]

@@ -17,22 +17,15 @@ import numpy as np
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
-from explorer.costs.strategies import BUCKET_BYTES, buckets
 from explorer.simulate import tensor as split
-from explorer.simulate.arrays import KIND_INPUT, GraphArrays, sums_by_stage
-from explorer.simulate.effects import (
-    ALLGATHER,
-    REDUCE_SCATTER,
-    add_weight_gathers,
-    stage_effects,
-)
+from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.effects import add_weight_gathers, stage_effects
+from explorer.simulate.gradient_tasks import GradientTasks
 from explorer.simulate.seconds import Seconds, plain_costs
 from explorer.simulate.taskgraph import (
-    ALLREDUCE,
     BWD,
     FWD,
     GATE,
-    OPTIMIZER,
     SEND,
     Column,
     FwdBwdLayout,
@@ -43,18 +36,39 @@ from explorer.simulate.taskgraph import (
     TaskGraph,
 )
 
-_LAST = 10**9  # schedule slot of the optimizer step and of weight gradients sent home
-
 
 def build_tasks(graph: OpGraph, plan: Plan, costs: CostModel,
                 others: dict[str, float] | None = None) -> TaskGraph:
     """The task graph of one step of ``graph`` under ``plan``; ``others`` (device -> how many
     other replicas of its stage compute beside it) slows ops where contention was measured."""
-    return _Builder(graph, plan, costs, others).build()
+    return TaskBuilder(graph, plan, costs, others).build()
 
 
-class _Builder:
-    """Collects the tasks one kind after another, then makes the :class:`TaskGraph`."""
+class _Edges:
+    """A step's dependencies as they are made: blocks of (source, destination) task arrays
+    (one micro-batch's, shifted to another's) and pairs added one at a time."""
+
+    def __init__(self, per_mb: int) -> None:
+        self.per_mb = per_mb
+        self.src_blocks: list[np.ndarray] = []
+        self.dst_blocks: list[np.ndarray] = []
+        self.src: list[int] = []
+        self.dst: list[int] = []
+
+    def add(self, src: np.ndarray, dst: np.ndarray, m_src: int = 0, m_dst: int = 0) -> None:
+        """Edges ``src[k] -> dst[k]``, the sources' tasks those of micro-batch ``m_src`` and
+        the destinations' those of ``m_dst`` (where they are forwards or backwards)."""
+        self.src_blocks.append(src + m_src * self.per_mb if m_src else src)
+        self.dst_blocks.append(dst + m_dst * self.per_mb if m_dst else dst)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return (np.concatenate([*self.src_blocks, np.asarray(self.src, dtype=np.int64)]),
+                np.concatenate([*self.dst_blocks, np.asarray(self.dst, dtype=np.int64)]))
+
+
+class TaskBuilder(GradientTasks):
+    """Collects the tasks one kind after another, then makes the :class:`TaskGraph`
+    (:meth:`build` names the steps)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, costs: CostModel,
                  others: dict[str, float] | None = None) -> None:
@@ -75,6 +89,9 @@ class _Builder:
         self.res_index: dict[Resource, int] = {}
         self.late_xfer: list[tuple[int, float]] = []  # (transfer, late-receive wait s)
         self.transfer_bytes = 0
+        self.allreduce_bytes = 0
+        # the received activations and gradients, for memory (column blocks of Receives)
+        self.receive_blocks: list[tuple[np.ndarray, ...]] = []
 
     def resource(self, key: Resource) -> int:
         r = self.res_index.get(key)
@@ -102,316 +119,248 @@ class _Builder:
 
     # -- building ------------------------------------------------------------------------
     def build(self) -> TaskGraph:
-        g, plan, costs = self.g, self.plan, self.costs
-        A = GraphArrays.of(g)
+        """The steps, in the order their tasks are numbered."""
+        self.place_stages()
+        self.schedule_slots()
+        self.block_template()
+        self.op_seconds()
+        self.block_tasks()
+        self.edges = _Edges(self.per_m)
+        self.forward_edges_and_transfers()
+        self.backward_edges_and_transfers()
+        self.one_f_one_b_gates()
+        self.gradients_sent_home()
+        self.stage_sizes()
+        if self.eff is not None:
+            self.allreduce_bytes += add_weight_gathers(self)
+        self.reductions_and_optimizer_steps()
+        return self.task_graph()
+
+    def place_stages(self) -> None:
+        """Each node's stage, the stages' replicas, share of the batch and device types, the
+        ops of each stage, and which stages run ops (in the order their first ops come)."""
+        g, plan = self.g, self.plan
+        A = self.A = GraphArrays.of(g)
         N = A.n
-        self.W = W = 2 * N + 2  # (slot, x) with -N < x < N  ->  slot * W + x + N + 1
-        names, out_b = A.names, A.out_bytes
-        succs = g.succs
+        self.W = 2 * N + 2  # (slot, x) with -N < x < N  ->  slot * W + x + N + 1
         if type(plan).assignment is Plan.assignment:  # the same list, faster
-            stage = list(map(plan.placement.__getitem__, names))
+            self.stage = list(map(plan.placement.__getitem__, A.names))
         else:
-            stage = plan.assignment(g)
-        st = np.asarray(stage, dtype=np.int64)
-        S, M = len(plan.stages), plan.micro_batches
-        reps = [plan.stages[s] for s in range(S)]
-        frac = [1.0 / (plan.replicas_of(s) * M) for s in range(S)]
+            self.stage = plan.assignment(g)
+        st = self.st = np.asarray(self.stage, dtype=np.int64)
+        S, M = self.S, self.M = len(plan.stages), plan.micro_batches
+        self.reps = [plan.stages[s] for s in range(S)]
+        self.frac = [1.0 / (plan.replicas_of(s) * M) for s in range(S)]
         # the slowest replica sets a stage's pace
-        types = [{costs.cluster.device(d).type_key: d for d in reps[s]} for s in range(S)]
-        is_op, has_b = A.is_op, A.has_b
-        ops_arr = np.flatnonzero(is_op)
-        st_ops = st[ops_arr]
-        ops_by_stage = [ops_arr[st_ops == s] for s in range(S)]
-        first_op = [int(o[0]) if len(o) else N for o in ops_by_stage]
+        self.types = [{self.costs.cluster.device(d).type_key: d for d in self.reps[s]}
+                      for s in range(S)]
+        ops = self.ops = np.flatnonzero(A.is_op)
+        self.ops_by_stage = [ops[st[ops] == s] for s in range(S)]
+        first_op = [int(o[0]) if len(o) else N for o in self.ops_by_stage]
         order = sorted(range(S), key=lambda s: first_op[s])
-        active = [s for s in order if first_op[s] < N]
-        rank = {s: k for k, s in enumerate(active)}
-        warm = {s: min(len(active) - rank[s], M) for s in active}
-        stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
-        if plan.schedule == "gpipe":
+        self.active = [s for s in order if first_op[s] < N]
+        rank = {s: k for k, s in enumerate(self.active)}
+        self.warm = {s: min(len(self.active) - rank[s], M) for s in self.active}
+        self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
+
+    def schedule_slots(self) -> None:
+        """Per stage and micro-batch, the schedule's slot of its forward and its backward
+        (GPipe: every forward, then every backward; 1F1B: ``warm`` forwards, then one
+        backward and one forward in turn)."""
+        S, M = self.S, self.M
+        if self.plan.schedule == "gpipe":
             slot_f = [list(range(M)) for _ in range(S)]
             slot_b = [[M + m for m in range(M)] for _ in range(S)]
         else:
             slot_f, slot_b = [], []
             for s in range(S):
-                w = warm.get(s, 1)
+                w = self.warm.get(s, 1)
                 slot_f.append([m if m < w else w + 2 * (m - w) + 1 for m in range(M)])
                 slot_b.append([w + 2 * m for m in range(M)])
+        self.slot_f, self.slot_b = slot_f, slot_b
+        self.slots_f = np.asarray(slot_f, dtype=np.int64)
+        self.slots_b = np.asarray(slot_b, dtype=np.int64)
 
-        # forwards and backwards: per micro-batch, every op's forward then its backward
-        nb = has_b[ops_arr]
+    def block_template(self) -> None:
+        """One micro-batch's block of tasks: every op's forward, each followed by its
+        backward where it has one (``off_f``/``off_b``: a node's slots in it)."""
+        A, N, ops = self.A, self.A.n, self.ops
+        self.nb = nb = A.has_b[ops]
         width = 1 + nb.astype(np.int64)
         off_ops = np.cumsum(width) - width
-        per_m = int(width.sum())
-        off_f = np.full(N, -1, dtype=np.int64)
-        off_f[ops_arr] = off_ops
-        off_b = np.full(N, -1, dtype=np.int64)
-        off_b[ops_arr[nb]] = off_ops[nb] + 1
-        tpl_node = np.empty(per_m, dtype=np.int64)
-        tpl_node[off_ops] = ops_arr
-        tpl_node[off_ops[nb] + 1] = ops_arr[nb]
-        tpl_isb = np.zeros(per_m, dtype=bool)
-        tpl_isb[off_ops[nb] + 1] = True
-        tpl_stage = st[tpl_node]
+        self.per_m = per_m = int(width.sum())
+        self.off_f = np.full(N, -1, dtype=np.int64)
+        self.off_f[ops] = off_ops
+        self.off_b = np.full(N, -1, dtype=np.int64)
+        self.off_b[ops[nb]] = off_ops[nb] + 1
+        self.tpl_node = np.empty(per_m, dtype=np.int64)
+        self.tpl_node[off_ops] = ops
+        self.tpl_node[off_ops[nb] + 1] = ops[nb]
+        self.tpl_isb = np.zeros(per_m, dtype=bool)
+        self.tpl_isb[off_ops[nb] + 1] = True
+        self.tpl_stage = self.st[self.tpl_node]
+
+    def op_seconds(self) -> None:
+        """Each op's forward and backward seconds on its stage's slowest device type: from
+        the costs, split ops' shares, the memory settings' precision and recomputation, and
+        the processor time of the messages an op sends and receives."""
+        g, plan, costs, A, st, S = self.g, self.plan, self.costs, self.A, self.st, self.S
         sec = Seconds(costs, self.others)
-        fwd_d = np.zeros(N)
-        bwd_d = np.zeros(N)
+        self.fwd_d = fwd_d = np.zeros(A.n)
+        self.bwd_d = bwd_d = np.zeros(A.n)
         for s in range(S):
-            idx = ops_by_stage[s]
+            idx = self.ops_by_stage[s]
             if len(idx):
-                fwd_d[idx] = sec.slowest("fwd_s", idx, types[s].values(), frac[s])
-                idx = idx[has_b[idx]]
-                bwd_d[idx] = sec.slowest("bwd_s", idx, types[s].values(), frac[s])
-        tensor_bytes = 0
+                fwd_d[idx] = sec.slowest("fwd_s", idx, self.types[s].values(), self.frac[s])
+                idx = idx[A.has_b[idx]]
+                bwd_d[idx] = sec.slowest("bwd_s", idx, self.types[s].values(), self.frac[s])
         if plan.uses_tensor_parallel:
-            tensor_bytes = split.split_op_seconds(
-                g, plan, costs, sec, ops_by_stage, [list(types[s].values()) for s in range(S)],
-                frac, fwd_d, bwd_d)
+            self.allreduce_bytes += split.split_op_seconds(
+                g, plan, costs, sec, self.ops_by_stage,
+                [list(self.types[s].values()) for s in range(S)], self.frac, fwd_d, bwd_d)
         # the plan's memory settings: precision and recomputed forwards change op times
         # (a plan with tensor-parallel stages has none: Plan refuses the two together)
-        eff = (stage_effects(g, plan, A, st, costs.cluster)
-               if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
-        out_act = A.out_b if eff is None else eff.act_bytes  # activations' bytes
-        if eff is not None:
-            eff.apply_compute(g, costs, plan, A, st, fwd_d, bwd_d)
+        self.eff = (stage_effects(g, plan, A, st, costs.cluster)
+                    if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
+        self.out_act = A.out_b if self.eff is None else self.eff.act_bytes  # activations' bytes
+        if self.eff is not None:
+            self.eff.apply_compute(g, costs, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
-        msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in reps[s])
+        msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in self.reps[s])
                         for s in range(S)], dtype=np.float64)
         if msg.any():
             _message_time(A, st, S, fwd_d, bwd_d, msg)
+
+    def block_tasks(self) -> None:
+        """The forward and backward tasks of every micro-batch, from the template, and their
+        queue priorities (``enc_fb``)."""
+        A, M, N, W, per_m = self.A, self.M, self.A.n, self.W, self.per_m
+        tpl_node, tpl_isb, tpl_stage = self.tpl_node, self.tpl_isb, self.tpl_stage
         self.kind = Column(*[np.array([FWD, BWD], dtype=object)[tpl_isb.view(np.int8)]] * M)
         self.res = tpl_stage.tolist() * M
-        fb = FwdBwdLayout(per_m, off_f, off_b, tpl_stage,
-                          np.where(tpl_isb, bwd_d[tpl_node], fwd_d[tpl_node]),
-                          _queue_order(tpl_stage, tpl_isb, slot_f, slot_b, per_m))
-        self.dur = fb.dur_s.tolist() * M
+        self.fb = FwdBwdLayout(per_m, self.off_f, self.off_b, tpl_stage,
+                               np.where(tpl_isb, self.bwd_d[tpl_node], self.fwd_d[tpl_node]),
+                               _queue_order(tpl_stage, tpl_isb, self.slot_f, self.slot_b,
+                                            per_m))
+        self.dur = self.fb.dur_s.tolist() * M
         self.label = Column(*[A.names_obj[tpl_node]] * M)
         self.node = Column(*[tpl_node] * M)
         self.mb = Column(*[np.full(per_m, m) for m in range(M)])
         self.nbytes = Column(np.zeros(per_m * M, dtype=np.int64))
         x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
-        sf, sb = np.asarray(slot_f, dtype=np.int64), np.asarray(slot_b, dtype=np.int64)
-        enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W + x
-                                 for m in range(M)])
+        sf, sb = self.slots_f, self.slots_b
+        self.enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W
+                                      + x for m in range(M)])
 
-        # dependencies: blocks of (src, dst) arrays, and pairs collected one by one
-        src_parts: list[np.ndarray] = []
-        dst_parts: list[np.ndarray] = []
-        py_src: list[int] = []
-        py_dst: list[int] = []
-
-        def edges(src: np.ndarray, dst: np.ndarray, m_src: int = 0, m_dst: int = 0) -> None:
-            src_parts.append(src + m_src * per_m if m_src else src)
-            dst_parts.append(dst + m_dst * per_m if m_dst else dst)
-
+    def forward_edges_and_transfers(self) -> None:
+        """Forward edges, and the transfers of values read on other stages: a weight or
+        buffer sent there once, an activation once per micro-batch; made in the order their
+        first consumer (by node, then input) meets them."""
+        A, st, S, M, N, W = self.A, self.st, self.S, self.M, self.A.n, self.W
+        off_f, is_op, edges = self.off_f, A.is_op, self.edges
         e_p, e_c = A.e_p, A.e_c
         same = st[e_p] == st[e_c]
         op_c = is_op[e_c]
-        # forward edges and activation transfers (one per tensor, micro-batch, destination)
         sel = op_c & is_op[e_p] & same
         fs, fd = off_f[e_p[sel]], off_f[e_c[sel]]
         for m in range(M):
-            edges(fs, fd, m, m)
-        # a weight or buffer used on another stage is sent there once; an activation once per
-        # micro-batch. Transfers are made in the order their first consumer (by node, then
-        # input) meets them.
+            edges.add(fs, fd, m, m)
         sel = op_c & (A.kcode[e_p] != KIND_INPUT) & ~same
-        cp, ci = e_p[sel], e_c[sel]
-        xf_parts = []  # received activations, for memory
-        if len(cp):
-            keys = cp * S + st[ci]
-            uk, k_edge, sizes, base = self._first_seen(keys, np.where(is_op[cp], M, 1))
-            up, us = uk // S, uk % S
-            u_act = is_op[up]
-            k_task = np.repeat(np.arange(len(uk)), sizes)
-            m_task = np.arange(len(k_task)) - np.repeat(base - base[0], sizes)
-            tp, ts, t_act = up[k_task], us[k_task], u_act[k_task]
-            enc = np.where(t_act, sf[ts, m_task], 0) * W + tp + (N + 1)
-            labels = A.names_obj[tp]
-            for j in np.flatnonzero(~t_act).tolist():
-                labels[j] = f"{names[tp[j]]} -> stage {ts[j]}"
-            ob = out_act[tp]
-            self._transfers(st[tp], ts, np.where(t_act, ob // M, ob), enc, labels,
-                            np.where(t_act, m_task, -1), np.where(t_act, tp, -1))
-            # edges: producer's forward -> transfer -> consumer's forward (a weight's one
-            # transfer feeds every micro-batch)
-            e_base, e_act = base[k_edge], u_act[k_edge]
-            fi = off_f[ci]
-            ab = base[u_act]
-            for m in range(M):
-                edges(np.where(e_act, e_base + m, e_base), fi, 0, m)
-                edges(off_f[up[u_act]], ab + m, m)
-            xa = np.flatnonzero(t_act)
-            xf_parts.append((base[0] + xa, ts[xa], tp[xa], m_task[xa],
-                             ~A.grad_named[tp[xa]], out_act[tp[xa]] // M))
-        # backward edges: a node's backward waits for its consumers' backwards
-        bops = ops_arr[nb]
+        value, reader = e_p[sel], e_c[sel]
+        if not len(value):
+            return
+        # one key per (value, receiving stage); each makes M transfers (an activation) or 1
+        keys, key_of_edge, count, first_task = self._first_seen(value * S + st[reader],
+                                                                np.where(is_op[value], M, 1))
+        sent, to = keys // S, keys % S
+        activation = is_op[sent]
+        k_task = np.repeat(np.arange(len(keys)), count)
+        m_task = np.arange(len(k_task)) - np.repeat(first_task - first_task[0], count)
+        t_value, t_to, t_activation = sent[k_task], to[k_task], activation[k_task]
+        enc = np.where(t_activation, self.slots_f[t_to, m_task], 0) * W + t_value + (N + 1)
+        labels = A.names_obj[t_value]
+        for j in np.flatnonzero(~t_activation).tolist():
+            labels[j] = f"{A.names[t_value[j]]} -> stage {t_to[j]}"
+        nbytes = self.out_act[t_value]
+        self._transfers(st[t_value], t_to, np.where(t_activation, nbytes // M, nbytes), enc,
+                        labels, np.where(t_activation, m_task, -1),
+                        np.where(t_activation, t_value, -1))
+        # edges: producer's forward -> transfer -> consumer's forward (a weight's one
+        # transfer feeds every micro-batch)
+        edge_first, edge_activation = first_task[key_of_edge], activation[key_of_edge]
+        reader_f = off_f[reader]
+        activation_first = first_task[activation]
         for m in range(M):
-            edges(off_f[bops], off_b[bops], m, m)
+            edges.add(np.where(edge_activation, edge_first + m, edge_first), reader_f, 0, m)
+            edges.add(off_f[sent[activation]], activation_first + m, m)
+        xa = np.flatnonzero(t_activation)
+        self.receive_blocks.append((first_task[0] + xa, t_to[xa], t_value[xa], m_task[xa],
+                                    ~A.grad_named[t_value[xa]], self.out_act[t_value[xa]] // M))
+
+    def backward_edges_and_transfers(self) -> None:
+        """Backward edges (a node's backward waits for its forward and its consumers'
+        backwards), and activation gradients sent back, once per micro-batch, made in the
+        order of (node, consumer)."""
+        A, st, S, M, N, W = self.A, self.st, self.S, self.M, self.A.n, self.W
+        off_f, off_b, has_b, edges = self.off_f, self.off_b, A.has_b, self.edges
+        e_p, e_c = A.e_p, A.e_c
+        same = st[e_p] == st[e_c]
+        bops = self.ops[self.nb]
+        for m in range(M):
+            edges.add(off_f[bops], off_b[bops], m, m)
         both = has_b[e_p] & has_b[e_c]
         sel = both & same
         bs, bd = off_b[e_c[sel]], off_b[e_p[sel]]
         for m in range(M):
-            edges(bs, bd, m, m)
-        # activation gradients sent back, once per micro-batch, made in the order of (node,
-        # consumer)
+            edges.add(bs, bd, m, m)
         sel = both & ~same
-        bi_, bc_ = e_p[sel], e_c[sel]
-        if len(bi_):
-            o = np.lexsort((bc_, bi_))
-            bi_, bc_ = bi_[o], bc_[o]
-            keys = bi_ * S + st[bc_]
-            uk, k_edge, sizes, base = self._first_seen(keys, np.full(len(keys), M))
-            ui, us = uk // S, uk % S
-            k_task = np.repeat(np.arange(len(uk)), M)
-            m_task = np.tile(np.arange(M), len(uk))
-            tp, ts = ui[k_task], us[k_task]
-            enc = sb[ts, m_task] * W - tp + (N + 1)
-            labels = Prefixed("grad ", np.repeat(A.names_obj[ui], M))
-            self._transfers(ts, st[tp], out_act[tp] // M, enc, labels, m_task, tp)
-            for m in range(M):
-                edges(base + m, off_b[ui], 0, m)
-                edges(off_b[bc_], base[k_edge] + m, m)
-            xf_parts.append((base[0] + np.arange(len(k_task)), st[tp], tp, m_task,
-                             np.zeros(len(tp), dtype=bool), out_act[tp] // M))
-        receives = Receives(*(np.concatenate([x[k] for x in xf_parts]) if xf_parts else
-                              np.zeros(0, dtype=bool if k == 4 else np.int64)
-                              for k in range(6)))
-        # 1F1B: at most `warm` micro-batches in flight on a stage
-        if plan.schedule == "1f1b" and M > 1:
-            for s in active:
-                w = warm[s]
-                fo = off_f[ops_by_stage[s]]
-                bo = off_b[ops_by_stage[s][has_b[ops_by_stage[s]]]]
-                if not len(bo):
-                    continue
-                for m in range(w, M):
-                    gate = self.task(GATE, self.resource(("gate", s, m - w)), 0.0,
-                                     self.prio(0), "", m - w)
-                    edges(bo, np.full(len(bo), gate), m - w)
-                    edges(np.full(len(fo), gate), fo, 0, m)
-        # gradients: params consumed on other stages send their gradient home; replicated
-        # stages all-reduce in buckets; then each stage steps its optimizer
-        is_pg = np.zeros(N, dtype=bool)
-        is_pg[A.pg] = True
-        sent_home: dict[int, list[int]] = {}  # param -> its gradients sent from other stages
-        sel = is_pg[e_p] & has_b[e_c] & ~same
-        gp_, gc_ = e_p[sel], e_c[sel]
-        if len(gp_):
-            o = np.lexsort((gc_, gp_))
-            gp_, gc_ = gp_[o], gc_[o]
-            keys = gp_ * S + st[gc_]
-            uk, k_edge, _, base = self._first_seen(keys, np.ones(len(keys), dtype=np.int64))
-            up, us = uk // S, uk % S
-            self._transfers(us, st[up], A.out_b[up], _LAST * W - up + (N + 1),
-                            Prefixed("grad ", A.names_obj[up]),
-                            np.full(len(up), -1), up)
-            for m in range(M):
-                edges(off_b[gc_], base[k_edge], m)
-            for p, t in zip(up.tolist(), base.tolist(), strict=True):
-                sent_home.setdefault(p, []).append(t)
-        allreduce_bytes = tensor_bytes
-        pg = A.pg
-        trainable_bytes = [0] * S
-        trainable_count = [0] * S
-        held = split.per_device(g, plan, A.param_bytes)  # (split weights: a device's share)
-        out_b = split.per_device(g, plan, out_b)
-        zero = [0] * S if eff is None else eff.zero
-        stepped = [0] * S  # bytes each rank's optimizer steps (its shards under ZeRO)
-        if A.trainable:  # (int64 sums: exact in any order)
-            tr = np.asarray(A.trainable, dtype=np.int64)
-            held_a = A.pbytes if held is A.param_bytes else np.asarray(held, dtype=np.int64)
-            trainable_bytes = sums_by_stage(S, st[tr], held_a[tr])
-            trainable_count = np.bincount(st[tr], minlength=S).tolist()
-            stepped = sums_by_stage(S, st[tr], held_a[tr] if eff is None else eff.shard[tr])
-        if eff is not None:
-            allreduce_bytes += add_weight_gathers(
-                self, eff, A, st, succs, ops_by_stage, fb, (sf, sb), M, py_src, py_dst)
-        # fp16 anywhere: every stage divides its reduced gradients by the loss scale before
-        # its optimizer step, one elementwise pass over them, priced as an SGD step over
-        # those bytes (also one elementwise pass per gradient)
-        fp16 = any(plan.settings_of(s).precision == "fp16" for s in range(S))
-        for s in range(S):
-            params = pg[st[pg] == s][::-1].tolist()
-            before_opt = [t for p in params for t in sent_home.get(p, ())]
-            unscaled = (stepped[s] if zero[s] >= 2 else trainable_bytes[s]) if fp16 else 0
-            d_opt = max((costs.optimizer_s(dv, plan.optimizer, stepped[s], trainable_count[s])
-                         + (costs.optimizer_s(dv, "sgd", unscaled, trainable_count[s])
-                            if unscaled else 0.0)) * self._opt_slowed(dv)
-                        + split.optimizer_extra_s(costs, plan, s, dv, trainable_count[s])
-                        for dv in types[s].values())
-            seq_s, seq_bytes = split.sequence_grads(self.g, plan, costs, s)  # (norms' grads)
-            d_opt, allreduce_bytes = d_opt + seq_s, allreduce_bytes + seq_bytes
-            zero_calls = 0  # ZeRO's collectives of the stage's buckets
-            if plan.replicas_of(s) > 1 and params:
-                group = reps[s][::plan.tensor_of(s)]  # (one device of each replica)
-                has_b_l, off_b_l = has_b.tolist(), off_b.tolist()
-                chan = self.resource(("allreduce", s, -1))
-                # the first bucket also waits for the slowest replica to catch up
-                lag = self._replica_lag(fb, s, group, M, d_opt)
-                bucket: list[int] = []
-                size = 0
-                for k, p in enumerate([*params, None]):
-                    if p is not None:
-                        bucket.append(p)
-                        size += out_b[p]
-                    if bucket and (p is None or size >= BUCKET_BYTES):
-                        k_ = len(group)
-                        if zero[s] >= 2:  # each rank keeps 1/k of the gradient
-                            d = costs.reduce_scatter_s(group, size) + lag
-                            zero_calls += 1
-                            allreduce_bytes += int((k_ - 1) * size)
-                            t = self.task(REDUCE_SCATTER, chan, d, self.prio(k),
-                                          f"reduce-scatter {size} B", -1, size)
-                            eff.grad_done.update(dict.fromkeys(bucket, t))  # type: ignore
-                        else:
-                            d = costs.allreduce_s(group, size) + lag
-                            allreduce_bytes += int(2 * (k_ - 1) * size)
-                            t = self.task(ALLREDUCE, chan, d, self.prio(k),
-                                          f"all-reduce {size} B", -1, size)
-                        lag = 0.0
-                        for q in bucket:
-                            for c in succs[q]:
-                                if has_b_l[c] and stage[c] == s:
-                                    bc = off_b_l[c]
-                                    for m in range(M):
-                                        py_src.append(bc + m * per_m)
-                                        py_dst.append(t)
-                            for x_ in sent_home.get(q, ()):
-                                py_src.append(x_)
-                                py_dst.append(t)
-                        before_opt.append(t)
-                        bucket, size = [], 0
-            if not trainable_count[s]:
+        node, reader = e_p[sel], e_c[sel]
+        if not len(node):
+            return
+        o = np.lexsort((reader, node))
+        node, reader = node[o], reader[o]
+        # one key per (node, stage its gradient comes from), M transfers each
+        keys, key_of_edge, _, first_task = self._first_seen(node * S + st[reader],
+                                                            np.full(len(node), M))
+        sent, sender = keys // S, keys % S
+        k_task = np.repeat(np.arange(len(keys)), M)
+        m_task = np.tile(np.arange(M), len(keys))
+        t_node, t_from = sent[k_task], sender[k_task]
+        enc = self.slots_b[t_from, m_task] * W - t_node + (N + 1)
+        labels = Prefixed("grad ", np.repeat(A.names_obj[sent], M))
+        self._transfers(t_from, st[t_node], self.out_act[t_node] // M, enc, labels, m_task,
+                        t_node)
+        for m in range(M):
+            edges.add(first_task + m, off_b[sent], 0, m)
+            edges.add(off_b[reader], first_task[key_of_edge] + m, m)
+        self.receive_blocks.append((first_task[0] + np.arange(len(k_task)), st[t_node],
+                                    t_node, m_task, np.zeros(len(t_node), dtype=bool),
+                                    self.out_act[t_node] // M))
+
+    def one_f_one_b_gates(self) -> None:
+        """1F1B: at most ``warm`` micro-batches in flight on a stage (a gate task between a
+        micro-batch's backward and the forward ``warm`` micro-batches later)."""
+        if self.plan.schedule != "1f1b" or self.M <= 1:
+            return
+        has_b = self.A.has_b
+        for s in self.active:
+            w = self.warm[s]
+            ops = self.ops_by_stage[s]
+            fo = self.off_f[ops]
+            bo = self.off_b[ops[has_b[ops]]]
+            if not len(bo):
                 continue
-            mine = [int(held[i]) for i in A.trainable if stage[i] == s] \
-                if zero[s] in (1, 2) else []
-            zero_calls += len(buckets(mine)) if mine else 0
-            if zero_calls:  # what each costs the ranks' processors beyond the link, waited
-                # for around the step (DeviceCosts.collective_s, measured on CPU ranks)
-                d_opt += zero_calls * max(costs.device_costs(d).collective_s for d in reps[s])
-            t = self.task(OPTIMIZER, stage_res[s], d_opt, self.prio(_LAST),
-                          f"{plan.optimizer} step")
-            py_src.extend(before_opt)
-            py_dst.extend([t] * len(before_opt))
-            last = np.where(off_b[ops_by_stage[s]] >= 0, off_b[ops_by_stage[s]],
-                            off_f[ops_by_stage[s]])
-            for m in range(M):
-                edges(last, np.full(len(last), t), m)
-            if zero[s] in (1, 2):  # the updated shards gathered into the full weights,
-                # one all-gather per bucket of them, in turn
-                for bucket in buckets(mine):
-                    size = sum(mine[k] for k in bucket)
-                    ag = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
-                                   costs.allgather_s(reps[s], size), self.prio(_LAST),
-                                   f"all-gather {size} B", -1, size)
-                    allreduce_bytes += int((len(reps[s]) - 1) * size)
-                    py_src.append(t)
-                    py_dst.append(ag)
-        # successor lists and dependency counts
+            for m in range(w, self.M):
+                gate = self.task(GATE, self.resource(("gate", s, m - w)), 0.0, self.prio(0),
+                                 "", m - w)
+                self.edges.add(bo, np.full(len(bo), gate), m - w)
+                self.edges.add(np.full(len(fo), gate), fo, 0, m)
+
+    def task_graph(self) -> TaskGraph:
+        """The tasks as a :class:`TaskGraph`: successor lists, dependency counts, the late
+        receives of each forward and backward, and the queue keys."""
         T = len(self.kind)
-        src = np.concatenate([*src_parts, np.asarray(py_src, dtype=np.int64)])
-        dst = np.concatenate([*dst_parts, np.asarray(py_dst, dtype=np.int64)])
+        src, dst = self.edges.arrays()
         # grouped by task (a stable sort is quick here: the blocks come mostly in order; the
         # order among a task's successors does not matter)
         succ_flat_a = dst[np.argsort(src, kind="stable")]
@@ -419,7 +368,7 @@ class _Builder:
         succ_flat, succ_ptr = succ_flat_a.tolist(), succ_ptr_a.tolist()
         # per forward/backward task, the transfers it receives that can arrive late
         late_in: dict[int, list[tuple[int, float, int]]] = {}
-        n_fb = per_m * M
+        n_fb = self.per_m * self.M
         for x, wait in self.late_xfer:
             s_send = self.resources[self.res[x]][1]
             for u in succ_flat[succ_ptr[x]:succ_ptr[x + 1]]:
@@ -427,46 +376,31 @@ class _Builder:
                     late_in.setdefault(u, []).append((x, wait, s_send))
         ndeps = np.bincount(dst, minlength=T)
         # the queues order tasks by (priority, task id): one int, priority * T + id
+        enc_fb = self.enc_fb
         n_enc = len(enc_fb)
         if n_enc and int(enc_fb.max()) < 2**62 // T:
             key = (enc_fb * T + np.arange(n_enc)).tolist()
         else:
             key = [e * T + t for t, e in enumerate(enc_fb.tolist())]
         key += _keys(self.enc, n_enc, T)
-        negative = not ((fwd_d >= 0.0).all() and (bwd_d >= 0.0).all()
+        negative = not ((self.fwd_d >= 0.0).all() and (self.bwd_d >= 0.0).all()
                         and (np.asarray(self.dur[n_enc:], dtype=np.float64) >= 0.0).all())
+        parts = self.receive_blocks
+        receives = Receives(*(np.concatenate([x[k] for x in parts]) if parts else
+                              np.zeros(0, dtype=bool if k == 4 else np.int64)
+                              for k in range(6)))
         return TaskGraph(
             kind=self.kind, res=self.res, dur=self.dur, label=self.label, mb=self.mb,
             nbytes=self.nbytes, node=self.node, key=key, resources=self.resources,
             succ_flat=succ_flat, succ_ptr=succ_ptr, succ_flat_a=succ_flat_a,
             succ_ptr_a=succ_ptr_a, ndeps=ndeps.tolist(),
             first=np.flatnonzero(ndeps == 0).tolist(), late_in=late_in,
-            negative_times=bool(negative), plan=plan, arrays=A, stage=stage, stage_a=st,
-            batch_fraction=frac, fb=fb, receives=receives,
-            transfer_bytes=self.transfer_bytes, allreduce_bytes=allreduce_bytes, effects=eff,
+            negative_times=bool(negative), plan=self.plan, arrays=self.A, stage=self.stage,
+            stage_a=self.st, batch_fraction=self.frac, fb=self.fb, receives=receives,
+            transfer_bytes=self.transfer_bytes, allreduce_bytes=self.allreduce_bytes,
+            effects=self.eff,
             segment_stages=[any(self.costs.device_costs(d).runtime == "segments" for d in st)
-                            for st in plan.stages])
-
-    def _opt_slowed(self, device: str) -> float:
-        """How much slower ``device``'s optimizer step runs beside its stage's other replicas
-        (they step the same parameters at the same moment), as its platform says from the
-        profile's ``DeviceCosts.optimizer_contention``."""
-        others = (self.others or {}).get(device, 0.0)
-        ratio = self.costs.device_costs(device).optimizer_contention
-        return self.costs.platform(device).optimizer_slowdown(ratio, others)
-
-    def _replica_lag(self, fb: FwdBwdLayout, s: int, devices: list[str], M: int,
-                     opt_s: float) -> float:
-        """How long stage ``s``'s gradient all-reduce waits, on average, for its slowest
-        replica beyond the replicas' common pace, as the platform of the replica that wanders
-        most (``DeviceCosts.replica_spread``) says from the stage's busy time."""
-        costs = self.costs
-        widest = max(devices, key=lambda d: costs.device_costs(d).replica_spread)
-        spread = costs.device_costs(widest).replica_spread
-        if spread <= 0.0:
-            return 0.0
-        busy = M * float(fb.dur_s[fb.stage == s].sum()) + opt_s
-        return costs.platform(widest).replica_lag_s(spread, busy, len(devices))
+                            for st in self.plan.stages])
 
     def _first_seen(self, keys: np.ndarray, sizes: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
