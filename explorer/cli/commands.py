@@ -170,7 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out and ok:
         if best is None:
             raise ExplorerError("no plan fits the devices' memory; nothing was saved")
-        replace(best[1], model=_built(bm)).save(args.out)
+        replace(best[1], model=bm.record).save(args.out)
     if args.json:
         print(json.dumps({
             "model": bm.name, "size": bm.size, "graph": graph.summary(),
@@ -219,11 +219,6 @@ def _all_failed(results: list) -> int:
     print("error: no algorithm made a plan:\n" + "\n".join(f"  {n}: {r}" for n, _, r in results),
           file=sys.stderr)
     return 1
-
-
-def _built(bm) -> dict[str, Any]:
-    """How a built-in model was built, as a plan records it."""
-    return {"builtin": bm.name, "size": bm.size, "batch_size": bm.batch_size}
 
 
 def _model_from_plan(args: argparse.Namespace, plan) -> None:
@@ -304,17 +299,48 @@ def _plan_model(args: argparse.Namespace, plan) -> Any:
 
 def cmd_export(args: argparse.Namespace) -> int:
     _check_compile(args)
+    if args.native and args.compile:
+        raise ExplorerError("--compile is the explorer runtime's; a --native script runs plain "
+                            "PyTorch: leave one of them out")
     plan = ex.Plan.load(args.plan)  # checked before anything else reads it
     bm, plan = _plan_model(args, plan)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets,
                        name=getattr(bm, "name", None), factory=args.factory)
     plan.validate(graph)
+    if args.native:
+        costs = _plan_costs(plan, graph, args)
+        script = ex.export_script(plan, args.out, graph=graph, costs=costs, steps=args.steps,
+                                  overwrite=args.force, factory=args.factory, native=True,
+                                  model=None if args.factory else bm)
+        print(f"wrote {script}\n"
+              f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
+        return 0
     script = ex.export_script(plan, args.out, graph=graph, steps=args.steps,
                               overwrite=args.force, factory=args.factory,
                               runtime=args.runtime, compile=args.compile)
     print(f"wrote {script} and {script.with_name(script.stem + '_job')}/\n"
           f"launch: torchrun --standalone --nproc_per_node {len(plan.devices)} {script}")
     return 0
+
+
+def _plan_costs(plan, graph, args: argparse.Namespace):
+    """The costs that price ``plan`` for its script's header: the plan's CPU ranks profiled
+    (from the cache when this host profiled them), or the GPU presets its devices name;
+    None where its devices name neither."""
+    kinds: dict[str, int] = {}
+    for d in plan.devices:
+        kind = d.rsplit(":", 1)[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    spec = (f"cpu:{len(plan.devices)}" if set(kinds) == {"cpu"} else
+            "+".join(f"{n}x{kind}" for kind, n in kinds.items()))
+    try:
+        cluster = parse_devices(spec)
+    except ExplorerError:
+        return None
+    if set(cluster.ids) != set(plan.devices):
+        return None
+    return ex.profile(graph, cluster, progress=not args.quiet, precisions=tuple(
+        {plan.settings_of(s).precision for s in range(len(plan.stages))} - {"fp32"}))
 
 
 def _check_compile(args: argparse.Namespace) -> None:
@@ -493,6 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch, like ex.builtin_model (a factory the plan names is used only "
                         "when you name it here)")
     e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
+    e.add_argument("--native", action="store_true",
+                   help="write one PyTorch script to read and keep (DeviceMesh, DDP, FSDP2, "
+                        "checkpoint, autocast; no job folder, no explorer runtime) for a plan "
+                        "of whole modules, with the plan's prediction in its header")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
     add_runtime_options(e, "; the script's own --runtime and --compile / --no-compile "
                            "override them")
     e.add_argument("--force", action="store_true",

@@ -70,6 +70,12 @@ class BuiltinModel:
     def n_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
+    @property
+    def record(self) -> dict[str, Any]:
+        """How the model was built, as a plan records it (``Plan.model``): ranks and
+        exported scripts build it again from this."""
+        return {"builtin": self.name, "size": self.size, "batch_size": self.batch_size}
+
 
 # -- registry --------------------------------------------------------------------------------
 @dataclass(frozen=True)

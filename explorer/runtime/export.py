@@ -40,10 +40,11 @@ from explorer.runtime.jobfiles import (
     write_job,
 )
 from explorer.runtime.modelsource import model_source
+from explorer.runtime.native_script import model_on_meta, native_plan, write_native_script
 from explorer.runtime.segments import choose_runtime
 from explorer.runtime.tensor_parallel import check_supported
 from explorer.runtime.worker import main as worker_main
-from explorer.simulate.simulator import execution_order
+from explorer.simulate.simulator import execution_order, simulate
 
 SCRIPT = '''#!/usr/bin/env python
 """Train a model under a partition plan: one process per device, %(n)d in all.
@@ -135,8 +136,16 @@ def report_failure(rank: int, exc: BaseException) -> None:
 def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
                   costs: CostModel | None = None, steps: int = 10, warmup: int = 2,
                   lr: float = 1e-3, overwrite: bool = False, factory: str | None = None,
-                  runtime: Runtime | None = None, compile: bool = False) -> Path:
+                  runtime: Runtime | None = None, compile: bool = False, native: bool = False,
+                  model: Any = None) -> Path:
     """Write ``path`` (a torchrun script) and its data folder ``<stem>_job/`` beside it.
+
+    ``native=True`` writes instead one PyTorch script a person can read and keep, with no
+    job folder and no explorer runtime: the model built from its source, a ``DeviceMesh``,
+    ``DistributedDataParallel`` / ``fully_shard`` / ``torch.utils.checkpoint`` / autocast as
+    the plan says (:mod:`explorer.runtime.native_script`; a plan they cannot express is
+    refused, saying what stops it). Its model source is the plan's, ``factory``, or
+    ``model``: the built-in model (``ex.builtin_model(...)``) the plan was made for.
 
     ``graph`` defaults to the graph this plan was made for, if it was captured in this
     process. With ``costs`` the ranks follow that cost model's simulated schedule. An existing
@@ -158,6 +167,13 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     if graph is None:
         raise ExplorerError("export needs the captured model this plan was made for: pass "
                             "graph=ex.capture(model, example_inputs, ...)")
+    if model is not None:
+        plan = replace(plan, model=model.record)
+    if native:
+        if compile:
+            raise ExplorerError("compile=True is the explorer runtime's; a native script runs "
+                                "plain PyTorch: export without native to compile segments")
+        return _export_native(plan, path, graph, costs, steps, lr, overwrite, factory)
     program = step_program(graph)
     if graph.source != "export" or program is None:
         raise ExplorerError("export needs a graph captured with torch.export; this one came "
@@ -217,6 +233,25 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
         raise ExplorerError(f"cannot write {path} and {job.name}/: {why}; choose a folder "
                             "you can write to") from exc
     return path
+
+
+def _export_native(plan: Plan, path: str | Path, graph: OpGraph, costs: CostModel | None,
+                   steps: int, lr: float, overwrite: bool, factory: str | None) -> Path:
+    """``export_script(..., native=True)``: the plan as a PyTorch script, its prediction
+    (with ``costs``) in its header."""
+    plan.validate(graph)
+    plan.check_batch(graph.batch_size)
+    source = model_source(plan, graph, factory)
+    native = native_plan(graph, plan, source, model_on_meta(source) if source else None)
+    if costs is not None:
+        predicted = simulate(graph, plan, costs)
+        native = replace(native, predicted_step_s=predicted.step_s,
+                         predicted_peak_bytes=max(predicted.peak_bytes.values()))
+    try:
+        return write_native_script(native, path, steps=steps, lr=lr, overwrite=overwrite)
+    except OSError as exc:
+        raise ExplorerError(f"cannot write {path}: {exc.strerror or exc}; choose a folder "
+                            "you can write to") from exc
 
 
 def placeholder_batch(graph: OpGraph) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

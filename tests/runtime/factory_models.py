@@ -3,6 +3,8 @@ the ranks' PYTHONPATH)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -27,3 +29,26 @@ def mlp_on_meta() -> nn.Module:
     """The same MLP with its parameters on the meta device: ranks initialise their own."""
     with torch.device("meta"):
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def hf_gpt2():
+    """Hugging Face's GPT-2 built from a config (tiny, no download), with its example batch
+    and loss, as ex.builtin_model gives them (what a native script trains with)."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (8, 16), generator=gen, device="cpu")
+                   for _ in range(2))
+    return SimpleNamespace(module=model, example_inputs=(ids,), targets=(labels,),
+                           loss_fn=logits_loss)
+
+
+def logits_loss(out, y):
+    """Cross-entropy of a Hugging Face causal LM's logits."""
+    return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
