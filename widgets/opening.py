@@ -35,6 +35,8 @@ class Opening:
     note: str = ""
     #: the capture with real weights and profile still to run (None: nothing left)
     work: Work | None = None
+    #: how the model is built again (a built-in model's ``record``; None: not known)
+    source: dict | None = None
 
 
 def check_type(value: Any, kind: type, what: str, example: str) -> None:
@@ -67,6 +69,7 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
     meaning); raises :class:`ExplorerError` naming the argument that is wrong."""
     check_mode(measure)
     capture: Callable[[], OpGraph] | None = None
+    source = model.record if isinstance(model, BuiltinModel) else None
     if isinstance(model, OpGraph):
         graph = model
         if isinstance(example_inputs, ex.CostModel) and costs is None:
@@ -103,4 +106,4 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
     note = ""
     if plan is None:
         plan, note = auto_plan(graph, costs.cluster, costs)
-    return Opening(graph, costs, plan, note, work)
+    return Opening(graph, costs, plan, note, work, source)

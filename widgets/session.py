@@ -129,6 +129,8 @@ class Session(BackgroundMeasuring):
     #: and the line saying so, checked again when measured numbers replace the estimates
     _opened: ex.Plan | None = field(default=None, init=False, repr=False)
     _opening_note: str = field(default="", init=False, repr=False)
+    #: how the model is built again (a built-in model's ``record``), for a native script
+    model_source: dict | None = field(default=None, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +168,7 @@ class Session(BackgroundMeasuring):
         o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
                     measure)
         session = cls(o.graph, o.costs.cluster, o.costs, o.plan)
+        session.model_source = o.source
         if o.note:
             session._opened, session._opening_note = o.plan, o.note
             session.say(o.note)
@@ -490,15 +493,22 @@ class Session(BackgroundMeasuring):
         return self.plan.save(path)
 
     def export(self, path: str | Path, steps: int = 10, overwrite: bool = False,
-               factory: str | None = None) -> Path:
+               factory: str | None = None, native: bool = False) -> Path:
         """Write the torchrun script (and its plan JSON and job folder) for the plan under edit;
         an existing script is replaced only with ``overwrite`` (after the background
         measurement: the script needs the capture with real weights). ``factory``: the
         user's ``"module:function"`` that builds the model on every rank (a factory a loaded
-        plan names is used only when the user names it here)."""
-        self.wait_measured()
-        return ex.export_script(self.plan, path, graph=self.graph, costs=self.costs, steps=steps,
-                                overwrite=overwrite, factory=factory or None)
+        plan names is used only when the user names it here). ``native``: one plain PyTorch
+        script instead (``ex.export_script(..., native=True)``), for a session on a built-in
+        model or with a ``factory``."""
+        plan = self.plan
+        if native:
+            if self.model_source and not plan.model:
+                plan = replace(plan, model=self.model_source)
+        else:
+            self.wait_measured()
+        return ex.export_script(plan, path, graph=self.graph, costs=self.costs, steps=steps,
+                                overwrite=overwrite, factory=factory or None, native=native)
 
     # -- internals -----------------------------------------------------------------------
     def _keys(self, keys: Iterable[str] | None) -> list[str]:

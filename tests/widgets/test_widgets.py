@@ -660,3 +660,29 @@ def test_reset_returns_to_the_current_view_zoom_to_selection_and_module_labels(g
     long = [a for a, s in zip(w.graph.edges.data["alpha"], w.graph.edges.data["xs"],
                               strict=True) if len(s) > 4]
     assert long and min(long) < 0.5  # edges down many rows are faint
+
+
+def test_the_export_panel_writes_a_plain_pytorch_script_of_a_built_in_model(tmp_path):
+    """A session opened on a built-in model knows how to build it again: the panel's "plain
+    PyTorch" box writes the native script, the plan's prediction in its header; a plan of
+    stages is refused, naming what stops it, and nothing is written."""
+    from widgets.panels.plans import PlansPanel
+
+    bm = ex.builtin_model("gpt", "tiny")
+    cl = ex.Cluster.preset("2xH100")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name="gpt")
+    ops = {n.name: 0 for n in graph.nodes if n.kind == "op"}
+    replicas = ex.Plan.from_assignment(graph, [tuple(cl.ids)], ops).with_memory(zero=3)
+    session = Session.open(bm, cluster=cl, plan=replicas, measure="never", progress=False)
+    panel = PlansPanel(session)
+    panel.script_path.value = str(tmp_path / "train.py")
+    panel.native.value = True
+    panel.export_button.click()
+    text = (tmp_path / "train.py").read_text()
+    assert 'build("gpt", "tiny", 8, seed=0, weights=weights)' in text
+    assert "Predicted by the explorer" in text and "fully_shard(model" in text
+    assert "plain PyTorch script" in session.message
+    session.load(ex.partition(graph, cl, session.costs, "even-layers"))
+    with pytest.raises(ExplorerError, match="2 stages"):
+        session.export(tmp_path / "stages.py", native=True)
+    assert not (tmp_path / "stages.py").exists()

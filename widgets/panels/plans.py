@@ -26,7 +26,8 @@ class PlansPanel(Panel):
     ``solve_button``, ``keep_button``, the plans ``table``, and ``pick`` with
     ``load_button``. ``files``: ``path`` with ``save_button`` and ``load_file_button``,
     ``script_path`` with ``export_button`` (``overwrite`` replaces an existing script;
-    ``factory``: the user's model factory, the only way one is imported)."""
+    ``factory``: the user's model factory, the only way one is imported; ``native``: a plain
+    PyTorch script instead)."""
 
     topics = frozenset({"plans", "costs"})
 
@@ -61,6 +62,8 @@ class PlansPanel(Panel):
         self.path = W.Text(value=f"{stem}_plan.json", description="plan file")
         self.script_path = W.Text(value=f"train_{stem}.py", description="script")
         self.overwrite = checkbox("overwrite")
+        # a plain PyTorch script to read and keep, rather than the launcher and job folder
+        self.native = checkbox("plain PyTorch")
         self.save_button = button(s, "save plan", "write the plan JSON", self._save, "pe-save",
                                   where="export")
         self.load_file_button = button(s, "load plan", "read a plan JSON", self._load_file,
@@ -73,7 +76,7 @@ class PlansPanel(Panel):
         self.factory.add_class("pe-factory")
         self.files = W.VBox([wrapping([self.path, self.save_button, self.load_file_button]),
                              wrapping([self.script_path, self.factory, self.overwrite,
-                                       self.export_button])])
+                                       self.native, self.export_button])])
 
     def update(self, what: str) -> None:
         entries = self.session.plans
@@ -148,6 +151,7 @@ class PlansPanel(Panel):
             raise untrusted_factory(asked, f"type {asked} in the factory box beside the "
                                     "export button")
         p = self.session.export(self.script_path.value, overwrite=self.overwrite.value,
-                                factory=factory)
-        self.session.say(f"wrote {p}: run it with torchrun --nproc_per_node "
+                                factory=factory, native=self.native.value)
+        what = "a plain PyTorch script" if self.native.value else "the launcher and its job"
+        self.session.say(f"wrote {p} ({what}): run it with torchrun --nproc_per_node "
                          f"{len(self.session.plan.devices)} {p.name}")
