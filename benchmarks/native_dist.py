@@ -381,34 +381,45 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> int | None:
         time.sleep(0.05)
 
 
+def run_ranks(what: str, command_of: Callable[[int], list[str]], folder: Path,
+              timeout_s: float) -> list[Path]:
+    """``command_of(rank)`` (Python's arguments) on :data:`WORLD` fresh processes started as
+    torchrun starts them; none outlives the call. Their logs, in ``folder``. A rank that
+    fails, or runs past ``timeout_s``, raises :class:`ExplorerError` with its log's end."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
+    logs = [folder / f"log-{r}.txt" for r in range(WORLD)]
+    procs = []
+    try:
+        for r in range(WORLD):
+            with open(logs[r], "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, *command_of(r)],
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stdout=log, stderr=subprocess.STDOUT))
+        failed = wait_all(procs, timeout_s)
+    finally:
+        for p in procs:  # a rank left waiting for a failed one, or past its time
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed is not None:
+        raise ExplorerError(f"{what} rank {failed} "
+                            + ("did not finish in time" if procs[failed].returncode is None
+                               else f"exited with {procs[failed].returncode}")
+                            + f":\n{logs[failed].read_text()[-3000:]}")
+    return logs
+
+
 def run_reference(case: Case, name: str, size: str, optimizer: str, steps: int,
                   warmup: int, timeout_s: float) -> ReferenceRun:
     """``case``'s reference on :data:`WORLD` fresh rank processes; none outlives the call."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"rank-{r}.json" for r in range(WORLD)]
-        logs = [Path(tmp) / f"log-{r}.txt" for r in range(WORLD)]
-        procs = []
-        try:
-            for r in range(WORLD):
-                with open(logs[r], "w") as log:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, __file__, "--reference-rank", case, name, size,
-                         optimizer, str(warmup + steps), str(outs[r]), str(timeout_s)],
-                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                        stdout=log, stderr=subprocess.STDOUT))
-            failed = wait_all(procs, timeout_s)
-        finally:
-            for p in procs:  # a rank left waiting for a failed one, or past its time
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if failed is not None:
-            raise ExplorerError(f"{case} reference rank {failed} "
-                                + ("did not finish in time" if procs[failed].returncode is None
-                                   else f"exited with {procs[failed].returncode}")
-                                + f":\n{logs[failed].read_text()[-3000:]}")
+        run_ranks(f"{case} reference",
+                  lambda r: [__file__, "--reference-rank", case, name, size, optimizer,
+                             str(warmup + steps), str(outs[r]), str(timeout_s)],
+                  Path(tmp), timeout_s)
         got = [json.loads(o.read_text()) for o in outs]
     per_step = [max(g["step_s"][k] for g in got) for k in range(warmup, warmup + steps)]
     first = [g["losses"][0] for g in got if g["losses"][0] is not None]
@@ -422,29 +433,10 @@ def run_native_script(plan: ex.Plan, graph: OpGraph, model: ex.models.BuiltinMod
     printed step times (rank 0's, from the step's start to the end of its optimizer step and
     loss all-reduce) and first loss. Its weights are the factory's, as the captured ones are
     (the fingerprint is the graph's: only the first loss checks the start)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         script = ex.export_script(plan, Path(tmp) / "train.py", graph=graph, model=model,
                                   steps=warmup + steps, lr=LR, native=True)
-        logs = [Path(tmp) / f"log-{r}.txt" for r in range(WORLD)]
-        procs = []
-        try:
-            for r in range(WORLD):
-                with open(logs[r], "w") as log:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, str(script)],
-                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                        stdout=log, stderr=subprocess.STDOUT))
-            failed = wait_all(procs, timeout_s)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if failed is not None:
-            raise ExplorerError(f"native script rank {failed} failed:\n"
-                                f"{logs[failed].read_text()[-3000:]}")
+        logs = run_ranks("native script", lambda r: [str(script)], Path(tmp), timeout_s)
         lines = [line for line in logs[0].read_text().splitlines() if line.startswith("step ")]
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in lines]
     times = [float(line.rsplit(", ", 1)[1].split(" ms")[0]) / 1e3 for line in lines]
