@@ -321,15 +321,7 @@ def test_a_sequence_parallel_gpt_runs_under_two_ranks(tmp_path, runtime):
     assert f"step 1/1: loss {ref.losses[0]:.4f}" in _two_ranks(script)[0]
 
 
-# -- model factories: the ranks build the model from the user's code ---------------------------
-FACTORIES = os.path.join(os.path.dirname(__file__))  # factory_models.py, for the ranks too
-
-
-@pytest.fixture
-def factories(monkeypatch):
-    monkeypatch.syspath_prepend(FACTORIES)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (FACTORIES, os.environ.get("PYTHONPATH", "")) if p))
+# -- model factories: the ranks build the model from the user's code (fixture: conftest.py) --
 
 
 def _mlp_batch(device="cpu"):

@@ -26,7 +26,6 @@ from explorer.runtime.native_script import (
     render,
 )
 
-FACTORIES = str(Path(__file__).parent)
 HOSTILE = 'x"""\nopen("PWN","w")\n"""'
 #: settings whose scripts the text tests read: (replicas, ZeRO, recompute, precision,
 #: micro-batches)
@@ -44,13 +43,6 @@ def gpt():
 @pytest.fixture(scope="module")
 def cpu2():
     return ex.Cluster.cpu(2, measure=False)
-
-
-@pytest.fixture
-def factories(monkeypatch):
-    monkeypatch.syspath_prepend(FACTORIES)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (FACTORIES, os.environ.get("PYTHONPATH", "")) if p))
 
 
 def _native(graph, replicas, zero, recompute, precision, micro_batches, **extra):
