@@ -22,6 +22,7 @@ from explorer.cli.commands import main as cli
 from explorer.core.errors import ExplorerError
 from explorer.core.segments import group_segments
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 from explorer.runtime.jobfiles import Job, job_problem, program_parts, read_job, write_job
 from explorer.runtime.launch import reference
 from explorer.runtime.layout import RankLayout
@@ -42,6 +43,13 @@ def mlp():
 @pytest.fixture(scope="module")
 def dropout_graph():
     return dropout_mlp_graph()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's real runs (each run compiles its own segments)."""
+    with RankPool() as ranks:
+        yield ranks
 
 
 def _job(graph, plan, **settings) -> Job:
@@ -211,13 +219,13 @@ def _plan(graph, path: str) -> ex.Plan:
     return ex.partition(graph, cluster, costs, "data-parallel")
 
 
-def _run(graph, plan, key, compile: bool = True, runtime: str = "segments",
+def _run(graph, plan, key, pool: RankPool, compile: bool = True, runtime: str = "segments",
          seed: int = 0) -> ex.Measurement:
     full = (key, compile, runtime, seed)
     if full not in _RUNS:
         _RUNS[full] = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
                              record=True, timeout_s=300, runtime=runtime, compile=compile,
-                             seed=seed)
+                             seed=seed, pool=pool)
         assert (_RUNS[full].runtime, _RUNS[full].compiled) == (runtime, compile)
     return _RUNS[full]
 
@@ -226,13 +234,13 @@ def _run(graph, plan, key, compile: bool = True, runtime: str = "segments",
 @pytest.mark.parametrize("name,path", [("mlp", "single"), ("mlp", "gpipe"),
                                        ("mlp", "data-parallel"), ("gpt", "single"),
                                        ("gpt", "single-full"), ("gpt", "single-selective")])
-def test_compiled_segments_train_like_one_device(name, path):
+def test_compiled_segments_train_like_one_device(name, path, pool):
     """One CPU rank, two pipeline stages and two data-parallel replicas: the compiled
     segments' losses and first gradients are one device's in eager PyTorch, within the
     rounding of fused kernels."""
     graph = tiny_builtin_graph(name)
     plan = _plan(graph, path)
-    meas = _run(graph, plan, (name, path))
+    meas = _run(graph, plan, (name, path), pool)
     shards = max(len(s) for s in plan.stages) * plan.micro_batches
     ref = reference(ex.builtin_model(name, "tiny"), STEPS + WARMUP, shards,
                     optimizer=plan.optimizer)
@@ -244,25 +252,25 @@ def test_compiled_segments_train_like_one_device(name, path):
 
 
 @pytest.mark.slow
-def test_compiled_dropout_draws_the_op_path_masks(dropout_graph):
+def test_compiled_dropout_draws_the_op_path_masks(dropout_graph, pool):
     """A compiled segment with dropout draws the op path's masks (losses within float
     rounding, where other masks would move them by several per cent), repeats its losses
     bit for bit, and another seed draws otherwise."""
     plan = ex.Plan.single(dropout_graph, "cpu:0")
-    comp = _run(dropout_graph, plan, "dropout")
-    ops = _run(dropout_graph, plan, "dropout", compile=False, runtime="ops")
+    comp = _run(dropout_graph, plan, "dropout", pool)
+    ops = _run(dropout_graph, plan, "dropout", pool, compile=False, runtime="ops")
     torch.testing.assert_close(torch.tensor(comp.losses), torch.tensor(ops.losses),
                                rtol=1e-6, atol=0)
     again = ex.run(dropout_graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
-                   timeout_s=300, runtime="segments", compile=True)
+                   timeout_s=300, runtime="segments", compile=True, pool=pool)
     assert again.losses == comp.losses
-    other = _run(dropout_graph, plan, "dropout", seed=1)
+    other = _run(dropout_graph, plan, "dropout", pool, seed=1)
     assert all(abs(a - b) > 1e-3 * abs(b) for a, b in zip(other.losses, comp.losses,
                                                           strict=True))
 
 
 @pytest.mark.slow
-def test_compiled_segments_count_what_the_compiled_forward_saves():
+def test_compiled_segments_count_what_the_compiled_forward_saves(pool):
     """On CPU ranks the tensor accounting counts what each piece's compiled forward saves
     for its backward: on the GPT, whose peak is mostly those activations, the compiled
     peak is within 8 % of the eager segments', its activations within 10 % (uncounted, the
@@ -271,8 +279,8 @@ def test_compiled_segments_count_what_the_compiled_forward_saves():
     are (about 6 % of this peak, 9 % of its activations)."""
     graph = tiny_builtin_graph("gpt")
     plan = _plan(graph, "single")
-    comp = _run(graph, plan, ("gpt", "single"))
-    eager = _run(graph, plan, ("gpt", "single"), compile=False)
+    comp = _run(graph, plan, ("gpt", "single"), pool)
+    eager = _run(graph, plan, ("gpt", "single"), pool, compile=False)
     assert comp.memory_source == eager.memory_source == "tensor accounting"
     peak, eager_peak = comp.peak_bytes["cpu:0"], eager.peak_bytes["cpu:0"]
     assert abs(peak - eager_peak) <= 0.08 * eager_peak, (peak, eager_peak)

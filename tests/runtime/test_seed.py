@@ -8,6 +8,7 @@ from builders import dropout_mlp_graph
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.runtime import RankPool
 from explorer.runtime.stage import draw_seed
 
 STEPS, WARMUP = 2, 1
@@ -16,6 +17,14 @@ STEPS, WARMUP = 2, 1
 @pytest.fixture(scope="module")
 def dropout_graph():
     return dropout_mlp_graph()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's runs (a rank that ran one seed and plan runs the
+    next: what it draws must come from the run's seed, not from what ran before)."""
+    with RankPool() as ranks:
+        yield ranks
 
 
 def _plans(graph):
@@ -33,9 +42,9 @@ def _plans(graph):
     }, cl
 
 
-def _losses(graph, plan, seed=0):
+def _losses(graph, plan, pool, seed=0):
     m = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, timeout_s=120,
-               seed=seed)
+               seed=seed, pool=pool)
     assert m.seed == seed
     return m.losses
 
@@ -52,15 +61,15 @@ def test_a_bad_seed_is_refused(dropout_graph):
 
 
 @pytest.mark.slow
-def test_seeded_runs_repeat_bit_for_bit(dropout_graph):
+def test_seeded_runs_repeat_bit_for_bit(dropout_graph, pool):
     """Every plan repeats its losses exactly under the same seed; a placement draws what one
     device cutting the batch into as many blocks draws (replicas differ, as their rows do)."""
     plans, _ = _plans(dropout_graph)
     got = {}
     for name, plan in plans.items():
-        got[name] = _losses(dropout_graph, plan)
-        assert _losses(dropout_graph, plan) == got[name], name  # bit for bit
-    assert _losses(dropout_graph, plans["single"], seed=1) != got["single"]
+        got[name] = _losses(dropout_graph, plan, pool)
+        assert _losses(dropout_graph, plan, pool) == got[name], name  # bit for bit
+    assert _losses(dropout_graph, plans["single"], pool, seed=1) != got["single"]
     torch.testing.assert_close(torch.tensor(got["pipeline"]), torch.tensor(got["single"]))
     for name in ("data-parallel", "pipeline-2mb"):
         torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(got["single-2mb"]))
