@@ -16,6 +16,7 @@ from explorer.core.schedule import BWD, FWD, Action
 from explorer.core.segments import grad_sources, group_segments
 from explorer.costs.strategies import recompute_units, rerun_ops
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 from explorer.runtime.checkpointing import checkpointing
 from explorer.runtime.jobfiles import (
     Job,
@@ -407,11 +408,19 @@ class TestSettings:
 _RUNS: dict = {}
 
 
-def _run(graph, plan, runtime: str, key, seed: int = 0) -> ex.Measurement:
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's real runs."""
+    with RankPool() as ranks:
+        yield ranks
+
+
+def _run(pool: RankPool, graph, plan, runtime: str, key, seed: int = 0) -> ex.Measurement:
     full = (key, runtime, seed)
     if full not in _RUNS:
         _RUNS[full] = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
-                             record=True, timeout_s=180, runtime=runtime, seed=seed)
+                             record=True, timeout_s=180, runtime=runtime, seed=seed,
+                             pool=pool)
         assert _RUNS[full].runtime == runtime
     return _RUNS[full]
 
@@ -443,48 +452,48 @@ def _assert_like_one_device(meas: ex.Measurement, name: str, plan: ex.Plan,
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["single", "gpipe", "1f1b", "data-parallel"])
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_segments_equal_the_op_path_and_one_device(name, path):
+def test_segments_equal_the_op_path_and_one_device(name, path, pool):
     """One CPU rank, two pipeline stages (GPipe over 2, 1F1B over 4 micro-batches) and two
     data-parallel replicas: the segment runtime's losses and first gradients are the op
     path's bit for bit, and one device's in eager PyTorch within float rounding."""
     graph, plan = tiny_builtin_graph(name), _plan(name, path)
-    seg = _run(graph, plan, "segments", (name, path))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", (name, path)))
+    seg = _run(pool, graph, plan, "segments", (name, path))
+    _assert_same_as_ops(seg, _run(pool, graph, plan, "ops", (name, path)))
     _assert_like_one_device(seg, name, plan)
 
 
 @pytest.mark.slow
-def test_segments_run_an_interleaved_placement():
+def test_segments_run_an_interleaved_placement(pool):
     """Every other op on the other rank: one-op segments sending and receiving each way."""
     graph, plan = tiny_builtin_graph("mlp"), _plan("mlp", "interleaved")
-    seg = _run(graph, plan, "segments", ("mlp", "interleaved"))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", ("mlp", "interleaved")))
+    seg = _run(pool, graph, plan, "segments", ("mlp", "interleaved"))
+    _assert_same_as_ops(seg, _run(pool, graph, plan, "ops", ("mlp", "interleaved")))
     _assert_like_one_device(seg, "mlp", plan)
 
 
 @pytest.mark.slow
-def test_segments_run_replica_counts_that_differ():
+def test_segments_run_replica_counts_that_differ(pool):
     """Stage 0 on two replicas, stage 1 on one: stage 1's rank runs each segment on both
     shards of a micro-batch in turn, receiving from and sending to either replica."""
     graph = tiny_builtin_graph("mlp")
     ops = [n.name for n in graph.nodes if n.kind == "op"]
     plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
                                    {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)})
-    seg = _run(graph, plan, "segments", ("mlp", "replicas 2, 1"))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", ("mlp", "replicas 2, 1")))
+    seg = _run(pool, graph, plan, "segments", ("mlp", "replicas 2, 1"))
+    _assert_same_as_ops(seg, _run(pool, graph, plan, "ops", ("mlp", "replicas 2, 1")))
     _assert_like_one_device(seg, "mlp", plan)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_segments_run_zero(zero):
+def test_segments_run_zero(zero, pool):
     """Two data-parallel replicas with ZeRO 1-3 train as the op path and one device. ZeRO 3
     gathers a unit's weights for its segment, as the op path gathers them for its ops: no
     more gathered at the peak than op by op, and the peak within 5 % of the prediction."""
     graph = tiny_builtin_graph("gpt")
     plan = _plan("gpt", "data-parallel").with_memory(zero=zero)
-    seg = _run(graph, plan, "segments", ("gpt", "zero", zero))
-    ops = _run(graph, plan, "ops", ("gpt", "zero", zero))
+    seg = _run(pool, graph, plan, "segments", ("gpt", "zero", zero))
+    ops = _run(pool, graph, plan, "ops", ("gpt", "zero", zero))
     _assert_same_as_ops(seg, ops)
     _assert_like_one_device(seg, "gpt", plan)
     if zero == 3:
@@ -499,7 +508,7 @@ def test_segments_run_zero(zero):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_segments_recompute_a_unit_in_its_backward(name, mode):
+def test_segments_recompute_a_unit_in_its_backward(name, mode, pool):
     """Recomputation checkpoints each unit's segment (torch's selective checkpointing; with
     "selective" matmul outputs kept): the values run again are the values the
     forward made, so losses and gradients equal the op path's recomputation and the run
@@ -509,9 +518,9 @@ def test_segments_recompute_a_unit_in_its_backward(name, mode):
     path = "1f1b" if name == "gpt" else "gpipe"
     plan = _plan(name, path)
     again = plan.with_memory(recompute=mode)
-    seg = _run(graph, again, "segments", (name, path, mode))
-    plain = _run(graph, plan, "segments", (name, path))
-    _assert_same_as_ops(seg, _run(graph, again, "ops", (name, path, mode)))
+    seg = _run(pool, graph, again, "segments", (name, path, mode))
+    plain = _run(pool, graph, plan, "segments", (name, path))
+    _assert_same_as_ops(seg, _run(pool, graph, again, "ops", (name, path, mode)))
     _assert_same_as_ops(seg, plain)
     if name == "gpt":
         fuller = max(plain.peak_bytes, key=plain.peak_bytes.get)
@@ -526,14 +535,14 @@ PRECISION_TOLERANCE = {"bf16": (1e-3, 6e-2), "fp16": (1e-4, 5e-3)}
 @pytest.mark.slow
 @pytest.mark.parametrize("name,precision", [("mlp", "bf16"), ("gpt", "bf16"),
                                             ("gpt", "fp16")])
-def test_segments_run_a_lower_precision_stage(name, precision):
+def test_segments_run_a_lower_precision_stage(name, precision, pool):
     """Autocast around a segment casts as it does around each op (fp16 with the loss
     scale): the op path's losses and gradients, and one device's within the precision's
     tolerance."""
     graph = tiny_builtin_graph(name)
     plan = _plan(name, "stages").with_memory(precision=precision)
-    seg = _run(graph, plan, "segments", (name, precision))
-    _assert_same_as_ops(seg, _run(graph, plan, "ops", (name, precision)))
+    seg = _run(pool, graph, plan, "segments", (name, precision))
+    _assert_same_as_ops(seg, _run(pool, graph, plan, "ops", (name, precision)))
     rtol, share = PRECISION_TOLERANCE[precision]
     _assert_like_one_device(seg, name, plan, rtol=rtol, grad_share=share)
 
@@ -547,7 +556,7 @@ def _dropout_graph():
 
 
 @pytest.mark.slow
-def test_dropout_draws_what_the_op_path_draws():
+def test_dropout_draws_what_the_op_path_draws(pool):
     """Dropout in a segment draws the op path's masks: one device and a two-stage pipeline
     over two micro-batches give the op path's losses bit for bit, repeat them, and another
     seed draws otherwise."""
@@ -558,18 +567,19 @@ def test_dropout_draws_what_the_op_path_draws():
              "pipeline-2mb": ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1",)], half,
                                                      micro_batches=2)}
     for name, plan in plans.items():
-        seg = _run(graph, plan, "segments", ("dropout", name))
-        assert seg.losses == _run(graph, plan, "ops", ("dropout", name)).losses, name
+        seg = _run(pool, graph, plan, "segments", ("dropout", name))
+        assert seg.losses == _run(pool, graph, plan, "ops", ("dropout", name)).losses, name
         again = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
-                       timeout_s=180, runtime="segments")
+                       timeout_s=180, runtime="segments", pool=pool)
         assert again.losses == seg.losses, name
-    assert _run(graph, plans["single"], "segments", ("dropout", "single"), seed=1).losses \
-        != _run(graph, plans["single"], "segments", ("dropout", "single")).losses
+    single = plans["single"]
+    assert _run(pool, graph, single, "segments", ("dropout", "single"), seed=1).losses \
+        != _run(pool, graph, single, "segments", ("dropout", "single")).losses
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["single", "gpipe", "1f1b", "data-parallel"])
-def test_segments_measure_peak_memory_as_predicted(path):
+def test_segments_measure_peak_memory_as_predicted(path, pool):
     """The tensor accounting runs on the segment path: in a rank's last step it counts what
     autograd saves while it is saved, the segments' outputs and inputs as the op path counts
     values, and each gradient the backward makes inside a segment while it lives (the op path
@@ -579,8 +589,8 @@ def test_segments_measure_peak_memory_as_predicted(path):
     of its four micro-batches' inputs: each is gone once sent; a slot that the received
     activation kept had held them all to the step's end, 11 % more.)"""
     graph, plan = tiny_builtin_graph("mlp"), _plan("mlp", path)
-    seg = _run(graph, plan, "segments", ("mlp", path))
-    ops = _run(graph, plan, "ops", ("mlp", path))
+    seg = _run(pool, graph, plan, "segments", ("mlp", path))
+    ops = _run(pool, graph, plan, "ops", ("mlp", path))
     assert seg.memory_source == ops.memory_source == "tensor accounting"
     predicted = ex.simulate(graph, plan, roofline_costs(graph, ex.Cluster.cpu(2, measure=False))
                             ).peak_bytes
