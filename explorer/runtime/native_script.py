@@ -3,14 +3,17 @@
 :func:`write_native_script` writes one Python file that builds the model from its source (a
 built-in model, or the user's ``"module:function"`` factory) on the meta device, builds a
 named ``DeviceMesh`` from the plan's degrees, applies torch's own parallelisms in torchtitan's
-order (recomputation per block with ``torch.utils.checkpoint``, ``fully_shard`` per block and
-at the root for ZeRO, ``DistributedDataParallel`` for plain replicas), materialises the
-factory's initial weights, and trains with a ``batches()`` function to edit, printing the loss
-and step time of every step.
+order (pipeline stages cut at the modules where the plan's stages begin, run by
+``torch.distributed.pipelining`` with the plan's GPipe or 1F1B schedule; recomputation per
+block with ``torch.utils.checkpoint``; ``fully_shard`` per block and at the root for ZeRO and
+for replicas of pipeline stages, ``DistributedDataParallel`` for plain replicas), materialises
+the factory's initial weights, and trains with a ``batches()`` function to edit, printing the
+loss and step time of every step.
 
 A plan whose choices are not those of modules cannot be written this way:
-:func:`native_plan` says which stage, op or setting stops it (:class:`NotExpressible`), and
-such plans keep exporting through the explorer's runtime (:mod:`explorer.runtime.export`).
+:func:`~explorer.runtime.native_mapping.native_plan` says which stage, op or setting stops it
+(:class:`~explorer.runtime.native_mapping.NotExpressible`), and such plans keep exporting
+through the explorer's runtime (:mod:`explorer.runtime.export`).
 
 Nothing a plan file holds is pasted into the script as code: module paths, model names and
 sizes are checked and written as escaped string literals, numbers as numbers, words in the
@@ -23,147 +26,26 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from explorer.core.errors import ExplorerError
-from explorer.core.factory import check_factory, load_factory
-from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
-from explorer.costs.strategies import MATMUL_MARKERS, unit_of
-from explorer.models.builtin import build
+from explorer.costs.strategies import MATMUL_MARKERS
+from explorer.runtime.native_mapping import (
+    OPTIMIZERS,
+    NativePlan,
+    NotExpressible,
+    blocks_of,
+    model_on_meta,
+    native_plan,
+    stage_starts,
+)
 from explorer.runtime.params import FP16_LOSS_SCALE
 
-#: a module path the script may name (``blocks.3``, ``layers.0.mlp``)
-_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
-#: the optimizers a plan may carry, as the script builds them (as ex.run does)
-_OPTIMIZERS = {"sgd": "torch.optim.SGD(model.parameters(), lr=LR)",
-               "momentum": "torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)",
-               "adam": "torch.optim.Adam(model.parameters(), lr=LR)",
-               "adamw": "torch.optim.AdamW(model.parameters(), lr=LR)"}
+#: the plan's schedules, as torch.distributed.pipelining names them
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
-
-class NotExpressible(ExplorerError):
-    """A plan that torch's module-level parallelisms cannot express (op-level placements,
-    settings a native script does not write yet): export it without ``native``."""
-
-
-@dataclass(frozen=True)
-class NativePlan:
-    """What a plan asks, in the terms of torch's parallelisms."""
-
-    #: the model's source: ``{"builtin": name, "size": size, "batch_size": n}`` or
-    #: ``{"factory": "module:function"}``
-    source: dict
-    devices: tuple[str, ...]
-    #: data-parallel replicas, and how their state is sharded (ZeRO 0-3)
-    replicas: int
-    zero: int
-    recompute: str
-    precision: str
-    micro_batches: int
-    optimizer: str
-    #: the repeated blocks (recomputation units with parameters), sharded and recomputed
-    #: one at a time, in the model's order
-    blocks: tuple[str, ...]
-    algorithm: str
-    predicted_step_s: float | None = None
-    predicted_peak_bytes: int | None = None
-
-
-def native_plan(graph: OpGraph, plan: Plan, source: dict,
-                module: torch.nn.Module | None = None) -> NativePlan:
-    """``plan`` for ``graph`` as torch's parallelisms, or :class:`NotExpressible` saying
-    what stops it; ``module``: the model (on the meta device, :func:`model_on_meta`), to
-    see which parameters its modules share."""
-    if "factory" in source:
-        check_factory(source["factory"])
-    if not source:
-        raise NotExpressible("a native script builds the model from its source: export a "
-                             "built-in model, or name the function that builds yours "
-                             "(factory=\"module:function\" / --factory)")
-    if len(plan.stages) > 1:
-        ops = _first_ops_of_stages(graph, plan)
-        raise NotExpressible(
-            f"the plan has {len(plan.stages)} stages (stage 1 starts at op {ops[1]!r}); native "
-            "scripts do not write pipeline stages yet: export without native to run it on "
-            "the explorer's runtime")
-    settings = plan.settings_of(0)
-    if settings.tensor > 1:
-        raise NotExpressible(
-            f"the plan splits each layer {settings.tensor} ways (tensor parallel); native "
-            "scripts do not write tensor parallelism yet: export without native")
-    if plan.optimizer not in _OPTIMIZERS:
-        raise NotExpressible(f"optimizer {plan.optimizer!r} has no native form")
-    replicas = plan.replicas_of(0)
-    return NativePlan(
-        source=dict(source), devices=tuple(plan.devices), replicas=replicas,
-        zero=settings.zero if replicas > 1 else 0, recompute=settings.recompute,
-        precision=settings.precision, micro_batches=plan.micro_batches,
-        optimizer=plan.optimizer, blocks=blocks_of(graph, module), algorithm=plan.algorithm)
-
-
-def model_on_meta(source: dict) -> torch.nn.Module:
-    """The model ``source`` builds, on the meta device (nothing allocated). A factory must
-    return the model with its loss and example batch, which a native script trains with:
-    :class:`NotExpressible` otherwise."""
-    if "builtin" in source:
-        return build(source["builtin"], source["size"], source.get("batch_size"),
-                     weights=False).module
-    text = source["factory"]
-    with torch.device("meta"):
-        made = load_factory(check_factory(text))()
-    missing = [a for a in ("module", "example_inputs", "targets", "loss_fn")
-               if not hasattr(made, a)]
-    if missing:
-        raise NotExpressible(
-            f"model factory {text!r} returned a {type(made).__name__} without "
-            f"{', '.join(missing)}; a native script trains with the factory's loss and "
-            "example batch: return an object with module, example_inputs, targets and "
-            "loss_fn (as ex.builtin_model does), or export without native")
-    return made.module
-
-
-def blocks_of(graph: OpGraph, module: torch.nn.Module | None = None) -> tuple[str, ...]:
-    """The recomputation units (:func:`~explorer.costs.strategies.unit_of`: the repeated
-    blocks, the other top-level modules) of the ops that read parameters, in the order the
-    graph first reads them: what FSDP shards and checkpoint runs again one at a time. Left
-    to the root module: a unit that holds another, and (given the ``module``) a unit holding
-    a parameter registered outside it too (an embedding tied to the output layer)."""
-    order: dict[str, None] = {}
-    for n in graph.nodes:
-        if n.kind != "op" or not n.module_path:
-            continue
-        if any(graph.nodes[graph.index[p]].kind == "param" for p in n.inputs):
-            unit = unit_of(n.module_path)
-            if not _MODULE_PATH.fullmatch(unit):
-                raise NotExpressible(f"module path {unit!r} (of op {n.name!r}) cannot be "
-                                     "named in a script")
-            order.setdefault(unit)
-    units = [u for u in order if not any(v.startswith(u + ".") for v in order)]
-    if module is None:
-        return tuple(units)
-    aliases: dict[int, list[str]] = {}  # a parameter's every name
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-
-    def owns_its_parameters(unit: str) -> bool:
-        inside = [names for names in aliases.values()
-                  if any(n.startswith(unit + ".") for n in names)]
-        return all(n.startswith(unit + ".") for names in inside for n in names)
-
-    return tuple(u for u in units if owns_its_parameters(u))
-
-
-def _first_ops_of_stages(graph: OpGraph, plan: Plan) -> list[str]:
-    first: dict[int, str] = {}
-    for n in graph.nodes:
-        if n.kind == "op":
-            first.setdefault(plan.placement[n.name], n.name)
-    return [first.get(s, "") for s in range(len(plan.stages))]
-
+__all__ = ["NativePlan", "NotExpressible", "blocks_of", "model_on_meta", "native_plan",
+           "render", "stage_starts", "write_native_script"]
 
 def render(native: NativePlan, steps: int = 10, lr: float = 1e-3) -> str:
     """The script's text."""
@@ -213,10 +95,13 @@ def _header(p: NativePlan) -> str:
 
 def _plan_words(p: NativePlan) -> str:
     words = []
+    if p.stages > 1:
+        words.append(f"{p.stages} pipeline stages ({_words(p.schedule)} schedule), starting "
+                     f"at {', '.join(_words(m) for m in p.stage_starts)}")
     if p.replicas > 1:
         words.append(f"{p.replicas} data-parallel replicas"
                      + ("" if not p.zero else f" with ZeRO {p.zero}"))
-    else:
+    elif p.stages == 1:
         words.append("one device")
     if p.recompute != "none":
         words.append(f"{p.recompute} recomputation per block")
@@ -230,7 +115,7 @@ def _plan_words(p: NativePlan) -> str:
 
 def _imports(p: NativePlan) -> str:
     lines = ["from __future__ import annotations", ""]
-    if p.micro_batches > 1 and p.replicas > 1 and not p.zero:
+    if p.micro_batches > 1 and p.replicas > 1 and not p.zero and p.stages == 1:
         lines.append("import contextlib")
     lines += ["import gc", "import os", "import time"]
     if p.recompute == "selective":
@@ -239,10 +124,13 @@ def _imports(p: NativePlan) -> str:
               "from torch.distributed.checkpoint.state_dict import StateDictOptions, "
               "set_model_state_dict",
               "from torch.distributed.device_mesh import init_device_mesh"]
-    if p.zero:
+    if _fsdp(p):
         lines.append("from torch.distributed.fsdp import fully_shard")
     elif p.replicas > 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
+    if p.stages > 1:
+        lines.append("from torch.distributed.pipelining import "
+                     f"{_SCHEDULES[p.schedule]}, SplitPoint, pipeline")
     if p.recompute == "full":
         lines.append("from torch.utils.checkpoint import checkpoint")
     elif p.recompute == "selective":
@@ -267,8 +155,13 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
              f"MICRO_BATCHES = {int(p.micro_batches)}  # per step, on each replica",
              "#: the device mesh: the plan's degrees by name",
              f"MESH = {{{', '.join(f'{_py(k)}: {v}' for k, v in mesh.items())}}}"]
-    if p.blocks and (p.zero or p.recompute != "none"):
-        what = " and ".join(x for x in ("sharded" if p.zero else "",
+    if p.stages > 1:
+        lines.append("#: the modules where pipeline stages 1, 2, ... begin, and the schedule "
+                     "of their\n#: micro-batches")
+        lines.append(f"STAGE_STARTS = [{', '.join(_py(m) for m in p.stage_starts)}]")
+        lines.append(f"SCHEDULE = {_SCHEDULES[p.schedule]}")
+    if p.blocks and (_fsdp(p) or p.recompute != "none"):
+        what = " and ".join(x for x in ("sharded" if _fsdp(p) else "",
                                         "recomputed" if p.recompute != "none" else "") if x)
         lines.append(f"#: the model's blocks, {what} one at a time")
         lines.append("BLOCKS = [")
@@ -299,9 +192,33 @@ def _py(text: str) -> str:
 
 
 def _mesh(p: NativePlan) -> dict[str, int]:
-    if p.replicas == 1:
-        return {"dp_replicate": 1}
-    return {"dp_shard" if p.zero else "dp_replicate": p.replicas}
+    """The mesh's dimensions, outermost first: pipeline stages, then replicas (a rank's
+    neighbours are replicas of its stage, as torchtitan's ``ParallelDims`` places them)."""
+    pipeline = {"pp": p.stages} if p.stages > 1 else {}
+    if _replicated_stages(p):
+        return pipeline | {"dp_replicate": p.replicas, "dp_shard": 1}
+    return pipeline | {_replica_dim(p): p.replicas}
+
+
+def _replicated_stages(p: NativePlan) -> bool:
+    """Whether the plan replicates pipeline stages without sharding them: FSDP over a mesh
+    of replicas x 1 shard then keeps whole weights and all-reduces gradients as DDP would
+    (torch's pipeline stages hold gradients back between micro-batches of FSDP modules;
+    DDP's wrapper does not fit a traced stage)."""
+    return p.stages > 1 and p.replicas > 1 and not p.zero
+
+
+def _fsdp(p: NativePlan) -> bool:
+    return bool(p.zero) or _replicated_stages(p)
+
+
+def _fsdp_mesh(p: NativePlan) -> str:
+    return 'mesh["dp_replicate", "dp_shard"]' if _replicated_stages(p) else 'mesh["dp_shard"]'
+
+
+
+def _replica_dim(p: NativePlan) -> str:
+    return "dp_shard" if p.zero else "dp_replicate"
 
 
 def _model_section(p: NativePlan) -> str:
@@ -329,11 +246,15 @@ def batches(example):
 
 
 def load_weights(model: torch.nn.Module, initial: torch.nn.Module) -> None:
-    """``initial``'s weights and buffers into the (sharded) model."""
-    set_model_state_dict(model, initial.state_dict(),
-                         options=StateDictOptions(full_state_dict=True))
-    for name, buffer in initial.named_buffers():  # (a state dict may leave some out)
-        model.get_buffer(name).copy_(buffer)
+    """``initial``'s weights and buffers into the model, or the part of it this rank holds."""
+    mine = dict(model.named_parameters())
+    weights = {{name: w for name, w in initial.state_dict().items() if name in mine}}
+    if weights.keys() != mine.keys():
+        raise SystemExit(f"no initial weights for {{sorted(mine.keys() - weights.keys())}}")
+    set_model_state_dict(model, weights,
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    for name, buffer in model.named_buffers():  # (a state dict may leave some out)
+        buffer.copy_(initial.get_buffer(name))
 '''
 
 
@@ -370,24 +291,32 @@ def recompute(block: torch.nn.Module) -> None:
 
 def _parallelize_section(p: NativePlan) -> str:
     body = []
-    if p.blocks and (p.zero or p.recompute != "none"):
+    if p.blocks and (_fsdp(p) or p.recompute != "none"):
         body.append("    for path in BLOCKS:")
-        body.append("        block = model.get_submodule(path)")
+        if p.stages > 1:
+            body.append("        if path not in here:  # (a block of another pipeline stage)")
+            body.append("            continue")
+            body.insert(0, "    here = dict(model.named_modules())")
+        body.append("        block = here[path]" if p.stages > 1 else
+                    "        block = model.get_submodule(path)")
         if p.recompute != "none":
             body.append("        recompute(block)")
-        if p.zero:
-            body.append(f"        fully_shard(block, mesh=mesh[\"dp_shard\"]{_reshard(p)})")
-    if p.zero:
-        body.append(f"    fully_shard(model, mesh=mesh[\"dp_shard\"]{_reshard(p)})")
+        if _fsdp(p):
+            body.append(f"        fully_shard(block, mesh={_fsdp_mesh(p)}{_reshard(p)})")
+    if _fsdp(p):
+        body.append(f"    fully_shard(model, mesh={_fsdp_mesh(p)}{_reshard(p)})")
     if not body:
         body.append("    pass  # one device, or replicas wrapped once the weights are in: main()")
     notes = {1: "    # ZeRO 1 shards optimizer state only; FSDP has no such setting, so it runs "
                 "as\n    # ZeRO 2 (gradients sharded too: less memory, the same traffic)\n",
              2: "    # ZeRO 2: parameters stay gathered from the forward to the backward\n",
-             3: ""}
+             3: "",
+             0: "    # replicas of a pipeline stage: FSDP over replicas x 1 shard keeps whole "
+                "weights\n    # and all-reduces gradients, as DDP does\n"}
+    note = notes[p.zero] if _fsdp(p) else ""
     return ('def parallelize(model: torch.nn.Module, mesh) -> None:\n'
             '    """The plan\'s parallelisms, in torchtitan\'s order: recomputation, then '
-            'sharding."""\n' + notes.get(p.zero, "") + "\n".join(body) + "\n")
+            'sharding."""\n' + note + "\n".join(body) + "\n")
 
 
 def _reshard(p: NativePlan) -> str:
@@ -395,6 +324,8 @@ def _reshard(p: NativePlan) -> str:
 
 
 def _step_section(p: NativePlan) -> str:
+    if p.stages > 1:
+        return _pipeline_step_section(p)
     lines = ["def micro_batch(model, loss_fn, inputs, targets, rows: slice) -> torch.Tensor:",
              '    """Forward and backward of ``rows`` of the batch; their share of the step\'s '
              'loss."""']
@@ -411,9 +342,76 @@ def _step_section(p: NativePlan) -> str:
     return "\n".join(lines)
 
 
+def _pipeline_step_section(p: NativePlan) -> str:
+    autocast = p.precision != "fp32"
+    pad = "    " * (2 if autocast else 1)
+    lines = ["def pipeline_step(schedule, stage_index: int, inputs, targets, device) -> "
+             "torch.Tensor:",
+             '    """One step through the pipeline: the first stage feeds the micro-batches in, '
+             "the last\n    computes their losses; the step's mean loss on the last stage "
+             '(zero on the others)."""',
+             "    losses = []"]
+    if autocast:
+        lines.append("    with torch.autocast(device.type, dtype=PRECISION):")
+    lines += [f"{pad}if stage_index == 0:", f"{pad}    schedule.step(*inputs)",
+              f"{pad}elif stage_index == MESH[\"pp\"] - 1:",
+              f"{pad}    schedule.step(target=targets[0], losses=losses)",
+              f"{pad}else:", f"{pad}    schedule.step()"]
+    scale = " / LOSS_SCALE" if p.precision == "fp16" else ""
+    lines += ["    if not losses:", "        return torch.zeros((), device=device)",
+              f"    return torch.stack(losses).mean().detach(){scale}"]
+    return "\n".join(lines)
+
+
 def _main_section(p: NativePlan) -> str:
-    dp = "dp_shard" if p.zero else "dp_replicate"
     n = len(p.devices)
+    body = _pipeline_body(p) if p.stages > 1 else _data_parallel_body(p)
+    return f"""
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if dist.get_world_size() != {n}:
+        raise SystemExit(f"the plan runs on {n} processes, not {{dist.get_world_size()}}")
+    mesh = init_device_mesh(device.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH))
+    replicas = mesh["{_replica_dim(p)}"].size()
+    replica = mesh["{_replica_dim(p)}"].get_local_rank()
+{body}        dist.all_reduce(total)  # the mean loss over the global batch
+        total /= replicas
+        if cuda:
+            torch.cuda.synchronize()
+        if dist.get_rank() == 0:
+            print(f"step {{step}}: loss {{total.item():.6f}}, "
+                  f"{{(time.perf_counter() - start) * 1e3:.2f}} ms", flush=True)
+    # the model's hooks and the handles of collectives they keep go before the process
+    # group: left to the interpreter's exit they may outlive it (and abort the process)
+    del {"schedule, stage, " if p.stages > 1 else ""}model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+_MATERIALISE = """    model.to_empty(device=device)
+    # the factory's initial weights, made on each rank's CPU (for a model larger than a
+    # host, load a checkpoint here instead), and its example batch
+    initial, _, example = make_model(weights=True)
+    load_weights(model, initial)
+    del initial
+"""
+_UNSCALE = """        for param in model.parameters():  # (the loss was scaled up)
+            if param.grad is not None:
+                param.grad.div_(LOSS_SCALE)
+"""
+
+
+def _data_parallel_body(p: NativePlan) -> str:
     wrap = ""
     if p.replicas > 1 and not p.zero:
         wrap = "    model = DistributedDataParallel(model, device_mesh=mesh[\"dp_replicate\"])\n"
@@ -429,30 +427,10 @@ def _main_section(p: NativePlan) -> str:
                       f"                {call}\n")
     else:
         accumulate = f"            {call}\n"
-    unscale = ("        for param in model.parameters():  # (the loss was scaled up)\n"
-               "            if param.grad is not None:\n"
-               "                param.grad.div_(LOSS_SCALE)\n") if p.precision == "fp16" else ""
-    return f'''
-def main() -> None:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    if dist.get_world_size() != {n}:
-        raise SystemExit(f"the plan runs on {n} processes, not {{dist.get_world_size()}}")
-    mesh = init_device_mesh(device.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH))
-    model, loss_fn, _ = make_model(weights=False)  # shapes only: nothing allocated
+    unscale = _UNSCALE if p.precision == "fp16" else ""
+    return f"""    model, loss_fn, _ = make_model(weights=False)  # shapes only: nothing allocated
     parallelize(model, mesh)
-    model.to_empty(device=device)
-    # the factory's initial weights, made on each rank's CPU (for a model larger than a
-    # host, load a checkpoint here instead), and its example batch
-    initial, _, example = make_model(weights=True)
-    load_weights(model, initial)
-    del initial
-{wrap}    optimizer = {_OPTIMIZERS[p.optimizer]}
-    replicas, replica = mesh["{dp}"].size(), mesh["{dp}"].get_local_rank()
+{_MATERIALISE}{wrap}    optimizer = {OPTIMIZERS[p.optimizer]}
     data = batches(example)
     for step in range(STEPS):
         start = time.perf_counter()
@@ -465,20 +443,35 @@ def main() -> None:
             first = replica * mine + m * per_micro_batch
             rows = slice(first, first + per_micro_batch)
 {accumulate}{unscale}        optimizer.step()
-        dist.all_reduce(total)  # the mean loss over the global batch
-        total /= replicas
-        if cuda:
-            torch.cuda.synchronize()
-        if dist.get_rank() == 0:
-            print(f"step {{step}}: loss {{total.item():.6f}}, "
-                  f"{{(time.perf_counter() - start) * 1e3:.2f}} ms", flush=True)
-    # the model's hooks and the handles of collectives they keep go before the process
-    # group: left to the interpreter's exit they may outlive it (and abort the process)
-    del model, optimizer
-    gc.collect()
-    dist.destroy_process_group()
+"""
 
 
-if __name__ == "__main__":
-    main()
-'''
+def _pipeline_body(p: NativePlan) -> str:
+    loss = " loss_fn=loss_fn"
+    if p.precision == "fp16":  # (the loss scaled up, as in the backward)
+        loss = ("\n                        loss_fn=lambda output, target: loss_fn(output, "
+                "target) * LOSS_SCALE")
+    unscale = _UNSCALE if p.precision == "fp16" else ""
+    return f"""    stage_index = mesh["pp"].get_local_rank()
+    model, loss_fn, example = make_model(weights=False)  # shapes only: nothing allocated
+    # torch's pipeline traces one micro-batch of this replica's rows and cuts the model
+    # where each stage begins; this rank keeps its stage's part
+    rows = example[0][0].shape[0] // replicas // MICRO_BATCHES
+    split = {{path: SplitPoint.BEGINNING for path in STAGE_STARTS}}
+    pipe = pipeline(model, mb_args=tuple(t[:rows] for t in example[0]), split_spec=split)
+    stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())
+    model = stage.submod
+    parallelize(model, mesh)
+{_MATERIALISE}    schedule = SCHEDULE(stage, n_microbatches=MICRO_BATCHES,{loss})
+    optimizer = {OPTIMIZERS[p.optimizer]}
+    data = batches(example)
+    for step in range(STEPS):
+        start = time.perf_counter()
+        inputs, targets = ([t.to(device) for t in part] for part in next(data))
+        mine = inputs[0].shape[0] // replicas  # this replica's rows of the batch
+        rows = slice(replica * mine, (replica + 1) * mine)
+        optimizer.zero_grad(set_to_none=True)
+        total = pipeline_step(schedule, stage_index, [t[rows] for t in inputs],
+                              [t[rows] for t in targets], device)
+{unscale}        optimizer.step()
+"""

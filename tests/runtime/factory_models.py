@@ -34,11 +34,16 @@ def mlp_on_meta() -> nn.Module:
 def hf_gpt2():
     """Hugging Face's GPT-2 built from a config (tiny, no download), with its example batch
     and loss, as ex.builtin_model gives them (what a native script trains with)."""
+    return _hf_gpt2(tie_word_embeddings=True)
+
+
+def _hf_gpt2(tie_word_embeddings: bool):
     import transformers
 
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(config)
@@ -52,3 +57,33 @@ def hf_gpt2():
 def logits_loss(out, y):
     """Cross-entropy of a Hugging Face causal LM's logits."""
     return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+class LogitsOnly(nn.Module):
+    """A Hugging Face causal LM that returns its logits tensor (what a pipeline's stages
+    pass on), not its output object."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
+def hf_gpt2_untied():
+    """hf_gpt2 with an output layer of its own (not tied to the token embedding)."""
+    return _hf_gpt2(tie_word_embeddings=False)
+
+
+def hf_gpt2_logits():
+    """hf_gpt2 with an output layer of its own (not tied to the token embedding), its
+    module returning the logits and its loss reading them: what torch's pipeline splits."""
+    made = hf_gpt2_untied()
+    return SimpleNamespace(module=LogitsOnly(made.module), example_inputs=made.example_inputs,
+                           targets=made.targets, loss_fn=tensor_loss)
+
+
+def tensor_loss(logits, y):
+    """Cross-entropy of (batch, sequence, classes) logits."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())

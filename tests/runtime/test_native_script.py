@@ -24,6 +24,7 @@ from explorer.runtime.native_script import (
     model_on_meta,
     native_plan,
     render,
+    stage_starts,
 )
 
 HOSTILE = 'x"""\nopen("PWN","w")\n"""'
@@ -109,7 +110,7 @@ class TestText:
         graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
         assert isinstance(made.module, transformers.GPT2LMHeadModel)
         assert "lm_head" in blocks_of(graph)
-        meta = model_on_meta({"factory": "factory_models:hf_gpt2"})
+        meta = model_on_meta({"factory": "factory_models:hf_gpt2"}).module
         assert next(meta.parameters()).is_meta
         # the unit of the embeddings holds the blocks; the output layer's weight is the
         # token embedding's
@@ -126,13 +127,86 @@ class TestText:
         assert "open" not in calls
 
 
+    @pytest.mark.parametrize("replicas, zero, recompute, precision, schedule", [
+        (1, 0, "none", "fp32", "1f1b"), (2, 0, "full", "bf16", "gpipe"),
+        (2, 3, "selective", "fp16", "1f1b")], ids=str)
+    def test_a_pipeline_cuts_the_model_where_its_stages_begin(self, gpt, replicas, zero,
+                                                             recompute, precision, schedule,
+                                                             tmp_path):
+        native = replace(_native(gpt[1], replicas, zero, recompute, precision, 4),
+                         devices=tuple(f"cpu:{k}" for k in range(2 * replicas)),
+                         stage_starts=("blocks.1",), schedule=schedule)
+        text = render(native)
+        path = tmp_path / "train.py"
+        path.write_text(text)
+        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
+                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
+                              capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        assert len(text.splitlines()) < 200
+        assert 'STAGE_STARTS = ["blocks.1"]' in text
+        assert f"SCHEDULE = Schedule{'1F1B' if schedule == '1f1b' else 'GPipe'}" in text
+        assert "pipeline(model, mb_args=" in text and "pipe.build_stage(" in text
+        assert "DistributedDataParallel" not in text  # (a traced stage is no DDP module)
+        mesh = {(1, 0): '{"pp": 2, "dp_replicate": 1}',
+                (2, 0): '{"pp": 2, "dp_replicate": 2, "dp_shard": 1}',
+                (2, 3): '{"pp": 2, "dp_shard": 2}'}[replicas, zero]
+        assert f"MESH = {mesh}" in text
+        if replicas > 1:
+            where = 'mesh["dp_replicate", "dp_shard"]' if not zero else 'mesh["dp_shard"]'
+            assert f"fully_shard(block, mesh={where})" in text
+            assert "if path not in here:  # (a block of another pipeline stage)" in text
+
+
 class TestRefused:
-    def test_stages_tensor_parallelism_and_no_source_say_what_stops_them(self, gpt, cpu2):
+    def test_stages_that_begin_at_modules_are_a_pipeline(self, gpt, cpu2):
         bm, graph = gpt
-        costs = roofline_costs(graph, cpu2)
-        stages = ex.partition(graph, cpu2, costs, "even-layers")
-        with pytest.raises(NotExpressible, match=r"2 stages \(stage 1 starts at op '"):
-            native_plan(graph, stages, bm.record)
+        stages = ex.partition(graph, cpu2, roofline_costs(graph, cpu2), "even-layers",
+                              micro_batches=2, schedule="1f1b")
+        native = native_plan(graph, stages, bm.record)
+        assert native.stage_starts == ("blocks.1",) == stage_starts(graph, stages)
+        assert (native.stages, native.schedule, native.replicas) == (2, "1f1b", 1)
+
+    def test_a_stage_that_starts_inside_a_module_or_out_of_order_is_named(self, gpt, cpu2):
+        bm, graph = gpt
+        ops = [n for n in graph.nodes if n.kind == "op"]
+        aligned = _two_stages(graph, 2)
+        stage = dict(aligned.placement)
+        assert stage_starts(graph, aligned) == ("blocks.1",)
+        first = next(n for n in ops if n.module_path.startswith("blocks.1"))
+        inside = ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1",)],
+                                         {**stage, first.name: 0})
+        with pytest.raises(NotExpressible, match=r"stage 1 starts at op '.*', inside module "
+                                                 r"'blocks\.1.*' .*with depth=2\)"):
+            native_plan(graph, inside, bm.record)
+        back = ex.Plan.from_assignment(graph, [("cpu:0",), ("cpu:1",)],
+                                       {**stage, ops[-1].name: 0})
+        with pytest.raises(NotExpressible, match=rf"op '{ops[-1].name}' runs on stage 0 "
+                                                 "after ops of stage 1"):
+            native_plan(graph, back, bm.record)
+        mixed = aligned.with_memory(recompute="full", stages=[1])
+        with pytest.raises(NotExpressible, match="stage 1 runs with recompute full, stage 0 "
+                                                 "with the defaults"):
+            native_plan(graph, mixed, bm.record)
+
+    @pytest.mark.parametrize("factory, stops", [
+        ("hf_gpt2", r"weight '.*' is read by ops of stages 0 and 1 \('embedding', "),
+        ("hf_gpt2_untied", "the model returns a CausalLMOutputWithCrossAttentions, not a "
+                           "tensor")])
+    def test_a_weight_two_stages_read_and_an_output_object_are_named(self, factories, cpu2,
+                                                                     factory, stops, tmp_path):
+        pytest.importorskip("transformers")
+        import factory_models
+
+        made = getattr(factory_models, factory)()
+        graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+        plan = ex.partition(graph, cpu2, roofline_costs(graph, cpu2), "even-layers", depth=3)
+        with pytest.raises(NotExpressible, match=stops):
+            ex.export_script(plan, tmp_path / "t.py", graph=graph, native=True,
+                             factory=f"factory_models:{factory}")
+
+    def test_tensor_parallelism_and_no_source_say_what_stops_them(self, gpt, cpu2):
+        bm, graph = gpt
         tensor = _replicated(graph, cpu2.ids).with_tensor(2)
         with pytest.raises(NotExpressible, match="splits each layer 2 ways"):
             native_plan(graph, tensor, bm.record)
@@ -229,3 +303,57 @@ def test_the_command_line_writes_it_with_the_plan_s_prediction(gpt, cpu2, tmp_pa
     assert f"launch: torchrun --standalone --nproc_per_node 2 {out}" in capsys.readouterr().out
     assert "Predicted by the explorer: " in text and 'MESH = {"dp_shard": 2}' in text
     assert 'build("gpt", "tiny", 8, seed=0, weights=weights)' in text
+
+
+def _two_stages(graph, devices: int, **settings) -> ex.Plan:
+    """The model cut where its second block begins, each stage on half the ``devices``."""
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    first = next(k for k, n in enumerate(ops) if n.module_path.startswith("blocks.1"))
+    names = [f"cpu:{k}" for k in range(devices)]
+    return ex.Plan.from_assignment(graph, [tuple(names[:devices // 2]),
+                                           tuple(names[devices // 2:])],
+                                   {n.name: int(k >= first) for k, n in enumerate(ops)},
+                                   **settings)
+
+
+#: pipelines: (devices, schedule, micro-batches, memory settings); stages of half the devices
+PIPELINED = [(2, "1f1b", 4, {"recompute": "selective", "precision": "fp16"}),
+             (4, "gpipe", 2, {"zero": 3, "recompute": "full"}), (4, "1f1b", 2, {})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, schedule, micro_batches, settings", PIPELINED, ids=str)
+def test_a_pipeline_trains_to_the_losses_of_ex_run(gpt, devices, schedule, micro_batches,
+                                                   settings, pool, tmp_path):
+    bm, graph = gpt
+    plan = _two_stages(graph, devices, micro_batches=micro_batches, schedule=schedule)
+    plan = plan.with_memory(**settings) if settings else plan
+    script = ex.export_script(plan, tmp_path / "train.py", graph=graph, model=bm, steps=3,
+                              native=True)
+    measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
+    half = settings.get("precision", "fp32") != "fp32"
+    assert _torchrun(script, devices) == pytest.approx(list(measured.losses),
+                                                       rel=1e-4 if half else 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, depth", [("llama", 2), ("factory_models:hf_gpt2_logits", 4)],
+                         ids=["llama", "hf_gpt2"])
+def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, cpu2, pool,
+                                                                     source, depth, tmp_path):
+    if ":" in source:
+        pytest.importorskip("transformers")
+        import factory_models
+
+        made, model = getattr(factory_models, source.split(":")[1])(), {"factory": source}
+    else:
+        made = ex.builtin_model(source, "tiny")
+        model = {"model": made}
+    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    plan = ex.partition(graph, cpu2, roofline_costs(graph, cpu2), "even-layers", depth=depth,
+                        micro_batches=2, schedule="1f1b")
+    script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
+                              **model)
+    assert "STAGE_STARTS = [" in script.read_text()
+    measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
+    assert _torchrun(script, 2) == pytest.approx(list(measured.losses), rel=1e-5)

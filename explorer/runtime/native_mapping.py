@@ -1,0 +1,265 @@
+"""What a plan asks, in the terms of torch's own parallelisms: the part of a native script
+(:mod:`explorer.runtime.native_script`) that reads the plan.
+
+:func:`native_plan` maps a plan onto a :class:`NativePlan`: data-parallel replicas and their
+ZeRO stage, recomputation and precision, micro-batches, and pipeline stages that begin at
+modules (``torch.distributed.pipelining`` cuts a model there). A plan whose choices are not
+those of modules (an op-level placement, a stage that starts inside a module, settings that
+differ between stages) raises :class:`NotExpressible`, naming the op, stage or setting that
+stops it; such plans keep exporting through the explorer's runtime.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from explorer.core.errors import ExplorerError
+from explorer.core.factory import check_factory, load_factory
+from explorer.core.graph import OpGraph
+from explorer.core.plan import Plan, StageSettings
+from explorer.costs.strategies import unit_of
+from explorer.models.builtin import build
+
+__all__ = ["OPTIMIZERS", "NativePlan", "NotExpressible", "blocks_of", "model_on_meta",
+           "native_plan", "stage_starts"]
+
+#: a module path the script may name (``blocks.3``, ``layers.0.mlp``)
+MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+#: the optimizers a plan may carry, as the script builds them (as ex.run does)
+OPTIMIZERS = {"sgd": "torch.optim.SGD(model.parameters(), lr=LR)",
+              "momentum": "torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)",
+              "adam": "torch.optim.Adam(model.parameters(), lr=LR)",
+              "adamw": "torch.optim.AdamW(model.parameters(), lr=LR)"}
+Schedule = Literal["gpipe", "1f1b"]
+
+
+class NotExpressible(ExplorerError):
+    """A plan that torch's module-level parallelisms cannot express (op-level placements,
+    settings a native script does not write yet): export it without ``native``."""
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """What a plan asks, in the terms of torch's parallelisms."""
+
+    #: the model's source: ``{"builtin": name, "size": size, "batch_size": n}`` or
+    #: ``{"factory": "module:function"}``
+    source: dict
+    devices: tuple[str, ...]
+    #: data-parallel replicas (of each pipeline stage), and how their state is sharded
+    #: (ZeRO 0-3)
+    replicas: int
+    zero: int
+    recompute: str
+    precision: str
+    micro_batches: int
+    optimizer: str
+    #: the repeated blocks (recomputation units with parameters), sharded and recomputed
+    #: one at a time, in the model's order
+    blocks: tuple[str, ...]
+    algorithm: str
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    #: the modules that begin pipeline stages 1, 2, ... (none: one stage)
+    stage_starts: tuple[str, ...] = ()
+    schedule: Schedule = "gpipe"
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_starts) + 1
+
+
+def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> NativePlan:
+    """``plan`` for ``graph`` as torch's parallelisms, or :class:`NotExpressible` saying
+    what stops it; ``made``: what the source builds (on the meta device,
+    :func:`model_on_meta`), to see which parameters its modules share and how many targets
+    its loss reads."""
+    if "factory" in source:
+        check_factory(source["factory"])
+    if not source:
+        raise NotExpressible("a native script builds the model from its source: export a "
+                             "built-in model, or name the function that builds yours "
+                             "(factory=\"module:function\" / --factory)")
+    settings = _one_setting_for_all_stages(plan)
+    if settings.tensor > 1:
+        raise NotExpressible(
+            f"the plan splits each layer {settings.tensor} ways (tensor parallel); native "
+            "scripts do not write tensor parallelism yet: export without native")
+    if plan.optimizer not in OPTIMIZERS:
+        raise NotExpressible(f"optimizer {plan.optimizer!r} has no native form")
+    replicas = _replicas(plan)
+    starts = stage_starts(graph, plan)
+    if starts and made is not None:
+        _check_pipeline_ends(made)
+    return NativePlan(
+        source=dict(source), devices=tuple(plan.devices), replicas=replicas,
+        zero=settings.zero if replicas > 1 else 0, recompute=settings.recompute,
+        precision=settings.precision, micro_batches=plan.micro_batches,
+        optimizer=plan.optimizer,
+        blocks=blocks_of(graph, None if made is None else made.module),
+        algorithm=plan.algorithm,
+        stage_starts=starts, schedule="1f1b" if plan.schedule == "1f1b" else "gpipe")
+
+
+def _check_pipeline_ends(made: Any) -> None:
+    """A pipeline's schedule passes its last stage one target and the model's output as a
+    tensor (the stages send tensors): :class:`NotExpressible` for a loss with several
+    targets or a model that returns anything else (an output object, a tuple)."""
+    if len(made.targets) != 1:
+        raise NotExpressible(
+            f"the loss reads {len(made.targets)} targets; torch's pipeline schedules give "
+            "the last stage one: export without native")
+    # traced on the meta device, as the script's pipeline() traces it
+    exported = torch.export.export(made.module, tuple(made.example_inputs), strict=False)
+    output = exported.call_spec.out_spec
+    if not output.is_leaf():
+        raise NotExpressible(
+            f"the model returns a {_spec_name(output)}, not a tensor; torch's pipeline "
+            "stages pass tensors, and the last one gives its output to the loss as one: "
+            "have the factory's module return the tensor the loss reads (the logits), or "
+            "export without native")
+
+
+def _spec_name(spec: Any) -> str:
+    kind = getattr(spec, "type", None)
+    return getattr(kind, "__name__", "structure of tensors")
+
+
+def _one_setting_for_all_stages(plan: Plan) -> StageSettings:
+    settings = [plan.settings_of(s) for s in range(len(plan.stages))]
+    for s, other in enumerate(settings[1:], start=1):
+        if other != settings[0]:
+            raise NotExpressible(
+                f"stage {s} runs with {other.describe() or 'the defaults'}, stage 0 with "
+                f"{settings[0].describe() or 'the defaults'}; a native script applies one "
+                "setting to every stage: set the same memory settings on all, or export "
+                "without native")
+    return settings[0]
+
+
+def _replicas(plan: Plan) -> int:
+    replicas = [plan.replicas_of(s) for s in range(len(plan.stages))]
+    for s, n in enumerate(replicas[1:], start=1):
+        if n != replicas[0]:
+            raise NotExpressible(
+                f"stage {s} has {n} data-parallel replicas, stage 0 {replicas[0]}; a native "
+                "script's device mesh gives every pipeline stage as many: give each stage "
+                "as many devices, or export without native")
+    return replicas[0]
+
+
+def stage_starts(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
+    """The modules (recomputation units, :func:`~explorer.costs.strategies.unit_of`) that
+    begin stages 1, 2, ... of ``plan``: where ``torch.distributed.pipelining`` cuts the
+    model. :class:`NotExpressible` unless the stages run in order, each a run of consecutive
+    ops in the model's order that starts at the first op of a module."""
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    first_of_unit: dict[str, int] = {}
+    for i, n in enumerate(ops):
+        if n.module_path:
+            first_of_unit.setdefault(unit_of(n.module_path), i)
+    starts: list[str] = []
+    stage = plan.placement[ops[0].name] if ops else 0
+    if stage != 0:
+        raise NotExpressible(f"the model's first op, {ops[0].name!r}, runs on stage {stage}; "
+                             "a native pipeline starts on stage 0: export without native")
+    for i, n in enumerate(ops):
+        s = plan.placement[n.name]
+        if s == stage:
+            continue
+        if s != stage + 1:
+            raise NotExpressible(
+                f"op {n.name!r} runs on stage {s} after ops of stage {stage}; a native "
+                "pipeline runs its stages in order, each a run of the model's modules: "
+                "export without native to run this placement")
+        unit = unit_of(n.module_path) if n.module_path else ""
+        if not unit or first_of_unit[unit] != i:
+            where = f"inside module {n.module_path!r}" if n.module_path else "outside modules"
+            hint = (f" (even-layers and balanced-params cut at blocks such as {unit!r} "
+                    f"with depth={unit.count('.') + 1})" if unit else "")
+            raise NotExpressible(
+                f"stage {s} starts at op {n.name!r}, {where}; torch's pipeline cuts a "
+                "model where a module begins: move the stage's start to a module's first "
+                f"op{hint}, or export without native")
+        if not MODULE_PATH.fullmatch(unit):
+            raise NotExpressible(f"module path {unit!r} (of op {n.name!r}) cannot be named "
+                                 "in a script")
+        starts.append(unit)
+        stage = s
+    if stage != len(plan.stages) - 1:
+        raise NotExpressible(f"stages {stage + 1} and later run no ops: export without "
+                             "native")
+    if starts:
+        _check_weights_stay_in_a_stage(graph, plan)
+    return tuple(starts)
+
+
+def _check_weights_stay_in_a_stage(graph: OpGraph, plan: Plan) -> None:
+    """A weight that ops of two stages read (an embedding tied to the output layer) would be
+    two weights in torch's pipeline, each stage training its own copy."""
+    for i, n in enumerate(graph.nodes):
+        if n.kind != "param":
+            continue
+        readers = [graph.nodes[j].name for j in graph.succs[i]]
+        stages = sorted({plan.placement[r] for r in readers})
+        if len(stages) > 1:
+            raise NotExpressible(
+                f"weight {n.name!r} is read by ops of stages {stages[0]} and {stages[-1]} "
+                f"({readers[0]!r}, {readers[-1]!r}); torch's pipeline stages would each "
+                "train a copy of it: put its readers on one stage, or export without native")
+
+
+def model_on_meta(source: dict) -> Any:
+    """What ``source`` builds (``module``, ``example_inputs``, ``targets``, ``loss_fn``), on
+    the meta device (nothing allocated). A factory must return the model with its loss and
+    example batch, which a native script trains with: :class:`NotExpressible` otherwise."""
+    if "builtin" in source:
+        return build(source["builtin"], source["size"], source.get("batch_size"),
+                     weights=False)
+    text = source["factory"]
+    with torch.device("meta"):
+        made = load_factory(check_factory(text))()
+    missing = [a for a in ("module", "example_inputs", "targets", "loss_fn")
+               if not hasattr(made, a)]
+    if missing:
+        raise NotExpressible(
+            f"model factory {text!r} returned a {type(made).__name__} without "
+            f"{', '.join(missing)}; a native script trains with the factory's loss and "
+            "example batch: return an object with module, example_inputs, targets and "
+            "loss_fn (as ex.builtin_model does), or export without native")
+    return made
+
+
+def blocks_of(graph: OpGraph, module: torch.nn.Module | None = None) -> tuple[str, ...]:
+    """The recomputation units (:func:`~explorer.costs.strategies.unit_of`: the repeated
+    blocks, the other top-level modules) of the ops that read parameters, in the order the
+    graph first reads them: what FSDP shards and checkpoint runs again one at a time. Left
+    to the root module: a unit that holds another, and (given the ``module``) a unit holding
+    a parameter registered outside it too (an embedding tied to the output layer)."""
+    order: dict[str, None] = {}
+    for n in graph.nodes:
+        if n.kind != "op" or not n.module_path:
+            continue
+        if any(graph.nodes[graph.index[p]].kind == "param" for p in n.inputs):
+            unit = unit_of(n.module_path)
+            if not MODULE_PATH.fullmatch(unit):
+                raise NotExpressible(f"module path {unit!r} (of op {n.name!r}) cannot be "
+                                     "named in a script")
+            order.setdefault(unit)
+    units = [u for u in order if not any(v.startswith(u + ".") for v in order)]
+    if module is None:
+        return tuple(units)
+    aliases: dict[int, list[str]] = {}  # a parameter's every name
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+
+    def owns_its_parameters(unit: str) -> bool:
+        inside = [names for names in aliases.values()
+                  if any(n.startswith(unit + ".") for n in names)]
+        return all(n.startswith(unit + ".") for names in inside for n in names)
+
+    return tuple(u for u in units if owns_its_parameters(u))
