@@ -13,6 +13,7 @@ from builders import tiny_builtin_graph
 
 import explorer as ex
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 from explorer.runtime.launch import reference
 
 # every test here starts rank processes
@@ -41,11 +42,19 @@ def _plan(name: str, path: str, **memory):
     return plan.with_memory(**memory)
 
 
-def _run(name: str, path: str, **memory):
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's runs."""
+    with RankPool() as ranks:
+        yield ranks
+
+
+def _run(pool: RankPool, name: str, path: str, **memory):
     key = (name, path, tuple(sorted(memory.items())))
     if key not in _RUNS:
         _RUNS[key] = ex.run(tiny_builtin_graph(name), plan=_plan(name, path, **memory), steps=STEPS,
-                            warmup=WARMUP, progress=False, record=True, timeout_s=180)
+                            warmup=WARMUP, progress=False, record=True, timeout_s=180,
+                            pool=pool)
     return _RUNS[key]
 
 
@@ -66,29 +75,29 @@ def _assert_equal(meas, ref, rtol: float, atol: float) -> None:
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_equals_one_device(name, zero):
+def test_zero_equals_one_device(name, zero, pool):
     """Sharded optimizer state, gradients and weights train as one device does (the losses
     of every step: the updated weights of the step before; the first step's gradients)."""
-    meas = _run(name, "data-parallel", zero=zero)
+    meas = _run(pool, name, "data-parallel", zero=zero)
     _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
 
 
-def test_zero_lowers_the_measured_peak():
+def test_zero_lowers_the_measured_peak(pool):
     """Each ZeRO stage holds less at its peak than none; ZeRO 1 less than none and 2 no more
     than 1. ZeRO 3 holds the gathered copies of the weights, and only a few at a time: on
     this tiny model they outweigh the half of the weights it saves over ZeRO 2, as the
     simulator predicts (its peak within 5 % of the prediction)."""
-    base = _run("gpt", "data-parallel")
-    peaks = [base.peak_bytes["cpu:0"]] + [_run("gpt", "data-parallel", zero=z).peak_bytes["cpu:0"]
-                                          for z in (1, 2, 3)]
+    base = _run(pool, "gpt", "data-parallel")
+    peaks = [base.peak_bytes["cpu:0"]] + [
+        _run(pool, "gpt", "data-parallel", zero=z).peak_bytes["cpu:0"] for z in (1, 2, 3)]
     assert peaks[1] < peaks[0] and peaks[2] <= peaks[1] and peaks[3] < peaks[0]
     zero3 = _plan("gpt", "data-parallel", zero=3)
     predicted = ex.simulate(tiny_builtin_graph("gpt"), zero3,
                             roofline_costs(tiny_builtin_graph("gpt"),
                                            ex.Cluster.cpu(2, measure=False))).peak_bytes["cpu:0"]
     assert abs(peaks[3] / predicted - 1) < 0.05
-    by = {z: _run("gpt", "data-parallel", **({"zero": z} if z else {})).peak_by_category["cpu:0"]
-          for z in (0, 1, 3)}
+    by = {z: _run(pool, "gpt", "data-parallel", **({"zero": z} if z else {}))
+          .peak_by_category["cpu:0"] for z in (0, 1, 3)}
     assert by[1]["optimizer state"] * 2 == by[0]["optimizer state"]
     assert by[3]["parameters"] * 2 <= by[0]["parameters"] + 2 * 64
     assert 0 < by[3]["gathered"] < by[0]["parameters"] / 2
@@ -96,23 +105,23 @@ def test_zero_lowers_the_measured_peak():
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recomputation_is_exact(name, mode):
+def test_recomputation_is_exact(name, mode, pool):
     """Recomputed values are the values the forward made: losses and gradients equal the
     run without recomputation bit for bit (and one device as closely as that run does)."""
-    meas = _run(name, "stages", recompute=mode)
-    plain = _run(name, "stages")
+    meas = _run(pool, name, "stages", recompute=mode)
+    plain = _run(pool, name, "stages")
     assert meas.losses == plain.losses
     for k, g in plain.grads.items():
         assert torch.equal(meas.grads[k], g), k
     _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
 
 
-def test_recomputation_lowers_the_measured_peak():
+def test_recomputation_lowers_the_measured_peak(pool):
     """Fewer activations are held on the fuller rank, and at the plan's peak full
     recomputation keeps no more than selective, selective less than none (on the last stage,
     checkpointing the unit of the head and loss runs it again whole at the start of its
     backward, which holds about what it saves)."""
-    peak = {mode: _run("gpt", "stages", **({"recompute": mode} if mode else {})).peak_bytes
+    peak = {mode: _run(pool, "gpt", "stages", **({"recompute": mode} if mode else {})).peak_bytes
             for mode in (None, "selective", "full")}
     fuller = max(peak[None], key=peak[None].get)
     assert peak["full"][fuller] < peak[None][fuller]
@@ -129,11 +138,11 @@ PRECISION_TOLERANCE = {"bf16": (1e-3, 6e-2), "fp16": (1e-4, 5e-3)}  # (loss rtol
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_lower_precision_stays_within_its_tolerance(name, precision):
+def test_lower_precision_stays_within_its_tolerance(name, precision, pool):
     """Autocast compute with fp32 master weights (fp16 with loss scaling) against the fp32
     single-device run: losses within ``loss rtol``, each gradient element within ``grad
     share`` times its tensor's largest absolute value; gradients are fp32."""
-    meas = _run(name, "stages", precision=precision)
+    meas = _run(pool, name, "stages", precision=precision)
     ref = _reference(name, meas.plan)
     loss_rtol, share = PRECISION_TOLERANCE[precision]
     torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
