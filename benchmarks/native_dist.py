@@ -30,11 +30,12 @@ rate:
   sharded over the replicas, :class:`explorer.core.plan.StageSettings`) against FSDP2,
   ``fully_shard`` on every block (gpt's transformer blocks, resnet's basic blocks) then on the
   root. Target <= 1.25.
-- ``native script, data parallel`` and ``native script, ZeRO-3``: the same two plans against
-  their own native scripts (``explorer export --native``: DDP, FSDP2 ``fully_shard`` per
-  block), started as torchrun starts them; their step times as the script prints them (rank
-  0, from the step's start to its optimizer step and loss all-reduce). Target: within 1.10
-  either way.
+- ``native script, data parallel``, ``native script, 1F1B pipeline`` and ``native script,
+  ZeRO-3``: the same three plans against their own native scripts (``explorer export
+  --native``: DDP; ``pipeline()`` cut where the second stage begins, run by
+  ``Schedule1F1B``; FSDP2 ``fully_shard`` per block), started as torchrun starts them; their
+  step times as the script prints them (rank 0, from the step's start to its optimizer step
+  and loss all-reduce). Target: within 1.10 either way.
 
 ``ex.run`` takes ``--runtime``; ``auto`` (the default) is what ``ex.run`` takes unasked
 (:func:`explorer.runtime.segments.choose_runtime`: the segments); the ``runtime`` column
@@ -96,21 +97,25 @@ from explorer.runtime.params import make_optimizer
 from explorer.runtime.segments import choose_runtime
 
 Case = Literal["data parallel", "1F1B pipeline", "ZeRO-3", "native script, data parallel",
-               "native script, ZeRO-3"]
+               "native script, 1F1B pipeline", "native script, ZeRO-3"]
 RuntimeChoice = Literal["auto", "ops", "segments"]
 CASES: tuple[Case, ...] = ("data parallel", "1F1B pipeline", "ZeRO-3",
-                           "native script, data parallel", "native script, ZeRO-3")
+                           "native script, data parallel", "native script, 1F1B pipeline",
+                           "native script, ZeRO-3")
 #: what each case runs against, and its target ratio (explorer / reference)
 REFERENCE: dict[Case, str] = {"data parallel": "DistributedDataParallel",
                               "1F1B pipeline": "Schedule1F1B",
                               "ZeRO-3": "fully_shard (FSDP2)",
                               "native script, data parallel": "explorer export --native",
+                              "native script, 1F1B pipeline": "explorer export --native",
                               "native script, ZeRO-3": "explorer export --native"}
 TARGET: dict[Case, float] = {"data parallel": 1.10, "1F1B pipeline": 1.10, "ZeRO-3": 1.25,
                              "native script, data parallel": 1.10,
+                             "native script, 1F1B pipeline": 1.10,
                              "native script, ZeRO-3": 1.10}
 #: the cases whose reference is the plan's own native script: within the target either way
 NATIVE: dict[Case, Case] = {"native script, data parallel": "data parallel",
+                            "native script, 1F1B pipeline": "1F1B pipeline",
                             "native script, ZeRO-3": "ZeRO-3"}
 MODELS = ("gpt", "resnet")
 DEVICES = ("cpu:0", "cpu:1")

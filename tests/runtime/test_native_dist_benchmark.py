@@ -103,7 +103,8 @@ def test_a_quick_run_writes_every_case(tmp_path):
     rows = rec["rows"]
     assert [(r["model"], r["case"]) for r in rows] == [
         ("gpt", c) for c in ("data parallel", "1F1B pipeline", "ZeRO-3",
-                             "native script, data parallel", "native script, ZeRO-3")]
+                             "native script, data parallel", "native script, 1F1B pipeline",
+                             "native script, ZeRO-3")]
     for r in rows:
         assert r["size"] == "small" and r["steps each"] == 2
         assert r["runtime"] in ("ops", "segments")
