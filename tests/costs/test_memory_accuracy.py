@@ -23,9 +23,17 @@ from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
 from explorer.costs.memory import node_memory_bytes
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 from explorer.simulate.simulator import simulate
 
 TOLERANCE = 0.02
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's real runs."""
+    with RankPool() as ranks:
+        yield ranks
 
 
 def _interleaved(graph: OpGraph) -> Plan:
@@ -48,7 +56,7 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_predicted_peak_memory_matches_the_measured(case):
+def test_predicted_peak_memory_matches_the_measured(case, pool):
     name, size, algorithm, options = CASES[case]
     bm = ex.builtin_model(name, size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
@@ -60,7 +68,7 @@ def test_predicted_peak_memory_matches_the_measured(case):
         plan = ex.partition(graph, cl, costs_, algorithm, **options)
     pred = simulate(graph, plan, costs_)
     meas = ex.run(graph, plan=plan, costs=costs_, steps=1, warmup=1, progress=False,
-                  timeout_s=120, runtime="ops")
+                  timeout_s=120, runtime="ops", pool=pool)
     assert meas.memory_source == "tensor accounting"
     for d in plan.devices:
         err = pred.peak_bytes[d] / meas.peak_bytes[d] - 1
@@ -90,7 +98,7 @@ STRATEGY_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(STRATEGY_CASES))
-def test_memory_settings_predict_the_measured_peak(case):
+def test_memory_settings_predict_the_measured_peak(case, pool):
     name, size, algorithm, settings = STRATEGY_CASES[case]
     bm = ex.builtin_model(name, size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
@@ -99,7 +107,7 @@ def test_memory_settings_predict_the_measured_peak(case):
     plan = ex.partition(graph, cl, costs_, algorithm).with_memory(**settings)
     pred = simulate(graph, plan, costs_)
     meas = ex.run(graph, plan=plan, costs=costs_, steps=1, warmup=1, progress=False,
-                  timeout_s=120, runtime="ops")
+                  timeout_s=120, runtime="ops", pool=pool)
     for d in plan.devices:
         err = pred.peak_bytes[d] / meas.peak_bytes[d] - 1
         assert abs(err) <= TOLERANCE, (
@@ -116,7 +124,7 @@ def _segment_costs(graph: OpGraph, cl: ex.Cluster):
 
 
 @pytest.mark.slow
-def test_a_segment_holds_the_gradients_it_receives_until_its_backward_ends():
+def test_a_segment_holds_the_gradients_it_receives_until_its_backward_ends(pool):
     """ResNet's even-layers cut falls inside a residual block: two values cross to the next
     stage. On the segment runtime the first stage receives both their gradients before its
     segment's one backward call and holds them until the call ends (the op path receives each
@@ -134,7 +142,7 @@ def test_a_segment_holds_the_gradients_it_receives_until_its_backward_ends():
     assert len(crossing) == 2
     pred = simulate(graph, plan, seg_costs)
     meas = ex.run(graph, plan=plan, costs=seg_costs, steps=1, warmup=1, progress=False,
-                  timeout_s=120, runtime="segments")
+                  timeout_s=120, runtime="segments", pool=pool)
     # (within the accuracy target: with this schedule's timing the gradients passed between
     # the segment's own ops overlap a little differently than the run's)
     for d in plan.devices:
@@ -149,7 +157,7 @@ def test_a_segment_holds_the_gradients_it_receives_until_its_backward_ends():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_a_fake_capture_predicts_what_a_real_step_measures(name):
+def test_a_fake_capture_predicts_what_a_real_step_measures(name, pool):
     """Captured on fake tensors (meta build, nothing run), the small model's predicted peak on
     one device is the peak one real step measures; parameters, gradients and Adam state are
     16 bytes per fp32 parameter."""
@@ -167,7 +175,7 @@ def test_a_fake_capture_predicts_what_a_real_step_measures(name):
     real = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
     assert real.fingerprint == fake.fingerprint
     meas = ex.run(real, plan=plan, steps=1, warmup=1, progress=False, timeout_s=120,
-                  runtime="ops")
+                  runtime="ops", pool=pool)
     measured_act = meas.peak_bytes["cpu:0"] - (m.total_bytes - m.activations_bytes)
     assert m.activations_bytes == pytest.approx(measured_act, rel=0.05)
 
@@ -198,31 +206,32 @@ def test_a_same_size_add_hands_its_gradient_on():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_a_checkpointed_span_counts_what_it_made_again_until_its_op_is_done(name):
+def test_a_checkpointed_span_counts_what_it_made_again_until_its_op_is_done(name, pool):
     """On the segment runtime, checkpoint makes a block's saved values again in its first
     backward, and each op's backward unpacks its own and lets go of them when it is done, after
     it has made its gradients (which a device allocates while it still holds them). The rank
     counts them so, and one device's full recomputation measures what the simulator
     predicts (counted only up to the node's gradients, the runs measured 8-11 % less)."""
-    _assert_one_device_recomputation_predicted(name, "full")
+    _assert_one_device_recomputation_predicted(name, "full", pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["vgg16", "gpt"])
-def test_a_selective_span_runs_again_whole_and_its_cache_lets_go_as_it_does(name):
+def test_a_selective_span_runs_again_whole_and_its_cache_lets_go_as_it_does(name, pool):
     """Selective recomputation on the segment runtime: the outputs the policy keeps are held
     by its cache until the span runs again, at the start of its first backward, and the span
     makes all it drops again there (checkpoint runs a span whole, not each op in the first
     backward that needs it, as the op path does). VGG16's feature stack is one span: counted
     the op path's way (each kept output held until the unit's last backward) the prediction
     was 15 % over the run, GPT's 5 % under (counting frees in a node as the rank now does)."""
-    _assert_one_device_recomputation_predicted(name, "selective")
+    _assert_one_device_recomputation_predicted(name, "selective", pool)
 
 
 _SMALL: dict = {}
 
 
-def _assert_one_device_recomputation_predicted(name: str, recompute: str) -> None:
+def _assert_one_device_recomputation_predicted(name: str, recompute: str,
+                                                pool: RankPool) -> None:
     """The built-in model at size small on one CPU rank with ``recompute``, run on the segment
     runtime: its measured peak is the one predicted with costs of that runtime."""
     if name not in _SMALL:
@@ -234,7 +243,7 @@ def _assert_one_device_recomputation_predicted(name: str, recompute: str) -> Non
     plan = ex.Plan.single(graph, "cpu:0").with_memory(recompute=recompute)
     pred = simulate(graph, plan, seg_costs)
     meas = ex.run(graph, plan=plan, costs=seg_costs, steps=1, warmup=1, progress=False,
-                  timeout_s=120, runtime="segments")
+                  timeout_s=120, runtime="segments", pool=pool)
     err = pred.peak_bytes["cpu:0"] / meas.peak_bytes["cpu:0"] - 1
     assert abs(err) <= TOLERANCE, f"predicted {pred.memory['cpu:0']}, measured " \
         f"{meas.peak_by_category['cpu:0']}: {err:+.1%}"
