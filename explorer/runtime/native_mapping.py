@@ -21,6 +21,18 @@ from explorer.core.errors import ExplorerError
 from explorer.core.factory import check_factory, load_factory
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, StageSettings
+from explorer.core.plan_layout import stage_layout
+from explorer.core.tensor_layout import (
+    CONV_OPS,
+    EMBEDDING_OPS,
+    LINEAR_OPS,
+    LOSS_OPS,
+    TRANSPOSED_OPS,
+    VOCAB_OPS,
+    TensorLayout,
+    shard_dim,
+    shard_parts,
+)
 from explorer.costs.strategies import unit_of
 from explorer.models.builtin import build
 
@@ -35,6 +47,13 @@ OPTIMIZERS = {"sgd": "torch.optim.SGD(model.parameters(), lr=LR)",
               "adam": "torch.optim.Adam(model.parameters(), lr=LR)",
               "adamw": "torch.optim.AdamW(model.parameters(), lr=LR)"}
 Schedule = Literal["gpipe", "1f1b"]
+#: how a module is split over the tensor-parallel devices, as torch's parallel styles do it:
+#: a linear's outputs (``ColwiseParallel``) or inputs (``RowwiseParallel``), an embedding's
+#: rows (vocabulary-parallel), the output layer's classes (its loss on the shards)
+Style = Literal["colwise", "rowwise", "vocab_embedding", "vocab_output"]
+#: the names of head counts an attention module may keep (``n_heads``, ``num_kv_heads``):
+#: each tensor-parallel device divides them, running its own heads
+HEAD_COUNT = re.compile(r"(n|num)_(\w+_)?heads")
 
 
 class NotExpressible(ExplorerError):
@@ -67,6 +86,12 @@ class NativePlan:
     #: the modules that begin pipeline stages 1, 2, ... (none: one stage)
     stage_starts: tuple[str, ...] = ()
     schedule: Schedule = "gpipe"
+    #: the tensor-parallel degree, and each split module's style (module path, style)
+    tensor: int = 1
+    tensor_styles: tuple[tuple[str, Style], ...] = ()
+    #: the attention modules split by heads, and their head counts' names
+    attention: tuple[str, ...] = ()
+    head_counts: tuple[str, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -85,13 +110,12 @@ def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> N
                              "built-in model, or name the function that builds yours "
                              "(factory=\"module:function\" / --factory)")
     settings = _one_setting_for_all_stages(plan)
-    if settings.tensor > 1:
-        raise NotExpressible(
-            f"the plan splits each layer {settings.tensor} ways (tensor parallel); native "
-            "scripts do not write tensor parallelism yet: export without native")
     if plan.optimizer not in OPTIMIZERS:
         raise NotExpressible(f"optimizer {plan.optimizer!r} has no native form")
     replicas = _replicas(plan)
+    tensor = {}
+    if settings.tensor > 1:
+        tensor = _tensor_parallel(graph, plan, None if made is None else made.module)
     starts = stage_starts(graph, plan)
     if starts and made is not None:
         _check_pipeline_ends(made)
@@ -102,7 +126,8 @@ def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> N
         optimizer=plan.optimizer,
         blocks=blocks_of(graph, None if made is None else made.module),
         algorithm=plan.algorithm,
-        stage_starts=starts, schedule="1f1b" if plan.schedule == "1f1b" else "gpipe")
+        stage_starts=starts, schedule="1f1b" if plan.schedule == "1f1b" else "gpipe",
+        **tensor)
 
 
 def _check_pipeline_ends(made: Any) -> None:
@@ -122,6 +147,83 @@ def _check_pipeline_ends(made: Any) -> None:
             "stages pass tensors, and the last one gives its output to the loss as one: "
             "have the factory's module return the tensor the loss reads (the logits), or "
             "export without native")
+
+
+def _tensor_parallel(graph: OpGraph, plan: Plan,
+                     module: torch.nn.Module | None) -> dict[str, Any]:
+    """The plan's tensor split as torch's parallel styles, module by module: the
+    :class:`NativePlan` fields ``tensor``, ``tensor_styles``, ``attention``, ``head_counts``."""
+    degree = plan.tensor_of(0)
+    if len(plan.stages) > 1:
+        raise NotExpressible("the plan splits layers over tensor-parallel devices in a "
+                             "pipeline; native scripts write one or the other: export without "
+                             "native")
+    if plan.sequence_of(0):
+        raise NotExpressible("the plan splits the ops between blocks along the sequence "
+                             "(sequence parallel); native scripts do not write it yet: set "
+                             "sequence off, or export without native")
+    if plan.replicas_of(0) > 1:
+        raise NotExpressible(
+            f"the plan has {plan.replicas_of(0)} replicas of its tensor-parallel "
+            "devices; native scripts write tensor parallelism on one replica: export "
+            "without native")
+    layout = stage_layout(graph, plan, 0)
+    styles = _styles(graph, layout, module)
+    attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
+                                    if n.name in layout.local_ops and n.module_path))
+    counts: dict[str, None] = {}
+    if module is not None:
+        for path in attention:
+            counts.update(dict.fromkeys(
+                name for name, value in vars(module.get_submodule(path)).items()
+                if HEAD_COUNT.fullmatch(name) and isinstance(value, int)))
+    return {"tensor": degree, "tensor_styles": styles, "attention": attention,
+            "head_counts": tuple(counts)}
+
+
+def _styles(graph: OpGraph, layout: TensorLayout,
+            module: torch.nn.Module | None) -> tuple[tuple[str, Style], ...]:
+    """Each split weight's module and how torch's parallel styles split it; a weight they
+    cannot split as the layout does is :class:`NotExpressible`."""
+    output = _vocab_output(graph, layout)
+    styles: dict[str, Style] = {}
+    for name, placement in layout.placements.items():
+        path, _, attribute = name.rpartition(".")
+        op = graph.nodes[graph.succs[graph.index[name]][0]]
+        kind = type(module.get_submodule(path)).__name__ if module is not None else ""
+        if shard_parts(placement) > 1:
+            raise NotExpressible(
+                f"module {path!r} is one projection split by heads within each of its "
+                f"{shard_parts(placement)} parts (a fused query-key-value projection); "
+                "torch's ColwiseParallel splits it in contiguous blocks: build the model with "
+                "separate query, key and value projections, or export without native")
+        if op.op in (*TRANSPOSED_OPS, *CONV_OPS) or kind not in ("", "Linear", "Embedding"):
+            raise NotExpressible(
+                f"module {path!r} ({kind or op.op}) is split by the plan; torch's parallel "
+                "styles split nn.Linear and nn.Embedding modules only: export without native")
+        if attribute == "bias":
+            continue
+        if op.op in EMBEDDING_OPS:
+            styles[path] = "vocab_embedding"
+        elif op.op in LINEAR_OPS:
+            column = shard_dim(placement) == 0
+            styles[path] = ("vocab_output" if op.name == output else
+                            "colwise" if column else "rowwise")
+    return tuple(styles.items())
+
+
+def _vocab_output(graph: OpGraph, layout: TensorLayout) -> str | None:
+    """The linear whose classes the layout splits with their loss (its op's name), if any."""
+    for name in layout.split_ops:
+        node = graph.nodes[graph.index[name]]
+        if node.op not in LOSS_OPS:
+            continue
+        k = graph.index[node.inputs[0]]
+        while graph.nodes[k].op in VOCAB_OPS:
+            k = graph.index[graph.nodes[k].inputs[0]]
+        if graph.nodes[k].op in LINEAR_OPS:
+            return graph.nodes[k].name
+    return None
 
 
 def _spec_name(spec: Any) -> str:

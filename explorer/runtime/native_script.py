@@ -3,7 +3,8 @@
 :func:`write_native_script` writes one Python file that builds the model from its source (a
 built-in model, or the user's ``"module:function"`` factory) on the meta device, builds a
 named ``DeviceMesh`` from the plan's degrees, applies torch's own parallelisms in torchtitan's
-order (pipeline stages cut at the modules where the plan's stages begin, run by
+order (tensor parallelism with ``parallelize_module``, each split module's style written out
+in a dict; pipeline stages cut at the modules where the plan's stages begin, run by
 ``torch.distributed.pipelining`` with the plan's GPipe or 1F1B schedule; recomputation per
 block with ``torch.utils.checkpoint``; ``fully_shard`` per block and at the root for ZeRO and
 for replicas of pipeline stages, ``DistributedDataParallel`` for plain replicas), materialises
@@ -98,10 +99,12 @@ def _plan_words(p: NativePlan) -> str:
     if p.stages > 1:
         words.append(f"{p.stages} pipeline stages ({_words(p.schedule)} schedule), starting "
                      f"at {', '.join(_words(m) for m in p.stage_starts)}")
+    if p.tensor > 1:
+        words.append(f"each layer split {p.tensor} ways (tensor parallel)")
     if p.replicas > 1:
         words.append(f"{p.replicas} data-parallel replicas"
                      + ("" if not p.zero else f" with ZeRO {p.zero}"))
-    elif p.stages == 1:
+    elif p.stages == 1 and p.tensor == 1:
         words.append("one device")
     if p.recompute != "none":
         words.append(f"{p.recompute} recomputation per block")
@@ -128,6 +131,8 @@ def _imports(p: NativePlan) -> str:
         lines.append("from torch.distributed.fsdp import fully_shard")
     elif p.replicas > 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
+    if p.tensor > 1:
+        lines += _tensor_imports(p)
     if p.stages > 1:
         lines.append("from torch.distributed.pipelining import "
                      f"{_SCHEDULES[p.schedule]}, SplitPoint, pipeline")
@@ -160,6 +165,8 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
                      "of their\n#: micro-batches")
         lines.append(f"STAGE_STARTS = [{', '.join(_py(m) for m in p.stage_starts)}]")
         lines.append(f"SCHEDULE = {_SCHEDULES[p.schedule]}")
+    if p.tensor > 1:
+        lines += _tensor_constants(p)
     if p.blocks and (_fsdp(p) or p.recompute != "none"):
         what = " and ".join(x for x in ("sharded" if _fsdp(p) else "",
                                         "recomputed" if p.recompute != "none" else "") if x)
@@ -195,6 +202,8 @@ def _mesh(p: NativePlan) -> dict[str, int]:
     """The mesh's dimensions, outermost first: pipeline stages, then replicas (a rank's
     neighbours are replicas of its stage, as torchtitan's ``ParallelDims`` places them)."""
     pipeline = {"pp": p.stages} if p.stages > 1 else {}
+    if p.tensor > 1:
+        return {"dp_replicate": p.replicas, "tp": p.tensor}
     if _replicated_stages(p):
         return pipeline | {"dp_replicate": p.replicas, "dp_shard": 1}
     return pipeline | {_replica_dim(p): p.replicas}
@@ -313,6 +322,8 @@ def _parallelize_section(p: NativePlan) -> str:
              3: "",
              0: "    # replicas of a pipeline stage: FSDP over replicas x 1 shard keeps whole "
                 "weights\n    # and all-reduces gradients, as DDP does\n"}
+    if p.tensor > 1:
+        body = _tensor_body(p)
     note = notes[p.zero] if _fsdp(p) else ""
     return ('def parallelize(model: torch.nn.Module, mesh) -> None:\n'
             '    """The plan\'s parallelisms, in torchtitan\'s order: recomputation, then '
@@ -331,6 +342,11 @@ def _step_section(p: NativePlan) -> str:
              'loss."""']
     forward = ["loss = loss_fn(model(*[t[rows] for t in inputs]), *[t[rows] for t in targets])",
                "loss = loss / MICRO_BATCHES"]
+    if _loss_parallel(p):
+        lines.append("    with loss_parallel():  # (the loss of the output layer's class shards)")
+        lines += ["        " + f for f in forward] + ["        loss.backward()",
+                                                       "    return loss.detach().full_tensor()"]
+        return "\n".join(lines)
     if p.precision != "fp32":
         lines.append("    with torch.autocast(inputs[0].device.type, dtype=PRECISION):")
         lines += ["        " + f for f in forward]
@@ -380,7 +396,7 @@ def main() -> None:
     replicas = mesh["{_replica_dim(p)}"].size()
     replica = mesh["{_replica_dim(p)}"].get_local_rank()
 {body}        dist.all_reduce(total)  # the mean loss over the global batch
-        total /= replicas
+        total /= {_loss_holders(p)}
         if cuda:
             torch.cuda.synchronize()
         if dist.get_rank() == 0:
@@ -475,3 +491,59 @@ def _pipeline_body(p: NativePlan) -> str:
                               [t[rows] for t in targets], device)
 {unscale}        optimizer.step()
 """
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+#: each style, as the script builds it
+_STYLES = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()",
+           "vocab_embedding": "RowwiseParallel(input_layouts=Replicate())",
+           "vocab_output": "ColwiseParallel(use_local_output=False)"}
+
+
+def _loss_parallel(p: NativePlan) -> bool:
+    return any(style == "vocab_output" for _, style in p.tensor_styles)
+
+
+def _loss_holders(p: NativePlan) -> str:
+    """How many ranks hold each replica's loss (it is summed over all)."""
+    if p.tensor > 1:
+        return 'replicas * mesh["tp"].size()  # (every tensor-parallel rank holds it)'
+    return "replicas"
+
+
+def _tensor_imports(p: NativePlan) -> list[str]:
+    used = {style for _, style in p.tensor_styles}
+    names = sorted({_STYLES[style].split("(")[0] for style in used} | {"parallelize_module"}
+                   | ({"loss_parallel"} if _loss_parallel(p) else set()))
+    lines = (["from torch.distributed.tensor import Replicate"]
+             if "vocab_embedding" in used else [])
+    return lines + ["from torch.distributed.tensor.parallel import ("] + [
+        f"    {name}," for name in names] + [")"]
+
+
+def _tensor_constants(p: NativePlan) -> list[str]:
+    lines = ["#: how each layer is split over the tensor-parallel devices (Megatron-LM's pairs): "
+             '"colwise"', "#: splits a linear's outputs, \"rowwise\" its inputs (each pair "
+             "all-reduces once), \"vocab_*\"", "#: an embedding's rows or the output layer's "
+             "classes (its loss runs on the shards)", "TENSOR_LAYOUT = {"]
+    lines += [f"    {_py(path)}: {_py(style)}," for path, style in p.tensor_styles]
+    lines.append("}")
+    if p.attention and p.head_counts:
+        lines.append("#: attention modules split by heads: each device runs its own, so their "
+                     "head counts are divided")
+        lines.append(f"ATTENTION = [{', '.join(_py(a) for a in p.attention)}]")
+        lines.append(f"HEAD_COUNTS = ({', '.join(_py(h) for h in p.head_counts)},)")
+    return lines
+
+
+def _tensor_body(p: NativePlan) -> list[str]:
+    used = dict.fromkeys(style for _, style in p.tensor_styles)
+    body = ["    styles = {"] + [f"        {_py(style)}: {_STYLES[style]}," for style in used]
+    body += ["    }", "    layout = {path: styles[style] for path, style in "
+             "TENSOR_LAYOUT.items()}", '    parallelize_module(model, mesh["tp"], layout)']
+    if p.attention and p.head_counts:
+        body += ["    for path in ATTENTION:", "        attention = model.get_submodule(path)",
+                 "        for name in HEAD_COUNTS:",
+                 '            setattr(attention, name, getattr(attention, name) // '
+                 'mesh["tp"].size())']
+    return body

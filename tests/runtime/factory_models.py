@@ -87,3 +87,22 @@ def hf_gpt2_logits():
 def tensor_loss(logits, y):
     """Cross-entropy of (batch, sequence, classes) logits."""
     return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def hf_llama_logits():
+    """Hugging Face's Llama built from a config (tiny, grouped-query attention, no
+    download), its module returning the logits: what torch's tensor-parallel styles split."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (8, 16), generator=gen, device="cpu")
+                   for _ in range(2))
+    return SimpleNamespace(module=LogitsOnly(model), example_inputs=(ids,), targets=(labels,),
+                           loss_fn=tensor_loss)
