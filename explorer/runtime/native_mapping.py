@@ -49,8 +49,12 @@ OPTIMIZERS = {"sgd": "torch.optim.SGD(model.parameters(), lr=LR)",
 Schedule = Literal["gpipe", "1f1b"]
 #: how a module is split over the tensor-parallel devices, as torch's parallel styles do it:
 #: a linear's outputs (``ColwiseParallel``) or inputs (``RowwiseParallel``), an embedding's
-#: rows (vocabulary-parallel), the output layer's classes (its loss on the shards)
-Style = Literal["colwise", "rowwise", "vocab_embedding", "vocab_output"]
+#: rows (vocabulary-parallel), the output layer's classes (its loss on the shards); under
+#: sequence parallelism a norm runs on sequence shards (``SequenceParallel``), the column
+#: styles gather their input from them and the row styles scatter their output into them
+Style = Literal["colwise", "rowwise", "vocab_embedding", "vocab_output", "sequence_norm",
+                "colwise_from_sequence", "rowwise_to_sequence", "vocab_embedding_to_sequence",
+                "vocab_output_from_sequence"]
 #: the names of head counts an attention module may keep (``n_heads``, ``num_kv_heads``):
 #: each tensor-parallel device divides them, running its own heads
 HEAD_COUNT = re.compile(r"(n|num)_(\w+_)?heads")
@@ -158,10 +162,6 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
         raise NotExpressible("the plan splits layers over tensor-parallel devices in a "
                              "pipeline; native scripts write one or the other: export without "
                              "native")
-    if plan.sequence_of(0):
-        raise NotExpressible("the plan splits the ops between blocks along the sequence "
-                             "(sequence parallel); native scripts do not write it yet: set "
-                             "sequence off, or export without native")
     if plan.replicas_of(0) > 1:
         raise NotExpressible(
             f"the plan has {plan.replicas_of(0)} replicas of its tensor-parallel "
@@ -169,6 +169,8 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
             "without native")
     layout = stage_layout(graph, plan, 0)
     styles = _styles(graph, layout, module)
+    if plan.sequence_of(0):
+        styles = _sequence_styles(graph, layout, styles)
     attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
                                     if n.name in layout.local_ops and n.module_path))
     counts: dict[str, None] = {}
@@ -210,6 +212,39 @@ def _styles(graph: OpGraph, layout: TensorLayout,
             styles[path] = ("vocab_output" if op.name == output else
                             "colwise" if column else "rowwise")
     return tuple(styles.items())
+
+
+def _sequence_styles(graph: OpGraph, layout: TensorLayout,
+                     styles: tuple[tuple[str, Style], ...]) -> tuple[tuple[str, Style], ...]:
+    """``styles`` under sequence parallelism: the norms between blocks on sequence shards,
+    the column styles reading them, the row styles (and the embedding) writing them.
+    :class:`NotExpressible` where a column style's input is no sequence shard, or the output
+    layer is not split (it would read the shards whole)."""
+    sequence = set(layout.sequence_ops) | set(layout.scatter_forward)
+    out: dict[str, Style] = {}
+    for name in sorted(layout.sequence_params, key=graph.index.__getitem__):
+        out[name.rpartition(".")[0]] = "sequence_norm"
+    reader = {graph.nodes[graph.succs[graph.index[f"{path}.weight"]][0]].name: path
+              for path, _ in styles}
+    for op, path in reader.items():
+        style = dict(styles)[path]
+        node = graph.nodes[graph.index[op]]
+        if style in ("colwise", "vocab_output"):
+            source = next((i for i in node.inputs if graph.nodes[graph.index[i]].kind == "op"),
+                          None)
+            if source not in sequence:
+                raise NotExpressible(
+                    f"module {path!r} reads {source!r}, which sequence parallelism leaves "
+                    "whole; torch's styles gather a column split's input from sequence "
+                    "shards: set sequence off, or export without native")
+            out[path] = f"{style}_from_sequence"
+        else:
+            out[path] = f"{style}_to_sequence"
+    if "vocab_output_from_sequence" not in out.values():
+        raise NotExpressible("the plan splits the sequence but not the output layer's classes; "
+                             "native scripts write sequence parallelism with the output "
+                             "layer split: set sequence off, or export without native")
+    return tuple(out.items())
 
 
 def _vocab_output(graph: OpGraph, layout: TensorLayout) -> str | None:

@@ -325,9 +325,10 @@ def _parallelize_section(p: NativePlan) -> str:
     if p.tensor > 1:
         body = _tensor_body(p)
     note = notes[p.zero] if _fsdp(p) else ""
+    what = ("each module split as TENSOR_LAYOUT says" if p.tensor > 1 else
+            "in torchtitan's order: recomputation, then sharding")
     return ('def parallelize(model: torch.nn.Module, mesh) -> None:\n'
-            '    """The plan\'s parallelisms, in torchtitan\'s order: recomputation, then '
-            'sharding."""\n' + note + "\n".join(body) + "\n")
+            f'    """The plan\'s parallelisms, {what}."""\n' + note + "\n".join(body) + "\n")
 
 
 def _reshard(p: NativePlan) -> str:
@@ -497,11 +498,18 @@ def _pipeline_body(p: NativePlan) -> str:
 #: each style, as the script builds it
 _STYLES = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()",
            "vocab_embedding": "RowwiseParallel(input_layouts=Replicate())",
-           "vocab_output": "ColwiseParallel(use_local_output=False)"}
+           "vocab_output": "ColwiseParallel(use_local_output=False)",
+           "sequence_norm": "SequenceParallel()",
+           "colwise_from_sequence": "ColwiseParallel(input_layouts=Shard(1))",
+           "rowwise_to_sequence": "RowwiseParallel(output_layouts=Shard(1))",
+           "vocab_embedding_to_sequence":
+               "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
+           "vocab_output_from_sequence":
+               "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)"}
 
 
 def _loss_parallel(p: NativePlan) -> bool:
-    return any(style == "vocab_output" for _, style in p.tensor_styles)
+    return any(style.startswith("vocab_output") for _, style in p.tensor_styles)
 
 
 def _loss_holders(p: NativePlan) -> str:
@@ -515,8 +523,10 @@ def _tensor_imports(p: NativePlan) -> list[str]:
     used = {style for _, style in p.tensor_styles}
     names = sorted({_STYLES[style].split("(")[0] for style in used} | {"parallelize_module"}
                    | ({"loss_parallel"} if _loss_parallel(p) else set()))
-    lines = (["from torch.distributed.tensor import Replicate"]
-             if "vocab_embedding" in used else [])
+    placements = sorted({name for style in used for name in ("Replicate", "Shard")
+                         if f"{name}(" in _STYLES[style]})
+    lines = ([f"from torch.distributed.tensor import {', '.join(placements)}"]
+             if placements else [])
     return lines + ["from torch.distributed.tensor.parallel import ("] + [
         f"    {name}," for name in names] + [")"]
 
@@ -538,7 +548,11 @@ def _tensor_constants(p: NativePlan) -> list[str]:
 
 def _tensor_body(p: NativePlan) -> list[str]:
     used = dict.fromkeys(style for _, style in p.tensor_styles)
-    body = ["    styles = {"] + [f"        {_py(style)}: {_STYLES[style]}," for style in used]
+    body = ["    styles = {"]
+    for style in used:
+        entry = f"        {_py(style)}: {_STYLES[style]},"
+        body += [entry] if len(entry) <= 100 else [f"        {_py(style)}:",
+                                                   f"            {_STYLES[style]},"]
     body += ["    }", "    layout = {path: styles[style] for path, style in "
              "TENSOR_LAYOUT.items()}", '    parallelize_module(model, mesh["tp"], layout)']
     if p.attention and p.head_counts:

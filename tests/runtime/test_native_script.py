@@ -191,6 +191,20 @@ class TestText:
         assert "with loss_parallel():" in text and "HEAD_COUNTS = (" in text
         assert len(text.splitlines()) < 200
 
+    def test_sequence_parallelism_runs_the_norms_on_sequence_shards(self, llama, cpu2):
+        bm, graph = llama
+        plan = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
+        styles = dict(native_plan(graph, plan, bm.record).tensor_styles)
+        assert {styles[m] for m in ("layers.0.attn_norm", "layers.1.mlp_norm", "norm")} == {
+            "sequence_norm"}
+        assert styles["embed_tokens"] == "vocab_embedding_to_sequence"
+        assert styles["layers.0.attn.q_proj"] == "colwise_from_sequence"
+        assert styles["layers.1.mlp.down_proj"] == "rowwise_to_sequence"
+        assert styles["lm_head"] == "vocab_output_from_sequence"
+        text = render(native_plan(graph, plan, bm.record))
+        assert '"sequence_norm": SequenceParallel(),' in text
+        assert "from torch.distributed.tensor import Replicate, Shard" in text
+
 
 class TestRefused:
     def test_stages_that_begin_at_modules_are_a_pipeline(self, gpt, cpu2):
@@ -246,9 +260,6 @@ class TestRefused:
                                                  r"split by heads within each of its 3 parts"):
             native_plan(graph, tensor, bm.record)
         bm, graph = llama
-        sequence = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
-        with pytest.raises(NotExpressible, match=r"along the sequence .* not write it yet"):
-            native_plan(graph, sequence, bm.record)
         four = _replicated(graph, [f"cpu:{k}" for k in range(4)]).with_tensor(2)
         with pytest.raises(NotExpressible, match="2 replicas of its tensor-parallel devices"):
             native_plan(graph, four, bm.record)
@@ -405,10 +416,11 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["llama", "factory_models:hf_llama_logits"],
-                         ids=["llama", "hf_llama"])
+@pytest.mark.parametrize("source, sequence", [("llama", True),
+                                              ("factory_models:hf_llama_logits", False)],
+                         ids=["llama with sequence parallel", "hf_llama"])
 def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, source,
-                                                       tmp_path):
+                                                       sequence, tmp_path):
     """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):
     ex.run's own tensor split of Hugging Face's grouped-query attention does not run yet."""
     if ":" in source:
@@ -420,7 +432,7 @@ def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, so
         made = ex.builtin_model(source, "tiny")
         model = {"model": made}
     graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
-    plan = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2)
+    plan = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2, sequence=sequence)
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
                               **model)
     one = ex.run(graph, plan=_replicated(graph, cpu2.ids[:1], micro_batches=2), steps=3,
