@@ -18,6 +18,7 @@ import torch
 import explorer as ex
 from explorer.core.errors import MemoryExceededError, PlanError
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 from explorer.runtime.jobfiles import Job
 from explorer.runtime.launch import reference
 from explorer.runtime.watch import RunFailed
@@ -31,6 +32,13 @@ STEPS, WARMUP = 2, 1
 @pytest.fixture(scope="module")
 def cpu2():
     return ex.Cluster.cpu(2, measure=False)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Rank processes shared by the module's runs that need no setting of their own."""
+    with RankPool() as ranks:
+        yield ranks
 
 
 def _case(name: str):
@@ -70,9 +78,9 @@ def _shards(plan) -> int:
     return max(len(s) for s in plan.stages) * plan.micro_batches
 
 
-def _check(bm, graph, plan):
+def _check(bm, graph, plan, pool):
     meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, record=True,
-                  timeout_s=120)
+                  timeout_s=120, pool=pool)
     ref = reference(ex.builtin_model(bm.name, "tiny"), STEPS + WARMUP, _shards(plan),
                     optimizer=plan.optimizer)
     torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
@@ -85,14 +93,14 @@ def _check(bm, graph, plan):
 
 @pytest.mark.parametrize("name", ex.model_names())
 @pytest.mark.parametrize("path", ["stages", "gpipe", "1f1b", "data-parallel", "op-level"])
-def test_losses_and_gradients_equal_one_device(name, path, cpu2):
+def test_losses_and_gradients_equal_one_device(name, path, cpu2, pool):
     bm, graph = _case(name)
-    _check(bm, graph, _plans(graph, cpu2)[path])
+    _check(bm, graph, _plans(graph, cpu2)[path], pool)
 
 
-def test_single_device_run_equals_reference(cpu2):
+def test_single_device_run_equals_reference(cpu2, pool):
     bm, graph = _case("mlp")
-    _check(bm, graph, ex.Plan.single(graph, "cpu:0"))
+    _check(bm, graph, ex.Plan.single(graph, "cpu:0"), pool)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pins cores on Linux only")
@@ -116,7 +124,7 @@ def test_cpu_ranks_are_pinned_to_their_own_cores(cpu2, pin, monkeypatch):
     assert all(math.isfinite(x) for x in meas.losses)
 
 
-def test_replica_counts_that_differ_run(cpu2):
+def test_replica_counts_that_differ_run(cpu2, pool):
     """Stage 0 replicated on two ranks, stage 1 on one: the bigger stage's shards meet."""
     bm, graph = _case("mlp")
     cl = ex.Cluster.cpu(3, measure=False)
@@ -125,15 +133,16 @@ def test_replica_counts_that_differ_run(cpu2):
     plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
                                    {nm: int(k >= half) for k, nm in enumerate(ops)})
     assert cl  # three CPU ranks
-    _check(bm, graph, plan)
+    _check(bm, graph, plan, pool)
 
 
 class TestMeasurement:
-    def test_figures_are_there(self, cpu2):
+    def test_figures_are_there(self, cpu2, pool):
         _, graph = _case("gpt")
         costs = ex.profile(graph, cpu2, progress=False)
         plan = ex.partition(graph, cpu2, costs, "even-layers")
-        meas = ex.run(graph, plan=plan, costs=costs, steps=2, warmup=1, progress=False)
+        meas = ex.run(graph, plan=plan, costs=costs, steps=2, warmup=1, progress=False,
+                      pool=pool)
         assert meas.step_s > 0 and len(meas.step_samples_s) == 2
         assert set(meas.busy_s) == {"cpu:0", "cpu:1"}
         assert all(0 < b <= meas.step_s * 1.5 for b in meas.busy_s.values())
@@ -155,13 +164,13 @@ class TestMeasurement:
         assert ex.simulate(graph, other, fitted).step_s > 0
 
 
-    def test_memory_is_counted_in_a_warm_up_step_where_there_are_two(self, cpu2):
+    def test_memory_is_counted_in_a_warm_up_step_where_there_are_two(self, cpu2, pool):
         """A CPU rank's accounting costs step time, so it runs in the last of two warm-up
         steps, not in a timed one: the peak is the one a measured step would count."""
         _, graph = _case("gpt")
         plan = _plans(graph, cpu2)["1f1b"]
-        runs = {warmup: ex.run(graph, plan=plan, steps=1, warmup=warmup, progress=False)
-                for warmup in (1, 2)}
+        runs = {warmup: ex.run(graph, plan=plan, steps=1, warmup=warmup, progress=False,
+                               pool=pool) for warmup in (1, 2)}
         assert all(p > 0 for p in runs[1].peak_bytes.values())
         assert runs[2].peak_bytes == runs[1].peak_bytes
         assert runs[2].peak_by_category == runs[1].peak_by_category
@@ -197,7 +206,8 @@ def _children() -> list[str]:
 
 class TestFailures:
     @pytest.fixture
-    def mlp(self, cpu2):
+    def mlp(self, cpu2, pool):
+        pool.close()  # (these runs start ranks of their own, and no other rank may be left)
         _, graph = _case("mlp")
         return graph, ex.partition(graph, cpu2, _costs(graph, cpu2), "even-layers")
 
