@@ -85,11 +85,14 @@ def _header(p: NativePlan) -> str:
     lines += [line for text in about for line in textwrap.wrap(text, 96)]
     lines += ["", "On one machine:",
               f"    torchrun --standalone --nproc_per_node {n} THIS_SCRIPT.py"]
-    if n > 1 and n % 2 == 0:
+    if n > 1 and n % 2 == 0 and (n // 2) % p.tensor == 0:
         each = f"{n // 2} process{'es' if n > 2 else ''}"
         lines += [f"On 2 machines of {each} each (run on both; HOST: the first's address):",
                   f"    torchrun --nnodes 2 --nproc_per_node {n // 2} --rdzv-backend c10d "
                   "--rdzv-endpoint HOST:29500 \\", "        THIS_SCRIPT.py"]
+    if p.tensor > 1:
+        lines += [f"Each tensor-parallel group is {p.tensor} consecutive ranks: with a multiple "
+                  f"of {p.tensor} processes", "per machine, each group stays inside a machine."]
     lines += ["", "Edit batches() to train on your data.", '"""']
     return "\n".join(lines)
 

@@ -190,6 +190,9 @@ class TestText:
         assert 'parallelize_module(model, mesh["tp"], layout)' in text
         assert "with loss_parallel():" in text and "HEAD_COUNTS = (" in text
         assert len(text.splitlines()) < 200
+        # (one process per machine would split each tensor-parallel group over two)
+        assert "Each tensor-parallel group is 2 consecutive ranks" in text
+        assert "On 2 machines" not in text
 
     def test_sequence_parallelism_runs_the_norms_on_sequence_shards(self, llama, cpu2):
         bm, graph = llama
