@@ -228,9 +228,9 @@ class TestFailures:
         it was computing while the other waited."""
         graph, plan = mlp
         monkeypatch.setenv("EXPLORER_FAULT", "0:hang:0")
-        with pytest.raises(RunFailed, match=r"did not finish within 30 s \(rank 0 \(cpu:0\) "
+        with pytest.raises(RunFailed, match=r"did not finish within 20 s \(rank 0 \(cpu:0\) "
                            r"at step 1, computing; rank 1 \(cpu:1\) at step 1, waiting"):
-            ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, timeout_s=30)
+            ex.run(graph, plan=plan, steps=1, warmup=0, progress=False, timeout_s=20)
         assert _children() == []
 
     @pytest.mark.slow
