@@ -209,6 +209,27 @@ class TestText:
         assert "from torch.distributed.tensor import Replicate, Shard" in text
 
 
+@pytest.mark.parametrize("source", ["gpt", "llama", "factory_models:hf_gpt2"])
+def test_the_partitioners_plans_on_two_ranks_are_native(factories, cpu2, source):
+    """What degrees, pipeline-dp, data-parallel and pase choose for each transformer on two
+    ranks: every plan has a native script (the trained tests run those plans' settings)."""
+    if ":" in source:
+        pytest.importorskip("transformers")
+        import factory_models
+
+        made, record = getattr(factory_models, source.split(":")[1])(), {"factory": source}
+    else:
+        made = ex.builtin_model(source, "tiny")
+        record = made.record
+    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    costs = roofline_costs(graph, cpu2)
+    for algorithm in ("degrees", "pipeline-dp", "data-parallel", "pase"):
+        plan = ex.partition(graph, cpu2, costs, algorithm)
+        native = native_plan(graph, plan, record, model_on_meta(record))
+        assert (native.stages, native.tensor) == (len(plan.stages), plan.tensor_of(0))
+        assert native.replicas * native.stages * native.tensor == len(plan.devices)
+
+
 class TestRefused:
     def test_stages_that_begin_at_modules_are_a_pipeline(self, gpt, cpu2):
         bm, graph = gpt
