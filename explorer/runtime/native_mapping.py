@@ -179,6 +179,9 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
             counts.update(dict.fromkeys(
                 name for name, value in vars(module.get_submodule(path)).items()
                 if HEAD_COUNT.fullmatch(name) and isinstance(value, int)))
+    for path in (*(p for p, _ in styles), *attention):
+        if not MODULE_PATH.fullmatch(path):
+            raise NotExpressible(f"module path {path!r} cannot be named in a script")
     return {"tensor": degree, "tensor_styles": styles, "attention": attention,
             "head_counts": tuple(counts)}
 
