@@ -103,7 +103,9 @@ def _plan_words(p: NativePlan) -> str:
         words.append(f"{p.stages} pipeline stages ({_words(p.schedule)} schedule), starting "
                      f"at {', '.join(_words(m) for m in p.stage_starts)}")
     if p.tensor > 1:
-        words.append(f"each layer split {p.tensor} ways (tensor parallel)")
+        sequence = any(style == "sequence_norm" for _, style in p.tensor_styles)
+        words.append(f"each layer split {p.tensor} ways (tensor parallel"
+                     + (", the norms between along the sequence)" if sequence else ")"))
     if p.replicas > 1:
         words.append(f"{p.replicas} data-parallel replicas"
                      + ("" if not p.zero else f" with ZeRO {p.zero}"))

@@ -206,6 +206,8 @@ class TestText:
         assert styles["lm_head"] == "vocab_output_from_sequence"
         text = render(native_plan(graph, plan, bm.record))
         assert '"sequence_norm": SequenceParallel(),' in text
+        assert "(tensor parallel, the norms between along the sequence)" in " ".join(
+            text.split())
         assert "from torch.distributed.tensor import Replicate, Shard" in text
 
 
