@@ -14,7 +14,13 @@ Per model, size and dtype it records:
   (torch.cuda.max_memory_allocated; the Measurement does not record reserved memory), energy
   per step from NVML's counter where the GPU has one, and ``ex.compare``'s report;
 * an eager reference in this process (plain PyTorch + Adam, the same steps): step time,
-  torch.cuda.max_memory_allocated and max_memory_reserved, and NVML energy over all steps.
+  torch.cuda.max_memory_allocated and max_memory_reserved, and NVML energy over all steps;
+* one more eager step under ``torch.profiler`` (kineto), read by
+  :mod:`explorer.profiling.kineto` and matched to the graph's ops: the host time and the
+  device (kernel) time of the graph's ops, forward and backward, how many kernels, and how many
+  ops the host takes longer to issue than the device to run (on CPU there are no kernels);
+  the trace itself is kept beside ``--out`` (``<out>.traces/``) for size default, the fixtures
+  a GPU-profile parser is tested on.
 
 The API has no dtype argument: bf16 cases cast the module and the float inputs with
 ``.to(torch.bfloat16)`` before ``ex.capture``; a case the API refuses is recorded with the error.
@@ -27,6 +33,7 @@ import copy
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +54,11 @@ from _gpu import (
     parse,
     summarize,
 )
+from torch.profiler import ProfilerActivity, profile
 
 import explorer as ex
 from explorer.core.units import table
+from explorer.profiling.kineto import TraceError, match_graph, op_timings
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -103,12 +112,21 @@ def main() -> None:
             for name in models:
                 cases.append((f"{name}/{size}/{dt}",
                               lambda n=name, s=size, d=dt: model_case(
-                                  n, s, d, cluster, steps, energy, dry)))
+                                  n, s, d, cluster, steps, energy, dry,
+                                  traces(out, n, s, d))))
     finished = res.work(cases, args.budget_s)
     summarize_check(res.data)
     res.save()
     report(res.data)
     print(f"results: {out}" + ("" if finished else " (not finished: run again to resume)"))
+
+
+def traces(out: Path, name: str, size: str, dtype: str) -> Path | None:
+    """Where a case's trace is kept: beside the results, for the sizes small enough to keep
+    (tiny and default); None for the others."""
+    if size not in ("tiny", "default"):
+        return None
+    return Path(f"{out}.traces") / f"{name}-{size}-{dtype}.json"
 
 
 def one_device(dry: bool) -> ex.Cluster:
@@ -143,7 +161,8 @@ def pytest_gpu(paths: list[str]) -> dict[str, Any]:
 
 
 def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
-               energy: EnergyCounter, dry: bool) -> dict[str, Any]:
+               energy: EnergyCounter, dry: bool, traces: Path | None = None
+               ) -> dict[str, Any]:
     """Capture, profile, predict, run and compare one built-in model on the cluster's device."""
     dtype = DTYPES[dt]
     bm = ex.builtin_model(name, size)
@@ -175,16 +194,18 @@ def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
                        "losses_first_last": [meas.losses[0], meas.losses[-1]]}
     out["compare"] = ex.compare(pred, meas).to_dict()
     out["eager"] = eager_reference(bm, module, inputs, steps, energy,
-                                   cluster.devices[0].torch_device or "cpu")
+                                   cluster.devices[0].torch_device or "cpu", graph, traces)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the reference's copy is gone: give its memory back
     return out
 
 
 def eager_reference(bm: Any, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
-                    steps: int, energy: EnergyCounter, device: str) -> dict[str, Any]:
+                    steps: int, energy: EnergyCounter, device: str, graph: Any = None,
+                    traces: Path | None = None) -> dict[str, Any]:
     """Plain PyTorch training steps (Adam) of a copy of the module on ``device``, in this
-    process: median step time, peak allocated and reserved memory, NVML energy per step."""
+    process: median step time, peak allocated and reserved memory, NVML energy per step, and
+    (given the ``graph``) one step traced, its ops' host and device times."""
     tdev = torch.device(device)
     cuda = tdev.type == "cuda"
     mod = copy.deepcopy(module).to(tdev).train()
@@ -219,7 +240,36 @@ def eager_reference(bm: Any, module: torch.nn.Module, inputs: tuple[torch.Tensor
         out["peak_allocated_bytes"] = out["peak_reserved_bytes"] = f"{NOT_AVAILABLE} (CPU)"
     out["energy_j_per_step"] = ((e1 - e0) / 1e3 / steps if e0 is not None and e1 is not None
                                 else unmeasured_energy(energy, cuda))
+    if graph is not None:
+        out["trace"] = traced_step(step, graph, cuda, traces)
     return out
+
+
+def traced_step(step: Any, graph: Any, cuda: bool, keep: Path | None) -> dict[str, Any]:
+    """One ``step()`` under torch.profiler, its trace read into the graph's ops' host and
+    device times (summed over forward and backward); the trace is written to ``keep`` when
+    given."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = keep or Path(folder) / "trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        timings = op_timings(path)
+    try:
+        matched = match_graph(timings, graph)
+    except TraceError as exc:
+        return {"error": str(exc), "trace_ops": len(timings)}
+    ops = list(matched.values())
+    return {"ops_matched": len(ops), "trace_ops": len(timings),
+            "host_s": sum(t.host_s + t.backward_host_s for t in ops),
+            "device_s": sum(t.device_s + t.backward_device_s for t in ops),
+            "kernels": sum(t.kernels for t in ops),
+            "host_bound_ops": sum(t.kernels > 0 and t.host_s > t.device_s for t in ops),
+            "kept": str(keep) if keep else None}
 
 
 def unmeasured_energy(energy: EnergyCounter, cuda: bool) -> str:

@@ -29,8 +29,8 @@ from typing import Any
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 
-__all__ = ["DEVICE_CATEGORIES", "LAUNCH_CATEGORIES", "OpTiming", "TraceError", "match_graph",
-           "op_timings", "profiler_name"]
+__all__ = ["DEVICE_CATEGORIES", "LAUNCH_CATEGORIES", "OpTiming", "TraceError", "dispatched",
+           "match_graph", "op_timings", "profiler_name"]
 
 #: the categories of what a device runs, and of the host's launches that start them
 DEVICE_CATEGORIES = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
@@ -112,14 +112,22 @@ def profiler_name(op: str) -> str:
     return f"{namespace}::{rest.split('.')[0]}"
 
 
+def dispatched(op: str) -> bool:
+    """Whether a graph op runs as an ATen op the profiler records: not Python's item access
+    into a tuple (``getitem``) nor a symbolic size (``aten.sym_size.int``), which an eager run
+    computes without dispatching."""
+    return op.startswith("aten.") and not op.startswith("aten.sym_")
+
+
 def match_graph(timings: Sequence[OpTiming], graph: OpGraph) -> dict[str, OpTiming]:
-    """Each op of ``graph`` with the timing of the trace's op it ran as, pairing them by name
-    in order (ops the trace holds and the graph does not, such as the loss's gradient seed,
-    are passed over). :class:`TraceError` names the first graph op the trace does not run."""
+    """Each op of ``graph`` the profiler records (:func:`dispatched`) with the timing of the
+    trace's op it ran as, pairing them by name in order (ops the trace holds and the graph
+    does not, such as the loss's gradient seed, are passed over). :class:`TraceError` names
+    the first graph op the trace does not run."""
     out: dict[str, OpTiming] = {}
     k = 0
     for node in graph.nodes:
-        if node.kind != "op":
+        if node.kind != "op" or not dispatched(node.op):
             continue
         want = profiler_name(node.op)
         while k < len(timings) and timings[k].name != want:

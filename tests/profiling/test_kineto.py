@@ -13,7 +13,13 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import explorer as ex
-from explorer.profiling.kineto import TraceError, match_graph, op_timings, profiler_name
+from explorer.profiling.kineto import (
+    TraceError,
+    dispatched,
+    match_graph,
+    op_timings,
+    profiler_name,
+)
 
 US = 1e-6
 
@@ -111,3 +117,10 @@ def test_a_trace_of_another_graph_or_no_trace_is_named(mlp_trace, tmp_path):
         op_timings(tmp_path / "not.json")
     with pytest.raises(TraceError, match="cannot read the trace"):
         op_timings(tmp_path / "missing.json")
+
+
+def test_what_an_eager_run_computes_without_dispatching_is_not_looked_for():
+    assert dispatched("aten.linear.default") and dispatched("aten.alias.default")
+    assert not dispatched("getitem") and not dispatched("aten.sym_size.int")
+    assert profiler_name("aten.scaled_dot_product_attention.default") == (
+        "aten::scaled_dot_product_attention")

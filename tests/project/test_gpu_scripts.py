@@ -64,6 +64,13 @@ def test_gpu_check_dry_run_writes_results_and_resumes(tmp_path):
         assert {r["what"] for r in c["compare"]["rows"]} >= {"step time", "peak memory"}
         if not torch.cuda.is_available():  # a CPU rank: NVML measures GPUs only
             assert str(c["measured"]["energy_j"]).startswith("not available")
+        # one eager step traced: every graph op found in the trace, host time on the CPU
+        trace = c["eager"]["trace"]
+        assert "error" not in trace, trace
+        assert trace["ops_matched"] > 0 and trace["host_s"] > 0
+        if not torch.cuda.is_available():
+            assert trace["device_s"] == 0 and trace["kernels"] == 0
+        assert Path(trace["kept"]).is_file()
 
 
 @pytest.mark.slow
