@@ -33,9 +33,10 @@ rate:
 - ``native script, data parallel``, ``native script, 1F1B pipeline`` and ``native script,
   ZeRO-3``: the same three plans against their own native scripts (``explorer export
   --native``: DDP; ``pipeline()`` cut where the second stage begins, run by
-  ``Schedule1F1B``; FSDP2 ``fully_shard`` per block), started as torchrun starts them; their
-  step times as the script prints them (rank 0, from the step's start to its optimizer step
-  and loss all-reduce). Target: within 1.10 either way.
+  ``Schedule1F1B``; FSDP2 ``fully_shard`` per block), started as torchrun starts them, each
+  rank set up as the others are (:data:`NATIVE_RANK`); their step times as the script prints
+  them (rank 0, from the step's start to its optimizer step and loss all-reduce). Target:
+  within 1.10 either way.
 
 ``ex.run`` takes ``--runtime``; ``auto`` (the default) is what ``ex.run`` takes unasked
 (:func:`explorer.runtime.segments.choose_runtime`: the segments); the ``runtime`` column
@@ -431,6 +432,22 @@ def run_reference(case: Case, name: str, size: str, optimizer: str, steps: int,
     return ReferenceRun(tuple(per_step), sum(first) / len(first), got[0]["fingerprint"])
 
 
+#: how a native script's rank starts here: set up as the reference's ranks and ``ex.run``'s
+#: are (one thread, pinned to its core, freed memory held by the allocator: the CPU platform's
+#: set-up), then the script, as ``python SCRIPT`` runs it
+NATIVE_RANK = """\
+import os, runpy, sys
+import torch
+from explorer.platforms import platform_of
+torch.set_num_threads(1)
+platform = platform_of("cpu")
+platform.pin_rank(int(os.environ["LOCAL_RANK"]), 1)
+platform.hold_freed_memory()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def run_native_script(plan: ex.Plan, graph: OpGraph, model: ex.models.BuiltinModel,
                       steps: int, warmup: int, timeout_s: float) -> ReferenceRun:
     """The plan's native script (``ex.export_script(..., native=True)``) on :data:`WORLD`
@@ -441,7 +458,8 @@ def run_native_script(plan: ex.Plan, graph: OpGraph, model: ex.models.BuiltinMod
     with tempfile.TemporaryDirectory() as tmp:
         script = ex.export_script(plan, Path(tmp) / "train.py", graph=graph, model=model,
                                   steps=warmup + steps, lr=LR, native=True)
-        logs = run_ranks("native script", lambda r: [str(script)], Path(tmp), timeout_s)
+        logs = run_ranks("native script", lambda r: ["-c", NATIVE_RANK, str(script)],
+                         Path(tmp), timeout_s)
         lines = [line for line in logs[0].read_text().splitlines() if line.startswith("step ")]
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in lines]
     times = [float(line.rsplit(", ", 1)[1].split(" ms")[0]) / 1e3 for line in lines]
