@@ -29,6 +29,7 @@ the cases already there (see benchmarks/_gpu.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -42,6 +43,7 @@ from gpu_check import MULTI_GPU_NOTE, one_device
 import explorer as ex
 from explorer.core.units import table
 from explorer.models.synthetic import roofline_costs
+from explorer.runtime import RankPool
 
 #: the settings, by name, as ``plan.with_memory`` takes them; fp32 (no setting) is the baseline
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -98,14 +100,16 @@ def main() -> None:
         "dry_run": dry, "device": info, "cluster": cluster.describe(), "size": size,
         "steps": steps, "warmup": WARMUP, "presets": [label for label, _ in presets],
         "loss_tolerance": LOSS_TOLERANCE})
-    models = Models(size, cluster, presets, dry)
-    cases = [(key, lambda m=m, s=s: (models.profile_case(m) if s == "profile" else
-                                     setting_case(models, m, s, steps)))
-             for key, m, s in case_order(args.models.split(","), settings)]
-    # a case that will capture and profile its model is timed like a profile (a model whose
-    # profile case was left out for time leaves its settings out too)
-    finished = res.work(cases, args.budget_s, kind=lambda key: "run" if (
-        not key.endswith("/profile") and key.split("/")[0] in models.ready) else "profile")
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(RankPool()) if dry else None
+        models = Models(size, cluster, presets, dry, pool)
+        cases = [(key, lambda m=m, s=s: (models.profile_case(m) if s == "profile" else
+                                         setting_case(models, m, s, steps)))
+                 for key, m, s in case_order(args.models.split(","), settings)]
+        # a case that will capture and profile its model is timed like a profile (a model
+        # whose profile case was left out for time leaves its settings out too)
+        finished = res.work(cases, args.budget_s, kind=lambda key: "run" if (
+            not key.endswith("/profile") and key.split("/")[0] in models.ready) else "profile")
     summarize_strategies(res.data)
     res.save()
     report(res.data)
@@ -150,9 +154,12 @@ class Models:
     does; a dry run reuses cached CPU profiles), with its presets' roofline costs."""
 
     def __init__(self, size: str, cluster: ex.Cluster, presets: list[tuple[str, ex.Cluster]],
-                 dry: bool) -> None:
+                 dry: bool, pool: RankPool | None = None) -> None:
         self.size, self.cluster, self.presets, self.dry = size, cluster, presets, dry
         self.ready: dict[str, dict[str, Any] | Exception] = {}
+        #: the ranks a dry run's real runs share (it checks code paths, not rank start-up);
+        #: on the GPU each run starts its own, as a user's does
+        self.pool = pool
 
     def get(self, name: str) -> dict[str, Any]:
         """``graph``, ``costs`` (profiled), ``presets`` (label: (cluster, roofline costs)),
@@ -232,7 +239,7 @@ def setting_case(models: Models, name: str, setting: str, steps: int) -> dict[st
         out["presets"][label] = {"step_s": pp.step_s, "peak_bytes": pp.peak_bytes[pc.ids[0]]}
     t0 = time.perf_counter()
     meas = ex.run(graph, plan=plan, steps=steps, warmup=WARMUP, costs=costs, cluster=cluster,
-                  progress=False, timeout_s=RUN_TIMEOUT_S, force=True)
+                  progress=False, timeout_s=RUN_TIMEOUT_S, force=True, pool=models.pool)
     out["run_s"] = time.perf_counter() - t0
     out["measured"] = {"step_s": meas.step_s, "peak_bytes": meas.peak_bytes[dev],
                        "memory_source": meas.memory_source, "losses": list(meas.losses)}
