@@ -29,6 +29,7 @@ The API has no dtype argument: bf16 cases cast the module and the float inputs w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import re
 import subprocess
@@ -59,6 +60,7 @@ from torch.profiler import ProfilerActivity, profile
 import explorer as ex
 from explorer.core.units import table
 from explorer.profiling.kineto import TraceError, match_graph, op_timings
+from explorer.runtime import RankPool
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -113,8 +115,12 @@ def main() -> None:
                 cases.append((f"{name}/{size}/{dt}",
                               lambda n=name, s=size, d=dt: model_case(
                                   n, s, d, cluster, steps, energy, dry,
-                                  traces(out, n, s, d))))
-    finished = res.work(cases, args.budget_s)
+                                  traces(out, n, s, d), pool)))
+    # a dry run's real runs share one rank pool (it checks code paths, not rank start-up);
+    # on the GPU each run starts its own, as a user's does
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(RankPool()) if dry else None
+        finished = res.work(cases, args.budget_s)
     summarize_check(res.data)
     res.save()
     report(res.data)
@@ -161,8 +167,8 @@ def pytest_gpu(paths: list[str]) -> dict[str, Any]:
 
 
 def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
-               energy: EnergyCounter, dry: bool, traces: Path | None = None
-               ) -> dict[str, Any]:
+               energy: EnergyCounter, dry: bool, traces: Path | None = None,
+               pool: RankPool | None = None) -> dict[str, Any]:
     """Capture, profile, predict, run and compare one built-in model on the cluster's device."""
     dtype = DTYPES[dt]
     bm = ex.builtin_model(name, size)
@@ -184,7 +190,7 @@ def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
                         "energy_j": pred.energy_j, "fits": pred.fits}
     t0 = time.perf_counter()
     meas = ex.run(graph, plan=plan, steps=steps, warmup=2, costs=costs, cluster=cluster,
-                  progress=False, timeout_s=400.0)
+                  progress=False, timeout_s=400.0, pool=pool)
     out["run_s"] = time.perf_counter() - t0
     out["measured"] = {"step_s": meas.step_s, "peak_allocated_bytes": meas.peak_bytes[dev],
                        "peak_reserved_bytes": NOT_AVAILABLE + " (not in ex.Measurement)",
