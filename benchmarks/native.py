@@ -56,6 +56,7 @@ import explorer as ex
 from explorer.capture.step import TrainStep
 from explorer.core.units import table
 from explorer.platforms import platform_of
+from explorer.runtime import RankPool
 from explorer.runtime.params import make_optimizer
 
 LR = 1e-3  # ex.run's default learning rate
@@ -139,9 +140,11 @@ class Setup:
     memory: bool = False
 
 
-def measure(name: str, size: str, setup: Setup, rounds: int, steps: int) -> dict[str, object]:
+def measure(name: str, size: str, setup: Setup, rounds: int, steps: int,
+            pool: RankPool | None = None) -> dict[str, object]:
     """One row: the model's median step each way, the ratios of ex.run's ways to eager's
-    (and the segments' to the op path's), and with ``setup.memory`` the peaks."""
+    (and the segments' to the op path's), and with ``setup.memory`` the peaks; ``pool``: the
+    ranks ex.run's runs share (a dry run's), else each starts its own."""
     bm = ex.builtin_model(name, size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
     plan = ex.Plan.single(graph, f"{setup.device}:0")
@@ -152,7 +155,7 @@ def measure(name: str, size: str, setup: Setup, rounds: int, steps: int) -> dict
     for _ in range(rounds):
         for way in setup.runs:
             m = ex.run(graph, plan=plan, steps=steps, warmup=WARMUP, progress=False,
-                       timeout_s=3600, **EX_RUNS[way])
+                       timeout_s=3600, pool=pool, **EX_RUNS[way])
             times[way] += m.step_samples_s
             peaks[way].append(max(m.peak_bytes.values()) if setup.device == "cuda" else None)
         for way in setup.eager:
@@ -209,11 +212,15 @@ def main() -> None:
         return
     name, title, cases = gpu_cases(args) if args.gpu or args.dry_run else cpu_cases(args)
     rows = []
-    for model, size, setup in cases:
-        rows.append(measure(model, size, setup, args.rounds, args.steps))
-        # (after every row: a run stopped part-way keeps what it measured)
-        write_result(name, rows, title=title, folder=args.results,
-                     notes=f"{load_average()} at the end; one thread each way")
+    # a dry run's runs share one rank pool (it checks code paths, not rank start-up); a
+    # measured run starts each run's ranks, as a user's ex.run does
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(RankPool()) if args.dry_run else None
+        for model, size, setup in cases:
+            rows.append(measure(model, size, setup, args.rounds, args.steps, pool))
+            # (after every row: a run stopped part-way keeps what it measured)
+            write_result(name, rows, title=title, folder=args.results,
+                         notes=f"{load_average()} at the end; one thread each way")
     print(title)
     print(table(list(rows[0]), [list(r.values()) for r in rows]))
 
