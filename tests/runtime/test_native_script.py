@@ -60,6 +60,22 @@ def _native(graph, replicas, zero, recompute, precision, micro_batches, **extra)
                       algorithm="data-parallel", **extra)
 
 
+def _captured(source: str):
+    """A built-in model's name (tiny) or a ``"factory_models:function"``: the graph of what it
+    builds, its source as a plan records it, and how export_script is told it."""
+    if ":" in source:
+        pytest.importorskip("transformers")
+        import factory_models
+
+        made = getattr(factory_models, source.split(":")[1])()
+        record, told = {"factory": source}, {"factory": source}
+    else:
+        made = ex.builtin_model(source, "tiny")
+        record, told = made.record, {"model": made}
+    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    return graph, record, told
+
+
 def _replicated(graph, devices, micro_batches=1):
     """One stage over ``devices``: every op on it, the batch split between them."""
     ops = {n.name: 0 for n in graph.nodes if n.kind == "op"}
@@ -215,15 +231,7 @@ class TestText:
 def test_the_partitioners_plans_on_two_ranks_are_native(factories, cpu2, source):
     """What degrees, pipeline-dp, data-parallel and pase choose for each transformer on two
     ranks: every plan has a native script (the trained tests run those plans' settings)."""
-    if ":" in source:
-        pytest.importorskip("transformers")
-        import factory_models
-
-        made, record = getattr(factory_models, source.split(":")[1])(), {"factory": source}
-    else:
-        made = ex.builtin_model(source, "tiny")
-        record = made.record
-    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    graph, record, _ = _captured(source)
     costs = roofline_costs(graph, cpu2)
     for algorithm in ("degrees", "pipeline-dp", "data-parallel", "pase"):
         plan = ex.partition(graph, cpu2, costs, algorithm)
@@ -347,15 +355,21 @@ TRAINED = [(2, 2, {}), (2, 1, {"zero": 1}), (2, 2, {"zero": 3, "recompute": "ful
 @pytest.mark.parametrize("devices, micro_batches, settings", TRAINED, ids=str)
 def test_the_script_trains_to_the_losses_of_ex_run(gpt, devices, micro_batches, settings,
                                                    pool, tmp_path):
+    plan = _replicated(gpt[1], [f"cpu:{k}" for k in range(devices)], micro_batches)
+    _trains_as_ex_run(gpt, plan, settings, pool, tmp_path)
+
+
+def _trains_as_ex_run(gpt, plan, settings: dict, pool, tmp_path) -> None:
+    """``plan`` of the built-in gpt with memory ``settings``: its native script under torchrun
+    gives ex.run's losses (reduced precision: within 1e-4)."""
     bm, graph = gpt
-    plan = _replicated(graph, [f"cpu:{k}" for k in range(devices)], micro_batches)
     plan = plan.with_memory(**settings) if settings else plan
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, model=bm, steps=3,
                               native=True)
     measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
     half = settings.get("precision", "fp32") != "fp32"
-    assert _torchrun(script, devices) == pytest.approx(list(measured.losses),
-                                                       rel=1e-4 if half else 1e-5)
+    assert _torchrun(script, len(plan.devices)) == pytest.approx(list(measured.losses),
+                                                                 rel=1e-4 if half else 1e-5)
 
 
 @pytest.mark.slow
@@ -407,15 +421,8 @@ PIPELINED = [(2, "1f1b", 4, {"recompute": "selective", "precision": "fp16"}),
 @pytest.mark.parametrize("devices, schedule, micro_batches, settings", PIPELINED, ids=str)
 def test_a_pipeline_trains_to_the_losses_of_ex_run(gpt, devices, schedule, micro_batches,
                                                    settings, pool, tmp_path):
-    bm, graph = gpt
-    plan = _two_stages(graph, devices, micro_batches=micro_batches, schedule=schedule)
-    plan = plan.with_memory(**settings) if settings else plan
-    script = ex.export_script(plan, tmp_path / "train.py", graph=graph, model=bm, steps=3,
-                              native=True)
-    measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
-    half = settings.get("precision", "fp32") != "fp32"
-    assert _torchrun(script, devices) == pytest.approx(list(measured.losses),
-                                                       rel=1e-4 if half else 1e-5)
+    plan = _two_stages(gpt[1], devices, micro_batches=micro_batches, schedule=schedule)
+    _trains_as_ex_run(gpt, plan, settings, pool, tmp_path)
 
 
 @pytest.mark.slow
@@ -423,15 +430,7 @@ def test_a_pipeline_trains_to_the_losses_of_ex_run(gpt, devices, schedule, micro
                          ids=["llama", "hf_gpt2"])
 def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, cpu2, pool,
                                                                      source, depth, tmp_path):
-    if ":" in source:
-        pytest.importorskip("transformers")
-        import factory_models
-
-        made, model = getattr(factory_models, source.split(":")[1])(), {"factory": source}
-    else:
-        made = ex.builtin_model(source, "tiny")
-        model = {"model": made}
-    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    graph, _, model = _captured(source)
     plan = ex.partition(graph, cpu2, roofline_costs(graph, cpu2), "even-layers", depth=depth,
                         micro_batches=2, schedule="1f1b")
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
@@ -449,15 +448,7 @@ def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, so
                                                        sequence, tmp_path):
     """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):
     ex.run's own tensor split of Hugging Face's grouped-query attention does not run yet."""
-    if ":" in source:
-        pytest.importorskip("transformers")
-        import factory_models
-
-        made, model = getattr(factory_models, source.split(":")[1])(), {"factory": source}
-    else:
-        made = ex.builtin_model(source, "tiny")
-        model = {"model": made}
-    graph = ex.capture(made.module, made.example_inputs, made.loss_fn, made.targets)
+    graph, _, model = _captured(source)
     plan = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2, sequence=sequence)
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
                               **model)
