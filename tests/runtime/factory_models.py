@@ -44,14 +44,20 @@ def _hf_gpt2(tie_word_embeddings: bool):
         n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         tie_word_embeddings=tie_word_embeddings)
+    return _causal_lm(transformers.GPT2LMHeadModel, config, logits_loss)
+
+
+def _causal_lm(kind, config, loss_fn, wrap=lambda model: model):
+    """A Hugging Face causal LM of ``kind`` from ``config`` (vocabulary 128), the same weights
+    on every call, with a batch of 8 sequences of 16 token ids and their next tokens."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(config)
+        model = kind(config)
     gen = torch.Generator().manual_seed(0)
     ids, labels = (torch.randint(0, 128, (8, 16), generator=gen, device="cpu")
                    for _ in range(2))
-    return SimpleNamespace(module=model, example_inputs=(ids,), targets=(labels,),
-                           loss_fn=logits_loss)
+    return SimpleNamespace(module=wrap(model), example_inputs=(ids,), targets=(labels,),
+                           loss_fn=loss_fn)
 
 
 def logits_loss(out, y):
@@ -98,11 +104,4 @@ def hf_llama_logits():
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         use_cache=False, tie_word_embeddings=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(0)
-    ids, labels = (torch.randint(0, 128, (8, 16), generator=gen, device="cpu")
-                   for _ in range(2))
-    return SimpleNamespace(module=LogitsOnly(model), example_inputs=(ids,), targets=(labels,),
-                           loss_fn=tensor_loss)
+    return _causal_lm(transformers.LlamaForCausalLM, config, tensor_loss, LogitsOnly)
