@@ -6,19 +6,21 @@ path)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import explorer as ex
+from explorer.runtime import RankPool
 
 #: where the benchmarks write their records and where ``report.py`` reads them
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -83,3 +85,14 @@ def write_result(name: str, rows: Sequence[Mapping[str, Any] | Sequence[Any]], *
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return path
+
+
+@contextlib.contextmanager
+def dry_run_ranks(dry: bool) -> Iterator[RankPool | None]:
+    """Rank processes a dry run's real runs share (it checks code paths, not rank start-up);
+    None for a measured run, whose runs each start their own, as a user's ``ex.run`` does."""
+    if not dry:
+        yield None
+        return
+    with RankPool() as pool:
+        yield pool

@@ -29,7 +29,6 @@ The API has no dtype argument: bf16 cases cast the module and the float inputs w
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import re
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import dry_run_ranks
 from _gpu import (
     NOT_AVAILABLE,
     EnergyCounter,
@@ -116,10 +116,7 @@ def main() -> None:
                               lambda n=name, s=size, d=dt: model_case(
                                   n, s, d, cluster, steps, energy, dry,
                                   traces(out, n, s, d), pool)))
-    # a dry run's real runs share one rank pool (it checks code paths, not rank start-up);
-    # on the GPU each run starts its own, as a user's does
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(RankPool()) if dry else None
+    with dry_run_ranks(dry) as pool:
         finished = res.work(cases, args.budget_s)
     summarize_check(res.data)
     res.save()

@@ -29,7 +29,6 @@ the cases already there (see benchmarks/_gpu.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import statistics
@@ -38,6 +37,7 @@ import time
 from typing import Any
 
 import _gpu as gpu
+from _common import dry_run_ranks
 from gpu_check import MULTI_GPU_NOTE, one_device
 
 import explorer as ex
@@ -100,8 +100,7 @@ def main() -> None:
         "dry_run": dry, "device": info, "cluster": cluster.describe(), "size": size,
         "steps": steps, "warmup": WARMUP, "presets": [label for label, _ in presets],
         "loss_tolerance": LOSS_TOLERANCE})
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(RankPool()) if dry else None
+    with dry_run_ranks(dry) as pool:
         models = Models(size, cluster, presets, dry, pool)
         cases = [(key, lambda m=m, s=s: (models.profile_case(m) if s == "profile" else
                                          setting_case(models, m, s, steps)))

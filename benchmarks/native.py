@@ -50,7 +50,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from _common import RESULTS, add_results_option, load_average, write_result
+from _common import RESULTS, add_results_option, dry_run_ranks, load_average, write_result
 
 import explorer as ex
 from explorer.capture.step import TrainStep
@@ -212,10 +212,7 @@ def main() -> None:
         return
     name, title, cases = gpu_cases(args) if args.gpu or args.dry_run else cpu_cases(args)
     rows = []
-    # a dry run's runs share one rank pool (it checks code paths, not rank start-up); a
-    # measured run starts each run's ranks, as a user's ex.run does
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(RankPool()) if args.dry_run else None
+    with dry_run_ranks(args.dry_run) as pool:
         for model, size, setup in cases:
             rows.append(measure(model, size, setup, args.rounds, args.steps, pool))
             # (after every row: a run stopped part-way keeps what it measured)
