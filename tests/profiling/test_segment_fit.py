@@ -289,13 +289,21 @@ class TestCache:
 def test_a_profile_predicts_the_segment_run_of_one_device(gpt):
     """A tiny GPT's profile predicts its single-device step in segments; the op path's
     profile, whose ops carry the op path's own work (about twice the step here), does not.
-    Loose bounds: a shared host moves a 3 ms step by tens of per cent."""
+    Loose bounds: a shared host moves a 3 ms step by tens of per cent, and a burst of other
+    work during the profile or the run by more (twice, in one CI run), so a pair that misses
+    is measured again, up to three pairs; a prediction that is wrong misses in all three."""
     plan = ex.Plan.single(gpt, DEV.id, optimizer="adam")
-    seg = ex.profile(gpt, ONE, repeats=5, warmup=2, progress=False, cache=False)
-    meas = ex.run(gpt, plan=plan, costs=seg, steps=15, warmup=3, progress=False,
-                  runtime="segments")
-    assert meas.runtime == "segments"
-    assert ex.simulate(gpt, plan, seg).step_s == pytest.approx(meas.step_s, rel=0.5)
+    pairs = []
+    for _ in range(3):
+        seg = ex.profile(gpt, ONE, repeats=5, warmup=2, progress=False, cache=False)
+        meas = ex.run(gpt, plan=plan, costs=seg, steps=15, warmup=3, progress=False,
+                      runtime="segments")
+        assert meas.runtime == "segments"
+        pairs.append((ex.simulate(gpt, plan, seg).step_s, meas.step_s))
+        if pairs[-1][0] == pytest.approx(pairs[-1][1], rel=0.5):
+            break
+    else:
+        pytest.fail(f"predicted and measured step times (s) of three pairs: {pairs}")
     dc = seg.per_type[DEV.type_key]
     assert dc.runtime == "segments" and len(dc.op_path_extra_s[0]) == 1 + len(dc.fractions)
     old = ex.profile(gpt, ONE, repeats=5, warmup=2, progress=False, cache=False,
