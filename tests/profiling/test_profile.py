@@ -369,13 +369,30 @@ class TestRoofline:
 
 @pytest.mark.slow
 class TestContention:
+    @pytest.fixture(scope="class")
+    def ranks(self):
+        """Two rank processes shared by the class's real contention runs (a profile runs
+        them on a pool of two ranks too)."""
+        with RankPool(2) as pool:
+            yield pool
+
+    @pytest.fixture(scope="class")
+    def measured_host(self, tmp_path_factory):
+        """This host measured once for real (its compute, copy and link runs, in a cache
+        folder of its own), as clusters of two ranks and of one; each test profiles on them
+        with a profile cache of its own."""
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("host")))
+            return Cluster.cpu(2), Cluster.cpu(1)
+
     @pytest.mark.parametrize("runtime", ["segments", "ops"])
-    def test_measured_on_two_real_ranks(self, runtime):
+    def test_measured_on_two_real_ranks(self, runtime, ranks):
         bm = ex.builtin_model("mlp", "tiny")
         g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
-        ranks = list(Cluster.cpu(2, measure=False).devices)
-        ratios, spread, opt = host.measure_contention(g, ranks, repeats=3, warmup=1,
-                                                      progress=False, runtime=runtime)
+        devices = list(Cluster.cpu(2, measure=False).devices)
+        ratios, spread, opt = host.measure_contention(g, devices, repeats=3, warmup=1,
+                                                      progress=False, runtime=runtime,
+                                                      pool=ranks)
         assert len(ratios) == len(g)
         assert all(0.5 <= r <= 4.0 for r in ratios)
         # in segments no op is timed apart: each slows as the whole model did
@@ -384,7 +401,8 @@ class TestContention:
         # the busier of two ranks is above their mean, by less than the mean itself
         assert 0.0 < spread < 1.0
 
-    def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch):
+    def test_profile_measures_it_once_for_a_measured_host(self, gpt, fake, cache, monkeypatch,
+                                                          measured_host):
         calls = []
         monkeypatch.setattr(host, "measure_contention",
                             lambda g, ranks, *a, **kw: calls.append([d.id for d in ranks])
@@ -394,7 +412,7 @@ class TestContention:
         monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
         monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
-        two = Cluster.cpu(2)
+        two, one = measured_host
         costs = ex.profile(gpt, two, **FAST)
         assert costs.per_type[CPU_KEY].contention == [1.25] * len(gpt)
         assert costs.per_type[CPU_KEY].replica_spread == 0.05
@@ -405,14 +423,15 @@ class TestContention:
         assert again.per_type[CPU_KEY].optimizer_contention == 1.3
         assert len(calls) == 1 and len(fake) == 1
         # not for one rank, nor for nominal ranks (no host measurements)
-        assert ex.profile(gpt, Cluster.cpu(1), cache=False, **FAST).per_type[
+        assert ex.profile(gpt, one, cache=False, **FAST).per_type[
             CPU_KEY].contention == []
         assert ex.profile(gpt, Cluster.cpu(2, measure=False), cache=False, **FAST).per_type[
             CPU_KEY].contention == []
         assert len(calls) == 1
 
     def test_split_costs_fitted_on_the_model_are_kept_with_the_profile(self, gpt, fake, cache,
-                                                                        monkeypatch):
+                                                                        monkeypatch,
+                                                                        measured_host):
         """What a two-way split adds is fitted on the model's own split run where that
         works, stored with its profile; the host probe's figures (measured only then) where
         it does not."""
@@ -428,7 +447,7 @@ class TestContention:
                             lambda g, dc, report=None: fits.append(g.name) or model)
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
         monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
-        two = Cluster.cpu(2)
+        two, _ = measured_host
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model
         assert ex.profile(gpt, two, **FAST).per_type[CPU_KEY].dtensor == model  # cached
         assert fits == [gpt.name] and probes == []  # (the host probe not needed)
@@ -437,7 +456,7 @@ class TestContention:
         assert probes == [1]
 
     def test_a_failed_measurement_leaves_it_out_with_a_warning(self, gpt, fake, cache,
-                                                               monkeypatch):
+                                                               monkeypatch, measured_host):
         from explorer.runtime.watch import RunFailed
 
         def broken(*args, **kwargs):
@@ -450,7 +469,7 @@ class TestContention:
         monkeypatch.setattr(collective_probe, "collective_costs", lambda *a, **kw: 0.0)
         monkeypatch.setattr(checkpoint_probe, "checkpoint_costs", lambda *a, **kw: {})
         with pytest.warns(UserWarning, match="slow each other.*SIGKILL"):
-            costs = ex.profile(gpt, Cluster.cpu(2), **FAST)
+            costs = ex.profile(gpt, measured_host[0], **FAST)
         assert costs.per_type[CPU_KEY].contention == []
         assert costs.source(gpt.index[gpt.loss], "cpu:0") == "measured"
 
