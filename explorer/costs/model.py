@@ -108,6 +108,28 @@ class DeviceCosts:
     #: where the times are the op path's own. An op's cost in a segment is its op-path time
     #: less this, never under the per-op dispatch cost ``overhead_s``
     op_path_extra_s: list[list[float]] = field(default_factory=list)
+    #: a device whose kernels run apart from the host that issues them (a GPU: the host's
+    #: thread dispatches each op and launches its kernels, the device's stream runs them in
+    #: that order): per node, the host's seconds to issue its forward and its backward,
+    #: ``[fwd, bwd]``, while ``fwd_s``/``bwd_s`` are its kernels' time on the device. The
+    #: host's seconds do not shrink with the batch. Empty where the device has one timeline
+    #: (CPU ranks: an op's time holds both)
+    host_s: list[list[float]] = field(default_factory=list)
+
+    @property
+    def two_timelines(self) -> bool:
+        """Whether the host's issuing and the device's kernels are timed apart (``host_s``)."""
+        return bool(self.host_s)
+
+    def host_times(self, backward: bool) -> np.ndarray:
+        """``host_s``' forward or backward seconds per node as a float array."""
+        src = self.host_s[1 if backward else 0]
+        key = ("_host", backward, id(src), len(src))
+        cache = self.__dict__.setdefault("_np_cache", {})
+        a = cache.get(key)
+        if a is None:
+            a = cache[key] = np.asarray(src, dtype=np.float64)
+        return a
 
     @property
     def replica_effects(self) -> ReplicaEffects:

@@ -196,6 +196,9 @@ def costs_problem(d: dict[str, Any], nodes: int | None = None) -> str | None:
         isinstance(extra, list) and len(extra) == 2 and isinstance(fractions, list)
         and all(isinstance(row, list) and len(row) == len(fractions) + 1
                 and all(_signed(x) for x in row) for row in extra))))
+    host = d.get("host_s", [])
+    checks.append(("host_s", host == [] or (
+        isinstance(host, list) and len(host) == 2 and all(_times(t, n) for t in host))))
     held = d.get("workspace_bytes", 0)
     checks.append(("workspace_bytes", isinstance(held, int) and not isinstance(held, bool)
                    and 0 <= held < 2**50))
@@ -220,6 +223,7 @@ _WHAT = {"source": "a list of texts, one per node",
          "checkpoint": "a table of numbers of 0 to 1e6",
          "fractions": "a decreasing list of fractions of the batch in (0, 1)",
          "precision_s": "a table of [forward, backward] times per node for each precision",
+         "host_s": "two lists (forward, backward) of a time per node",
          "fwd_at": "one list of times per node for each fraction",
          "bwd_at": "one list of times per node for each fraction"}
 

@@ -75,6 +75,8 @@ class StageEffects:
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: what the segment runtime checkpoints on a recomputing stage (:func:`checkpoint_spans`)
     spans: list[CheckpointSpan] = field(default_factory=list)
+    #: [stage] whether its ranks run segments (checkpointing spans; set by ``apply_compute``)
+    spans_run: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     #: [node] where what an op saves besides its output (statistics, masks, indices) starts
     #: to be held: -1 from its forward; else the op in whose backward checkpoint makes it
     #: again (an op its span runs again: checkpoint keeps none of what the span saves)
@@ -124,6 +126,20 @@ class StageEffects:
                 if back := [c for c in readers if has_b[c]]:
                     bwd_d[back[-1]] += cost
 
+    def run_again(self, A: GraphArrays, st: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """[node] what running the recomputed forwards again adds to each op's backward, an
+        op's forward taking ``seconds`` (its device time, or its host's time to issue it:
+        recomputation issues the ops again): on the op path in the first backward that needs
+        its value, in a span's first backward where the stage runs segments
+        (``apply_compute`` has run)."""
+        extra = np.zeros(A.n)
+        rc = np.flatnonzero(A.is_op & (self.rc_op >= 0) & ~self.spans_run[st])
+        np.add.at(extra, self.rc_op[rc], seconds[rc])
+        for span in self.spans:
+            if self.spans_run[span.stage]:
+                extra[span.backward_at] += seconds[list(span.rerun)].sum()
+        return extra
+
     def _recomputed(self, costs: CostModel, plan: Plan, A: GraphArrays, st: np.ndarray,
                     fwd_d: np.ndarray) -> np.ndarray:
         """[node] the seconds recomputation adds to each op's backward (and checkpointing's
@@ -134,20 +150,17 @@ class StageEffects:
         per tensor its ops save and per op under a policy (``DeviceCosts.checkpoint``); on
         the op path each op that makes a dropped value runs again in the first backward that
         needs it. Sets ``extra_from``, ``span_first`` and ``rerun_at``."""
-        extra = np.zeros(A.n)
-        spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
-                                  for d in plan.stages[s]) for s in range(len(plan.stages))],
-                             dtype=bool)
-        rc = np.flatnonzero(A.is_op & (self.rc_op >= 0) & ~spans_run[st])
-        np.add.at(extra, self.rc_op[rc], fwd_d[rc])
-        spans = [x for x in self.spans if spans_run[x.stage]]
+        self.spans_run = np.array([any(costs.device_costs(d).runtime == "segments"
+                                       for d in plan.stages[s])
+                                   for s in range(len(plan.stages))], dtype=bool)
+        extra = self.run_again(A, st, fwd_d)
+        spans = [x for x in self.spans if self.spans_run[x.stage]]
         self.extra_from = np.full(A.n, -1, dtype=np.int64)
         self.span_first = np.full(A.n, -1, dtype=np.int64)
         self.rerun_at = np.full(A.n, -1, dtype=np.int64)
         for span in spans:
             if not span.keeps_state:
                 self.rerun_at[list(span.rerun)] = span.backward_at
-            extra[span.backward_at] += fwd_d[list(span.rerun)].sum()
             self.extra_from[list(span.rerun)] = span.backward_at
             self.span_first[list(span.ops)] = span.backward_at
         per_stage = {s: {k: max(costs.device_costs(d).checkpoint.get(k, 0.0)

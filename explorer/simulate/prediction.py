@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Interval:
-    """One task on the timeline. ``lane`` is "compute" or "comm"."""
+    """One task on the timeline. ``lane`` is "compute", "comm" or, on a device with two
+    timelines (a GPU), "host": its host issuing a task (``kind`` "issue")."""
 
     device: str
     lane: str
@@ -87,6 +88,9 @@ class Prediction:
     bottleneck: str
     lower_bound_s: float
     algorithm: str
+    #: per device with two timelines (a GPU), the seconds its host spends issuing the step's
+    #: ops; a step no shorter than this is host-bound (empty where every device has one)
+    host_busy_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> dict[str, int]:

@@ -21,6 +21,9 @@ from explorer.core.errors import PlanError
 from explorer.simulate.runs import Loop, Runs
 from explorer.simulate.taskgraph import TaskGraph
 
+#: the cause of a task that started when its host had issued it (``TaskGraph.release``)
+ISSUED = -2
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -29,7 +32,9 @@ class Timing:
     # (arrays of doubles: stored without a float object per task, read by numpy without a copy)
     start: Sequence[float]  # [task] seconds from the step's start
     end: Sequence[float]  # [task] seconds from the step's start
-    cause: Sequence[int]  # [task] the task whose end let it start then, -1 for none (at time 0)
+    # [task] the task whose end let it start then; -1 for none (at time 0), ISSUED where its
+    # host issued it then (two timelines)
+    cause: Sequence[int]
     order: list[int]  # task ids in the order they start: a topological order
 
     @cached_property
@@ -60,7 +65,10 @@ def run(tasks: TaskGraph) -> Timing:
     (none of the heap's work when that is the task's own end).
 
     A rank receives a transfer in the first task that needs it, posting the receive when it
-    gets to that task, the moment its resource became free for it. Where the transfer's link
+    gets to that task, the moment its resource became free for it. Where the task graph has
+    release times (two timelines: a task starts no earlier than its host has issued it), a
+    task starts no earlier than its release, its cause then :data:`ISSUED`; its resource (a
+    device's stream) waits for it. Where the transfer's link
     has a late-receive wait (``Link.late_receive_s``) and the transfer was sent before that
     moment while its sender is computing then, the task starts no earlier than that moment
     plus the wait.
@@ -70,10 +78,11 @@ def run(tasks: TaskGraph) -> Timing:
     backward = tasks.negative_times  # whether an event may come before an earlier one
     late_in = tasks.late_in
     late = bool(late_in)
+    release = tasks.release.tolist() if tasks.release is not None else None
     # runs of a stage's tasks that provably start back to back, scheduled as arrays (none
     # where receives may be late or times negative); they read and write the state below in
     # place, as typed arrays (lists are quicker to index one by one, so kept where no runs)
-    with_runs = not (late or backward) and Runs.worth(tasks)
+    with_runs = not (late or backward or release is not None) and Runs.worth(tasks)
     start = array("d", [math.nan]) * T  # (NaN until the task starts)
     end = array("d", [math.nan]) * T
     cause: MutableSequence[int] = array("q", [-1]) * T if with_runs else [-1] * T
@@ -125,10 +134,14 @@ def run(tasks: TaskGraph) -> Timing:
         if q:
             heapq.heapify(q)
             t = heapq.heappop(q) % T
+            s0, c0 = 0.0, -1
+            if release is not None and release[t] > 0.0:
+                s0, c0 = release[t], ISSUED
             if late:
-                late_start(t, r, 0.0, 0.0, -1)
-            start[t] = 0.0
-            end[t] = e = dur[t]
+                s0, c0 = late_start(t, r, 0.0, s0, c0)
+            start[t] = s0
+            end[t] = e = s0 + dur[t]
+            cause[t] = c0
             order.append(t)
             busy[r] = True
             heapq.heappush(events, (e, t) if not (chained and chained[t]) else
@@ -171,6 +184,8 @@ def run(tasks: TaskGraph) -> Timing:
                     c = ready_from[u]
                 else:
                     s, c = now, t
+                if release is not None and release[u] > s:
+                    s, c = release[u], ISSUED
                 if late:
                     s, c = late_start(u, r, now, s, c)
                 start[u] = s
@@ -196,6 +211,8 @@ def run(tasks: TaskGraph) -> Timing:
                         c = ready_from[v]
                     else:
                         s, c = free_at[ru], last_on[ru]
+                    if release is not None and release[v] > s:
+                        s, c = release[v], ISSUED
                     if late:
                         s, c = late_start(v, ru, free_at[ru], s, c)
                     start[v] = s

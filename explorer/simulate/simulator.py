@@ -26,6 +26,12 @@ forward and backward uses, one op ahead (3), with the sharded bytes and the gath
 memory; recomputed forwards added to the backwards that run them, their outputs not kept in
 between; ops at the precision's rate and activations at autocast's sizes.
 
+A GPU runs two timelines: its host issues each op (dispatch and kernel launch, the profile's
+``DeviceCosts.host_s``) one after another without waiting, and its stream runs the kernels in
+that order, each no earlier than its host issued it and its inputs are ready; the loss read at
+the step's end joins them. Its stage's tasks then start no earlier than their release (the
+host's issue end) and the timeline has a "host" lane. CPU ranks have one timeline.
+
 Implementation: the graph as arrays (:mod:`~explorer.simulate.arrays`), node seconds from the
 cost tables (:mod:`~explorer.simulate.seconds`), the task graph as data
 (:mod:`~explorer.simulate.taskgraph`) and how it is built (:mod:`~explorer.simulate.tasks`),
@@ -55,7 +61,7 @@ from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.budget import check_simulation_size
 from explorer.simulate.memory import memory_at_peaks
 from explorer.simulate.prediction import Deferred, Interval, MemoryBreakdown, Prediction
-from explorer.simulate.schedule import Timing, run
+from explorer.simulate.schedule import ISSUED, Timing, run
 from explorer.simulate.seconds import Seconds, arrays_lower_bound_s, lower_bound_s, plain_costs
 from explorer.simulate.segment_spans import stage_actions
 from explorer.simulate.taskgraph import GATE, TaskGraph
@@ -178,6 +184,7 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
         for t in on_stage.tolist():
             busy_stage[res[t]] += dur[t]
     busy = {d: busy_stage[s] for s in range(S) for d in plan.stages[s]}
+    host_busy = _host_busy(tasks)
     cluster = costs.cluster
     memory = memory_at_peaks(graph, plan, tasks, timing)
     for d, mb in memory.items():
@@ -200,7 +207,18 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
         bottleneck=bottleneck,
         lower_bound_s=arrays_lower_bound_s(tasks.arrays, costs, Seconds(costs),
                                            _half_factors(graph, plan, costs)),
-        algorithm=plan.algorithm)
+        algorithm=plan.algorithm,
+        host_busy_s={d: host_busy[s] for s in range(S) for d in plan.stages[s]
+                     if tasks.fb.queue and host_busy[s] > 0.0})
+
+
+def _host_busy(tasks: TaskGraph) -> list[float]:
+    """[stage] the seconds its host spends issuing the step's ops (0 with one timeline)."""
+    S = len(tasks.plan.stages)
+    if tasks.issue_s is None:
+        return [0.0] * S
+    return [float(tasks.issue_s[q].sum()) for q in tasks.fb.queue] + [0.0] * (
+        S - len(tasks.fb.queue))
 
 
 def _half_factors(graph: OpGraph, plan: Plan, costs: CostModel
@@ -228,11 +246,13 @@ class _Timeline(Deferred):
         self.kind, self.res, self.resources = tasks.kind, tasks.res, tasks.resources
         self.start, self.end, self.label, self.mb = timing.start, timing.end, tasks.label, tasks.mb
         self.stages = tasks.plan.stages
+        self.release, self.issue_s = tasks.release, tasks.issue_s
 
     def build(self) -> tuple[Interval, ...]:
         out: list[Interval] = []
         stages, resources, res = self.stages, self.resources, self.res
         start, end, label, mb = self.start, self.end, self.label.list(), self.mb.list()
+        issued = (self.issue_s > 0.0).tolist() if self.issue_s is not None else None
         for t, kind in enumerate(self.kind):
             if kind == GATE:
                 continue
@@ -240,6 +260,10 @@ class _Timeline(Deferred):
             if key[0] == "stage":
                 for d in stages[key[1]]:
                     out.append(Interval(d, "compute", kind, start[t], end[t], label[t], mb[t]))
+                    if issued is not None and issued[t]:
+                        r = float(self.release[t])
+                        out.append(Interval(d, "host", "issue", r - float(self.issue_s[t]),
+                                            r, f"{kind} {label[t]}", mb[t]))
             elif key[0] == "link":
                 out.append(Interval(stages[key[1]][0], "comm", kind, start[t], end[t],
                                     f"{label[t]} -> {stages[key[2]][0]}", mb[t]))
@@ -256,6 +280,7 @@ class _CriticalPath(Deferred):
     def __init__(self, tasks: TaskGraph, timing: Timing, last: int) -> None:
         self.kind, self.label, self.mb, self.cause = tasks.kind, tasks.label, tasks.mb, timing.cause
         self.last, self.many = last, tasks.plan.micro_batches > 1
+        self.res, self.queue = tasks.res, tasks.fb.queue
 
     def build(self) -> tuple[str, ...]:
         t, cause = self.last, self.cause
@@ -264,8 +289,19 @@ class _CriticalPath(Deferred):
             path.append(t)
             t = cause[t]
         path.reverse()
+        # a chain that starts where a host issued its task: the host's issues up to that one
+        issues = self._issued_up_to(path[0]) if path and cause[path[0]] == ISSUED else []
         kind, label, mb = self.kind, self.label, self.mb
         if self.many:
-            return tuple(f"{kind[t]} {label[t]}[{mb[t]}]" if mb[t] >= 0 else
-                         f"{kind[t]} {label[t]}" for t in path if kind[t] != GATE)
-        return tuple([kind[t] + " " + label[t] for t in path])  # (gates need micro-batches)
+            return tuple([f"issue {kind[t]} {label[t]}[{mb[t]}]" for t in issues]
+                         + [f"{kind[t]} {label[t]}[{mb[t]}]" if mb[t] >= 0 else
+                            f"{kind[t]} {label[t]}" for t in path if kind[t] != GATE])
+        return tuple([f"issue {kind[t]} {label[t]}" for t in issues]
+                     + [kind[t] + " " + label[t] for t in path])  # (gates need micro-batches)
+
+    def _issued_up_to(self, t: int) -> list[int]:
+        """The forwards and backwards task ``t``'s host issued up to it, itself included (all
+        of its stage's, for its optimizer step), in the order it issued them."""
+        q = self.queue[self.res[t]]
+        at = np.flatnonzero(q == t)
+        return q[: int(at[0]) + 1 if len(at) else len(q)].tolist()

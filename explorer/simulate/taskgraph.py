@@ -216,5 +216,11 @@ class TaskGraph:
     allreduce_bytes: int
     # what the plan's memory settings change (None for a plan without them)
     effects: StageEffects | None = None
+    # where a stage's devices run kernels apart from the host issuing them (two timelines):
+    # [task] when its host has issued it, the earliest it may start, and [task] the host's
+    # seconds to issue it (0 for tasks of stages with one timeline, and for transfers and
+    # collectives); None where every stage has one timeline
+    release: np.ndarray | None = None
+    issue_s: np.ndarray | None = None
     # [stage] whether its devices' costs are the segment runtime's (its ranks run segments)
     segment_stages: list[bool] = field(default_factory=list)

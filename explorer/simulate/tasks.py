@@ -26,6 +26,7 @@ from explorer.simulate.taskgraph import (
     BWD,
     FWD,
     GATE,
+    OPTIMIZER,
     SEND,
     Column,
     FwdBwdLayout,
@@ -124,6 +125,7 @@ class TaskBuilder(GradientTasks):
         self.schedule_slots()
         self.block_template()
         self.op_seconds()
+        self.issue_seconds()
         self.block_tasks()
         self.edges = _Edges(self.per_m)
         self.forward_edges_and_transfers()
@@ -134,6 +136,7 @@ class TaskBuilder(GradientTasks):
         if self.eff is not None:
             self.allreduce_bytes += add_weight_gathers(self)
         self.reductions_and_optimizer_steps()
+        self.host_issue()
         return self.task_graph()
 
     def place_stages(self) -> None:
@@ -230,6 +233,31 @@ class TaskBuilder(GradientTasks):
                         for s in range(S)], dtype=np.float64)
         if msg.any():
             _message_time(A, st, S, fwd_d, bwd_d, msg)
+
+    def issue_seconds(self) -> None:
+        """Where a stage's devices run their kernels apart from the host that issues them
+        (``DeviceCosts.host_s``: GPUs), each op's host seconds to issue its forward and its
+        backward on the stage's slowest device for it, recomputed forwards issued again in
+        the backward that reruns them; ``host_f`` and ``host_b`` are None where every stage
+        has one timeline."""
+        A, S, per_type = self.A, self.S, self.costs.per_type
+        self.host_f = self.host_b = None
+        self.two_timelines = [any(per_type[k].two_timelines for k in self.types[s])
+                              for s in range(S)]
+        if not any(self.two_timelines):
+            return
+        host_f, host_b = np.zeros(A.n), np.zeros(A.n)
+        for s in range(S):
+            idx = self.ops_by_stage[s]
+            for k in self.types[s]:
+                dc = per_type[k]
+                if dc.two_timelines and len(idx):
+                    host_f[idx] = np.maximum(host_f[idx], dc.host_times(False)[idx])
+                    host_b[idx] = np.maximum(host_b[idx], dc.host_times(True)[idx])
+        host_b[~A.has_b] = 0.0
+        if self.eff is not None:
+            host_b += np.where(A.has_b, self.eff.run_again(A, self.st, host_f), 0.0)
+        self.host_f, self.host_b = host_f, host_b
 
     def block_tasks(self) -> None:
         """The forward and backward tasks of every micro-batch, from the template, and their
@@ -356,6 +384,37 @@ class TaskBuilder(GradientTasks):
                 self.edges.add(bo, np.full(len(bo), gate), m - w)
                 self.edges.add(np.full(len(fo), gate), fo, 0, m)
 
+    def host_issue(self) -> None:
+        """Where stages have two timelines: when each of their tasks is issued (``release``,
+        the earliest it may start) and for how long the host issued it (``issue_s``).
+
+        The host issues its stage's forwards and backwards one after another in the queue's
+        order, from the step's start, never waiting for the device: launches and NCCL's
+        sends, receives and all-reduces return at once, and the device's stream runs what
+        they enqueue in that order. The optimizer step is issued after the last of them.
+        The step ends when the loss is read, which waits for the device: its end is the
+        later of the two timelines'.
+        """
+        self.release = self.issue_s = None
+        if self.host_f is None:
+            return
+        T, M, n_fb = len(self.kind), self.M, self.per_m * self.M
+        tpl_node, tpl_isb = self.tpl_node, self.tpl_isb
+        issue = np.zeros(T)
+        issue[:n_fb] = np.tile(np.where(tpl_isb, self.host_b[tpl_node],
+                                        self.host_f[tpl_node]), M)
+        release = np.zeros(T)
+        host_end = np.zeros(self.S)
+        for s, q in enumerate(self.fb.queue):
+            if self.two_timelines[s] and len(q):
+                ends = np.cumsum(issue[q])
+                release[q] = ends
+                host_end[s] = ends[-1]
+        for t in range(n_fb, T):
+            if self.kind[t] == OPTIMIZER:  # (on its stage's resource: index = stage)
+                release[t] = host_end[self.res[t]]
+        self.release, self.issue_s = release, issue
+
     def task_graph(self) -> TaskGraph:
         """The tasks as a :class:`TaskGraph`: successor lists, dependency counts, the late
         receives of each forward and backward, and the queue keys."""
@@ -398,7 +457,7 @@ class TaskBuilder(GradientTasks):
             negative_times=bool(negative), plan=self.plan, arrays=self.A, stage=self.stage,
             stage_a=self.st, batch_fraction=self.frac, fb=self.fb, receives=receives,
             transfer_bytes=self.transfer_bytes, allreduce_bytes=self.allreduce_bytes,
-            effects=self.eff,
+            effects=self.eff, release=self.release, issue_s=self.issue_s,
             segment_stages=[any(self.costs.device_costs(d).runtime == "segments" for d in st)
                             for st in self.plan.stages])
 

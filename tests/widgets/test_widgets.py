@@ -585,9 +585,32 @@ def test_memory_bars_read_at_80_gib_and_the_timeline_has_the_used_lanes(widget):
     assert w.memory.figure.sizing_mode == "stretch_width"
     lanes = list(w.timeline.figure.y_range.factors)
     assert lanes == [f"{w.session.cluster.ids[0]} compute"]  # one device used
+    assert "issue" not in w.timeline.legend.value  # (one timeline: no host lane)
     w.select(["blocks"])
     w.assign(w.session.cluster.ids[1])
     assert len(w.timeline.figure.y_range.factors) == 4  # two devices that talk
+
+
+def test_a_gpu_with_two_timelines_shows_its_host_lane_and_the_issue_swatch(gpt):
+    """Costs that time a GPU's host apart from its kernels (``DeviceCosts.host_s``, as a
+    traced step gives them): the timeline draws the host's issuing above the kernels."""
+    pytest.importorskip("jupyter_bokeh")
+    from dataclasses import replace
+
+    from widgets import Explorer
+
+    cl = ex.Cluster.preset("2xH100")
+    costs = roofline_costs(gpt, cl)
+    host = [[20e-6 if n.kind == "op" else 0.0 for n in gpt.nodes]] * 2
+    costs = replace(costs, per_type={k: replace(dc, host_s=host)
+                                     for k, dc in costs.per_type.items()})
+    w = Explorer(gpt, costs, ex.Plan.single(gpt, cl.ids[0]))
+    dev = cl.ids[0]
+    assert list(w.timeline.figure.y_range.factors) == [f"{dev} compute", f"{dev} host"]
+    host_bars = [k for k, lane in enumerate(w.timeline.source.data["lane"])
+                 if lane == f"{dev} host"]
+    assert host_bars and "issue" in w.timeline.legend.value
+    assert w.session.prediction.host_busy_s[dev] > 0
 
 
 def test_run_errors_are_the_real_cause_next_to_the_run_button(gpt, monkeypatch):

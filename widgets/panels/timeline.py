@@ -16,7 +16,7 @@ from widgets.panels.base import Panel, PlotBox, bokeh_widget, swatch
 from widgets.session import Session
 
 KIND_COLORS = {"fwd": "#4c72b0", "bwd": "#dd8452", "send": "#c44e52", "recv": "#c44e52",
-               "allreduce": "#8172b3", "optimizer": "#55a868"}
+               "allreduce": "#8172b3", "optimizer": "#55a868", "issue": "#937860"}
 #: most timeline bars drawn; longer timelines merge neighbouring bars of the same kind
 MAX_BARS = 1000
 
@@ -48,23 +48,33 @@ class TimelinePanel(Panel):
                                         ("to", "@end{0.000} ms")]))
         p.name = "pe-timeline-plot"
         self.figure = p
-        legend = W.HTML(" ".join(swatch(k, c) for k, c in KIND_COLORS.items() if k != "recv"))
-        self.widget = PlotBox([legend, bokeh_widget(p)])
+        self.legend = W.HTML(self.legend_html())
+        self.widget = PlotBox([self.legend, bokeh_widget(p)])
+
+    def legend_html(self) -> str:
+        """A swatch per kind of bar; "issue" (a GPU's host issuing an op) where shown."""
+        hosts = any(iv.lane == "host" for iv in self.session.prediction.timeline)
+        return " ".join(swatch(k, c) for k, c in KIND_COLORS.items()
+                        if k != "recv" and (k != "issue" or hosts))
 
     def update(self, what: str) -> None:
         self.source.data = self.columns()
+        legend = self.legend_html()
+        if self.legend.value != legend:
+            self.legend.value = legend
         lanes = self.lanes()
         if list(self.figure.y_range.factors) != lanes:
             self.figure.y_range.factors = lanes
             self.figure.height = lanes_height(len(lanes))
 
     def lanes(self) -> list[str]:
-        """The lanes drawn, top first: each used device's compute lane, and its comm lane
-        when it communicates."""
+        """The lanes drawn, top first: each used device's host lane when it has two
+        timelines (a GPU), its compute lane, and its comm lane when it communicates."""
         used = self.shown_devices()
-        talks = {iv.device for iv in self.session.prediction.timeline if iv.lane != "compute"}
-        return [f"{d} {lane}" for d in used for lane in ("compute", "comm")
-                if lane == "compute" or d in talks][::-1]
+        has = {(iv.device, iv.lane) for iv in self.session.prediction.timeline
+               if iv.lane != "compute"}
+        return [f"{d} {lane}" for d in used for lane in ("host", "compute", "comm")
+                if lane == "compute" or (d, lane) in has][::-1]
 
     def shown_devices(self) -> list[str]:
         """The devices with lanes: every one the plan uses, or above ``GROUPED_ABOVE``
