@@ -18,7 +18,9 @@ Per model, size and dtype it records:
 * one more eager step under ``torch.profiler`` (kineto), read by
   :mod:`explorer.profiling.kineto` and matched to the graph's ops: the host time and the
   device (kernel) time of the graph's ops, forward and backward, how many kernels, and how many
-  ops the host takes longer to issue than the device to run (on CPU there are no kernels);
+  ops the host takes longer to issue than the device to run (on CPU there are no kernels),
+  and the step simulated from those times on two timelines (host issuing, device running:
+  ``explorer.profiling.kineto.timeline_costs``), set beside the eager step it was traced from;
   the trace itself is kept beside ``--out`` (``<out>.traces/``) for size default, the fixtures
   a GPU-profile parser is tested on.
 
@@ -35,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +63,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import explorer as ex
 from explorer.core.units import table
-from explorer.profiling.kineto import TraceError, match_graph, op_timings
+from explorer.profiling.kineto import (
+    OpTiming,
+    TraceError,
+    match_graph,
+    op_timings,
+    timeline_costs,
+)
 from explorer.runtime import RankPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +86,8 @@ DTYPE_NOTE = ("ex.capture/ex.run take no dtype argument: bf16 cases cast the mod
               "floating-point inputs with .to(torch.bfloat16) before capture; the cost model's "
               "roofline uses the bf16 peak for such ops")
 #: how close a prediction should come to the measured figure (relative error)
-TARGETS = {"step time": 0.10, "peak memory": 0.05, "energy": 0.15}
+TARGETS = {"step time": 0.10, "step time from the traced eager step": 0.10, "peak memory": 0.05,
+           "energy": 0.15}
 RESERVED_NOTE = ("ex.Measurement records peak allocated bytes per rank "
                  "(torch.cuda.max_memory_allocated in the rank); reserved bytes come from the "
                  "eager reference in this process")
@@ -196,8 +207,9 @@ def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
                        else unmeasured_energy(energy, cluster.devices[0].kind == "cuda"),
                        "losses_first_last": [meas.losses[0], meas.losses[-1]]}
     out["compare"] = ex.compare(pred, meas).to_dict()
-    out["eager"] = eager_reference(bm, module, inputs, steps, energy,
-                                   cluster.devices[0].torch_device or "cpu", graph, traces)
+    out["eager"] = eager_reference(
+        bm, module, inputs, steps, energy, cluster.devices[0].torch_device or "cpu", graph,
+        traces, predict=lambda matched: trace_prediction(graph, plan, costs, matched))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the reference's copy is gone: give its memory back
     return out
@@ -205,10 +217,13 @@ def model_case(name: str, size: str, dt: str, cluster: ex.Cluster, steps: int,
 
 def eager_reference(bm: Any, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...],
                     steps: int, energy: EnergyCounter, device: str, graph: Any = None,
-                    traces: Path | None = None) -> dict[str, Any]:
+                    traces: Path | None = None,
+                    predict: Callable[[dict[str, OpTiming]], float] | None = None
+                    ) -> dict[str, Any]:
     """Plain PyTorch training steps (Adam) of a copy of the module on ``device``, in this
     process: median step time, peak allocated and reserved memory, NVML energy per step, and
-    (given the ``graph``) one step traced, its ops' host and device times."""
+    (given the ``graph``) one step traced, its ops' host and device times, and what
+    ``predict`` makes of them."""
     tdev = torch.device(device)
     cuda = tdev.type == "cuda"
     mod = copy.deepcopy(module).to(tdev).train()
@@ -244,14 +259,27 @@ def eager_reference(bm: Any, module: torch.nn.Module, inputs: tuple[torch.Tensor
     out["energy_j_per_step"] = ((e1 - e0) / 1e3 / steps if e0 is not None and e1 is not None
                                 else unmeasured_energy(energy, cuda))
     if graph is not None:
-        out["trace"] = traced_step(step, graph, cuda, traces)
+        out["trace"] = traced_step(step, graph, cuda, traces, predict)
     return out
 
 
-def traced_step(step: Any, graph: Any, cuda: bool, keep: Path | None) -> dict[str, Any]:
+def trace_prediction(graph: ex.OpGraph, plan: ex.Plan, costs: ex.CostModel,
+                     matched: dict[str, OpTiming]) -> float:
+    """The plan's step simulated from a traced eager step: each op's kernels on the device's
+    timeline and its host interval on the host's (two timelines), the optimizer step as the
+    profile has it."""
+    key = costs.cluster.devices[0].type_key
+    traced = timeline_costs(graph, matched, key, base=costs.per_type[key])
+    return ex.simulate(graph, plan, replace(costs, per_type={**costs.per_type, key: traced})
+                       ).step_s
+
+
+def traced_step(step: Any, graph: Any, cuda: bool, keep: Path | None,
+                predict: Callable[[dict[str, OpTiming]], float] | None = None
+                ) -> dict[str, Any]:
     """One ``step()`` under torch.profiler, its trace read into the graph's ops' host and
-    device times (summed over forward and backward); the trace is written to ``keep`` when
-    given."""
+    device times (summed over forward and backward), and the step ``predict`` makes of
+    them; the trace is written to ``keep`` when given."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         step()
@@ -272,6 +300,7 @@ def traced_step(step: Any, graph: Any, cuda: bool, keep: Path | None) -> dict[st
             "device_s": sum(t.device_s + t.backward_device_s for t in ops),
             "kernels": sum(t.kernels for t in ops),
             "host_bound_ops": sum(t.kernels > 0 and t.host_s > t.device_s for t in ops),
+            "predicted_step_s": predict(matched) if predict is not None else None,
             "kept": str(keep) if keep else None}
 
 
@@ -287,7 +316,10 @@ def _j(v: Any) -> str:
 def _per_figure(c: dict[str, Any]) -> list[tuple[str, Any, Any, Any, str]]:
     """(figure, predicted, measured, eager, unit) of one model case."""
     p, m, e = c["predicted"], c["measured"], c["eager"]
+    traced = e.get("trace", {}).get("predicted_step_s")
     return [("step time", p["step_s"], m["step_s"], e["step_s"], "ms"),
+            *([("step time from the traced eager step", traced, e["step_s"], e["step_s"], "ms")]
+              if traced is not None else []),
             ("peak memory", p["peak_bytes"], m["peak_allocated_bytes"],
              e["peak_allocated_bytes"], "MiB"),
             ("energy", p["energy_j"], m["energy_j"], e["energy_j_per_step"], "J")]

@@ -22,15 +22,16 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
+from explorer.costs.model import DeviceCosts
 
 __all__ = ["DEVICE_CATEGORIES", "LAUNCH_CATEGORIES", "OpTiming", "TraceError", "dispatched",
-           "match_graph", "op_timings", "profiler_name"]
+           "match_graph", "op_timings", "profiler_name", "timeline_costs"]
 
 #: the categories of what a device runs, and of the host's launches that start them
 DEVICE_CATEGORIES = frozenset(("kernel", "gpu_memcpy", "gpu_memset"))
@@ -139,6 +140,32 @@ def match_graph(timings: Sequence[OpTiming], graph: OpGraph) -> dict[str, OpTimi
         out[node.name] = timings[k]
         k += 1
     return out
+
+
+def timeline_costs(graph: OpGraph, matched: Mapping[str, OpTiming], type_key: str,
+                   base: DeviceCosts | None = None) -> DeviceCosts:
+    """A device's costs on two timelines from a traced step's ops (:func:`match_graph`): each
+    op's kernels' device time as its ``fwd_s``/``bwd_s`` and its host interval as its
+    ``host_s``, forward and backward; ops the trace does not record (views the profiler does
+    not see, ``getitem``) cost nothing on either. The rest (optimizer, workspace, fractions
+    of the batch) comes from ``base`` where given, whose per-fraction tables are dropped:
+    the trace is of the whole batch."""
+    n = len(graph)
+    fwd, bwd, host_f, host_b = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    source = ["free" if node.kind != "op" else "measured" for node in graph.nodes]
+    for i, node in enumerate(graph.nodes):
+        t = matched.get(node.name)
+        if t is None:
+            continue
+        fwd[i], host_f[i] = t.device_s, t.host_s
+        if node.requires_grad:
+            bwd[i], host_b[i] = t.backward_device_s, t.backward_host_s
+    floor = min((t.device_s for t in matched.values() if t.kernels), default=0.0)
+    if base is None:
+        return DeviceCosts(type_key, fwd, bwd, source, floor, host_s=[host_f, host_b])
+    return replace(base, type_key=type_key, fwd_s=fwd, bwd_s=bwd, source=source,
+                   overhead_s=floor, fractions=[], fwd_at=[], bwd_at=[], precision_s={},
+                   op_path_extra_s=[], host_s=[host_f, host_b])
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ times are worked out below."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,12 +14,14 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import explorer as ex
+from explorer.core.graph import OpGraph, OpNode
 from explorer.profiling.kineto import (
     TraceError,
     dispatched,
     match_graph,
     op_timings,
     profiler_name,
+    timeline_costs,
 )
 
 US = 1e-6
@@ -124,3 +127,34 @@ def test_what_an_eager_run_computes_without_dispatching_is_not_looked_for():
     assert not dispatched("getitem") and not dispatched("aten.sym_size.int")
     assert profiler_name("aten.scaled_dot_product_attention.default") == (
         "aten::scaled_dot_product_attention")
+
+
+def test_a_traced_gpu_step_prices_each_op_on_the_host_and_the_device():
+    """The GPU trace's linear and relu as a graph's two ops: their costs on two timelines,
+    and the step they simulate to, worked out by hand."""
+    g = OpGraph("traced", [
+        OpNode("x", "input", "input", out_bytes=64),
+        OpNode("w", "param", "param", out_bytes=64, param_bytes=64, requires_grad=True),
+        OpNode("lin", "op", "aten.linear.default", inputs=("x", "w"), out_bytes=64,
+               requires_grad=True, saves=("x",)),
+        OpNode("act", "op", "aten.relu.default", inputs=("lin",), out_bytes=64,
+               requires_grad=True, saves=("act",))], 4, "export", "act")
+    dc = timeline_costs(g, match_graph(op_timings(GPU_TRACE), g), "cuda:H100")
+    assert dc.fwd_s == pytest.approx([0, 0, 100 * US, 20 * US])
+    assert dc.bwd_s == pytest.approx([0, 0, 60 * US, 30 * US])
+    assert dc.host_s == [pytest.approx([0, 0, 100 * US, 30 * US]),
+                         pytest.approx([0, 0, 40 * US, 20 * US])]
+    assert dc.overhead_s == pytest.approx(20 * US) and dc.source[2:] == ["measured"] * 2
+    cluster = ex.Cluster.preset("1xH100")
+    dc = replace(dc, type_key=cluster.devices[0].type_key)
+    costs = ex.CostModel(g.fingerprint, cluster, {dc.type_key: dc})
+    pred = ex.simulate(g, ex.Plan.single(g, cluster.devices[0].id, optimizer="sgd"), costs)
+    # the host issues lin 0-100, act 100-130, act's backward 130-150, lin's 150-190 us; the
+    # device runs lin 100-200, act 200-220, act's backward 220-250, lin's 250-310
+    kernels = [(iv.kind, iv.label, iv.start_s / US, iv.end_s / US) for iv in pred.timeline
+               if iv.lane == "compute" and iv.kind in ("fwd", "bwd")]
+    assert kernels == [("fwd", "lin", pytest.approx(100), pytest.approx(200)),
+                       ("fwd", "act", pytest.approx(200), pytest.approx(220)),
+                       ("bwd", "act", pytest.approx(220), pytest.approx(250)),
+                       ("bwd", "lin", pytest.approx(250), pytest.approx(310))]
+    assert pred.host_busy_s[cluster.devices[0].id] == pytest.approx(190 * US)

@@ -70,7 +70,12 @@ def test_gpu_check_dry_run_writes_results_and_resumes(tmp_path):
         assert trace["ops_matched"] > 0 and trace["host_s"] > 0
         if not torch.cuda.is_available():
             assert trace["device_s"] == 0 and trace["kernels"] == 0
+        # the step simulated from the trace on two timelines: no shorter than its host's
+        # issuing (on the CPU, all of it: no kernels), and set beside the eager step
+        assert trace["predicted_step_s"] >= trace["host_s"] > 0
         assert Path(trace["kept"]).is_file()
+    figures = {r["figure"] for r in data["rows"]}
+    assert "step time from the traced eager step (ms)" in figures
 
 
 @pytest.mark.slow
