@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+import pytest
 from builders import cluster, costs, device, graph
 from test_memory_settings import chain, chain4
 
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster, Link
+from explorer.models.synthetic import layered_dag, roofline_costs
 from explorer.profiling.profile_cache import costs_problem
+from explorer.simulate.schedule import run
 from explorer.simulate.simulator import simulate
 from explorer.simulate.tasks import build_tasks
 
@@ -148,3 +152,35 @@ def test_a_profile_s_host_times_are_checked_when_read_from_the_cache():
     for bad in ([[0.0, 1.0]], [[0.0, 1.0], [0.0]], [[0.0, -1.0], [0.0, 1.0]]):
         assert costs_problem({**good, "host_s": bad}, len(g)) == (
             "host_s is not two lists (forward, backward) of a time per node")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_gpu_s_stream_follows_the_recurrence_of_its_two_timelines(seed):
+    """On one device every task waits only for earlier tasks of its queue, so each starts at
+    the later of the previous task's end and its own issue: the schedule must give exactly
+    that, on random graphs with random host and kernel times (host-bound, device-bound and
+    mixed by turns)."""
+    rng = np.random.default_rng(seed)
+    g = layered_dag(40, width=4, seed=seed)
+    cl = gpus(1)
+    cm = roofline_costs(g, cl)
+    n = len(g)
+    scale = [0.1, 1.0, 10.0][seed % 3]  # the host's times against the kernels'
+    dc = next(iter(cm.per_type.values()))
+    ops = np.array([nd.kind == "op" for nd in g.nodes])
+    dc = replace(dc, fwd_s=(rng.uniform(1, 5, n) * ops).tolist(),
+                 bwd_s=(rng.uniform(1, 5, n) * ops).tolist(),
+                 host_s=[(scale * rng.uniform(1, 5, n) * ops).tolist(),
+                         (scale * rng.uniform(1, 5, n) * ops).tolist()])
+    cm = replace(cm, per_type={dc.type_key: dc})
+    plan = Plan.from_assignment(g, [("d:0",)], {i: 0 for i in range(n)})
+    tasks = build_tasks(g, plan, cm)
+    timing = run(tasks)
+    start, end = timing.arrays
+    prev_end = 0.0
+    for t in tasks.fb.queue[0].tolist():
+        assert start[t] == max(prev_end, tasks.release[t])
+        prev_end = end[t]
+    # the host issued everything before the last kernel could start
+    assert tasks.release[tasks.fb.queue[0]].max() <= start[tasks.fb.queue[0][-1]]
+    assert simulate(g, plan, cm).step_s == pytest.approx(max(end))
