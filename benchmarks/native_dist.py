@@ -58,9 +58,9 @@ each side reports it) agrees within :data:`LOSS_RTOL`. A mismatch stops the benc
 normalises over each micro-batch).
 A rank of either side that fails, or runs past ``--timeout-s``, ends both.
 
-``--quick``: the small size, 1 round, 2 steps after 1 warm-up step (a smoke run; not a
-measurement). Prints its table and records it as ``benchmarks/results/native_dist.json``
-(``--results``).
+``--quick``: the small size, 1 round, 2 steps after 1 warm-up step, ``ex.run``'s runs on one
+shared pool of rank processes (a smoke run; not a measurement). Prints its table and records
+it as ``benchmarks/results/native_dist.json`` (``--results``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
-from _common import add_results_option, load_average, write_result
+from _common import add_results_option, dry_run_ranks, load_average, write_result
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -94,6 +94,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.units import table
 from explorer.platforms import platform_of
 from explorer.platforms.net import free_port
+from explorer.runtime import RankPool
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.segments import choose_runtime
 
@@ -468,9 +469,11 @@ def run_native_script(plan: ex.Plan, graph: OpGraph, model: ex.models.BuiltinMod
 
 # -- the rows ---------------------------------------------------------------------------------
 def measure(name: str, size: str, rounds: int, steps: int, warmup: int,
-            runtime: RuntimeChoice, timeout_s: float = TIMEOUT_S) -> list[dict[str, object]]:
+            runtime: RuntimeChoice, timeout_s: float = TIMEOUT_S,
+            pool: RankPool | None = None) -> list[dict[str, object]]:
     """One row per case for built-in model ``name`` at ``size``: the explorer's and the
-    reference's median step, interleaved over ``rounds``."""
+    reference's median step, interleaved over ``rounds``. ``ex.run`` runs on ``pool``'s rank
+    processes where given (a quick run's), else on ranks started for each run."""
     bm = ex.builtin_model(name, size)
     graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, name=name)
     printed = graph_fingerprint(graph)
@@ -484,7 +487,7 @@ def measure(name: str, size: str, rounds: int, steps: int, warmup: int,
             plan = plans[case]
             used[case] = chosen_runtime(runtime)
             m = ex.run(graph, plan=plan, steps=steps, warmup=warmup, progress=False,
-                       runtime=used[case], timeout_s=timeout_s)
+                       runtime=used[case], timeout_s=timeout_s, pool=pool)
             ref = (run_native_script(plan, graph, bm, steps, warmup, timeout_s)
                    if case in NATIVE else
                    run_reference(case, name, size, plan.optimizer, steps, warmup, timeout_s))
@@ -537,9 +540,10 @@ def main() -> None:
         ap.error(f"--models: {', '.join(unknown)} not one of {', '.join(MODELS)}")
     sizes, rounds, steps, warmup = ((["small"], 1, 2, 1) if args.quick else
                                     (args.sizes.split(","), args.rounds, args.steps, WARMUP))
-    rows = [row for size in sizes for name in models
-            for row in measure(name, size, rounds, steps, warmup, args.runtime,
-                               args.timeout_s)]
+    with dry_run_ranks(args.quick) as pool:
+        rows = [row for size in sizes for name in models
+                for row in measure(name, size, rounds, steps, warmup, args.runtime,
+                                   args.timeout_s, pool)]
     title = (f"Two CPU ranks (gloo, one thread each): ex.run's data-parallel, 1F1B and ZeRO-3 "
              f"plans against DDP, Schedule1F1B and FSDP2, and against the plans' own native "
              f"scripts ({rounds} interleaved rounds of {steps} steps each way; median step)")
