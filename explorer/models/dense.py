@@ -95,7 +95,8 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("future_mask", future, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
-        b, t, c = x.shape
+        b, t, _ = x.shape
+        c = self.n_heads * self.head_dim  # (C, or a tensor-parallel rank's share of its heads)
         q, k, v = self.qkv(x).split(c, dim=2)  # each (B, T, C)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)

@@ -12,6 +12,7 @@ stops it; such plans keep exporting through the explorer's runtime.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -96,6 +97,10 @@ class NativePlan:
     #: the attention modules split by heads, and their head counts' names
     attention: tuple[str, ...] = ()
     head_counts: tuple[str, ...] = ()
+    #: fused projections split by heads within each of their parts (a query-key-value
+    #: projection): (module path, parts); the script reorders their rows so that each
+    #: device's contiguous block (torch's ColwiseParallel) holds its share of every part
+    fused: tuple[tuple[str, int], ...] = ()
 
     @property
     def stages(self) -> int:
@@ -169,6 +174,9 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
             "without native")
     layout = stage_layout(graph, plan, 0)
     styles = _styles(graph, layout, module)
+    fused = tuple((name.rpartition(".")[0], shard_parts(placement))
+                  for name, placement in layout.placements.items()
+                  if shard_parts(placement) > 1 and name.endswith(".weight"))
     if plan.sequence_of(0):
         styles = _sequence_styles(graph, layout, styles)
     attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
@@ -183,7 +191,7 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
         if not MODULE_PATH.fullmatch(path):
             raise NotExpressible(f"module path {path!r} cannot be named in a script")
     return {"tensor": degree, "tensor_styles": styles, "attention": attention,
-            "head_counts": tuple(counts)}
+            "head_counts": tuple(counts), "fused": fused}
 
 
 def _styles(graph: OpGraph, layout: TensorLayout,
@@ -196,12 +204,15 @@ def _styles(graph: OpGraph, layout: TensorLayout,
         path, _, attribute = name.rpartition(".")
         op = graph.nodes[graph.succs[graph.index[name]][0]]
         kind = type(module.get_submodule(path)).__name__ if module is not None else ""
-        if shard_parts(placement) > 1:
+        if shard_parts(placement) > 1 and (shard_dim(placement) != 0
+                                           or kind not in ("", "Linear")
+                                           or op.op not in LINEAR_OPS):
             raise NotExpressible(
-                f"module {path!r} is one projection split by heads within each of its "
-                f"{shard_parts(placement)} parts (a fused query-key-value projection); "
-                "torch's ColwiseParallel splits it in contiguous blocks: build the model with "
-                "separate query, key and value projections, or export without native")
+                f"module {path!r} ({kind or op.op}) is one projection split by heads within "
+                f"each of its {shard_parts(placement)} parts (a fused query-key-value "
+                "projection); native scripts split one only where it is an nn.Linear split "
+                "by its outputs: build the model with separate query, key and value "
+                "projections, or export without native")
         if op.op in (*TRANSPOSED_OPS, *CONV_OPS) or kind not in ("", "Linear", "Embedding"):
             raise NotExpressible(
                 f"module {path!r} ({kind or op.op}) is split by the plan; torch's parallel "
@@ -224,6 +235,7 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
     :class:`NotExpressible` where a column style's input is no sequence shard, or the output
     layer is not split (it would read the shards whole)."""
     sequence = set(layout.sequence_ops) | set(layout.scatter_forward)
+    _check_sequence_inputs(graph, layout.sequence_ops, sequence)
     out: dict[str, Style] = {}
     for name in sorted(layout.sequence_params, key=graph.index.__getitem__):
         out[name.rpartition(".")[0]] = "sequence_norm"
@@ -248,6 +260,22 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
                              "native scripts write sequence parallelism with the output "
                              "layer split: set sequence off, or export without native")
     return tuple(out.items())
+
+
+def _check_sequence_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]) -> None:
+    """:class:`NotExpressible` where an op on sequence shards reads another op's output that
+    torch's styles leave whole (a positional embedding added to the token embeddings' shard:
+    the styles split module outputs that are DTensors, and that module's is not)."""
+    for name in ops:
+        node = graph.nodes[graph.index[name]]
+        for source in node.inputs:
+            made = graph.nodes[graph.index[source]]
+            if made.kind == "op" and source not in sequence:
+                where = f" (module {made.module_path!r})" if made.module_path else ""
+                raise NotExpressible(
+                    f"op {name!r} joins a sequence shard with {source!r}{where}, which "
+                    "sequence parallelism in torch's styles leaves whole; set sequence off, "
+                    "or export without native")
 
 
 def _vocab_output(graph: OpGraph, layout: TensorLayout) -> str | None:

@@ -50,7 +50,7 @@ __all__ = ["NativePlan", "NotExpressible", "blocks_of", "model_on_meta", "native
 
 def render(native: NativePlan, steps: int = 10, lr: float = 1e-3) -> str:
     """The script's text."""
-    sections = [_model_section(native), _recompute_section(native),
+    sections = [_model_section(native), _fused_section(native), _recompute_section(native),
                 _parallelize_section(native), _step_section(native), _main_section(native)]
     top = [_header(native), _imports(native), _constants(native, steps, lr)]
     return ("\n\n".join(p.strip("\n") for p in top) + "\n\n\n"
@@ -272,6 +272,24 @@ def load_weights(model: torch.nn.Module, initial: torch.nn.Module) -> None:
 '''
 
 
+def _fused_section(p: NativePlan) -> str:
+    if not p.fused:
+        return ""
+    return '''
+def interleave_fused(initial: torch.nn.Module, ranks: int) -> None:
+    """Reorder each fused projection's output rows (and bias) so that each rank's contiguous
+    block, the one ColwiseParallel gives it, holds its heads' share of every part: parts of
+    ranks x rows become ranks x parts x rows."""
+    with torch.no_grad():
+        for path, parts in FUSED_PROJECTIONS.items():
+            projection = initial.get_submodule(path)
+            for tensor in (projection.weight, projection.bias):
+                if tensor is not None:
+                    rows = tensor.unflatten(0, (parts, ranks, -1))
+                    tensor.copy_(rows.transpose(0, 1).flatten(0, 2))
+'''
+
+
 def _recompute_section(p: NativePlan) -> str:
     if p.recompute == "none" or not p.blocks:
         return ""
@@ -420,11 +438,14 @@ if __name__ == "__main__":
 """
 
 
-_MATERIALISE = """    model.to_empty(device=device)
+def _materialise(p: NativePlan) -> str:
+    fused = ('    interleave_fused(initial, mesh["tp"].size())  # (before the split)\n'
+             if p.fused else "")
+    return f"""    model.to_empty(device=device)
     # the factory's initial weights, made on each rank's CPU (for a model larger than a
     # host, load a checkpoint here instead), and its example batch
     initial, _, example = make_model(weights=True)
-    load_weights(model, initial)
+{fused}    load_weights(model, initial)
     del initial
 """
 _UNSCALE = """        for param in model.parameters():  # (the loss was scaled up)
@@ -452,7 +473,7 @@ def _data_parallel_body(p: NativePlan) -> str:
     unscale = _UNSCALE if p.precision == "fp16" else ""
     return f"""    model, loss_fn, _ = make_model(weights=False)  # shapes only: nothing allocated
     parallelize(model, mesh)
-{_MATERIALISE}{wrap}    optimizer = {OPTIMIZERS[p.optimizer]}
+{_materialise(p)}{wrap}    optimizer = {OPTIMIZERS[p.optimizer]}
     data = batches(example)
     for step in range(STEPS):
         start = time.perf_counter()
@@ -484,7 +505,7 @@ def _pipeline_body(p: NativePlan) -> str:
     stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())
     model = stage.submod
     parallelize(model, mesh)
-{_MATERIALISE}    schedule = SCHEDULE(stage, n_microbatches=MICRO_BATCHES,{loss})
+{_materialise(p)}    schedule = SCHEDULE(stage, n_microbatches=MICRO_BATCHES,{loss})
     optimizer = {OPTIMIZERS[p.optimizer]}
     data = batches(example)
     for step in range(STEPS):
@@ -548,6 +569,13 @@ def _tensor_constants(p: NativePlan) -> list[str]:
                      "head counts are divided")
         lines.append(f"ATTENTION = [{', '.join(_py(a) for a in p.attention)}]")
         lines.append(f"HEAD_COUNTS = ({', '.join(_py(h) for h in p.head_counts)},)")
+    if p.fused:
+        lines += ["#: projections that compute several parts at once (queries, keys and values), "
+                  "split by", "#: heads within each part: their rows are reordered before "
+                  "the split (interleave_fused),", "#: so a checkpoint of the split model "
+                  "holds them in that order", "FUSED_PROJECTIONS = {"]
+        lines += [f"    {_py(path)}: {parts}," for path, parts in p.fused]
+        lines.append("}")
     return lines
 
 

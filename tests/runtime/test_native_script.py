@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import explorer as ex
 from explorer.cli.commands import main as cli
@@ -287,12 +288,49 @@ class TestRefused:
             ex.export_script(plan, tmp_path / "t.py", graph=graph, native=True,
                              factory=f"factory_models:{factory}")
 
-    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, gpt, llama, cpu2):
+    def test_a_fused_projection_s_rows_are_reordered_for_its_split(self, gpt, cpu2, tmp_path):
         bm, graph = gpt
-        tensor = _replicated(graph, cpu2.ids).with_tensor(2)
-        with pytest.raises(NotExpressible, match=r"module 'blocks\.0\.attn\.qkv' is one projection "
-                                                 r"split by heads within each of its 3 parts"):
-            native_plan(graph, tensor, bm.record)
+        native = native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2), bm.record,
+                             model_on_meta(bm.record))
+        assert native.fused == (("blocks.0.attn.qkv", 3), ("blocks.1.attn.qkv", 3))
+        assert dict(native.tensor_styles)["blocks.0.attn.qkv"] == "colwise"
+        text = render(native)
+        assert '    "blocks.1.attn.qkv": 3,' in text
+        assert '    interleave_fused(initial, mesh["tp"].size())  # (before the split)' in text
+        path = tmp_path / "train.py"
+        path.write_text(text)
+        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
+                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
+                              capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout + lint.stderr
+        # each rank's contiguous block of the reordered rows: its heads' q, k and v, in order
+        function = next(f for f in ast.parse(text).body
+                        if isinstance(f, ast.FunctionDef) and f.name == "interleave_fused")
+        namespace = {"torch": torch, "FUSED_PROJECTIONS": {"qkv": 3}}
+        exec(compile(ast.Module([function], []), str(path), "exec"), namespace)
+        qkv = torch.nn.Linear(2, 12)
+        with torch.no_grad():
+            qkv.weight.copy_(torch.arange(12.0).unsqueeze(1).expand(12, 2))
+            qkv.bias.copy_(torch.arange(12.0))
+        holder = torch.nn.Module()
+        holder.qkv = qkv
+        namespace["interleave_fused"](holder, 2)
+        # q rows 0-3, k 4-7, v 8-11; rank 0 holds heads 0 (rows q0 q1 k4 k5 v8 v9)
+        assert qkv.bias.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+        assert qkv.weight[:, 0].tolist() == qkv.bias.tolist()
+
+    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, gpt, llama, cpu2,
+                                                                factories):
+        bm, graph = gpt
+        sequence = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
+        with pytest.raises(NotExpressible, match=r"op 'add' joins a sequence shard with "
+                                                 r"'embedding_1' \(module 'pos_emb'\)"):
+            native_plan(graph, sequence, bm.record, model_on_meta(bm.record))
+        graph, record, _ = _captured("factory_models:hf_gpt2_logits")
+        with pytest.raises(NotExpressible, match=r"module 'model\.transformer\.h\.0\.attn\.c_attn' "
+                                                 r"\(Conv1D\) is one projection split by heads"):
+            native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2), record,
+                        model_on_meta(record))
         bm, graph = llama
         four = _replicated(graph, [f"cpu:{k}" for k in range(4)]).with_tensor(2)
         with pytest.raises(NotExpressible, match="2 replicas of its tensor-parallel devices"):
@@ -442,8 +480,9 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source, sequence", [("llama", True),
-                                              ("factory_models:hf_llama_logits", False)],
-                         ids=["llama with sequence parallel", "hf_llama"])
+                                              ("factory_models:hf_llama_logits", False),
+                                              ("gpt", False)],
+                         ids=["llama with sequence parallel", "hf_llama", "gpt fused qkv"])
 def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, source,
                                                        sequence, tmp_path):
     """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):

@@ -688,8 +688,9 @@ def test_reset_returns_to_the_current_view_zoom_to_selection_and_module_labels(g
 def test_the_export_panel_writes_a_plain_pytorch_script_of_a_built_in_model(tmp_path):
     """A session opened on a built-in model knows how to build it again: the panel's "plain
     PyTorch" box writes the native script, the plan's prediction in its header, also of a
-    pipeline; a tensor split torch's styles cannot make (the GPT's fused query-key-value
-    projection) is refused, naming what stops it, and nothing is written."""
+    pipeline, and of a tensor split (the GPT's fused query-key-value projection reordered);
+    one torch's styles cannot make (the GPT's positional embedding beside a sequence shard) is
+    refused, naming what stops it, and nothing is written."""
     from widgets.panels.plans import PlansPanel
 
     bm = ex.builtin_model("gpt", "tiny")
@@ -710,6 +711,10 @@ def test_the_export_panel_writes_a_plain_pytorch_script_of_a_built_in_model(tmp_
     session.export(tmp_path / "stages.py", native=True)
     assert 'STAGE_STARTS = ["blocks.1"]' in (tmp_path / "stages.py").read_text()
     session.load(ex.Plan.from_assignment(graph, [tuple(cl.ids)], ops).with_tensor(2))
-    with pytest.raises(ExplorerError, match=r"'blocks\.0\.attn\.qkv' is one projection"):
-        session.export(tmp_path / "tensor.py", native=True)
-    assert not (tmp_path / "tensor.py").exists()
+    session.export(tmp_path / "tensor.py", native=True)
+    assert '"blocks.0.attn.qkv": 3,' in (tmp_path / "tensor.py").read_text()
+    session.load(ex.Plan.from_assignment(graph, [tuple(cl.ids)], ops)
+                 .with_tensor(2, sequence=True))
+    with pytest.raises(ExplorerError, match=r"'add' joins a sequence shard with 'embedding_1'"):
+        session.export(tmp_path / "sequence.py", native=True)
+    assert not (tmp_path / "sequence.py").exists()
