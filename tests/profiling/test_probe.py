@@ -6,6 +6,7 @@ import pytest
 from builders import host_cache_without
 
 import explorer as ex
+from explorer.profiling import dtensor_probe
 from explorer.profiling import host as probe
 
 # the probe runs real steps on two CPU ranks
@@ -26,6 +27,9 @@ def test_profile_sets_it_once_per_host_and_caches_it(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(probe, "measure_message_s",
                         lambda pool=None, runtime=None: calls.append(1) or 1.25e-4)
+    # (the model's own split runs, four runs on ranks started for each, are not what this
+    # test is about: test_dtensor_probe runs them for real)
+    monkeypatch.setattr(dtensor_probe, "model_dtensor_costs", lambda *a, **kw: {})
     bm = ex.builtin_model("mlp", "tiny")
     g = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets)
     cl = ex.Cluster.cpu(2)
