@@ -52,10 +52,12 @@ Schedule = Literal["gpipe", "1f1b"]
 #: a linear's outputs (``ColwiseParallel``) or inputs (``RowwiseParallel``), an embedding's
 #: rows (vocabulary-parallel), the output layer's classes (its loss on the shards); under
 #: sequence parallelism a norm runs on sequence shards (``SequenceParallel``), the column
-#: styles gather their input from them and the row styles scatter their output into them
+#: styles gather their input from them and the row styles scatter their output into them;
+#: an unsplit module whose whole output joins a sequence shard has it scattered too, along its
+#: dimension 1, or 0 for a (sequence, features) output such as positions' embeddings
 Style = Literal["colwise", "rowwise", "vocab_embedding", "vocab_output", "sequence_norm",
                 "colwise_from_sequence", "rowwise_to_sequence", "vocab_embedding_to_sequence",
-                "vocab_output_from_sequence"]
+                "vocab_output_from_sequence", "output_to_sequence", "rows_to_sequence"]
 #: the names of head counts an attention module may keep (``n_heads``, ``num_kv_heads``):
 #: each tensor-parallel device divides them, running its own heads
 HEAD_COUNT = re.compile(r"(n|num)_(\w+_)?heads")
@@ -235,8 +237,7 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
     :class:`NotExpressible` where a column style's input is no sequence shard, or the output
     layer is not split (it would read the shards whole)."""
     sequence = set(layout.sequence_ops) | set(layout.scatter_forward)
-    _check_sequence_inputs(graph, layout.sequence_ops, sequence)
-    out: dict[str, Style] = {}
+    out: dict[str, Style] = _whole_inputs(graph, layout.sequence_ops, sequence)
     for name in sorted(layout.sequence_params, key=graph.index.__getitem__):
         out[name.rpartition(".")[0]] = "sequence_norm"
     reader = {graph.nodes[graph.succs[graph.index[f"{path}.weight"]][0]].name: path
@@ -262,20 +263,34 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
     return tuple(out.items())
 
 
-def _check_sequence_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]) -> None:
-    """:class:`NotExpressible` where an op on sequence shards reads another op's output that
-    torch's styles leave whole (a positional embedding added to the token embeddings' shard:
-    the styles split module outputs that are DTensors, and that module's is not)."""
+def _whole_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]
+                  ) -> dict[str, Style]:
+    """The unsplit modules whose whole output an op on sequence shards reads (a positional
+    embedding added to the token embeddings' shard), each with the style that scatters its
+    output along the sequence; :class:`NotExpressible` where such an output is not a
+    module's, or is read whole elsewhere too."""
+    out: dict[str, Style] = {}
     for name in ops:
         node = graph.nodes[graph.index[name]]
         for source in node.inputs:
             made = graph.nodes[graph.index[source]]
-            if made.kind == "op" and source not in sequence:
-                where = f" (module {made.module_path!r})" if made.module_path else ""
+            if made.kind != "op" or source in sequence:
+                continue
+            path = made.module_path
+            last = max((k for k, n in enumerate(graph.nodes)
+                        if n.kind == "op" and n.module_path == path), default=-1)
+            readers = [graph.nodes[k].name for k in graph.succs[graph.index[source]]]
+            dim = 1 - (len(node.shapes[0]) - len(made.shapes[0])) if (
+                node.shapes and made.shapes) else -1
+            if (not path or last != graph.index[source] or dim not in (0, 1)
+                    or any(r not in sequence for r in readers)):
+                where = f" (module {path!r})" if path else ""
                 raise NotExpressible(
                     f"op {name!r} joins a sequence shard with {source!r}{where}, which "
-                    "sequence parallelism in torch's styles leaves whole; set sequence off, "
-                    "or export without native")
+                    "torch's styles cannot split along the sequence; set sequence off, or "
+                    "export without native")
+            out[path] = "output_to_sequence" if dim == 1 else "rows_to_sequence"
+    return out
 
 
 def _vocab_output(graph: OpGraph, layout: TensorLayout) -> str | None:

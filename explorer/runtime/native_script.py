@@ -531,7 +531,11 @@ _STYLES = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()",
            "vocab_embedding_to_sequence":
                "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
            "vocab_output_from_sequence":
-               "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)"}
+               "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)",
+           "output_to_sequence":
+               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
+           "rows_to_sequence":
+               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))"}
 
 
 def _loss_parallel(p: NativePlan) -> bool:

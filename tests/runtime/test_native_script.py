@@ -294,6 +294,12 @@ class TestRefused:
                              model_on_meta(bm.record))
         assert native.fused == (("blocks.0.attn.qkv", 3), ("blocks.1.attn.qkv", 3))
         assert dict(native.tensor_styles)["blocks.0.attn.qkv"] == "colwise"
+        sequence = native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2, sequence=True),
+                               bm.record, model_on_meta(bm.record))
+        # the positions' (sequence, features) embedding is scattered along its rows, as the
+        # token embeddings' output is along the sequence
+        assert dict(sequence.tensor_styles)["pos_emb"] == "rows_to_sequence"
+        assert dict(sequence.tensor_styles)["tok_emb"] == "vocab_embedding_to_sequence"
         text = render(native)
         assert '    "blocks.1.attn.qkv": 3,' in text
         assert '    interleave_fused(initial, mesh["tp"].size())  # (before the split)' in text
@@ -319,13 +325,7 @@ class TestRefused:
         assert qkv.bias.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
         assert qkv.weight[:, 0].tolist() == qkv.bias.tolist()
 
-    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, gpt, llama, cpu2,
-                                                                factories):
-        bm, graph = gpt
-        sequence = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
-        with pytest.raises(NotExpressible, match=r"op 'add' joins a sequence shard with "
-                                                 r"'embedding_1' \(module 'pos_emb'\)"):
-            native_plan(graph, sequence, bm.record, model_on_meta(bm.record))
+    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, llama, cpu2, factories):
         graph, record, _ = _captured("factory_models:hf_gpt2_logits")
         with pytest.raises(NotExpressible, match=r"module 'model\.transformer\.h\.0\.attn\.c_attn' "
                                                  r"\(Conv1D\) is one projection split by heads"):
@@ -481,8 +481,9 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
 @pytest.mark.slow
 @pytest.mark.parametrize("source, sequence", [("llama", True),
                                               ("factory_models:hf_llama_logits", False),
-                                              ("gpt", False)],
-                         ids=["llama with sequence parallel", "hf_llama", "gpt fused qkv"])
+                                              ("gpt", True)],
+                         ids=["llama with sequence parallel", "hf_llama",
+                              "gpt fused qkv with sequence parallel"])
 def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, source,
                                                        sequence, tmp_path):
     """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):

@@ -688,9 +688,9 @@ def test_reset_returns_to_the_current_view_zoom_to_selection_and_module_labels(g
 def test_the_export_panel_writes_a_plain_pytorch_script_of_a_built_in_model(tmp_path):
     """A session opened on a built-in model knows how to build it again: the panel's "plain
     PyTorch" box writes the native script, the plan's prediction in its header, also of a
-    pipeline, and of a tensor split (the GPT's fused query-key-value projection reordered);
-    one torch's styles cannot make (the GPT's positional embedding beside a sequence shard) is
-    refused, naming what stops it, and nothing is written."""
+    pipeline, and of a tensor split (the GPT's fused query-key-value projection reordered); a
+    plan torch's parallelisms cannot make (a stage that starts inside a module) is refused,
+    naming what stops it, and nothing is written."""
     from widgets.panels.plans import PlansPanel
 
     bm = ex.builtin_model("gpt", "tiny")
@@ -713,8 +713,11 @@ def test_the_export_panel_writes_a_plain_pytorch_script_of_a_built_in_model(tmp_
     session.load(ex.Plan.from_assignment(graph, [tuple(cl.ids)], ops).with_tensor(2))
     session.export(tmp_path / "tensor.py", native=True)
     assert '"blocks.0.attn.qkv": 3,' in (tmp_path / "tensor.py").read_text()
-    session.load(ex.Plan.from_assignment(graph, [tuple(cl.ids)], ops)
-                 .with_tensor(2, sequence=True))
-    with pytest.raises(ExplorerError, match=r"'add' joins a sequence shard with 'embedding_1'"):
-        session.export(tmp_path / "sequence.py", native=True)
-    assert not (tmp_path / "sequence.py").exists()
+    names = [n.name for n in graph.nodes if n.kind == "op"]
+    inside = names.index(next(n.name for n in graph.nodes
+                              if n.kind == "op" and n.module_path == "blocks.0.mlp.fc"))
+    session.load(ex.Plan.from_assignment(graph, [(cl.ids[0],), (cl.ids[1],)],
+                                         {name: int(k >= inside) for k, name in enumerate(names)}))
+    with pytest.raises(ExplorerError, match=r"inside"):
+        session.export(tmp_path / "cut.py", native=True)
+    assert not (tmp_path / "cut.py").exists()
