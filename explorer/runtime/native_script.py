@@ -122,7 +122,7 @@ def _plan_words(p: NativePlan) -> str:
 
 
 def _imports(p: NativePlan) -> str:
-    lines = ["from __future__ import annotations", ""]
+    lines = []
     if p.micro_batches > 1 and p.replicas > 1 and not p.zero and p.stages == 1:
         lines.append("import contextlib")
     lines += ["import gc", "import os", "import time"]
@@ -141,6 +141,8 @@ def _imports(p: NativePlan) -> str:
     if p.stages > 1:
         lines.append("from torch.distributed.pipelining import "
                      f"{_SCHEDULES[p.schedule]}, SplitPoint, pipeline")
+    if p.stages > 1:
+        lines.append("from torch.export.unflatten import InterpreterModule")
     if p.recompute == "full":
         lines.append("from torch.utils.checkpoint import checkpoint")
     elif p.recompute == "selective":
@@ -166,8 +168,8 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
              "#: the device mesh: the plan's degrees by name",
              f"MESH = {{{', '.join(f'{_py(k)}: {v}' for k, v in mesh.items())}}}"]
     if p.stages > 1:
-        lines.append("#: the modules where pipeline stages 1, 2, ... begin, and the schedule "
-                     "of their\n#: micro-batches")
+        lines.append("#: the modules where pipeline stages 1, 2, ... begin; their micro-batches' "
+                     "schedule")
         lines.append(f"STAGE_STARTS = [{', '.join(_py(m) for m in p.stage_starts)}]")
         lines.append(f"SCHEDULE = {_SCHEDULES[p.schedule]}")
     if p.tensor > 1:
@@ -176,9 +178,10 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
         what = " and ".join(x for x in ("sharded" if _fsdp(p) else "",
                                         "recomputed" if p.recompute != "none" else "") if x)
         lines.append(f"#: the model's blocks, {what} one at a time")
-        lines.append("BLOCKS = [")
-        lines += [f"    {_py(b)}," for b in p.blocks]
-        lines.append("]")
+        one = f"BLOCKS = [{', '.join(_py(b) for b in p.blocks)}]"
+        lines += [one] if len(one) <= 100 else ["BLOCKS = [", *textwrap.wrap(
+            " ".join(f"{_py(b)}," for b in p.blocks), 96, initial_indent="    ",
+            subsequent_indent="    ", break_long_words=False, break_on_hyphens=False), "]"]
     if p.precision != "fp32":
         lines.append(f"#: autocast's precision (the weights stay fp32)\nPRECISION = "
                      f"torch.{'bfloat16' if p.precision == 'bf16' else 'float16'}")
@@ -343,8 +346,8 @@ def _parallelize_section(p: NativePlan) -> str:
                 "as\n    # ZeRO 2 (gradients sharded too: less memory, the same traffic)\n",
              2: "    # ZeRO 2: parameters stay gathered from the forward to the backward\n",
              3: "",
-             0: "    # replicas of a pipeline stage: FSDP over replicas x 1 shard keeps whole "
-                "weights\n    # and all-reduces gradients, as DDP does\n"}
+             0: "    # stage replicas: FSDP over replicas x 1 shard keeps whole weights, as DDP "
+                "does\n"}
     if p.tensor > 1:
         body = _tensor_body(p)
     note = notes[p.zero] if _fsdp(p) else ""
@@ -382,10 +385,21 @@ def _step_section(p: NativePlan) -> str:
     return "\n".join(lines)
 
 
+_AS_CODE = '''def as_code(stage: torch.nn.Module) -> None:
+    """Run the stage's traced submodules (their graphs) as code, not op by op in torch.fx."""
+    for path, part in reversed(list(stage.named_modules())):  # innermost first
+        if isinstance(part, InterpreterModule) and any(n.op.startswith("call")
+                                                       for n in part.graph.nodes):
+            stage.set_submodule(path, torch.fx.GraphModule(part, part.graph))
+
+
+'''
+
+
 def _pipeline_step_section(p: NativePlan) -> str:
     autocast = p.precision != "fp32"
     pad = "    " * (2 if autocast else 1)
-    lines = ["def pipeline_step(schedule, stage_index: int, inputs, targets, device) -> "
+    lines = [_AS_CODE + "def pipeline_step(schedule, stage_index: int, inputs, targets, device) -> "
              "torch.Tensor:",
              '    """One step through the pipeline: the first stage feeds the micro-batches in, '
              "the last\n    computes their losses; the step's mean loss on the last stage "
@@ -426,8 +440,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"step {{step}}: loss {{total.item():.6f}}, "
                   f"{{(time.perf_counter() - start) * 1e3:.2f}} ms", flush=True)
-    # the model's hooks and the handles of collectives they keep go before the process
-    # group: left to the interpreter's exit they may outlive it (and abort the process)
+    # the model's hooks and collectives' handles go before the process group (at exit: abort)
     del {"schedule, stage, " if p.stages > 1 else ""}model, optimizer
     gc.collect()
     dist.destroy_process_group()
@@ -504,6 +517,7 @@ def _pipeline_body(p: NativePlan) -> str:
     pipe = pipeline(model, mb_args=tuple(t[:rows] for t in example[0]), split_spec=split)
     stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())
     model = stage.submod
+    as_code(model)
     parallelize(model, mesh)
 {_materialise(p)}    schedule = SCHEDULE(stage, n_microbatches=MICRO_BATCHES,{loss})
     optimizer = {OPTIMIZERS[p.optimizer]}

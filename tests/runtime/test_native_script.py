@@ -144,7 +144,7 @@ class TestText:
         plan = replace(_replicated(graph, cpu2.ids), algorithm=HOSTILE)
         text = render(native_plan(graph, plan, bm.record))
         tree = ast.parse(text)
-        assert isinstance(tree.body[1], ast.ImportFrom)  # (the docstring, then imports)
+        assert isinstance(tree.body[1], ast.Import)  # (the docstring, then imports)
         calls = {n.func.id for n in ast.walk(tree)
                  if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
         assert "open" not in calls
