@@ -31,6 +31,7 @@ from explorer.core.tensor_layout import (
     TRANSPOSED_OPS,
     VOCAB_OPS,
     TensorLayout,
+    out_dim,
     shard_dim,
     shard_parts,
 )
@@ -58,9 +59,12 @@ Schedule = Literal["gpipe", "1f1b"]
 Style = Literal["colwise", "rowwise", "vocab_embedding", "vocab_output", "sequence_norm",
                 "colwise_from_sequence", "rowwise_to_sequence", "vocab_embedding_to_sequence",
                 "vocab_output_from_sequence", "output_to_sequence", "rows_to_sequence"]
-#: the names of head counts an attention module may keep (``n_heads``, ``num_kv_heads``):
-#: each tensor-parallel device divides them, running its own heads
-HEAD_COUNT = re.compile(r"(n|num)_(\w+_)?heads")
+#: the names of head counts an attention module may keep (``n_heads``, ``num_kv_heads``), and
+#: Hugging Face GPT-2's width its fused projection's output splits by (``split_size``): each
+#: tensor-parallel device divides them, running its own heads
+HEAD_COUNT = re.compile(r"(n|num)_(\w+_)?heads|split_size")
+#: the class name of Hugging Face's linear with its weight stored (in, out) (GPT-2's)
+CONV1D = "Conv1D"
 
 
 class NotExpressible(ExplorerError):
@@ -103,6 +107,9 @@ class NativePlan:
     #: projection): (module path, parts); the script reorders their rows so that each
     #: device's contiguous block (torch's ColwiseParallel) holds its share of every part
     fused: tuple[tuple[str, int], ...] = ()
+    #: Hugging Face Conv1D modules the plan splits: the script makes each an nn.Linear (its
+    #: weight transposed) for torch's styles
+    conv1d: tuple[str, ...] = ()
 
     @property
     def stages(self) -> int:
@@ -179,21 +186,26 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
     fused = tuple((name.rpartition(".")[0], shard_parts(placement))
                   for name, placement in layout.placements.items()
                   if shard_parts(placement) > 1 and name.endswith(".weight"))
+    conv1d = tuple(path for path, _ in styles if module is not None
+                   and type(module.get_submodule(path)).__name__ == CONV1D)
     if plan.sequence_of(0):
         styles = _sequence_styles(graph, layout, styles)
     attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
                                     if n.name in layout.local_ops and n.module_path))
     counts: dict[str, None] = {}
     if module is not None:
+        kept = []
         for path in attention:
-            counts.update(dict.fromkeys(
-                name for name, value in vars(module.get_submodule(path)).items()
-                if HEAD_COUNT.fullmatch(name) and isinstance(value, int)))
+            names = [name for name, value in vars(module.get_submodule(path)).items()
+                     if HEAD_COUNT.fullmatch(name) and isinstance(value, int)]
+            counts.update(dict.fromkeys(names))
+            kept += [path] if names else []
+        attention = tuple(kept)  # (the modules that keep head counts)
     for path in (*(p for p, _ in styles), *attention):
         if not MODULE_PATH.fullmatch(path):
             raise NotExpressible(f"module path {path!r} cannot be named in a script")
     return {"tensor": degree, "tensor_styles": styles, "attention": attention,
-            "head_counts": tuple(counts), "fused": fused}
+            "head_counts": tuple(counts), "fused": fused, "conv1d": conv1d}
 
 
 def _styles(graph: OpGraph, layout: TensorLayout,
@@ -206,25 +218,28 @@ def _styles(graph: OpGraph, layout: TensorLayout,
         path, _, attribute = name.rpartition(".")
         op = graph.nodes[graph.succs[graph.index[name]][0]]
         kind = type(module.get_submodule(path)).__name__ if module is not None else ""
-        if shard_parts(placement) > 1 and (shard_dim(placement) != 0
-                                           or kind not in ("", "Linear")
-                                           or op.op not in LINEAR_OPS):
+        # (Hugging Face's Conv1D is a linear whose weight is stored (in, out))
+        linear = ((op.op in LINEAR_OPS and kind in ("", "Linear"))
+                  or (op.op in TRANSPOSED_OPS and kind == CONV1D))
+        column = shard_dim(placement) == (out_dim(op.op) if attribute == "weight" else 0)
+        if shard_parts(placement) > 1 and not (linear and column):
             raise NotExpressible(
                 f"module {path!r} ({kind or op.op}) is one projection split by heads within "
                 f"each of its {shard_parts(placement)} parts (a fused query-key-value "
-                "projection); native scripts split one only where it is an nn.Linear split "
-                "by its outputs: build the model with separate query, key and value "
-                "projections, or export without native")
-        if op.op in (*TRANSPOSED_OPS, *CONV_OPS) or kind not in ("", "Linear", "Embedding"):
+                "projection); native scripts split one only where it is a linear split by its "
+                "outputs: build the model with separate query, key and value projections, or "
+                "export without native")
+        if not linear and (op.op in (*TRANSPOSED_OPS, *CONV_OPS)
+                           or kind not in ("", "Linear", "Embedding")):
             raise NotExpressible(
                 f"module {path!r} ({kind or op.op}) is split by the plan; torch's parallel "
-                "styles split nn.Linear and nn.Embedding modules only: export without native")
+                "styles split nn.Linear and nn.Embedding modules (and Hugging Face's Conv1D, "
+                "made an nn.Linear) only: export without native")
         if attribute == "bias":
             continue
         if op.op in EMBEDDING_OPS:
             styles[path] = "vocab_embedding"
-        elif op.op in LINEAR_OPS:
-            column = shard_dim(placement) == 0
+        elif linear:
             styles[path] = ("vocab_output" if op.name == output else
                             "colwise" if column else "rowwise")
     return tuple(styles.items())

@@ -18,14 +18,13 @@ through the explorer's runtime (:mod:`explorer.runtime.export`).
 
 Nothing a plan file holds is pasted into the script as code: module paths, model names and
 sizes are checked and written as escaped string literals, numbers as numbers, words in the
-header's docstring only from a safe alphabet (:func:`_words`), and the factory is the one the
-user named (checked as ``module:function``).
+header's docstring only from a safe alphabet (:func:`~explorer.runtime.native_text.words`),
+and the factory is the one the user named (checked as ``module:function``). The
+tensor-parallel parts are :mod:`explorer.runtime.native_tensor`'s.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import textwrap
 from pathlib import Path
 
@@ -40,6 +39,15 @@ from explorer.runtime.native_mapping import (
     native_plan,
     stage_starts,
 )
+from explorer.runtime.native_tensor import (
+    loss_holders,
+    loss_parallel,
+    split_weights_section,
+    tensor_body,
+    tensor_constants,
+    tensor_imports,
+)
+from explorer.runtime.native_text import listed, literal, words
 from explorer.runtime.params import FP16_LOSS_SCALE
 
 #: the plan's schedules, as torch.distributed.pipelining names them
@@ -50,7 +58,7 @@ __all__ = ["NativePlan", "NotExpressible", "blocks_of", "model_on_meta", "native
 
 def render(native: NativePlan, steps: int = 10, lr: float = 1e-3) -> str:
     """The script's text."""
-    sections = [_model_section(native), _fused_section(native), _recompute_section(native),
+    sections = [_model_section(native), split_weights_section(native), _recompute_section(native),
                 _parallelize_section(native), _step_section(native), _main_section(native)]
     top = [_header(native), _imports(native), _constants(native, steps, lr)]
     return ("\n\n".join(p.strip("\n") for p in top) + "\n\n\n"
@@ -73,9 +81,9 @@ def write_native_script(native: NativePlan, path: str | Path, steps: int = 10,
 # -- the script's sections -----------------------------------------------------------------
 def _header(p: NativePlan) -> str:
     n = len(p.devices)
-    what = (f"built-in model {_words(p.source['builtin'])} (size {_words(p.source['size'])})"
-            if "builtin" in p.source else f"model of {_words(p.source['factory'])}")
-    about = [f"The model: the {what}.", f"The plan ({_words(p.algorithm)}): {_plan_words(p)}"]
+    what = (f"built-in model {words(p.source['builtin'])} (size {words(p.source['size'])})"
+            if "builtin" in p.source else f"model of {words(p.source['factory'])}")
+    about = [f"The model: the {what}.", f"The plan ({words(p.algorithm)}): {_plan_words(p)}"]
     if p.predicted_step_s is not None:
         about.append(f"Predicted by the explorer: {p.predicted_step_s * 1e3:,.2f} ms per step, "
                      f"{(p.predicted_peak_bytes or 0) / 2**20:,.1f} MiB peak memory per "
@@ -98,27 +106,27 @@ def _header(p: NativePlan) -> str:
 
 
 def _plan_words(p: NativePlan) -> str:
-    words = []
+    parts = []
     if p.stages > 1:
-        words.append(f"{p.stages} pipeline stages ({_words(p.schedule)} schedule), starting "
-                     f"at {', '.join(_words(m) for m in p.stage_starts)}")
+        parts.append(f"{p.stages} pipeline stages ({words(p.schedule)} schedule), starting "
+                     f"at {', '.join(words(m) for m in p.stage_starts)}")
     if p.tensor > 1:
         sequence = any(style == "sequence_norm" for _, style in p.tensor_styles)
-        words.append(f"each layer split {p.tensor} ways (tensor parallel"
+        parts.append(f"each layer split {p.tensor} ways (tensor parallel"
                      + (", the norms between along the sequence)" if sequence else ")"))
     if p.replicas > 1:
-        words.append(f"{p.replicas} data-parallel replicas"
+        parts.append(f"{p.replicas} data-parallel replicas"
                      + ("" if not p.zero else f" with ZeRO {p.zero}"))
     elif p.stages == 1 and p.tensor == 1:
-        words.append("one device")
+        parts.append("one device")
     if p.recompute != "none":
-        words.append(f"{p.recompute} recomputation per block")
+        parts.append(f"{p.recompute} recomputation per block")
     if p.precision != "fp32":
-        words.append(f"{p.precision} autocast (fp32 weights)")
+        parts.append(f"{p.precision} autocast (fp32 weights)")
     if p.micro_batches > 1:
-        words.append(f"{p.micro_batches} micro-batches per step (gradient accumulation)")
-    words.append(f"{p.optimizer} optimizer")
-    return "; ".join(words) + "."
+        parts.append(f"{p.micro_batches} micro-batches per step (gradient accumulation)")
+    parts.append(f"{p.optimizer} optimizer")
+    return "; ".join(parts) + "."
 
 
 def _imports(p: NativePlan) -> str:
@@ -137,7 +145,7 @@ def _imports(p: NativePlan) -> str:
     elif p.replicas > 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
     if p.tensor > 1:
-        lines += _tensor_imports(p)
+        lines += tensor_imports(p)
     if p.stages > 1:
         lines.append("from torch.distributed.pipelining import "
                      f"{_SCHEDULES[p.schedule]}, SplitPoint, pipeline")
@@ -166,22 +174,19 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
     lines = [f"STEPS = {int(steps)}", f"LR = {float(lr)!r}",
              f"MICRO_BATCHES = {int(p.micro_batches)}  # per step, on each replica",
              "#: the device mesh: the plan's degrees by name",
-             f"MESH = {{{', '.join(f'{_py(k)}: {v}' for k, v in mesh.items())}}}"]
+             f"MESH = {{{', '.join(f'{literal(k)}: {v}' for k, v in mesh.items())}}}"]
     if p.stages > 1:
         lines.append("#: the modules where pipeline stages 1, 2, ... begin; their micro-batches' "
                      "schedule")
-        lines.append(f"STAGE_STARTS = [{', '.join(_py(m) for m in p.stage_starts)}]")
+        lines.append(f"STAGE_STARTS = [{', '.join(literal(m) for m in p.stage_starts)}]")
         lines.append(f"SCHEDULE = {_SCHEDULES[p.schedule]}")
     if p.tensor > 1:
-        lines += _tensor_constants(p)
+        lines += tensor_constants(p)
     if p.blocks and (_fsdp(p) or p.recompute != "none"):
         what = " and ".join(x for x in ("sharded" if _fsdp(p) else "",
                                         "recomputed" if p.recompute != "none" else "") if x)
         lines.append(f"#: the model's blocks, {what} one at a time")
-        one = f"BLOCKS = [{', '.join(_py(b) for b in p.blocks)}]"
-        lines += [one] if len(one) <= 100 else ["BLOCKS = [", *textwrap.wrap(
-            " ".join(f"{_py(b)}," for b in p.blocks), 96, initial_indent="    ",
-            subsequent_indent="    ", break_long_words=False, break_on_hyphens=False), "]"]
+        lines += listed("BLOCKS", p.blocks)
     if p.precision != "fp32":
         lines.append(f"#: autocast's precision (the weights stay fp32)\nPRECISION = "
                      f"torch.{'bfloat16' if p.precision == 'bf16' else 'float16'}")
@@ -191,19 +196,8 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
     if p.recompute == "selective":
         lines.append("#: selective recomputation keeps the outputs of ops whose name holds one "
                      "of these\n#: (matmul-like); the rest run again in the backward")
-        lines.append(f"KEPT = ({', '.join(_py(k) for k in MATMUL_MARKERS)})")
+        lines.append(f"KEPT = ({', '.join(literal(k) for k in MATMUL_MARKERS)})")
     return "\n".join(lines)
-
-
-def _words(text: str) -> str:
-    """``text`` for a docstring: letters, digits and ``_.:=+-`` and spaces kept, anything else
-    (quotes, backslashes, line breaks) left out."""
-    return re.sub(r"[^A-Za-z0-9_.:=+ -]", "", str(text))[:80] or "-"
-
-
-def _py(text: str) -> str:
-    """``text`` as a Python string literal in double quotes."""
-    return json.dumps(str(text))
 
 
 def _mesh(p: NativePlan) -> dict[str, int]:
@@ -242,7 +236,7 @@ def _model_section(p: NativePlan) -> str:
     if "builtin" in p.source:
         name, size = p.source["builtin"], p.source["size"]
         batch = int(p.source.get("batch_size") or 0) or None
-        call = f"build({_py(name)}, {_py(size)}, {batch!r}, seed=0, weights=weights)"
+        call = f"build({literal(name)}, {literal(size)}, {batch!r}, seed=0, weights=weights)"
         made = f"    built = {call}"
     else:
         function = p.source["factory"].split(":")[1]
@@ -272,24 +266,6 @@ def load_weights(model: torch.nn.Module, initial: torch.nn.Module) -> None:
                          options=StateDictOptions(full_state_dict=True, strict=False))
     for name, buffer in model.named_buffers():  # (a state dict may leave some out)
         buffer.copy_(initial.get_buffer(name))
-'''
-
-
-def _fused_section(p: NativePlan) -> str:
-    if not p.fused:
-        return ""
-    return '''
-def interleave_fused(initial: torch.nn.Module, ranks: int) -> None:
-    """Reorder each fused projection's output rows (and bias) so that each rank's contiguous
-    block, the one ColwiseParallel gives it, holds its heads' share of every part: parts of
-    ranks x rows become ranks x parts x rows."""
-    with torch.no_grad():
-        for path, parts in FUSED_PROJECTIONS.items():
-            projection = initial.get_submodule(path)
-            for tensor in (projection.weight, projection.bias):
-                if tensor is not None:
-                    rows = tensor.unflatten(0, (parts, ranks, -1))
-                    tensor.copy_(rows.transpose(0, 1).flatten(0, 2))
 '''
 
 
@@ -349,7 +325,7 @@ def _parallelize_section(p: NativePlan) -> str:
              0: "    # stage replicas: FSDP over replicas x 1 shard keeps whole weights, as DDP "
                 "does\n"}
     if p.tensor > 1:
-        body = _tensor_body(p)
+        body = tensor_body(p)
     note = notes[p.zero] if _fsdp(p) else ""
     what = ("each module split as TENSOR_LAYOUT says" if p.tensor > 1 else
             "in torchtitan's order: recomputation, then sharding")
@@ -369,7 +345,7 @@ def _step_section(p: NativePlan) -> str:
              'loss."""']
     forward = ["loss = loss_fn(model(*[t[rows] for t in inputs]), *[t[rows] for t in targets])",
                "loss = loss / MICRO_BATCHES"]
-    if _loss_parallel(p):
+    if loss_parallel(p):
         lines.append("    with loss_parallel():  # (the loss of the output layer's class shards)")
         lines += ["        " + f for f in forward] + ["        loss.backward()",
                                                        "    return loss.detach().full_tensor()"]
@@ -434,7 +410,7 @@ def main() -> None:
     replicas = mesh["{_replica_dim(p)}"].size()
     replica = mesh["{_replica_dim(p)}"].get_local_rank()
 {body}        dist.all_reduce(total)  # the mean loss over the global batch
-        total /= {_loss_holders(p)}
+        total /= {loss_holders(p)}
         if cuda:
             torch.cuda.synchronize()
         if dist.get_rank() == 0:
@@ -452,8 +428,9 @@ if __name__ == "__main__":
 
 
 def _materialise(p: NativePlan) -> str:
-    fused = ('    interleave_fused(initial, mesh["tp"].size())  # (before the split)\n'
-             if p.fused else "")
+    fused = ("    conv1d_as_linear(initial)\n" if p.conv1d else "") + (
+        '    interleave_fused(initial, mesh["tp"].size())  # (before the split)\n'
+        if p.fused else "")
     return f"""    model.to_empty(device=device)
     # the factory's initial weights, made on each rank's CPU (for a model larger than a
     # host, load a checkpoint here instead), and its example batch
@@ -484,8 +461,9 @@ def _data_parallel_body(p: NativePlan) -> str:
     else:
         accumulate = f"            {call}\n"
     unscale = _UNSCALE if p.precision == "fp16" else ""
+    conv1d = "    conv1d_as_linear(model)\n" if p.conv1d else ""
     return f"""    model, loss_fn, _ = make_model(weights=False)  # shapes only: nothing allocated
-    parallelize(model, mesh)
+{conv1d}    parallelize(model, mesh)
 {_materialise(p)}{wrap}    optimizer = {OPTIMIZERS[p.optimizer]}
     data = batches(example)
     for step in range(STEPS):
@@ -532,83 +510,3 @@ def _pipeline_body(p: NativePlan) -> str:
                               [t[rows] for t in targets], device)
 {unscale}        optimizer.step()
 """
-
-
-# -- tensor parallelism ----------------------------------------------------------------------
-#: each style, as the script builds it
-_STYLES = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()",
-           "vocab_embedding": "RowwiseParallel(input_layouts=Replicate())",
-           "vocab_output": "ColwiseParallel(use_local_output=False)",
-           "sequence_norm": "SequenceParallel()",
-           "colwise_from_sequence": "ColwiseParallel(input_layouts=Shard(1))",
-           "rowwise_to_sequence": "RowwiseParallel(output_layouts=Shard(1))",
-           "vocab_embedding_to_sequence":
-               "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
-           "vocab_output_from_sequence":
-               "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)",
-           "output_to_sequence":
-               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
-           "rows_to_sequence":
-               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))"}
-
-
-def _loss_parallel(p: NativePlan) -> bool:
-    return any(style.startswith("vocab_output") for _, style in p.tensor_styles)
-
-
-def _loss_holders(p: NativePlan) -> str:
-    """How many ranks hold each replica's loss (it is summed over all)."""
-    if p.tensor > 1:
-        return 'replicas * mesh["tp"].size()  # (every tensor-parallel rank holds it)'
-    return "replicas"
-
-
-def _tensor_imports(p: NativePlan) -> list[str]:
-    used = {style for _, style in p.tensor_styles}
-    names = sorted({_STYLES[style].split("(")[0] for style in used} | {"parallelize_module"}
-                   | ({"loss_parallel"} if _loss_parallel(p) else set()))
-    placements = sorted({name for style in used for name in ("Replicate", "Shard")
-                         if f"{name}(" in _STYLES[style]})
-    lines = ([f"from torch.distributed.tensor import {', '.join(placements)}"]
-             if placements else [])
-    return lines + ["from torch.distributed.tensor.parallel import ("] + [
-        f"    {name}," for name in names] + [")"]
-
-
-def _tensor_constants(p: NativePlan) -> list[str]:
-    lines = ["#: how each layer is split over the tensor-parallel devices (Megatron-LM's pairs): "
-             '"colwise"', "#: splits a linear's outputs, \"rowwise\" its inputs (each pair "
-             "all-reduces once), \"vocab_*\"", "#: an embedding's rows or the output layer's "
-             "classes (its loss runs on the shards)", "TENSOR_LAYOUT = {"]
-    lines += [f"    {_py(path)}: {_py(style)}," for path, style in p.tensor_styles]
-    lines.append("}")
-    if p.attention and p.head_counts:
-        lines.append("#: attention modules split by heads: each device runs its own, so their "
-                     "head counts are divided")
-        lines.append(f"ATTENTION = [{', '.join(_py(a) for a in p.attention)}]")
-        lines.append(f"HEAD_COUNTS = ({', '.join(_py(h) for h in p.head_counts)},)")
-    if p.fused:
-        lines += ["#: projections that compute several parts at once (queries, keys and values), "
-                  "split by", "#: heads within each part: their rows are reordered before "
-                  "the split (interleave_fused),", "#: so a checkpoint of the split model "
-                  "holds them in that order", "FUSED_PROJECTIONS = {"]
-        lines += [f"    {_py(path)}: {parts}," for path, parts in p.fused]
-        lines.append("}")
-    return lines
-
-
-def _tensor_body(p: NativePlan) -> list[str]:
-    used = dict.fromkeys(style for _, style in p.tensor_styles)
-    body = ["    styles = {"]
-    for style in used:
-        entry = f"        {_py(style)}: {_STYLES[style]},"
-        body += [entry] if len(entry) <= 100 else [f"        {_py(style)}:",
-                                                   f"            {_STYLES[style]},"]
-    body += ["    }", "    layout = {path: styles[style] for path, style in "
-             "TENSOR_LAYOUT.items()}", '    parallelize_module(model, mesh["tp"], layout)']
-    if p.attention and p.head_counts:
-        body += ["    for path in ATTENTION:", "        attention = model.get_submodule(path)",
-                 "        for name in HEAD_COUNTS:",
-                 '            setattr(attention, name, getattr(attention, name) // '
-                 'mesh["tp"].size())']
-    return body

@@ -300,6 +300,7 @@ class TestRefused:
         # token embeddings' output is along the sequence
         assert dict(sequence.tensor_styles)["pos_emb"] == "rows_to_sequence"
         assert dict(sequence.tensor_styles)["tok_emb"] == "vocab_embedding_to_sequence"
+
         text = render(native)
         assert '    "blocks.1.attn.qkv": 3,' in text
         assert '    interleave_fused(initial, mesh["tp"].size())  # (before the split)' in text
@@ -325,10 +326,25 @@ class TestRefused:
         assert qkv.bias.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
         assert qkv.weight[:, 0].tolist() == qkv.bias.tolist()
 
-    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, llama, cpu2, factories):
+    def test_hugging_face_conv1d_modules_are_made_linear_before_the_split(self, cpu2,
+                                                                         factories):
         graph, record, _ = _captured("factory_models:hf_gpt2_logits")
-        with pytest.raises(NotExpressible, match=r"module 'model\.transformer\.h\.0\.attn\.c_attn' "
-                                                 r"\(Conv1D\) is one projection split by heads"):
+        native = native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2), record,
+                             model_on_meta(record))
+        attn = "model.transformer.h.0.attn"
+        assert f"{attn}.c_attn" in native.conv1d and (f"{attn}.c_attn", 3) in native.fused
+        assert dict(native.tensor_styles)[f"{attn}.c_proj"] == "rowwise"
+        assert native.attention == (attn, "model.transformer.h.1.attn")
+        assert native.head_counts == ("num_heads", "split_size")
+        text = render(native)
+        assert "    conv1d_as_linear(model)\n    parallelize(model, mesh)" in text
+        assert "    conv1d_as_linear(initial)\n    interleave_fused(initial" in text
+
+    def test_tensor_splits_torch_s_styles_cannot_make_are_named(self, llama, cpu2, factories):
+        graph, record, _ = _captured("alexnet")
+        with pytest.raises(NotExpressible, match=r"module 'features\.6' \(Conv2d\) is split by "
+                                                 r"the plan; torch's parallel styles split "
+                                                 r"nn\.Linear and nn\.Embedding"):
             native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2), record,
                         model_on_meta(record))
         bm, graph = llama
@@ -481,9 +497,10 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
 @pytest.mark.slow
 @pytest.mark.parametrize("source, sequence", [("llama", True),
                                               ("factory_models:hf_llama_logits", False),
-                                              ("gpt", True)],
+                                              ("gpt", True),
+                                              ("factory_models:hf_gpt2_logits", False)],
                          ids=["llama with sequence parallel", "hf_llama",
-                              "gpt fused qkv with sequence parallel"])
+                              "gpt fused qkv with sequence parallel", "hf_gpt2 conv1d"])
 def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, source,
                                                        sequence, tmp_path):
     """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):
