@@ -123,13 +123,7 @@ class DeviceCosts:
 
     def host_times(self, backward: bool) -> np.ndarray:
         """``host_s``' forward or backward seconds per node as a float array."""
-        src = self.host_s[1 if backward else 0]
-        key = ("_host", backward, id(src), len(src))
-        cache = self.__dict__.setdefault("_np_cache", {})
-        a = cache.get(key)
-        if a is None:
-            a = cache[key] = np.asarray(src, dtype=np.float64)
-        return a
+        return self._as_array(("_host", backward), self.host_s[1 if backward else 0])
 
     @property
     def replica_effects(self) -> ReplicaEffects:
@@ -183,9 +177,12 @@ class DeviceCosts:
 
     def array(self, which: str) -> np.ndarray:
         """The list field ``which`` ("fwd_s", "bwd_s", "contention") as a float array."""
-        # kept per list object: replace the lists rather than editing them in place
-        src = getattr(self, which)
-        key = ("_arr", which, id(src), len(src))
+        return self._as_array(("_arr", which), getattr(self, which))
+
+    def _as_array(self, name: tuple, src: list[float]) -> np.ndarray:
+        """``src`` as a float array, kept per list object: replace the lists rather than
+        editing them in place."""
+        key = (*name, id(src), len(src))
         cache = self.__dict__.setdefault("_np_cache", {})
         a = cache.get(key)
         if a is None:

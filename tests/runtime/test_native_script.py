@@ -77,6 +77,15 @@ def _captured(source: str):
     return graph, record, told
 
 
+def _ruff_clean(path: Path) -> None:
+    """The script at ``path`` passes ruff's errors, warnings, imports, bugbear and upgrade
+    rules at 100 columns, with no project settings."""
+    lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
+                           "E,F,W,I,B,UP", "--line-length", "100", str(path)],
+                          capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
 def _replicated(graph, devices, micro_batches=1):
     """One stage over ``devices``: every op on it, the batch split between them."""
     ops = {n.name: 0 for n in graph.nodes if n.kind == "op"}
@@ -93,10 +102,7 @@ class TestText:
         compile(text, "train.py", "exec")
         path = tmp_path / "train.py"
         path.write_text(text)
-        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
-                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
-                              capture_output=True, text=True)
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _ruff_clean(path)
         imports = [n for n in ast.walk(ast.parse(text))
                    if isinstance(n, (ast.Import, ast.ImportFrom))]
         modules = {n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
@@ -162,10 +168,7 @@ class TestText:
         text = render(native)
         path = tmp_path / "train.py"
         path.write_text(text)
-        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
-                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
-                              capture_output=True, text=True)
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _ruff_clean(path)
         assert len(text.splitlines()) < 200
         assert 'STAGE_STARTS = ["blocks.1"]' in text
         assert f"SCHEDULE = Schedule{'1F1B' if schedule == '1f1b' else 'GPipe'}" in text
@@ -198,10 +201,7 @@ class TestText:
         text = render(native)
         path = tmp_path / "train.py"
         path.write_text(text)
-        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
-                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
-                              capture_output=True, text=True)
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _ruff_clean(path)
         assert 'MESH = {"dp_replicate": 1, "tp": 2}' in text
         assert '    "layers.1.mlp.down_proj": "rowwise",' in text
         assert 'parallelize_module(model, mesh["tp"], layout)' in text
@@ -306,10 +306,7 @@ class TestRefused:
         assert '    interleave_fused(initial, mesh["tp"].size())  # (before the split)' in text
         path = tmp_path / "train.py"
         path.write_text(text)
-        lint = subprocess.run([sys.executable, "-m", "ruff", "check", "--isolated", "--select",
-                               "E,F,W,I,B,UP", "--line-length", "100", str(path)],
-                              capture_output=True, text=True)
-        assert lint.returncode == 0, lint.stdout + lint.stderr
+        _ruff_clean(path)
         # each rank's contiguous block of the reordered rows: its heads' q, k and v, in order
         function = next(f for f in ast.parse(text).body
                         if isinstance(f, ast.FunctionDef) and f.name == "interleave_fused")
