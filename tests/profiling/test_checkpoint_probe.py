@@ -160,7 +160,9 @@ def test_the_probe_runs_on_one_cpu_rank():
         got = checkpoint_probe.measure_checkpoint_costs(steps=4, warmup=1, pool=pool)
     assert set(got) == set(COSTS)
     assert all(0.0 <= v < 0.1 for v in got.values())  # seconds: a measurement, noise and all
-    assert got["span_fwd_s"] + got["span_bwd_s"] > 0.0
+    # checkpointing costs something: per span, with what its spans save (a noisy host's fit
+    # may give all of it to the spans or all to the saved tensors, never less than nothing)
+    assert sum(got[k] for k in ("span_fwd_s", "span_bwd_s", "saved_fwd_s", "saved_bwd_s")) > 0
 
 
 def test_what_a_span_saves_besides_outputs_is_held_from_its_recomputation():
