@@ -149,7 +149,6 @@ def _imports(p: NativePlan) -> str:
     if p.stages > 1:
         lines.append("from torch.distributed.pipelining import "
                      f"{_SCHEDULES[p.schedule]}, SplitPoint, pipeline")
-    if p.stages > 1:
         lines.append("from torch.export.unflatten import InterpreterModule")
     if p.recompute == "full":
         lines.append("from torch.utils.checkpoint import checkpoint")

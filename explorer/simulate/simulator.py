@@ -209,16 +209,14 @@ def _predict(graph: OpGraph, plan: Plan, costs: CostModel, tasks: TaskGraph, tim
                                            _half_factors(graph, plan, costs)),
         algorithm=plan.algorithm,
         host_busy_s={d: host_busy[s] for s in range(S) for d in plan.stages[s]
-                     if tasks.fb.queue and host_busy[s] > 0.0})
+                     if host_busy[s] > 0.0})
 
 
 def _host_busy(tasks: TaskGraph) -> list[float]:
     """[stage] the seconds its host spends issuing the step's ops (0 with one timeline)."""
-    S = len(tasks.plan.stages)
     if tasks.issue_s is None:
-        return [0.0] * S
-    return [float(tasks.issue_s[q].sum()) for q in tasks.fb.queue] + [0.0] * (
-        S - len(tasks.fb.queue))
+        return [0.0] * len(tasks.plan.stages)
+    return [float(tasks.issue_s[q].sum()) for q in tasks.fb.queue]  # (one queue per stage)
 
 
 def _half_factors(graph: OpGraph, plan: Plan, costs: CostModel
