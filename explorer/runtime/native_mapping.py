@@ -20,7 +20,7 @@ import torch
 
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import check_factory, load_factory
-from explorer.core.graph import OpGraph
+from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan, StageSettings
 from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import (
@@ -252,6 +252,13 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
     :class:`NotExpressible` where a column style's input is no sequence shard, or the output
     layer is not split (it would read the shards whole)."""
     sequence = set(layout.sequence_ops) | set(layout.scatter_forward)
+    if not layout.sequence_ops:
+        raise NotExpressible(
+            "the plan asks for sequence parallelism, but it splits nothing of this model "
+            "along the sequence: no norm or residual add between its tensor-parallel blocks "
+            "reads a row-parallel linear's (batch, seq, features) output directly (here a "
+            "view or a dropout comes between), so the explorer runs the plan as tensor "
+            "parallelism alone: set sequence off")
     out: dict[str, Style] = _whole_inputs(graph, layout.sequence_ops, sequence)
     for name in sorted(layout.sequence_params, key=graph.index.__getitem__):
         out[name.rpartition(".")[0]] = "sequence_norm"
@@ -261,8 +268,7 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
         style = dict(styles)[path]
         node = graph.nodes[graph.index[op]]
         if style in ("colwise", "vocab_output"):
-            source = next((i for i in node.inputs if graph.nodes[graph.index[i]].kind == "op"),
-                          None)
+            source = _module_input(graph, node, path)
             if source not in sequence:
                 raise NotExpressible(
                     f"module {path!r} reads {source!r}, which sequence parallelism leaves "
@@ -276,6 +282,18 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
                              "native scripts write sequence parallelism with the output "
                              "layer split: set sequence off, or export without native")
     return tuple(out.items())
+
+
+def _module_input(graph: OpGraph, node: OpNode, path: str) -> str | None:
+    """The op output that module ``path`` reads, ``node`` being its projection: the first op
+    input, looked through to outside the module (Hugging Face's Conv1D flattens its input
+    with a view of its own first)."""
+    while True:
+        source = next((i for i in node.inputs if graph.nodes[graph.index[i]].kind == "op"),
+                      None)
+        if source is None or graph.nodes[graph.index[source]].module_path != path:
+            return source
+        node = graph.nodes[graph.index[source]]
 
 
 def _whole_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
@@ -39,6 +39,12 @@ from explorer.core.tensor_layout import (
     shard_dim,
     shard_parts,
     split_dim,
+)
+from explorer.runtime.head_shapes import (
+    expanded_sizes,
+    transposed_dim,
+    unsqueezed_dim,
+    view_of_heads,
 )
 from explorer.runtime.sequence_parallel import (
     SEQ_DIM,
@@ -293,13 +299,23 @@ class TensorMesh:
         ``(batch, seq, features)``, which is how the row-parallel projection that ends the
         block reads its input)."""
         args, kwargs = mapped(self.local, args), mapped(self.local, kwargs)
-        if str(fn) in RESHAPE_OPS:
-            args = (args[0], self.local_shape(args[0], list(args[1])), *args[2:])
-        elif str(fn) in SPLIT_OPS:
+        op, x = str(fn), args[0] if args else None
+        ref = next((t for t in tree_leaves((args, kwargs)) if self.is_shard(t)), None)
+        dim = -1 if ref is None else self.split_dim(ref)
+        if op in RESHAPE_OPS:
+            shape, dim = self.local_shape(x, list(args[1]))
+            args = (x, shape, *args[2:])
+        elif op in SPLIT_OPS:
             sizes = args[1]
-            args = (args[0], [n // self.degree for n in sizes] if isinstance(sizes, (list, tuple))
+            args = (x, [n // self.degree for n in sizes] if isinstance(sizes, (list, tuple))
                     else sizes // self.degree, *args[2:])
-        return self.marked(fn(*args, **kwargs))
+        elif self.is_shard(x) and op == "aten.transpose.int":
+            dim = transposed_dim(x.ndim, dim, args[1], args[2])
+        elif self.is_shard(x) and op == "aten.unsqueeze.default":
+            dim = unsqueezed_dim(x.ndim, dim, args[1])
+        elif self.is_shard(x) and op == "aten.expand.default":
+            args = (x, expanded_sizes(x.shape, dim, args[1]), *args[2:])
+        return self.marked(fn(*args, **kwargs), dim)
 
     def local(self, t: Any) -> Any:
         """What a split op run on local shards reads of ``t``: a split weight's shard; a
@@ -311,14 +327,19 @@ class TensorMesh:
             return PartialGrad.apply(t, self.group)
         return t
 
-    def local_shape(self, x: torch.Tensor, shape: list[int]) -> list[int]:
-        """``shape`` (of the whole tensor) for this rank's heads of it (see :meth:`on_heads`)."""
+    def local_shape(self, x: torch.Tensor, shape: list[int]) -> tuple[list[int], int]:
+        """``shape`` (of the whole tensor) for this rank's heads of it, and the dimension the
+        view is split along (see :meth:`on_heads`): followed from the shard's own split where
+        ``x`` is a local shard (:func:`~explorer.runtime.head_shapes.view_of_heads`), else the
+        head count of ``(batch, seq, heads, head_dim)`` or the last dimension divided."""
         k = self.degree
-        if -1 in shape and self.is_shard(x):  # (its whole holds ``degree`` times its numbers)
-            known = torch.Size([n for n in shape if n != -1]).numel()
-            shape = [x.numel() * k // known if n == -1 else n for n in shape]
-        if _same_but_split(shape, list(x.shape), k):  # (a reshape to the shape it has)
-            return list(x.shape)
+        if self.is_shard(x):
+            view = view_of_heads(x.shape, self.split_dim(x), shape, k)
+            if view is None:
+                raise ExplorerError(f"a view of this rank's heads ({tuple(x.shape)}) to "
+                                    f"{shape} mixes them with other dimensions; run the "
+                                    "attention whole (tensor degree 1 on its stage)")
+            return view
         d = 2 if len(shape) == 4 else len(shape) - 1
         if len(shape) not in (2, 3, 4) or shape[d] % k:
             raise ExplorerError(f"cannot split a view to {shape} by heads {k} ways; run the "
@@ -328,7 +349,7 @@ class TensorMesh:
             raise ExplorerError(f"a view of this rank's heads ({tuple(x.shape)}) to {shape} "
                                 "does not fit; run the attention whole (tensor degree 1 on "
                                 "its stage)")
-        return shape
+        return shape, d - len(shape)
 
     # -- values ----------------------------------------------------------------------------
     def marked(self, value: Any, dim: int = -1) -> Any:
@@ -417,15 +438,6 @@ class TensorMesh:
         with torch.no_grad():
             return tree_map(lambda t: self.whole_plain(t.detach()) if isinstance(t, DTensor)
                             else self.gathered(t) if self.is_shard(t) else t, value)
-
-
-def _same_but_split(shape: list[int], local_shape: list[int], degree: int) -> bool:
-    """Whether a whole ``shape`` is ``local_shape`` with one dimension ``degree`` times as
-    large: a reshape of a local shard to the shape its whole already had."""
-    if len(shape) != len(local_shape):
-        return False
-    differ = [(a, b) for a, b in zip(shape, local_shape, strict=True) if a != b]
-    return len(differ) == 1 and differ[0][0] == differ[0][1] * degree
 
 
 def shard_dim_of(t: DTensor) -> int | None:

@@ -288,6 +288,16 @@ class TestRefused:
             ex.export_script(plan, tmp_path / "t.py", graph=graph, native=True,
                              factory=f"factory_models:{factory}")
 
+    def test_sequence_parallelism_that_splits_nothing_is_named(self, factories, cpu2,
+                                                                tmp_path):
+        """Hugging Face's GPT-2 has a view and a dropout between each row-parallel projection
+        and its residual add: the explorer's layout puts nothing on sequence shards."""
+        graph, _, model = _captured("factory_models:hf_gpt2_logits")
+        plan = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
+        with pytest.raises(NotExpressible, match=r"splits nothing of this model along the "
+                                                 r"sequence.*set sequence off"):
+            ex.export_script(plan, tmp_path / "t.py", graph=graph, native=True, **model)
+
     def test_a_fused_projection_s_rows_are_reordered_for_its_split(self, gpt, cpu2, tmp_path):
         bm, graph = gpt
         native = native_plan(graph, _replicated(graph, cpu2.ids).with_tensor(2), bm.record,
@@ -498,14 +508,13 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
                                               ("factory_models:hf_gpt2_logits", False)],
                          ids=["llama with sequence parallel", "hf_llama",
                               "gpt fused qkv with sequence parallel", "hf_gpt2 conv1d"])
-def test_a_tensor_parallel_script_trains_as_one_device(factories, cpu2, pool, source,
-                                                       sequence, tmp_path):
-    """Tensor 2 on two ranks against the same model on one (ex.run's single-device plan):
-    ex.run's own tensor split of Hugging Face's grouped-query attention does not run yet."""
+def test_a_tensor_parallel_script_trains_as_ex_run(factories, cpu2, pool, source, sequence,
+                                                   tmp_path):
+    """Tensor 2 on two ranks, torch's parallel styles against ex.run's own split of the same
+    plan (Hugging Face's Llama: grouped-query attention)."""
     graph, _, model = _captured(source)
     plan = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2, sequence=sequence)
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
                               **model)
-    one = ex.run(graph, plan=_replicated(graph, cpu2.ids[:1], micro_batches=2), steps=3,
-                 warmup=0, progress=False, pool=pool)
-    assert _torchrun(script, 2) == pytest.approx(list(one.losses), rel=1e-5)
+    measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
+    assert _torchrun(script, 2) == pytest.approx(list(measured.losses), rel=1e-5)

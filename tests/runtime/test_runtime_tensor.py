@@ -325,3 +325,36 @@ def test_hf_gpt2_conv1d_layers_split_and_match_one_device(runtime, pool):
     assert placements["transformer.h.1.mlp.c_fc.weight"] == "Shard(1)"
     assert placements["transformer.h.1.mlp.c_proj.weight"] == "Shard(0)"
     _same_as_one_device(graph, plan, runtime, pool)
+
+
+@functools.cache
+def _hf_llama_graph():
+    """Hugging Face's Llama (tiny) with grouped-query attention: 4 query heads, 2 key-value
+    heads, each repeated for 2 query heads (unsqueeze, expand, reshape)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False, tie_word_embeddings=False))
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    return ex.capture(model, ids, loss_fn, labels, name="hf-llama")
+
+
+@RUNTIMES
+def test_hf_llama_grouped_query_attention_splits_by_heads_and_matches_one_device(runtime,
+                                                                                 pool):
+    """Each rank holds one of the two key-value heads and the two query heads that read it:
+    the key-value heads' repetition runs on the rank's own head, its sizes followed from
+    where the heads lie (not read off a shape convention)."""
+    graph = _hf_llama_graph()
+    plan = _one_stage(graph, ("cpu:0", "cpu:1")).with_tensor(2)
+    placements = plan_placements(graph, plan)[0]
+    assert placements["model.layers.1.self_attn.k_proj.weight"] == "Shard(0)"
+    assert placements["model.layers.1.self_attn.o_proj.weight"] == "Shard(1)"
+    _same_as_one_device(graph, plan, runtime, pool)
