@@ -408,13 +408,14 @@ def main() -> None:
     mesh = init_device_mesh(device.type, tuple(MESH.values()), mesh_dim_names=tuple(MESH))
     replicas = mesh["{_replica_dim(p)}"].size()
     replica = mesh["{_replica_dim(p)}"].get_local_rank()
-{body}        dist.all_reduce(total)  # the mean loss over the global batch
-        total /= {loss_holders(p)}
-        if cuda:
+{body}        if cuda:
             torch.cuda.synchronize()
+        seconds = time.perf_counter() - start  # the step's work, not the logging after it
+        dist.all_reduce(total)  # the mean loss over the global batch
+        total /= {loss_holders(p)}
         if dist.get_rank() == 0:
-            print(f"step {{step}}: loss {{total.item():.6f}}, "
-                  f"{{(time.perf_counter() - start) * 1e3:.2f}} ms", flush=True)
+            print(f"step {{step}}: loss {{total.item():.6f}}, {{seconds * 1e3:.2f}} ms",
+                  flush=True)
     # the model's hooks and collectives' handles go before the process group (at exit: abort)
     del {"schedule, stage, " if p.stages > 1 else ""}model, optimizer
     gc.collect()
@@ -446,7 +447,10 @@ _UNSCALE = """        for param in model.parameters():  # (the loss was scaled u
 def _data_parallel_body(p: NativePlan) -> str:
     wrap = ""
     if p.replicas > 1 and not p.zero:
-        wrap = "    model = DistributedDataParallel(model, device_mesh=mesh[\"dp_replicate\"])\n"
+        wrap = ("    # each replica keeps its own running statistics (BatchNorm's), as the plan's\n"
+                "    # runtime does: no broadcast of rank 0's before every forward\n"
+                "    model = DistributedDataParallel(model, device_mesh=mesh[\"dp_replicate\"],\n"
+                "                                    broadcast_buffers=False)\n")
     call = "total += micro_batch(model, loss_fn, inputs, targets, rows)"
     if p.micro_batches > 1 and p.replicas > 1 and p.zero:
         accumulate = ("            # the replicas reduce gradients after the last micro-batch\n"
