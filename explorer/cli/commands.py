@@ -116,12 +116,10 @@ def tensor_split(plan, degree: int):
 def split_options(plan, tensor: int, sequence: bool | None, graph=None):
     """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`) and
     ``--sequence-parallel`` (on every tensor-parallel stage) applied; with the ``graph``, a
-    stage the degree splits nothing of says so first in the plan's notes."""
+    stage the degree (or its sequence parallelism) splits nothing of says so first in the
+    plan's notes."""
     if tensor > 1:
         plan = tensor_split(plan, tensor)
-        unsplit = unsplit_notes(graph, plan) if graph is not None else ()
-        if unsplit:
-            plan = plan.with_settings(notes=(*unsplit, *plan.notes))
     if sequence:
         stages = [s for s in range(len(plan.stages)) if plan.tensor_of(s) > 1]
         if not stages:
@@ -130,6 +128,9 @@ def split_options(plan, tensor: int, sequence: bool | None, graph=None):
                                 "--tensor N (N dividing a stage's device count) or use "
                                 "--algorithm degrees")
         plan = plan.with_memory(sequence=True, stages=stages)
+    unsplit = unsplit_notes(graph, plan) if graph is not None and (tensor > 1 or sequence) else ()
+    if unsplit:
+        plan = plan.with_settings(notes=(*unsplit, *plan.notes))
     return plan
 
 

@@ -25,12 +25,19 @@ def stage_layout(graph: OpGraph, plan: Plan, stage: int) -> TensorLayout:
 
 def unsplit_notes(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
     """A line for each tensor-parallel stage of ``plan`` whose degree splits none of its ops,
-    saying why: its ops then run whole on each of its tensor devices, which only adds work.
+    saying why: its ops then run whole on each of its tensor devices, which only adds work;
+    and for each whose sequence parallelism splits none (it runs as tensor parallelism alone).
     (A plan's notes carry them to the command line's and the widget's plan rows.)"""
     out = []
     for s in range(len(plan.stages)):
         k = plan.tensor_of(s)
-        if k == 1 or any(plan.stage_of(n) == s for n in stage_layout(graph, plan, s).split_ops):
+        layout = stage_layout(graph, plan, s) if k > 1 else None
+        if layout is not None and plan.sequence_of(s) and not layout.sequence_ops:
+            out.append(f"sequence parallelism on stage {s} splits nothing along the sequence: "
+                       "no norm or residual add between its split blocks reads a row-parallel "
+                       "linear's (batch, seq, features) output directly (a view or a random "
+                       "op comes between); the stage runs as tensor parallelism alone")
+        if layout is None or any(plan.stage_of(n) == s for n in layout.split_ops):
             continue
         mine = [n for n in graph.ops if plan.stage_of(n.name) == s]
         kinds = sum(n.op in (*LINEAR_OPS, *TRANSPOSED_OPS, *CONV_OPS, *EMBEDDING_OPS)

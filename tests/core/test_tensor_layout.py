@@ -227,3 +227,17 @@ def test_a_tensor_degree_that_splits_nothing_says_why():
         "on each of its 2 tensor devices",)
     mlp = tiny_builtin_graph("mlp")
     assert unsplit_notes(mlp, _whole_stage(mlp)) == ()
+
+
+def test_sequence_parallelism_that_splits_nothing_says_so():
+    """Hugging Face's GPT-2 views each projection's rows back to (batch, seq, features) and
+    drops out before its residual add: nothing runs on sequence shards. A Llama's norms do."""
+    graph = _hf_gpt2()
+    plan = _whole_stage(graph).with_memory(sequence=True)
+    assert unsplit_notes(graph, plan) == (
+        "sequence parallelism on stage 0 splits nothing along the sequence: no norm or "
+        "residual add between its split blocks reads a row-parallel linear's (batch, seq, "
+        "features) output directly (a view or a random op comes between); the stage runs as "
+        "tensor parallelism alone",)
+    llama = tiny_builtin_graph("llama")
+    assert unsplit_notes(llama, _whole_stage(llama).with_memory(sequence=True)) == ()
