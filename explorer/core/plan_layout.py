@@ -55,8 +55,8 @@ def plan_placements(graph: OpGraph, plan: Plan
                     ) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     """The placement of every weight a tensor-parallel stage of ``plan`` splits, the ops
     those stages split, those of them run on local shards, and those whose output is a
-    sequence shard (the sequence-parallel ops and the ops that scatter into them; in graph
-    order)."""
+    sequence shard (the sequence-parallel ops and the ops that scatter into them, and the
+    transposed linears whose partial sums a view after them scatters; in graph order)."""
     out: dict[str, str] = {}
     ops: set[str] = set()
     local: set[str] = set()
@@ -67,7 +67,7 @@ def plan_placements(graph: OpGraph, plan: Plan
             out.update({k: v for k, v in layout.placements.items() if plan.stage_of(k) == s})
             ops.update(k for k in layout.split_ops if plan.stage_of(k) == s)
             local.update(k for k in layout.local_ops if plan.stage_of(k) == s)
-            seq.update(k for k in (*layout.sequence_ops, *layout.scatter_forward)
-                       if plan.stage_of(k) == s)
+            seq.update(k for k in (*layout.sequence_ops, *layout.scatter_forward,
+                                   *layout.partial_rows) if plan.stage_of(k) == s)
     return (out, *([n.name for n in graph.nodes if n.name in names]
                    for names in (ops, local, seq)))

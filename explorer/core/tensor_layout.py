@@ -94,6 +94,9 @@ RESHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default",
 TOKENWISE = (POINTWISE - RANDOM_OPS) | frozenset(f"aten.{op}" for op in (
     "layer_norm.default", "native_layer_norm.default", "rms_norm.default", "mean.dim",
     "rsqrt.default", "sqrt.default", "to.dtype", "_to_copy.default", "type_as.default"))
+#: random ops that run on a sequence shard too: each device draws the whole mask, as one
+#: device would, and applies its positions' part
+SEQUENCE_RANDOM = frozenset(("aten.dropout.default", "aten.native_dropout.default"))
 LINEAR_OPS = ("aten.linear.default",)
 #: linears whose weight is stored transposed, ``(in, out)``: Hugging Face's ``Conv1D`` (GPT-2)
 #: computes ``addmm(bias, x, weight)`` on its input flattened to rows ``(batch * seq, in)``;
@@ -107,7 +110,8 @@ LOSS_OPS = ("aten.cross_entropy_loss.default",)
 #: ops that may lie between such a linear and its loss: they keep the classes last, and run on
 #: a device's share of them unchanged but for a view's or reshape's class count
 VOCAB_OPS = RESHAPE_OPS | frozenset(("aten.slice.Tensor", "aten.contiguous.default",
-                                     "aten.clone.default", "aten.alias.default"))
+                                     "aten.clone.default", "aten.alias.default",
+                                     "aten.flatten.using_ints"))
 #: bytes per row a vocabulary-parallel loss all-reduces: three fp32 numbers
 VOCAB_LOSS_ROW_BYTES = 3 * 4
 
@@ -175,7 +179,9 @@ class TensorLayout:
     such an output; a column-parallel linear's sequence-split input, gathered again);
     ``scatter_backward``: bytes reduce-scattered in an op's backward (that input's gradient);
     ``sequence_params``: the weights those ops read whole, whose gradients (partial sums) are
-    all-reduced over the tensor devices once a step.
+    all-reduced over the tensor devices once a step. ``partial_rows``: row-parallel transposed
+    linears (``addmm`` on rows) whose partial sums are reduce-scattered at the view back to
+    ``(batch, seq, features)`` after them (in ``scatter_forward``), their bias added there.
     """
 
     degree: int
@@ -192,6 +198,7 @@ class TensorLayout:
     gather_backward: dict[str, int] = field(default_factory=dict)
     scatter_backward: dict[str, int] = field(default_factory=dict)
     sequence_params: frozenset[str] = frozenset()
+    partial_rows: frozenset[str] = frozenset()
 
     def placement(self, param: str) -> str:
         return self.placements.get(param, REPLICATE)
@@ -395,7 +402,8 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
                                  []).append(i)
         if n.kind == "op" and n.op in EMBEDDING_OPS:
             w = _weight(graph, i)
-            ids = [graph.index[p] for p in n.inputs if nodes[graph.index[p]].kind == "input"]
+            ids = [p for p in (_viewed_input(graph, graph.index[q]) for q in n.inputs)
+                   if p is not None]
             if w is not None and ids and _divides(graph, w[0], 0, degree):
                 placements[nodes[w[0]].name] = shard(0)
                 split.add(n.name)
@@ -445,6 +453,14 @@ def _layout(graph: OpGraph, degree: int) -> TensorLayout:
             bwd[nodes[lin].name] = nodes[x].out_bytes
     return TensorLayout(degree, placements, frozenset(split), fwd, bwd, gather,
                         frozenset(local))
+
+
+def _viewed_input(graph: OpGraph, k: int) -> int | None:
+    """The input node that node ``k`` is, or is a view or reshape of (token ids viewed to
+    ``(batch, seq)`` first, as Hugging Face's models do); None where it is none."""
+    while graph.nodes[k].op in RESHAPE_OPS and len(graph.preds[k]) == 1:
+        k = graph.preds[k][0]
+    return k if graph.nodes[k].kind == "input" else None
 
 
 def _vocab_losses(graph: OpGraph, degree: int, placed: dict[str, str]
@@ -499,15 +515,21 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
         w = _weight(graph, c) if nodes[c].op in LINEAR_OPS and c in split else None
         return w is not None and shard_dim(base.placement(nodes[w[0]].name)) == 0
 
-    seeds = [idx[n] for n in base.reduce_forward
-             if nodes[idx[n]].op in (*LINEAR_OPS, *EMBEDDING_OPS)
-             and rows_of(idx[n]) is not None and rows_of(idx[n])[1] % k == 0]  # type: ignore[index]
+    def seq_rows(i: int) -> bool:  # (batch, seq, features), the degree dividing seq
+        return rows_of(i) is not None and rows_of(i)[1] % k == 0  # type: ignore[index]
+
+    # a transposed linear's rows viewed back to (batch, seq, features): scattered there
+    partial = {graph.succs[i][0]: i for i in (idx[n] for n in base.reduce_forward)
+               if nodes[i].op in TRANSPOSED_OPS and len(graph.succs[i]) == 1
+               and nodes[graph.succs[i][0]].op in RESHAPE_OPS and seq_rows(graph.succs[i][0])}
+    seeds = sorted([*partial, *(idx[n] for n in base.reduce_forward if seq_rows(idx[n])
+                                and nodes[idx[n]].op in (*LINEAR_OPS, *EMBEDDING_OPS))])
     if not seeds:
         return base
     bt = rows_of(seeds[0])
 
     def tokenwise_op(j: int) -> bool:
-        return nodes[j].op in TOKENWISE and rows_of(j) == bt
+        return nodes[j].op in TOKENWISE | SEQUENCE_RANDOM and rows_of(j) == bt
 
     def tokenwise(j: int) -> bool:  # ... and not split yet, its weights read by such ops only
         return (nodes[j].kind == "op" and j not in split and tokenwise_op(j)
@@ -530,7 +552,8 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
         seq = [j for j in seq if not mixed & set(graph.preds[j])]
         shards, params = {*seeds, *seq}, params - mixed
     for i in seeds:  # a row-parallel linear's bias, added to its positions only
-        w = _weight(graph, i) if nodes[i].op in LINEAR_OPS else None
+        w = (_weight(graph, partial.get(i, i))
+             if nodes[partial.get(i, i)].op in (*LINEAR_OPS, *TRANSPOSED_OPS) else None)
         if w is not None and w[1] is not None:
             params.add(w[1])
     fwd, bwd = dict(base.reduce_forward), dict(base.reduce_backward)
@@ -540,7 +563,7 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
         into[name] = into.get(name, 0) + nbytes
 
     for i in seeds:
-        scatter_f[nodes[i].name] = gather_b[nodes[i].name] = fwd.pop(nodes[i].name)
+        scatter_f[nodes[i].name] = gather_b[nodes[i].name] = fwd.pop(nodes[partial.get(i, i)].name)
     for p in sorted(shards):
         for c in graph.succs[p]:
             if c in shards:
@@ -560,8 +583,11 @@ def sequence_split(graph: OpGraph, base: TensorLayout) -> TensorLayout:
                 narrowed.add(p)
                 add(bwd, nodes[j].name, nodes[p].out_bytes)
     names = frozenset(nodes[j].name for j in seq)
-    return replace(base, split_ops=base.split_ops | names, reduce_forward=fwd,
+    views = frozenset(nodes[v].name for v in partial if v in shards)
+    return replace(base, split_ops=base.split_ops | names | views, reduce_forward=fwd,
                    reduce_backward=bwd, gather_forward=gather, sequence_ops=names,
                    scatter_forward=scatter_f, gather_backward=gather_b,
                    scatter_backward=scatter_b,
-                   sequence_params=frozenset(nodes[p].name for p in sorted(params)))
+                   sequence_params=frozenset(nodes[p].name for p in sorted(params)),
+                   partial_rows=frozenset(nodes[partial[v]].name for v in partial
+                                          if v in shards))

@@ -110,6 +110,10 @@ class NativePlan:
     #: Hugging Face Conv1D modules the plan splits: the script makes each an nn.Linear (its
     #: weight transposed) for torch's styles
     conv1d: tuple[str, ...] = ()
+    #: under sequence parallelism, the first block: the embeddings reach it as a DTensor on
+    #: sequence shards (its shape whole, as the model's own code reads it), and it works on
+    #: this device's positions as a plain tensor, as the blocks hand them on
+    sequence_entry: str = ""
 
     @property
     def stages(self) -> int:
@@ -188,8 +192,11 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
                   if shard_parts(placement) > 1 and name.endswith(".weight"))
     conv1d = tuple(path for path, _ in styles if module is not None
                    and type(module.get_submodule(path)).__name__ == CONV1D)
+    entry = ""
     if plan.sequence_of(0):
         styles = _sequence_styles(graph, layout, styles)
+        entry = next(path for path, style in styles if style == "sequence_norm").rpartition(
+            ".")[0]
     attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
                                     if n.name in layout.local_ops and n.module_path))
     counts: dict[str, None] = {}
@@ -205,7 +212,8 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
         if not MODULE_PATH.fullmatch(path):
             raise NotExpressible(f"module path {path!r} cannot be named in a script")
     return {"tensor": degree, "tensor_styles": styles, "attention": attention,
-            "head_counts": tuple(counts), "fused": fused, "conv1d": conv1d}
+            "head_counts": tuple(counts), "fused": fused, "conv1d": conv1d,
+            "sequence_entry": entry}
 
 
 def _styles(graph: OpGraph, layout: TensorLayout,
@@ -268,7 +276,7 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
         style = dict(styles)[path]
         node = graph.nodes[graph.index[op]]
         if style in ("colwise", "vocab_output"):
-            source = _module_input(graph, node, path)
+            source = _same_shape_source(graph, _module_input(graph, node, path), sequence)
             if source not in sequence:
                 raise NotExpressible(
                     f"module {path!r} reads {source!r}, which sequence parallelism leaves "
@@ -284,6 +292,14 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
     return tuple(out.items())
 
 
+#: shape ops that may give their input's shape back unchanged
+SAME_SHAPE_OPS = frozenset(("aten.view.default", "aten.reshape.default", "aten.slice.Tensor",
+                            "aten.contiguous.default", "aten.alias.default"))
+#: ops that move a value to a device or an identical copy: an output torch's styles scatter
+#: is read through them as it is
+MOVES = frozenset(("aten.to.dtype_layout", "aten.to.device", "aten.alias.default"))
+
+
 def _module_input(graph: OpGraph, node: OpNode, path: str) -> str | None:
     """The op output that module ``path`` reads, ``node`` being its projection: the first op
     input, looked through to outside the module (Hugging Face's Conv1D flattens its input
@@ -294,6 +310,22 @@ def _module_input(graph: OpGraph, node: OpNode, path: str) -> str | None:
         if source is None or graph.nodes[graph.index[source]].module_path != path:
             return source
         node = graph.nodes[graph.index[source]]
+
+
+def _same_shape_source(graph: OpGraph, source: str | None, sequence: set[str]) -> str | None:
+    """``source``, looked through the shape ops that give their input's shape back (a view to
+    the same shape, a slice of everything) to a sequence shard they read, if any: a DTensor
+    on sequence shards goes through them as it is."""
+    name = source
+    while name is not None and name not in sequence:
+        node = graph.nodes[graph.index[name]]
+        preds = [graph.nodes[k] for k in graph.preds[graph.index[name]]
+                 if graph.nodes[k].kind == "op"]
+        if (node.op not in SAME_SHAPE_OPS or len(preds) != 1 or not node.shapes
+                or node.shapes[:1] != preds[0].shapes[:1]):
+            return source
+        name = preds[0].name
+    return source if name is None else name
 
 
 def _whole_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]
@@ -309,10 +341,16 @@ def _whole_inputs(graph: OpGraph, ops: Iterable[str], sequence: set[str]
             made = graph.nodes[graph.index[source]]
             if made.kind != "op" or source in sequence:
                 continue
+            readers = [graph.nodes[k].name for k in graph.succs[graph.index[source]]]
+            while made.op in MOVES and len(graph.preds[graph.index[made.name]]) == 1:
+                # (a module's output moved to the device it already is on)
+                made = graph.nodes[graph.preds[graph.index[made.name]][0]]
+                readers += [graph.nodes[k].name for k in graph.succs[graph.index[made.name]]
+                            if graph.nodes[k].op not in MOVES]
+                source = made.name
             path = made.module_path
             last = max((k for k, n in enumerate(graph.nodes)
                         if n.kind == "op" and n.module_path == path), default=-1)
-            readers = [graph.nodes[k].name for k in graph.succs[graph.index[source]]]
             dim = 1 - (len(node.shapes[0]) - len(made.shapes[0])) if (
                 node.shapes and made.shapes) else -1
             if (not path or last != graph.index[source] or dim not in (0, 1)

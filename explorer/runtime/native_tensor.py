@@ -18,14 +18,14 @@ _STYLES = {"colwise": "ColwiseParallel()", "rowwise": "RowwiseParallel()",
            "sequence_norm": "SequenceParallel()",
            "colwise_from_sequence": "ColwiseParallel(input_layouts=Shard(1))",
            "rowwise_to_sequence": "RowwiseParallel(output_layouts=Shard(1))",
-           "vocab_embedding_to_sequence":
-               "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
+           "vocab_embedding_to_sequence": "RowwiseParallel(input_layouts=Replicate(), "
+                                          "output_layouts=Shard(1), use_local_output=False)",
            "vocab_output_from_sequence":
                "ColwiseParallel(input_layouts=Shard(1), use_local_output=False)",
-           "output_to_sequence":
-               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))",
-           "rows_to_sequence":
-               "PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))"}
+           "output_to_sequence": "PrepareModuleOutput(output_layouts=Replicate(), "
+                                 "desired_output_layouts=Shard(1), use_local_output=False)",
+           "rows_to_sequence": "PrepareModuleOutput(output_layouts=Replicate(), "
+                               "desired_output_layouts=Shard(0), use_local_output=False)"}
 
 
 def loss_parallel(p: NativePlan) -> bool:
@@ -44,7 +44,8 @@ def tensor_imports(p: NativePlan) -> list[str]:
     names = sorted({_STYLES[style].split("(")[0] for style in used} | {"parallelize_module"}
                    | ({"loss_parallel"} if loss_parallel(p) else set()))
     placements = sorted({name for style in used for name in ("Replicate", "Shard")
-                         if f"{name}(" in _STYLES[style]})
+                         if f"{name}(" in _STYLES[style]} | ({"DTensor"} if p.sequence_entry
+                                                             else set()))
     lines = ([f"from torch.distributed.tensor import {', '.join(placements)}"]
              if placements else [])
     return lines + ["from torch.distributed.tensor.parallel import ("] + [
@@ -58,6 +59,10 @@ def tensor_constants(p: NativePlan) -> list[str]:
              "classes (its loss runs on the shards)", "TENSOR_LAYOUT = {"]
     lines += [f"    {literal(path)}: {literal(style)}," for path, style in p.tensor_styles]
     lines.append("}")
+    if p.sequence_entry:
+        lines += ["#: the first block: the embeddings reach it as a DTensor on sequence shards "
+                  "(its shape", "#: whole, as the model's own code reads it); it works on this "
+                  "device's positions", f"SEQUENCE_ENTRY = {literal(p.sequence_entry)}"]
     if p.attention and p.head_counts:
         lines.append("#: attention modules split by heads: each device runs its own, so their "
                      "head counts are divided")
@@ -83,9 +88,12 @@ def tensor_body(p: NativePlan) -> list[str]:
     for style in used:
         entry = f"        {literal(style)}: {_STYLES[style]},"
         body += [entry] if len(entry) <= 100 else [f"        {literal(style)}:",
-                                                   f"            {_STYLES[style]},"]
+                                                   *_wrapped(f"{_STYLES[style]},", 12)]
     body += ["    }", "    layout = {path: styles[style] for path, style in "
              "TENSOR_LAYOUT.items()}", '    parallelize_module(model, mesh["tp"], layout)']
+    if p.sequence_entry:
+        body += ["    model.get_submodule(SEQUENCE_ENTRY).register_forward_pre_hook(",
+                 "        on_positions, with_kwargs=True)"]
     if p.attention and p.head_counts:
         body += ["    for path in ATTENTION:", "        attention = model.get_submodule(path)",
                  "        for name in HEAD_COUNTS:",
@@ -94,7 +102,29 @@ def tensor_body(p: NativePlan) -> list[str]:
     return body
 
 
+def _wrapped(call: str, indent: int, width: int = 100) -> list[str]:
+    """``call`` (``Name(a, b, ...)``) on lines of at most ``width`` characters, indented by
+    ``indent``, its arguments continued under the first."""
+    head, _, rest = call.partition("(")
+    lines, line = [], " " * indent + head + "("
+    for i, part in enumerate(rest.split(", ")):
+        piece = part if i == 0 else " " + part
+        if i and len(line) + len(piece) + 1 > width:
+            lines.append(line + ",")
+            line = " " * (indent + len(head) + 1) + part
+        else:
+            line += ("," if i else "") + piece
+    return [*lines, line]
+
+
 def split_weights_section(p: NativePlan) -> str:
+    positions = '''
+def on_positions(module, args, kwargs):
+    """What a block reads, each DTensor as this device's part of it (a plain tensor)."""
+    def local(value):
+        return value.to_local() if isinstance(value, DTensor) else value
+    return tuple(local(a) for a in args), {name: local(v) for name, v in kwargs.items()}
+''' if p.sequence_entry else ""
     conv1d = '''
 def conv1d_as_linear(model: torch.nn.Module) -> None:
     """Hugging Face's Conv1D modules of CONV1D as the nn.Linear torch's styles split: the
@@ -108,8 +138,8 @@ def conv1d_as_linear(model: torch.nn.Module) -> None:
         model.set_submodule(path, linear)
 ''' if p.conv1d else ""
     if not p.fused:
-        return conv1d
-    return conv1d + '''
+        return positions + conv1d
+    return positions + conv1d + '''
 def interleave_fused(initial: torch.nn.Module, ranks: int) -> None:
     """Reorder each fused projection's output rows (and bias) so that each rank's contiguous
     block, the one ColwiseParallel gives it, holds its heads' share of every part: parts of

@@ -34,6 +34,7 @@ from explorer.core.tensor_layout import (
     EMBEDDING_OPS,
     REPLICATE,
     RESHAPE_OPS,
+    SEQUENCE_RANDOM,
     SPLIT_OPS,
     TRANSPOSED_OPS,
     shard_dim,
@@ -45,6 +46,7 @@ from explorer.runtime.head_shapes import (
     transposed_dim,
     unsqueezed_dim,
     view_of_heads,
+    whole_shape,
 )
 from explorer.runtime.sequence_parallel import (
     SEQ_DIM,
@@ -52,6 +54,7 @@ from explorer.runtime.sequence_parallel import (
     SequenceColumnLinear,
     reduce_partial_grads,
 )
+from explorer.runtime.tensor_collectives import AllReduced, Gathered, PartialGrad
 from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
 
 
@@ -99,6 +102,9 @@ class TensorMesh:
         self.shards: dict[int, tuple[weakref.ref, int]] = {}
         #: id -> weight read whole by a sequence-parallel op (its gradient a partial sum)
         self.sequence_params: dict[int, torch.Tensor] = {}
+        #: id -> a row-parallel transposed linear's partial sums, for the view after it to
+        #: reduce-scatter along the sequence (:meth:`scattered_rows`)
+        self.partial_rows: dict[int, weakref.ref] = {}
 
     @functools.cached_property
     def group(self) -> Any:
@@ -157,6 +163,8 @@ class TensorMesh:
 
         A column-parallel linear reading a sequence shard gathers it
         (:class:`~explorer.runtime.sequence_parallel.SequenceColumnLinear`)."""
+        if sequence and args and self.is_partial_rows(args[0]):
+            return self.scattered_rows(fn, args, kwargs)
         if local:
             return self.on_heads(fn, args, kwargs)
         if split and str(fn) in EMBEDDING_OPS:
@@ -189,7 +197,7 @@ class TensorMesh:
         all-reduced once, Megatron's ``f``); local shards as they are."""
         def enter(t: Any) -> Any:
             if (isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
-                    and not self.is_shard(t)):
+                    and not self.is_shard(t) and not self.is_partial_rows(t)):
                 return PartialGrad.apply(t, self.group)
             return t
         return mapped(enter, value)
@@ -208,7 +216,7 @@ class TensorMesh:
         gradients all-reduced once a step (:meth:`reduce_sequence_grads`)."""
         args, kwargs = list(args), dict(kwargs)
         if str(fn) in TRANSPOSED_OPS and isinstance(args[2], DTensor):
-            return self.transposed(fn, args, kwargs)
+            return self.transposed(fn, args, kwargs, sequence)
         weight = next((t for t in args if isinstance(t, DTensor)), None)
         dim = -1 if weight is None else split_dim(weight.ndim)
         row = weight is not None and weight.placements[0] == Shard(1)
@@ -249,12 +257,13 @@ class TensorMesh:
             return out if bias is None else out + bias.view(-1, *(1,) * (-dim - 1))
         return self.marked(out, dim)
 
-    def transposed(self, fn: Any, args: list, kwargs: dict) -> Any:
+    def transposed(self, fn: Any, args: list, kwargs: dict, sequence: bool = False) -> Any:
         """``addmm(bias, x, weight)`` with its ``(in, out)`` weight split (Hugging Face's
         ``Conv1D``): column-parallel (weight split along dim 1, the output features) on the
         whole input, its output a local shard of the features; row-parallel (dim 0, the input
         features) on this rank's features of the input, its partial sums all-reduced and the
-        whole bias added after."""
+        whole bias added after (``sequence``: each rank adding its share of the bias, the sums
+        left for the view after it to reduce-scatter, :meth:`scattered_rows`)."""
         bias, x, weight = args[:3]
         if shard_dim_of(weight) == 1:
             return self.marked(fn(self.local(bias), x, self.local(weight), *args[3:], **kwargs))
@@ -262,14 +271,48 @@ class TensorMesh:
             raise ExplorerError("a row-parallel addmm with beta or alpha cannot be split; run "
                                 "it whole (tensor degree 1 on its stage)")
         x = x if self.is_shard(x) else self.narrowed(x, -1)
-        out = AllReduced.apply(torch.mm(x, self.local(weight)), self.group)
-        return out + bias
+        out = torch.mm(x, self.local(weight))
+        if not sequence:
+            return AllReduced.apply(out, self.group) + bias
+        if bias.is_leaf and bias.requires_grad:  # (its gradient: this rank's share)
+            self.sequence_params.setdefault(id(bias), bias)
+        return self.pending(out + bias / self.degree)
+
+    def pending(self, partial: torch.Tensor) -> torch.Tensor:
+        """``partial``, remembered as a row-parallel transposed linear's partial sums (for
+        :meth:`scattered_rows`)."""
+        key = id(partial)
+        self.partial_rows[key] = weakref.ref(
+            partial, lambda _, key=key: self.partial_rows.pop(key, None))
+        return partial
+
+    def carried(self, t: Any, into: torch.Tensor) -> torch.Tensor:
+        """``into``, a stand-in for ``t`` that an op reads, remembered as ``t`` is: a local
+        shard along its dimension, partial sums with their bias."""
+        if self.is_shard(t):
+            self.marked(into, self.split_dim(t))
+        if self.is_partial_rows(t):
+            self.pending(into)
+        return into
+
+    def is_partial_rows(self, t: Any) -> bool:
+        """Whether ``t`` is a row-parallel transposed linear's partial sums, not reduced yet."""
+        hit = self.partial_rows.get(id(t))
+        return hit is not None and hit() is t
+
+    def scattered_rows(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """The view of a row-parallel transposed linear's partial sums back to ``(batch, seq,
+        features)``, reduce-scattered along the sequence: this rank's positions' sums."""
+        return self.marked(ScatteredSequence.apply(fn(*args, **kwargs), self.group,
+                                                   self.degree), SEQ_DIM)
 
     def on_positions(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """A token-wise op on this rank's positions: its sequence shards as they are, its whole
         ``(..., seq, features)`` inputs narrowed to the positions (their gradients then partial
         sums, which the stage all-reduces), the replicated weights it reads as they are, their
         gradients remembered for :meth:`reduce_sequence_grads`; its output a sequence shard."""
+        if str(fn) in SEQUENCE_RANDOM:
+            return self.random_on_positions(fn, args, kwargs)
         tensors = [t for t in args if isinstance(t, torch.Tensor) and t.ndim >= -SEQ_DIM]
         ref = next((t for t in tensors if self.is_shard(t)), None)
         positions = (ref.shape[SEQ_DIM] if ref is not None else  # (all whole: from elsewhere)
@@ -285,6 +328,17 @@ class TensorMesh:
                 return self.narrowed(t, SEQ_DIM)
             return t
         return self.marked(fn(*mapped(read, args), **mapped(read, kwargs)), SEQ_DIM)
+
+    def random_on_positions(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        """A dropout on this rank's positions ``args[0]``: the mask drawn whole, as one device
+        draws it (a dropout of ones), and its part for these positions applied."""
+        x = args[0]
+        whole = whole_shape(x.shape, SEQ_DIM, self.degree)
+        drawn = fn(torch.ones(whole, dtype=x.dtype, device=x.device), *args[1:], **kwargs)
+        if isinstance(drawn, tuple):  # (native_dropout: the output and the mask kept)
+            scale, kept = (self.narrowed(t, SEQ_DIM) for t in drawn)
+            return self.marked((x * scale, kept), SEQ_DIM)
+        return self.marked(x * self.narrowed(drawn, SEQ_DIM), SEQ_DIM)
 
     def reduce_sequence_grads(self) -> None:
         """All-reduce the partial gradients of the weights token-wise ops read (once a step,
@@ -315,6 +369,11 @@ class TensorMesh:
             dim = unsqueezed_dim(x.ndim, dim, args[1])
         elif self.is_shard(x) and op == "aten.expand.default":
             args = (x, expanded_sizes(x.shape, dim, args[1]), *args[2:])
+        elif op == ATTENTION and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
+            # (its dropout masks are drawn for all heads at once: the whole attention runs on
+            # every rank, as one device runs it, and each keeps its heads' part)
+            whole = fn(*[self.gathered(t) if self.is_shard(t) else t for t in args], **kwargs)
+            return self.marked(self.narrowed(whole, dim), dim)
         return self.marked(fn(*args, **kwargs), dim)
 
     def local(self, t: Any) -> Any:
@@ -440,6 +499,10 @@ class TensorMesh:
                             else self.gathered(t) if self.is_shard(t) else t, value)
 
 
+#: the attention of a head-split core, whose dropout draws its masks for every head at once
+ATTENTION = "aten.scaled_dot_product_attention.default"
+
+
 def shard_dim_of(t: DTensor) -> int | None:
     """The dimension a DTensor's (first) placement splits; None where it is replicated."""
     placement = t.placements[0]
@@ -454,53 +517,6 @@ def mapped(fn: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: mapped(fn, v) for k, v in value.items()}
     return fn(value)
-
-
-class AllReduced(torch.autograd.Function):
-    """Partial sums all-reduced (in place) over a tensor group; the gradient of every rank's
-    part is the (replicated) gradient of the sum, as it is (Megatron's ``g``)."""
-
-    @staticmethod
-    def forward(ctx, t, group):  # type: ignore[override]
-        ctx.mark_dirty(t)
-        dist.all_reduce(t, group=group)
-        return t
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return g, None
-
-
-class PartialGrad(torch.autograd.Function):
-    """A whole tensor as it is; its gradient (every rank's partial sum) all-reduced
-    (Megatron's ``f``)."""
-
-    @staticmethod
-    def forward(ctx, t, group):  # type: ignore[override]
-        ctx.group = group
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class Gathered(torch.autograd.Function):
-    """Local shards all-gathered along their dimension ``dim`` (from the end); the gradient
-    of a rank's shard is its part of the (replicated) gradient of the whole."""
-
-    @staticmethod
-    def forward(ctx, t, group, index, degree, dim):  # type: ignore[override]
-        ctx.index, ctx.width, ctx.dim = index, t.shape[dim], dim
-        parts = [torch.empty_like(t) for _ in range(degree)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        return g.narrow(ctx.dim, ctx.index * ctx.width, ctx.width), None, None, None, None
 
 
 class _Reduced(torch.autograd.Function):

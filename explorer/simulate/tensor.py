@@ -148,10 +148,12 @@ def per_device(graph: OpGraph, plan: Plan, nbytes):
 
 def activations_per_device(graph: OpGraph, plan: Plan, nbytes):
     """``nbytes`` (per node) with the outputs a tensor-parallel stage keeps split divided by
-    its degree: those of the split ops but the ones whose output is all-reduced (a
-    row-parallel linear's or an embedding's partial sums are whole tensors)."""
+    its degree: those of the split ops but the ones whose output is all-reduced or
+    reduce-scattered later (a row-parallel linear's or an embedding's partial sums are whole
+    tensors)."""
     return _divided(graph, plan, nbytes,
-                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward])
+                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward
+                                 and n not in lay.partial_rows])
 
 
 def saved_extra_per_device(graph: OpGraph, plan: Plan, nbytes):
@@ -160,7 +162,8 @@ def saved_extra_per_device(graph: OpGraph, plan: Plan, nbytes):
     loss's too: it keeps the softmax of the device's share of the classes (its output, the
     loss, is whole)."""
     return _divided(graph, plan, nbytes,
-                    lambda lay: [n for n in lay.split_ops if n not in lay.reduce_forward
+                    lambda lay: [n for n in lay.split_ops if (n not in lay.reduce_forward
+                                                              and n not in lay.partial_rows)
                                  or graph.nodes[graph.index[n]].op in LOSS_OPS])
 
 

@@ -204,9 +204,13 @@ def test_hf_gpt2_conv1d_layers_split_as_transposed_linears():
             f"{h}.attn.c_proj.weight": "Shard(0)",  # row-parallel: its bias added once
             f"{h}.mlp.c_fc.weight": "Shard(1)", f"{h}.mlp.c_fc.bias": "Shard(0)",
             f"{h}.mlp.c_proj.weight": "Shard(0)"}
-    assert len(lay.reduce_forward) == 4  # one all-reduce per attention and per MLP
-    # the attention's heads can split 2 ways, not 4: the MLPs still do
-    assert all(".mlp." in k for k in megatron_layout(_hf_gpt2(), 4).placements)
+    # one all-reduce per attention and per MLP, and the token embedding's (its ids viewed
+    # to (batch, seq) first): split by rows of the vocabulary
+    assert len(lay.reduce_forward) == 5
+    assert lay.placements["lm_head.weight"] == "Shard(0)"  # (tied: the embedding's weight)
+    # the attention's heads can split 2 ways, not 4: the MLPs (and the embedding) still do
+    assert all(".mlp." in k or k == "lm_head.weight"
+               for k in megatron_layout(_hf_gpt2(), 4).placements)
 
 
 def _whole_stage(graph):
@@ -230,9 +234,9 @@ def test_a_tensor_degree_that_splits_nothing_says_why():
 
 
 def test_sequence_parallelism_that_splits_nothing_says_so():
-    """Hugging Face's GPT-2 views each projection's rows back to (batch, seq, features) and
-    drops out before its residual add: nothing runs on sequence shards. A Llama's norms do."""
-    graph = _hf_gpt2()
+    """An MLP's linears read (batch, features) rows: nothing runs on sequence shards. A
+    Llama's norms do."""
+    graph = tiny_builtin_graph("mlp")
     plan = _whole_stage(graph).with_memory(sequence=True)
     assert unsplit_notes(graph, plan) == (
         "sequence parallelism on stage 0 splits nothing along the sequence: no norm or "

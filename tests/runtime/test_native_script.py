@@ -225,7 +225,11 @@ class TestText:
         assert '"sequence_norm": SequenceParallel(),' in text
         assert "(tensor parallel, the norms between along the sequence)" in " ".join(
             text.split())
-        assert "from torch.distributed.tensor import Replicate, Shard" in text
+        assert "from torch.distributed.tensor import DTensor, Replicate, Shard" in text
+        # the embeddings reach the first block as a DTensor of sequence shards, whose shape
+        # is whole where the model's own code reads it
+        assert 'SEQUENCE_ENTRY = "layers.0"' in text
+        assert "register_forward_pre_hook(\n        on_positions, with_kwargs=True)" in text
 
 
 @pytest.mark.parametrize("source", ["gpt", "llama", "factory_models:hf_gpt2"])
@@ -288,11 +292,9 @@ class TestRefused:
             ex.export_script(plan, tmp_path / "t.py", graph=graph, native=True,
                              factory=f"factory_models:{factory}")
 
-    def test_sequence_parallelism_that_splits_nothing_is_named(self, factories, cpu2,
-                                                                tmp_path):
-        """Hugging Face's GPT-2 has a view and a dropout between each row-parallel projection
-        and its residual add: the explorer's layout puts nothing on sequence shards."""
-        graph, _, model = _captured("factory_models:hf_gpt2_logits")
+    def test_sequence_parallelism_that_splits_nothing_is_named(self, cpu2, tmp_path):
+        """An MLP's linears read (batch, features) rows: there is no sequence to split."""
+        graph, _, model = _captured("mlp")
         plan = _replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
         with pytest.raises(NotExpressible, match=r"splits nothing of this model along the "
                                                  r"sequence.*set sequence off"):
@@ -505,9 +507,11 @@ def test_even_layers_pipelines_of_other_transformers_train_as_ex_run(factories, 
 @pytest.mark.parametrize("source, sequence", [("llama", True),
                                               ("factory_models:hf_llama_logits", False),
                                               ("gpt", True),
-                                              ("factory_models:hf_gpt2_logits", False)],
+                                              ("factory_models:hf_gpt2_logits", False),
+                                              ("factory_models:hf_gpt2_logits", True)],
                          ids=["llama with sequence parallel", "hf_llama",
-                              "gpt fused qkv with sequence parallel", "hf_gpt2 conv1d"])
+                              "gpt fused qkv with sequence parallel", "hf_gpt2 conv1d",
+                              "hf_gpt2 conv1d with sequence parallel"])
 def test_a_tensor_parallel_script_trains_as_ex_run(factories, cpu2, pool, source, sequence,
                                                    tmp_path):
     """Tensor 2 on two ranks, torch's parallel styles against ex.run's own split of the same

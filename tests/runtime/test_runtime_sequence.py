@@ -3,8 +3,12 @@ equal one device."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 from builders import check_matches_one_device, tiny_builtin_graph
+from torch import nn
 
 import explorer as ex
 from explorer.core.plan_layout import plan_placements
@@ -68,3 +72,50 @@ def test_sequence_shards_cross_a_stage_boundary_whole(split_stage, runtime, pool
     plan = _stages("gpt", devices, micro_batches=2).with_tensor(2, stages=[split_stage],
                                                                 sequence=True)
     _check("gpt", plan, 2, runtime, pool)
+
+
+@functools.cache
+def _hf_gpt2_with_dropout():
+    """Hugging Face's GPT-2 (tiny, its output layer untied) with its dropouts on: Conv1D
+    projections (``addmm`` on rows, viewed back to (batch, seq, features)), a dropout before
+    each residual add, and an attention dropout inside the head-split core."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=False))
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    return ex.capture(model, ids, loss_fn, labels, name="hf-gpt2-dropout")
+
+
+@RUNTIMES
+@pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
+def test_hf_gpt2_with_dropout_matches_one_device(runtime, sequence, pool):
+    """Every dropout draws the mask one device draws: on sequence shards each rank draws the
+    whole mask and applies its positions' part; the attention's dropout runs whole on every
+    rank. The Conv1D row projections' partial sums are reduce-scattered at their view back to
+    (batch, seq, features), each rank adding its share of the bias; the token embedding's ids
+    come through a view, the output layer's logits reach the loss through a flatten."""
+    graph = _hf_gpt2_with_dropout()
+    ops = {n.name: 0 for n in graph.ops}
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1")], ops).with_tensor(
+        2, sequence=sequence)
+    placements, _, _, on_shards = plan_placements(graph, plan)
+    assert placements["transformer.wte.weight"] == "Shard(0)"
+    assert placements["lm_head.weight"] == "Shard(0)"
+    assert bool(on_shards) == sequence
+    meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, record=True,
+                  timeout_s=180, runtime=runtime, pool=pool)
+    one = ex.run(graph, plan=ex.Plan.from_assignment(graph, [("cpu:0",)], ops), steps=STEPS,
+                 warmup=WARMUP, progress=False, record=True, timeout_s=180, runtime=runtime,
+                 pool=pool)
+    torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(one.losses),
+                               rtol=1e-5, atol=1e-6)
+    for k, g in one.grads.items():
+        torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
