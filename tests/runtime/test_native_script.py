@@ -451,6 +451,22 @@ def test_a_hugging_face_model_from_its_factory_trains_as_ex_run(factories, cpu2,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("source", ["llama", "factory_models:hf_gpt2_logits"])
+def test_other_transformers_train_with_memory_settings_as_ex_run(factories, cpu2, pool, source,
+                                                                tmp_path):
+    """ZeRO 2 with selective recomputation in bf16, two micro-batches a replica: FSDP2 with
+    its MixedPrecisionPolicy and checkpoint_wrapper per block on the Llama and on Hugging
+    Face's GPT-2 (its blocks found from its factory's model)."""
+    graph, _, model = _captured(source)
+    plan = _replicated(graph, cpu2.ids, micro_batches=2).with_memory(
+        zero=2, recompute="selective", precision="bf16")
+    script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
+                              **model)
+    measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
+    assert _torchrun(script, 2) == pytest.approx(list(measured.losses), rel=1e-4)
+
+
+@pytest.mark.slow
 def test_the_command_line_writes_it_with_the_plan_s_prediction(gpt, cpu2, tmp_path, capsys):
     bm, graph = gpt
     plan = replace(_replicated(graph, cpu2.ids).with_memory(zero=3), model=bm.record)
