@@ -14,7 +14,7 @@ from builders import tiny_builtin_graph
 
 import explorer as ex
 from explorer.core.plan import Plan
-from explorer.runtime import RunFailed, folders
+from explorer.runtime import RunFailed, folders, heartbeat
 from explorer.runtime import launch as launch_module
 
 FAST = {"steps": 1, "warmup": 0, "progress": False}
@@ -36,6 +36,7 @@ def test_a_rank_stopped_before_its_first_beat_is_named(mlp, monkeypatch):
     within the run's time limit), and rank 0, which waits, is not blamed."""
     graph, pair = mlp
     monkeypatch.setenv("EXPLORER_FAULT", "1:stop:start")
+    monkeypatch.setattr(heartbeat, "SILENT_S", 8.0)  # (20 s by default)
     with pytest.raises(RunFailed, match=r"rank 1 \(cpu:1\) stopped responding \(its process is "
                        r"stopped: SIGSTOP or a debugger\), while starting") as failed:
         ex.run(graph, plan=pair, **{**FAST, "timeout_s": 90})

@@ -18,10 +18,14 @@ import torch
 import explorer as ex
 from explorer.core.errors import MemoryExceededError, PlanError
 from explorer.models.synthetic import roofline_costs
-from explorer.runtime import RankPool
+from explorer.runtime import RankPool, heartbeat
 from explorer.runtime.jobfiles import Job
 from explorer.runtime.launch import reference
 from explorer.runtime.watch import RunFailed
+
+#: how long a fault test lets a rank stay silent, or spin while the others wait, before the
+#: launcher names it (the defaults, 20 and 30 s, leave room for a busy machine)
+QUICK_SILENT_S = 8.0
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
@@ -238,6 +242,7 @@ class TestFailures:
         """A rank stopped with SIGSTOP stops beating: named long before the time limit."""
         graph, plan = mlp
         monkeypatch.setenv("EXPLORER_FAULT", "1:stop:1")
+        monkeypatch.setattr(heartbeat, "SILENT_S", QUICK_SILENT_S)
         t0 = time.monotonic()
         with pytest.raises(RunFailed, match=r"rank 1 \(cpu:1\) stopped responding \(its "
                            r"process is stopped: SIGSTOP"):
@@ -251,6 +256,7 @@ class TestFailures:
         other waits on it: named long before the time limit."""
         graph, plan = mlp
         monkeypatch.setenv("EXPLORER_FAULT", "0:spin:1")
+        monkeypatch.setattr(heartbeat, "STALL_MIN_S", QUICK_SILENT_S)
         t0 = time.monotonic()
         with pytest.raises(RunFailed, match=r"rank 0 \(cpu:0\) stopped making progress at "
                            r"step 2 \(its process is alive: a hang or an endless loop in its "
