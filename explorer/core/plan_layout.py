@@ -35,8 +35,8 @@ def unsplit_notes(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
         if layout is not None and plan.sequence_of(s) and not layout.sequence_ops:
             out.append(f"sequence parallelism on stage {s} splits nothing along the sequence: "
                        "no norm or residual add between its split blocks reads a row-parallel "
-                       "linear's (batch, seq, features) output directly (a view or a random "
-                       "op comes between); the stage runs as tensor parallelism alone")
+                       "linear's or an embedding's (batch, seq, features) output; the stage "
+                       "runs as tensor parallelism alone")
         if layout is None or any(plan.stage_of(n) == s for n in layout.split_ops):
             continue
         mine = [n for n in graph.ops if plan.stage_of(n.name) == s]

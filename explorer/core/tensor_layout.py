@@ -181,7 +181,8 @@ class TensorLayout:
     ``sequence_params``: the weights those ops read whole, whose gradients (partial sums) are
     all-reduced over the tensor devices once a step. ``partial_rows``: row-parallel transposed
     linears (``addmm`` on rows) whose partial sums are reduce-scattered at the view back to
-    ``(batch, seq, features)`` after them (in ``scatter_forward``), their bias added there.
+    ``(batch, seq, features)`` after them (in ``scatter_forward``), each device adding its
+    share of the bias (bias / degree) first.
     """
 
     degree: int

@@ -195,8 +195,7 @@ def _tensor_parallel(graph: OpGraph, plan: Plan,
     entry = ""
     if plan.sequence_of(0):
         styles = _sequence_styles(graph, layout, styles)
-        entry = next(path for path, style in styles if style == "sequence_norm").rpartition(
-            ".")[0]
+        entry = _sequence_entry(graph, styles)
     attention = tuple(dict.fromkeys(n.module_path for n in graph.nodes
                                     if n.name in layout.local_ops and n.module_path))
     counts: dict[str, None] = {}
@@ -264,9 +263,8 @@ def _sequence_styles(graph: OpGraph, layout: TensorLayout,
         raise NotExpressible(
             "the plan asks for sequence parallelism, but it splits nothing of this model "
             "along the sequence: no norm or residual add between its tensor-parallel blocks "
-            "reads a row-parallel linear's (batch, seq, features) output directly (here a "
-            "view or a dropout comes between), so the explorer runs the plan as tensor "
-            "parallelism alone: set sequence off")
+            "reads a row-parallel linear's or an embedding's (batch, seq, features) output, "
+            "so the explorer runs the plan as tensor parallelism alone: set sequence off")
     out: dict[str, Style] = _whole_inputs(graph, layout.sequence_ops, sequence)
     for name in sorted(layout.sequence_params, key=graph.index.__getitem__):
         out[name.rpartition(".")[0]] = "sequence_norm"
@@ -310,6 +308,36 @@ def _module_input(graph: OpGraph, node: OpNode, path: str) -> str | None:
         if source is None or graph.nodes[graph.index[source]].module_path != path:
             return source
         node = graph.nodes[graph.index[source]]
+
+
+def _sequence_entry(graph: OpGraph, styles: tuple[tuple[str, Style], ...]) -> str:
+    """The first block under sequence parallelism: the module holding the first norm on
+    sequence shards. The embeddings reach it as DTensors, so every unsplit module whose
+    output is scattered must be read before it; :class:`NotExpressible` where it is not, or
+    where no norm runs on sequence shards inside a block."""
+    first = {}
+    for k, n in enumerate(graph.nodes):
+        if n.kind == "op":
+            first.setdefault(n.module_path, k)
+    norms = [path for path, style in styles if style == "sequence_norm"]
+    entry = min(norms, key=lambda path: first.get(path, len(graph.nodes)),
+                default="").rpartition(".")[0]
+    if not entry:
+        raise NotExpressible("the plan splits the sequence, but no norm on sequence shards "
+                             "lies inside a block of the model; native scripts hand the "
+                             "blocks their positions: set sequence off, or export without "
+                             "native")
+    starts = min(k for path, k in first.items() if path == entry or path.startswith(entry + "."))
+    for path, style in styles:
+        if style in ("output_to_sequence", "rows_to_sequence"):
+            made = max(k for k, n in enumerate(graph.nodes)
+                       if n.kind == "op" and n.module_path == path)
+            if any(c >= starts for c in graph.succs[made]):
+                raise NotExpressible(
+                    f"module {path!r}'s output, scattered along the sequence, is read inside "
+                    f"or after {entry!r}, the first block; native scripts scatter such "
+                    "outputs before it: set sequence off, or export without native")
+    return entry
 
 
 def _same_shape_source(graph: OpGraph, source: str | None, sequence: set[str]) -> str | None:

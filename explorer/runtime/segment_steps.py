@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from explorer.core.segments import Segment, grad_sources
+from explorer.core.tensor_layout import EMBEDDING_OPS, RESHAPE_OPS
 from explorer.runtime.accounting import count_gradients_made
 from explorer.runtime.checkpointing import Held, checkpointing, recompute_contexts
 from explorer.runtime.comm import ACTIVATION, GRADIENT
@@ -71,7 +72,6 @@ class SegmentSteps:
     memory_step: bool  # (a CPU rank's step that counts what autograd holds)
     hooked: set  # the autograd nodes counting their gradients this step
     _gradient_boundary: Any  # node -> whether a segment's own nodes end there
-    _reads_partially: Any  # op -> whether its gradient of a whole input is a partial sum
     _hold_partial: Any
     _tensor_targets: list | None = None
     _regions: CheckpointRegions | None = None  # what a recomputing stage checkpoints
@@ -136,6 +136,15 @@ class SegmentSteps:
                     varying.append((k, p, split))
             reads = self._code_reads[id(code)] = (fixed, varying)
         return reads
+
+    def _reads_partially(self, i: int) -> bool:
+        """Whether op ``i``'s gradient of a whole input is this rank's partial sum: ``i``
+        runs on local shards (not a vocabulary-parallel embedding, nor the only view on
+        sequence shards, which scatters partial sums: their gradient is the whole)."""
+        target = str(self.layout.targets[i])
+        return (self.mesh is not None and (i in self.split or i in self.local)
+                and target not in EMBEDDING_OPS and not (i in self.sequence
+                                                         and target in RESHAPE_OPS))
 
     def _split_read(self, i: int, p: int) -> bool:
         """Whether op ``i``'s gradient of value ``p`` is this rank's partial sum when ``p``

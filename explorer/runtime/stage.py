@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from explorer.core.errors import ExplorerError
 from explorer.core.schedule import BWD, FWD, OPTIMIZER
 from explorer.core.segments import Segment, group_segments
-from explorer.core.tensor_layout import EMBEDDING_OPS, RESHAPE_OPS
 from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
 from explorer.runtime.jobfiles import Job, fill_refs
@@ -540,16 +539,6 @@ class StageRunner(SegmentSteps):
         """Whether op ``i``'s gradient of its input ``p`` is this rank's partial sum: ``i``
         ran on local shards (:meth:`_reads_partially`) and ``p`` is whole."""
         return self._reads_partially(i) and p not in self.shard_out
-
-    def _reads_partially(self, i: int) -> bool:
-        """Whether op ``i``'s gradient of a whole input is this rank's partial sum: ``i``
-        runs on local shards (a vocabulary-parallel embedding does not, nor does the view
-        that reduce-scatters a transposed linear's partial sums along the sequence, the only
-        view on sequence shards: each rank's gradient of those sums is the whole)."""
-        target = str(self.layout.targets[i])
-        return (self.mesh is not None and (i in self.split or i in self.local)
-                and target not in EMBEDDING_OPS
-                and not (i in self.sequence and target in RESHAPE_OPS))
 
     def _partial_readers(self, m: int, p: int) -> int:
         """How many of this stage's ops hand a partial sum of whole ``p``'s gradient on

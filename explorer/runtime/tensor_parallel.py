@@ -60,12 +60,22 @@ from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:
     """The runtime runs tensor-parallel stages (replicated or not, in pipelines or alone)
-    whose weights no other stage reads, and that hold the whole of each head-split
-    attention core they hold part of."""
+    whose weights no other stage reads, that hold the whole of each head-split attention
+    core they hold part of, and each sequence-scattered transposed linear with its view."""
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) == 1:
             continue
-        for name in stage_layout(graph, plan, s).local_ops:
+        layout = stage_layout(graph, plan, s)
+        for name in layout.partial_rows:
+            cut = [graph.nodes[c].name for c in graph.succs[graph.index[name]]
+                   if plan.stage_of(graph.nodes[c].name) != plan.stage_of(name)]
+            if cut and s in (plan.stage_of(name), plan.stage_of(cut[0])):
+                raise ExplorerError(f"a stage ends between {name!r}, a row-parallel projection "
+                                    f"whose partial sums sequence parallelism scatters, and "
+                                    f"{cut[0]!r}, the view that scatters them; the runtime "
+                                    "cannot run that: move the cut after the view, or set "
+                                    "sequence off")
+        for name in layout.local_ops:
             i = graph.index[name]
             if plan.stage_of(name) == s and any(
                     plan.stage_of(graph.nodes[c].name) != s for c in graph.succs[i]):
@@ -159,7 +169,8 @@ class TensorMesh:
         other op on whole plain tensors, as one device runs it, a local shard it reads
         gathered first (a random op in a split block: every rank draws the mask one device
         would). ``sequence``: the op's output is split along the sequence (a row-parallel
-        linear's reduce-scattered; a token-wise op's, on sequence shards, as it is).
+        linear's reduce-scattered; a token-wise op's, on sequence shards, as it is; the view of
+        a transposed linear's partial sums, reduce-scattered: :meth:`scattered_rows`).
 
         A column-parallel linear reading a sequence shard gathers it
         (:class:`~explorer.runtime.sequence_parallel.SequenceColumnLinear`)."""
@@ -272,11 +283,12 @@ class TensorMesh:
                                 "it whole (tensor degree 1 on its stage)")
         x = x if self.is_shard(x) else self.narrowed(x, -1)
         out = torch.mm(x, self.local(weight))
+        added = bias.to(out.dtype)  # (under autocast, as one device's addmm adds it)
         if not sequence:
-            return AllReduced.apply(out, self.group) + bias
+            return AllReduced.apply(out, self.group) + added
         if bias.is_leaf and bias.requires_grad:  # (its gradient: this rank's share)
             self.sequence_params.setdefault(id(bias), bias)
-        return self.pending(out + bias / self.degree)
+        return self.pending(out + added / self.degree)
 
     def pending(self, partial: torch.Tensor) -> torch.Tensor:
         """``partial``, remembered as a row-parallel transposed linear's partial sums (for
@@ -330,15 +342,16 @@ class TensorMesh:
         return self.marked(fn(*mapped(read, args), **mapped(read, kwargs)), SEQ_DIM)
 
     def random_on_positions(self, fn: Any, args: Any, kwargs: Any) -> Any:
-        """A dropout on this rank's positions ``args[0]``: the mask drawn whole, as one device
-        draws it (a dropout of ones), and its part for these positions applied."""
-        x = args[0]
+        """A dropout on this rank's positions of ``args[0]`` (narrowed to them where it is
+        whole): the mask drawn whole, as one device draws it (a dropout of ones), and its part
+        for these positions applied (a copy: the whole mask is not kept)."""
+        x = args[0] if self.is_shard(args[0]) else self.narrowed(args[0], SEQ_DIM)
         whole = whole_shape(x.shape, SEQ_DIM, self.degree)
         drawn = fn(torch.ones(whole, dtype=x.dtype, device=x.device), *args[1:], **kwargs)
         if isinstance(drawn, tuple):  # (native_dropout: the output and the mask kept)
-            scale, kept = (self.narrowed(t, SEQ_DIM) for t in drawn)
+            scale, kept = (self.narrowed(t, SEQ_DIM).clone() for t in drawn)
             return self.marked((x * scale, kept), SEQ_DIM)
-        return self.marked(x * self.narrowed(drawn, SEQ_DIM), SEQ_DIM)
+        return self.marked(x * self.narrowed(drawn, SEQ_DIM).clone(), SEQ_DIM)
 
     def reduce_sequence_grads(self) -> None:
         """All-reduce the partial gradients of the weights token-wise ops read (once a step,
@@ -347,11 +360,11 @@ class TensorMesh:
 
     def on_heads(self, fn: Any, args: Any, kwargs: Any) -> Any:
         """``fn`` on the local shards of its split inputs (no communication) and its whole
-        plain ones, a view's or reshape's head count (the third of ``(batch, seq, heads,
-        head_dim)``) or feature count (the last of ``(batch, seq, features)``) divided by the
-        degree; its outputs local shards (split along the last dimension where they are
-        ``(batch, seq, features)``, which is how the row-parallel projection that ends the
-        block reads its input)."""
+        plain ones; its outputs local shards, split along the dimension that holds this rank's
+        heads, followed through the shape ops (:mod:`~explorer.runtime.head_shapes`: a view's
+        or reshape's sizes divided where the heads or features lie, an expand's kept there).
+        An attention with dropout runs whole on every rank (its masks are drawn for all heads
+        at once), each keeping its heads' part."""
         args, kwargs = mapped(self.local, args), mapped(self.local, kwargs)
         op, x = str(fn), args[0] if args else None
         ref = next((t for t in tree_leaves((args, kwargs)) if self.is_shard(t)), None)

@@ -11,8 +11,10 @@ from builders import check_matches_one_device, tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
+from explorer.core.errors import ExplorerError
 from explorer.core.plan_layout import plan_placements
 from explorer.runtime import RankPool
+from explorer.runtime.tensor_parallel import check_supported
 
 # every test here starts rank processes
 pytestmark = pytest.mark.slow
@@ -119,3 +121,17 @@ def test_hf_gpt2_with_dropout_matches_one_device(runtime, sequence, pool):
                                rtol=1e-5, atol=1e-6)
     for k, g in one.grads.items():
         torch.testing.assert_close(meas.grads[k], g, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_stage_cut_between_a_scattered_projection_and_its_view_is_refused():
+    """Under sequence parallelism a Conv1D row projection's partial sums are scattered by the
+    view after it: a stage may not end between the two."""
+    graph = _hf_gpt2_with_dropout()
+    ops = [n.name for n in graph.ops]
+    cut = ops.index("view_7")  # (block 0's attention output projection: addmm_1, view_7)
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2", "cpu:3")],
+                                   {n: int(k >= cut) for k, n in enumerate(ops)})
+    check_supported(graph, plan.with_tensor(2))  # (no sequence: the sums are reduced there)
+    with pytest.raises(ExplorerError, match=r"a stage ends between 'addmm_1', a row-parallel "
+                                            r"projection .* 'view_7', the view that scatters"):
+        check_supported(graph, plan.with_tensor(2, sequence=True))

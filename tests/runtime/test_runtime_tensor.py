@@ -358,3 +358,4 @@ def test_hf_llama_grouped_query_attention_splits_by_heads_and_matches_one_device
     assert placements["model.layers.1.self_attn.k_proj.weight"] == "Shard(0)"
     assert placements["model.layers.1.self_attn.o_proj.weight"] == "Shard(1)"
     _same_as_one_device(graph, plan, runtime, pool)
+
