@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import explorer as ex
@@ -71,6 +74,22 @@ def dropout_mlp_graph() -> OpGraph:
                                 torch.nn.Linear(32, 1))
     x, y = torch.randn(8, 16), torch.randn(8, 1)
     return ex.capture(model, x, torch.nn.MSELoss(), y, name="dropout-mlp")
+
+
+def hf_causal_lm_graph(name: str, build: Callable[[Any], torch.nn.Module]) -> OpGraph:
+    """A tiny Hugging Face causal LM, ``build(transformers)`` made after seeding torch,
+    captured with a batch of 4 sequences of 16 token ids (vocabulary 128) and the
+    cross-entropy of its logits (skipped without transformers)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = build(transformers)
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+    return ex.capture(model, ids, loss_fn, labels, name=name)
 
 
 @functools.cache

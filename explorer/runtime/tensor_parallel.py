@@ -62,13 +62,16 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
     """The runtime runs tensor-parallel stages (replicated or not, in pipelines or alone)
     whose weights no other stage reads, that hold the whole of each head-split attention
     core they hold part of, and each sequence-scattered transposed linear with its view."""
+    def elsewhere(i: int) -> list[int]:  # node i's readers on another stage than its own
+        own = plan.stage_of(graph.nodes[i].name)
+        return [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name) != own]
+
     for s in range(len(plan.stages)):
         if plan.tensor_of(s) == 1:
             continue
         layout = stage_layout(graph, plan, s)
         for name in layout.partial_rows:
-            cut = [graph.nodes[c].name for c in graph.succs[graph.index[name]]
-                   if plan.stage_of(graph.nodes[c].name) != plan.stage_of(name)]
+            cut = [graph.nodes[c].name for c in elsewhere(graph.index[name])]
             if cut and s in (plan.stage_of(name), plan.stage_of(cut[0])):
                 raise ExplorerError(f"a stage ends between {name!r}, a row-parallel projection "
                                     f"whose partial sums sequence parallelism scatters, and "
@@ -76,15 +79,12 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
                                     "cannot run that: move the cut after the view, or set "
                                     "sequence off")
         for name in layout.local_ops:
-            i = graph.index[name]
-            if plan.stage_of(name) == s and any(
-                    plan.stage_of(graph.nodes[c].name) != s for c in graph.succs[i]):
+            if plan.stage_of(name) == s and elsewhere(graph.index[name]):
                 raise ExplorerError(f"{name!r} of a head-split attention on tensor-parallel "
                                     f"stage {s} sends its value to another stage; the runtime "
                                     "cannot run that: keep each attention on one stage")
         for i, n in enumerate(graph.nodes):
-            crossing = [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name)
-                        != plan.stage_of(n.name)]
+            crossing = elsewhere(i)
             if n.kind in ("param", "buffer") and crossing and s in (
                     plan.stage_of(n.name), *(plan.stage_of(graph.nodes[c].name)
                                              for c in crossing)):

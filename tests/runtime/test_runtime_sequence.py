@@ -7,8 +7,7 @@ import functools
 
 import pytest
 import torch
-from builders import check_matches_one_device, tiny_builtin_graph
-from torch import nn
+from builders import check_matches_one_device, hf_causal_lm_graph, tiny_builtin_graph
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
@@ -81,19 +80,11 @@ def _hf_gpt2_with_dropout():
     """Hugging Face's GPT-2 (tiny, its output layer untied) with its dropouts on: Conv1D
     projections (``addmm`` on rows, viewed back to (batch, seq, features)), a dropout before
     each residual add, and an attention dropout inside the head-split core."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
-        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=False))
-    gen = torch.Generator().manual_seed(0)
-    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
-
-    def loss_fn(out, y):
-        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-    return ex.capture(model, ids, loss_fn, labels, name="hf-gpt2-dropout")
+    return hf_causal_lm_graph("hf-gpt2-dropout", lambda transformers: (
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=False))))
 
 
 @RUNTIMES

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from builders import check_matches_one_device, tiny_builtin_graph
+from builders import check_matches_one_device, hf_causal_lm_graph, tiny_builtin_graph
 from torch import nn
 
 import explorer as ex
@@ -297,18 +297,10 @@ def test_whole_values_inside_a_split_conv_block_are_narrowed_to_the_channels(run
 def _hf_gpt2_graph():
     """Hugging Face's GPT-2 (tiny): its ``Conv1D`` layers are linears with an ``(in, out)``
     weight, run as ``addmm`` on the rows of their input."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    gen = torch.Generator().manual_seed(0)
-    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
-
-    def loss_fn(out, y):
-        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-    return ex.capture(model, ids, loss_fn, labels, name="hf-gpt2")
+    return hf_causal_lm_graph("hf-gpt2", lambda transformers: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
+                                use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)))
 
 
 @RUNTIMES
@@ -331,19 +323,11 @@ def test_hf_gpt2_conv1d_layers_split_and_match_one_device(runtime, pool):
 def _hf_llama_graph():
     """Hugging Face's Llama (tiny) with grouped-query attention: 4 query heads, 2 key-value
     heads, each repeated for 2 query heads (unsqueeze, expand, reshape)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False, tie_word_embeddings=False))
-    gen = torch.Generator().manual_seed(0)
-    ids, labels = (torch.randint(0, 128, (4, 16), generator=gen) for _ in range(2))
-
-    def loss_fn(out, y):
-        return nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
-
-    return ex.capture(model, ids, loss_fn, labels, name="hf-llama")
+    return hf_causal_lm_graph("hf-llama", lambda transformers: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=32,
+                                 use_cache=False, tie_word_embeddings=False)))
 
 
 @RUNTIMES
