@@ -1,7 +1,8 @@
 """Capture's fallback when torch.export fails: one node per leaf-module call, from forward hooks.
 
 The graph links leaf-module calls by tensor identity and counts FLOPs per module with
-``FlopCounterMode``; it runs the model for real, so it is not available for fake captures.
+``FlopCounterMode`` (:func:`explorer.capture.flops.flop_counter`); it runs the model for real,
+so it is not available for fake captures.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from explorer.capture.flops import flop_counter
 from explorer.capture.step import (
     WRAPPED,
     CaptureRuntime,
@@ -65,11 +66,11 @@ def capture_hooks(step: TrainStep, inputs: tuple, targets: tuple, name: str) -> 
     for m in leaves:
         hooks.append(m.register_forward_hook(hook))
     try:
-        with FlopCounterMode(display=False) as both:  # backward is attributed to modules
+        with flop_counter() as both:  # backward is attributed to modules
             loss = step(*run)                         # only when forward ran in the same mode
             loss.backward()
         hooks_off = [h.remove() for h in hooks]
-        with torch.no_grad(), FlopCounterMode(display=False) as fwd:
+        with torch.no_grad(), flop_counter() as fwd:
             step(*copies((*inputs, *targets)))
     finally:
         for h in hooks:

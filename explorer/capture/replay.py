@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 from torch.fx.node import map_aggregate
-from torch.utils.flop_counter import FlopCounterMode
 
+from explorer.capture.flops import flop_counter
 from explorer.capture.step import CaptureRuntime, tensors_of
 
 #: a saved tensor's owner: the index of an argument tensor, or ``OUTPUT`` for the node itself
@@ -93,7 +93,7 @@ def replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> tup
         saved.append(t)
         return t
 
-    with FlopCounterMode(display=False) as fwd_counter:
+    with flop_counter() as fwd_counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fx.target(*args, **kwargs)
     outs = tensors_of(out)
@@ -103,7 +103,7 @@ def replay(fx: Any, runtime: CaptureRuntime, values: dict, grad_of: dict) -> tup
     bwd_flops = scratch = 0
     if grads_needed and leaves:
         passed = _GradientsPassed(grads_needed)
-        with FlopCounterMode(display=False) as bwd_counter:
+        with flop_counter() as bwd_counter:
             seeds = [torch.ones_like(t) for t in grads_needed]
             made = torch.autograd.grad(grads_needed, leaves, grad_outputs=seeds,
                                        allow_unused=True)
