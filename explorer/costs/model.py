@@ -319,10 +319,9 @@ class CostModel:
                 # the measured k = 2 case (latency + bytes / bandwidth), scaled as a ring
                 return share * ((k - 1) * max(lat) + 2 * (k - 1) / k * nbytes / min(bw)
                                 * self.link_scale)
-        bw_link = min(lk.bandwidth_bytes_per_s for lk in links)
-        lat_link = max(lk.latency_s for lk in links)
-        return passes * (k - 1) * lat_link + passes * (k - 1) / k * nbytes / bw_link \
-            * self.link_scale
+        ring = self.cluster.ring_link(device_ids)  # (across nodes: a ring per NIC)
+        return passes * (k - 1) * ring.latency_s + passes * (k - 1) / k * nbytes \
+            / ring.bandwidth_bytes_per_s * self.link_scale
 
     def optimizer_s(self, device_id: str, optimizer: str, param_bytes: int,
                     n_tensors: int) -> float:

@@ -26,6 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
+from itertools import pairwise
 from typing import Any, Literal
 
 from explorer.core.errors import ExplorerError, UnknownNameError, unknown_name
@@ -57,6 +58,10 @@ class Cluster:
     that (unordered) pair. ``measure_later``: the CPU ranks' speeds and links are nominal
     figures standing in for this host's measurements, which :meth:`measured` takes
     (``Cluster.cpu(n, measure="later")`` on a host not measured yet).
+
+    Devices on different nodes (``Device.node``: servers) talk over ``network_link`` instead of
+    ``default_link``: one network interface per device, as GPU servers with a NIC per GPU
+    have (``Cluster.preset("64xH100")``: nodes of 8 over InfiniBand).
     """
 
     name: str
@@ -64,6 +69,7 @@ class Cluster:
     default_link: Link
     links: tuple[tuple[str, str, Link], ...] = ()
     measure_later: bool = False
+    network_link: Link | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
@@ -79,6 +85,9 @@ class Cluster:
             if d.id in seen:
                 raise ExplorerError(f"cluster {self.name!r} has device id {d.id!r} twice")
             seen.add(d.id)
+        if self.network_link is None and len({d.node for d in self.devices}) > 1:
+            raise ExplorerError(f"cluster {self.name!r} has devices on several nodes but no "
+                                "network_link between nodes; give one")
         for a, b, _ in self.links:
             for x in (a, b):
                 if x not in seen:
@@ -115,7 +124,41 @@ class Cluster:
         self.device(b)
         if a == b:
             return SAME_DEVICE_LINK
-        return self._link_map.get(frozenset((a, b)), self.default_link)
+        override = self._link_map.get(frozenset((a, b)))
+        if override is not None:
+            return override
+        if self.network_link is not None and self._by_id[a].node != self._by_id[b].node:
+            return self.network_link
+        return self.default_link
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes (servers) the devices are on."""
+        return len({d.node for d in self.devices})
+
+    def ring_link(self, ids: Iterable[str]) -> Link:
+        """The slowest hop of a ring over ``ids``, as a collective library builds it: in the
+        given order on one node; across nodes with each node's members next to each other,
+        the hops between nodes running in parallel on as many network interfaces as the node
+        with the fewest members has (one per device: NCCL runs a ring per NIC), so they carry
+        that many times the network link's bandwidth."""
+        ids = list(ids)
+        hops = [self.link(a, b) for a, b in zip(ids, [*ids[1:], *ids[:1]], strict=True)
+                if a != b]
+        by_node: dict[int, list[str]] = {}
+        for i in ids:
+            by_node.setdefault(self.device(i).node, []).append(i)
+        if self.network_link is not None and len(by_node) > 1:
+            inside = [self.link(a, b) for members in by_node.values()
+                      for a, b in pairwise(members)]
+            share = min(len(members) for members in by_node.values())
+            across = replace(self.network_link, bandwidth_bytes_per_s=share
+                             * self.network_link.bandwidth_bytes_per_s)
+            hops = [*inside, across]
+        if not hops:
+            return SAME_DEVICE_LINK
+        slow = min(hops, key=lambda lk: lk.bandwidth_bytes_per_s)
+        return replace(slow, latency_s=max(lk.latency_s for lk in hops))
 
     def subset(self, ids: Iterable[str]) -> Cluster:
         """The cluster of just ``ids``, in that order, with the links among them."""
@@ -128,7 +171,8 @@ class Cluster:
         if ids == self.ids:
             return self
         return Cluster(f"{self.name} [{', '.join(ids)}]", devices, self.default_link, links,
-                       self.measure_later)
+                       self.measure_later,
+                       self.network_link if len({d.node for d in devices}) > 1 else None)
 
     def without_late_receive(self) -> Cluster:
         """This cluster with no late-receive wait on any link (``Link.late_receive_s``): as
@@ -170,6 +214,8 @@ class Cluster:
             "default_link": json_safe(asdict(self.default_link)),
             "links": [[a, b, json_safe(asdict(lk))] for a, b, lk in self.links],
             **({"measure_later": True} if self.measure_later else {}),
+            **({"network_link": json_safe(asdict(self.network_link))}
+               if self.network_link is not None else {}),
         }
 
     @classmethod
@@ -182,6 +228,8 @@ class Cluster:
                 default_link=record(Link, d["default_link"]),
                 links=tuple((str(a), str(b), record(Link, lk)) for a, b, lk in d.get("links", ())),
                 measure_later=d.get("measure_later", False) is True,
+                network_link=(record(Link, d["network_link"])
+                              if d.get("network_link") is not None else None),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ExplorerError(f"malformed cluster description: {e!r}") from None
@@ -210,7 +258,11 @@ class Cluster:
         for r in rows:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
             lines[-1] = lines[-1].rstrip()
-        lines.append(f"links: {_fmt_link(self.default_link)} between any two devices")
+        if self.network_link is not None:
+            lines.append(f"nodes: {self.nodes}; {_fmt_link(self.network_link)} between devices "
+                         "on different nodes (one network interface each)")
+        inside = " on one node" if self.network_link is not None else ""
+        lines.append(f"links: {_fmt_link(self.default_link)} between any two devices{inside}")
         for a, b, lk in self.links:
             lines.append(f"  {a} <-> {b}: {_fmt_link(lk)}")
         lines.append("sources:")
@@ -219,7 +271,8 @@ class Cluster:
             by_source.setdefault(d.source, []).append(d.id)
         for source, ids in by_source.items():
             lines.append(f"  {', '.join(ids)}: {source}")
-        for lk in dict.fromkeys([self.default_link, *(lk for _, _, lk in self.links)]):
+        network = [] if self.network_link is None else [self.network_link]
+        for lk in dict.fromkeys([self.default_link, *network, *(lk for _, _, lk in self.links)]):
             lines.append(f"  link {_fmt_link(lk, with_source=False)}: {lk.source}")
         if self.measure_later:
             lines.append("this host's CPU ranks are not measured yet: ex.profile (or "
@@ -334,6 +387,10 @@ class Cluster:
         """GPUs from datasheets: ``"H100"``, ``"4xH100"``, ``"8xA100-40GB"``, ``"2xH100+2xT4"``.
 
         Names are case-insensitive (see :meth:`presets`); device ids are ``"<PRESET>:<i>"``.
+        More than 8 GPUs of a kind sold in servers of 8 with a network interface per GPU
+        (V100, A100, H100, H200: NVIDIA's DGX and HGX) are nodes of 8, GPU ``i`` on node
+        ``i // 8``, NVLink inside a node and the server's InfiniBand between nodes. Other
+        presets are one node of any size.
         """
         parts = presets.parse_preset_spec(spec)
         devices: list[Device] = []
@@ -349,7 +406,11 @@ class Cluster:
         ]
         default, links = presets.gpu_links(groups)
         name = "+".join(f"{n}x{key}" for key, n in counter.items())
-        return cls(name, tuple(devices), default, links)
+        network = parts[0][1].network if len(parts) == 1 else None
+        if network is None or len(devices) <= presets.SERVER_GPUS:
+            return cls(name, tuple(devices), default, links)
+        devices = [replace(d, node=i // presets.SERVER_GPUS) for i, d in enumerate(devices)]
+        return cls(name, tuple(devices), default, links, network_link=network)
 
     @staticmethod
     def presets() -> list[str]:

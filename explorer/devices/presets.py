@@ -60,6 +60,10 @@ class GpuSpec:
     host_link: Link  # PCIe to the host (and between GPUs without NVLink)
     #: measured roofline terms the cost model uses instead of its single efficiency
     roofline_fit: RooflineFit | None = field(default=None, compare=False)
+    #: each GPU's share of its server's network, in a cluster of more than
+    #: ``SERVER_GPUS``; None: the GPU is not sold in multi-node servers here (a preset of any
+    #: size is one node)
+    network: Link | None = None
 
     def device(self, device_id: str) -> Device:
         return Device(
@@ -108,6 +112,27 @@ def _pcie(gen: int, note: str = "") -> Link:
 
 
 _NVLINK2, _NVLINK3, _NVLINK4 = _nvlink(2, 150), _nvlink(3, 300), _nvlink(4, 450)
+
+#: GPUs per server (node) in a preset cluster of GPUs that have a ``network``: NVIDIA's
+#: HGX and DGX servers hold 8
+SERVER_GPUS = 8
+
+
+def _network(gb_per_s: float, what: str, citation: str) -> Link:
+    return Link(_LAT, gb_per_s * _GB,
+                f"{what}: {gb_per_s:g} GB/s per GPU per direction between servers of "
+                f"{SERVER_GPUS} ({citation}); " + _LAT_NOTE)
+
+
+_DGX_H100 = ("NVIDIA DGX H100/H200 datasheet, https://resources.nvidia.com/en-us-dgx-systems/"
+             "ai-enterprise-dgx")
+_NDR_PER_GPU = _network(50, "8 x 400 Gb/s InfiniBand NDR (ConnectX-7), one per GPU", _DGX_H100)
+_HDR_PER_GPU = _network(
+    25, "8 x 200 Gb/s InfiniBand HDR (ConnectX-6), one per GPU",
+    "NVIDIA DGX A100 datasheet, https://www.nvidia.com/en-us/data-center/dgx-a100/")
+_EDR_PER_GPU = _network(
+    6.25, "4 x 100 Gb/s InfiniBand EDR, one per two GPUs",
+    "NVIDIA DGX-1 with V100 datasheet, https://www.nvidia.com/en-us/data-center/dgx-1/")
 _PCIE3, _PCIE4, _PCIE5 = _pcie(3), _pcie(4), _pcie(5)
 _A100_DS = (
     "NVIDIA A100 Tensor Core GPU datasheet, SXM column, "
@@ -121,27 +146,27 @@ GPU_SPECS: dict[str, GpuSpec] = {
             "V100", "Tesla V100-SXM2-32GB", 32 * GiB, 15.7 * _T, 125 * _T, 900 * _GB, 300,
             "NVIDIA Tesla V100 GPU datasheet, SXM2 column (fp16 tensor; V100 has no bf16), "
             "https://www.nvidia.com/en-us/data-center/v100/",
-            _NVLINK2, _PCIE3,
+            _NVLINK2, _PCIE3, network=_EDR_PER_GPU,
         ),
         GpuSpec(
             "A100-40GB", "NVIDIA A100-SXM4-40GB", 40 * GiB, 19.5 * _T, 312 * _T, 1555 * _GB,
-            400, _A100_DS + " (40GB HBM2)", _NVLINK3, _PCIE4,
+            400, _A100_DS + " (40GB HBM2)", _NVLINK3, _PCIE4, network=_HDR_PER_GPU,
         ),
         GpuSpec(
             "A100-80GB", "NVIDIA A100-SXM4-80GB", 80 * GiB, 19.5 * _T, 312 * _T, 2039 * _GB,
-            400, _A100_DS + " (80GB HBM2e)", _NVLINK3, _PCIE4,
+            400, _A100_DS + " (80GB HBM2e)", _NVLINK3, _PCIE4, network=_HDR_PER_GPU,
         ),
         GpuSpec(
             "H100", "NVIDIA H100 80GB HBM3", 80 * GiB, 67 * _T, 989 * _T, 3350 * _GB, 700,
             "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (bf16 1,979 TFLOPS is with "
             "sparsity; dense is half), https://www.nvidia.com/en-us/data-center/h100/",
-            _NVLINK4, _PCIE5,
+            _NVLINK4, _PCIE5, network=_NDR_PER_GPU,
         ),
         GpuSpec(
             "H200", "NVIDIA H200", 141 * GiB, 67 * _T, 989 * _T, 4800 * _GB, 700,
             "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column (bf16 1,979 TFLOPS is with "
             "sparsity; dense is half), https://www.nvidia.com/en-us/data-center/h200/",
-            _NVLINK4, _PCIE5,
+            _NVLINK4, _PCIE5, network=_NDR_PER_GPU,
         ),
         GpuSpec(
             "T4", "Tesla T4", 16 * GiB, 8.1 * _T, 65 * _T, 320 * _GB, 70,

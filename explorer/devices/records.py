@@ -25,6 +25,8 @@ class Device:
     ``present`` says whether the device is on this machine, so torch can profile and run on it
     through ``torch_device`` (``""`` when not present). ``source`` says where the numbers come
     from. Devices with equal :attr:`type_key` are the same hardware and share one profile.
+    ``node``: the server the device is in (devices on different nodes of a cluster talk over
+    its ``network_link``).
     """
 
     id: str
@@ -39,6 +41,7 @@ class Device:
     present: bool
     torch_device: str
     source: str
+    node: int = 0
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -55,6 +58,9 @@ class Device:
                 raise ExplorerError(f"device {self.id!r} needs {name} > 0, not {value!r}")
         if self.power_w < 0 or self.idle_power_w < 0:
             raise ExplorerError(f"device {self.id!r} has negative power")
+        if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
+            raise ExplorerError(f"device {self.id!r} needs a node number >= 0, not "
+                                f"{self.node!r}")
 
     @property
     def type_key(self) -> str:

@@ -25,6 +25,7 @@ cluster's sizes, never timed.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from explorer.core.errors import PlanError
@@ -62,10 +63,15 @@ def distinct_links(cluster: Cluster, ids: Sequence[str]) -> list[Link]:
     for a, b, link in cluster.links:  # the last override of a pair wins, as in Cluster.link
         if a in keep and b in keep and a != b:
             over[frozenset((a, b))] = link
-    k = len(keep)
+    per_node = Counter(cluster.device(i).node for i in keep)
+    same_node = sum(c * (c - 1) // 2 for c in per_node.values())  # pairs on default_link
+    over_same = sum(1 for pair in over if len({cluster.device(i).node for i in pair}) == 1)
     found = list(dict.fromkeys(over.values()))
-    if len(over) < k * (k - 1) // 2 and cluster.default_link not in found:
+    if over_same < same_node and cluster.default_link not in found:
         found.append(cluster.default_link)
+    across = len(keep) * (len(keep) - 1) // 2 - same_node  # pairs on network_link
+    if across > len(over) - over_same and cluster.network_link not in found:
+        found.append(cluster.network_link)
     return found
 
 

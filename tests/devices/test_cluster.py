@@ -110,6 +110,41 @@ def test_mixed_preset_links():
     assert c.link("T4:1", "T4:0").bandwidth_bytes_per_s == 16e9
 
 
+def test_presets_of_more_than_a_server_are_nodes_of_eight_over_infiniband():
+    c = Cluster.preset("20xH100")
+    assert [d.node for d in c.devices] == [0] * 8 + [1] * 8 + [2] * 4
+    assert c.nodes == 3
+    assert c.link("H100:0", "H100:7").bandwidth_bytes_per_s == 450e9  # NVLink in a server
+    assert c.link("H100:7", "H100:8").bandwidth_bytes_per_s == 50e9  # one 400 Gb/s NIC
+    assert "InfiniBand" in c.network_link.source and "nodes: 3" in c.describe()
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert Cluster.preset("8xH100").nodes == 1 and Cluster.preset("8xH100").network_link is None
+    assert Cluster.preset("16xA100-80GB").network_link.bandwidth_bytes_per_s == 25e9
+    assert Cluster.preset("16xT4").nodes == 1  # (not sold in servers with a NIC per GPU)
+    sub = c.subset(["H100:0", "H100:1"])
+    assert sub.network_link is None and sub.link("H100:0", "H100:1") == c.default_link
+
+
+def test_a_ring_across_nodes_runs_one_ring_per_network_interface():
+    c = Cluster.preset("24xH100")
+    ids = c.ids
+    assert c.ring_link(ids[:8]).bandwidth_bytes_per_s == 450e9
+    assert c.ring_link(ids).bandwidth_bytes_per_s == 8 * 50e9  # 8 NICs a node, in parallel
+    assert c.ring_link(ids[::8]).bandwidth_bytes_per_s == 50e9  # one GPU (and NIC) a node
+    assert c.ring_link([*ids[:8], *ids[8:10]]).bandwidth_bytes_per_s == 2 * 50e9
+    # the order the group is given in does not change the ring a collective library builds
+    assert c.ring_link(ids[::-1]) == c.ring_link(ids)
+    assert c.ring_link(ids[::8]).latency_s == c.network_link.latency_s
+
+
+def test_a_cluster_on_several_nodes_needs_a_network_link():
+    dev = Cluster.preset("2xH100").devices
+    with pytest.raises(ExplorerError, match="network_link"):
+        Cluster("two", (dev[0], replace(dev[1], node=1)), Cluster.preset("2xH100").default_link)
+    with pytest.raises(ExplorerError, match="node number"):
+        replace(dev[0], node=-1)
+
+
 def test_unknown_preset_lists_names():
     with pytest.raises(UnknownNameError) as e:
         Cluster.preset("4xB300")
