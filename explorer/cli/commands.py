@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import explorer as ex
+from explorer.analysis.throughput import throughput, tokens_per_step
 from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
@@ -176,7 +177,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": bm.name, "size": bm.size, "graph": graph.summary(),
             "cluster": cluster.name, "capture_s": t_cap, "profile_s": t_prof,
-            "plans": [_plan_json(n, p, r) for n, p, r in results],
+            "plans": [_plan_json(n, p, r, graph, costs.cluster) for n, p, r in results],
             "best": best[0] if best else None, "saved": args.out if ok else None}, indent=1))
         return _all_failed(results)
     s = graph.summary()
@@ -184,25 +185,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{s['gflops_per_step']:.2f} GFLOP/step, batch {s['batch_size']}, captured in "
           f"{t_cap:.1f} s, profiled in {t_prof:.1f} s")
     print(f"devices: {cluster.name}\n")
+    language = tokens_per_step(graph) is not None
     rows = []
     for n, p, r in results:
         if p is None:
-            rows.append((n, "-", "-", "-", "-", "-", "-", "-", "-",
+            rows.append((n, "-", *["-"] * language, "-", "-", "-", "-", "-", "-", "-",
                          r if r.startswith("skipped: ") else "error: " + r))
             continue
+        rate = throughput(graph, p, costs.cluster, r.step_s)
         mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
         note = p.notes[0] if p.notes else ""
         if p.uses_memory_settings:  # which settings, before anything else
             note = f"[{_settings_text(p)}] {note}"
         deg = plan_degrees(p)
         rows.append((n + (" *" if best and n == best[0] else ""), f"{r.step_s * 1e3:.2f}",
+                     *([f"{rate.tokens_per_s_per_device:,.0f} ({rate.mfu:.1%})"
+                        if rate else "-"] * language),
                      deg["text"], str(p.micro_batches) + (f" {p.schedule}" if deg["pp"] > 1
                                                           else ""),
                      f"{r.lower_bound_s * 1e3:.2f}", f"{r.gap * 100:.0f}%", mem,
                      f"{r.cross_device_bytes / MiB:.2f}",
                      "yes" if r.fits else "NO: " + r.memory_report(),
                      note if len(note) <= 70 else note[:67] + "..."))
-    print(table(("algorithm", "step ms", "dp x tp x pp", "micro-batches", "lower bound ms",
+    print(table(("algorithm", "step ms", *["tokens/s/device (MFU)"] * language,
+                 "dp x tp x pp", "micro-batches", "lower bound ms",
                  "gap to bound",
                   "peak MiB per device", "MiB across devices", "fits", "notes"), rows))
     print("\nlower bound: total compute on the fastest device type / "
@@ -365,10 +371,12 @@ def _from_factory(factory: str) -> Any:
     return made
 
 
-def _plan_json(name: str, plan, r) -> dict[str, Any]:
+def _plan_json(name: str, plan, r, graph, cluster) -> dict[str, Any]:
     if plan is None:
         return {"algorithm": name, "error": r}
+    rate = throughput(graph, plan, cluster, r.step_s)
     return {"algorithm": name, "step_s": r.step_s, "lower_bound_s": r.lower_bound_s,
+            "throughput": rate.as_dict() if rate else None,
             "gap": r.gap, "peak_bytes": r.peak_bytes, "fits": r.fits,
             "over_memory_bytes": r.over_memory_bytes,
             "cross_device_bytes": r.cross_device_bytes, "energy_j": r.energy_j,

@@ -179,6 +179,24 @@ class TestPlan:
         (p,) = json.loads(out)["plans"]
         assert (p["micro_batches"], p["schedule"]) == (2, "1f1b")
 
+    def test_language_models_show_tokens_per_second_and_mfu(self, capsys):
+        gpt = ["plan", "--model", "gpt", "--size", "tiny", "--quiet", "--devices", "2xH100",
+               "--algorithm", "data-parallel"]
+        rc, out, err = _run(capsys, *gpt, "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        rate = p["throughput"]
+        assert rate["tokens_per_step"] == 8 * 16
+        assert rate["tokens_per_s_per_device"] == pytest.approx(8 * 16 / p["step_s"] / 2)
+        assert 0 < rate["mfu"] < 1
+        rc, out, err = _run(capsys, *gpt)
+        assert rc == 0, err
+        assert "tokens/s/device (MFU)" in out
+        assert f"{rate['tokens_per_s_per_device']:,.0f} ({rate['mfu']:.1%})" in out
+        rc, out, err = _run(capsys, *PLAN, "--devices", "2xH100", "--algorithm", "single",
+                            "--json")
+        assert json.loads(out)["plans"][0]["throughput"] is None  # an MLP reads no tokens
+
     def test_tensor_splits_the_stages_it_divides(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm",
                             "data-parallel", "--tensor", "2", "--json")

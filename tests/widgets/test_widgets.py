@@ -319,6 +319,20 @@ def test_widget_edit_updates_numbers_colors_and_edges(widget):
     assert "#d62728" not in w.graph.edges.data["color"]
 
 
+def test_the_estimate_of_a_language_model_shows_tokens_per_second_and_mfu(widget):
+    import re
+
+    w = widget
+    s = w.session
+    shown = re.search(r"class='pe-rate' data-tokens='([^']+)' data-mfu='([^']+)'",
+                      w.estimate.table.value)
+    tokens = 8 * 16  # the tiny gpt's batch
+    assert float(shown[1]) == pytest.approx(tokens / s.prediction.step_s / len(s.plan.devices))
+    peak = sum(s.costs.cluster.device(d).flops_per_s for d in s.plan.devices)
+    assert float(shown[2]) == pytest.approx(s.graph.total_flops / s.prediction.step_s / peak)
+    assert "tokens/s/device" in w.estimate.table.value
+
+
 def test_widget_errors_become_messages(widget):
     w = widget
     w.editing.assign_button.click()  # nothing selected

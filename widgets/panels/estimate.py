@@ -6,6 +6,7 @@ import html
 
 import ipywidgets as W
 
+from explorer.analysis.throughput import throughput
 from explorer.core.units import format_bytes, format_seconds
 from widgets.device_groups import device_groups, device_span, grouped, spread_text, worst_device
 from widgets.panels.base import Panel
@@ -53,6 +54,7 @@ class EstimatePanel(Panel):
         rows = [
             ("step time", f"<span class='pe-step' data-value='{p.step_s!r}'>"
                           f"{format_seconds(p.step_s)}</span>"),
+            *self.throughput_rows(),
             ("lower bound", f"{format_seconds(p.lower_bound_s)} (gap {p.gap:+.0%})"),
             ("bottleneck", html.escape(p.bottleneck)),
             ("busy", busy),
@@ -90,6 +92,17 @@ class EstimatePanel(Panel):
                 for k, v in rows) + "</table>"
             f"<div style='color:#888;font-size:11px'>estimated in {s.estimate_s * 1e3:.0f} ms"
             "</div>")
+
+    def throughput_rows(self) -> list[tuple[str, str]]:
+        """For a language model, a row of tokens/s and model TFLOP/s per device and MFU (the
+        values in ``pe-rate``'s ``data-tokens`` and ``data-mfu``); none for other models."""
+        s = self.session
+        rate = throughput(s.graph, s.plan, s.costs.cluster, s.prediction.step_s)
+        if rate is None:
+            return []
+        tokens = rate.tokens_per_s_per_device
+        return [("throughput", f"<span class='pe-rate' data-tokens='{tokens!r}' "
+                               f"data-mfu='{rate.mfu!r}'>{html.escape(rate.describe())}</span>")]
 
     def grouped_text(self, values: dict[str, float], fmt, shown: set[str]) -> str:
         """``values`` per device group of the plan (those of devices in ``shown``), one line
