@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from explorer.models.common import (
     Built,
@@ -75,6 +76,9 @@ class GPTConfig:
     n_layers: int
     batch_size: int
     mlp_ratio: int = 4
+    #: attention as one fused kernel (``F.scaled_dot_product_attention``, flash attention on a
+    #: GPU: no ``T x T`` scores kept) instead of explicit matmuls and softmax
+    fused_attention: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -88,11 +92,13 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.scale = self.head_dim ** -0.5
+        self.fused = cfg.fused_attention
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         # True above the diagonal: the future positions a token must not attend to
-        future = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(diagonal=1)
-        self.register_buffer("future_mask", future, persistent=False)
+        if not cfg.fused_attention:
+            future = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(diagonal=1)
+            self.register_buffer("future_mask", future, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
         b, t, _ = x.shape
@@ -101,10 +107,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         v = v.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, T)
-        scores = scores.masked_fill(self.future_mask[:t, :t], float("-inf"))
-        weights = scores.softmax(dim=-1)  # (B, H, T, T)
-        y = weights @ v  # (B, H, T, D)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, H, T, T)
+            scores = scores.masked_fill(self.future_mask[:t, :t], float("-inf"))
+            weights = scores.softmax(dim=-1)  # (B, H, T, T)
+            y = weights @ v  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(b, t, c)  # (B, T, C)
         return self.proj(y)
 

@@ -1,0 +1,246 @@
+"""Published training runs at cluster scale, re-created in the explorer and predicted.
+
+Run: python benchmarks/published.py [--rows NAME,...] [--results DIR]
+
+Nothing here can run a 70B model on 768 GPUs; what others measured and published is the only
+truth at that scale. Each row is one published run as the explorer sees it: the published
+shape captured on fake tensors with the run's global batch, the cluster as a GPU preset
+(nodes of 8 H100s over InfiniBand), and the published parallelism as a plan (data x tensor x
+pipeline degrees, micro-batches of the published size with gradient accumulation, 1F1B,
+recomputation, bf16 with fp32 master weights, ZeRO 1 for Megatron's distributed optimizer
+and ZeRO 3 for FSDP's full shard), costed by the H100 datasheet roofline. The simulator's
+step gives tokens/s/GPU, TFLOP/s/GPU (Megatron-LM's formula for its GPT rows, the graph's
+own FLOPs for all) and MFU, set against the published figure.
+
+A run whose parallelism the plan space cannot express yet (context parallelism, interleaved
+virtual stages, tensor parallelism with bf16 or ZeRO) is listed with the reason instead of a
+number: a prediction of some other configuration would not be a check of anything.
+
+Sources (as given by the published-runs issue): Megatron-LM README model table (commit
+f2e5db40, r0.8.0; H100, vocab 131072, seq 4096, DP = 48 x (TP x PP) sized, bf16, overlapped
+communication); NVIDIA dgxc-benchmarking (NeMo 24.12, DGX H100, seq 8192, flash attention, no
+recomputation, distributed optimizer); MosaicML llm-foundry throughput table (MPT, FSDP full
+shard, seq 2048, vocab 50368).
+
+Writes ``benchmarks/results/published.json`` (``--results``), which ``python
+benchmarks/report.py`` renders into docs/published.md; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import add_results_option, write_result
+
+import explorer as ex
+from explorer.analysis.throughput import throughput
+from explorer.core.units import GiB, table
+from explorer.models.builtin import build_gpt, build_llama
+from explorer.models.dense import GPTConfig
+from explorer.models.llama import LlamaConfig
+
+#: what a published run reports: Megatron's TFLOP/s per GPU, or tokens/s per GPU
+Metric = Literal["tflops", "tokens"]
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run: its model, cluster, parallelism and measured throughput."""
+
+    name: str
+    source: str
+    model: GPTConfig | LlamaConfig
+    gpus: int
+    tensor: int
+    pipeline: int
+    micro_batch_size: int
+    global_batch: int
+    metric: Metric
+    published: float
+    context: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    #: 1: Megatron's distributed optimizer; 3: FSDP full shard
+    zero: int = 1
+
+    @property
+    def data(self) -> int:
+        return self.gpus // (self.tensor * self.pipeline * self.context)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per replica and step (gradient accumulation steps x pipeline
+        micro-batches)."""
+        return self.global_batch // (self.data * self.micro_batch_size)
+
+    @property
+    def parallelism(self) -> str:
+        parts = [f"DP{self.data}", f"TP{self.tensor}", f"PP{self.pipeline}"]
+        parts += [f"CP{self.context}"] * (self.context > 1)
+        parts += [f"VP{self.virtual_stages}"] * (self.virtual_stages > 1)
+        parts += ["SP"] * self.sequence_parallel
+        parts += ["FSDP" if self.zero == 3 else f"ZeRO{self.zero}"]
+        parts += [f"recompute {self.recompute}"] * (self.recompute != "none")
+        return " ".join(parts)
+
+
+def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
+              batch: int, tflops: float) -> PublishedRun:
+    cfg = GPTConfig(vocab_size=131072, seq_len=4096, d_model=hidden, n_heads=heads,
+                    n_layers=layers, batch_size=1, fused_attention=True)
+    return PublishedRun(f"megatron-{size}", "Megatron-LM README (r0.8.0)", cfg, gpus, tp, pp,
+                        1, batch, "tflops", tflops)
+
+
+_LLAMA3_8B = LlamaConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layers=32, n_heads=32,
+                         n_kv_heads=8, ffn_dim=14336, batch_size=1, rope_theta=500000.0)
+_LLAMA3_70B = LlamaConfig(vocab_size=128256, seq_len=8192, d_model=8192, n_layers=80,
+                          n_heads=64, n_kv_heads=8, ffn_dim=28672, batch_size=1,
+                          rope_theta=500000.0)
+_GPT3_175B = GPTConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_heads=96, n_layers=96,
+                       batch_size=1, fused_attention=True)
+
+
+def _mpt(hidden: int, layers: int, heads: int) -> GPTConfig:
+    return GPTConfig(vocab_size=50368, seq_len=2048, d_model=hidden, n_heads=heads,
+                     n_layers=layers, batch_size=1, fused_attention=True)
+
+
+_DGXC = "NVIDIA dgxc-benchmarking (NeMo 24.12)"
+_FOUNDRY = "MosaicML llm-foundry throughput table"
+
+RUNS = (
+    _megatron("1.7b", 16, 2048, 24, 1, 1, 48, 192, 408.8),
+    _megatron("7.1b", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    _megatron("16b", 48, 6144, 32, 4, 1, 192, 192, 489.1),
+    _megatron("70b", 64, 8192, 84, 8, 2, 768, 384, 419.7),
+    _megatron("177b", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    PublishedRun("dgxc-llama3-8b", _DGXC, _LLAMA3_8B, 8, 1, 1, 1, 128, "tokens", 10254,
+                 context=2),
+    PublishedRun("dgxc-llama3-70b", _DGXC, _LLAMA3_70B, 64, 4, 4, 1, 128, "tokens", 1121,
+                 context=2, virtual_stages=5, sequence_parallel=True),
+    PublishedRun("dgxc-gpt3-175b", _DGXC, _GPT3_175B, 128, 4, 8, 1, 256, "tokens", 493,
+                 virtual_stages=12, sequence_parallel=True),
+    PublishedRun("foundry-mpt-7b", _FOUNDRY, _mpt(4096, 32, 32), 8, 1, 1, 6, 48, "tokens",
+                 10643, zero=3),
+    PublishedRun("foundry-mpt-70b", _FOUNDRY, _mpt(8192, 80, 64), 64, 1, 1, 8, 2048, "tokens",
+                 1039, recompute="full", zero=3),
+)
+
+
+def megatron_flops(cfg: GPTConfig, batch: int) -> float:
+    """Megatron-LM's FLOPs per step of a GPT without recomputation (Narayanan et al. 2021,
+    eq. 3 at three passes instead of four): ``72 B s l h^2 (1 + s / 6h + V / 12lh)``."""
+    b, s, h, layers, v = batch, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.vocab_size
+    return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+
+
+def missing_parts(run: PublishedRun) -> list[str]:
+    """What the run relies on that the plan space cannot express yet."""
+    out = []
+    if run.context > 1:
+        out.append(f"context parallelism (CP{run.context})")
+    if run.virtual_stages > 1:
+        out.append(f"interleaved 1F1B with {run.virtual_stages} virtual stages")
+    return out
+
+
+def published_plan(graph: ex.OpGraph, cluster: ex.Cluster, run: PublishedRun) -> ex.Plan:
+    """The run's parallelism as a plan: ``pipeline`` stages of ``data x tensor`` GPUs (tensor
+    groups inside a node), the layers cut evenly by op count, 1F1B over the run's
+    micro-batches, its memory settings on every stage."""
+    layers = graph.layers()
+    group = run.data * run.tensor
+    ops = [sum(1 for i in layer if graph.nodes[i].kind == "op") for layer in layers]
+    total, cut, assign = sum(ops), 0, {}
+    for j, layer in enumerate(layers):
+        stage = min(run.pipeline - 1, cut * run.pipeline // total)
+        cut += ops[j]
+        assign.update(dict.fromkeys(layer, stage))
+    stages = [cluster.ids[k * group:(k + 1) * group] for k in range(run.pipeline)]
+    plan = ex.Plan.from_assignment(graph, stages, assign, micro_batches=run.micro_batches,
+                                   schedule="1f1b", algorithm="published")
+    return plan.with_memory(precision="bf16", zero=run.zero, recompute=run.recompute,
+                            tensor=run.tensor, sequence=run.sequence_parallel)
+
+
+def predict(run: PublishedRun) -> dict[str, object]:
+    """One row: the run as published and as the explorer predicts it."""
+    t0 = time.perf_counter()
+    row: dict[str, object] = {"run": run.name, "GPUs": run.gpus,
+                              "parallelism": run.parallelism,
+                              "global batch": f"{run.global_batch} x {run.model.seq_len}"}
+    unit = "TFLOP/s/GPU" if run.metric == "tflops" else "tokens/s/GPU"
+    row["published"] = f"{run.published:,.1f} {unit}"
+    missing = missing_parts(run)
+    if missing:
+        return {**row, "predicted": "-", "error": "-",
+                "notes": "not expressible yet: " + "; ".join(missing)}
+    build = build_gpt if isinstance(run.model, GPTConfig) else build_llama
+    module, inputs, targets, loss_fn, _ = build(run.model, run.global_batch, None)
+    graph = ex.capture(module, inputs, loss_fn, targets, name=run.name)
+    cluster = ex.Cluster.preset(f"{run.gpus}xH100")
+    costs = ex.profile(graph, cluster, progress=False)
+    try:
+        plan = published_plan(graph, cluster, run)
+    except ex.ExplorerError as e:
+        return {**row, "predicted": "-", "error": "-", "notes": f"not expressible yet: {e}"}
+    pred = ex.simulate(graph, plan, costs)
+    rate = throughput(graph, plan, costs.cluster, pred.step_s)
+    tokens = rate.tokens_per_s_per_device
+    tflops = (megatron_flops(run.model, run.global_batch) / pred.step_s / run.gpus / 1e12
+              if run.metric == "tflops" else rate.model_flops_per_s_per_device / 1e12)
+    predicted = tflops if run.metric == "tflops" else tokens
+    peak = max(pred.peak_bytes.values())
+    return {**row, "predicted": f"{predicted:,.1f} {unit}",
+            "error": f"{predicted / run.published - 1:+.1%}",
+            "step s": f"{pred.step_s:.3f}", "tokens/s/GPU": f"{tokens:,.0f}",
+            "model TFLOP/s/GPU": f"{rate.model_flops_per_s_per_device / 1e12:,.1f}",
+            "MFU": f"{rate.mfu:.1%}", "peak GiB/GPU": f"{peak / GiB:.1f}",
+            "fits": "yes" if pred.fits else "no",
+            "notes": f"predicted in {time.perf_counter() - t0:.0f} s"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="",
+                    help="comma-separated run names (default all): "
+                         + ", ".join(r.name for r in RUNS))
+    add_results_option(ap)
+    args = ap.parse_args(argv)
+    wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - {r.name for r in RUNS})
+    if unknown:
+        ap.error(f"unknown run(s) {', '.join(unknown)}; known: "
+                 + ", ".join(r.name for r in RUNS))
+    runs = [r for r in RUNS if not wanted or r.name in wanted]
+    rows = []
+    for run in runs:
+        rows.append(predict(run))
+        print(f"{run.name}: {rows[-1]['predicted']} against {rows[-1]['published']}",
+              file=sys.stderr, flush=True)
+    columns = list(dict.fromkeys(c for r in rows for c in r))
+    print(table(columns, [[str(r.get(c, "")) for c in columns] for r in rows]))
+    errors = [abs(float(str(r["error"]).rstrip("%")) / 100) for r in rows
+              if r["error"] != "-"]
+    within = sum(e <= 0.15 for e in errors)
+    summary = (f"{len(errors)} of {len(rows)} runs predicted; {within} within 15 % of the "
+               "published throughput" + (f", mean error {sum(errors) / len(errors):.1%}, max "
+                                          f"{max(errors):.1%}" if errors else ""))
+    print(summary)
+    write_result("published", rows, title="Published training runs against the explorer's "
+                 "prediction", notes=summary + ". H100 datasheet roofline (no profile); "
+                 "nodes of 8 over 8 x 400 Gb/s InfiniBand.", folder=args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
