@@ -89,12 +89,13 @@ DEFAULT_SETTINGS = StageSettings()
 
 
 def check_tensor_alone(settings: tuple[StageSettings, ...]) -> None:
-    """Refuse tensor-parallel stages in a plan with ZeRO, recomputation or reduced precision
-    (the simulator and runtime do not model them together yet)."""
+    """Refuse to run tensor-parallel stages in a plan with ZeRO, recomputation or reduced
+    precision: the simulator predicts such plans, the runtimes do not run them yet."""
     if any(st.tensor > 1 for st in settings) and any(
             replace(st, tensor=1, sequence=False) != DEFAULT_SETTINGS for st in settings):
-        raise PlanError("tensor-parallel stages cannot be combined with ZeRO, recompute or "
-                        "bf16/fp16 yet: set zero=0, recompute='none', precision='fp32' or tensor=1")
+        raise PlanError("real steps of tensor-parallel stages with ZeRO, recomputation or "
+                        "bf16/fp16 do not run yet (the prediction stands): to run it, set "
+                        "zero=0, recompute='none' and precision='fp32', or tensor=1")
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,13 @@ class Plan:
         return any(not st.is_default for st in self.stage_settings)
 
     @property
+    def uses_memory_strategies(self) -> bool:
+        """Whether some stage sets ZeRO, recomputation or a reduced precision (the memory
+        settings but the tensor split)."""
+        return any(replace(st, tensor=1, sequence=False) != DEFAULT_SETTINGS
+                   for st in self.stage_settings)
+
+    @property
     def uses_tensor_parallel(self) -> bool:
         return any(st.tensor > 1 for st in self.stage_settings)
 
@@ -249,7 +257,6 @@ class Plan:
                                 f"tensor-parallel degree of {current[s].tensor} does not "
                                 "divide; use a degree that divides it")
         kept = () if all(st.is_default for st in current) else tuple(current)
-        check_tensor_alone(kept)
         return replace(self, stage_settings=kept)
 
     # -- validation ----------------------------------------------------------------------
@@ -299,7 +306,6 @@ class Plan:
             if bad:
                 raise PlanError(f"node {bad[0][0]!r} is on stage {bad[0][1]!r}, but stages run "
                                 f"from 0 to {len(self.stages) - 1}")
-        check_tensor_alone(self.stage_settings)
         if self.stage_settings and len(self.stage_settings) != len(self.stages):
             raise PlanError(f"the plan has memory settings for {len(self.stage_settings)} "
                             f"stages but {len(self.stages)} stages; set them with with_memory")
@@ -345,7 +351,10 @@ class Plan:
     def check_runnable(self, batch_size: int, batch_splits: bool | None) -> None:
         """What a real run needs of the batch: it divides over replicas x micro-batches
         (:meth:`check_batch`), and it is split at all only where the graph's batch dimension
-        is dynamic (``batch_splits``; None when unknown, as for a graph not exported)."""
+        is dynamic (``batch_splits``; None when unknown, as for a graph not exported); and
+        no tensor-parallel stage with ZeRO, recomputation or reduced precision
+        (:func:`check_tensor_alone`)."""
+        check_tensor_alone(self.stage_settings)
         self.check_batch(batch_size)
         splits = self.data_parallel * self.micro_batches
         if splits > 1 and batch_splits is False:
@@ -396,7 +405,6 @@ class Plan:
             optimizer=f["optimizer"], algorithm=f["algorithm"], options=f["options"],
             pinned=frozenset(f["pinned"]), notes=tuple(f["notes"]), model=f["model"],
             stage_settings=tuple(StageSettings(**st) for st in f["stage_settings"]))
-        check_tensor_alone(plan.stage_settings)
         if graph is not None:
             plan.validate(graph, cluster)
         return plan

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
+from explorer.core.plan import Plan, check_tensor_alone
 from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import (
     EMBEDDING_OPS,
@@ -61,7 +61,9 @@ from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
 def check_supported(graph: OpGraph, plan: Plan) -> None:
     """The runtime runs tensor-parallel stages (replicated or not, in pipelines or alone)
     whose weights no other stage reads, that hold the whole of each head-split attention
-    core they hold part of, and each sequence-scattered transposed linear with its view."""
+    core they hold part of, and each sequence-scattered transposed linear with its view;
+    without ZeRO, recomputation or reduced precision (:func:`check_tensor_alone`)."""
+    check_tensor_alone(plan.stage_settings)
     def elsewhere(i: int) -> list[int]:  # node i's readers on another stage than its own
         own = plan.stage_of(graph.nodes[i].name)
         return [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name) != own]

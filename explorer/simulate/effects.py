@@ -3,7 +3,8 @@ forwards, ZeRO's collectives and which bytes each device holds.
 
 A plan without settings never reaches this module (its predictions are those of the plain
 simulator). With settings, :func:`stage_effects` derives per node and stage what changes;
-:meth:`StageEffects.apply_compute` scales the op times (precision) and adds the recomputed
+:meth:`StageEffects.scale_by_precision` scales the op times and
+:meth:`StageEffects.add_recomputation` adds the recomputed
 forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
 micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead of their use
 (prefetch depth 1);
@@ -34,6 +35,7 @@ from explorer.costs.strategies import (
 )
 from explorer.devices.cluster import Cluster
 from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
+from explorer.simulate.tensor import activations_per_device, per_device, saved_extra_per_device
 
 #: task kinds of the ZeRO collectives (on a stage's replica channel, like the all-reduces)
 REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
@@ -57,11 +59,16 @@ class StageEffects:
 
     settings: list[StageSettings]  # [stage]
     zero: list[int]  # [stage] ZeRO stage in effect (0 where the stage has one replica)
-    act_bytes: np.ndarray  # [node] output bytes under its stage's precision
+    #: [node] output bytes on its device under its stage's precision (a tensor-parallel
+    #: stage's share of what its layout keeps split)
+    act_bytes: np.ndarray
     dropped: np.ndarray  # [node] bool: its saved output is recomputed, not kept
     rc_op: np.ndarray  # [node] the op whose backward first runs it again, -1
-    shard: np.ndarray  # [node] bytes of one rank's shard of its weight (its bytes without ZeRO)
-    extra_bytes: np.ndarray  # [node] bytes saved besides outputs, under its stage's precision
+    #: [node] bytes of one rank's shard of its weight (of the device's share of a split
+    #: weight; its bytes on the device without ZeRO)
+    shard: np.ndarray
+    #: [node] bytes saved besides outputs, on its device under its stage's precision
+    extra_bytes: np.ndarray
     recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
     # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
     grad_done: dict[int, int] = field(default_factory=dict)
@@ -75,7 +82,8 @@ class StageEffects:
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: what the segment runtime checkpoints on a recomputing stage (:func:`checkpoint_spans`)
     spans: list[CheckpointSpan] = field(default_factory=list)
-    #: [stage] whether its ranks run segments (checkpointing spans; set by ``apply_compute``)
+    #: [stage] whether its ranks run segments (checkpointing spans; set by
+    #: ``add_recomputation``)
     spans_run: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     #: [node] where what an op saves besides its output (statistics, masks, indices) starts
     #: to be held: -1 from its forward; else the op in whose backward checkpoint makes it
@@ -93,22 +101,29 @@ class StageEffects:
     casts: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
 
-    def apply_compute(self, graph: OpGraph, costs: CostModel, plan: Plan, A: GraphArrays,
-                      st: np.ndarray, fwd_d: np.ndarray, bwd_d: np.ndarray) -> None:
+    def scale_by_precision(self, graph: OpGraph, costs: CostModel, plan: Plan,
+                           A: GraphArrays, st: np.ndarray, fwd_d: np.ndarray,
+                           bwd_d: np.ndarray) -> None:
         """Scale ``fwd_d`` and ``bwd_d`` (seconds per node, in place) by each stage's
         precision on its slowest device type (:meth:`CostModel.precision_factors`: measured
-        where the profile timed that precision), then add every recomputed forward to the
-        backward that runs it (:meth:`_recomputed`)."""
-        is_op, has_b = A.is_op, A.has_b
+        where the profile timed that precision)."""
         for s, sett in enumerate(self.settings):
             if sett.precision == "fp32":
                 continue
             one_of_each = {costs.cluster.device(d).type_key: d for d in plan.stages[s]}
             factors = [costs.precision_factors(graph, d, sett.precision)
                        for d in one_of_each.values()]
-            on = (st == s) & is_op
+            on = (st == s) & A.is_op
             fwd_d[on] *= np.max([f for f, _ in factors], axis=0)[on]
             bwd_d[on] *= np.max([b for _, b in factors], axis=0)[on]
+
+    def add_recomputation(self, graph: OpGraph, costs: CostModel, plan: Plan,
+                          A: GraphArrays, st: np.ndarray, fwd_d: np.ndarray,
+                          bwd_d: np.ndarray) -> None:
+        """Add every recomputed forward (its collectives included, where ``fwd_d`` has them)
+        to the backward that runs it (:meth:`_recomputed`), and what ZeRO 3's gathers cost
+        the ranks' processors (``scale_by_precision`` has run)."""
+        is_op, has_b = A.is_op, A.has_b
         extra = self._recomputed(costs, plan, A, st, fwd_d)
         self.recompute_s = np.bincount(st, weights=extra, minlength=len(self.settings)).tolist()
         bwd_d += np.where(has_b, extra, 0.0)
@@ -131,7 +146,7 @@ class StageEffects:
         op's forward taking ``seconds`` (its device time, or its host's time to issue it:
         recomputation issues the ops again): on the op path in the first backward that needs
         its value, in a span's first backward where the stage runs segments
-        (``apply_compute`` has run)."""
+        (``add_recomputation`` has run)."""
         extra = np.zeros(A.n)
         rc = np.flatnonzero(A.is_op & (self.rc_op >= 0) & ~self.spans_run[st])
         np.add.at(extra, self.rc_op[rc], seconds[rc])
@@ -180,7 +195,7 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     """What ``plan``'s settings change, per node (on the stage that runs it)."""
     S = len(plan.stages)
     settings = [plan.settings_of(s) for s in range(S)]
-    zero = [x.zero if len(plan.stages[s]) > 1 else 0 for s, x in enumerate(settings)]
+    zero = [x.zero if plan.replicas_of(s) > 1 else 0 for s, x in enumerate(settings)]
     act = A.out_b.copy()
     for prec in {x.precision for x in settings} - {"fp32"}:
         for kind in {cluster.device(plan.stages[s][0]).kind for s in range(S)
@@ -210,11 +225,16 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     # them) is made in its 2-byte compute dtype too
     mm = np.array([is_matmul_like(n) for n in graph.nodes], dtype=bool)
     extra = np.where(mm & (act < A.out_b), A.extra // 2, A.extra)
-    shard = A.pbytes.copy()
+    # a tensor-parallel stage's device holds its share of what the layout splits, and ZeRO
+    # shards each device's share of a weight over the stage's replicas
+    act = activations_per_device(graph, plan, act)
+    extra = saved_extra_per_device(graph, plan, extra)
+    held = np.asarray(per_device(graph, plan, A.pbytes), dtype=np.int64)
+    shard = held.copy()
     for s in range(S):
         if zero[s]:
             on = np.flatnonzero((st == s) & (A.pbytes != 0) & (A.kcode != KIND_BUFFER))
-            shard[on] = [shard_bytes(int(b), len(plan.stages[s])) for b in A.pbytes[on]]
+            shard[on] = [shard_bytes(int(b), plan.replicas_of(s)) for b in held[on]]
     spans = checkpoint_spans(graph, mode.tolist(), st.tolist(), A.has_b.tolist(),
                              (rc_op >= 0).tolist())
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
@@ -256,14 +276,15 @@ def add_weight_gathers(b: Any) -> int:
         ops = b.ops_by_stage[s]
         if z != 3 or not len(ops):
             continue
-        devs = b.plan.stages[s]
+        devs = b.plan.stages[s][::b.plan.tensor_of(s)]  # (one tensor rank's replicas)
+        held = b.held  # (a device's share of a split weight)
         chan = b.resource(("allreduce", s, -1))
         pos = {int(o): k for k, o in enumerate(ops.tolist())}
         bops = ops[A.has_b[ops]].tolist()
         bpos = {o: k for k, o in enumerate(bops)}
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
         for group, readers in weight_groups(A, st, s, b.g.succs, pos, eff.units):
-            nbytes = int(A.pbytes[group].sum())
+            nbytes = int(sum(held[w] for w in group))
             label = "all-gather " + ", ".join(A.names[w] for w in group)
             dur = b.costs.allgather_s(devs, nbytes)
             first = min(pos[c] for c in readers)

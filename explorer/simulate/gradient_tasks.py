@@ -177,12 +177,13 @@ class GradientTasks:
     def shard_gathers(self: TaskBuilder, s: int, step: int, mine: list[int]) -> None:
         """ZeRO 1-2: the updated shards gathered into the full weights after the optimizer
         ``step``, one all-gather per bucket of them, in turn."""
+        group = self.reps[s][::self.plan.tensor_of(s)]  # (one tensor rank's replicas)
         for bucket in buckets(mine):
             size = sum(mine[k] for k in bucket)
             gather = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
-                               self.costs.allgather_s(self.reps[s], size),
+                               self.costs.allgather_s(group, size),
                                self.prio(LAST_SLOT), f"all-gather {size} B", -1, size)
-            self.allreduce_bytes += int((len(self.reps[s]) - 1) * size)
+            self.allreduce_bytes += int((len(group) - 1) * size)
             self.edges.src.append(step)
             self.edges.dst.append(gather)
 

@@ -275,8 +275,11 @@ class _MemoryPass:
         if eff is None or not len(eff.casts[0]):
             return
         op, value = eff.casts
-        size = np.where(A.kcode[value] == KIND_PARAM, A.out_b[value] // 2,
-                        self.size_on(A.out_b[value] // 2, st[op]))
+        # (of a tensor-parallel stage's split weights and activations, a device's share)
+        mine = per_device(self.graph, self.plan,
+                          activations_per_device(self.graph, self.plan, A.out_b))
+        size = np.where(A.kcode[value] == KIND_PARAM, mine[value] // 2,
+                        self.size_on(mine[value] // 2, st[op]))
         for m in range(self.micro_batches):
             self.events.live(st[op], self.start_a[self.task_of(self.fwd[op], m)],
                              self.end_a[self.task_of(self.bwd[op], m)], size)

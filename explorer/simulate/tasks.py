@@ -217,17 +217,23 @@ class TaskBuilder(GradientTasks):
                 fwd_d[idx] = sec.slowest("fwd_s", idx, self.types[s].values(), self.frac[s])
                 idx = idx[A.has_b[idx]]
                 bwd_d[idx] = sec.slowest("bwd_s", idx, self.types[s].values(), self.frac[s])
-        if plan.uses_tensor_parallel:
-            self.allreduce_bytes += split.split_op_seconds(
-                g, plan, costs, sec, self.ops_by_stage,
-                [list(self.types[s].values()) for s in range(S)], self.frac, fwd_d, bwd_d)
-        # the plan's memory settings: precision and recomputed forwards change op times
-        # (a plan with tensor-parallel stages has none: Plan refuses the two together)
+        devices = [list(self.types[s].values()) for s in range(S)]
+        if plan.uses_tensor_parallel:  # split ops: their share of the work
+            split.split_op_seconds(g, plan, costs, sec, self.ops_by_stage, devices, self.frac,
+                                   fwd_d, bwd_d)
+        # the plan's memory settings: precision changes op times (a split op's too), then
+        # the tensor split's collectives join the ops that wait for them, then recomputed
+        # forwards (their collectives with them) join the backwards that run them again
         self.eff = (stage_effects(g, plan, A, st, costs.cluster)
-                    if plan.uses_memory_settings and not plan.uses_tensor_parallel else None)
+                    if plan.uses_memory_strategies else None)
         self.out_act = A.out_b if self.eff is None else self.eff.act_bytes  # activations' bytes
         if self.eff is not None:
-            self.eff.apply_compute(g, costs, plan, A, st, fwd_d, bwd_d)
+            self.eff.scale_by_precision(g, costs, plan, A, st, fwd_d, bwd_d)
+        if plan.uses_tensor_parallel:
+            self.allreduce_bytes += split.add_split_collectives(g, plan, costs, devices,
+                                                                self.frac, fwd_d, bwd_d)
+        if self.eff is not None:
+            self.eff.add_recomputation(g, costs, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
         msg = np.array([max(costs.platform(d).message_s(costs.message_s) for d in self.reps[s])
                         for s in range(S)], dtype=np.float64)

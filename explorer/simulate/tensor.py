@@ -50,14 +50,11 @@ def tensor_group(plan: Plan, stage: int) -> tuple[str, ...]:
 
 def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                      ops_by_stage: list[np.ndarray], devices: list, frac: list[float],
-                     fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
-    """Set the forward and backward seconds of the ops each tensor-parallel stage splits, and
-    add the all-reduces the layout implies to the ops that wait for them; the bytes those
-    all-reduces move in a step (every device's sends: a ring of k moves 2 (k - 1) times the
-    tensor, for every tensor group and micro-batch)."""
+                     fwd_s: np.ndarray, bwd_s: np.ndarray) -> None:
+    """Set the forward and backward seconds of the ops each tensor-parallel stage splits
+    (their share of the work, and what DTensor adds where the profile measured it)."""
     A = GraphArrays.of(graph)
-    index, has_b, M = graph.index, A.has_b, plan.micro_batches
-    moved = 0
+    index, has_b = graph.index, A.has_b
     for s, layout in layouts(graph, plan).items():
         k = layout.degree
         dt = dtensor_costs(costs, devices[s])
@@ -76,6 +73,20 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
         if len(whole) and (dt["read_fwd_s"] or dt["read_bwd_s"]):
             fwd_s[whole] += reads[whole] * dt["read_fwd_s"]
             bwd_s[whole] += np.where(has_b[whole], reads[whole] * dt["read_bwd_s"], 0.0)
+
+
+def add_split_collectives(graph: OpGraph, plan: Plan, costs: CostModel, devices: list,
+                          frac: list[float], fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
+    """Add the collectives each tensor-parallel stage's layout implies to the ops that wait
+    for them; the bytes they move in a step (every device's sends: a ring of k moves 2 (k -
+    1) times the tensor, for every tensor group and micro-batch). Under bf16/fp16 the
+    activations and their gradients they carry are 2 bytes an element."""
+    index, M = graph.index, plan.micro_batches
+    moved = 0
+    for s, layout in layouts(graph, plan).items():
+        k = layout.degree
+        dt = dtensor_costs(costs, devices[s])
+        half = 0.5 if plan.settings_of(s).precision != "fp32" else 1.0
         group = tensor_group(plan, s)
         # (an all-gather or a reduce-scatter moves half a ring all-reduce's bytes, priced as
         # the link measured it where it did; the fixed cost once per op and direction: a
@@ -88,7 +99,7 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
             for name, nbytes in by_op.items():
                 if plan.stage_of(name) != s:
                     continue
-                size = int(nbytes * frac[s])
+                size = int(nbytes * frac[s] * half)
                 key = (index[name], backward)
                 times[index[name]] += (price(group, size)
                                        + (dt["collective_s"] if key not in fixed else 0.0))

@@ -496,13 +496,15 @@ class TestSizeLimits:
 
 
 class TestTensorWithMemorySettings:
-    def test_tensor_and_zero_recompute_or_precision_are_refused(self, two_stage):
+    def test_tensor_with_zero_recompute_or_precision_is_a_plan_that_does_not_run_yet(
+            self, two_stage):
         for memory in ({"zero": 1}, {"recompute": "full"}, {"precision": "bf16"}):
-            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
-                two_stage.with_tensor(2, stages=[1]).with_memory(**memory)
-            with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
-                two_stage.with_memory(**memory, stages=[0]).with_tensor(2, stages=[1])
-        d = two_stage.with_tensor(2, stages=[1]).to_dict()
-        d["stage_settings"][0]["zero"] = 1
-        with pytest.raises(PlanError, match="tensor-parallel stages cannot be combined"):
-            Plan.from_dict(d)
+            plans = [two_stage.with_tensor(2, stages=[1]).with_memory(**memory),
+                     two_stage.with_memory(**memory, stages=[0]).with_tensor(2, stages=[1])]
+            for plan in plans:
+                assert plan.uses_tensor_parallel and plan.uses_memory_strategies
+                assert Plan.from_dict(plan.to_dict()) == plan
+                with pytest.raises(PlanError, match="do not run yet .the prediction stands"):
+                    plan.check_runnable(8, None)
+        assert not two_stage.with_tensor(2, stages=[1]).uses_memory_strategies
+        two_stage.with_tensor(2, stages=[1]).check_runnable(8, None)

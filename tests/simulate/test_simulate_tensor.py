@@ -11,7 +11,7 @@ import explorer as ex
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.tensor_layout import megatron_layout
 from explorer.simulate.tensor import activations_per_device, saved_extra_per_device
-from tests.builders import cluster, costs
+from tests.builders import cluster, costs, tiny_builtin_graph
 
 LINEAR = "aten.linear.default"
 LAT_S, BW = 1e-3, 1e6  # the link: an all-reduce of 1000 B on 2 devices is 2 x 1 ms + 1 ms
@@ -389,3 +389,66 @@ def test_vocabulary_parallel_loss_by_hand():
     assert out.tolist() == [128, 64, 96, 128, 96, 96, 4]
     extra = saved_extra_per_device(g, plan, np.array([n.saved_extra_bytes for n in g.nodes]))
     assert extra.tolist() == [0, 0, 0, 0, 0, 0, 98]
+
+
+# ---- the tensor split with ZeRO, recomputation and bf16
+
+
+def test_zero_shards_each_devices_share_of_a_split_weight_over_the_replicas(block):
+    """tensor 2 x 2 replicas: a device holds half of each split weight (144 B of 288), and
+    ZeRO shards that half over the 2 replicas."""
+    cl = cluster(4, LAT_S, BW)
+    cm = costs(block, cl, FWD, BWD, overhead_s=0.2)
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    split = ex.Plan.from_assignment(block, [("d:0", "d:1", "d:2", "d:3")], ops).with_tensor(2)
+    base = ex.simulate(block, split, cm).memory["d:0"]
+    assert (base.params_bytes, base.optimizer_bytes) == (144, 288)
+    for zero in (1, 2, 3):
+        mem = ex.simulate(block, split.with_memory(zero=zero), cm).memory["d:0"]
+        assert mem.optimizer_bytes == 288 // 2  # adam's two moments of a 72 B shard
+        assert mem.params_bytes == (72 if zero == 3 else 144)
+
+
+def test_zero_3_gathers_a_devices_share_within_its_tensor_rank_replicas(block):
+    cl = cluster(4, LAT_S, BW)
+    cm = costs(block, cl, FWD, BWD, overhead_s=0.2)
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    split = ex.Plan.from_assignment(block, [("d:0", "d:1", "d:2", "d:3")], ops).with_tensor(2)
+    pred = ex.simulate(block, split.with_memory(zero=3), cm)
+    gathers = [iv for iv in pred.timeline if iv.device == "d:0" and iv.kind == "all-gather"]
+    assert gathers  # each priced as a ring of the 2 replicas over the device's 144 B share
+    assert {round(iv.end_s - iv.start_s, 12) for iv in gathers} == {
+        round(LAT_S + 144 / 2 / BW, 12)}
+
+
+def test_bf16_halves_what_the_tensor_splits_collectives_carry(block):
+    cl = cluster(2, LAT_S, BW)
+    cm = costs(block, cl, FWD, BWD, overhead_s=0.2)
+    ops = {n.name: 0 for n in block.nodes if n.kind == "op"}
+    split = ex.Plan.from_assignment(block, [("d:0", "d:1")], ops).with_tensor(2)
+    fp32, bf16 = (ex.simulate(block, split.with_memory(precision=p), cm)
+                  for p in ("fp32", "bf16"))
+    assert fp32.allreduce_bytes == 2 * (2 * 1 * 1000)
+    assert bf16.allreduce_bytes == 2 * (2 * 1 * 500)
+
+
+@pytest.mark.parametrize("memory", [{"precision": "bf16"}, {"recompute": "full"},
+                                    {"zero": 3}])
+def test_a_gpts_split_and_memory_settings_each_lower_its_memory(memory):
+    """tensor 2 with bf16, recomputation or ZeRO 3 (over the 2 replicas) holds less than the
+    split alone (and than bf16 or recomputation alone), and a recomputing split stage takes
+    longer than the split alone."""
+    graph = tiny_builtin_graph("gpt")
+    cl = ex.Cluster.preset("4xH100")
+    cm = ex.profile(graph, cl)
+    dp = ex.partition(graph, cl, cm, "data-parallel")
+    peaks = {}
+    for name, plan in {"none": dp, "split": dp.with_tensor(2), "memory": dp.with_memory(**memory),
+                       "both": dp.with_tensor(2).with_memory(**memory)}.items():
+        pred = ex.simulate(graph, plan, cm)
+        peaks[name] = pred.peak_bytes["H100:0"]
+        if name == "both" and "recompute" in memory:
+            assert pred.step_s > ex.simulate(graph, dp.with_tensor(2), cm).step_s
+    assert peaks["both"] < peaks["split"] < peaks["none"] and peaks["memory"] < peaks["none"]
+    if "zero" not in memory:  # (ZeRO 3 over 4 replicas shards more than over 2)
+        assert peaks["both"] < peaks["memory"]

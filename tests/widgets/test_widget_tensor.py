@@ -77,9 +77,10 @@ def test_splits_the_plan_cannot_make_are_refused_with_what_to_do(session):
     with pytest.raises(ExplorerError, match="select one or more nodes"):
         session.split([], "H100:0+H100:1")
     session.set_memory(zero=1)
-    with pytest.raises(ExplorerError, match="cannot be combined with ZeRO"):
-        session.split(names, "H100:2+H100:3")
-    assert not session.plan.uses_tensor_parallel and session.history[-1].startswith("memory")
+    session.split(names, "H100:2+H100:3")  # predicted; real steps refused, said why
+    assert session.plan.uses_tensor_parallel and session.plan.uses_memory_strategies
+    assert "do not run yet" in session.run_problem
+    session.undo()
     session.undo()
     with pytest.raises(ExplorerError, match="does not divide"):
         session.set_memory(tensor=2)  # one device in the stage
@@ -128,8 +129,10 @@ def test_the_widget_shows_splits_and_the_table_shows_degrees(gpt):
     assert w.editing.split_over.options[0] == "H100:2+H100:3"  # the new stage first
     w.stages.stage.value = w.session.plan.stage_of(w.session.view.names(["/m:blocks@38"])[0])
     assert w.stages.tensor.value == 2 and "1 x 2" in w.stages.table.value
-    w.stages.zero.value = 1  # refused next to the control, which goes back
-    assert "cannot be combined" in w.session.message and w.session.message_where == "settings"
+    w.stages.zero.value = 1  # predicted; the estimate says real steps cannot run yet
+    assert w.session.plan.settings_of(w.stages.stage.value).zero == 1
+    assert "do not run yet" in w.estimate.table.value
+    w.editing.undo_button.click()
     assert w.stages.zero.value == 0
     stage = w.stages.stage.value
     assert not w.stages.sequence.value and not w.stages.sequence.disabled

@@ -81,7 +81,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     that fit are simulated and the fastest by the simulator is kept; it is then compared, by
     the simulator, with pipeline-dp's plan (no tensor split; when its DP is small enough, see
     :data:`PIPELINE_DP_CELLS`) and the baselines, and the fastest is returned (a note says
-    which). Tensor-parallel stages run without ZeRO, recomputation or bf16 (not combined yet).
+    which).
 
     Parameters
     ----------
