@@ -41,6 +41,7 @@ from _common import add_results_option, write_result
 
 import explorer as ex
 from explorer.analysis.throughput import throughput
+from explorer.cli.commands import plan_degrees
 from explorer.core.units import GiB, table
 from explorer.models.builtin import build_gpt, build_llama
 from explorer.models.dense import GPTConfig
@@ -48,6 +49,11 @@ from explorer.models.llama import LlamaConfig
 
 #: what a published run reports: Megatron's TFLOP/s per GPU, or tokens/s per GPU
 Metric = Literal["tflops", "tokens"]
+#: the GPU preset the runs are priced on by default: the H100 datasheet's roofline
+GPU = "H100"
+#: the degrees search runs on rows of at most this many GPUs (beyond, its memory-aware
+#: fallback simulates plans with settings for minutes on a 2-core machine)
+SEARCH_GPUS = 1024
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,9 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
               batch: int, tflops: float) -> PublishedRun:
     cfg = GPTConfig(vocab_size=131072, seq_len=4096, d_model=hidden, n_heads=heads,
                     n_layers=layers, batch_size=1, fused_attention=True)
+    # (Megatron-Core overlaps tensor-parallel communication only with sequence parallelism)
     return PublishedRun(f"megatron-{size}", "Megatron-LM README (r0.8.0)", cfg, gpus, tp, pp,
-                        1, batch, "tflops", tflops)
+                        1, batch, "tflops", tflops, sequence_parallel=tp > 1)
 
 
 _LLAMA3_8B = LlamaConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layers=32, n_heads=32,
@@ -172,8 +179,9 @@ def published_plan(graph: ex.OpGraph, cluster: ex.Cluster, run: PublishedRun) ->
                             tensor=run.tensor, sequence=run.sequence_parallel)
 
 
-def predict(run: PublishedRun) -> dict[str, object]:
-    """One row: the run as published and as the explorer predicts it."""
+def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str, object]:
+    """One row: the run as published and as the explorer predicts it on ``gpu`` presets,
+    with (``search``) what the degrees search finds on the same model and cluster."""
     t0 = time.perf_counter()
     row: dict[str, object] = {"run": run.name, "GPUs": run.gpus,
                               "parallelism": run.parallelism,
@@ -187,7 +195,7 @@ def predict(run: PublishedRun) -> dict[str, object]:
     build = build_gpt if isinstance(run.model, GPTConfig) else build_llama
     module, inputs, targets, loss_fn, _ = build(run.model, run.global_batch, None)
     graph = ex.capture(module, inputs, loss_fn, targets, name=run.name)
-    cluster = ex.Cluster.preset(f"{run.gpus}xH100")
+    cluster = ex.Cluster.preset(f"{run.gpus}x{gpu}")
     costs = ex.profile(graph, cluster, progress=False)
     try:
         plan = published_plan(graph, cluster, run)
@@ -200,13 +208,36 @@ def predict(run: PublishedRun) -> dict[str, object]:
               if run.metric == "tflops" else rate.model_flops_per_s_per_device / 1e12)
     predicted = tflops if run.metric == "tflops" else tokens
     peak = max(pred.peak_bytes.values())
-    return {**row, "predicted": f"{predicted:,.1f} {unit}",
-            "error": f"{predicted / run.published - 1:+.1%}",
-            "step s": f"{pred.step_s:.3f}", "tokens/s/GPU": f"{tokens:,.0f}",
-            "model TFLOP/s/GPU": f"{rate.model_flops_per_s_per_device / 1e12:,.1f}",
-            "MFU": f"{rate.mfu:.1%}", "peak GiB/GPU": f"{peak / GiB:.1f}",
-            "fits": "yes" if pred.fits else "no",
-            "notes": f"predicted in {time.perf_counter() - t0:.0f} s"}
+    row.update({"predicted": f"{predicted:,.1f} {unit}",
+                "error": f"{predicted / run.published - 1:+.1%}",
+                "step s": f"{pred.step_s:.3f}", "tokens/s/GPU": f"{tokens:,.0f}",
+                "model TFLOP/s/GPU": f"{rate.model_flops_per_s_per_device / 1e12:,.1f}",
+                "MFU": f"{rate.mfu:.1%}", "peak GiB/GPU": f"{peak / GiB:.1f}",
+                "fits": "yes" if pred.fits else "no"})
+    row["search"] = (searched(graph, cluster, costs, run, pred.step_s, pred.fits) if search
+                     and run.gpus <= SEARCH_GPUS else f"not run above {SEARCH_GPUS} GPUs")
+    row["notes"] = f"predicted in {time.perf_counter() - t0:.0f} s"
+    return row
+
+
+def searched(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel, run: PublishedRun,
+             published_s: float, published_fits: bool) -> str:
+    """What the degrees search finds with the run's micro-batches and 1F1B (ranked in fp32,
+    then given the run's precision, ZeRO and recomputation, as ``explorer plan
+    --precision`` does), against the published configuration's predicted step."""
+    try:
+        plan = ex.partition(graph, cluster, costs, "degrees",
+                            micro_batches=[run.micro_batches], schedules=["1f1b"])
+    except ex.ExplorerError as e:
+        return f"no plan: {e}"
+    memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero}
+    if plan.uses_memory_strategies:  # (it fits only with settings of its own: kept)
+        memory = {}
+    plan = plan.with_memory(**memory)
+    step_s = ex.simulate(graph, plan, costs).step_s
+    why = "" if published_fits else " (the published one does not fit by the prediction)"
+    return (f"{plan_degrees(plan)['text']} (dp x tp x pp, {plan.settings_of(0).describe()}): "
+            f"{published_s / step_s:.2f}x the published configuration's throughput{why}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="",
                     help="comma-separated run names (default all): "
                          + ", ".join(r.name for r in RUNS))
+    ap.add_argument("--gpu", default=GPU,
+                    help=f"the GPU preset to price the runs on (default {GPU}: the datasheet "
+                         "roofline; H100-measured: the roofline fitted on one H100)")
+    ap.add_argument("--no-search", action="store_true",
+                    help="skip the degrees search on each row's model and cluster")
     add_results_option(ap)
     args = ap.parse_args(argv)
     wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
@@ -224,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in RUNS if not wanted or r.name in wanted]
     rows = []
     for run in runs:
-        rows.append(predict(run))
+        rows.append(predict(run, args.gpu, not args.no_search))
         print(f"{run.name}: {rows[-1]['predicted']} against {rows[-1]['published']}",
               file=sys.stderr, flush=True)
     columns = list(dict.fromkeys(c for r in rows for c in r))
@@ -237,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                                           f"{max(errors):.1%}" if errors else ""))
     print(summary)
     write_result("published", rows, title="Published training runs against the explorer's "
-                 "prediction", notes=summary + ". H100 datasheet roofline (no profile); "
+                 "prediction", notes=summary + f". {args.gpu} preset (roofline, no profile); "
                  "nodes of 8 over 8 x 400 Gb/s InfiniBand.", folder=args.results)
     return 0
 

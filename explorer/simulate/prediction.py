@@ -66,6 +66,10 @@ class BuiltOnRead:
         obj.__dict__[self.name] = value
 
 
+#: how many devices over their memory :meth:`Prediction.memory_report` names one by one
+REPORTED_DEVICES = 3
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the simulator predicts for one step of a plan.
@@ -120,8 +124,15 @@ class Prediction:
         return 1.0 / self.step_s if self.step_s > 0 else 0.0
 
     def memory_report(self) -> str:
-        """Which devices do not fit and by how much, in words ("" when all fit)."""
+        """Which devices do not fit and by how much, in words ("" when all fit); beyond
+        :data:`REPORTED_DEVICES` devices, how many and the one over by the most."""
         over = self.over_memory_bytes
+        if len(over) > REPORTED_DEVICES:
+            worst = max(over, key=over.__getitem__)
+            return (f"{len(over)} devices do not fit; the most, {worst}, needs "
+                    f"{self.peak_bytes[worst] / 2**20:,.1f} MiB but has "
+                    f"{self.capacity_bytes[worst] / 2**20:,.1f} MiB (over by "
+                    f"{over[worst] / 2**20:,.1f} MiB)")
         return "; ".join(
             f"{d} needs {self.peak_bytes[d] / 2**20:,.1f} MiB but has "
             f"{self.capacity_bytes[d] / 2**20:,.1f} MiB (over by {b / 2**20:,.1f} MiB)"

@@ -504,7 +504,7 @@ class TestTensorWithMemorySettings:
             for plan in plans:
                 assert plan.uses_tensor_parallel and plan.uses_memory_strategies
                 assert Plan.from_dict(plan.to_dict()) == plan
-                with pytest.raises(PlanError, match="do not run yet .the prediction stands"):
+                with pytest.raises(PlanError, match=r"do not run yet \(the prediction stands"):
                     plan.check_runnable(8, None)
         assert not two_stage.with_tensor(2, stages=[1]).uses_memory_strategies
         two_stage.with_tensor(2, stages=[1]).check_runnable(8, None)

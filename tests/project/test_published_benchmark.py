@@ -16,7 +16,7 @@ import published
 def test_a_published_run_is_its_parallelism_and_megatrons_flops():
     run = next(r for r in published.RUNS if r.name == "megatron-70b")
     assert (run.data, run.micro_batches) == (48, 8)  # 768 / (8 x 2); 384 / 48 of one sequence
-    assert run.parallelism == "DP48 TP8 PP2 ZeRO1"
+    assert run.parallelism == "DP48 TP8 PP2 SP ZeRO1"
     small = next(r for r in published.RUNS if r.name == "megatron-1.7b").model
     h, s, layers, v = 2048, 4096, 24, 131072
     assert published.megatron_flops(small, 1) == pytest.approx(

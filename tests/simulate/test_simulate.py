@@ -336,6 +336,17 @@ class TestMemory:
         assert "d:0" in pred.over_memory_bytes
         assert "d:0 needs" in pred.memory_report()
 
+    def test_many_devices_over_memory_are_counted_and_the_worst_named(self):
+        g = graph([("x", "input", [], 100), ("w", "param", [], 10_000),
+                   ("a", "op", ["x", "w"], 100)])
+        cl = cluster(8, memory=1000)
+        pred = simulate(g, Plan.from_assignment(g, [cl.ids], {"a": 0}),
+                        costs(g, cl, {"a": 1.0}, {"a": 1.0}))
+        assert len(pred.over_memory_bytes) == 8
+        report = pred.memory_report()
+        assert report.startswith("8 devices do not fit; the most, d:0, needs ")
+        assert report.count("needs") == 1
+
 
 class TestRefusals:
     def test_plan_for_another_graph_is_refused(self, chain3):
