@@ -33,20 +33,27 @@ def single(graph: OpGraph, cluster: Cluster, costs: CostModel, pins: Mapping | N
 
 @register("data-parallel", guarded=False)
 def data_parallel(graph: OpGraph, cluster: Cluster, costs: CostModel,
-                  pins: Mapping | None = None, k: int | None = None,
-                  optimizer: str = "adam") -> Plan:
+                  pins: Mapping | None = None, k: int | None = None, micro_batches: int = 1,
+                  schedule: str | None = None, optimizer: str = "adam") -> Plan:
     """The whole model replicated on ``k`` devices, the batch split k ways, gradients all-reduced.
 
     Gradients are all-reduced with a ring (2(k-1)/k x gradient bytes over the slowest link) in
     buckets that overlap the backward pass, as PyTorch DDP does. A batch of fewer samples than
-    ``k`` is split over as many devices as it has samples (a note says so).
+    ``k`` is split over as many devices as it has samples (a note says so). With
+    ``micro_batches``, each replica accumulates the gradients of that many micro-batches of its
+    share before the all-reduce (gradient accumulation, DDP's ``no_sync``); ``schedule``
+    defaults to 1F1B then, each micro-batch's backward right after its forward, so one
+    micro-batch's activations are held at a time.
     """
     devs = first_devices(cluster, k)
     used = devs[:most_replicas(graph, len(devs))]
     notes = () if used == devs else (
         f"data-parallel: the batch of {graph.batch_size} samples splits over at most "
         f"{len(used)} replicas, so {len(used)} of the {len(devs)} devices are used",)
+    if schedule is None:
+        schedule = "1f1b" if micro_batches > 1 else "gpipe"
     return replicated(graph, used, algorithm="data-parallel", optimizer=optimizer,
+                      micro_batches=micro_batches, schedule=schedule,
                       options={"k": len(used)}, notes=notes)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from builders import cluster, costs, device, graph
@@ -74,6 +75,20 @@ class TestAllReduce:
         cm = _one_op_costs(cluster(2, latency_s=0.25, bandwidth=1000.0), 1.0, 0.0,
                            link_scale=3.0)
         assert cm.allreduce_s(["d:0", "d:1"], 1000) == pytest.approx(0.5 + 3.0)
+
+    def test_across_nodes_a_ring_per_network_interface(self):
+        """Nodes of 2 devices (100 B/s) joined by one 10 B/s interface per device: a ring
+        over both devices of 3 nodes crosses nodes on 2 interfaces at once (20 B/s); one
+        device a node has its own interface's 10 B/s."""
+        devices = tuple(replace(device(i), node=i // 2) for i in range(6))
+        cl = Cluster("nodes", devices, Link(0.0, 100.0, "in"), network_link=Link(1.0, 10.0, "ib"))
+        cm = _one_op_costs(cl, 1.0, 0.0)
+        # k=6: 10 x the worst latency 1 s + 10/6 x 600 B / 20 B/s
+        assert cm.allreduce_s(cl.ids, 600) == pytest.approx(10.0 + 50.0)
+        # k=3, one a node: 4 x 1 s + 4/3 x 300 B / 10 B/s; inside a node: the node's link
+        assert cm.allreduce_s(cl.ids[::2], 300) == pytest.approx(4.0 + 40.0)
+        assert cm.allreduce_s(cl.ids[:2], 100) == pytest.approx(100 / 100)
+        assert cm.transfer_s("d:1", "d:2", 10) == pytest.approx(1.0 + 1.0)
 
     def test_one_device_or_no_bytes_is_free(self):
         cm = _one_op_costs(cluster(2, latency_s=0.25, bandwidth=1000.0), 1.0, 0.0)

@@ -70,6 +70,20 @@ class TestDataParallel:
         assert plan.stages == (("d:0", "d:1"),)
         assert plan.options == {"k": 2}
 
+    def test_gradient_accumulation_runs_micro_batches_one_after_another(self, tiny):
+        g = tiny["gpt"]
+        cl = ex.Cluster.preset("2xH100")
+        cm = ex.profile(g, cl)
+        plain = partition(g, cl, cm, "data-parallel")
+        accumulating = partition(g, cl, cm, "data-parallel", micro_batches=2)
+        assert (plain.micro_batches, plain.schedule) == (1, "gpipe")
+        assert (accumulating.micro_batches, accumulating.schedule) == (2, "1f1b")
+        assert partition(g, cl, cm, "data-parallel", micro_batches=2,
+                         schedule="gpipe").schedule == "gpipe"
+        held = [ex.simulate(g, p, cm).memory["H100:0"].activations_bytes
+                for p in (plain, accumulating)]
+        assert held[1] < held[0]  # one micro-batch's activations at a time
+
     @pytest.mark.parametrize("k", [0, 4])
     def test_bad_k(self, tiny, k):
         with pytest.raises(ExplorerError, match=rf"k={k} devices asked for, but the cluster "
