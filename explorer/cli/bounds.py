@@ -10,6 +10,7 @@ from explorer.core.errors import ExplorerError
 from explorer.core.limits import MAX_BATCH_SIZE
 from explorer.core.units import format_bytes
 from explorer.devices.discovery import total_memory_bytes
+from explorer.models.builtin import shape_names
 
 #: the share of this machine's memory the example batch and its activations may take
 BATCH_MEMORY_FRACTION = 0.5
@@ -53,13 +54,17 @@ def _tensors(x):
 def check_batch_size(model: str, size: str, batch_size: int | None) -> None:
     """Refuse a batch whose example batch and activations would take more than
     ``BATCH_MEMORY_FRACTION`` of this machine's memory (or more than ``MAX_BATCH_SIZE``
-    samples), before the model is built at it; None (the size's own batch) passes."""
+    samples), before the model is built at it; None (the size's own batch) passes, and so
+    does any batch of a published shape, which is built on the meta device and captured on
+    fake tensors (nothing that size is allocated)."""
     if batch_size is None:
         return
     if batch_size > MAX_BATCH_SIZE:
         raise ExplorerError(f"a batch of {batch_size:,} samples is more than the "
                             f"{MAX_BATCH_SIZE:,} the explorer builds; use a smaller "
                             "--batch-size")
+    if model in shape_names():
+        return
     per = bytes_per_sample(model, size)
     room = int(total_memory_bytes() * BATCH_MEMORY_FRACTION)
     if per * batch_size > room:

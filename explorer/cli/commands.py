@@ -193,7 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          r if r.startswith("skipped: ") else "error: " + r))
             continue
         rate = throughput(graph, p, costs.cluster, r.step_s)
-        mem = " ".join(f"{r.peak_bytes[d] / MiB:.1f}" for d in p.devices)
+        mem = peak_text(p, r.peak_bytes)
         note = p.notes[0] if p.notes else ""
         if p.uses_memory_settings:  # which settings, before anything else
             note = f"[{_settings_text(p)}] {note}"
@@ -217,6 +217,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"\n* fastest plan that fits: {best[0]}"
               + (f" (saved to {args.out})" if args.out else ""))
     return _all_failed(results)
+
+
+#: beyond this many devices a plan's peak memory is shown per stage, not per device
+PEAKS_SHOWN = 8
+
+
+def peak_text(plan, peak_bytes: dict[str, int]) -> str:
+    """The plan's peak memory per device in MiB, in device order; beyond :data:`PEAKS_SHOWN`
+    devices, each stage's highest (``"max per stage: a / b"``)."""
+    if len(plan.devices) <= PEAKS_SHOWN:
+        return " ".join(f"{peak_bytes[d] / MiB:.1f}" for d in plan.devices)
+    return "max per stage: " + " / ".join(
+        f"{max(peak_bytes[d] for d in devices) / MiB:.1f}" for devices in plan.stages)
 
 
 def _all_failed(results: list) -> int:

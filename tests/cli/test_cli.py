@@ -197,6 +197,16 @@ class TestPlan:
                             "--json")
         assert json.loads(out)["plans"][0]["throughput"] is None  # an MLP reads no tokens
 
+    def test_a_published_shape_plans_at_any_batch_and_peaks_read_per_stage(self, capsys):
+        """A published shape is captured on fake tensors: a batch far over this machine's
+        memory is fine; on 16 GPUs the peaks are each stage's highest."""
+        rc, out, err = _run(capsys, "plan", "--model", "llama-7b", "--batch-size", "64",
+                            "--quiet", "--devices", "16xH100", "--algorithm", "even-layers",
+                            "--precision", "bf16")
+        assert rc == 0, err
+        row = next(line for line in out.splitlines() if line.startswith("even-layers"))
+        assert "max per stage: " in row and row.count(" / ") == 15  # 16 stages
+
     def test_tensor_splits_the_stages_it_divides(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm",
                             "data-parallel", "--tensor", "2", "--json")
