@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import check_factory, load_factory
 from explorer.core.graph import OpGraph, OpNode
-from explorer.core.plan import DEFAULT_SETTINGS, Plan, StageSettings
+from explorer.core.plan import Plan, StageSettings
 from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import (
     CONV_OPS,
@@ -136,10 +136,6 @@ def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> N
         raise NotExpressible(f"optimizer {plan.optimizer!r} has no native form")
     replicas = _replicas(plan)
     tensor = {}
-    if settings.tensor > 1 and replace(settings, tensor=1, sequence=False) != DEFAULT_SETTINGS:
-        raise NotExpressible("a native script splits tensors only without ZeRO, recomputation "
-                             "or bf16/fp16 yet: set zero=0, recompute='none' and "
-                             "precision='fp32', or tensor=1")
     if settings.tensor > 1:
         tensor = _tensor_parallel(graph, plan, None if made is None else made.module)
     starts = stage_starts(graph, plan)

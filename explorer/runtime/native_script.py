@@ -323,8 +323,10 @@ def _parallelize_section(p: NativePlan) -> str:
              3: "",
              0: "    # stage replicas: FSDP over replicas x 1 shard keeps whole weights, as DDP "
                 "does\n"}
-    if p.tensor > 1:
+    if p.tensor > 1:  # (torchtitan's order: the split, then recomputation; no replicas)
         body = tensor_body(p)
+        if p.blocks and p.recompute != "none":
+            body += ["    for path in BLOCKS:", "        recompute(model.get_submodule(path))"]
     note = notes[p.zero] if _fsdp(p) else ""
     what = ("each module split as TENSOR_LAYOUT says" if p.tensor > 1 else
             "in torchtitan's order: recomputation, then sharding")
@@ -344,18 +346,23 @@ def _step_section(p: NativePlan) -> str:
              'loss."""']
     forward = ["loss = loss_fn(model(*[t[rows] for t in inputs]), *[t[rows] for t in targets])",
                "loss = loss / MICRO_BATCHES"]
+    backward = ("(loss * LOSS_SCALE).backward()" if p.precision == "fp16" else
+                "loss.backward()")
     if loss_parallel(p):
         lines.append("    with loss_parallel():  # (the loss of the output layer's class shards)")
-        lines += ["        " + f for f in forward] + ["        loss.backward()",
-                                                       "    return loss.detach().full_tensor()"]
+        if p.precision != "fp32":
+            lines.append("        with torch.autocast(inputs[0].device.type, dtype=PRECISION):")
+            lines += ["            " + f for f in forward]
+        else:
+            lines += ["        " + f for f in forward]
+        lines += ["        " + backward, "    return loss.detach().full_tensor()"]
         return "\n".join(lines)
     if p.precision != "fp32":
         lines.append("    with torch.autocast(inputs[0].device.type, dtype=PRECISION):")
         lines += ["        " + f for f in forward]
     else:
         lines += ["    " + f for f in forward]
-    lines.append("    (loss * LOSS_SCALE).backward()" if p.precision == "fp16" else
-                 "    loss.backward()")
+    lines.append("    " + backward)
     lines.append("    return loss.detach()")
     return "\n".join(lines)
 

@@ -538,3 +538,29 @@ def test_a_tensor_parallel_script_trains_as_ex_run(factories, cpu2, pool, source
                               **model)
     measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
     assert _torchrun(script, 2) == pytest.approx(list(measured.losses), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [{"recompute": "full"},
+                                      {"recompute": "selective", "precision": "bf16"}],
+                         ids=str)
+def test_a_tensor_parallel_script_recomputes_and_autocasts(gpt, cpu2, pool, settings,
+                                                          tmp_path):
+    """Tensor 2 (sequence parallel) with recomputation and bf16, which ex.run does not run:
+    recomputation changes no loss (ex.run's split in fp32, rel 1e-5); bf16 gives the losses
+    of ex.run's data-parallel plan with the same settings (within 1e-4)."""
+    bm, graph = gpt
+    split = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2, sequence=True)
+    plan = split.with_memory(**settings)
+    script = ex.export_script(plan, tmp_path / "train.py", graph=graph, model=bm, steps=3,
+                              native=True)
+    text = script.read_text()
+    assert "recompute(model.get_submodule(path))" in text
+    assert ("torch.autocast" in text) == ("precision" in settings)
+    half = "precision" in settings
+    reference = (_replicated(graph, cpu2.ids, micro_batches=2).with_memory(**settings) if half
+                 else split)
+    measured = ex.run(graph, plan=reference, steps=3, warmup=0, progress=False, pool=pool)
+    assert _torchrun(script, 2) == pytest.approx(list(measured.losses),
+                                                 rel=1e-4 if half else 1e-5)
+
