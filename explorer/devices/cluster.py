@@ -143,8 +143,6 @@ class Cluster:
         with the fewest members has (one per device: NCCL runs a ring per NIC), so they carry
         that many times the network link's bandwidth."""
         ids = list(ids)
-        hops = [self.link(a, b) for a, b in zip(ids, [*ids[1:], *ids[:1]], strict=True)
-                if a != b]
         by_node: dict[int, list[str]] = {}
         for i in ids:
             by_node.setdefault(self.device(i).node, []).append(i)
@@ -155,6 +153,9 @@ class Cluster:
             across = replace(self.network_link, bandwidth_bytes_per_s=share
                              * self.network_link.bandwidth_bytes_per_s)
             hops = [*inside, across]
+        else:
+            hops = [self.link(a, b) for a, b in zip(ids, [*ids[1:], *ids[:1]], strict=True)
+                    if a != b]
         if not hops:
             return SAME_DEVICE_LINK
         slow = min(hops, key=lambda lk: lk.bandwidth_bytes_per_s)

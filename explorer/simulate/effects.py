@@ -35,7 +35,12 @@ from explorer.costs.strategies import (
 )
 from explorer.devices.cluster import Cluster
 from explorer.simulate.arrays import KIND_BUFFER, KIND_PARAM, GraphArrays
-from explorer.simulate.tensor import activations_per_device, per_device, saved_extra_per_device
+from explorer.simulate.tensor import (
+    activations_per_device,
+    per_device,
+    replica_group,
+    saved_extra_per_device,
+)
 
 #: task kinds of the ZeRO collectives (on a stage's replica channel, like the all-reduces)
 REDUCE_SCATTER, ALLGATHER = "reduce-scatter", "all-gather"
@@ -276,7 +281,7 @@ def add_weight_gathers(b: Any) -> int:
         ops = b.ops_by_stage[s]
         if z != 3 or not len(ops):
             continue
-        devs = b.plan.stages[s][::b.plan.tensor_of(s)]  # (one tensor rank's replicas)
+        devs = replica_group(b.plan, s)
         held = b.held  # (a device's share of a split weight)
         chan = b.resource(("allreduce", s, -1))
         pos = {int(o): k for k, o in enumerate(ops.tolist())}

@@ -133,7 +133,7 @@ class GradientTasks:
         are done: an all-reduce, or under ZeRO 2-3 a reduce-scatter. Returns the tasks and
         how many were reduce-scatters."""
         costs, M, per_m = self.costs, self.M, self.per_m
-        group = self.reps[s][::self.plan.tensor_of(s)]  # (one device of each replica)
+        group = split.replica_group(self.plan, s)
         has_b, off_b = self.A.has_b.tolist(), self.off_b.tolist()
         channel = self.resource(("allreduce", s, -1))
         # the first bucket also waits for the slowest replica to catch up
@@ -177,7 +177,7 @@ class GradientTasks:
     def shard_gathers(self: TaskBuilder, s: int, step: int, mine: list[int]) -> None:
         """ZeRO 1-2: the updated shards gathered into the full weights after the optimizer
         ``step``, one all-gather per bucket of them, in turn."""
-        group = self.reps[s][::self.plan.tensor_of(s)]  # (one tensor rank's replicas)
+        group = split.replica_group(self.plan, s)
         for bucket in buckets(mine):
             size = sum(mine[k] for k in bucket)
             gather = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),

@@ -48,6 +48,12 @@ def tensor_group(plan: Plan, stage: int) -> tuple[str, ...]:
     return plan.stages[stage][: plan.tensor_of(stage)]
 
 
+def replica_group(plan: Plan, stage: int) -> tuple[str, ...]:
+    """The devices of ``stage``'s first tensor rank, one in each replica: the group its
+    gradient reductions and ZeRO gathers run over (the whole stage without a tensor split)."""
+    return plan.stages[stage][:: plan.tensor_of(stage)]
+
+
 def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
                      ops_by_stage: list[np.ndarray], devices: list, frac: list[float],
                      fwd_s: np.ndarray, bwd_s: np.ndarray) -> None:
