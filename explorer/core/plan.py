@@ -88,11 +88,10 @@ class StageSettings:
 DEFAULT_SETTINGS = StageSettings()
 
 
-def check_tensor_alone(settings: tuple[StageSettings, ...]) -> None:
+def check_tensor_alone(plan: Plan) -> None:
     """Refuse to run tensor-parallel stages in a plan with ZeRO, recomputation or reduced
     precision: the simulator predicts such plans, the runtimes do not run them yet."""
-    if any(st.tensor > 1 for st in settings) and any(
-            replace(st, tensor=1, sequence=False) != DEFAULT_SETTINGS for st in settings):
+    if plan.uses_tensor_parallel and plan.uses_memory_strategies:
         raise PlanError("real steps of tensor-parallel stages with ZeRO, recomputation or "
                         "bf16/fp16 do not run yet (the prediction stands): to run it, set "
                         "zero=0, recompute='none' and precision='fp32', or tensor=1")
@@ -354,7 +353,7 @@ class Plan:
         is dynamic (``batch_splits``; None when unknown, as for a graph not exported); and
         no tensor-parallel stage with ZeRO, recomputation or reduced precision
         (:func:`check_tensor_alone`)."""
-        check_tensor_alone(self.stage_settings)
+        check_tensor_alone(self)
         self.check_batch(batch_size)
         splits = self.data_parallel * self.micro_batches
         if splits > 1 and batch_splits is False:

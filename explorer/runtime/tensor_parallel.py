@@ -63,7 +63,7 @@ def check_supported(graph: OpGraph, plan: Plan) -> None:
     whose weights no other stage reads, that hold the whole of each head-split attention
     core they hold part of, and each sequence-scattered transposed linear with its view;
     without ZeRO, recomputation or reduced precision (:func:`check_tensor_alone`)."""
-    check_tensor_alone(plan.stage_settings)
+    check_tensor_alone(plan)
     def elsewhere(i: int) -> list[int]:  # node i's readers on another stage than its own
         own = plan.stage_of(graph.nodes[i].name)
         return [c for c in graph.succs[i] if plan.stage_of(graph.nodes[c].name) != own]
