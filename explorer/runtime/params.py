@@ -109,10 +109,9 @@ class Weights:
         self._with_state = 0
         self.buckets = GradBuckets(
             [(i, self.value[i]) for i in reversed(self.trainable)],
-            group if self.zero < 2 else None)
+            group if not self.zero else None)
         self.scatter = ScatterBuckets(self.shards, [i for i in reversed(self.owned)
-                                                    if i in self.shards.shard]
-                                      if self.zero >= 2 else [])
+                                                    if i in self.shards.shard])
         self.grads_tracked: set[int] = set()
         self.state_tracked: set[int] = set()
         #: the first step's gradients of this rank's parameters, when the job records them
@@ -186,7 +185,7 @@ class Weights:
             self.shards.backward_done(p, *at)
         self.uses_left[p] -= 1
         if self.uses_left[p] == 0 and self.layout.stage[p] == self.layout.s:
-            if self.zero >= 2 and p in self.shards.shard:
+            if p in self.shards.shard:
                 self.scatter.ready(p, self._grad_of)
                 self._take_shards(self.scatter.done())
             else:
@@ -201,11 +200,13 @@ class Weights:
                                                                device=v.device)
 
     def _take_shards(self, reduced: list[tuple[int, torch.Tensor]]) -> None:
-        """ZeRO 2, 3: reduce-scattered gradient shards to their parameters' shards; the full
-        gradients freed (first: the shards of a bucket share one tensor, counted whole when
-        the first is given)."""
-        for p, _ in reduced:
-            self.drop_grad(self.value[p])
+        """Reduce-scattered gradient shards to their parameters' shards; under ZeRO 2 and 3
+        the full gradients freed (first: the shards of a bucket share one tensor, counted
+        whole when the first is given). ZeRO 1 keeps them until the optimizer step, as the
+        distributed optimizer keeps its gradient buffer."""
+        if self.zero >= 2:
+            for p, _ in reduced:
+                self.drop_grad(self.value[p])
         for p, grad in reduced:
             self._give_shard_grad(p, grad)
 
@@ -257,7 +258,7 @@ class Weights:
                 self.grad_born(p)
             else:
                 local(p.grad).copy_(reduced)
-        if self.zero >= 2:  # (and the buckets of parameters no op of the step used)
+        if self.zero:  # (and the buckets of parameters no op of the step used)
             self._take_shards(self.scatter.flush(self._grad_of))
         if self.mesh is not None:  # (sequence parallelism: partial sums of norms' weights)
             self.mesh.reduce_sequence_grads()
@@ -268,12 +269,6 @@ class Weights:
                      if L.kind[i] == "param" and self.value[i].requires_grad}
             # (a weight no op reads, as a tied one under its other name, has none)
             self.first_grads = {k: g.cpu().clone() for k, g in grads.items() if g is not None}
-        if self.zero == 1:  # the optimizer steps this replica's shard of the reduced gradient
-            for i in self.shards.shard:
-                v = self.value[i]
-                if v.grad is not None:
-                    self._give_shard_grad(i, self.shards.local_shard(i, v.grad))
-                self.drop_grad(v)
         if self.optimizer is not None:
             self.optimizer.step()
             self._track_optimizer_state()
@@ -285,14 +280,15 @@ class Weights:
     def _unscale(self) -> None:
         """Divide this rank's reduced parameter gradients by the loss scale (fp16)."""
         with torch.no_grad():
-            for i in self.owned:
-                for t in (self.value[i], self.shards.shard.get(i)):
-                    if t is not None and t.grad is not None:
+            for i in self.owned:  # (ZeRO 1: the shard's, not the full gradient kept)
+                for t in ((self.shards.shard[i],) if i in self.shards.shard else
+                          (self.value[i],)):
+                    if t.grad is not None:
                         t.grad.div_(self.loss_scale)
 
     def _full_grad(self, i: int) -> torch.Tensor | None:
         """The whole (reduced) gradient of parameter ``i``, also where it is sharded."""
-        if self.zero >= 2 and i in self.shards.shard:
+        if i in self.shards.shard:
             return self.shards.full_grad(i)
         g = self.value[i].grad
         return full(g.detach()) if g is not None else None

@@ -5,14 +5,16 @@ count R; replica j holds elements ``[j*k, (j+1)*k)`` (``k`` = padded size / R) o
 gradient (ZeRO 2, 3) and of its optimizer state (ZeRO 1-3), as the plan's memory settings
 describe them:
 
-- ZeRO 1: the full parameter stays, as one padded flat tensor whose shard the optimizer steps
-  (a view of it); gradients are all-reduced as without ZeRO, then cut to the shard; after the
-  optimizer, the shards are all-gathered back into the flat tensors, several parameters' in
-  one collective (buckets of :data:`~explorer.costs.strategies.BUCKET_BYTES`).
-- ZeRO 2: as 1, but the gradients are reduce-scattered in buckets (:class:`ScatterBuckets`):
-  one ``reduce_scatter_tensor`` per bucket, started without waiting as soon as the last of
-  its gradients is final (its last use in the step's backward), the full gradients freed
-  once it is done, as DDP and FSDP do and as the simulator prices it.
+- ZeRO 1 (Megatron's distributed optimizer): the full parameter stays, as one padded flat
+  tensor whose shard the optimizer steps (a view of it); gradients are reduce-scattered in
+  buckets (:class:`ScatterBuckets`): one ``reduce_scatter_tensor`` per bucket, started
+  without waiting as soon as the last of its gradients is final (its last use in the step's
+  backward); the full gradients stay until the optimizer step (as the distributed optimizer
+  keeps its gradient buffer); after the optimizer, the shards are all-gathered back into the
+  flat tensors, several parameters' in one collective (buckets of
+  :data:`~explorer.costs.strategies.BUCKET_BYTES`). An all-reduce's traffic in all.
+- ZeRO 2: as 1, but the full gradients are freed once their reduce-scatter is done, as DDP
+  and FSDP do and as the simulator prices it.
 - ZeRO 3: only the shard is stored. The parameters are gathered in groups, one
   ``all_gather_into_tensor`` per group as FSDP2 gathers a wrapped module's parameters: those
   first read in the same recomputation unit (a repeated block, or a top-level module;
@@ -299,16 +301,6 @@ class Shards:
         extra = self.size(p) * self.replicas - flat.numel()
         return torch.cat([flat, flat.new_zeros(extra)]) if extra else flat.contiguous()
 
-    def local_shard(self, p: int, grad: torch.Tensor) -> torch.Tensor:
-        """This replica's shard of an already reduced gradient ``grad`` of ``p``: a view of it
-        where the shard lies inside it (ZeRO 1 keeps the full gradient until the optimizer
-        step, so no copy is made), else a copy padded with zeros."""
-        k, lo = self.size(p), self.index * self.size(p)
-        flat = grad.detach().reshape(-1)
-        if lo + k <= flat.numel():
-            return flat[lo: lo + k]
-        return self.padded(p, grad)[lo: lo + k].clone()
-
     def full_grad(self, p: int) -> torch.Tensor:
         """The whole gradient of ``p`` from every replica's gradient shard."""
         g = self.shard[p].grad
@@ -335,7 +327,7 @@ class Shards:
 
 
 class ScatterBuckets:
-    """ZeRO 2, 3: the replicas' gradients reduce-scattered in buckets.
+    """ZeRO 1-3: the replicas' gradients reduce-scattered in buckets.
 
     ``params`` are the sharded parameters in the order their gradients are expected to be
     final (the reverse of the forward's), cut into buckets as the simulator cuts them

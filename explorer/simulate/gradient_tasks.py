@@ -115,7 +115,7 @@ class GradientTasks:
         # those bytes (also one elementwise pass per gradient)
         fp16 = any(plan.settings_of(k).precision == "fp16" for k in range(self.S))
         count = self.trainable_count[s]
-        unscaled = ((self.stepped[s] if self.zero[s] >= 2 else self.trainable_bytes[s])
+        unscaled = ((self.stepped[s] if self.zero[s] else self.trainable_bytes[s])
                     if fp16 else 0)
         opt_s = max((costs.optimizer_s(dv, plan.optimizer, self.stepped[s], count)
                      + (costs.optimizer_s(dv, "sgd", unscaled, count) if unscaled else 0.0))
@@ -130,8 +130,8 @@ class GradientTasks:
                           ) -> tuple[list[int], int]:
         """Stage ``s``'s replicas reduce their gradients in buckets of ``BUCKET_BYTES`` (in
         the order the backward makes them), each once the backwards that reach its weights
-        are done: an all-reduce, or under ZeRO 2-3 a reduce-scatter. Returns the tasks and
-        how many were reduce-scatters."""
+        are done: an all-reduce, or under ZeRO a reduce-scatter. Returns the tasks and how
+        many were reduce-scatters."""
         costs, M, per_m = self.costs, self.M, self.per_m
         group = split.replica_group(self.plan, s)
         has_b, off_b = self.A.has_b.tolist(), self.off_b.tolist()
@@ -149,7 +149,7 @@ class GradientTasks:
             if not bucket or (p is not None and size < BUCKET_BYTES):
                 continue
             n = len(group)
-            if self.zero[s] >= 2:  # each rank keeps 1/n of the gradient
+            if self.zero[s]:  # each rank keeps 1/n of the gradient
                 t = self.task(REDUCE_SCATTER, channel,
                               costs.reduce_scatter_s(group, size) + lag, self.prio(k),
                               f"reduce-scatter {size} B", -1, size)

@@ -441,9 +441,9 @@ class _MemoryPass:
 
     def weight_gradients(self) -> EventArrays:
         """Weight gradients: from the first backward that reaches a weight until the optimizer
-        step has used it (torch frees them with zero_grad(set_to_none=True)); under ZeRO 2
-        and 3 the full gradient until its reduce-scatter, then the rank's shard; and what
-        accumulating into them makes (:func:`_accumulations`)."""
+        step has used it (torch frees them with zero_grad(set_to_none=True)); under ZeRO the
+        rank's shard from its reduce-scatter on, and under ZeRO 2 and 3 the full gradient
+        only until then; and what accumulating into them makes (:func:`_accumulations`)."""
         A, st, S, eff = self.arrays, self.stage_a, self.stages, self.effects
         pbytes = per_device(self.graph, self.plan, A.pbytes)
         holds = (pbytes != 0) & (A.kcode != KIND_BUFFER) & (A.rg | A.is_op)
@@ -465,16 +465,17 @@ class _MemoryPass:
         on, size = keys % S, pbytes[keys // S]
         freed = np.asarray(self.optimizer_ends())[on]
         zero = [0] * S if eff is None else eff.zero
-        if eff is not None and max(zero) >= 2:
+        if eff is not None and max(zero):
             weight = keys // S
             done = np.array([self.timing.end[eff.grad_done[p]]
-                             if p in eff.grad_done and zero[s] >= 2 and self.stage[p] == s
+                             if p in eff.grad_done and zero[s] and self.stage[p] == s
                              else np.nan for p, s in zip(weight.tolist(), on.tolist(),
                                                          strict=True)])
             k = np.flatnonzero(~np.isnan(done))
+            full_kept = np.isnan(done) | (np.asarray(zero, dtype=np.int64)[on] == 1)
             on = np.concatenate([on, on[k]])
             made = np.concatenate([made, done[k]])
-            freed = np.concatenate([np.where(np.isnan(done), freed, done), freed[k]])
+            freed = np.concatenate([np.where(full_kept, freed, done), freed[k]])
             size = np.concatenate([size, eff.shard[weight[k]]])
         more = _accumulations(node, user, user_stage, self.bwd, self.per_mb,
                               self.micro_batches, self.timing.arrays, pbytes, S)

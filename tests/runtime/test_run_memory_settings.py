@@ -84,18 +84,20 @@ def test_zero_equals_one_device(name, zero, pool):
 
 def test_zero_lowers_the_measured_peak(pool):
     """Each ZeRO stage holds less at its peak than none; ZeRO 1 less than none and 2 no more
-    than 1. ZeRO 3 holds the gathered copies of the weights, and only a few at a time: on
-    this tiny model they outweigh the half of the weights it saves over ZeRO 2, as the
-    simulator predicts (its peak within 5 % of the prediction)."""
+    than 1, ZeRO 1 as the simulator predicts. ZeRO 3 holds the gathered copies of the
+    weights, and only a few at a time: on this tiny model they outweigh the half of the
+    weights it saves over ZeRO 2, as the simulator predicts (its peak within 5 % of the
+    prediction)."""
     base = _run(pool, "gpt", "data-parallel")
     peaks = [base.peak_bytes["cpu:0"]] + [
         _run(pool, "gpt", "data-parallel", zero=z).peak_bytes["cpu:0"] for z in (1, 2, 3)]
     assert peaks[1] < peaks[0] and peaks[2] <= peaks[1] and peaks[3] < peaks[0]
-    zero3 = _plan("gpt", "data-parallel", zero=3)
-    predicted = ex.simulate(tiny_builtin_graph("gpt"), zero3,
-                            roofline_costs(tiny_builtin_graph("gpt"),
-                                           ex.Cluster.cpu(2, measure=False))).peak_bytes["cpu:0"]
-    assert abs(peaks[3] / predicted - 1) < 0.05
+    graph = tiny_builtin_graph("gpt")
+    costs = roofline_costs(graph, ex.Cluster.cpu(2, measure=False))
+    for z in (1, 3):  # (ZeRO 1: the full gradients kept beside the reduce-scattered shards)
+        predicted = ex.simulate(graph, _plan("gpt", "data-parallel", zero=z),
+                                costs).peak_bytes["cpu:0"]
+        assert abs(peaks[z] / predicted - 1) < 0.05, (z, peaks[z], predicted)
     by = {z: _run(pool, "gpt", "data-parallel", **({"zero": z} if z else {}))
           .peak_by_category["cpu:0"] for z in (0, 1, 3)}
     assert by[1]["optimizer state"] * 2 == by[0]["optimizer state"]

@@ -97,23 +97,29 @@ class TestZero:
     def test_zero_1_shards_the_optimizer_state(self):
         _, pred = zero_case(1)
         m = pred.memory["d:0"]
+        # the full gradients stay until the optimizer step (the distributed optimizer's
+        # gradient buffer), beside the rank's reduced shards: w2's half from its
+        # reduce-scatter in w1's backward on (w1's is made as the step starts)
         assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.gathered_bytes) == (
-            70 * MiB, 70 * MiB, 70 * MiB, 0)
-        # all-reduce 2 (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70 MiB,
-        # one all-gather per 25 MB bucket of weights (w1's, then w2's), as the runtime does
-        assert pred.allreduce_bytes == 140 * MiB + 70 * MiB
+            70 * MiB, 70 * MiB + 15 * MiB, 70 * MiB, 0)
+        # reduce-scatter (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70
+        # MiB (an all-reduce's traffic), one collective per 25 MB bucket of weights, as the
+        # runtime does
+        assert pred.allreduce_bytes == 70 * MiB + 70 * MiB
         kinds = [iv.kind for iv in pred.timeline if iv.device == "d:0"]
-        assert kinds[-3:] == ["optimizer", "all-gather", "all-gather"]
+        assert kinds[-5:] == ["bwd", "reduce-scatter", "optimizer", "all-gather",
+                              "all-gather"]
+        assert kinds.count("reduce-scatter") == 2 and "allreduce" not in kinds
         gathered = [iv.label for iv in pred.timeline
                     if iv.device == "d:0" and iv.kind == "all-gather"]
         assert gathered == [f"all-gather {40 * MiB} B", f"all-gather {30 * MiB} B"]
 
-    @pytest.mark.parametrize("zero, optimizer_calls", [(1, 2), (2, 4), (3, 2)])
+    @pytest.mark.parametrize("zero, optimizer_calls", [(1, 4), (2, 4), (3, 2)])
     def test_each_collective_costs_the_ranks_what_the_host_probe_measured(
             self, zero, optimizer_calls):
         # DeviceCosts.collective_s per ZeRO collective, on the rank's processor: ZeRO 3's
         # gathers in the ops that wait for them (mm1 and mm2 each read one group, forward and
-        # backward), the buckets' reduce-scatters (ZeRO 2, 3) and all-gathers of updated
+        # backward), the buckets' reduce-scatters (ZeRO 1-3) and all-gathers of updated
         # shards (ZeRO 1, 2; w1's and w2's buckets) in the optimizer step
         g = chain(40 * MiB, 30 * MiB)
         cl = cluster(2, memory=2**40)
