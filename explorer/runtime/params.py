@@ -15,7 +15,12 @@ from explorer.core.plan import Plan
 from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.sharding import GatheredRef, ScatterBuckets, Shards
+from explorer.runtime.sharding import (
+    GatheredRef,
+    ScatterBuckets,
+    Shards,
+    UpdatedShards,
+)
 from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
 
 #: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient
@@ -86,6 +91,11 @@ class Weights:
                 t.requires_grad_(True)
             self.value[i] = t
             tracker.add(t, PARAMETERS if L.kind[i] == "param" else BUFFERS)
+        #: ZeRO 1, 2: the updated shards, gathered as the next step's forward reads them
+        #: where this stage exchanges no activations with another
+        self.updated = UpdatedShards(self.shards, deferred=not any(
+            L.kind[i] == "op" and L.kind[p] == "op" and (L.stage[i] == L.s) != (
+                L.stage[p] == L.s) for i in range(len(L.names)) for p in L.preds[i]))
         self.shards.set_groups({i: min(c for c in L.succs[i] if L.stage[c] == L.s)
                                 for i in self.shards.ghost if L.local_consumers(i)}, units)
         params = [self.shards.shard.get(i, self.value[i]) for i in self.owned
@@ -129,9 +139,11 @@ class Weights:
         self.buckets.start_step()
         self.scatter.start_step()
         self.shards.start_step()
+        self.updated.start_step()
         for i in self.owned:
             if not L.remote_stages(i):
                 continue
+            self.updated.fresh(i)
             # (ZeRO 3: every replica gathers, those with users send)
             full = self.shards.gather_full(i) if i in self.shards.ghost else self.value[i]
             for _, dst in L.weight_users(i):
@@ -146,6 +158,7 @@ class Weights:
         gathered; call :meth:`forward_done` after the op)."""
         if p in self.shards.ghost:
             return self.shards.use(p, m, u)
+        self.updated.fresh(p)
         return self.value[p]
 
     def prefetch(self, i: int) -> None:
@@ -269,11 +282,11 @@ class Weights:
                      if L.kind[i] == "param" and self.value[i].requires_grad}
             # (a weight no op reads, as a tied one under its other name, has none)
             self.first_grads = {k: g.cpu().clone() for k, g in grads.items() if g is not None}
+        self.updated.land_all()  # (the weights no op of the step read)
         if self.optimizer is not None:
             self.optimizer.step()
             self._track_optimizer_state()
-        if self.zero in (1, 2):
-            self.shards.gather_params()
+        self.updated.optimizer_stepped()
         for t in [*self.value.values(), *self.shards.shard.values()]:
             self.drop_grad(t)
 

@@ -164,6 +164,9 @@ class SegmentSteps:
         partial_slots: list = []
         whole_split: list[int] = []
         fixed, varying = self._reads_of(code)
+        if self.weights.updated.stale:  # (ZeRO 1, 2: the updated shards' gathers landed)
+            for p, _ in code.reads:
+                self.weights.updated.fresh(p)
         args = list(fixed)
         for k, p, split in varying:
             if not split:

@@ -10,9 +10,9 @@ describe them:
   buckets (:class:`ScatterBuckets`): one ``reduce_scatter_tensor`` per bucket, started
   without waiting as soon as the last of its gradients is final (its last use in the step's
   backward); the full gradients stay until the optimizer step (as the distributed optimizer
-  keeps its gradient buffer); after the optimizer, the shards are all-gathered back into the
-  flat tensors, several parameters' in one collective (buckets of
-  :data:`~explorer.costs.strategies.BUCKET_BYTES`). An all-reduce's traffic in all.
+  keeps its gradient buffer); the updated shards are all-gathered back into the flat tensors
+  during the next step's forward (:class:`UpdatedShards`), several parameters' in one
+  collective. An all-reduce's traffic in all.
 - ZeRO 2: as 1, but the full gradients are freed once their reduce-scatter is done, as DDP
   and FSDP do and as the simulator prices it.
 - ZeRO 3: only the shard is stored. The parameters are gathered in groups, one
@@ -309,21 +309,72 @@ class Shards:
         self.collective(lambda: dist.all_gather_into_tensor(out, g, group=self.group))
         return out[: self.shape[p].numel()].view(self.shape[p])
 
-    def gather_params(self) -> None:
-        """ZeRO 1, 2: every replica's updated shard back into the full parameters, one
-        all-gather per bucket of parameters."""
-        order = list(self.flat)
-        for bucket in buckets([self.shape[p].numel() * PARAM_ELEMENT_BYTES for p in order]):
-            ps = [order[k] for k in bucket]
-            mine = torch.cat([self.shard[p].detach() for p in ps])
-            out = mine.new_empty(mine.numel() * self.replicas)
-            self.collective(lambda out=out, mine=mine: dist.all_gather_into_tensor(
-                out, mine, group=self.group))
-            rows, at = out.view(self.replicas, -1), 0
-            for p in ps:
-                k = self.size(p)
-                self.flat[p].view(self.replicas, k).copy_(rows[:, at: at + k])
-                at += k
+class UpdatedShards:
+    """ZeRO 1, 2: the updated shards gathered back into the full parameters, on a stage that
+    exchanges no activations with another (``deferred``) during the next step's forward, as
+    Megatron's distributed optimizer overlaps its parameter all-gathers with it; on a pipeline
+    stage right after its optimizer step (the stages before it still run their last
+    backwards then, and deferred gathers would hold back its first forward, which starts only
+    once the stage before it sends).
+
+    The optimizer step leaves every bucket of parameters stale: each replica's flat parameter
+    holds its own updated shard and the others' old ones. Deferred, the next step starts the
+    gather of the first stale bucket; the first op that reads a parameter of a stale bucket
+    waits for its gather, copies it in and starts the next bucket's (prefetch depth 1: at most
+    two buckets' buffers exist at a time); what no op of the step read is gathered before the
+    optimizer step. Buckets of :data:`~explorer.costs.strategies.BUCKET_BYTES` over the
+    parameters in graph order, as the simulator cuts them.
+    """
+
+    def __init__(self, shards: Shards, deferred: bool) -> None:
+        self.shards, self.deferred = shards, deferred
+        order = list(shards.flat)
+        sizes = [shards.shape[p].numel() * PARAM_ELEMENT_BYTES for p in order]
+        self.buckets = [[order[k] for k in b] for b in buckets(sizes)] if order else []
+        self.bucket_of = {p: b for b, ps in enumerate(self.buckets) for p in ps}
+        self.stale: list[int] = []  # buckets whose gather has not landed, in order
+        self.in_flight: dict[int, tuple[Any, torch.Tensor]] = {}
+
+    def optimizer_stepped(self) -> None:
+        self.stale = list(range(len(self.buckets)))
+        if not self.deferred:
+            self.land_all()
+
+    def start_step(self) -> None:
+        if self.stale:
+            self._start(self.stale[0])
+
+    def _start(self, b: int) -> None:
+        if b in self.in_flight:
+            return
+        mine = torch.cat([self.shards.shard[p].detach() for p in self.buckets[b]])
+        out = mine.new_empty(mine.numel() * self.shards.replicas)
+        work = dist.all_gather_into_tensor(out, mine, group=self.shards.group, async_op=True)
+        self.in_flight[b] = (work, out)
+
+    def fresh(self, p: int) -> None:
+        """Parameter ``p`` is about to be read: its bucket's gather landed."""
+        if self.stale:
+            b = self.bucket_of.get(p)
+            if b is not None and b in self.stale:
+                self._land(b)
+
+    def land_all(self) -> None:
+        while self.stale:
+            self._land(self.stale[0])
+
+    def _land(self, b: int) -> None:
+        self._start(b)
+        work, out = self.in_flight.pop(b)
+        self.shards.collective(work.wait)
+        self.stale.remove(b)
+        if self.stale:
+            self._start(self.stale[0])
+        rows, at = out.view(self.shards.replicas, -1), 0
+        for p in self.buckets[b]:
+            k = self.shards.size(p)
+            self.shards.flat[p].view(self.shards.replicas, k).copy_(rows[:, at: at + k])
+            at += k
 
 
 class ScatterBuckets:

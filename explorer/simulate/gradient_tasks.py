@@ -1,6 +1,6 @@
 """The tasks that end a step: weight gradients sent to their weight's stage, a replicated
-stage's gradient reductions in buckets, each stage's optimizer step and ZeRO 1-2's gathers of
-the updated shards.
+stage's gradient reductions in buckets, each stage's optimizer step; and ZeRO 1-2's gathers of
+the shards the last step updated, during the forward.
 
 :class:`GradientTasks` is the part of the task builder (:mod:`explorer.simulate.tasks`) that
 makes them, after the forwards, backwards and their transfers.
@@ -75,8 +75,8 @@ class GradientTasks:
 
     def reductions_and_optimizer_steps(self: TaskBuilder) -> None:
         """Per stage: its gradients reduced across replicas in buckets, then its optimizer
-        step (after every backward, reduction and gradient sent home), then under ZeRO 1-2
-        the updated shards gathered."""
+        step (after every backward, reduction and gradient sent home); under ZeRO 1-2 the
+        gathers of the shards the step before updated."""
         for s in range(self.S):
             weights = self.A.pg[self.st[self.A.pg] == s][::-1].tolist()
             waits_for = [t for p in weights for t in self.sent_home.get(p, ())]
@@ -87,9 +87,9 @@ class GradientTasks:
                 waits_for += reductions
             if not self.trainable_count[s]:
                 continue
-            mine = ([int(self.held[i]) for i in self.A.trainable if self.stage[i] == s]
+            mine = ([i for i in self.A.trainable if self.stage[i] == s]
                     if self.zero[s] in (1, 2) else [])
-            calls += len(buckets(mine)) if mine else 0
+            calls += len(buckets([int(self.held[i]) for i in mine])) if mine else 0
             if calls:  # what each costs the ranks' processors beyond the link, waited
                 # for around the step (DeviceCosts.collective_s, measured on CPU ranks)
                 opt_s += calls * max(self.costs.device_costs(d).collective_s
@@ -104,6 +104,16 @@ class GradientTasks:
                 self.edges.add(last, np.full(len(last), step), m)
             if self.zero[s] in (1, 2):
                 self.shard_gathers(s, step, mine)
+
+    def exchanges_activations(self: TaskBuilder) -> np.ndarray:
+        """Per stage, whether it sends or receives an op's output to or from another stage
+        (a pipeline stage)."""
+        A, st = self.A, self.st
+        out = np.zeros(self.S, dtype=bool)
+        cross = A.is_op[A.e_p] & A.is_op[A.e_c] & (st[A.e_p] != st[A.e_c])
+        out[st[A.e_c[cross]]] = True
+        out[st[A.e_p[cross]]] = True
+        return out
 
     def optimizer_seconds(self: TaskBuilder, s: int) -> float:
         """Stage ``s``'s optimizer step on its slowest device, with fp16's unscaling of the
@@ -174,18 +184,47 @@ class GradientTasks:
             bucket, size = [], 0
         return made, scatters
 
-    def shard_gathers(self: TaskBuilder, s: int, step: int, mine: list[int]) -> None:
-        """ZeRO 1-2: the updated shards gathered into the full weights after the optimizer
-        ``step``, one all-gather per bucket of them, in turn."""
+    def shard_gathers(self: TaskBuilder, s: int, step: int, weights: list[int]) -> None:
+        """ZeRO 1-2: the updated shards gathered into the full ``weights`` (the stage's, in
+        graph order), one all-gather per bucket, in turn, as the runtime runs them
+        (:class:`~explorer.runtime.sharding.UpdatedShards`): on a stage that exchanges no
+        activations with another, the shards the last step updated during this step's
+        forward (Megatron's distributed optimizer overlaps them so), the first from the
+        step's start and each next once the forward reaches the bucket before it (prefetch
+        depth 1), the first forward of an op reading one of a bucket's weights waiting for
+        its gather and the optimizer ``step`` for all; on a pipeline stage, after its
+        optimizer step."""
         group = split.replica_group(self.plan, s)
-        for bucket in buckets(mine):
-            size = sum(mine[k] for k in bucket)
-            gather = self.task(ALLGATHER, self.resource(("allreduce", s, -1)),
-                               self.costs.allgather_s(group, size),
-                               self.prio(LAST_SLOT), f"all-gather {size} B", -1, size)
+        deferred = not self.exchanges_activations()[s]
+        ops = self.ops_by_stage[s]
+        pos = {int(o): k for k, o in enumerate(ops.tolist())}
+        sizes = [int(self.held[p]) for p in weights]
+        channel = self.resource(("allreduce", s, -1))
+        N, reached = self.A.n, -1  # (the previous bucket's first reader, by position)
+        for bucket in buckets(sizes):
+            size = sum(sizes[k] for k in bucket)
+            readers = sorted({pos[c] for k in bucket for c in self.g.succs[weights[k]]
+                              if c in pos})
+            first = int(ops[readers[0]]) if readers else N - 1
+            gather = self.task(ALLGATHER, channel, self.costs.allgather_s(group, size),
+                               int(self.slots_f[s, 0]) * self.W + first + N + 1
+                               if deferred else self.prio(LAST_SLOT),
+                               f"all-gather {size} B", -1, size)
             self.allreduce_bytes += int((len(group) - 1) * size)
-            self.edges.src.append(step)
-            self.edges.dst.append(gather)
+            if not deferred:
+                self.edges.src.append(step)
+                self.edges.dst.append(gather)
+                continue
+            if reached > 0:
+                self.edges.src.append(int(self.off_f[ops[reached - 1]]))
+                self.edges.dst.append(gather)
+            for k in readers:
+                self.edges.src.append(gather)
+                self.edges.dst.append(int(self.off_f[ops[k]]))
+            self.edges.src.append(gather)
+            self.edges.dst.append(step)
+            if readers:
+                reached = readers[0]
 
     def _opt_slowed(self: TaskBuilder, device: str) -> float:
         """How much slower ``device``'s optimizer step runs beside its stage's other replicas

@@ -82,6 +82,20 @@ def test_zero_equals_one_device(name, zero, pool):
     _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_on_a_replicated_pipeline_stage_equals_one_device(zero, pool):
+    """A pipeline stage gathers its updated shards after its optimizer step, a stage of its
+    own during the next step's forward: both train as one device does."""
+    graph = tiny_builtin_graph("gpt")
+    ops = [n.name for n in graph.nodes if n.kind == "op"]
+    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                   {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)},
+                                   micro_batches=2, schedule="1f1b").with_memory(zero=zero)
+    meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
+                  record=True, timeout_s=180, pool=pool)
+    _assert_equal(meas, _reference("gpt", plan), rtol=1e-5, atol=1e-6)
+
+
 def test_zero_lowers_the_measured_peak(pool):
     """Each ZeRO stage holds less at its peak than none; ZeRO 1 less than none and 2 no more
     than 1, ZeRO 1 as the simulator predicts. ZeRO 3 holds the gathered copies of the

@@ -102,17 +102,49 @@ class TestZero:
         # reduce-scatter in w1's backward on (w1's is made as the step starts)
         assert (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.gathered_bytes) == (
             70 * MiB, 70 * MiB + 15 * MiB, 70 * MiB, 0)
-        # reduce-scatter (k-1) x 70 MiB, then the updated shards all-gathered: (k-1) x 70
-        # MiB (an all-reduce's traffic), one collective per 25 MB bucket of weights, as the
-        # runtime does
+        # reduce-scatter (k-1) x 70 MiB, and the shards the step before updated all-gathered
+        # (k-1) x 70 MiB (an all-reduce's traffic), one collective per 25 MB bucket of
+        # weights, as the runtime does
         assert pred.allreduce_bytes == 70 * MiB + 70 * MiB
         kinds = [iv.kind for iv in pred.timeline if iv.device == "d:0"]
-        assert kinds[-5:] == ["bwd", "reduce-scatter", "optimizer", "all-gather",
-                              "all-gather"]
+        assert kinds[-4:] == ["reduce-scatter", "bwd", "reduce-scatter", "optimizer"]
         assert kinds.count("reduce-scatter") == 2 and "allreduce" not in kinds
         gathered = [iv.label for iv in pred.timeline
                     if iv.device == "d:0" and iv.kind == "all-gather"]
         assert gathered == [f"all-gather {40 * MiB} B", f"all-gather {30 * MiB} B"]
+
+    def test_zero_1_gathers_the_updated_shards_during_the_forward(self):
+        # 1e7 B/s: w1's gather (half of 40 MiB to receive) takes 2.1 s, w2's 1.6 s; the
+        # first starts with the step and mm1 waits for it; the second starts as mm1 does
+        # (its bucket reached) and mm2 waits for it, while relu1 runs beside it
+        _, pred = zero_case(1, bandwidth=1e7)
+        at = {(iv.kind, iv.label): (iv.start_s, iv.end_s) for iv in pred.timeline
+              if iv.device == "d:0"}
+        w1 = at[("all-gather", f"all-gather {40 * MiB} B")]
+        w2 = at[("all-gather", f"all-gather {30 * MiB} B")]
+        assert w1[0] == 0.0 and w1[1] == pytest.approx(40 * MiB / 2 / 1e7, rel=0.01)
+        assert at[("fwd", "mm1")][0] == pytest.approx(w1[1])
+        assert w2[0] == pytest.approx(w1[1])
+        assert at[("fwd", "relu1")][0] < w2[1] == pytest.approx(at[("fwd", "mm2")][0])
+        assert at[("optimizer", "adam step")][0] >= w2[1]
+
+    @pytest.mark.parametrize("zero", [1, 2])
+    def test_a_pipeline_stage_gathers_after_its_optimizer_step(self, zero):
+        # mm1 (w1) on two replicas, mm2 (w2) and the rest on a third device: the replicated
+        # stage sends mm1's output on, so it gathers its updated shards once its optimizer
+        # has stepped them (a deferred gather would hold back the forward the next stage
+        # waits for)
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(3, bandwidth=1e7, memory=2**40)
+        names = [n.name for n in g.nodes]
+        second = {"w2", "mm2", "loss"} & set(names)
+        plan = Plan.from_assignment(g, [("d:0", "d:1"), ("d:2",)],
+                                    {nm: int(nm in second) for nm in names})
+        pred = simulate(g, plan.with_memory(zero=zero), costs(g, cl, FWD, BWD))
+        ivs = [iv for iv in pred.timeline if iv.device == "d:0"]
+        step = next(iv for iv in ivs if iv.kind == "optimizer")
+        assert min(iv.start_s for iv in ivs if iv.kind == "fwd") == 0.0
+        assert min(iv.start_s for iv in ivs if iv.kind == "all-gather") >= step.end_s
 
     @pytest.mark.parametrize("zero, optimizer_calls", [(1, 4), (2, 4), (3, 2)])
     def test_each_collective_costs_the_ranks_what_the_host_probe_measured(
