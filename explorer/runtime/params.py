@@ -107,6 +107,15 @@ class Weights:
                      + any(L.stage[c] != L.s for c in L.succs[i])
                      for i in self.value if L.kind[i] == "param"}
         self.uses_left = dict(self.uses)
+        #: ZeRO 2, 3 over several micro-batches: each micro-batch's gradients reduce-scattered
+        #: apart once its backward is done with them, only the shards accumulating (as FSDP
+        #: and DeepSpeed do), unless a weight of the stage is read on another stage too (that
+        #: gradient comes home at the step's end); the simulator's rule too
+        self.each_micro_batch = (self.zero >= 2 and L.micro_batches > 1 and not any(
+            L.remote_stages(i) for i in self.shards.shard))
+        self.micro_batch_uses = {i: L.local_consumers(i) * len(L.units)
+                                 for i in self.shards.shard}
+        self.micro_batch_left: dict[tuple[int, int], int] = {}
         self.loss_scale = loss_scale(L.plan)
         #: this rank's trainable weights, and with the ranks of other stages that use each
         #: (fixed for the run: the step walks these lists, not every node)
@@ -197,6 +206,16 @@ class Weights:
         if at is not None and p in self.shards.ghost:
             self.shards.backward_done(p, *at)
         self.uses_left[p] -= 1
+        if self.each_micro_batch and at is not None and p in self.shards.shard:
+            key = (p, at[0])
+            left = self.micro_batch_left.get(key, self.micro_batch_uses[p]) - 1
+            self.micro_batch_left[key] = left
+            if left == 0:  # this micro-batch's gradient of p is made: reduced apart
+                del self.micro_batch_left[key]
+                self.scatter.ready(p, self._grad_of, at[0],
+                                   release=lambda q: self.drop_grad(self.value[q]))
+                self._take_shards(self.scatter.done())
+            return
         if self.uses_left[p] == 0 and self.layout.stage[p] == self.layout.s:
             if p in self.shards.shard:
                 self.scatter.ready(p, self._grad_of)
@@ -216,8 +235,9 @@ class Weights:
         """Reduce-scattered gradient shards to their parameters' shards; under ZeRO 2 and 3
         the full gradients freed (first: the shards of a bucket share one tensor, counted
         whole when the first is given). ZeRO 1 keeps them until the optimizer step, as the
-        distributed optimizer keeps its gradient buffer."""
-        if self.zero >= 2:
+        distributed optimizer keeps its gradient buffer; reduced a micro-batch at a time,
+        they went when their reduce-scatter started, and the shards add up."""
+        if self.zero >= 2 and not self.each_micro_batch:
             for p, _ in reduced:
                 self.drop_grad(self.value[p])
         for p, grad in reduced:
@@ -225,6 +245,10 @@ class Weights:
 
     def _give_shard_grad(self, p: int, grad: torch.Tensor) -> None:
         shard = self.shards.shard[p]
+        if self.each_micro_batch and shard.grad is not None:
+            with torch.no_grad():
+                shard.grad.add_(grad)
+            return
         self.drop_grad(shard)
         shard.grad = grad
         self.grad_born(shard)

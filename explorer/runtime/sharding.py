@@ -14,7 +14,12 @@ describe them:
   during the next step's forward (:class:`UpdatedShards`), several parameters' in one
   collective. An all-reduce's traffic in all.
 - ZeRO 2: as 1, but the full gradients are freed once their reduce-scatter is done, as DDP
-  and FSDP do and as the simulator prices it.
+  and FSDP do and as the simulator prices it. Over several micro-batches, each micro-batch's
+  gradients are reduce-scattered apart as soon as its backward has made them (as FSDP and
+  DeepSpeed do), copied out and freed as their collective starts, and only the shards add
+  up: a reduce-scatter per micro-batch, no whole gradient held across micro-batches (unless
+  a weight of the stage is read on another stage: its gradient comes home at the step's end,
+  and the stage reduces once, at the end).
 - ZeRO 3: only the shard is stored. The parameters are gathered in groups, one
   ``all_gather_into_tensor`` per group as FSDP2 gathers a wrapped module's parameters: those
   first read in the same recomputation unit (a repeated block, or a top-level module;
@@ -48,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from explorer.costs.strategies import PARAM_ELEMENT_BYTES, buckets, gather_groups
-from explorer.runtime.accounting import GATHERED, PARAMETERS, MemTracker
+from explorer.runtime.accounting import GATHERED, GRADIENTS, PARAMETERS, MemTracker
 from explorer.runtime.comm import Messenger
 
 # (micro-batch, shard) of a step
@@ -397,27 +402,38 @@ class ScatterBuckets:
         self.start_step()
 
     def start_step(self) -> None:
-        self.left = [len(b) for b in self.buckets]
-        self.started: list[tuple[Any, torch.Tensor, list[int]]] = []
+        #: per micro-batch (None: the step's), the gradients each bucket waits for
+        self.left: dict[int | None, list[int]] = {}
+        self.started: list[tuple[Any, torch.Tensor, list[int], torch.Tensor | None]] = []
         self.begun: set[int] = set()
 
-    def ready(self, p: int, grad_of: Callable[[int], torch.Tensor]) -> None:
-        """Parameter ``p``'s gradient is final (``grad_of``: a parameter's full gradient):
-        start its bucket's reduce-scatter if that was the last."""
+    def ready(self, p: int, grad_of: Callable[[int], torch.Tensor],
+              micro_batch: int | None = None,
+              release: Callable[[int], None] | None = None) -> None:
+        """Parameter ``p``'s gradient is final (``grad_of``: a parameter's full gradient),
+        for the step or for ``micro_batch`` (reduced a micro-batch at a time): start its
+        bucket's reduce-scatter if that was the last, and ``release`` each of the bucket's
+        full gradients once it is copied out (the next micro-batch makes them anew)."""
         b = self.bucket_of.get(p)
         if b is None:
             return
-        self.left[b] -= 1
-        if self.left[b] == 0:
-            self._start(b, grad_of)
+        left = self.left.setdefault(micro_batch, [len(ps) for ps in self.buckets])
+        left[b] -= 1
+        if left[b] == 0:
+            self._start(b, grad_of, release)
 
-    def _start(self, b: int, grad_of: Callable[[int], torch.Tensor]) -> None:
+    def _start(self, b: int, grad_of: Callable[[int], torch.Tensor],
+               release: Callable[[int], None] | None = None) -> None:
         sh, R = self.shards, self.shards.replicas
         ps = self.buckets[b]
         flat = torch.cat([sh.padded(p, grad_of(p)).view(R, sh.size(p)) for p in ps], dim=1)
         out = flat.new_empty(flat.shape[1])
         work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=sh.group, async_op=True)
-        self.started.append((work, out, ps))
+        if release is not None:  # (the copy, counted as the gradients it holds, until done)
+            for p in ps:
+                release(p)
+            sh.tracker.add(flat, GRADIENTS)
+        self.started.append((work, out, ps, flat if release is not None else None))
         self.begun.add(b)
 
     def done(self, wait: bool = False) -> list[tuple[int, torch.Tensor]]:
@@ -426,8 +442,10 @@ class ScatterBuckets:
         bucket's output)."""
         out: list[tuple[int, torch.Tensor]] = []
         while self.started and (wait or self.started[0][0].is_completed()):
-            work, got, ps = self.started.pop(0)
+            work, got, ps, copy = self.started.pop(0)
             self.shards.collective(work.wait)
+            if copy is not None:
+                self.shards.tracker.drop(copy)
             at = 0
             for p in ps:
                 k = self.shards.size(p)

@@ -75,8 +75,9 @@ class StageEffects:
     #: [node] bytes saved besides outputs, on its device under its stage's precision
     extra_bytes: np.ndarray
     recompute_s: list[float] = field(default_factory=list)  # [stage] per micro-batch
-    # filled while the tasks are made: param -> the reduce-scatter that frees its full gradient
-    grad_done: dict[int, int] = field(default_factory=dict)
+    #: filled while the tasks are made: param -> the reduce-scatters that free its full
+    #: gradient (one per micro-batch where the stage reduces each apart, else one)
+    grad_done: dict[int, list[int]] = field(default_factory=dict)
     gathers: list[Gather] = field(default_factory=list)
     #: [node] its recomputation unit (:func:`recompute_units`; where a stage has ZeRO 3: its
     #: weights are gathered a unit at a time)

@@ -136,53 +136,79 @@ class GradientTasks:
         self.allreduce_bytes += seq_bytes
         return opt_s + seq_s
 
+    def reduces_each_micro_batch(self: TaskBuilder, s: int, weights: list[int]) -> bool:
+        """Whether stage ``s`` reduce-scatters each micro-batch's gradients apart, as FSDP and
+        DeepSpeed do under ZeRO 2-3 (only the shards accumulate over the micro-batches): so
+        it does over several micro-batches, unless one of its ``weights`` is read on another
+        stage too (that gradient comes home at the step's end; the runtime's rule too)."""
+        return (self.zero[s] >= 2 and self.M > 1
+                and not any(self.stage[c] != s for p in weights for c in self.g.succs[p]))
+
     def bucket_reductions(self: TaskBuilder, s: int, weights: list[int], opt_s: float
                           ) -> tuple[list[int], int]:
         """Stage ``s``'s replicas reduce their gradients in buckets of ``BUCKET_BYTES`` (in
         the order the backward makes them), each once the backwards that reach its weights
-        are done: an all-reduce, or under ZeRO a reduce-scatter. Returns the tasks and how
-        many were reduce-scatters."""
+        are done: an all-reduce, or under ZeRO a reduce-scatter; where the stage reduces
+        each micro-batch apart (:meth:`reduces_each_micro_batch`), one per bucket and
+        micro-batch, once that micro-batch's backwards reach its weights. Returns the tasks
+        and how many were reduce-scatters."""
         costs, M, per_m = self.costs, self.M, self.per_m
         group = split.replica_group(self.plan, s)
         has_b, off_b = self.A.has_b.tolist(), self.off_b.tolist()
         channel = self.resource(("allreduce", s, -1))
         # the first bucket also waits for the slowest replica to catch up
         lag = self._replica_lag(self.fb, s, group, M, opt_s)
+        each = self.reduces_each_micro_batch(s, weights)
         made: list[int] = []
         scatters = 0
+        n = len(group)
+        k = -1  # (the position of the bucket's last weight in ``weights``: its priority)
+        for bucket in self._gradient_buckets(weights):
+            k += len(bucket)
+            size = sum(self.out_bytes[p] for p in bucket)
+            readers = [c for q in bucket for c in self.g.succs[q]
+                       if has_b[c] and self.stage[c] == s]
+            for m in range(M) if each else (None,):
+                if self.zero[s]:  # each rank keeps 1/n of the gradient
+                    t = self.task(REDUCE_SCATTER, channel,
+                                  costs.reduce_scatter_s(group, size) + lag,
+                                  self.prio(k + (m or 0) * len(weights)),
+                                  f"reduce-scatter {size} B", -1 if m is None else m, size)
+                    scatters += 1
+                    self.allreduce_bytes += int((n - 1) * size)
+                    for q in bucket:  # (the full gradient's end, per micro-batch where apart)
+                        self.eff.grad_done.setdefault(q, []).append(t)  # type: ignore[union-attr]
+                else:
+                    t = self.task(ALLREDUCE, channel, costs.allreduce_s(group, size) + lag,
+                                  self.prio(k), f"all-reduce {size} B", -1, size)
+                    self.allreduce_bytes += int(2 * (n - 1) * size)
+                lag = 0.0
+                for c in readers:
+                    for mb in range(M) if m is None else (m,):
+                        self.edges.src.append(off_b[c] + mb * per_m)
+                        self.edges.dst.append(t)
+                for q in bucket:
+                    for x in self.sent_home.get(q, ()):
+                        self.edges.src.append(x)
+                        self.edges.dst.append(t)
+                made.append(t)
+        return made, scatters
+
+    def _gradient_buckets(self: TaskBuilder, weights: list[int]) -> list[list[int]]:
+        """``weights`` (in the order the backward makes their gradients) cut into buckets of
+        at least ``BUCKET_BYTES`` of gradients, the last with what is left."""
+        out: list[list[int]] = []
         bucket: list[int] = []
         size = 0
-        for k, p in enumerate([*weights, None]):
-            if p is not None:
-                bucket.append(p)
-                size += self.out_bytes[p]
-            if not bucket or (p is not None and size < BUCKET_BYTES):
-                continue
-            n = len(group)
-            if self.zero[s]:  # each rank keeps 1/n of the gradient
-                t = self.task(REDUCE_SCATTER, channel,
-                              costs.reduce_scatter_s(group, size) + lag, self.prio(k),
-                              f"reduce-scatter {size} B", -1, size)
-                scatters += 1
-                self.allreduce_bytes += int((n - 1) * size)
-                self.eff.grad_done.update(dict.fromkeys(bucket, t))  # type: ignore[union-attr]
-            else:
-                t = self.task(ALLREDUCE, channel, costs.allreduce_s(group, size) + lag,
-                              self.prio(k), f"all-reduce {size} B", -1, size)
-                self.allreduce_bytes += int(2 * (n - 1) * size)
-            lag = 0.0
-            for q in bucket:
-                for c in self.g.succs[q]:
-                    if has_b[c] and self.stage[c] == s:
-                        for m in range(M):
-                            self.edges.src.append(off_b[c] + m * per_m)
-                            self.edges.dst.append(t)
-                for x in self.sent_home.get(q, ()):
-                    self.edges.src.append(x)
-                    self.edges.dst.append(t)
-            made.append(t)
-            bucket, size = [], 0
-        return made, scatters
+        for p in weights:
+            bucket.append(p)
+            size += self.out_bytes[p]
+            if size >= BUCKET_BYTES:
+                out.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            out.append(bucket)
+        return out
 
     def shard_gathers(self: TaskBuilder, s: int, step: int, weights: list[int]) -> None:
         """ZeRO 1-2: the updated shards gathered into the full ``weights`` (the stage's, in

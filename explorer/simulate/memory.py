@@ -455,30 +455,41 @@ class _MemoryPass:
         node, user = node[sel], user[sel]
         if not len(node):
             return EventArrays.none()
-        user_stage = st[user]
-        first_b = self.start_a[self.bwd[user]]
-        for m in range(1, self.micro_batches):
-            first_b = np.minimum(first_b, self.start_a[self.task_of(self.bwd[user], m)])
+        user_stage, M = st[user], self.micro_batches
+        first_by_m = np.stack([self.start_a[self.task_of(self.bwd[user], m)]
+                               for m in range(M)])  # [micro-batch, edge]
         keys, inverse = np.unique(node * S + user_stage, return_inverse=True)
         made = np.full(len(keys), np.inf)
-        np.minimum.at(made, inverse, first_b)
+        np.minimum.at(made, inverse, first_by_m.min(axis=0))
         on, size = keys % S, pbytes[keys // S]
-        freed = np.asarray(self.optimizer_ends())[on]
+        freed = step_end = np.asarray(self.optimizer_ends())[on]
         zero = [0] * S if eff is None else eff.zero
+        apart = np.zeros(len(keys), dtype=bool)  # reduced a micro-batch at a time
         if eff is not None and max(zero):
             weight = keys // S
-            done = np.array([self.timing.end[eff.grad_done[p]]
-                             if p in eff.grad_done and zero[s] and self.stage[p] == s
-                             else np.nan for p, s in zip(weight.tolist(), on.tolist(),
-                                                         strict=True)])
+            ends = [[self.timing.end[t] for t in eff.grad_done[p]]
+                    if p in eff.grad_done and zero[s] and self.stage[p] == s else []
+                    for p, s in zip(weight.tolist(), on.tolist(), strict=True)]
+            apart = np.array([len(e) > 1 for e in ends], dtype=bool)
+            done = np.array([e[0] if e else np.nan for e in ends])
             k = np.flatnonzero(~np.isnan(done))
             full_kept = np.isnan(done) | (np.asarray(zero, dtype=np.int64)[on] == 1)
-            on = np.concatenate([on, on[k]])
-            made = np.concatenate([made, done[k]])
-            freed = np.concatenate([np.where(full_kept, freed, done), freed[k]])
-            size = np.concatenate([size, eff.shard[weight[k]]])
-        more = _accumulations(node, user, user_stage, self.bwd, self.per_mb,
-                              self.micro_batches, self.timing.arrays, pbytes, S)
+            freed = np.where(full_kept, freed, done)
+            # each micro-batch's full gradient, from its first backward reaching the weight
+            # to that micro-batch's reduce-scatter (in place of the one for the step)
+            a = np.flatnonzero(apart)
+            made_m = np.full((len(keys), M), np.inf)
+            np.minimum.at(made_m, inverse, first_by_m.T)
+            whole = ~apart
+            on = np.concatenate([on[whole], np.repeat(on[a], M), on[k]])
+            made = np.concatenate([made[whole], made_m[a].ravel(), done[k]])
+            freed = np.concatenate([freed[whole],
+                                    np.asarray([ends[i] for i in a.tolist()]).reshape(-1),
+                                    step_end[k]])
+            size = np.concatenate([size[whole], np.repeat(size[a], M),
+                                   eff.shard[weight[k]]])
+        more = _accumulations(node, user, user_stage, self.bwd, self.per_mb, M,
+                              self.timing.arrays, pbytes, S, keys[apart])
         return EventArrays(np.concatenate([on, on, more.stage]),
                            np.concatenate([made, freed, more.time]),
                            np.concatenate([size, -size, more.nbytes]))
@@ -502,17 +513,21 @@ class _MemoryPass:
 
 def _accumulations(node: np.ndarray, user: np.ndarray, stage: np.ndarray, off_b: np.ndarray,
                    per_m: int, M: int, task_times: tuple[np.ndarray, np.ndarray],
-                   nbytes: np.ndarray, S: int) -> EventArrays:
+                   nbytes: np.ndarray, S: int, apart: np.ndarray) -> EventArrays:
     """Memory events of gradient accumulation: a backward that reaches a weight after the
     first on its stage (another micro-batch, another op reading it) makes the weight's
     gradient anew, and autograd adds it into the one held when that backward ends: a
     gradient's size more for the length of the backward. ``node`` are the weights, ``user``
-    the ops whose backward reaches them, ``stage`` the stage holding each."""
+    the ops whose backward reaches them, ``stage`` the stage holding each; ``apart`` the
+    ``weight * S + stage`` keys whose gradient each micro-batch makes anew (reduced a
+    micro-batch at a time: only another op of the same micro-batch adds into it)."""
     start_a, end_a = task_times
     task = (off_b[user][:, None] + np.arange(M)[None, :] * per_m).ravel()
     weight, held = np.repeat(node, M), np.repeat(stage, M)
     t0, t1 = start_a[task], end_a[task]
     key = weight * S + held
+    if len(apart):
+        key = key * M + np.where(np.isin(key, apart), np.tile(np.arange(M), len(user)), 0)
     order = np.lexsort((t0, key))
     again = np.zeros(len(order), dtype=bool)
     again[1:] = key[order][1:] == key[order][:-1]

@@ -128,6 +128,36 @@ class TestZero:
         assert at[("fwd", "relu1")][0] < w2[1] == pytest.approx(at[("fwd", "mm2")][0])
         assert at[("optimizer", "adam step")][0] >= w2[1]
 
+    @pytest.mark.parametrize("zero", [2, 3])
+    def test_each_micro_batch_is_reduce_scattered_apart(self, zero):
+        # two micro-batches: a reduce-scatter per bucket and micro-batch, each once that
+        # micro-batch's backward has made the bucket's gradients (as FSDP does); the full
+        # gradients of one micro-batch at most are held beside the shards (ZeRO 1 keeps
+        # them whole over the step and reduces once)
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(2, bandwidth=1e7, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))},
+                                    micro_batches=2, schedule="1f1b")
+        pred = simulate(g, plan.with_memory(zero=zero), costs(g, cl, FWD, BWD))
+        ivs = [iv for iv in pred.timeline if iv.device == "d:0"]
+        scatters = [iv for iv in ivs if iv.kind == "reduce-scatter"]
+        assert [(iv.label, iv.micro_batch) for iv in scatters] == [
+            (f"reduce-scatter {size} B", m) for m in (0, 1) for size in (30 * MiB, 40 * MiB)]
+        for iv in scatters:  # after the backward of the bucket's weight's reader
+            reader = "mm2" if iv.label.endswith(f"{30 * MiB} B") else "mm1"
+            made = next(b for b in ivs if b.kind == "bwd" and b.label == reader
+                        and b.micro_batch == iv.micro_batch)
+            assert iv.start_s >= made.end_s
+        assert scatters[1].end_s < next(b.start_s for b in ivs if b.kind == "bwd"
+                                        and b.micro_batch == 1)
+        m = pred.memory["d:0"]
+        shards = 35 * MiB
+        assert m.grads_bytes <= 40 * MiB + 30 * MiB + shards < 2 * 70 * MiB
+        whole = simulate(g, plan.with_memory(zero=1), costs(g, cl, FWD, BWD))
+        assert [iv.micro_batch for iv in whole.timeline
+                if iv.device == "d:0" and iv.kind == "reduce-scatter"] == [-1, -1]
+        assert pred.allreduce_bytes > whole.allreduce_bytes
+
     @pytest.mark.parametrize("zero", [1, 2])
     def test_a_pipeline_stage_gathers_after_its_optimizer_step(self, zero):
         # mm1 (w1) on two replicas, mm2 (w2) and the rest on a third device: the replicated
