@@ -222,18 +222,16 @@ def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str,
 
 def searched(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel, run: PublishedRun,
              published_s: float, published_fits: bool) -> str:
-    """What the degrees search finds with the run's micro-batches and 1F1B (ranked in fp32,
-    then given the run's precision, ZeRO and recomputation, as ``explorer plan
-    --precision`` does), against the published configuration's predicted step."""
+    """What the degrees search finds with the run's micro-batches, 1F1B and memory settings
+    (its candidates simulated with the run's precision, ZeRO and recomputation, as
+    ``explorer plan --algorithm degrees --precision bf16 --zero 1`` ranks them), against the
+    published configuration's predicted step."""
+    memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero}
     try:
-        plan = ex.partition(graph, cluster, costs, "degrees",
-                            micro_batches=[run.micro_batches], schedules=["1f1b"])
+        plan = ex.partition(graph, cluster, costs, "degrees", micro_batches=[run.micro_batches],
+                            schedules=["1f1b"], memory=memory)
     except ex.ExplorerError as e:
         return f"no plan: {e}"
-    memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero}
-    if plan.uses_memory_strategies:  # (it fits only with settings of its own: kept)
-        memory = {}
-    plan = plan.with_memory(**memory)
     step_s = ex.simulate(graph, plan, costs).step_s
     why = "" if published_fits else " (the published one does not fit by the prediction)"
     return (f"{plan_degrees(plan)['text']} (dp x tp x pp, {plan.settings_of(0).describe()}): "

@@ -89,6 +89,8 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
         opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
         if "schedules" in alg.options and settings.get("schedule"):  # (degrees tries several)
             opts["schedules"] = [settings["schedule"]]
+        if "memory" in alg.options and memory:  # (degrees ranks its plans with them)
+            opts["memory"] = memory
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:

@@ -94,6 +94,27 @@ def test_simulating_every_candidate_equals_brute_force_by_the_simulator():
     assert "degrees: data" in plan.notes[0]
 
 
+def test_memory_settings_rank_the_simulated_candidates():
+    """With ``memory``, every candidate is simulated as it will run: the plan returned
+    carries the settings and is the fastest of all candidates with them, by brute force."""
+    g, cl, costs = _case("gpt", "4xH100")
+    memory = {"zero": 1, "precision": "bf16"}
+    space = _space(g, cl, costs, None)
+    cands = enumerate_candidates(space, costs, g.batch_size)
+    brute = min(r.step_s for c in cands for r in [
+        simulate(g, candidate_plan(g, space, c, "adam", {}, {}).with_memory(**memory), costs)]
+        if r.fits)
+    plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands), memory=memory,
+                        compare_pipeline_dp=False, compare_baselines=False)
+    assert all(plan.settings_of(s).precision == "bf16" for s in range(len(plan.stages)))
+    assert all(plan.settings_of(s).zero == 1 for s in range(len(plan.stages)))
+    assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
+    with pytest.raises(ExplorerError, match="ZeRO stage 5"):
+        ex.partition(g, cl, costs, "degrees", memory={"zero": 5})
+    with pytest.raises(ExplorerError, match="no setting 'zro'; its settings are zero"):
+        ex.partition(g, cl, costs, "degrees", memory={"zro": 1})
+
+
 @pytest.mark.parametrize("name,devices", [("mlp", "4xH100"), ("gpt", "4xT4"),
                                           ("gpt", "8xH100"), ("mlp", "2xT4")])
 def test_never_worse_than_pipeline_dp_and_the_baselines(name, devices):

@@ -4,6 +4,7 @@ simulator, never slower than pipeline-dp's plan and the baselines."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
@@ -28,6 +29,9 @@ from explorer.simulate.simulator import Prediction, simulate
 PIPELINE_DP_CELLS = 5e7
 #: layers the degrees search cuts at most (its DP grows as layers^2 x devices)
 MAX_LAYERS = 400
+
+#: the memory settings the ``memory`` option takes (``Plan.with_memory``'s keywords)
+MEMORY_KEYWORDS = ("zero", "recompute", "precision")
 
 
 def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str,
@@ -65,7 +69,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
             micro_batches: int | Sequence[int] | None = None,
             schedules: Sequence[str] = ("1f1b", "gpipe"), depth: int | None = None,
             max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
-            compare_pipeline_dp: bool = True, compare_baselines: bool = True) -> Plan:
+            compare_pipeline_dp: bool = True, compare_baselines: bool = True,
+            memory: Mapping[str, Any] | None = None) -> Plan:
     """Data x tensor x pipeline degrees, micro-batches and schedule, by exhaustive search.
 
     The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
@@ -103,6 +108,11 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     compare_pipeline_dp : bool
         Also run pipeline-dp (stages with any replica counts, no tensor split) when its DP is
         small enough, and return its plan when the simulator finds it faster.
+    memory : dict, optional
+        Memory settings (``Plan.with_memory``'s keywords: ``zero``, ``recompute``,
+        ``precision``) every simulated candidate, and pipeline-dp's plan, is scored with and
+        the plan returned carries, so that the simulator ranks the plans as they will run;
+        the estimate that picks the candidates to simulate prices them without.
     k, optimizer, compare_baselines
         As in :class:`explorer.partition.options.Options`.
 
@@ -131,6 +141,10 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         check_micro_batches(m)
     if simulate_top < 1:
         raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
+    unknown = sorted(set(memory or {}) - set(MEMORY_KEYWORDS))
+    if unknown:
+        raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
+                            f"{', '.join(MEMORY_KEYWORDS)}")
     whole = ""
     try:
         layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
@@ -153,6 +167,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         if fitting >= simulate_top or tried >= 3 * simulate_top:
             break
         plan = candidate_plan(graph, space, cand, optimizer, pins, base_opts)
+        if memory:
+            plan = plan.with_memory(**memory)
         pred = simulate(graph, plan, costs)
         tried += 1
         if pred.fits:
@@ -172,7 +188,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                    options={**plan.options, "simulated": tried}), pred)
     if compare_pipeline_dp:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
-                                    len(layers), len(ids))
+                                    len(layers), len(ids), memory)
     plan, pred = best if best is not None else (None, None)
     return settle(graph, cluster, costs, "degrees", plan, pred, failure, pins, opts)
 
@@ -185,7 +201,8 @@ def _chosen(plan: Plan) -> Candidate:
 
 def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
                          best: tuple[Plan, Prediction] | None, pins: Mapping[str, str],
-                         k: int | None, optimizer: str, n_layers: int, n_dev: int
+                         k: int | None, optimizer: str, n_layers: int, n_dev: int,
+                         memory: Mapping[str, Any] | None = None
                          ) -> tuple[Plan, Prediction] | None:
     """``best``, or pipeline-dp's plan (relabelled, with a note) when the simulator finds it
     faster; a note on ``best`` when pipeline-dp's DP would take too long to run."""
@@ -202,6 +219,8 @@ def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                                     compare_baselines=False)
     except MemoryExceededError:
         return best
+    if memory:
+        other = other.with_memory(**memory)
     pred = simulate(graph, other, costs)
     if not pred.fits or (best is not None and best[1].step_s <= pred.step_s * (1 + 1e-9)):
         return best
@@ -218,4 +237,4 @@ def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                options=opts), pred
 
 
-__all__ = ["MAX_LAYERS", "PIPELINE_DP_CELLS", "candidate_plan", "degrees"]
+__all__ = ["MAX_LAYERS", "MEMORY_KEYWORDS", "PIPELINE_DP_CELLS", "candidate_plan", "degrees"]
