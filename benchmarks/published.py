@@ -214,8 +214,9 @@ def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str,
                 "model TFLOP/s/GPU": f"{rate.model_flops_per_s_per_device / 1e12:,.1f}",
                 "MFU": f"{rate.mfu:.1%}", "peak GiB/GPU": f"{peak / GiB:.1f}",
                 "fits": "yes" if pred.fits else "no"})
-    row["search"] = (searched(graph, cluster, costs, run, pred.step_s, pred.fits) if search
-                     and run.gpus <= SEARCH_GPUS else f"not run above {SEARCH_GPUS} GPUs")
+    row["search"] = ("not run (--no-search)" if not search
+                     else f"not run above {SEARCH_GPUS} GPUs" if run.gpus > SEARCH_GPUS
+                     else searched(graph, cluster, costs, run, pred.step_s, pred.fits))
     row["notes"] = f"predicted in {time.perf_counter() - t0:.0f} s"
     return row
 

@@ -459,9 +459,13 @@ def _data_parallel_body(p: NativePlan) -> str:
                 "    model = DistributedDataParallel(model, device_mesh=mesh[\"dp_replicate\"],\n"
                 "                                    broadcast_buffers=False)\n")
     call = "total += micro_batch(model, loss_fn, inputs, targets, rows)"
-    if p.micro_batches > 1 and p.replicas > 1 and p.zero:
-        accumulate = ("            # the replicas reduce gradients after the last micro-batch\n"
+    if p.micro_batches > 1 and p.replicas > 1 and p.zero == 1:
+        accumulate = ("            # ZeRO 1: gradients reduced after the last micro-batch\n"
                       "            model.set_requires_gradient_sync(m == MICRO_BATCHES - 1)\n"
+                      f"            {call}\n")
+    elif p.micro_batches > 1 and p.replicas > 1 and p.zero:
+        accumulate = ("            # FSDP reduce-scatters each micro-batch's gradients: only the\n"
+                      "            # shards accumulate\n"
                       f"            {call}\n")
     elif p.micro_batches > 1 and p.replicas > 1:
         accumulate = ("            # the replicas reduce gradients after the last micro-batch\n"

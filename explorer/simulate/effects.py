@@ -8,7 +8,7 @@ simulator). With settings, :func:`stage_effects` derives per node and stage what
 forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
 micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead of their use
 (prefetch depth 1);
-:mod:`explorer.simulate.tasks` makes the reduce-scatters and post-optimizer all-gathers, and
+:mod:`explorer.simulate.tasks` makes the reduce-scatters and ZeRO 1-2's all-gathers, and
 :mod:`explorer.simulate.memory` reads the rest (shards, dropped activations, gathered copies).
 """
 

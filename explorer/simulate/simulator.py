@@ -20,8 +20,9 @@ keeps the first gradient it gets until its own backward (or until it is sent), a
 are added into it.
 
 A plan's per-stage memory settings (:class:`~explorer.core.plan.StageSettings`) add what they
-do (:mod:`~explorer.simulate.effects`): ZeRO's reduce-scatters in place of the all-reduces (2,
-3), an all-gather of the weights after the optimizer step (1, 2) or of each weight before its
+do (:mod:`~explorer.simulate.effects`): ZeRO's reduce-scatters in place of the all-reduces (one
+per micro-batch under ZeRO 2-3), an all-gather of the updated weights during the next step's
+forward or, on a pipeline stage, after the optimizer step (1, 2), or of each weight before its
 forward and backward uses, one op ahead (3), with the sharded bytes and the gathered copies in
 memory; recomputed forwards added to the backwards that run them, their outputs not kept in
 between; ops at the precision's rate and activations at autocast's sizes.
