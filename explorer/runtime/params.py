@@ -15,12 +15,7 @@ from explorer.core.plan import Plan
 from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.sharding import (
-    GatheredRef,
-    ScatterBuckets,
-    Shards,
-    UpdatedShards,
-)
+from explorer.runtime.sharding import GatheredRef, ScatterBuckets, Shards, UpdatedShards
 from explorer.runtime.tensor_parallel import TensorMesh, full, like, local, placed_like
 
 #: the fixed loss scale of plans with an fp16 stage: the backward starts from the loss gradient

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from explorer.costs.strategies import BUCKET_BYTES, buckets
+from explorer.costs.strategies import buckets
 from explorer.simulate import tensor as split
 from explorer.simulate.arrays import sums_by_stage
 from explorer.simulate.effects import ALLGATHER, REDUCE_SCATTER
@@ -77,6 +77,7 @@ class GradientTasks:
         """Per stage: its gradients reduced across replicas in buckets, then its optimizer
         step (after every backward, reduction and gradient sent home); under ZeRO 1-2 the
         gathers of the shards the step before updated."""
+        pipelined = self.exchanges_activations()
         for s in range(self.S):
             weights = self.A.pg[self.st[self.A.pg] == s][::-1].tolist()
             waits_for = [t for p in weights for t in self.sent_home.get(p, ())]
@@ -103,7 +104,7 @@ class GradientTasks:
             for m in range(self.M):
                 self.edges.add(last, np.full(len(last), step), m)
             if self.zero[s] in (1, 2):
-                self.shard_gathers(s, step, mine)
+                self.shard_gathers(s, step, mine, deferred=not pipelined[s])
 
     def exchanges_activations(self: TaskBuilder) -> np.ndarray:
         """Per stage, whether it sends or receives an op's output to or from another stage
@@ -163,7 +164,8 @@ class GradientTasks:
         scatters = 0
         n = len(group)
         k = -1  # (the position of the bucket's last weight in ``weights``: its priority)
-        for bucket in self._gradient_buckets(weights):
+        cuts = buckets([self.out_bytes[p] for p in weights])
+        for bucket in ([weights[j] for j in cut] for cut in cuts):
             k += len(bucket)
             size = sum(self.out_bytes[p] for p in bucket)
             readers = [c for q in bucket for c in self.g.succs[q]
@@ -194,34 +196,18 @@ class GradientTasks:
                 made.append(t)
         return made, scatters
 
-    def _gradient_buckets(self: TaskBuilder, weights: list[int]) -> list[list[int]]:
-        """``weights`` (in the order the backward makes their gradients) cut into buckets of
-        at least ``BUCKET_BYTES`` of gradients, the last with what is left."""
-        out: list[list[int]] = []
-        bucket: list[int] = []
-        size = 0
-        for p in weights:
-            bucket.append(p)
-            size += self.out_bytes[p]
-            if size >= BUCKET_BYTES:
-                out.append(bucket)
-                bucket, size = [], 0
-        if bucket:
-            out.append(bucket)
-        return out
-
-    def shard_gathers(self: TaskBuilder, s: int, step: int, weights: list[int]) -> None:
+    def shard_gathers(self: TaskBuilder, s: int, step: int, weights: list[int],
+                      deferred: bool) -> None:
         """ZeRO 1-2: the updated shards gathered into the full ``weights`` (the stage's, in
         graph order), one all-gather per bucket, in turn, as the runtime runs them
-        (:class:`~explorer.runtime.sharding.UpdatedShards`): on a stage that exchanges no
-        activations with another, the shards the last step updated during this step's
+        (:class:`~explorer.runtime.sharding.UpdatedShards`): ``deferred`` (a stage that
+        exchanges no activations with another), the shards the last step updated during this step's
         forward (Megatron's distributed optimizer overlaps them so), the first from the
         step's start and each next once the forward reaches the bucket before it (prefetch
         depth 1), the first forward of an op reading one of a bucket's weights waiting for
         its gather and the optimizer ``step`` for all; on a pipeline stage, after its
         optimizer step."""
         group = split.replica_group(self.plan, s)
-        deferred = not self.exchanges_activations()[s]
         ops = self.ops_by_stage[s]
         pos = {int(o): k for k, o in enumerate(ops.tolist())}
         sizes = [int(self.held[p]) for p in weights]

@@ -478,11 +478,12 @@ class _MemoryPass:
             # each micro-batch's full gradient, from its first backward reaching the weight
             # to that micro-batch's reduce-scatter (in place of the one for the step)
             a = np.flatnonzero(apart)
-            made_m = np.full((len(keys), M), np.inf)
-            np.minimum.at(made_m, inverse, first_by_m.T)
+            made_m = np.full((len(a), M), np.inf)  # (the keys reduced apart only)
+            sel = np.flatnonzero(apart[inverse])
+            np.minimum.at(made_m, np.searchsorted(a, inverse[sel]), first_by_m.T[sel])
             whole = ~apart
             on = np.concatenate([on[whole], np.repeat(on[a], M), on[k]])
-            made = np.concatenate([made[whole], made_m[a].ravel(), done[k]])
+            made = np.concatenate([made[whole], made_m.ravel(), done[k]])
             freed = np.concatenate([freed[whole],
                                     np.asarray([ends[i] for i in a.tolist()]).reshape(-1),
                                     step_end[k]])
