@@ -160,21 +160,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     cands = enumerate_candidates(space, costs, graph.batch_size)
     base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
                  "candidates": len(cands)}
-    best: tuple[Plan, Prediction] | None = None
-    tried = 0
-    fitting = 0
-    for cand in cands:
-        if fitting >= simulate_top or tried >= 3 * simulate_top:
-            break
-        plan = candidate_plan(graph, space, cand, optimizer, pins, base_opts)
-        if memory:
-            plan = plan.with_memory(**memory)
-        pred = simulate(graph, plan, costs)
-        tried += 1
-        if pred.fits:
-            fitting += 1
-            if best is None or pred.step_s < best[1].step_s * (1 - 1e-9):
-                best = (plan, pred)
+    best, tried = _best_simulated(graph, costs, space, cands, optimizer, pins, base_opts,
+                                  simulate_top, memory)
     failure = "" if best is not None else (
         f"degrees: none of {tried} candidates the estimate found fitting fits the simulator's "
         "memory accounting" if cands else "degrees: no mesh, micro-batch count and split fits "
@@ -191,6 +178,30 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                     len(layers), len(ids), memory)
     plan, pred = best if best is not None else (None, None)
     return settle(graph, cluster, costs, "degrees", plan, pred, failure, pins, opts)
+
+
+def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Sequence[Candidate],
+                    optimizer: str, pins: Mapping[str, str], base_opts: Mapping,
+                    simulate_top: int, memory: Mapping[str, Any] | None
+                    ) -> tuple[tuple[Plan, Prediction] | None, int]:
+    """Simulate the candidates in the estimate's order (with the ``memory`` settings) until
+    ``simulate_top`` of them fit, or three times as many were tried; the fastest that fits
+    and how many were simulated."""
+    best: tuple[Plan, Prediction] | None = None
+    tried = fitting = 0
+    for cand in cands:
+        if fitting >= simulate_top or tried >= 3 * simulate_top:
+            break
+        plan = candidate_plan(graph, space, cand, optimizer, pins, base_opts)
+        if memory:
+            plan = plan.with_memory(**memory)
+        pred = simulate(graph, plan, costs)
+        tried += 1
+        if pred.fits:
+            fitting += 1
+            if best is None or pred.step_s < best[1].step_s * (1 - 1e-9):
+                best = (plan, pred)
+    return best, tried
 
 
 def _chosen(plan: Plan) -> Candidate:
