@@ -155,26 +155,27 @@ def missing_parts(run: PublishedRun) -> list[str]:
     out = []
     if run.context > 1:
         out.append(f"context parallelism (CP{run.context})")
-    if run.virtual_stages > 1:
-        out.append(f"interleaved 1F1B with {run.virtual_stages} virtual stages")
     return out
 
 
 def published_plan(graph: ex.OpGraph, cluster: ex.Cluster, run: PublishedRun) -> ex.Plan:
     """The run's parallelism as a plan: ``pipeline`` stages of ``data x tensor`` GPUs (tensor
-    groups inside a node), the layers cut evenly by op count, 1F1B over the run's
-    micro-batches, its memory settings on every stage."""
+    groups inside a node), the layers cut evenly by op count into ``pipeline x
+    virtual_stages`` chunks taken in turn around the stages, 1F1B (interleaved with virtual
+    stages) over the run's micro-batches, its memory settings on every stage."""
     layers = graph.layers()
     group = run.data * run.tensor
+    chunks = run.pipeline * run.virtual_stages
     ops = [sum(1 for i in layer if graph.nodes[i].kind == "op") for layer in layers]
     total, cut, assign = sum(ops), 0, {}
     for j, layer in enumerate(layers):
-        stage = min(run.pipeline - 1, cut * run.pipeline // total)
+        chunk = min(chunks - 1, cut * chunks // total)
         cut += ops[j]
-        assign.update(dict.fromkeys(layer, stage))
+        assign.update(dict.fromkeys(layer, chunk % run.pipeline))
     stages = [cluster.ids[k * group:(k + 1) * group] for k in range(run.pipeline)]
+    schedule = "interleaved-1f1b" if run.virtual_stages > 1 else "1f1b"
     plan = ex.Plan.from_assignment(graph, stages, assign, micro_batches=run.micro_batches,
-                                   schedule="1f1b", algorithm="published")
+                                   schedule=schedule, algorithm="published")
     return plan.with_memory(precision="bf16", zero=run.zero, recompute=run.recompute,
                             tensor=run.tensor, sequence=run.sequence_parallel)
 

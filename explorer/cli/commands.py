@@ -17,6 +17,7 @@ from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory, untrusted_factory
+from explorer.core.plan import SCHEDULES
 from explorer.core.plan_layout import unsplit_notes
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
@@ -166,7 +167,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ex.algorithm(n)  # unknown names fail before any work is done
     bm, graph, cluster, costs, t_cap, t_prof = _prepare(args)
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
-                "optimizer": args.optimizer, "tensor": args.tensor,
+                "optimizer": args.optimizer, "virtual_stages": args.virtual_stages,
+                "tensor": args.tensor,
                 "sequence": args.sequence_parallel}
     results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
@@ -269,7 +271,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = ex.Plan.load(args.plan, graph, cluster)
     else:
         opts = {"micro_batches": args.micro_batches, "schedule": args.schedule,
-                "optimizer": args.optimizer}
+                "optimizer": args.optimizer, "virtual_stages": args.virtual_stages}
         alg = ex.algorithm(args.algorithm)
         plan = ex.partition(graph, cluster, costs, args.algorithm,
                             **{k: v for k, v in opts.items()
@@ -454,6 +456,12 @@ def _whole(text: str) -> int:
     return _whole_from(0, text)
 
 
+def add_virtual_stages_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--virtual-stages", type=_positive_int, default=None,
+                   help="chunks of layers per device, taken in turn around the devices "
+                        "(even-layers, balanced-params); the schedule: interleaved-1f1b")
+
+
 def add_runtime_options(p: argparse.ArgumentParser, after: str = "") -> None:
     """``--runtime`` and ``--compile``, as ``ex.run`` takes them (run and export)."""
     p.add_argument("--runtime", choices=RUNTIMES, default=None,
@@ -493,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cpu:N (CPU ranks), gpu (this machine's GPUs) or a preset like 4xH100")
     pl.add_argument("--algorithm", default="all", help="a partitioner name, or all")
     pl.add_argument("--micro-batches", type=_positive_int, default=None)
-    pl.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+    pl.add_argument("--schedule", choices=SCHEDULES, default=None)
+    add_virtual_stages_option(pl)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(pl)
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -519,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=_positive_int, default=5)
     r.add_argument("--warmup", type=_whole, default=2)
     r.add_argument("--micro-batches", type=_positive_int, default=None)
-    r.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+    r.add_argument("--schedule", choices=SCHEDULES, default=None)
+    add_virtual_stages_option(r)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(r)
     add_memory_options(r)

@@ -23,6 +23,8 @@ from typing import Any
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan_schema import (
+    INTERLEAVED,
+    INTERLEAVED_VERSION,
     MAX_PLAN_BYTES,
     MEMORY_VERSION,
     OPTIMIZER_STATE,
@@ -38,8 +40,8 @@ from explorer.core.plan_schema import (
     shown,
 )
 
-__all__ = ["DEFAULT_SETTINGS", "OPTIMIZER_STATE", "PRECISIONS", "RECOMPUTE", "SCHEDULES",
-           "ZERO_STAGES", "Plan", "StageSettings", "check_tensor_alone"]
+__all__ = ["DEFAULT_SETTINGS", "INTERLEAVED", "OPTIMIZER_STATE", "PRECISIONS", "RECOMPUTE",
+           "SCHEDULES", "ZERO_STAGES", "Plan", "StageSettings", "check_tensor_alone"]
 
 
 @dataclass(frozen=True)
@@ -368,7 +370,8 @@ class Plan:
                                          **({"sequence": True} if st.sequence else {})}
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
-        version = (TENSOR_VERSION if self.uses_tensor_parallel
+        version = (INTERLEAVED_VERSION if self.schedule == INTERLEAVED
+                   else TENSOR_VERSION if self.uses_tensor_parallel
                    else MEMORY_VERSION if settings or "factory" in (self.model or {}) else 1)
         return {
             "format": PLAN_FORMAT, "version": version,

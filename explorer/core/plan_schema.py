@@ -20,10 +20,14 @@ PLAN_FORMAT = "partition-explorer-plan"
 #: 2 adds per-stage memory settings (``stage_settings``) and model factories, 3 the stages'
 #: tensor-parallel degree (``tensor``); a plan is written with the lowest version that holds
 #: what it uses, so files older explorers can read stay readable by them
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 MEMORY_VERSION = 2
 TENSOR_VERSION = 3
-SCHEDULES = ("gpipe", "1f1b")
+#: interleaved 1F1B: each stage holds several chunks of the layers (virtual stages)
+INTERLEAVED = "interleaved-1f1b"
+#: 4 adds the interleaved 1F1B schedule
+INTERLEAVED_VERSION = 4
+SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 #: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
 #: 2 also the gradients, 3 also the weights (FSDP's full sharding)
 ZERO_STAGES = (0, 1, 2, 3)

@@ -21,11 +21,11 @@ from explorer.simulate import tensor as split
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
 from explorer.simulate.effects import add_weight_gathers, stage_effects
 from explorer.simulate.gradient_tasks import GradientTasks
+from explorer.simulate.pipeline_order import PipelineOrder, queue_order
 from explorer.simulate.seconds import Seconds, plain_costs
 from explorer.simulate.taskgraph import (
     BWD,
     FWD,
-    GATE,
     OPTIMIZER,
     SEND,
     Column,
@@ -67,7 +67,7 @@ class _Edges:
                 np.concatenate([*self.dst_blocks, np.asarray(self.dst, dtype=np.int64)]))
 
 
-class TaskBuilder(GradientTasks):
+class TaskBuilder(PipelineOrder, GradientTasks):
     """Collects the tasks one kind after another, then makes the :class:`TaskGraph`
     (:meth:`build` names the steps)."""
 
@@ -164,25 +164,8 @@ class TaskBuilder(GradientTasks):
         self.active = [s for s in order if first_op[s] < N]
         rank = {s: k for k, s in enumerate(self.active)}
         self.warm = {s: min(len(self.active) - rank[s], M) for s in self.active}
+        self.place_chunks()
         self.stage_res = [self.resource(("stage", s, -1)) for s in range(S)]  # = range(S)
-
-    def schedule_slots(self) -> None:
-        """Per stage and micro-batch, the schedule's slot of its forward and its backward
-        (GPipe: every forward, then every backward; 1F1B: ``warm`` forwards, then one
-        backward and one forward in turn)."""
-        S, M = self.S, self.M
-        if self.plan.schedule == "gpipe":
-            slot_f = [list(range(M)) for _ in range(S)]
-            slot_b = [[M + m for m in range(M)] for _ in range(S)]
-        else:
-            slot_f, slot_b = [], []
-            for s in range(S):
-                w = self.warm.get(s, 1)
-                slot_f.append([m if m < w else w + 2 * (m - w) + 1 for m in range(M)])
-                slot_b.append([w + 2 * m for m in range(M)])
-        self.slot_f, self.slot_b = slot_f, slot_b
-        self.slots_f = np.asarray(slot_f, dtype=np.int64)
-        self.slots_b = np.asarray(slot_b, dtype=np.int64)
 
     def block_template(self) -> None:
         """One micro-batch's block of tasks: every op's forward, each followed by its
@@ -202,6 +185,7 @@ class TaskBuilder(GradientTasks):
         self.tpl_isb = np.zeros(per_m, dtype=bool)
         self.tpl_isb[off_ops[nb] + 1] = True
         self.tpl_stage = self.st[self.tpl_node]
+        self.tpl_chunk = self.chunk[self.tpl_node]
 
     def op_seconds(self) -> None:
         """Each op's forward and backward seconds on its stage's slowest device type: from
@@ -274,17 +258,18 @@ class TaskBuilder(GradientTasks):
         self.res = tpl_stage.tolist() * M
         self.fb = FwdBwdLayout(per_m, self.off_f, self.off_b, tpl_stage,
                                np.where(tpl_isb, self.bwd_d[tpl_node], self.fwd_d[tpl_node]),
-                               _queue_order(tpl_stage, tpl_isb, self.slot_f, self.slot_b,
-                                            per_m))
+                               queue_order(tpl_stage, self.tpl_chunk, tpl_isb,
+                                            self.chunk_slots_f, self.chunk_slots_b, per_m))
         self.dur = self.fb.dur_s.tolist() * M
         self.label = Column(*[A.names_obj[tpl_node]] * M)
         self.node = Column(*[tpl_node] * M)
         self.mb = Column(*[np.full(per_m, m) for m in range(M)])
         self.nbytes = Column(np.zeros(per_m * M, dtype=np.int64))
         x = np.where(tpl_isb, -tpl_node, tpl_node) + (N + 1)
-        sf, sb = self.slots_f, self.slots_b
-        self.enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, m], sf[tpl_stage, m]) * W
-                                      + x for m in range(M)])
+        sf, sb, tpl_chunk = self.chunk_slots_f, self.chunk_slots_b, self.tpl_chunk
+        self.enc_fb = np.concatenate([np.where(tpl_isb, sb[tpl_stage, tpl_chunk, m],
+                                               sf[tpl_stage, tpl_chunk, m]) * W + x
+                                      for m in range(M)])
 
     def forward_edges_and_transfers(self) -> None:
         """Forward edges, and the transfers of values read on other stages: a weight or
@@ -311,7 +296,9 @@ class TaskBuilder(GradientTasks):
         k_task = np.repeat(np.arange(len(keys)), count)
         m_task = np.arange(len(k_task)) - np.repeat(first_task - first_task[0], count)
         t_value, t_to, t_activation = sent[k_task], to[k_task], activation[k_task]
-        enc = np.where(t_activation, self.slots_f[t_to, m_task], 0) * W + t_value + (N + 1)
+        to_chunk = self._first_chunk(reader, key_of_edge, len(keys))[k_task]
+        enc = (np.where(t_activation, self.chunk_slots_f[t_to, to_chunk, m_task], 0) * W
+               + t_value + (N + 1))
         labels = A.names_obj[t_value]
         for j in np.flatnonzero(~t_activation).tolist():
             labels[j] = f"{A.names[t_value[j]]} -> stage {t_to[j]}"
@@ -360,7 +347,8 @@ class TaskBuilder(GradientTasks):
         k_task = np.repeat(np.arange(len(keys)), M)
         m_task = np.tile(np.arange(M), len(keys))
         t_node, t_from = sent[k_task], sender[k_task]
-        enc = self.slots_b[t_from, m_task] * W - t_node + (N + 1)
+        from_chunk = self._first_chunk(reader, key_of_edge, len(keys))[k_task]
+        enc = self.chunk_slots_b[t_from, from_chunk, m_task] * W - t_node + (N + 1)
         labels = Prefixed("grad ", np.repeat(A.names_obj[sent], M))
         self._transfers(t_from, st[t_node], self.out_act[t_node] // M, enc, labels, m_task,
                         t_node)
@@ -370,25 +358,6 @@ class TaskBuilder(GradientTasks):
         self.receive_blocks.append((first_task[0] + np.arange(len(k_task)), st[t_node],
                                     t_node, m_task, np.zeros(len(t_node), dtype=bool),
                                     self.out_act[t_node] // M))
-
-    def one_f_one_b_gates(self) -> None:
-        """1F1B: at most ``warm`` micro-batches in flight on a stage (a gate task between a
-        micro-batch's backward and the forward ``warm`` micro-batches later)."""
-        if self.plan.schedule != "1f1b" or self.M <= 1:
-            return
-        has_b = self.A.has_b
-        for s in self.active:
-            w = self.warm[s]
-            ops = self.ops_by_stage[s]
-            fo = self.off_f[ops]
-            bo = self.off_b[ops[has_b[ops]]]
-            if not len(bo):
-                continue
-            for m in range(w, self.M):
-                gate = self.task(GATE, self.resource(("gate", s, m - w)), 0.0, self.prio(0),
-                                 "", m - w)
-                self.edges.add(bo, np.full(len(bo), gate), m - w)
-                self.edges.add(np.full(len(fo), gate), fo, 0, m)
 
     def host_issue(self) -> None:
         """Where stages have two timelines: when each of their tasks is issued (``release``,
@@ -482,6 +451,13 @@ class TaskBuilder(GradientTasks):
         size = sizes[first[o]]
         return uniq[o], rank[inv.reshape(-1)], size, len(self.kind) + np.cumsum(size) - size
 
+    def _first_chunk(self, reader: np.ndarray, key_of_edge: np.ndarray, keys: int
+                     ) -> np.ndarray:
+        """Per key, the first chunk its readers (one per edge) are in on their stage."""
+        first = np.full(keys, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first, key_of_edge, self.chunk[reader])
+        return first
+
     def _transfers(self, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray, enc: np.ndarray,
                    label: Sequence[str], mb: np.ndarray, node: np.ndarray) -> None:
         """Transfer tasks from stage ``a[k]`` to ``b[k]`` of ``nbytes[k]`` bytes, in order.
@@ -555,24 +531,6 @@ def _keys(enc: Column, first: int, T: int) -> list[int]:
     for k in np.flatnonzero(~fits).tolist():
         key[k] = enc[k] * T + first + k
     return key
-
-
-def _queue_order(tpl_stage: np.ndarray, tpl_isb: np.ndarray, slot_f: list[list[int]],
-                 slot_b: list[list[int]], per_m: int) -> tuple[np.ndarray, ...]:
-    """Per stage, its forward and backward task ids in the order of their queue keys
-    ((slot, x) with x the node for a forward, minus the node for a backward): block by block
-    in slot order, a block being one micro-batch's forwards in node order or its backwards in
-    reverse node order (the template lays ops out in node order)."""
-    out = []
-    for s in range(len(slot_f)):
-        fwd = np.flatnonzero((tpl_stage == s) & ~tpl_isb)
-        bwd = np.flatnonzero((tpl_stage == s) & tpl_isb)[::-1]
-        blocks = sorted([(slot, m, fwd) for m, slot in enumerate(slot_f[s])]
-                        + [(slot, m, bwd) for m, slot in enumerate(slot_b[s])],
-                        key=lambda b: b[0])
-        out.append(np.concatenate([tpl + m * per_m for _, m, tpl in blocks]) if blocks else
-                   np.zeros(0, dtype=np.int64))
-    return tuple(out)
 
 
 def _message_time(A: GraphArrays, st: np.ndarray, S: int, fwd_d: np.ndarray,

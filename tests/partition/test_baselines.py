@@ -199,8 +199,8 @@ class TestRegistry:
 
     def test_options_with_defaults(self):
         assert algorithm("even-layers").options == {
-            "k": None, "depth": None, "micro_batches": 1, "schedule": "gpipe",
-            "optimizer": "adam"}
+            "k": None, "depth": None, "micro_batches": 1, "schedule": None,
+            "optimizer": "adam", "virtual_stages": 1}
         assert algorithm("single").options == {"device": None, "optimizer": "adam"}
 
     def test_unknown_algorithm_lists_the_names(self, chain3):

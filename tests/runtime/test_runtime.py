@@ -82,9 +82,9 @@ def _shards(plan) -> int:
     return max(len(s) for s in plan.stages) * plan.micro_batches
 
 
-def _check(bm, graph, plan, pool):
+def _check(bm, graph, plan, pool, runtime=None):
     meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False, record=True,
-                  timeout_s=120, pool=pool)
+                  timeout_s=120, pool=pool, runtime=runtime)
     ref = reference(ex.builtin_model(bm.name, "tiny"), STEPS + WARMUP, _shards(plan),
                     optimizer=plan.optimizer)
     torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
@@ -100,6 +100,18 @@ def _check(bm, graph, plan, pool):
 def test_losses_and_gradients_equal_one_device(name, path, cpu2, pool):
     bm, graph = _case(name)
     _check(bm, graph, _plans(graph, cpu2)[path], pool)
+
+
+@pytest.mark.parametrize("name,runtime", [("gpt", "ops"), ("llama", "segments"),
+                                          ("resnet", "segments")])
+def test_interleaved_1f1b_equals_one_device(name, runtime, cpu2, pool):
+    """Two chunks of layers on each rank, taken in turn (virtual pipeline stages): the ranks
+    send activations back and forth in the interleaved order and train as one device."""
+    bm, graph = _case(name)
+    plan = ex.partition(graph, cpu2, _costs(graph, cpu2), "even-layers", micro_batches=4,
+                        virtual_stages=2)
+    assert plan.schedule == "interleaved-1f1b"
+    _check(bm, graph, plan, pool, runtime)
 
 
 def test_single_device_run_equals_reference(cpu2, pool):

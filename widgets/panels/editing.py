@@ -8,7 +8,7 @@ import html
 import ipywidgets as W
 
 from explorer.core.errors import ExplorerError
-from explorer.core.plan import OPTIMIZER_STATE
+from explorer.core.plan import OPTIMIZER_STATE, SCHEDULES
 from widgets.edits import run_problem
 from widgets.panels.base import Panel, button, wrapping
 from widgets.session import Session
@@ -71,7 +71,7 @@ class EditingPanel(Panel):
         self.micro_batches = W.BoundedIntText(value=s.plan.micro_batches, min=1, max=4096,
                                               description="micro-batches",
                                               style={"description_width": "initial"})
-        self.schedule = W.Dropdown(options=["gpipe", "1f1b"], value=s.plan.schedule,
+        self.schedule = W.Dropdown(options=list(SCHEDULES), value=s.plan.schedule,
                                    description="schedule")
         self.optimizer = W.Dropdown(options=sorted(OPTIMIZER_STATE), value=s.plan.optimizer,
                                     description="optimizer")
