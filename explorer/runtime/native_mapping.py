@@ -21,7 +21,7 @@ import torch
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import check_factory, load_factory
 from explorer.core.graph import OpGraph, OpNode
-from explorer.core.plan import Plan, StageSettings
+from explorer.core.plan import INTERLEAVED, Plan, StageSettings
 from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import (
     CONV_OPS,
@@ -48,7 +48,7 @@ OPTIMIZERS = {"sgd": "torch.optim.SGD(model.parameters(), lr=LR)",
               "momentum": "torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)",
               "adam": "torch.optim.Adam(model.parameters(), lr=LR)",
               "adamw": "torch.optim.AdamW(model.parameters(), lr=LR)"}
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 #: how a module is split over the tensor-parallel devices, as torch's parallel styles do it:
 #: a linear's outputs (``ColwiseParallel``) or inputs (``RowwiseParallel``), an embedding's
 #: rows (vocabulary-parallel), the output layer's classes (its loss on the shards); under
@@ -94,9 +94,12 @@ class NativePlan:
     algorithm: str
     predicted_step_s: float | None = None
     predicted_peak_bytes: int | None = None
-    #: the modules that begin pipeline stages 1, 2, ... (none: one stage)
+    #: the modules that begin pipeline stages 1, 2, ... (none: one stage); with virtual
+    #: stages, the chunks 1, 2, ... that go round the ranks in turn
     stage_starts: tuple[str, ...] = ()
     schedule: Schedule = "gpipe"
+    #: the chunks each pipeline rank holds (interleaved 1F1B; 1: one stage per rank)
+    virtual_stages: int = 1
     #: the tensor-parallel degree, and each split module's style (module path, style)
     tensor: int = 1
     tensor_styles: tuple[tuple[str, Style], ...] = ()
@@ -117,7 +120,13 @@ class NativePlan:
 
     @property
     def stages(self) -> int:
+        """The pipeline's stages (chunks, with virtual stages)."""
         return len(self.stage_starts) + 1
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """The ranks along the pipeline (each holds ``virtual_stages`` stages)."""
+        return self.stages // self.virtual_stages
 
 
 def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> NativePlan:
@@ -148,7 +157,8 @@ def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> N
         optimizer=plan.optimizer,
         blocks=blocks_of(graph, None if made is None else made.module),
         algorithm=plan.algorithm,
-        stage_starts=starts, schedule="1f1b" if plan.schedule == "1f1b" else "gpipe",
+        stage_starts=starts, schedule=plan.schedule,  # type: ignore[arg-type]
+        virtual_stages=(len(starts) + 1) // len(plan.stages) if starts else 1,
         **tensor)
 
 
@@ -438,8 +448,11 @@ def stage_starts(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
     """The modules (recomputation units, :func:`~explorer.costs.strategies.unit_of`) that
     begin stages 1, 2, ... of ``plan``: where ``torch.distributed.pipelining`` cuts the
     model. :class:`NotExpressible` unless the stages run in order, each a run of consecutive
-    ops in the model's order that starts at the first op of a module."""
+    ops in the model's order that starts at the first op of a module; under interleaved 1F1B
+    the runs (chunks) go round the stages in turn, as many on each, and every chunk start is
+    listed."""
     ops = [n for n in graph.nodes if n.kind == "op"]
+    rounds = plan.schedule == INTERLEAVED
     first_of_unit: dict[str, int] = {}
     for i, n in enumerate(ops):
         if n.module_path:
@@ -453,7 +466,8 @@ def stage_starts(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
         s = plan.placement[n.name]
         if s == stage:
             continue
-        if s != stage + 1:
+        following = (stage + 1) % len(plan.stages) if rounds else stage + 1
+        if s != following:
             raise NotExpressible(
                 f"op {n.name!r} runs on stage {s} after ops of stage {stage}; a native "
                 "pipeline runs its stages in order, each a run of the model's modules: "
@@ -475,6 +489,9 @@ def stage_starts(graph: OpGraph, plan: Plan) -> tuple[str, ...]:
     if stage != len(plan.stages) - 1:
         raise NotExpressible(f"stages {stage + 1} and later run no ops: export without "
                              "native")
+    if rounds and (len(starts) + 1) % len(plan.stages):
+        raise NotExpressible("interleaved 1F1B needs as many chunks on every stage: export "
+                             "without native")
     if starts:
         _check_weights_stay_in_a_stage(graph, plan)
     return tuple(starts)

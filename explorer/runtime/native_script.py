@@ -51,7 +51,8 @@ from explorer.runtime.native_text import listed, literal, words
 from explorer.runtime.params import FP16_LOSS_SCALE
 
 #: the plan's schedules, as torch.distributed.pipelining names them
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+              "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
 __all__ = ["NativePlan", "NotExpressible", "blocks_of", "model_on_meta", "native_plan",
            "render", "stage_starts", "write_native_script"]
@@ -107,7 +108,11 @@ def _header(p: NativePlan) -> str:
 
 def _plan_words(p: NativePlan) -> str:
     parts = []
-    if p.stages > 1:
+    if p.virtual_stages > 1:
+        parts.append(f"{p.pipeline_ranks} pipeline stages of {p.virtual_stages} chunks each "
+                     f"(virtual stages, taken in turn; interleaved 1F1B schedule), the chunks "
+                     f"starting at {', '.join(words(m) for m in p.stage_starts)}")
+    elif p.stages > 1:
         parts.append(f"{p.stages} pipeline stages ({words(p.schedule)} schedule), starting "
                      f"at {', '.join(words(m) for m in p.stage_starts)}")
     if p.tensor > 1:
@@ -179,6 +184,10 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
                      "schedule")
         lines.append(f"STAGE_STARTS = [{', '.join(literal(m) for m in p.stage_starts)}]")
         lines.append(f"SCHEDULE = {_SCHEDULES[p.schedule]}")
+        if p.virtual_stages > 1:
+            lines.append("#: the chunks (virtual stages) each pipeline rank holds: rank r the "
+                         "stages r, r + pp, ...")
+            lines.append(f"VIRTUAL_STAGES = {p.virtual_stages}")
     if p.tensor > 1:
         lines += tensor_constants(p)
     if p.blocks and (_fsdp(p) or p.recompute != "none"):
@@ -202,7 +211,7 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
 def _mesh(p: NativePlan) -> dict[str, int]:
     """The mesh's dimensions, outermost first: pipeline stages, then replicas (a rank's
     neighbours are replicas of its stage, as torchtitan's ``ParallelDims`` places them)."""
-    pipeline = {"pp": p.stages} if p.stages > 1 else {}
+    pipeline = {"pp": p.pipeline_ranks} if p.stages > 1 else {}
     if p.tensor > 1:
         return {"dp_replicate": p.replicas, "tp": p.tensor}
     if _replicated_stages(p):
@@ -424,7 +433,7 @@ def main() -> None:
             print(f"step {{step}}: loss {{total.item():.6f}}, {{seconds * 1e3:.2f}} ms",
                   flush=True)
     # the model's hooks and collectives' handles go before the process group (at exit: abort)
-    del {"schedule, stage, " if p.stages > 1 else ""}model, optimizer
+    del {_pipeline_names(p)}model, optimizer
     gc.collect()
     dist.destroy_process_group()
 
@@ -434,16 +443,23 @@ if __name__ == "__main__":
 """
 
 
+def _pipeline_names(p: NativePlan) -> str:
+    if p.stages == 1:
+        return ""
+    return "schedule, stages, " if p.virtual_stages > 1 else "schedule, stage, "
+
+
 def _materialise(p: NativePlan) -> str:
     fused = ("    conv1d_as_linear(initial)\n" if p.conv1d else "") + (
         '    interleave_fused(initial, mesh["tp"].size())  # (before the split)\n'
         if p.fused else "")
+    load = ("    for chunk in model:\n        load_weights(chunk, initial)\n"
+            if p.virtual_stages > 1 else "    load_weights(model, initial)\n")
     return f"""    model.to_empty(device=device)
     # the factory's initial weights, made on each rank's CPU (for a model larger than a
     # host, load a checkpoint here instead), and its example batch
     initial, _, example = make_model(weights=True)
-{fused}    load_weights(model, initial)
-    del initial
+{fused}{load}    del initial
 """
 _UNSCALE = """        for param in model.parameters():  # (the loss was scaled up)
             if param.grad is not None:
@@ -494,12 +510,31 @@ def _data_parallel_body(p: NativePlan) -> str:
 """
 
 
+def _build_stages(p: NativePlan) -> str:
+    if p.virtual_stages == 1:
+        return """    stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())
+    model = stage.submod
+    as_code(model)
+    parallelize(model, mesh)
+"""
+    return """    # this rank's chunks of the model: stages stage_index, stage_index + pp, ...
+    stages = [pipe.build_stage(stage_index + k * MESH["pp"], device,
+                               group=mesh["pp"].get_group()) for k in range(VIRTUAL_STAGES)]
+    model = torch.nn.ModuleList(stage.submod for stage in stages)
+    for chunk in model:
+        as_code(chunk)
+        parallelize(chunk, mesh)
+"""
+
+
 def _pipeline_body(p: NativePlan) -> str:
     loss = " loss_fn=loss_fn"
     if p.precision == "fp16":  # (the loss scaled up, as in the backward)
         loss = ("\n                        loss_fn=lambda output, target: loss_fn(output, "
                 "target) * LOSS_SCALE")
     unscale = _UNSCALE if p.precision == "fp16" else ""
+    held = "stages" if p.virtual_stages > 1 else "stage"  # (what the schedule runs)
+    setup = _build_stages(p) + _materialise(p)
     return f"""    stage_index = mesh["pp"].get_local_rank()
     model, loss_fn, example = make_model(weights=False)  # shapes only: nothing allocated
     # torch's pipeline traces one micro-batch of this replica's rows and cuts the model
@@ -507,11 +542,7 @@ def _pipeline_body(p: NativePlan) -> str:
     rows = example[0][0].shape[0] // replicas // MICRO_BATCHES
     split = {{path: SplitPoint.BEGINNING for path in STAGE_STARTS}}
     pipe = pipeline(model, mb_args=tuple(t[:rows] for t in example[0]), split_spec=split)
-    stage = pipe.build_stage(stage_index, device, group=mesh["pp"].get_group())
-    model = stage.submod
-    as_code(model)
-    parallelize(model, mesh)
-{_materialise(p)}    schedule = SCHEDULE(stage, n_microbatches=MICRO_BATCHES,{loss})
+{setup}    schedule = SCHEDULE({held}, n_microbatches=MICRO_BATCHES,{loss})
     optimizer = {OPTIMIZERS[p.optimizer]}
     data = batches(example)
     for step in range(STEPS):

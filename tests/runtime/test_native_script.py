@@ -254,6 +254,20 @@ class TestRefused:
         assert native.stage_starts == ("blocks.1",) == stage_starts(graph, stages)
         assert (native.stages, native.schedule, native.replicas) == (2, "1f1b", 1)
 
+    def test_chunks_that_go_round_the_stages_are_an_interleaved_pipeline(self, gpt, cpu2):
+        bm, graph = gpt
+        plan = ex.partition(graph, cpu2, roofline_costs(graph, cpu2), "even-layers", depth=2,
+                            micro_batches=4, virtual_stages=2)
+        native = native_plan(graph, plan, bm.record)
+        assert native.stage_starts == ("pos_emb", "blocks.1", "lm_head")
+        assert (native.stages, native.pipeline_ranks, native.virtual_stages) == (4, 2, 2)
+        text = render(native)
+        assert "SCHEDULE = ScheduleInterleaved1F1B" in text and "VIRTUAL_STAGES = 2" in text
+        assert 'MESH = {"pp": 2, ' in text
+        # the same placement run as plain 1F1B is not a pipeline torch can cut
+        with pytest.raises(NotExpressible, match="runs on stage 0 after ops of stage 1"):
+            native_plan(graph, plan.with_settings(schedule="1f1b"), bm.record)
+
     def test_a_stage_that_starts_inside_a_module_or_out_of_order_is_named(self, gpt, cpu2):
         bm, graph = gpt
         ops = [n for n in graph.nodes if n.kind == "op"]
@@ -502,6 +516,14 @@ def test_a_pipeline_trains_to_the_losses_of_ex_run(gpt, devices, schedule, micro
                                                    settings, pool, tmp_path):
     plan = _two_stages(gpt[1], devices, micro_batches=micro_batches, schedule=schedule)
     _trains_as_ex_run(gpt, plan, settings, pool, tmp_path)
+
+
+@pytest.mark.slow
+def test_an_interleaved_pipeline_trains_to_the_losses_of_ex_run(gpt, cpu2, pool, tmp_path):
+    """Two chunks on each of two ranks under torch's ScheduleInterleaved1F1B, in bf16."""
+    plan = ex.partition(gpt[1], cpu2, roofline_costs(gpt[1], cpu2), "even-layers", depth=2,
+                        micro_batches=4, virtual_stages=2)
+    _trains_as_ex_run(gpt, plan, {"precision": "bf16"}, pool, tmp_path)
 
 
 @pytest.mark.slow
