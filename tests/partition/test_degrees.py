@@ -12,6 +12,8 @@ from partition.test_pase import fc_costs, wide_fc
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.models.builtin import build_gpt
+from explorer.models.dense import GPTConfig
 from explorer.models.synthetic import roofline_costs
 from explorer.partition.degrees import (
     build_space,
@@ -19,6 +21,7 @@ from explorer.partition.degrees import (
     enumerate_candidates,
     mesh_costs,
 )
+from explorer.partition.degrees.interleave import interleaved
 from explorer.partition.pipeline_dp import choose_layers
 from explorer.simulate.simulator import simulate
 
@@ -85,7 +88,7 @@ def test_simulating_every_candidate_equals_brute_force_by_the_simulator():
                 for r in [simulate(g, candidate_plan(g, space, c, "adam", {}, {}), costs)]
                 if r.fits)
     plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands),
-                        compare_pipeline_dp=False, compare_baselines=False)
+                        compare_pipeline_dp=False, compare_baselines=False, virtual_stages=[1])
     assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
     o = plan.options
     assert o["dp"] * o["tp"] * o["pp"] <= len(cl)
@@ -105,7 +108,8 @@ def test_memory_settings_rank_the_simulated_candidates():
         simulate(g, candidate_plan(g, space, c, "adam", {}, {}).with_memory(**memory), costs)]
         if r.fits)
     plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands), memory=memory,
-                        compare_pipeline_dp=False, compare_baselines=False)
+                        compare_pipeline_dp=False, compare_baselines=False,
+                        virtual_stages=[1])
     assert all(plan.settings_of(s).precision == "bf16" for s in range(len(plan.stages)))
     assert all(plan.settings_of(s).zero == 1 for s in range(len(plan.stages)))
     assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
@@ -199,3 +203,49 @@ def test_a_graph_too_deep_for_stage_cuts_gets_one_stage_meshes_with_a_note():
         assert simulate(g, plan, costs).step_s <= simulate(g, other, costs).step_s * (1 + 1e-9)
     with pytest.raises(ExplorerError, match="too many"):  # an explicit depth still says
         ex.partition(g, cl, costs, "degrees", max_layers=2, depth=1)
+
+
+@pytest.fixture(scope="module")
+def gpt_pipeline():
+    """A GPT shape (fake capture) on four H100s of 12 GiB each: too large for data
+    parallelism alone, so the search's best is a 1F1B pipeline."""
+    cfg = GPTConfig(vocab_size=32000, seq_len=1024, d_model=2048, n_heads=16, n_layers=16,
+                    batch_size=1, fused_attention=True)
+    module, inputs, targets, loss_fn, _ = build_gpt(cfg, 16, None)
+    g = ex.capture(module, inputs, loss_fn, targets, name="gpt-2048")
+    cl = ex.Cluster.preset("4xH100")
+    cl = replace(cl, devices=tuple(replace(d, memory_bytes=12 * 2**30) for d in cl.devices))
+    return g, cl, ex.profile(g, cl, progress=False)
+
+
+def test_the_best_pipeline_is_interleaved_where_that_is_faster(gpt_pipeline):
+    """The 1F1B pipeline the search finds, re-cut into 2 and 4 chunks per stage (the
+    simulator's every choice, by brute force): the fastest that fits is returned."""
+    g, cl, costs = gpt_pipeline
+    search = {"micro_batches": [8], "schedules": ["1f1b"], "tensor_degrees": [1]}
+    plain = ex.partition(g, cl, costs, "degrees", virtual_stages=[1], **search)
+    assert plain.schedule == "1f1b" and len(plain.stages) > 1
+    layers, _ = choose_layers(g, plain.options["depth"], 400, 1, False)
+    steps = {1: simulate(g, plain, costs).step_s}
+    for v in (2, 4):
+        recut = interleaved(g, plain, costs, layers, v)
+        pred = simulate(g, recut, costs)
+        if pred.fits:
+            steps[v] = pred.step_s
+        ops = [n.name for n in g.nodes if n.kind == "op"]
+        runs = [recut.placement[a] for a, b in itertools.pairwise(ops)
+                if recut.placement[a] != recut.placement[b]] + [recut.placement[ops[-1]]]
+        assert runs == list(range(len(plain.stages))) * v  # chunks taken in turn
+    plan = ex.partition(g, cl, costs, "degrees", **search)
+    best = min(steps, key=steps.get)
+    assert best > 1  # (interleaving wins here)
+    assert plan.schedule == "interleaved-1f1b" and plan.options["virtual_stages"] == best
+    assert math.isclose(simulate(g, plan, costs).step_s, steps[best], rel_tol=1e-12)
+    assert "chunks of layers per stage under interleaved 1F1B" in plan.notes[-1]
+    assert plan.stages == plain.stages and plan.stage_settings == plain.stage_settings
+    # only interleaved plans, when asked for
+    only = ex.partition(g, cl, costs, "degrees", **{**search,
+                                                      "schedules": ["interleaved-1f1b"]})
+    assert only.schedule == "interleaved-1f1b"
+    with pytest.raises(ExplorerError, match="virtual_stages are whole numbers"):
+        ex.partition(g, cl, costs, "degrees", virtual_stages=[0], **search)

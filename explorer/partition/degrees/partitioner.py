@@ -8,9 +8,14 @@ from typing import Any
 
 from explorer.core.errors import ExplorerError, MemoryExceededError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan, StageSettings
+from explorer.core.plan import INTERLEAVED, Plan, StageSettings
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
+from explorer.partition.degrees.interleave import (
+    VIRTUAL_STAGES,
+    best_interleaved,
+    check_virtual_stages,
+)
 from explorer.partition.degrees.search import (
     Candidate,
     Space,
@@ -70,7 +75,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
             schedules: Sequence[str] = ("1f1b", "gpipe"), depth: int | None = None,
             max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
             compare_pipeline_dp: bool = True, compare_baselines: bool = True,
-            memory: Mapping[str, Any] | None = None) -> Plan:
+            memory: Mapping[str, Any] | None = None,
+            virtual_stages: Sequence[int] = VIRTUAL_STAGES) -> Plan:
     """Data x tensor x pipeline degrees, micro-batches and schedule, by exhaustive search.
 
     The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
@@ -98,7 +104,12 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     micro_batches : int or list of int, optional
         Micro-batch counts to try (default: every divisor of a replica's share of the batch).
     schedules : list of str
-        Pipeline schedules to try (default both).
+        Pipeline schedules to try (default GPipe and 1F1B; ``"interleaved-1f1b"``: the best
+        1F1B pipeline re-cut with ``virtual_stages``, and nothing else).
+    virtual_stages : list of int
+        Chunks of layers per stage to re-cut the best 1F1B pipeline into, each taken in
+        turn around the stages under interleaved 1F1B (default 1, 2 and 4; 1 keeps it as it
+        is): the simulator keeps the fastest that fits.
     depth, max_layers
         Module depth of the layers (``None``: the finest depth with at most ``max_layers``
         layers).
@@ -141,6 +152,9 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         check_micro_batches(m)
     if simulate_top < 1:
         raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
+    virtual_stages = check_virtual_stages(virtual_stages)
+    only_interleaved = list(schedules) == [INTERLEAVED]
+    schedules = list(dict.fromkeys("1f1b" if s == INTERLEAVED else s for s in schedules))
     unknown = sorted(set(memory or {}) - set(MEMORY_KEYWORDS))
     if unknown:
         raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
@@ -173,7 +187,14 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
                      f" s); the fastest of {tried} simulated of {len(cands)} candidates")
         best = (plan.with_settings(notes=(cand_note, *([whole] if whole else [])),
                                    options={**plan.options, "simulated": tried}), pred)
-    if compare_pipeline_dp:
+        if not pins:  # (a re-cut would move pinned nodes)
+            best = best_interleaved(graph, costs, space.layers, best, virtual_stages,
+                                    only_interleaved)
+            failure = "" if best is not None else (
+                "degrees: the fastest pipeline found cannot be interleaved (one stage, "
+                "micro-batches not a multiple of the stages, fewer layers than chunks, or "
+                "ZeRO 3), or no re-cut of it fits")
+    if compare_pipeline_dp and not only_interleaved:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
                                     len(layers), len(ids), memory)
     plan, pred = best if best is not None else (None, None)
