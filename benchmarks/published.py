@@ -6,15 +6,16 @@ Nothing here can run a 70B model on 768 GPUs; what others measured and published
 truth at that scale. Each row is one published run as the explorer sees it: the published
 shape captured on fake tensors with the run's global batch, the cluster as a GPU preset
 (nodes of 8 H100s over InfiniBand), and the published parallelism as a plan (data x tensor x
-pipeline degrees, micro-batches of the published size with gradient accumulation, 1F1B,
-recomputation, bf16 with fp32 master weights, ZeRO 1 for Megatron's distributed optimizer
-and ZeRO 3 for FSDP's full shard), costed by the H100 datasheet roofline. The simulator's
-step gives tokens/s/GPU, TFLOP/s/GPU (Megatron-LM's formula for its GPT rows, the graph's
-own FLOPs for all) and MFU, set against the published figure.
+pipeline degrees, micro-batches of the published size with gradient accumulation, 1F1B or
+interleaved 1F1B over the published virtual stages, recomputation, bf16 with fp32 master
+weights, ZeRO 1 for Megatron's distributed optimizer and ZeRO 3 for FSDP's full shard),
+costed by the H100 datasheet roofline. The simulator's step gives tokens/s/GPU, TFLOP/s/GPU
+(Megatron-LM's formula for its GPT rows, the graph's own FLOPs for all) and MFU, set against
+the published figure.
 
-A run whose parallelism the plan space cannot express yet (context parallelism, interleaved
-virtual stages, tensor parallelism with bf16 or ZeRO) is listed with the reason instead of a
-number: a prediction of some other configuration would not be a check of anything.
+A run whose parallelism the plan space cannot express yet (context parallelism) is listed
+with the reason instead of a number: a prediction of some other configuration would not be
+a check of anything.
 
 Sources (as given by the published-runs issue): Megatron-LM README model table (commit
 f2e5db40, r0.8.0; H100, vocab 131072, seq 4096, DP = 48 x (TP x PP) sized, bf16, overlapped
@@ -224,8 +225,9 @@ def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str,
 
 def searched(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel, run: PublishedRun,
              published_s: float, published_fits: bool) -> str:
-    """What the degrees search finds with the run's micro-batches, 1F1B and memory settings
-    (its candidates simulated with the run's precision, ZeRO and recomputation, as
+    """What the degrees search finds with the run's micro-batches, 1F1B (its best pipeline
+    interleaved where faster) and memory settings (its candidates simulated with the run's
+    precision, ZeRO and recomputation, as
     ``explorer plan --algorithm degrees --precision bf16 --zero 1`` ranks them), against the
     published configuration's predicted step."""
     memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero}
@@ -236,7 +238,10 @@ def searched(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel, run: P
         return f"no plan: {e}"
     step_s = ex.simulate(graph, plan, costs).step_s
     why = "" if published_fits else " (the published one does not fit by the prediction)"
-    return (f"{plan_degrees(plan)['text']} (dp x tp x pp, {plan.settings_of(0).describe()}): "
+    chunks = plan.options.get("virtual_stages", 1)
+    virtual = f", {chunks} virtual stages" if chunks > 1 else ""
+    return (f"{plan_degrees(plan)['text']} (dp x tp x pp{virtual}, "
+            f"{plan.settings_of(0).describe()}): "
             f"{published_s / step_s:.2f}x the published configuration's throughput{why}")
 
 

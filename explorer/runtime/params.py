@@ -4,6 +4,7 @@ optimizer step (on this replica's shard with ZeRO, :mod:`explorer.runtime.shardi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,6 +48,19 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
         return torch.optim.AdamW(params, lr=lr)
     raise ExplorerError(f"unknown optimizer {name!r}")
 
+
+
+def cast_once(device_type: str, dtype: torch.dtype | None) -> contextlib.ExitStack:
+    """Around a step's forwards under bf16/fp16 (``dtype``; None: fp32, no context): one
+    autocast context, so that each weight is cast to 2 bytes once a step and its copy shared
+    by every micro-batch in flight (autocast's cache, cleared when the outermost context
+    ends), as eager PyTorch's pipeline schedules run under one; the per-op contexts nest in
+    it. Closing the stack after the last forward leaves each copy to the backwards that
+    saved it, as autocast around the forward alone does."""
+    casts = contextlib.ExitStack()
+    if dtype is not None:
+        casts.enter_context(torch.autocast(device_type, dtype=dtype))
+    return casts
 
 class Weights:
     """The parameters and buffers one rank holds, by node index.

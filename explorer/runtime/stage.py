@@ -40,7 +40,7 @@ from explorer.runtime.accounting import MemTracker
 from explorer.runtime.comm import ACTIVATION, GRADIENT, NO_GRADIENT, Messenger, replica_group
 from explorer.runtime.jobfiles import Job, fill_refs
 from explorer.runtime.layout import RankLayout
-from explorer.runtime.params import AUTOCAST_DTYPES, Weights
+from explorer.runtime.params import AUTOCAST_DTYPES, Weights, cast_once
 from explorer.runtime.recompute import Recomputer
 from explorer.runtime.segment_compile import compile_segment
 from explorer.runtime.segment_steps import SegmentSteps, release_slots
@@ -168,6 +168,10 @@ class StageRunner(SegmentSteps):
         self.runs_at = [k for k, a in enumerate(self.actions) if self.segment_at is None
                         or a.kind == OPTIMIZER or k in self.segment_at]
         self.steps_optimizer = any(a.kind == OPTIMIZER for a in self.actions)
+        #: the dtype of a step's one autocast context (:func:`cast_once`; none where the
+        #: stage recomputes: it saves no copy) and the step's last forward, after which it ends
+        self.cast_dtype = self.autocast_dtype if self.recompute_mode == "none" else None
+        self.last_forward = max([k for k in self.runs_at if self.actions[k].kind == FWD] or [-1])
 
     def _prefetches(self) -> list[int | None]:
         """Per action position, the op whose sharded weights to start gathering (ZeRO 3) as
@@ -223,28 +227,31 @@ class StageRunner(SegmentSteps):
         t0 = time.perf_counter()
         self.weights.start_step()
         times = self.task_times
-        for k in self.runs_at:
-            a = self.actions[k]
-            if self.prefetch_before[k] is not None:
-                self.weights.prefetch(self.prefetch_before[k])
-            if a.kind == OPTIMIZER:
-                dt = self._timed(self.weights.finish)
-                busy += dt
-                times[OPTIMIZER, -1].append(dt)
-                continue
-            if self.segment_at is not None:
-                seg = self.segment_at[k]
-                run_segment = self._segment_forward if a.kind == FWD else self._segment_backward
+        with cast_once(L.tdev.type, self.cast_dtype) as casts:
+            for k in self.runs_at:
+                a = self.actions[k]
+                if self.prefetch_before[k] is not None:
+                    self.weights.prefetch(self.prefetch_before[k])
+                if k > self.last_forward:  # (from here autograd alone holds the copies)
+                    casts.close()
+                if a.kind == OPTIMIZER:
+                    dt = self._timed(self.weights.finish)
+                    busy += dt
+                    times[OPTIMIZER, -1].append(dt)
+                    continue
+                if self.segment_at is not None:
+                    seg = self.segment_at[k]
+                    run_segment = self._segment_forward if a.kind == FWD else self._segment_backward
+                    for u in L.units:
+                        dt = self._timed(run_segment, seg, u)
+                        busy += dt
+                        times[a.kind, a.node].append(dt)
+                    continue
+                run = self._forward if a.kind == FWD else self._backward
                 for u in L.units:
-                    dt = self._timed(run_segment, seg, u)
+                    dt = self._timed(run, a.micro_batch, u, a.node)
                     busy += dt
                     times[a.kind, a.node].append(dt)
-                continue
-            run = self._forward if a.kind == FWD else self._backward
-            for u in L.units:
-                dt = self._timed(run, a.micro_batch, u, a.node)
-                busy += dt
-                times[a.kind, a.node].append(dt)
         if not self.steps_optimizer:
             busy += self._timed(self.weights.finish)
         self.messenger.flush()

@@ -106,6 +106,11 @@ class StageEffects:
     #: that copy for its backward instead of the tensor itself
     casts: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
+    #: per pair of ``casts``: the value is a weight the op reads itself (not a view of it),
+    #: held whole on its stage (not a ZeRO 3 gather) that recomputes nothing: autocast's
+    #: cache then makes one copy a step, which every micro-batch shares (the runtime runs a
+    #: step's forwards under one autocast context, :func:`explorer.runtime.params.cast_once`)
+    cast_once: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def scale_by_precision(self, graph: OpGraph, costs: CostModel, plan: Plan,
                            A: GraphArrays, st: np.ndarray, fwd_d: np.ndarray,
@@ -216,7 +221,7 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     rec = recomputation(graph, mode.tolist(), st, A.has_b)
     dropped, rc_op, sources = rec.dropped, rec.first_use, rec.sources
     half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
-    casts = []
+    casts, once = [], []
     for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
         if not is_matmul_like(graph.nodes[v]):
             continue
@@ -226,6 +231,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
                     A.kcode[q] == KIND_PARAM
                     or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
                 casts.append((v, q))
+                once.append(A.kcode[q] == KIND_PARAM and graph.index[name] == q
+                            and zero[st[v]] != 3 and mode[v] == "none")
     cv = np.array(casts, dtype=np.int64).reshape(-1, 2)
     # what a matmul-like op saves besides its inputs (the contiguous copies it makes of
     # them) is made in its 2-byte compute dtype too
@@ -244,7 +251,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     spans = checkpoint_spans(graph, mode.tolist(), st.tolist(), A.has_b.tolist(),
                              (rc_op >= 0).tolist())
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
-                        casts=(cv[:, 0], cv[:, 1]), spans=spans,
+                        casts=(cv[:, 0], cv[:, 1]), cast_once=np.array(once, dtype=bool),
+                        spans=spans,
                         units=recompute_units(graph) if 3 in zero else [])
 
 

@@ -269,8 +269,11 @@ class _MemoryPass:
             self.events.live(st[ops], self.start_a[task], self.end_a[task], size)
 
     def autocast_copies(self) -> None:
-        """bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32, per
-        micro-batch (a weight's whole, an activation's share of the micro-batch)."""
+        """bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32: a
+        weight's whole, once a step (autocast's cache: from the first forward that casts it
+        until its stage's forwards and backwards are done), or per micro-batch (an
+        activation's share of the micro-batch; a weight read through a view, or gathered by
+        ZeRO 3) until the op's backward."""
         A, st, eff = self.arrays, self.stage_a, self.effects
         if eff is None or not len(eff.casts[0]):
             return
@@ -280,9 +283,26 @@ class _MemoryPass:
                           activations_per_device(self.graph, self.plan, A.out_b))
         size = np.where(A.kcode[value] == KIND_PARAM, mine[value] // 2,
                         self.size_on(mine[value] // 2, st[op]))
+        once = eff.cast_once
         for m in range(self.micro_batches):
-            self.events.live(st[op], self.start_a[self.task_of(self.fwd[op], m)],
-                             self.end_a[self.task_of(self.bwd[op], m)], size)
+            self.events.live(st[op[~once]], self.start_a[self.task_of(self.fwd[op[~once]], m)],
+                             self.end_a[self.task_of(self.bwd[op[~once]], m)], size[~once])
+        if not once.any():
+            return
+        # one copy per (stage, weight): cast by its first forward, held by the cache until
+        # the stage's last forward and by autograd until the last backward that saved it
+        stage, weight = st[op[once]], value[once]
+        first = np.min([self.start_a[self.task_of(self.fwd[op[once]], m)]
+                        for m in range(self.micro_batches)], axis=0)
+        last = np.max([self.end_a[self.task_of(self.bwd[op[once]], m)]
+                       for m in range(self.micro_batches)], axis=0)
+        keys, where = np.unique(stage * A.n + weight, return_inverse=True)
+        where = where.reshape(-1)
+        made, freed = np.full(len(keys), np.inf), np.zeros(len(keys))
+        np.minimum.at(made, where, first)
+        np.maximum.at(freed, where, last)
+        pair = np.unique(where, return_index=True)[1]  # (a pair of each key)
+        self.events.live(stage[pair], made, freed, size[once][pair])
 
     def activation_gradients(self) -> np.ndarray:
         """Activation gradients, as autograd and the runtime hold them; returns, per node,
