@@ -150,6 +150,9 @@ def test_bad_edits_raise_and_change_nothing(session, gpt, tmp_path):
         session.calibrate()
     with pytest.raises(ExplorerError):
         session.set_schedule(schedule="zigzag")
+    # (interleaved 1F1B needs chunks that go round the stages: this plan has none)
+    with pytest.raises(ExplorerError, match="chunks that go round the pipeline stages"):
+        session.set_schedule(micro_batches=4, schedule="interleaved-1f1b")
     assert session.plan is plan and session.prediction is pred and not session.can_undo
 
 
@@ -173,6 +176,10 @@ def test_settings_save_load_and_export(session, tmp_path):
     with pytest.raises(ExplorerError, match="exists"):  # a second export asks first
         session.export(tmp_path / "train.py")
     assert session.export(tmp_path / "train.py", overwrite=True) == script
+    # virtual stages from the partitioners' panel: the plan under edit is interleaved
+    entry = session.solve("even-layers", k=2, micro_batches=4, virtual_stages=2)
+    assert session.plan is entry.plan and entry.plan.schedule == "interleaved-1f1b"
+    assert session.prediction.step_s > 0
 
 
 def test_selection_items_shown_and_messages_live_in_the_session(session):
