@@ -82,15 +82,18 @@ def test_zero_equals_one_device(name, zero, pool):
     _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_zero_on_a_replicated_pipeline_stage_equals_one_device(zero, pool):
+@pytest.mark.parametrize("zero,chunks", [(1, 1), (2, 1), (1, 2)],
+                         ids=["zero1", "zero2", "zero1-interleaved"])
+def test_zero_on_a_replicated_pipeline_stage_equals_one_device(zero, chunks, pool):
     """A pipeline stage gathers its updated shards after its optimizer step, a stage of its
-    own during the next step's forward: both train as one device does."""
+    own during the next step's forward: both train as one device does; so do two chunks per
+    stage under interleaved 1F1B, the replicated stage's gradients reduced over both."""
     graph = tiny_builtin_graph("gpt")
     ops = [n.name for n in graph.nodes if n.kind == "op"]
-    plan = ex.Plan.from_assignment(graph, [("cpu:0", "cpu:1"), ("cpu:2",)],
-                                   {nm: int(k >= len(ops) // 2) for k, nm in enumerate(ops)},
-                                   micro_batches=2, schedule="1f1b").with_memory(zero=zero)
+    cut = {nm: (k * 2 * chunks // len(ops)) % 2 for k, nm in enumerate(ops)}
+    plan = ex.Plan.from_assignment(
+        graph, [("cpu:0", "cpu:1"), ("cpu:2",)], cut, micro_batches=2,
+        schedule="1f1b" if chunks == 1 else "interleaved-1f1b").with_memory(zero=zero)
     meas = ex.run(graph, plan=plan, steps=STEPS, warmup=WARMUP, progress=False,
                   record=True, timeout_s=180, pool=pool)
     _assert_equal(meas, _reference("gpt", plan), rtol=1e-5, atol=1e-6)
