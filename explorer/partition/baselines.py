@@ -16,7 +16,7 @@ from explorer.devices.cluster import Cluster
 from explorer.partition.guard import most_replicas, replicated
 from explorer.partition.options import first_devices
 from explorer.partition.registry import register
-from explorer.partition.search.layers import contiguous
+from explorer.partition.search.layers import in_turn
 
 
 @register("single", guarded=False)
@@ -74,8 +74,7 @@ def _staged(graph: OpGraph, cluster: Cluster, k: int | None, depth: int | None,
         raise PlanError(f"{len(devs)} devices with {virtual_stages} virtual stages each need "
                         f"{chunks} chunks of layers, but the graph has {len(layers)} layers "
                         "at this depth: use fewer virtual stages or devices, or a finer depth")
-    chunk_of_layer = contiguous([weigh(layer) for layer in layers], chunks)
-    stage_of_layer = [c % len(devs) for c in chunk_of_layer]
+    stage_of_layer = in_turn([weigh(layer) for layer in layers], len(devs), virtual_stages)
     assign = {i: s for layer, s in zip(layers, stage_of_layer, strict=True) for i in layer}
     used = max(stage_of_layer, default=0) + 1
     if schedule is None:

@@ -49,7 +49,6 @@ def make_optimizer(name: str, params: list[torch.Tensor], lr: float) -> torch.op
     raise ExplorerError(f"unknown optimizer {name!r}")
 
 
-
 def cast_once(device_type: str, dtype: torch.dtype | None) -> contextlib.ExitStack:
     """Around a step's forwards under bf16/fp16 (``dtype``; None: fp32, no context): one
     autocast context, so that each weight is cast to 2 bytes once a step and its copy shared
@@ -61,6 +60,7 @@ def cast_once(device_type: str, dtype: torch.dtype | None) -> contextlib.ExitSta
     if dtype is not None:
         casts.enter_context(torch.autocast(device_type, dtype=dtype))
     return casts
+
 
 class Weights:
     """The parameters and buffers one rank holds, by node index.

@@ -271,9 +271,9 @@ class _MemoryPass:
     def autocast_copies(self) -> None:
         """bf16/fp16: the 2-byte copy a matmul-like op saved of what it read in fp32: a
         weight's whole, once a step (autocast's cache: from the first forward that casts it
-        until its stage's forwards and backwards are done), or per micro-batch (an
-        activation's share of the micro-batch; a weight read through a view, or gathered by
-        ZeRO 3) until the op's backward."""
+        until the last backward that saved it), or per micro-batch (an activation's share of
+        the micro-batch; a weight read through a view, gathered by ZeRO 3 or on a stage that
+        recomputes) until the op's backward."""
         A, st, eff = self.arrays, self.stage_a, self.effects
         if eff is None or not len(eff.casts[0]):
             return
@@ -296,12 +296,12 @@ class _MemoryPass:
                         for m in range(self.micro_batches)], axis=0)
         last = np.max([self.end_a[self.task_of(self.bwd[op[once]], m)]
                        for m in range(self.micro_batches)], axis=0)
-        keys, where = np.unique(stage * A.n + weight, return_inverse=True)
+        keys, pair, where = np.unique(stage * A.n + weight, return_index=True,
+                                      return_inverse=True)  # (pair: one cast of each key)
         where = where.reshape(-1)
         made, freed = np.full(len(keys), np.inf), np.zeros(len(keys))
         np.minimum.at(made, where, first)
         np.maximum.at(freed, where, last)
-        pair = np.unique(where, return_index=True)[1]  # (a pair of each key)
         self.events.live(stage[pair], made, freed, size[once][pair])
 
     def activation_gradients(self) -> np.ndarray:

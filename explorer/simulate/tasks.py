@@ -453,7 +453,10 @@ class TaskBuilder(PipelineOrder, GradientTasks):
 
     def _first_chunk(self, reader: np.ndarray, key_of_edge: np.ndarray, keys: int
                      ) -> np.ndarray:
-        """Per key, the first chunk its readers (one per edge) are in on their stage."""
+        """Per key, the first chunk its readers (one per edge) are in on their stage (0 but
+        under interleaved 1F1B)."""
+        if self.virtual is None:
+            return np.zeros(keys, dtype=np.int64)
         first = np.full(keys, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(first, key_of_edge, self.chunk[reader])
         return first

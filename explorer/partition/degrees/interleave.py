@@ -10,11 +10,15 @@ from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import INTERLEAVED, Plan
 from explorer.costs.model import CostModel
-from explorer.partition.search.layers import contiguous
+from explorer.partition.search.layers import in_turn
 from explorer.simulate.simulator import Prediction, simulate
 
 #: chunks per stage the search tries on its best pipeline by default (1: as it is)
 VIRTUAL_STAGES = (1, 2, 4)
+#: why the search has no plan when asked for interleaved ones only and none could be made
+NOT_INTERLEAVED = ("degrees: the fastest pipeline found cannot be interleaved (one stage, "
+                   "micro-batches not a multiple of the stages, fewer layers than chunks, or "
+                   "ZeRO 3), or no re-cut of it fits")
 
 
 def check_virtual_stages(virtual_stages: Sequence[int]) -> tuple[int, ...]:
@@ -40,10 +44,7 @@ def interleaved(graph: OpGraph, plan: Plan, costs: CostModel,
         return None
     device = costs.device_costs(plan.stages[0][0])
     weight = [sum(device.fwd_s[i] + device.bwd_s[i] for i in layer) for layer in layers]
-    chunk_of_layer = contiguous(weight, total)
-    if max(chunk_of_layer) != total - 1:
-        return None
-    assign = {i: c % pp for layer, c in zip(layers, chunk_of_layer, strict=True)
+    assign = {i: s for layer, s in zip(layers, in_turn(weight, pp, chunks), strict=True)
               for i in layer}
     return Plan.from_assignment(
         graph, plan.stages, assign, micro_batches=plan.micro_batches, schedule=INTERLEAVED,

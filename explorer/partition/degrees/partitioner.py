@@ -12,6 +12,7 @@ from explorer.core.plan import INTERLEAVED, Plan, StageSettings
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.degrees.interleave import (
+    NOT_INTERLEAVED,
     VIRTUAL_STAGES,
     best_interleaved,
     check_virtual_stages,
@@ -146,19 +147,10 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     opts = Options(k=k, optimizer=optimizer, compare_baselines=compare_baselines)
     ids = opts.devices(cluster)
     pins = dict(pins or {})
-    if isinstance(micro_batches, int):
-        micro_batches = (micro_batches,)
-    for m in micro_batches or ():
-        check_micro_batches(m)
-    if simulate_top < 1:
-        raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
+    micro_batches = _checked_options(micro_batches, simulate_top, memory)
     virtual_stages = check_virtual_stages(virtual_stages)
     only_interleaved = list(schedules) == [INTERLEAVED]
     schedules = list(dict.fromkeys("1f1b" if s == INTERLEAVED else s for s in schedules))
-    unknown = sorted(set(memory or {}) - set(MEMORY_KEYWORDS))
-    if unknown:
-        raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
-                            f"{', '.join(MEMORY_KEYWORDS)}")
     whole = ""
     try:
         layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
@@ -190,15 +182,29 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         if not pins:  # (a re-cut would move pinned nodes)
             best = best_interleaved(graph, costs, space.layers, best, virtual_stages,
                                     only_interleaved)
-            failure = "" if best is not None else (
-                "degrees: the fastest pipeline found cannot be interleaved (one stage, "
-                "micro-batches not a multiple of the stages, fewer layers than chunks, or "
-                "ZeRO 3), or no re-cut of it fits")
+            failure = "" if best is not None else NOT_INTERLEAVED
     if compare_pipeline_dp and not only_interleaved:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
                                     len(layers), len(ids), memory)
     plan, pred = best if best is not None else (None, None)
     return settle(graph, cluster, costs, "degrees", plan, pred, failure, pins, opts)
+
+
+def _checked_options(micro_batches: int | Sequence[int] | None, simulate_top: int,
+                     memory: Mapping[str, Any] | None) -> Sequence[int] | None:
+    """The micro-batch counts to try (a count alone as a tuple), every option checked:
+    :class:`ExplorerError` saying what is wrong."""
+    if isinstance(micro_batches, int):
+        micro_batches = (micro_batches,)
+    for m in micro_batches or ():
+        check_micro_batches(m)
+    if simulate_top < 1:
+        raise ExplorerError(f"simulate_top must be >= 1, not {simulate_top}")
+    unknown = sorted(set(memory or {}) - set(MEMORY_KEYWORDS))
+    if unknown:
+        raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
+                            f"{', '.join(MEMORY_KEYWORDS)}")
+    return micro_batches
 
 
 def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Sequence[Candidate],

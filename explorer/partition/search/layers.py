@@ -31,3 +31,15 @@ def contiguous(weights: list[float], k: int) -> list[int]:
 
 
 __all__ = ["contiguous"]
+
+
+def in_turn(weights: list[float], stages: int, chunks: int) -> list[int]:
+    """Cut weighted layers into ``stages x chunks`` contiguous runs of near-equal weight
+    (:func:`contiguous`), run ``j`` on stage ``j mod stages``: the stage of each layer, the
+    chunks going round the stages in turn (virtual pipeline stages; one chunk each: a plain
+    contiguous cut).
+
+    >>> in_turn([1, 1, 1, 1], 2, 2)
+    [0, 1, 0, 1]
+    """
+    return [c % stages for c in contiguous(weights, stages * chunks)]
