@@ -12,6 +12,8 @@ from partition.test_pase import fc_costs, wide_fc
 
 import explorer as ex
 from explorer.core.errors import ExplorerError
+from explorer.core.plan import StageSettings
+from explorer.costs.memory import node_memory_bytes
 from explorer.models.builtin import build_gpt
 from explorer.models.dense import GPTConfig
 from explorer.models.synthetic import roofline_costs
@@ -35,7 +37,8 @@ def _case(name: str, devices: str):
 def _space(g, cl, costs, depth, pins=None, **kw):
     layers, _ = choose_layers(g, depth, 400, 1, False)
     return build_space(g, costs, cl.ids, layers, "adam", kw.get("tensor_degrees"),
-                       kw.get("micro_batches"), ("1f1b", "gpipe"), pins or {}, 1.0)
+                       kw.get("micro_batches"), ("1f1b", "gpipe"), pins or {}, 1.0,
+                       kw.get("settings"))
 
 
 def _brute_estimate(space, costs, batch):
@@ -160,6 +163,24 @@ def test_memory_limit_rejects_plans_that_do_not_fit():
     plan = ex.partition(g, tight, costs, "degrees", compare_pipeline_dp=False)
     pred = simulate(g, plan, costs)
     assert pred.fits and len(plan.devices) > 1
+
+
+@pytest.mark.parametrize("settings", [StageSettings(zero=3, recompute="full"),
+                                      StageSettings(zero=1, precision="bf16")], ids=str)
+def test_the_estimate_holds_what_the_memory_settings_hold(settings):
+    """With ``memory``, a stage's estimated memory is what the settings leave on each
+    device: ZeRO's shards over the mesh's replicas, recomputation's and the precision's
+    activations (one stage of 4 replicas: the per-node memory at a quarter of the batch)."""
+    g = tiny_builtin_graph("gpt")
+    cl = ex.Cluster.preset("4xT4")
+    costs = roofline_costs(g, cl)
+    space = _space(g, cl, costs, None, settings=settings)
+    mesh = mesh_costs(space, costs, 4, 1, 1, "1f1b")
+    want = sum(node_memory_bytes(g, "adam", 1, 0.25, settings, 4, cl.devices[0].kind))
+    got = mesh.stage_memory_bytes(space.layer_costs(1, False), 0, len(space.layers), 1)
+    assert got == pytest.approx(want, rel=1e-3)
+    plain = _space(g, cl, costs, None)
+    assert got < mesh.stage_memory_bytes(plain.layer_costs(1, False), 0, len(space.layers), 1)
 
 
 def test_options_are_checked():

@@ -20,7 +20,10 @@ A stage ``[j0, j1)`` on a ``dp x tp`` mesh then takes, per step (:meth:`MeshCost
 
 and holds (:meth:`MeshCosts.stage_memory_bytes`) its parameters, gradients and optimizer state,
 weights it receives, plus the activations of the micro-batches in flight at batch fraction
-``1 / (dp x M)``: all ``M`` with GPipe, ``min(S - index, M)`` with 1F1B. A split into ``S``
+``1 / (dp x M)``: all ``M`` with GPipe, ``min(S - index, M)`` with 1F1B; under the memory
+settings the search was given, as :func:`explorer.costs.memory.node_memory_bytes` counts
+them (recomputation's and the precision's activations), what ZeRO shards divided over the
+``dp`` replicas. A split into ``S``
 stages scores ``slowest stage x (M + S - 1) / M``, the pipeline bubble, as pipeline-dp's does.
 Every stage has the same mesh and device type mix, so a stage's cost depends on its position
 only through pins; :func:`best_cuts` solves every ``S`` at once, exactly for this model.
@@ -35,8 +38,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from explorer.core.graph import OpGraph
+from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
-from explorer.costs.memory import node_memory_bytes
+from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
 from explorer.costs.model import CostModel
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
 
@@ -59,12 +63,13 @@ class LayerCosts:
 
 def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                 layers: Sequence[Sequence[int]], tp: int, tensor_group: Sequence[str],
-                optimizer: str, type_ids: Sequence[str], sequence: bool = False
-                ) -> LayerCosts | None:
+                optimizer: str, type_ids: Sequence[str], sequence: bool = False,
+                settings: StageSettings | None = None) -> LayerCosts | None:
     """The per-layer costs of ``base`` (pipeline-dp's table of ``layers`` on the device types
-    ``type_ids``) with the graph split ``tp`` ways on ``tensor_group`` (``sequence``: with
-    sequence parallelism; its once-a-step all-reduce of the norms' weights is left to the
-    simulator); None when the layout splits no weight at that degree."""
+    ``type_ids``, its memory under the memory ``settings``) with the graph split ``tp`` ways
+    on ``tensor_group`` (``sequence``: with sequence parallelism; its once-a-step all-reduce
+    of the norms' weights is left to the simulator); None when the layout splits no weight
+    at that degree."""
     if tp == 1:
         return LayerCosts(1, base, StageTables(base), np.zeros(len(layers)),
                           np.zeros(len(layers)), (0.0, 0.0))
@@ -77,14 +82,21 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
         layer_of[list(layer)] = j
     keep = 1.0 - 1.0 / tp
     idx = graph.index
-    fixed_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 0.0), dtype=float)
-    full_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 1.0), dtype=float)
-    param_cut, grad_cut, opt_bytes_cut, act_cut = (np.zeros(n) for _ in range(4))
+    kind = costs.cluster.device(type_ids[0]).kind
+    fixed_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 0.0, settings, 1, kind),
+                           dtype=float)
+    full_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, kind),
+                          dtype=float)
+    sharded = (np.asarray(zero_sharded_bytes(graph, optimizer, settings.zero), dtype=float)
+               if base.sharded_bytes is not None and settings is not None else None)
+    param_cut, grad_cut, opt_bytes_cut, act_cut, sharded_cut = (np.zeros(n) for _ in range(5))
     def in_order(names) -> list[int]:  # graph order: sums that do not depend on hashing
         return sorted(idx[name] for name in names)
 
     for i in in_order(layout.placements):
         param_cut[layer_of[i]] += fixed_mem[i] * keep
+        if sharded is not None:
+            sharded_cut[layer_of[i]] += sharded[i] * keep
         nd = graph.nodes[i]
         if nd.kind == "param" and nd.requires_grad:
             grad_cut[layer_of[i]] += nd.out_bytes * keep
@@ -117,7 +129,9 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                     var_s=base.var_s - var_cut + nbytes * spb,
                     optimizer_s=base.optimizer_s - per_byte[:, None] * opt_bytes_cut,
                     param_bytes=base.param_bytes - param_cut,
-                    act_bytes=base.act_bytes - act_cut, grad_bytes=base.grad_bytes - grad_cut)
+                    act_bytes=base.act_bytes - act_cut, grad_bytes=base.grad_bytes - grad_cut,
+                    sharded_bytes=None if base.sharded_bytes is None
+                    else base.sharded_bytes - sharded_cut)
     return LayerCosts(tp, table, StageTables(table), count, nbytes, (lat, spb))
 
 
@@ -155,7 +169,10 @@ class MeshCosts:
     def stage_memory_bytes(self, lc: LayerCosts, j0: int, j1: int, remaining: int) -> float:
         t, tb = lc.table, lc.tables
         frac = self.in_flight(remaining) / (self.dp * self.micro_batches)
-        return (float(t.param_bytes[j0:j1].sum()) + float(tb.recv_par[j0, j1])
+        fixed = float(t.param_bytes[j0:j1].sum())
+        if t.sharded_bytes is not None:  # (what ZeRO divides over the replicas)
+            fixed -= float(t.sharded_bytes[j0:j1].sum()) * (1.0 - 1.0 / self.dp)
+        return (fixed + float(tb.recv_par[j0, j1])
                 + (float(t.act_bytes[j0:j1].sum()) + float(tb.recv_act[j0, j1])) * frac)
 
     def score_s(self, lc: LayerCosts, bounds: Sequence[int],
@@ -190,7 +207,10 @@ def _matrices(lc: LayerCosts, mesh: MeshCosts) -> tuple[np.ndarray, np.ndarray, 
         gb = tb.diff(tb.grad)
         time = time + np.where(gb > 0, mesh.ar_latency_s + mesh.ar_s_per_byte * gb, 0.0)
     time = np.where(tb.empty, np.inf, time)
-    return time, tb.diff(tb.param) + tb.recv_par, tb.diff(tb.act) + tb.recv_act
+    fixed = tb.diff(tb.param) + tb.recv_par
+    if tb.sharded is not None:  # (what ZeRO divides over the replicas)
+        fixed = fixed - tb.diff(tb.sharded) * (1.0 - 1.0 / dp)
+    return time, fixed, tb.diff(tb.act) + tb.recv_act
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         layers, used_depth = [list(range(len(graph.nodes)))], 0
         whole = f"degrees: one pipeline stage only ({exc})"
     space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
-                        schedules, pins, 1.0)
+                        schedules, pins, 1.0, StageSettings(**memory) if memory else None)
     cands = enumerate_candidates(space, costs, graph.batch_size)
     base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
                  "candidates": len(cands)}

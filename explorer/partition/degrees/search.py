@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import SCHEDULES
+from explorer.core.plan import SCHEDULES, StageSettings
 from explorer.core.plan_schema import MAX_MICRO_BATCHES
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.model import CostModel
@@ -96,11 +96,14 @@ class Space:
 def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 layers: Sequence[Sequence[int]], optimizer: str,
                 tensor_degrees: Sequence[int] | None, micro_batches: Sequence[int] | None,
-                schedules: Sequence[str], pins: Mapping[str, str], headroom: float) -> Space:
+                schedules: Sequence[str], pins: Mapping[str, str], headroom: float,
+                settings: StageSettings | None = None) -> Space:
     """The space on devices ``ids``: tensor degrees (default: the divisors of the device
     count up to :func:`fast_group`, at which the Megatron layout splits some weight), each
     with and without sequence parallelism (where it splits something more), micro-batch
-    counts (default: every divisor of a replica's share of the batch) and schedules."""
+    counts (default: every divisor of a replica's share of the batch) and schedules; the
+    memory estimated under the memory ``settings`` every stage gets (ZeRO over each mesh's
+    replicas)."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -113,7 +116,8 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
         if key not in seen:
             seen.add(key)
             type_ids.append(dev)
-    base = stage_cost_table(graph, costs, type_ids, layers, 1, "1f1b", optimizer, False)
+    base = stage_cost_table(graph, costs, type_ids, layers, 1, "1f1b", optimizer, False,
+                            settings=settings)
     fast = fast_group(costs, ids)
     degrees = sorted({1, *(tensor_degrees if tensor_degrees is not None
                            else (t for t in range(2, fast + 1) if n % t == 0))})
@@ -122,12 +126,13 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     for tp in degrees:
         if not 1 <= tp <= n:
             raise ExplorerError(f"tensor degree {tp} is not between 1 and the {n} devices")
-        lc = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids)
+        lc = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids,
+                         settings=settings)
         if lc is not None:
             by_tensor[tp] = lc
         if lc is not None and tp > 1 and megatron_layout(graph, tp, True).sequence_ops:
             seq = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids,
-                              sequence=True)
+                              sequence=True, settings=settings)
             if seq is not None:
                 by_sequence[tp] = seq
     layer_of = {i: j for j, layer in enumerate(layers) for i in layer}
