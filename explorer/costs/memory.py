@@ -29,6 +29,7 @@ from explorer.core.plan import DEFAULT_SETTINGS, OPTIMIZER_STATE, StageSettings
 from explorer.costs.strategies import (
     FLOAT_DTYPES,
     activation_bytes,
+    gathered_half,
     is_matmul_like,
     recomputation,
     shard_bytes,
@@ -44,16 +45,23 @@ def view_roots(graph: OpGraph) -> list[int]:
     return root
 
 
-def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int]) -> list[int]:
+def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int],
+                    half_weights: Sequence[bool] | None = None,
+                    dropped: Sequence[bool] | None = None) -> list[int]:
     """[node] bytes of the 2-byte copies a matmul-like op saves, under autocast, of the fp32
-    tensors it reads and saves (weights, activations kept in fp32)."""
+    tensors it reads and saves (weights, activations kept in fp32; not the weights ZeRO 3
+    gathers in 2 bytes, ``half_weights``, nor the values recomputation drops, ``dropped``,
+    whose copies are made again with them)."""
     out = [0] * len(graph)
     for v, n in enumerate(graph.nodes):
         if n.kind != "op" or not is_matmul_like(n):
             continue
         for name in n.saves:
-            q = graph.nodes[root[graph.index[name]]]
-            if q.dtype != "float32" or q.kind == "buffer":
+            r = root[graph.index[name]]
+            q = graph.nodes[r]
+            if q.dtype != "float32" or q.kind == "buffer" or (
+                    half_weights is not None and half_weights[r]) or (
+                    dropped is not None and dropped[r]):
                 continue
             if q.kind == "param":
                 out[v] += q.param_bytes // 2 or q.out_bytes // 2
@@ -71,15 +79,17 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     state = OPTIMIZER_STATE[optimizer]
     saved: set[str] = {s for n in graph.nodes for s in n.saves}
     plain = settings.is_default
+    zero = settings.zero if replicas > 1 else 0
     if not plain:
-        act = activation_bytes(graph, settings.precision, device_kind).tolist()
+        half_weights = gathered_half(graph, zero, settings.precision)
+        act = activation_bytes(graph, settings.precision, device_kind, half_weights).tolist()
         rec = recomputation(graph, settings.recompute)
         dropped = rec.dropped.tolist()
         root = view_roots(graph)
         half = settings.precision != "fp32"
-        copies = cast_copy_bytes(graph, act, root) if half else [0] * len(graph)
+        copies = (cast_copy_bytes(graph, act, root, half_weights.tolist(), dropped) if half
+                  else [0] * len(graph))
         sources = set(rec.sources[0].tolist())
-    zero = settings.zero if replicas > 1 else 0
 
     def shard(nbytes: int, stage: int) -> int:
         return shard_bytes(nbytes, replicas) if zero >= stage else nbytes

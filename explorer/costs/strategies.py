@@ -128,14 +128,19 @@ def op_is_matmul_like(op: str) -> bool:
     return any(m in name for m in MATMUL_MARKERS)
 
 
-def half_outputs(graph: OpGraph, device_kind: str) -> np.ndarray:
+def half_outputs(graph: OpGraph, device_kind: str,
+                 half_weights: np.ndarray | None = None) -> np.ndarray:
     """[node] bool: whether the op's output is 2 bytes per element under autocast on a device
-    of ``device_kind`` (the graph captured in fp32)."""
+    of ``device_kind`` (the graph captured in fp32); ``half_weights`` ([node] bool): the
+    weights the ops read in 2 bytes (ZeRO 3 gathers them so under bf16/fp16,
+    :func:`gathered_half`)."""
     fp32 = CUDA_FP32_OPS if device_kind == "cuda" else CPU_FP32_OPS
     half = np.zeros(len(graph), dtype=bool)
+    if half_weights is not None:
+        half |= half_weights
     for i, n in enumerate(graph.nodes):
         if n.kind != "op" or n.dtype not in FLOAT_DTYPES:
-            half[i] = n.dtype in HALF_DTYPES
+            half[i] |= n.dtype in HALF_DTYPES
         elif is_matmul_like(n):
             half[i] = True
         elif op_base_name(n.op) in fp32:
@@ -149,15 +154,31 @@ def half_outputs(graph: OpGraph, device_kind: str) -> np.ndarray:
     return half
 
 
-def activation_bytes(graph: OpGraph, precision: str, device_kind: str) -> np.ndarray:
+def activation_bytes(graph: OpGraph, precision: str, device_kind: str,
+                     half_weights: np.ndarray | None = None) -> np.ndarray:
     """[node] bytes of each node's output under ``precision`` (outputs of ops autocast makes
-    2-byte are halved; weights, buffers and inputs keep theirs)."""
+    2-byte are halved; weights, buffers and inputs keep theirs); ``half_weights`` as for
+    :func:`half_outputs`."""
     out = np.asarray([n.out_bytes for n in graph.nodes], dtype=np.int64)
     if precision == "fp32":
         return out
-    half = half_outputs(graph, device_kind)
-    already = np.array([n.dtype in HALF_DTYPES for n in graph.nodes], dtype=bool)
+    half = half_outputs(graph, device_kind, half_weights)
+    already = np.array([n.dtype in HALF_DTYPES or n.kind != "op" for n in graph.nodes],
+                       dtype=bool)
     return np.where(half & ~already, out // 2, out)
+
+
+def gathered_half(graph: OpGraph, zero: int, precision: str) -> np.ndarray:
+    """[node] the weights a stage of ZeRO ``zero`` under ``precision`` gathers in 2 bytes:
+    under bf16/fp16 ZeRO 3 casts each fp32 shard before its all-gather, as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` does, so the ops read 2-byte weights (no
+    autocast copy of them) and what a weight makes directly (an embedding's lookup, a
+    norm's scale) comes out in 2 bytes; the shards, their optimizer state and the gradients
+    the replicas reduce stay fp32."""
+    if zero != 3 or precision == "fp32":
+        return np.zeros(len(graph), dtype=bool)
+    return np.array([n.kind == "param" and n.dtype == "float32" for n in graph.nodes],
+                    dtype=bool)
 
 
 def precision_time_factors(graph: OpGraph, precision: str, device_kind: str,

@@ -126,7 +126,9 @@ def _plan_words(p: NativePlan) -> str:
         parts.append("one device")
     if p.recompute != "none":
         parts.append(f"{p.recompute} recomputation per block")
-    if p.precision != "fp32":
+    if _gathers_half(p):
+        parts.append(f"{p.precision} autocast (fp32 weights, gathered in {p.precision})")
+    elif p.precision != "fp32":
         parts.append(f"{p.precision} autocast (fp32 weights)")
     if p.micro_batches > 1:
         parts.append(f"{p.micro_batches} micro-batches per step (gradient accumulation)")
@@ -145,7 +147,9 @@ def _imports(p: NativePlan) -> str:
               "from torch.distributed.checkpoint.state_dict import StateDictOptions, "
               "set_model_state_dict",
               "from torch.distributed.device_mesh import init_device_mesh"]
-    if _fsdp(p):
+    if _fsdp(p) and _gathers_half(p):
+        lines.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
+    elif _fsdp(p):
         lines.append("from torch.distributed.fsdp import fully_shard")
     elif p.replicas > 1:
         lines.append("from torch.nn.parallel import DistributedDataParallel")
@@ -196,8 +200,12 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
         lines.append(f"#: the model's blocks, {what} one at a time")
         lines += listed("BLOCKS", p.blocks)
     if p.precision != "fp32":
-        lines.append(f"#: autocast's precision (the weights stay fp32)\nPRECISION = "
+        kept = "; FSDP gathers them in it" if _gathers_half(p) else ""
+        lines.append(f"#: autocast's precision (the weights stay fp32{kept})\nPRECISION = "
                      f"torch.{'bfloat16' if p.precision == 'bf16' else 'float16'}")
+    if _gathers_half(p):
+        lines.append("MIXED_PRECISION = MixedPrecisionPolicy(PRECISION, torch.float32, "
+                     "cast_forward_inputs=False)")
     if p.precision == "fp16":
         lines.append("#: fp16: the loss is scaled up before the backward and the gradients "
                      f"down before the step\nLOSS_SCALE = {FP16_LOSS_SCALE!r}")
@@ -344,7 +352,15 @@ def _parallelize_section(p: NativePlan) -> str:
 
 
 def _reshard(p: NativePlan) -> str:
-    return ", reshard_after_forward=False" if p.zero in (1, 2) else ""
+    if p.zero in (1, 2):
+        return ", reshard_after_forward=False"
+    return ", mp_policy=MIXED_PRECISION" if _gathers_half(p) else ""
+
+
+def _gathers_half(p: NativePlan) -> bool:
+    """ZeRO 3 under bf16/fp16 gathers 2-byte weights (FSDP2's mixed-precision policy), as
+    the explorer's runtime and simulator do."""
+    return p.zero == 3 and p.precision != "fp32"
 
 
 def _step_section(p: NativePlan) -> str:

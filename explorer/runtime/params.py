@@ -85,8 +85,10 @@ class Weights:
         replicas = len(L.plan.stages[L.s])
         #: the stage's ZeRO stage (0 where it has one replica: nothing to shard over)
         self.zero = L.plan.settings_of(L.s).zero if replicas > 1 else 0
+        precision = L.plan.settings_of(L.s).precision
         self.shards = Shards(self.zero, group, replicas, L.j, tracker, messenger,
-                             L.local_consumers)
+                             L.local_consumers,
+                             AUTOCAST_DTYPES.get(precision) if self.zero == 3 else None)
         self.value: dict[int, torch.Tensor] = {}
         for i in self.owned + self.used_remote:
             t = state[L.names[i]].detach().to(L.tdev).clone()

@@ -8,8 +8,9 @@ outside it) are kept through the forward; whatever its ops save that one of its 
 recomputed, but for outputs an op of another unit saves too, which are kept
 (:func:`~explorer.costs.strategies.saved_across_units`). With "selective", outputs of
 matmul-like ops (:func:`~explorer.costs.strategies.op_is_matmul_like`) are kept too, and only
-the other ops (norms, activations, softmax, dropout, views) are run again. The simulator reads
-the same rules.
+the other ops (norms, activations, softmax, dropout, views) are run again. Under autocast, the
+2-byte copy a matmul-like op saves of a value its unit recomputes (a norm's fp32 output) is not
+kept either: the backward casts the recomputed value again. The simulator reads the same rules.
 
 Why not ``torch.utils.checkpoint``: it recomputes one Python callable's whole forward on the
 first unpack, with its own saved-tensor hooks innermost, so it needs the unit's forward as one
@@ -40,18 +41,25 @@ UnitKey = tuple[int, int, str]
 
 class SavedRef:
     """What autograd keeps of a tensor an op saved: the tensor (counted while held), or, once
-    the op is done and the tensor found recomputable, where to find it again."""
+    the op is done and the tensor found recomputable, where to find it again (and, for the
+    2-byte copy autocast made of a recomputable fp32 value, the dtype to cast it to again)."""
 
-    __slots__ = ("key", "offset", "rec", "size", "stride", "t")
+    __slots__ = ("cast", "key", "offset", "rec", "size", "stride", "t")
 
     def __init__(self, rec: Recomputer, t: torch.Tensor) -> None:
-        self.rec, self.t, self.key = rec, t, None
+        self.rec, self.t, self.key, self.cast = rec, t, None, None
         rec.tracker.add(t)
 
-    def to_reference(self, key: tuple[int, int, int, int]) -> None:
+    def to_reference(self, key: tuple[int, int, int, int],
+                     source: torch.Tensor | None = None) -> None:
+        """Keep where the tensor is found again: ``key`` (micro-batch, shard, op, output),
+        its view's geometry; for a copy, the value it was cast from (``source``) and that
+        value's geometry in the op's output."""
         t = self.t
         self.key, self.size, self.stride, self.offset = (key, t.size(), t.stride(),
                                                          t.storage_offset())
+        self.cast = None if source is None else (
+            t.dtype, source.size(), source.stride(), source.storage_offset())
         self.t = None
         self.rec.tracker.drop(t)
 
@@ -94,6 +102,8 @@ class Recomputer:
         self.bwd_left: dict[UnitKey, int] = {}
         self.referenced: dict[UnitKey, set[int]] = defaultdict(set)  # ops to run again
         self.fresh: list[SavedRef] = []
+        #: the values (by node) the op running now reads
+        self.reading: dict[int, Any] = {}
 
     # -- forward ---------------------------------------------------------------------------
     def before_op(self, m: int, u: int, i: int, values: dict[int, Any]) -> None:
@@ -101,6 +111,7 @@ class Recomputer:
         outside the unit, and with "selective" matmul-like outputs too."""
         L, unit = self.L, self.units[i]
         kept = self.kept[(m, u, unit)]
+        self.reading = values
         for p, val in values.items():
             if p in kept or L.kind[p] in ("param", "buffer"):
                 continue
@@ -141,20 +152,48 @@ class Recomputer:
         kept = self.kept[(m, u, unit)]
         for ref in self.fresh:
             entry = self.made.get(ref.t.untyped_storage().data_ptr())
+            source = None
+            if entry is None:  # autocast's copy of a value the op read?
+                entry, source = self._cast_from(m, u, ref.t)
             if entry is None or (entry[0], entry[1]) != (m, u):
                 continue
             h = entry[2]
             if self.units[h] == unit and h not in kept and not self.kept_outputs[h]:
-                ref.to_reference((m, u, h, entry[3]))
+                ref.to_reference((m, u, h, entry[3]), source)
                 self.pending[(m, u, h)] += 1
                 self.referenced[(m, u, unit)].add(h)
         self.fresh.clear()
+        self.reading = {}
         key = (m, u, unit)
         left = self.fwd_left.get(key, self.fwd_ops.get(unit, 0)) - 1
         self.fwd_left[key] = left
         if left <= 0:
             del self.fwd_left[key]
             self._keep_only_needed(key)
+
+    def _cast_from(self, m: int, u: int, t: torch.Tensor
+                   ) -> tuple[list | None, torch.Tensor | None]:
+        """Where a saved 2-byte tensor no op made comes from, when it is (a view of)
+        autocast's copy of an fp32 value of this micro-batch the op reads: that value's
+        ``made`` entry and the value; else (None, None). The copy is found by its size and
+        checked by value (a weight's copy may have as many elements). Recomputing the value
+        and casting it again gives the same copy, as ``torch.utils.checkpoint`` recomputes
+        the casts inside a checkpointed forward."""
+        if t.dtype not in (torch.bfloat16, torch.float16):
+            return None, None
+        size = t.untyped_storage().nbytes() // t.element_size()
+        for val in self.reading.values():
+            for x in tree_flatten(val)[0]:
+                if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32
+                        and x.numel() == size):
+                    continue
+                entry = self.made.get(x.untyped_storage().data_ptr())
+                if entry is None or (entry[0], entry[1]) != (m, u):
+                    continue
+                again = x.to(t.dtype).as_strided(t.size(), t.stride(), t.storage_offset())
+                if torch.equal(again, t):
+                    return entry, x
+        return None, None
 
     def _keep_only_needed(self, key: UnitKey) -> None:
         """The unit's forward is done: let go of kept values no recomputation starts from."""
@@ -190,7 +229,12 @@ class Recomputer:
         if out is None:
             out = self._recompute(m, u, h, {})
             self._cache(key, out)
-        t = out[k].as_strided(ref.size, ref.stride, ref.offset)
+        if ref.cast is None:
+            t = out[k].as_strided(ref.size, ref.stride, ref.offset)
+        else:  # cast the value again, and take the saved view of the copy
+            dtype, size, stride, offset = ref.cast
+            copy = out[k].as_strided(size, stride, offset).to(dtype)
+            t = copy.as_strided(ref.size, ref.stride, ref.offset)
         self.pending[key] -= 1
         if self.pending[key] == 0:
             self._evict(key)

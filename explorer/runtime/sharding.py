@@ -31,7 +31,11 @@ describe them:
   that gathers again. Prefetch depth 1: when an op starts, the gather of the next op's
   groups is started (``async_op=True``) so it overlaps the op's compute; a prefetched copy
   nobody took is freed when the micro-batch's backward is done with the group. Gradients go
-  as in ZeRO 2.
+  as in ZeRO 2. Under bf16/fp16 the shards are cast before they are gathered, as FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32)`` does: the ops read
+  2-byte weights (autocast makes no copy of them, and what a weight makes directly, an
+  embedding's lookup, comes out in 2 bytes), the gathers move half the bytes, and each
+  weight's gradient reaches its fp32 parameter (and the reduce-scatter) in fp32.
 
 Why not FSDP2's ``fully_shard`` or DTensor: ``fully_shard`` shards ``nn.Module`` parameters and
 gathers them in module forward and backward hooks, but this runtime calls the ATen ops of a
@@ -62,15 +66,18 @@ At = tuple[int, int]
 
 class _Gathered(torch.autograd.Function):
     """A gathered weight entering an op; its gradient goes to the parameter ``ghost`` (a
-    tensor of the parameter's shape without storage, which only receives gradients)."""
+    tensor of the parameter's shape without storage, which only receives gradients), in the
+    parameter's dtype (the gradient of a weight gathered in 2 bytes is cast here, so the
+    gradient the parameter takes is the one this node makes)."""
 
     @staticmethod
     def forward(ctx, ghost, full):  # type: ignore[override]
+        ctx.dtype = ghost.dtype
         return full.view_as(full)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        return g, None
+        return g.to(ctx.dtype), None
 
 
 class GatheredRef:
@@ -94,8 +101,13 @@ class Shards:
     ``replicas`` replicas, this one number ``index``), and the collectives that move them."""
 
     def __init__(self, zero: int, group: Any, replicas: int, index: int, tracker: MemTracker,
-                 messenger: Messenger, uses: Callable[[int], int]) -> None:
+                 messenger: Messenger, uses: Callable[[int], int],
+                 gather_dtype: torch.dtype | None = None) -> None:
         self.zero, self.group, self.replicas, self.index = zero, group, replicas, index
+        #: ZeRO 3 under bf16/fp16: the dtype fp32 shards are cast to before their all-gather
+        #: (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``), so the ops read 2-byte
+        #: weights and the gathers move half the bytes; None: gathered as stored
+        self.gather_dtype = gather_dtype
         self.tracker, self.messenger = tracker, messenger
         self.uses = uses  # an op of a micro-batch using parameter p: how many per micro-batch
         #: per parameter, the tensor the optimizer steps: this replica's shard
@@ -176,11 +188,17 @@ class Shards:
 
     def _start_gather(self, g: int) -> tuple[Any, torch.Tensor]:
         """Start the all-gather of group ``g``'s shards into one buffer (counted from now)."""
-        mine = torch.cat([self.shard[p].detach() for p in self.members[g]])
+        mine = torch.cat([self._to_gather(self.shard[p].detach()) for p in self.members[g]])
         out = mine.new_empty(mine.numel() * self.replicas)
         work = dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
         self.tracker.add(out, GATHERED)
         return work, out
+
+    def _to_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """A shard as it is gathered: in :attr:`gather_dtype` where it is fp32."""
+        if self.gather_dtype is None or shard.dtype != torch.float32:
+            return shard
+        return shard.to(self.gather_dtype)
 
     def prefetch(self, p: int) -> None:
         """Start gathering parameter ``p``'s group (if it is sharded here and not gathered or

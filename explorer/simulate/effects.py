@@ -7,7 +7,7 @@ simulator). With settings, :func:`stage_effects` derives per node and stage what
 :meth:`StageEffects.add_recomputation` adds the recomputed
 forwards to the backwards that run them; :func:`add_weight_gathers` makes ZeRO-3's per
 micro-batch all-gathers of the weights, a unit's (block's) in one, one op ahead of their use
-(prefetch depth 1);
+(prefetch depth 1), in 2 bytes per element under bf16/fp16;
 :mod:`explorer.simulate.tasks` makes the reduce-scatters and ZeRO 1-2's all-gathers, and
 :mod:`explorer.simulate.memory` reads the rest (shards, dropped activations, gathered copies).
 """
@@ -28,6 +28,7 @@ from explorer.costs.strategies import (
     activation_bytes,
     checkpoint_spans,
     gather_groups,
+    gathered_half,
     is_matmul_like,
     recomputation,
     recompute_units,
@@ -103,7 +104,8 @@ class StageEffects:
     rerun_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: (op, value) pairs under bf16/fp16: autocast casts each fp32 tensor a matmul-like op
     #: reads (weights, and activations made in fp32) to 2 bytes per element, and the op saves
-    #: that copy for its backward instead of the tensor itself
+    #: that copy for its backward instead of the tensor itself (not a copy of a value the
+    #: op's unit recomputes: that is cast again when the backward unpacks it)
     casts: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.zeros(0, dtype=np.int64),) * 2)
     #: per pair of ``casts``: the value is a weight the op reads itself (not a view of it),
@@ -111,6 +113,9 @@ class StageEffects:
     #: cache then makes one copy a step, which every micro-batch shares (the runtime runs a
     #: step's forwards under one autocast context, :func:`explorer.runtime.params.cast_once`)
     cast_once: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    #: [node] a weight ZeRO 3 gathers in 2 bytes (its stage runs bf16/fp16:
+    #: :func:`~explorer.costs.strategies.gathered_half`); autocast makes no copy of it
+    half_weights: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def scale_by_precision(self, graph: OpGraph, costs: CostModel, plan: Plan,
                            A: GraphArrays, st: np.ndarray, fwd_d: np.ndarray,
@@ -207,6 +212,10 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     S = len(plan.stages)
     settings = [plan.settings_of(s) for s in range(S)]
     zero = [x.zero if plan.replicas_of(s) > 1 else 0 for s, x in enumerate(settings)]
+    # ZeRO 3 under bf16/fp16 gathers 2-byte weights
+    half_weights = np.zeros(A.n, dtype=bool)
+    for s in range(S):
+        half_weights |= (st == s) & gathered_half(graph, zero[s], settings[s].precision)
     act = A.out_b.copy()
     for prec in {x.precision for x in settings} - {"fp32"}:
         for kind in {cluster.device(plan.stages[s][0]).kind for s in range(S)
@@ -214,7 +223,7 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
             on = np.array([settings[s].precision == prec
                            and cluster.device(plan.stages[s][0]).kind == kind
                            for s in range(S)], dtype=bool)[st]
-            act = np.where(on, activation_bytes(graph, prec, kind), act)
+            act = np.where(on, activation_bytes(graph, prec, kind, half_weights), act)
     # recomputation as the runtime does it: dropped outputs made again in the first backward
     # that needs them, the kept values they start from held until their unit's last backward
     mode = np.array([x.recompute for x in settings], dtype=object)[st]
@@ -222,12 +231,15 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
     dropped, rc_op, sources = rec.dropped, rec.first_use, rec.sources
     half = np.array([x.precision != "fp32" for x in settings], dtype=bool)[st]
     casts, once = [], []
+    units = recompute_units(graph)
     for v in np.flatnonzero(half & A.is_op & A.has_b).tolist():
         if not is_matmul_like(graph.nodes[v]):
             continue
         for name in graph.nodes[v].saves:
             q = int(A.root_a[graph.index[name]])
-            if graph.nodes[q].dtype == "float32" and (
+            # (the copy of a value its unit recomputes is recomputed with it)
+            recast = dropped[q] and st[q] == st[v] and units[q] == units[v]
+            if graph.nodes[q].dtype == "float32" and not half_weights[q] and not recast and (
                     A.kcode[q] == KIND_PARAM
                     or (act[q] == A.out_b[q] and A.kcode[q] != KIND_BUFFER)):
                 casts.append((v, q))
@@ -252,8 +264,8 @@ def stage_effects(graph: OpGraph, plan: Plan, A: GraphArrays, st: np.ndarray,
                              (rc_op >= 0).tolist())
     return StageEffects(settings, zero, act, dropped, rc_op, shard, extra, sources=sources,
                         casts=(cv[:, 0], cv[:, 1]), cast_once=np.array(once, dtype=bool),
-                        spans=spans,
-                        units=recompute_units(graph) if 3 in zero else [])
+                        half_weights=half_weights,
+                        spans=spans, units=units if 3 in zero else [])
 
 
 def weight_groups(A: GraphArrays, st: np.ndarray, s: int, succs: list[list[int]],
@@ -298,7 +310,8 @@ def add_weight_gathers(b: Any) -> int:
         bpos = {o: k for k, o in enumerate(bops)}
         lead = int(np.flatnonzero(sf[s] < sb[s, 0]).max()) if (sf[s] < sb[s, 0]).any() else 0
         for group, readers in weight_groups(A, st, s, b.g.succs, pos, eff.units):
-            nbytes = int(sum(held[w] for w in group))
+            nbytes = int(sum(held[w] // 2 if eff.half_weights[w] else held[w]
+                             for w in group))
             label = "all-gather " + ", ".join(A.names[w] for w in group)
             dur = b.costs.allgather_s(devs, nbytes)
             first = min(pos[c] for c in readers)

@@ -93,6 +93,14 @@ STRATEGY_CASES = {
                                              {"recompute": "full"}),
     "vgg16-even-layers-recompute-selective": ("vgg16", "small", "even-layers",
                                               {"recompute": "selective"}),
+    # ZeRO 3 under bf16 gathers 2-byte weights; recomputation casts again what it recomputes
+    "gpt-data-parallel-zero3-bf16": ("gpt", "small", "data-parallel",
+                                     {"zero": 3, "precision": "bf16"}),
+    "llama-data-parallel-zero3-bf16-recompute-full": ("llama", "small", "data-parallel",
+                                                      {"zero": 3, "precision": "bf16",
+                                                       "recompute": "full"}),
+    "llama-even-layers-bf16-recompute-full": ("llama", "small", "even-layers",
+                                              {"precision": "bf16", "recompute": "full"}),
 }
 
 

@@ -121,7 +121,10 @@ class TestText:
             (2, 2, "selective", "bf16", 1)))
         assert "DistributedDataParallel(model" in replicas and "no_sync()" in replicas
         assert "fully_shard" not in replicas
-        assert 'fully_shard(block, mesh=mesh["dp_shard"])' in zero3
+        # (ZeRO 3 in fp16 gathers fp16 weights from the fp32 shards, reduces in fp32)
+        assert 'fully_shard(block, mesh=mesh["dp_shard"], mp_policy=MIXED_PRECISION)' in zero3
+        assert "MixedPrecisionPolicy(PRECISION, torch.float32, cast_forward_inputs=False)" in zero3
+        assert "mp_policy" not in selective and "mp_policy" not in replicas
         assert "checkpoint(forward, *args, use_reentrant=False" in zero3
         assert "LOSS_SCALE = 1024.0" in zero3 and "torch.float16" in zero3
         assert "reshard_after_forward=False" in selective
@@ -169,7 +172,9 @@ class TestText:
         path = tmp_path / "train.py"
         path.write_text(text)
         _ruff_clean(path)
-        assert len(text.splitlines()) < 200
+        # (the fullest: a pipeline of replicas with ZeRO 3, selective recomputation and fp16
+        # loss scaling, its weights gathered in fp16)
+        assert len(text.splitlines()) < 205
         assert 'STAGE_STARTS = ["blocks.1"]' in text
         assert f"SCHEDULE = Schedule{'1F1B' if schedule == '1f1b' else 'GPipe'}" in text
         assert "pipeline(model, mb_args=" in text and "pipe.build_stage(" in text
@@ -180,7 +185,8 @@ class TestText:
         assert f"MESH = {mesh}" in text
         if replicas > 1:
             where = 'mesh["dp_replicate", "dp_shard"]' if not zero else 'mesh["dp_shard"]'
-            assert f"fully_shard(block, mesh={where})" in text
+            policy = ", mp_policy=MIXED_PRECISION" if zero == 3 else ""
+            assert f"fully_shard(block, mesh={where}{policy})" in text
             assert "if path not in here:  # (a block of another pipeline stage)" in text
 
 
@@ -424,6 +430,7 @@ def _torchrun(script: Path, n: int) -> list[float]:
 
 #: (devices, micro-batches, memory settings): every branch of the script's text
 TRAINED = [(2, 2, {}), (2, 1, {"zero": 1}), (2, 2, {"zero": 3, "recompute": "full"}),
+           (2, 2, {"zero": 3, "precision": "bf16"}),
            (2, 1, {"zero": 2, "recompute": "selective", "precision": "bf16"}),
            (1, 1, {"precision": "fp16", "recompute": "full"})]
 

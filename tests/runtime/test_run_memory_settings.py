@@ -49,12 +49,12 @@ def pool():
         yield ranks
 
 
-def _run(pool: RankPool, name: str, path: str, **memory):
-    key = (name, path, tuple(sorted(memory.items())))
+def _run(pool: RankPool, name: str, path: str, runtime: str = "segments", **memory):
+    key = (name, path, runtime, tuple(sorted(memory.items())))
     if key not in _RUNS:
         _RUNS[key] = ex.run(tiny_builtin_graph(name), plan=_plan(name, path, **memory), steps=STEPS,
                             warmup=WARMUP, progress=False, record=True, timeout_s=180,
-                            pool=pool)
+                            pool=pool, runtime=runtime)
     return _RUNS[key]
 
 
@@ -134,6 +134,37 @@ def test_recomputation_is_exact(name, mode, pool):
     for k, g in plain.grads.items():
         assert torch.equal(meas.grads[k], g), k
     _assert_equal(meas, _reference(name, meas.plan), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_under_bf16_casts_again_what_it_recomputes(mode, pool):
+    """Under bf16 the op path keeps no autocast copy of a value it recomputes (a norm's fp32
+    output a matmul reads): the backward casts the recomputed value again. The copies are the
+    ones the forward made: losses and gradients equal the bf16 run without recomputation bit
+    for bit."""
+    meas = _run(pool, "gpt", "stages", runtime="ops", recompute=mode, precision="bf16")
+    plain = _run(pool, "gpt", "stages", runtime="ops", precision="bf16")
+    assert meas.losses == plain.losses
+    for k, g in plain.grads.items():
+        assert torch.equal(meas.grads[k], g), k
+
+
+def test_zero_3_under_bf16_gathers_two_byte_weights(pool):
+    """ZeRO 3 under bf16 gathers each weight in bf16 from its fp32 shard (FSDP2's
+    mixed-precision policy): it trains as one device does within bf16's tolerance, the
+    gradients and shards stay fp32, and the gathered copies hold half the bytes."""
+    half = _run(pool, "gpt", "data-parallel", zero=3, precision="bf16")
+    full = _run(pool, "gpt", "data-parallel", zero=3)
+    loss_rtol, share = PRECISION_TOLERANCE["bf16"]
+    ref = _reference("gpt", half.plan)
+    torch.testing.assert_close(torch.tensor(half.losses), torch.tensor(ref.losses),
+                               rtol=loss_rtol, atol=0)
+    for k, g in ref.grads.items():
+        assert half.grads[k].dtype == torch.float32
+        torch.testing.assert_close(half.grads[k], g, rtol=0, atol=share * float(g.abs().max()),
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    for d in half.plan.devices:
+        assert half.peak_by_category[d]["gathered"] <= full.peak_by_category[d]["gathered"] / 2
 
 
 def test_recomputation_lowers_the_measured_peak(pool):

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from builders import cluster, costs
 
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
 from explorer.costs.strategies import (
+    activation_bytes,
+    gathered_half,
     half_outputs,
     recomputation,
     recomputed_outputs,
@@ -24,6 +27,8 @@ from explorer.costs.strategies import (
     unit_of,
 )
 from explorer.devices.cluster import Cluster, Device, Link
+from explorer.simulate.arrays import GraphArrays
+from explorer.simulate.effects import stage_effects
 from explorer.simulate.simulator import simulate
 
 MiB = 2**20
@@ -262,6 +267,34 @@ class TestZero:
         assert sorted(gathers) == ["all-gather w1, w2", "all-gather w1, w2 (backward)"]
         assert pred.memory["d:0"].gathered_bytes == 70 * MiB
 
+    def test_zero_3_under_bf16_gathers_2_byte_weights_and_keeps_no_copy_of_them(self):
+        # FSDP2's mixed-precision policy: each fp32 shard cast before its gather, so the
+        # gathers move and hold half the bytes; autocast makes no copy of a 2-byte weight,
+        # so what the matmuls save of their weights is the gathered copy (gathered again
+        # for the backward), not a copy kept from forward to backward
+        g = chain(40 * MiB, 30 * MiB, mm2_module="layers.0.out")
+        g = OpGraph("chain", [dataclasses.replace(n, saves=tuple(n.inputs)) if n.name in
+                              ("mm1", "mm2") else n for n in g.nodes], 8, "export", "loss")
+        cl = cluster(2, bandwidth=10 * MiB, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))})
+        c = costs(g, cl, FWD, BWD)
+        full = simulate(g, plan.with_memory(zero=3), c)
+        half = simulate(g, plan.with_memory(zero=3, precision="bf16"), c)
+        assert half.memory["d:0"].gathered_bytes == 35 * MiB
+        assert full.memory["d:0"].gathered_bytes == 70 * MiB
+        spans = [{iv.label: iv.end_s - iv.start_s for iv in pred.timeline
+                  if iv.kind == "all-gather" and iv.device == "d:0"} for pred in (full, half)]
+        assert spans[1]["all-gather w1, w2"] == pytest.approx(spans[0]["all-gather w1, w2"] / 2)
+        # the gathers' traffic halves; the reduce-scatters' (fp32 gradients) does not
+        assert full.allreduce_bytes - half.allreduce_bytes == 70 * MiB
+        # under ZeRO 1 the matmuls save autocast's copies of w1 and w2; under ZeRO 3, none
+        arrays = GraphArrays(g)
+        on_one = np.zeros(len(g), dtype=np.int64)
+        for zero, copied in ((1, {"w1", "w2"}), (3, set())):
+            eff = stage_effects(g, plan.with_memory(zero=zero, precision="bf16"), arrays,
+                                on_one, cl)
+            assert {g.nodes[q].name for q in eff.casts[1]} - {"x", "relu1"} == copied
+
     def test_gathers_are_priced_as_half_a_ring_all_reduce_and_prefetched(self):
         # 10 MiB/s: gathering w1 (40 MiB) over 2 ranks moves half of it: 2 s
         _, pred = zero_case(3, bandwidth=10 * MiB)
@@ -482,6 +515,33 @@ class TestPrecision:
                             strict=True))
             assert (half["conv"], half["bn"], half["relu"], half["biased"]) == \
                 (True, True, True, False), kind
+
+    def test_weights_gathered_in_two_bytes_make_two_byte_outputs(self):
+        # ZeRO 3 under bf16 gathers 2-byte weights: an embedding's lookup and a norm's
+        # scale come out in 2 bytes, an add of an fp32 activation and a 2-byte weight in fp32
+        # (type promotion); fp32 and ZeRO 1 keep fp32 weights
+        def op(name, aten, inputs):
+            return OpNode(name, "op", aten, "m", inputs=inputs, out_bytes=64,
+                          requires_grad=True)
+
+        g = OpGraph("embedding", [
+            OpNode("ids", "input", "input", out_bytes=16, dtype="int64"),
+            OpNode("table", "param", "param", "m", out_bytes=64, param_bytes=64,
+                   requires_grad=True),
+            OpNode("scale", "param", "param", "m", out_bytes=8, param_bytes=8,
+                   requires_grad=True),
+            OpNode("x", "input", "input", out_bytes=64),
+            op("lookup", "aten.embedding.default", ("table", "ids")),
+            op("scaled", "aten.mul.Tensor", ("lookup", "scale")),
+            op("mixed", "aten.add.Tensor", ("x", "scale")),
+            op("loss", "aten.sum.default", ("scaled", "mixed"))], 8, "export", "loss")
+        assert gathered_half(g, 3, "bf16").tolist() == [False, True, True] + [False] * 5
+        assert not gathered_half(g, 1, "bf16").any() and not gathered_half(g, 3, "fp32").any()
+        act = activation_bytes(g, "bf16", "cuda", gathered_half(g, 3, "bf16"))
+        assert dict(zip([n.name for n in g.nodes], act.tolist(), strict=True)) == {
+            "ids": 16, "table": 64, "scale": 8, "x": 64, "lookup": 32, "scaled": 32,
+            "mixed": 64, "loss": 64}
+        assert activation_bytes(g, "bf16", "cuda").tolist()[4:7] == [64, 64, 64]
 
     def test_matmuls_save_two_byte_copies_of_their_weights_and_extras(self):
         # mm1 also saves w1 (8000 bytes, fp32 master weight): its 4000-byte copy lives from
