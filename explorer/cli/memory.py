@@ -19,7 +19,8 @@ def add_memory_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=RECOMPUTE, default=None,
                    help="activation recomputation: selective (cheap ops) or full (per block)")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="compute precision; bf16 and fp16 keep fp32 master weights")
+                   help="compute precision; bf16 and fp16 keep fp32 master weights (with "
+                        "--zero 3 gathered in bf16/fp16, as FSDP2's MixedPrecisionPolicy)")
 
 
 def memory_settings(args: argparse.Namespace) -> dict[str, Any]:
