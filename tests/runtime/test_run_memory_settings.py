@@ -149,24 +149,6 @@ def test_recomputation_under_bf16_casts_again_what_it_recomputes(mode, pool):
         assert torch.equal(meas.grads[k], g), k
 
 
-def test_zero_3_under_bf16_gathers_two_byte_weights(pool):
-    """ZeRO 3 under bf16 gathers each weight in bf16 from its fp32 shard (FSDP2's
-    mixed-precision policy): it trains as one device does within bf16's tolerance, the
-    gradients and shards stay fp32, and the gathered copies hold half the bytes."""
-    half = _run(pool, "gpt", "data-parallel", zero=3, precision="bf16")
-    full = _run(pool, "gpt", "data-parallel", zero=3)
-    loss_rtol, share = PRECISION_TOLERANCE["bf16"]
-    ref = _reference("gpt", half.plan)
-    torch.testing.assert_close(torch.tensor(half.losses), torch.tensor(ref.losses),
-                               rtol=loss_rtol, atol=0)
-    for k, g in ref.grads.items():
-        assert half.grads[k].dtype == torch.float32
-        torch.testing.assert_close(half.grads[k], g, rtol=0, atol=share * float(g.abs().max()),
-                                   msg=lambda m, k=k: f"{k}: {m}")
-    for d in half.plan.devices:
-        assert half.peak_by_category[d]["gathered"] <= full.peak_by_category[d]["gathered"] / 2
-
-
 def test_recomputation_lowers_the_measured_peak(pool):
     """Fewer activations are held on the fuller rank, and at the plan's peak full
     recomputation keeps no more than selective, selective less than none (on the last stage,
@@ -194,7 +176,23 @@ def test_lower_precision_stays_within_its_tolerance(name, precision, pool):
     single-device run: losses within ``loss rtol``, each gradient element within ``grad
     share`` times its tensor's largest absolute value; gradients are fp32."""
     meas = _run(pool, name, "stages", precision=precision)
-    ref = _reference(name, meas.plan)
+    _assert_within_tolerance(meas, _reference(name, meas.plan), precision)
+
+
+def test_zero_3_under_bf16_gathers_two_byte_weights(pool):
+    """ZeRO 3 under bf16 gathers each weight in bf16 from its fp32 shard (FSDP2's
+    mixed-precision policy): it trains as one device does within bf16's tolerance, the
+    gradients and shards stay fp32, and the gathered copies hold half the bytes."""
+    half = _run(pool, "gpt", "data-parallel", zero=3, precision="bf16")
+    full = _run(pool, "gpt", "data-parallel", zero=3)
+    _assert_within_tolerance(half, _reference("gpt", half.plan), "bf16")
+    for d in half.plan.devices:
+        assert half.peak_by_category[d]["gathered"] <= full.peak_by_category[d]["gathered"] / 2
+
+
+def _assert_within_tolerance(meas, ref, precision: str) -> None:
+    """Losses within the precision's ``loss rtol`` of ``ref``'s, each gradient element within
+    ``grad share`` times its tensor's largest absolute value; gradients are fp32."""
     loss_rtol, share = PRECISION_TOLERANCE[precision]
     torch.testing.assert_close(torch.tensor(meas.losses), torch.tensor(ref.losses),
                                rtol=loss_rtol, atol=0)
