@@ -20,7 +20,8 @@ def add_memory_options(parser: argparse.ArgumentParser) -> None:
                    help="activation recomputation: selective (cheap ops) or full (per block)")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="compute precision; bf16 and fp16 keep fp32 master weights (with "
-                        "--zero 3 gathered in bf16/fp16, as FSDP2's MixedPrecisionPolicy)")
+                        "--zero, sharded beside a bf16/fp16 working copy, as Megatron and "
+                        "FSDP2 keep them)")
 
 
 def memory_settings(args: argparse.Namespace) -> dict[str, Any]:

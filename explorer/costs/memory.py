@@ -94,13 +94,18 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     def shard(nbytes: int, stage: int) -> int:
         return shard_bytes(nbytes, replicas) if zero >= stage else nbytes
 
+    # (ZeRO 1-2 under bf16/fp16: a 2-byte working copy beside the fp32 master shard)
+    working = (half_weights.tolist() if not plain and zero in (1, 2)
+               else [False] * len(graph))
     out = []
     for i, n in enumerate(graph.nodes):
         if n.kind == "buffer":
             out.append(n.param_bytes)
         elif n.kind == "param" or n.param_bytes:
+            weight = (n.param_bytes // 2 + shard(n.param_bytes, 1) if working[i]
+                      else shard(n.param_bytes, 3))
             if n.requires_grad or n.kind == "op":
-                out.append(shard(n.param_bytes, 3) + shard(n.param_bytes, 2)
+                out.append(weight + shard(n.param_bytes, 2)
                            + shard(n.param_bytes, 1) * state)
             else:
                 out.append(shard(n.param_bytes, 3))

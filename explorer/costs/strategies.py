@@ -170,12 +170,14 @@ def activation_bytes(graph: OpGraph, precision: str, device_kind: str,
 
 def gathered_half(graph: OpGraph, zero: int, precision: str) -> np.ndarray:
     """[node] the weights a stage of ZeRO ``zero`` under ``precision`` gathers in 2 bytes:
-    under bf16/fp16 ZeRO 3 casts each fp32 shard before its all-gather, as FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=...)`` does, so the ops read 2-byte weights (no
-    autocast copy of them) and what a weight makes directly (an embedding's lookup, a
-    norm's scale) comes out in 2 bytes; the shards, their optimizer state and the gradients
-    the replicas reduce stay fp32."""
-    if zero != 3 or precision == "fp32":
+    under bf16/fp16 the fp32 shards are cast before they are gathered, ZeRO 3's for each use
+    as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does, ZeRO 1-2's updated shards
+    into a 2-byte working copy of the weights (the fp32 master copy sharded with the
+    optimizer state, as Megatron's distributed optimizer and DeepSpeed keep it); so the ops
+    read 2-byte weights (no autocast copy of them) and what a weight makes directly (an
+    embedding's lookup, a norm's scale) comes out in 2 bytes; the gradients the replicas
+    reduce stay fp32."""
+    if not zero or precision == "fp32":
         return np.zeros(len(graph), dtype=bool)
     return np.array([n.kind == "param" and n.dtype == "float32" for n in graph.nodes],
                     dtype=bool)

@@ -204,7 +204,7 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
         lines.append(f"#: autocast's precision (the weights stay fp32{kept})\nPRECISION = "
                      f"torch.{'bfloat16' if p.precision == 'bf16' else 'float16'}")
     if _gathers_half(p):
-        lines.append("MIXED_PRECISION = MixedPrecisionPolicy(PRECISION, torch.float32, "
+        lines.append("MP_POLICY = MixedPrecisionPolicy(PRECISION, torch.float32, "
                      "cast_forward_inputs=False)")
     if p.precision == "fp16":
         lines.append("#: fp16: the loss is scaled up before the backward and the gradients "
@@ -352,15 +352,14 @@ def _parallelize_section(p: NativePlan) -> str:
 
 
 def _reshard(p: NativePlan) -> str:
-    if p.zero in (1, 2):
-        return ", reshard_after_forward=False"
-    return ", mp_policy=MIXED_PRECISION" if _gathers_half(p) else ""
+    keep = ", reshard_after_forward=False" if p.zero in (1, 2) else ""
+    return keep + (", mp_policy=MP_POLICY" if _gathers_half(p) else "")
 
 
 def _gathers_half(p: NativePlan) -> bool:
-    """ZeRO 3 under bf16/fp16 gathers 2-byte weights (FSDP2's mixed-precision policy), as
-    the explorer's runtime and simulator do."""
-    return p.zero == 3 and p.precision != "fp32"
+    """ZeRO under bf16/fp16 gathers 2-byte weights from fp32 shards (FSDP2's mixed-precision
+    policy), as the explorer's runtime and simulator do."""
+    return p.zero > 0 and p.precision != "fp32"
 
 
 def _step_section(p: NativePlan) -> str:

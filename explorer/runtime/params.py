@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from explorer.core.errors import ExplorerError
 from explorer.core.plan import Plan
+from explorer.costs.strategies import NORM_OPS, op_base_name
 from explorer.runtime.accounting import BUFFERS, GRADIENTS, OPTIMIZER, PARAMETERS, MemTracker
 from explorer.runtime.comm import WEIGHT, WEIGHT_GRADIENT, GradBuckets, Messenger
 from explorer.runtime.layout import RankLayout
@@ -88,7 +89,7 @@ class Weights:
         precision = L.plan.settings_of(L.s).precision
         self.shards = Shards(self.zero, group, replicas, L.j, tracker, messenger,
                              L.local_consumers,
-                             AUTOCAST_DTYPES.get(precision) if self.zero == 3 else None)
+                             AUTOCAST_DTYPES.get(precision) if self.zero else None)
         self.value: dict[int, torch.Tensor] = {}
         for i in self.owned + self.used_remote:
             t = state[L.names[i]].detach().to(L.tdev).clone()
@@ -109,6 +110,12 @@ class Weights:
                 L.stage[p] == L.s) for i in range(len(L.names)) for p in L.preds[i]))
         self.shards.set_groups({i: min(c for c in L.succs[i] if L.stage[c] == L.s)
                                 for i in self.shards.ghost if L.local_consumers(i)}, units)
+        #: weights only fused norms read, which compute in their data input's dtype and on a
+        #: CPU take no 2-byte weight beside an fp32 input: read in fp32 (cast up from a
+        #: 2-byte copy, as autocast runs norms on a GPU)
+        self.norm_weights = {i for i in self.owned if L.kind[i] == "param" and L.succs[i]
+                             and all(L.targets[c] is not None and op_base_name(
+                                 str(L.targets[c])) in NORM_OPS for c in L.succs[i])}
         params = [self.shards.shard.get(i, self.value[i]) for i in self.owned
                   if L.kind[i] == "param"]
         self.optimizer = make_optimizer(L.plan.optimizer, params, lr) if params else None
@@ -165,7 +172,8 @@ class Weights:
                 continue
             self.updated.fresh(i)
             # (ZeRO 3: every replica gathers, those with users send)
-            full = self.shards.gather_full(i) if i in self.shards.ghost else self.value[i]
+            full = (self.shards.gather_full(i) if i in self.shards.ghost
+                    or i in self.shards.working else self.value[i])
             for _, dst in L.weight_users(i):
                 self.messenger.send(full.detach(), dst, L.tag(WEIGHT, 0, 0, i))
         for i in self.used_remote:
@@ -177,9 +185,14 @@ class Weights:
         """Weight ``p`` for an op's forward on micro-batch ``m``, shard ``u`` (ZeRO 3:
         gathered; call :meth:`forward_done` after the op)."""
         if p in self.shards.ghost:
-            return self.shards.use(p, m, u)
+            return self._as_read(p, self.shards.use(p, m, u))
         self.updated.fresh(p)
-        return self.value[p]
+        return (self._as_read(p, self.shards.read(p)) if p in self.shards.working
+                else self.value[p])
+
+    def _as_read(self, p: int, t: torch.Tensor) -> torch.Tensor:
+        """A 2-byte copy of weight ``p`` as its ops read it (a norm's weight: in fp32)."""
+        return t.float() if p in self.norm_weights and t.dtype != torch.float32 else t
 
     def prefetch(self, i: int) -> None:
         """Op ``i`` runs next: start gathering its sharded parameters (ZeRO 3)."""
@@ -194,7 +207,9 @@ class Weights:
     def for_recompute(self, p: int) -> torch.Tensor:
         """Weight ``p`` for a forward run again in the backward (ZeRO 3: gathered again)."""
         if p in self.shards.ghost:
-            return self.shards.for_backward(p)
+            return self._as_read(p, self.shards.for_backward(p))
+        if p in self.shards.working:
+            return self._as_read(p, self.shards.working[p])
         return self.value[p].detach()
 
     def stand_in(self, t: torch.Tensor) -> GatheredRef | None:

@@ -122,15 +122,16 @@ class SegmentSteps:
     def _reads_of(self, code: SegmentCode) -> tuple[list, list[tuple[int, int, bool]]]:
         """``code``'s arguments as every step has them: a list with each weight's tensor in
         its place (this rank's, updated in place all run long; a ZeRO 3 weight is gathered
-        anew, so it is not among them), and the places of the others, each with the node it
-        reads and whether split ops read it there."""
+        anew and a 2-byte working copy read anew, so they are not among them), and the places
+        of the others, each with the node it reads and whether split ops read it there."""
         reads = self._code_reads.get(id(code))
         if reads is None:
-            L, ghost, value = self.layout, self.weights.shards.ghost, self.weights.value
+            L, value = self.layout, self.weights.value
+            read_anew = self.weights.shards.ghost.keys() | self.weights.shards.working.keys()
             fixed: list = [None] * len(code.reads)
             varying = []
             for k, (p, split) in enumerate(code.reads):
-                if L.kind[p] in ("param", "buffer") and p not in ghost and not split:
+                if L.kind[p] in ("param", "buffer") and p not in read_anew and not split:
                     fixed[k] = value[p]
                 else:
                     varying.append((k, p, split))

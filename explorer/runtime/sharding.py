@@ -6,7 +6,9 @@ gradient (ZeRO 2, 3) and of its optimizer state (ZeRO 1-3), as the plan's memory
 describe them:
 
 - ZeRO 1 (Megatron's distributed optimizer): the full parameter stays, as one padded flat
-  tensor whose shard the optimizer steps (a view of it); gradients are reduce-scattered in
+  tensor whose shard the optimizer steps (a view of it; under bf16/fp16 a 2-byte working copy,
+  the optimizer stepping an fp32 master copy of the shard, as Megatron and DeepSpeed keep
+  them); gradients are reduce-scattered in
   buckets (:class:`ScatterBuckets`): one ``reduce_scatter_tensor`` per bucket, started
   without waiting as soon as the last of its gradients is final (its last use in the step's
   backward); the full gradients stay until the optimizer step (as the distributed optimizer
@@ -104,10 +106,16 @@ class Shards:
                  messenger: Messenger, uses: Callable[[int], int],
                  gather_dtype: torch.dtype | None = None) -> None:
         self.zero, self.group, self.replicas, self.index = zero, group, replicas, index
-        #: ZeRO 3 under bf16/fp16: the dtype fp32 shards are cast to before their all-gather
-        #: (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``), so the ops read 2-byte
-        #: weights and the gathers move half the bytes; None: gathered as stored
+        #: under bf16/fp16: the dtype fp32 shards are cast to before they are gathered (ZeRO
+        #: 3 as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, ZeRO 1-2 into the working
+        #: copy), so the ops read 2-byte weights and the gathers move half the bytes; None:
+        #: gathered as stored
         self.gather_dtype = gather_dtype
+        #: ZeRO 1, 2 under bf16/fp16: each parameter's 2-byte working copy (a view of its flat
+        #: tensor, which the updated shards are gathered into), and the tensor without storage
+        #: its gradients go to (in fp32, as the fp32 shard the optimizer steps)
+        self.working: dict[int, torch.Tensor] = {}
+        self.receiver: dict[int, torch.Tensor] = {}
         self.tracker, self.messenger = tracker, messenger
         self.uses = uses  # an op of a micro-batch using parameter p: how many per micro-batch
         #: per parameter, the tensor the optimizer steps: this replica's shard
@@ -142,6 +150,8 @@ class Shards:
         j = self.index
         flat = torch.zeros(k * self.replicas, dtype=full.dtype, device=full.device)
         flat[:n] = full.reshape(-1)
+        if self.zero < 3 and self.gather_dtype is not None and full.dtype == torch.float32:
+            return self._place_working(p, flat)
         if self.zero < 3:
             self.flat[p] = flat
             self.tracker.add(flat, PARAMETERS)
@@ -153,6 +163,27 @@ class Shards:
         ghost.untyped_storage().resize_(0)
         self.ghost[p] = ghost.requires_grad_(True)
         return self.ghost[p]
+
+    def _place_working(self, p: int, flat: torch.Tensor) -> torch.Tensor:
+        """ZeRO 1, 2 under bf16/fp16, as Megatron's distributed optimizer and DeepSpeed keep
+        them: the fp32 master copy of this replica's shard (what the optimizer steps) and a
+        2-byte working copy of the whole parameter (what the ops read, the updated shards
+        gathered into it); returns the tensor without storage that takes the gradients."""
+        k, j, shape = self.size(p), self.index, self.shape[p]
+        self.shard[p] = flat[j * k: (j + 1) * k].clone().requires_grad_(True)
+        self.tracker.add(self.shard[p], PARAMETERS)
+        self.flat[p] = flat.to(self.gather_dtype)
+        self.tracker.add(self.flat[p], PARAMETERS)
+        self.working[p] = self.flat[p][: shape.numel()].view(shape)
+        receiver = torch.empty(shape, dtype=flat.dtype, device=flat.device)
+        receiver.untyped_storage().resize_(0)
+        self.receiver[p] = receiver.requires_grad_(True)
+        return self.receiver[p]
+
+    def read(self, p: int) -> torch.Tensor:
+        """ZeRO 1, 2 under bf16/fp16: parameter ``p``'s working copy for an op, its gradient
+        going to the receiver in fp32."""
+        return _Gathered.apply(self.receiver[p], self.working[p])
 
     def collective(self, fn: Callable[[], Any]) -> None:
         """Run a blocking collective of the replicas, its time counted as waiting."""
@@ -370,8 +401,9 @@ class UpdatedShards:
     def _start(self, b: int) -> None:
         if b in self.in_flight:
             return
-        mine = torch.cat([self.shards.shard[p].detach() for p in self.buckets[b]])
-        out = mine.new_empty(mine.numel() * self.shards.replicas)
+        sh = self.shards  # (the shards cast to the flat parameters' dtype: the working one)
+        mine = torch.cat([sh.shard[p].detach().to(sh.flat[p].dtype) for p in self.buckets[b]])
+        out = mine.new_empty(mine.numel() * sh.replicas)
         work = dist.all_gather_into_tensor(out, mine, group=self.shards.group, async_op=True)
         self.in_flight[b] = (work, out)
 

@@ -211,10 +211,13 @@ class GradientTasks:
         ops = self.ops_by_stage[s]
         pos = {int(o): k for k, o in enumerate(ops.tolist())}
         sizes = [int(self.held[p]) for p in weights]
+        # (cut by the fp32 bytes, as the runtime cuts them; a 2-byte working copy moves half)
+        moved = [b // 2 if self.eff.half_weights[p] else b
+                 for p, b in zip(weights, sizes, strict=True)]
         channel = self.resource(("allreduce", s, -1))
         N, reached = self.A.n, -1  # (the previous bucket's first reader, by position)
         for bucket in buckets(sizes):
-            size = sum(sizes[k] for k in bucket)
+            size = sum(moved[k] for k in bucket)
             readers = sorted({pos[c] for k in bucket for c in self.g.succs[weights[k]]
                               if c in pos})
             first = int(ops[readers[0]]) if readers else N - 1

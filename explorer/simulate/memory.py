@@ -112,9 +112,9 @@ class _MemoryPass:
 
     # -- all step long ---------------------------------------------------------------------
     def held_all_step(self) -> _Held:
-        """Weights (a ZeRO-3 rank's shard), buffers and optimizer state (a ZeRO rank's
-        shard's) per stage, and a copy of each weight or buffer on every other stage that
-        reads it."""
+        """Weights (a ZeRO-3 rank's shard; under ZeRO 1-2 in bf16/fp16, the 2-byte working
+        copy and the fp32 master shard), buffers and optimizer state (a ZeRO rank's shard's)
+        per stage, and a copy of each weight or buffer on every other stage that reads it."""
         A, st, S = self.arrays, self.stage_a, self.stages
         eff = self.effects
         params, buffers, optimizer = [0] * S, [0] * S, [0] * S
@@ -130,7 +130,11 @@ class _MemoryPass:
             on, level = st[held], np.asarray(zero, dtype=np.int64)[st[held]]
             buf = A.kcode[held] == KIND_BUFFER
             buffers = sums_by_stage(S, on[buf], whole[buf])
-            params = sums_by_stage(S, on[~buf], np.where(level == 3, shards, whole)[~buf])
+            # (ZeRO 1-2 under bf16/fp16: a 2-byte working copy and the fp32 master shard)
+            working = (np.zeros(len(held), dtype=bool) if eff is None
+                       else eff.half_weights[held] & (level != 3))
+            params = sums_by_stage(S, on[~buf], np.where(
+                level == 3, shards, np.where(working, whole // 2 + shards, whole))[~buf])
             stepped = ~buf & (A.rg[held] | A.is_op[held])
             per_byte = OPTIMIZER_STATE[self.plan.optimizer]
             optimizer = sums_by_stage(S, on[stepped],

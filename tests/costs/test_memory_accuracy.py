@@ -93,7 +93,12 @@ STRATEGY_CASES = {
                                              {"recompute": "full"}),
     "vgg16-even-layers-recompute-selective": ("vgg16", "small", "even-layers",
                                               {"recompute": "selective"}),
-    # ZeRO 3 under bf16 gathers 2-byte weights; recomputation casts again what it recomputes
+    # ZeRO under bf16: 2-byte weights (ZeRO 1-2 a working copy beside the fp32 master shard,
+    # ZeRO 3 gathered from it); recomputation casts again what it recomputes
+    "gpt-data-parallel-zero1-bf16": ("gpt", "small", "data-parallel",
+                                     {"zero": 1, "precision": "bf16"}),
+    "llama-data-parallel-zero2-bf16": ("llama", "small", "data-parallel",
+                                       {"zero": 2, "precision": "bf16"}),
     "gpt-data-parallel-zero3-bf16": ("gpt", "small", "data-parallel",
                                      {"zero": 3, "precision": "bf16"}),
     "llama-data-parallel-zero3-bf16-recompute-full": ("llama", "small", "data-parallel",

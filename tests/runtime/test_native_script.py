@@ -122,9 +122,10 @@ class TestText:
         assert "DistributedDataParallel(model" in replicas and "no_sync()" in replicas
         assert "fully_shard" not in replicas
         # (ZeRO 3 in fp16 gathers fp16 weights from the fp32 shards, reduces in fp32)
-        assert 'fully_shard(block, mesh=mesh["dp_shard"], mp_policy=MIXED_PRECISION)' in zero3
+        assert 'fully_shard(block, mesh=mesh["dp_shard"], mp_policy=MP_POLICY)' in zero3
         assert "MixedPrecisionPolicy(PRECISION, torch.float32, cast_forward_inputs=False)" in zero3
-        assert "mp_policy" not in selective and "mp_policy" not in replicas
+        assert "mp_policy" not in replicas
+        assert "reshard_after_forward=False, mp_policy=MP_POLICY" in selective
         assert "checkpoint(forward, *args, use_reentrant=False" in zero3
         assert "LOSS_SCALE = 1024.0" in zero3 and "torch.float16" in zero3
         assert "reshard_after_forward=False" in selective
@@ -185,7 +186,7 @@ class TestText:
         assert f"MESH = {mesh}" in text
         if replicas > 1:
             where = 'mesh["dp_replicate", "dp_shard"]' if not zero else 'mesh["dp_shard"]'
-            policy = ", mp_policy=MIXED_PRECISION" if zero == 3 else ""
+            policy = ", mp_policy=MP_POLICY" if zero else ""
             assert f"fully_shard(block, mesh={where}{policy})" in text
             assert "if path not in here:  # (a block of another pipeline stage)" in text
 
@@ -472,15 +473,17 @@ def test_a_hugging_face_model_from_its_factory_trains_as_ex_run(factories, cpu2,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["llama", "factory_models:hf_gpt2_logits"])
+@pytest.mark.parametrize("source, zero", [("llama", 2), ("factory_models:hf_gpt2_logits", 2),
+                                          ("factory_models:hf_gpt2_logits", 3)])
 def test_other_transformers_train_with_memory_settings_as_ex_run(factories, cpu2, pool, source,
-                                                                tmp_path):
-    """ZeRO 2 with selective recomputation in bf16, two micro-batches a replica: FSDP2 with
-    its MixedPrecisionPolicy and checkpoint_wrapper per block on the Llama and on Hugging
-    Face's GPT-2 (its blocks found from its factory's model)."""
+                                                                zero, tmp_path):
+    """ZeRO 2 (and 3) with selective recomputation in bf16, two micro-batches a replica:
+    FSDP2 with its MixedPrecisionPolicy and checkpoint_wrapper per block on the Llama and on
+    Hugging Face's GPT-2 (its blocks found from its factory's model; an fp32 activation
+    reaches its layer norms, whose weights the runtime reads in fp32)."""
     graph, _, model = _captured(source)
     plan = _replicated(graph, cpu2.ids, micro_batches=2).with_memory(
-        zero=2, recompute="selective", precision="bf16")
+        zero=zero, recompute="selective", precision="bf16")
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
                               **model)
     measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)

@@ -190,6 +190,17 @@ def test_zero_3_under_bf16_gathers_two_byte_weights(pool):
         assert half.peak_by_category[d]["gathered"] <= full.peak_by_category[d]["gathered"] / 2
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_2_under_bf16_train_as_one_device(zero, pool):
+    """ZeRO 1-2 under bf16 keep the weights in bf16 and the optimizer's fp32 master copy
+    sharded (Megatron's distributed optimizer, DeepSpeed), the updated shards gathered into
+    the bf16 copy: it trains as one device does within bf16's tolerance, on the op path and
+    on segments (the memory: tests/costs/test_memory_accuracy.py)."""
+    for runtime in ("ops", "segments"):
+        half = _run(pool, "gpt", "data-parallel", runtime=runtime, zero=zero, precision="bf16")
+        _assert_within_tolerance(half, _reference("gpt", half.plan), "bf16")
+
+
 def _assert_within_tolerance(meas, ref, precision: str) -> None:
     """Losses within the precision's ``loss rtol`` of ``ref``'s, each gradient element within
     ``grad share`` times its tensor's largest absolute value; gradients are fp32."""

@@ -287,13 +287,31 @@ class TestZero:
         assert spans[1]["all-gather w1, w2"] == pytest.approx(spans[0]["all-gather w1, w2"] / 2)
         # the gathers' traffic halves; the reduce-scatters' (fp32 gradients) does not
         assert full.allreduce_bytes - half.allreduce_bytes == 70 * MiB
-        # under ZeRO 1 the matmuls save autocast's copies of w1 and w2; under ZeRO 3, none
+        # without ZeRO the matmuls save autocast's copies of w1 and w2; under ZeRO, none
         arrays = GraphArrays(g)
         on_one = np.zeros(len(g), dtype=np.int64)
-        for zero, copied in ((1, {"w1", "w2"}), (3, set())):
+        for zero, copied in ((0, {"w1", "w2"}), (1, set()), (3, set())):
             eff = stage_effects(g, plan.with_memory(zero=zero, precision="bf16"), arrays,
                                 on_one, cl)
             assert {g.nodes[q].name for q in eff.casts[1]} - {"x", "relu1"} == copied
+
+    def test_zero_1_under_bf16_keeps_a_2_byte_working_copy_and_an_fp32_master_shard(self):
+        # Megatron's distributed optimizer (and DeepSpeed) under bf16: each rank holds the
+        # weights in bf16 (35 MiB of 70) and its quarter of the fp32 master copy (17.5 MiB)
+        # with its quarter of Adam's state; the updated shards are gathered in bf16
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(4, bandwidth=10 * MiB, memory=2**40)
+        plan = Plan.from_assignment(g, [cl.ids], {i: 0 for i in range(len(g))})
+        c = costs(g, cl, FWD, BWD)
+        full = simulate(g, plan.with_memory(zero=1), c)
+        half = simulate(g, plan.with_memory(zero=1, precision="bf16"), c)
+        assert full.memory["d:0"].params_bytes == 70 * MiB
+        assert half.memory["d:0"].params_bytes == 35 * MiB + 70 * MiB // 4
+        assert half.memory["d:0"].optimizer_bytes == full.memory["d:0"].optimizer_bytes
+        gathered = [sum(iv.end_s - iv.start_s for iv in pred.timeline
+                        if iv.kind == "all-gather" and iv.device == "d:0")
+                    for pred in (full, half)]
+        assert gathered[1] == pytest.approx(gathered[0] / 2)
 
     def test_gathers_are_priced_as_half_a_ring_all_reduce_and_prefetched(self):
         # 10 MiB/s: gathering w1 (40 MiB) over 2 ranks moves half of it: 2 s
@@ -517,9 +535,9 @@ class TestPrecision:
                 (True, True, True, False), kind
 
     def test_weights_gathered_in_two_bytes_make_two_byte_outputs(self):
-        # ZeRO 3 under bf16 gathers 2-byte weights: an embedding's lookup and a norm's
-        # scale come out in 2 bytes, an add of an fp32 activation and a 2-byte weight in fp32
-        # (type promotion); fp32 and ZeRO 1 keep fp32 weights
+        # ZeRO under bf16 gathers 2-byte weights: an embedding's lookup and a norm's scale
+        # come out in 2 bytes, an add of an fp32 activation and a 2-byte weight in fp32 (type
+        # promotion); fp32 and plain replicas keep fp32 weights
         def op(name, aten, inputs):
             return OpNode(name, "op", aten, "m", inputs=inputs, out_bytes=64,
                           requires_grad=True)
@@ -536,7 +554,8 @@ class TestPrecision:
             op("mixed", "aten.add.Tensor", ("x", "scale")),
             op("loss", "aten.sum.default", ("scaled", "mixed"))], 8, "export", "loss")
         assert gathered_half(g, 3, "bf16").tolist() == [False, True, True] + [False] * 5
-        assert not gathered_half(g, 1, "bf16").any() and not gathered_half(g, 3, "fp32").any()
+        assert gathered_half(g, 1, "bf16").tolist() == gathered_half(g, 3, "bf16").tolist()
+        assert not gathered_half(g, 0, "bf16").any() and not gathered_half(g, 3, "fp32").any()
         act = activation_bytes(g, "bf16", "cuda", gathered_half(g, 3, "bf16"))
         assert dict(zip([n.name for n in g.nodes], act.tolist(), strict=True)) == {
             "ids": 16, "table": 64, "scale": 8, "x": 64, "lookup": 32, "scaled": 32,
