@@ -82,6 +82,14 @@ class _Gathered(torch.autograd.Function):
         return g.to(ctx.dtype), None
 
 
+def _receiver(like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape and dtype without storage, which only receives
+    gradients (a parameter whose values are read elsewhere: gathered, or a working copy)."""
+    t = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    t.untyped_storage().resize_(0)
+    return t.requires_grad_(True)
+
+
 class GatheredRef:
     """What autograd keeps of a saved gathered weight (or a view of it): which gather group
     and where in its buffer; unpacked in the backward by gathering the group again."""
@@ -151,7 +159,7 @@ class Shards:
         flat = torch.zeros(k * self.replicas, dtype=full.dtype, device=full.device)
         flat[:n] = full.reshape(-1)
         if self.zero < 3 and self.gather_dtype is not None and full.dtype == torch.float32:
-            return self._place_working(p, flat)
+            return self._place_working(p, full, flat)
         if self.zero < 3:
             self.flat[p] = flat
             self.tracker.add(flat, PARAMETERS)
@@ -159,12 +167,10 @@ class Shards:
             return flat[:n].view(full.shape).requires_grad_(True)
         self.shard[p] = flat[j * k: (j + 1) * k].clone().requires_grad_(True)
         self.tracker.add(self.shard[p], PARAMETERS)
-        ghost = torch.empty(full.shape, dtype=full.dtype, device=full.device)
-        ghost.untyped_storage().resize_(0)
-        self.ghost[p] = ghost.requires_grad_(True)
+        self.ghost[p] = _receiver(full)
         return self.ghost[p]
 
-    def _place_working(self, p: int, flat: torch.Tensor) -> torch.Tensor:
+    def _place_working(self, p: int, full: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """ZeRO 1, 2 under bf16/fp16, as Megatron's distributed optimizer and DeepSpeed keep
         them: the fp32 master copy of this replica's shard (what the optimizer steps) and a
         2-byte working copy of the whole parameter (what the ops read, the updated shards
@@ -175,9 +181,7 @@ class Shards:
         self.flat[p] = flat.to(self.gather_dtype)
         self.tracker.add(self.flat[p], PARAMETERS)
         self.working[p] = self.flat[p][: shape.numel()].view(shape)
-        receiver = torch.empty(shape, dtype=flat.dtype, device=flat.device)
-        receiver.untyped_storage().resize_(0)
-        self.receiver[p] = receiver.requires_grad_(True)
+        self.receiver[p] = _receiver(full)
         return self.receiver[p]
 
     def read(self, p: int) -> torch.Tensor:
@@ -219,14 +223,15 @@ class Shards:
 
     def _start_gather(self, g: int) -> tuple[Any, torch.Tensor]:
         """Start the all-gather of group ``g``'s shards into one buffer (counted from now)."""
-        mine = torch.cat([self._to_gather(self.shard[p].detach()) for p in self.members[g]])
+        mine = torch.cat([self.as_gathered(self.shard[p].detach()) for p in self.members[g]])
         out = mine.new_empty(mine.numel() * self.replicas)
         work = dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)
         self.tracker.add(out, GATHERED)
         return work, out
 
-    def _to_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """A shard as it is gathered: in :attr:`gather_dtype` where it is fp32."""
+    def as_gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """A shard as it is gathered (ZeRO 3 for a use, ZeRO 1-2 into the working copy): in
+        :attr:`gather_dtype` where it is fp32."""
         if self.gather_dtype is None or shard.dtype != torch.float32:
             return shard
         return shard.to(self.gather_dtype)
@@ -401,8 +406,8 @@ class UpdatedShards:
     def _start(self, b: int) -> None:
         if b in self.in_flight:
             return
-        sh = self.shards  # (the shards cast to the flat parameters' dtype: the working one)
-        mine = torch.cat([sh.shard[p].detach().to(sh.flat[p].dtype) for p in self.buckets[b]])
+        sh = self.shards
+        mine = torch.cat([sh.as_gathered(sh.shard[p].detach()) for p in self.buckets[b]])
         out = mine.new_empty(mine.numel() * sh.replicas)
         work = dist.all_gather_into_tensor(out, mine, group=self.shards.group, async_op=True)
         self.in_flight[b] = (work, out)
