@@ -23,6 +23,7 @@ from typing import Any
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan_schema import (
+    ASYNC_TENSOR_VERSION,
     INTERLEAVED,
     INTERLEAVED_VERSION,
     MAX_PLAN_BYTES,
@@ -50,13 +51,19 @@ class StageSettings:
     degree (the stage's devices form a mesh of ``devices / tensor`` replicas x ``tensor``
     devices that split each layer, device ``k`` in replica ``k // tensor``); ``sequence``:
     the ops between the split blocks (norms, residual adds) also split, along the sequence
-    (Megatron-LM's sequence parallelism; only with a tensor degree above 1)."""
+    (Megatron-LM's sequence parallelism; only with a tensor degree above 1);
+    ``async_tensor``: the all-gathers and reduce-scatters of a sequence-parallel split are
+    pipelined with the matrix products that read or make them, piece by piece (torch's async
+    tensor parallelism, Megatron-LM's tensor-parallel communication overlap; only with
+    sequence parallelism, whose collectives they are, and only where the devices can: GPUs
+    with symmetric memory)."""
 
     zero: int = 0
     recompute: str = "none"
     precision: str = "fp32"
     tensor: int = 1
     sequence: bool = False
+    async_tensor: bool = False
 
     def __post_init__(self) -> None:
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
@@ -72,6 +79,12 @@ class StageSettings:
         if self.sequence and self.tensor == 1:
             raise PlanError("sequence parallelism splits the ops between tensor-parallel "
                             "blocks: set a tensor degree above 1 with it")
+        if not isinstance(self.async_tensor, bool):
+            raise PlanError(f"async_tensor {self.async_tensor!r} must be true or false")
+        if self.async_tensor and not self.sequence:
+            raise PlanError("async tensor parallelism pipelines the all-gathers and "
+                            "reduce-scatters of sequence parallelism with the matrix products: "
+                            "turn sequence parallelism on with it")
 
     @property
     def is_default(self) -> bool:
@@ -83,7 +96,8 @@ class StageSettings:
             [f"recompute {self.recompute}"] if self.recompute != "none" else []) + (
             [self.precision] if self.precision != "fp32" else []) + (
             [f"tensor {self.tensor}"] if self.tensor > 1 else []) + (
-            ["sequence"] if self.sequence else [])
+            ["sequence"] if self.sequence else []) + (
+            ["async tensor"] if self.async_tensor else [])
         return ", ".join(parts)
 
 
@@ -182,8 +196,8 @@ class Plan:
     def uses_memory_strategies(self) -> bool:
         """Whether some stage sets ZeRO, recomputation or a reduced precision (the memory
         settings but the tensor split)."""
-        return any(replace(st, tensor=1, sequence=False) != DEFAULT_SETTINGS
-                   for st in self.stage_settings)
+        return any(replace(st, tensor=1, sequence=False, async_tensor=False)
+                   != DEFAULT_SETTINGS for st in self.stage_settings)
 
     @property
     def uses_tensor_parallel(self) -> bool:
@@ -236,27 +250,35 @@ class Plan:
 
     def with_memory(self, *, zero: int | None = None, recompute: str | None = None,
                     precision: str | None = None, tensor: int | None = None,
-                    sequence: bool | None = None,
+                    sequence: bool | None = None, async_tensor: bool | None = None,
                     stages: Iterable[int] | None = None) -> Plan:
         """This plan with ZeRO, recomputation, precision or the tensor-parallel degree set on
-        ``stages`` (default: all); what is not given stays as it was."""
+        ``stages`` (default: all); what is not given stays as it was (but sequence
+        parallelism ends with a tensor degree of 1, and async tensor parallelism with it).
+        ``async_tensor=True`` applies to the chosen stages with sequence parallelism; a
+        :class:`PlanError` where none has it."""
         chosen = range(len(self.stages)) if stages is None else list(stages)
         current = [self.settings_of(s) for s in range(len(self.stages))]
         for s in chosen:
             if not 0 <= s < len(self.stages):
                 raise PlanError(f"stage {s} does not exist; this plan has {len(self.stages)}")
             old = current[s]
+            degree = old.tensor if tensor is None else tensor
+            split_sequence = (old.sequence if sequence is None else sequence) and degree > 1
             current[s] = StageSettings(
-                old.zero if zero is None else zero,
-                old.recompute if recompute is None else recompute,
-                old.precision if precision is None else precision,
-                old.tensor if tensor is None else tensor,
-                (old.sequence if sequence is None else sequence)
-                and (old.tensor if tensor is None else tensor) > 1)
+                zero=old.zero if zero is None else zero,
+                recompute=old.recompute if recompute is None else recompute,
+                precision=old.precision if precision is None else precision,
+                tensor=degree, sequence=split_sequence,
+                async_tensor=split_sequence and (old.async_tensor if async_tensor is None
+                                                 else async_tensor))
             if len(self.stages[s]) % current[s].tensor:
                 raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which a "
                                 f"tensor-parallel degree of {current[s].tensor} does not "
                                 "divide; use a degree that divides it")
+        if async_tensor and not any(current[s].sequence for s in chosen):
+            raise PlanError("async tensor parallelism pipelines the collectives of sequence "
+                            "parallelism: split a stage by tensor and sequence first")
         kept = () if all(st.is_default for st in current) else tuple(current)
         return replace(self, stage_settings=kept)
 
@@ -367,10 +389,13 @@ class Plan:
         settings = ({"stage_settings": [{"zero": st.zero, "recompute": st.recompute,
                                          "precision": st.precision,
                                          **({"tensor": st.tensor} if st.tensor > 1 else {}),
-                                         **({"sequence": True} if st.sequence else {})}
+                                         **({"sequence": True} if st.sequence else {}),
+                                         **({"async_tensor": True} if st.async_tensor
+                                            else {})}
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
-        version = (INTERLEAVED_VERSION if self.schedule == INTERLEAVED
+        version = (ASYNC_TENSOR_VERSION if any(st.async_tensor for st in self.stage_settings)
+                   else INTERLEAVED_VERSION if self.schedule == INTERLEAVED
                    else TENSOR_VERSION if self.uses_tensor_parallel
                    else MEMORY_VERSION if settings or "factory" in (self.model or {}) else 1)
         return {

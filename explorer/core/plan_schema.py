@@ -20,13 +20,15 @@ PLAN_FORMAT = "partition-explorer-plan"
 #: 2 adds per-stage memory settings (``stage_settings``) and model factories, 3 the stages'
 #: tensor-parallel degree (``tensor``); a plan is written with the lowest version that holds
 #: what it uses, so files older explorers can read stay readable by them
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 MEMORY_VERSION = 2
 TENSOR_VERSION = 3
 #: interleaved 1F1B: each stage holds several chunks of the layers (virtual stages)
 INTERLEAVED = "interleaved-1f1b"
 #: 4 adds the interleaved 1F1B schedule
 INTERLEAVED_VERSION = 4
+#: 5 adds async tensor parallelism (``async_tensor``)
+ASYNC_TENSOR_VERSION = 5
 SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 #: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
 #: 2 also the gradients, 3 also the weights (FSDP's full sharding)
@@ -207,7 +209,9 @@ PLAN_SCHEMA = obj({
                                     # version 3: the stage's tensor-parallel degree
                                     "tensor": (whole(1, MAX_DEVICES), 1),
                                     # version 3: sequence parallelism with it
-                                    "sequence": (boolean, False)}),
+                                    "sequence": (boolean, False),
+                                    # version 5: async tensor parallelism with it
+                                    "async_tensor": (boolean, False)}),
                                0, MAX_DEVICES), []),
 })
 

@@ -26,6 +26,11 @@ class Platform:
     #: whether replicas of one stage share a host and may slow each other, so the profiler
     #: measures it (:attr:`explorer.costs.model.DeviceCosts.contention` and its companions)
     replicas_share_host = False
+    #: whether the collectives of a sequence-parallel tensor split can run piece by piece
+    #: beside the matrix products that read or make them (async tensor parallelism: torch's
+    #: needs symmetric memory between the devices); where not, a plan that asks for it runs
+    #: them before or after the product, as plain sequence parallelism does
+    pipelines_tensor_collectives = False
 
     def op_slowdown(self, contention: np.ndarray, beside: float) -> np.ndarray | None:
         """Factors on the ops' seconds of a device with ``beside`` other replicas of its stage

@@ -5,6 +5,8 @@ kernels (each has its own GPU), and NCCL moves a message with the GPUs' copy eng
 progress thread, so a receive posted late waits for nothing but the transfer. What remains is
 the runtime's processor time per tensor it posts (fitted by calibration, as on any platform)
 and the latency of launching a collective, which the GPU links' nominal latency stands for.
+GPUs share memory with the others of their group (symmetric memory over NVLink), so async
+tensor parallelism can pipeline a split's collectives with the matrix products beside them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class GpuPlatform(Platform):
     """NVIDIA GPUs over NCCL: no contention between replicas, no late-receive wait."""
 
     name = "cuda"
+    pipelines_tensor_collectives = True
 
     def message_s(self, fitted_s: float) -> float:
         return fitted_s

@@ -8,7 +8,9 @@ the layout implies (a row-parallel block's output in the forward, a column-paral
 input gradient in the backward, a vocabulary-parallel embedding's output, a vocabulary-parallel
 loss's three numbers per row; an all-gather before
 a random op in a split block, which runs whole) runs inside the op that needs it, on the links
-of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it. Split
+of one tensor group of the stage, as DTensor does it in the runtime: the op waits for it; under
+async tensor parallelism, on devices that can (GPUs), a matrix product's all-gathers and
+reduce-scatters run in pieces beside it (:func:`pipelined_s`). Split
 weights hold ``1 / tensor`` of their bytes on each device, and so do their gradients and
 optimizer state, and the activations the layout keeps split (and their gradients; a
 convolution's along its channels, which divides its bytes the same; a vocabulary-parallel
@@ -33,6 +35,7 @@ from explorer.core.plan import Plan
 from explorer.core.plan_layout import stage_layout
 from explorer.core.tensor_layout import LOSS_OPS, TensorLayout
 from explorer.costs.model import DTENSOR_KEYS, CostModel
+from explorer.costs.strategies import is_matmul_like
 from explorer.simulate.arrays import GraphArrays
 from explorer.simulate.seconds import Seconds
 
@@ -84,9 +87,11 @@ def split_op_seconds(graph: OpGraph, plan: Plan, costs: CostModel, sec: Seconds,
 def add_split_collectives(graph: OpGraph, plan: Plan, costs: CostModel, devices: list,
                           frac: list[float], fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
     """Add the collectives each tensor-parallel stage's layout implies to the ops that wait
-    for them; the bytes they move in a step (every device's sends: a ring of k moves 2 (k -
-    1) times the tensor, for every tensor group and micro-batch). Under bf16/fp16 the
-    activations and their gradients they carry are 2 bytes an element."""
+    for them (pipelined with a matrix product where the stage asks for async tensor
+    parallelism and its devices can: :func:`pipelined_s`); the bytes they move in a step
+    (every device's sends: a ring of k moves 2 (k - 1) times the tensor, for every tensor
+    group and micro-batch). Under bf16/fp16 the activations and their gradients they carry
+    are 2 bytes an element."""
     index, M = graph.index, plan.micro_batches
     moved = 0
     for s, layout in layouts(graph, plan).items():
@@ -98,20 +103,40 @@ def add_split_collectives(graph: OpGraph, plan: Plan, costs: CostModel, devices:
         # the link measured it where it did; the fixed cost once per op and direction: a
         # collective right after another on the same ranks, as a column-parallel linear's
         # backward gathers its input and reduce-scatters its gradient, finds them in step)
-        fixed: set[tuple[int, bool]] = set()
+        serial: dict[tuple[int, bool], float] = {}  # (op, backward): seconds it waits
+        beside: dict[tuple[int, bool], float] = {}  # seconds it may pipeline with a product
         for backward, kind, by_op in layout.collectives():
-            times, price = bwd_s if backward else fwd_s, getattr(costs, f"{kind}_s")
+            price = getattr(costs, f"{kind}_s")
             share = 1.0 if kind == "allreduce" else 0.5
             for name, nbytes in by_op.items():
                 if plan.stage_of(name) != s:
                     continue
                 size = int(nbytes * frac[s] * half)
                 key = (index[name], backward)
-                times[index[name]] += (price(group, size)
-                                       + (dt["collective_s"] if key not in fixed else 0.0))
-                fixed.add(key)
+                serial.setdefault(key, dt["collective_s"])
+                waits = beside if kind != "allreduce" else serial
+                waits[key] = waits.get(key, 0.0) + price(group, size)
                 moved += int(plan.replicas_of(s) * 2 * share * (k - 1) * size * M)  # (all's)
+        pipelines = plan.settings_of(s).async_tensor and all(
+            costs.platform(d).pipelines_tensor_collectives for d in devices[s])
+        for key, wait in serial.items():
+            i, backward = key
+            times, comm = bwd_s if backward else fwd_s, beside.get(key, 0.0)
+            if pipelines and is_matmul_like(graph.nodes[i]):
+                times[i] = pipelined_s(times[i], comm, k) + wait
+            else:
+                times[i] += comm + wait
     return moved
+
+
+def pipelined_s(compute_s: float, comm_s: float, pieces: int) -> float:
+    """Seconds of a matrix product and the all-gather or reduce-scatter it reads or makes,
+    run in ``pieces`` (the tensor degree: one per rank's shard) with each piece's transfer
+    beside another piece's product, as async tensor parallelism runs them (Wang et al.,
+    "Overlap communication with dependent computation via decomposition", ASPLOS 2023): the
+    longer of the two, plus one piece of the shorter that nothing hides (the first product or
+    the last transfer)."""
+    return max(compute_s, comm_s) + min(compute_s, comm_s) / pieces
 
 
 def split_weights_read(A: GraphArrays, weights: list[int]) -> np.ndarray:

@@ -10,7 +10,9 @@ from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
-from tests.builders import cluster, costs
+from explorer.devices.cluster import Cluster, Link
+from explorer.simulate.tensor import pipelined_s
+from tests.builders import cluster, costs, device
 
 LINEAR = "aten.linear.default"
 LAT_S, BW = 1e-3, 1e6
@@ -118,5 +120,60 @@ def test_sequence_is_a_plan_setting_that_needs_a_tensor_split():
     with pytest.raises(PlanError, match="tensor degree above 1"):
         StageSettings(sequence=True)
     d["stage_settings"][0]["sequence"] = "yes"
+    with pytest.raises(PlanError, match="true or false"):
+        ex.Plan.from_dict(d, g)
+
+
+def _two_device_cluster(kind: str) -> Cluster:
+    return Cluster(name=f"test:{kind}", devices=tuple(device(i, kind=kind) for i in range(2)),
+                   default_link=Link(LAT_S, BW, "test"))
+
+
+def test_async_tensor_pipelines_the_collectives_with_the_matmuls_on_gpus(blocks):
+    """Each all-gather or reduce-scatter a linear waits for runs in 2 pieces beside the
+    linear's own (async tensor parallelism): of a linear of 1 s and its 1.5 ms transfer only
+    half the transfer stays; the loss (a sum) still waits for its gather. CPU ranks cannot:
+    their prediction is plain sequence parallelism's."""
+    fwd = {n.name: 1.0 for n in blocks.nodes if n.kind == "op"} | {"loss": 0.5}
+    bwd = {n.name: 2.0 for n in blocks.nodes if n.kind == "op"} | {"loss": 0.5}
+    ops = {n.name: 0 for n in blocks.nodes if n.kind == "op"}
+    plan = ex.Plan.from_assignment(blocks, [("d:0", "d:1")], ops).with_tensor(2, sequence=True)
+    overlapped = plan.with_memory(async_tensor=True)
+    half_s = LAT_S + 500 / BW
+    # forward: fc2's, fc4's scatter and fc3's gather; backward: fc2's and fc4's gather, fc3's
+    # gather and scatter (two transfers beside its one product)
+    hidden_s = (3 * half_s + 2 * half_s + 2 * half_s) / 2
+    gpu = costs(blocks, _two_device_cluster("cuda"), fwd, bwd)
+    assert (ex.simulate(blocks, plan, gpu).step_s - ex.simulate(blocks, overlapped, gpu).step_s
+            == pytest.approx(hidden_s, rel=1e-9))
+    cpu = costs(blocks, _two_device_cluster("cpu"), fwd, bwd)
+    assert ex.simulate(blocks, overlapped, cpu).step_s == ex.simulate(blocks, plan, cpu).step_s
+
+
+def test_a_pipelined_transfer_leaves_one_piece_of_the_shorter_side():
+    assert pipelined_s(4.0, 1.0, 4) == 4.0 + 1.0 / 4  # the last transfer
+    assert pipelined_s(1.0, 4.0, 4) == 4.0 + 1.0 / 4  # the first product
+    assert pipelined_s(2.0, 0.0, 8) == 2.0
+
+
+def test_async_tensor_is_a_setting_of_sequence_parallel_stages():
+    g = tiny_builtin_graph("gpt")
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    two = ex.Plan.from_assignment(g, [("cpu:0", "cpu:1"), ("cpu:2",)],
+                                  {n: i % 2 for i, n in enumerate(ops)})
+    plan = two.with_tensor(2, stages=[0], sequence=True).with_memory(async_tensor=True)
+    assert [plan.settings_of(s).async_tensor for s in (0, 1)] == [True, False]
+    assert plan.settings_of(0).describe() == "tensor 2, sequence, async tensor"
+    d = plan.to_dict()
+    assert d["version"] == 5 and d["stage_settings"][0]["async_tensor"] is True
+    assert ex.Plan.from_dict(d, g) == plan
+    # it ends with the sequence split, and goes nowhere without one
+    assert not plan.with_memory(sequence=False).settings_of(0).async_tensor
+    assert not plan.with_tensor(1, stages=[0]).uses_memory_settings
+    with pytest.raises(PlanError, match="split a stage by tensor and sequence first"):
+        two.with_tensor(2, stages=[0]).with_memory(async_tensor=True)
+    with pytest.raises(PlanError, match="turn sequence parallelism on"):
+        StageSettings(tensor=2, async_tensor=True)
+    d["stage_settings"][0]["async_tensor"] = 1
     with pytest.raises(PlanError, match="true or false"):
         ex.Plan.from_dict(d, g)
