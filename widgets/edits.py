@@ -103,7 +103,7 @@ def fitted(settings: StageSettings, n_devices: int) -> StageSettings:
     """A stage's settings once it has ``n_devices``: a tensor-parallel degree that no longer
     divides them falls back to 1 (each device holds whole layers again)."""
     return (settings if n_devices % settings.tensor == 0
-            else replace(settings, tensor=1, sequence=False))
+            else replace(settings, tensor=1, sequence=False, async_tensor=False))
 
 
 def split_targets(plan: ex.Plan, cluster: ex.Cluster) -> list[str]:

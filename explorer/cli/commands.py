@@ -15,10 +15,10 @@ import explorer as ex
 from explorer.analysis.throughput import throughput, tokens_per_step
 from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
+from explorer.cli.splits import add_split_options, split_options
 from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory, untrusted_factory
 from explorer.core.plan import SCHEDULES
-from explorer.core.plan_layout import unsplit_notes
 from explorer.core.units import MiB, table
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
@@ -90,63 +90,23 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
         opts = {k: v for k, v in settings.items() if k in alg.options and v is not None}
         if "schedules" in alg.options and settings.get("schedule"):  # (degrees tries several)
             opts["schedules"] = [settings["schedule"]]
-        if "memory" in alg.options and memory:  # (degrees ranks its plans with them)
-            opts["memory"] = memory
+        # (degrees ranks its plans with them, async tensor parallelism where it splits
+        # by sequence)
+        searched_async = "memory" in alg.options and bool(settings.get("async_tensor"))
+        if "memory" in alg.options and (memory or searched_async):
+            opts["memory"] = {**memory, **({"async_tensor": True} if searched_async else {})}
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
                 plan = _with_memory(plan, memory)
             plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"),
-                                 graph)
+                                 graph, bool(settings.get("async_tensor")) and not searched_async)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except SearchTooLarge as exc:  # refused before its search: too large for it
             out.append((name, None, f"skipped: {exc}"))
         except ExplorerError as exc:
             out.append((name, None, str(exc)))
     return out
-
-
-def tensor_split(plan, degree: int):
-    """``plan`` with every stage whose device count ``degree`` divides split that many ways
-    by tensor parallelism (its other stages as they were)."""
-    stages = [s for s, devs in enumerate(plan.stages) if len(devs) % degree == 0]
-    if not stages:
-        raise ExplorerError(f"--tensor {degree} divides the devices of none of this plan's "
-                            f"stages ({', '.join(str(len(d)) for d in plan.stages)} devices); "
-                            "use a degree that divides a stage's device count")
-    return plan.with_tensor(degree, stages=stages)
-
-
-def split_options(plan, tensor: int, sequence: bool | None, graph=None):
-    """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`) and
-    ``--sequence-parallel`` (on every tensor-parallel stage) applied; with the ``graph``, a
-    stage the degree (or its sequence parallelism) splits nothing of says so first in the
-    plan's notes."""
-    if tensor > 1:
-        plan = tensor_split(plan, tensor)
-    if sequence:
-        stages = [s for s in range(len(plan.stages)) if plan.tensor_of(s) > 1]
-        if not stages:
-            raise ExplorerError("--sequence-parallel splits the ops between tensor-parallel "
-                                "blocks, and this plan has no tensor-parallel stage: add "
-                                "--tensor N (N dividing a stage's device count) or use "
-                                "--algorithm degrees")
-        plan = plan.with_memory(sequence=True, stages=stages)
-    unsplit = unsplit_notes(graph, plan) if graph is not None and (tensor > 1 or sequence) else ()
-    if unsplit:
-        plan = plan.with_settings(notes=(*unsplit, *plan.notes))
-    return plan
-
-
-def add_split_options(parser: argparse.ArgumentParser) -> None:
-    """``--tensor`` and ``--sequence-parallel``."""
-    parser.add_argument("--tensor", type=_positive_int, default=1,
-                        help="split each layer of every stage whose device count it divides "
-                             "this many ways (tensor parallelism, Megatron-style); default 1")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="on tensor-parallel stages, also split the norms and residual "
-                             "adds between the split blocks along the sequence (Megatron-LM's "
-                             "sequence parallelism)")
 
 
 def _with_memory(plan, memory: dict[str, Any]):
@@ -169,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
                 "optimizer": args.optimizer, "virtual_stages": args.virtual_stages,
                 "tensor": args.tensor,
-                "sequence": args.sequence_parallel}
+                "sequence": args.sequence_parallel, "async_tensor": args.async_tensor}
     results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
@@ -279,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory = memory_settings(args)
     if memory:
         plan = plan.with_memory(**memory)
-    plan = split_options(plan, args.tensor, args.sequence_parallel, graph)
+    plan = split_options(plan, args.tensor, args.sequence_parallel, graph, args.async_tensor)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet,

@@ -230,6 +230,17 @@ class TestPlan:
                 < plans[0]["peak_memory_by_category"]["T4:0"]["activations"])
         rc, _, err = _run(capsys, *gpt[:-3], "--sequence-parallel", "--json")
         assert rc == 1 and "this plan has no tensor-parallel stage: add --tensor N" in err
+        # async tensor parallelism: the same memory, collectives beside the matmuls on GPUs
+        rc, out, err = _run(capsys, *gpt, "--sequence-parallel", "--async-tensor")
+        assert rc == 0, err
+        (overlapped,) = json.loads(out)["plans"]
+        assert overlapped["memory_settings"] == ["tensor 2, sequence, async tensor"]
+        assert overlapped["step_s"] < plans[1]["step_s"]
+        assert overlapped["peak_bytes"] == plans[1]["peak_bytes"]
+        rc, _, err = _run(capsys, *gpt, "--async-tensor")
+        assert rc == 1 and "--async-tensor pipelines the all-gathers" in err
+        rc, out, err = _run(capsys, *gpt[:-5], "--algorithm", "degrees", "--async-tensor", "--json")
+        assert rc == 0, err
 
     def test_memory_settings_apply_to_every_stage_and_memory_comes_by_category(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import explorer as ex
-from explorer.cli.commands import split_options
+from explorer.cli.splits import split_options
 
 
 def test_tensor_that_splits_nothing_is_the_plans_first_note():

@@ -140,8 +140,16 @@ def test_the_widget_shows_splits_and_the_table_shows_degrees(gpt):
     w.stages.sequence.value = True  # norms and residual adds split along the sequence
     assert w.session.plan.sequence_of(stage) and "1 x 2 (sequence)" in w.stages.table.value
     assert w.session.prediction.memory["H100:2"].activations_bytes < before
+    assert w.stages.async_tensor.disabled is False and not w.stages.async_tensor.value
+    sequential_s = w.session.prediction.step_s
+    w.stages.async_tensor.value = True  # its collectives beside the matmuls (GPUs)
+    assert w.session.plan.settings_of(stage).async_tensor
+    assert "1 x 2 (sequence, async)" in w.stages.table.value
+    assert w.session.prediction.step_s < sequential_s
+    w.session.undo()
     w.session.undo()
     assert not w.session.plan.sequence_of(stage) and not w.stages.sequence.value
+    assert w.stages.async_tensor.disabled and not w.stages.async_tensor.value
     w.session.keep("split")
     assert "dp 1 x tp 2 x pp 2" in w.plans.table.value
 

@@ -60,9 +60,11 @@ class StageSettingsPanel(Panel):
                                  layout=W.Layout(width="auto"))
         self.sequence = W.Checkbox(description="sequence-parallel", indent=False,
                                    layout=W.Layout(width="auto"))
+        self.async_tensor = W.Checkbox(description="async (on GPUs)", indent=False,
+                                       layout=W.Layout(width="auto"))
         for w, css in ((self.zero, "pe-zero"), (self.recompute, "pe-recompute"),
                        (self.precision, "pe-precision"), (self.tensor, "pe-tensor"),
-                       (self.sequence, "pe-sequence")):
+                       (self.sequence, "pe-sequence"), (self.async_tensor, "pe-async-tensor")):
             w.add_class(css)
             w.observe(self._on_setting, "value")
         self.stage.observe(lambda _: self._show_stage(), "value")
@@ -75,20 +77,23 @@ class StageSettingsPanel(Panel):
                        "gradients (2) and the weights (3) over a stage's replicas; a "
                        "tensor-parallel degree splits its layers over that many of its "
                        "devices (replicas x tensor), and sequence parallelism also splits "
-                       "the norms and residual adds between its blocks along the sequence; "
+                       "the norms and residual adds between its blocks along the sequence "
+                       "(async: on GPUs, its collectives pipelined with the matrix products); "
                        "each change is estimated at once, and undo takes it back")
         self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
-                                               self.precision, self.tensor, self.sequence]),
+                                               self.precision, self.tensor, self.sequence,
+                                               self.async_tensor]),
                               self.note, self.table])
 
     def apply(self) -> None:
         """Set the chosen stage(s) to the values the controls show (as changing one does)."""
         k = self.stage.value
+        sequence = self.sequence.value and self.tensor.value > 1
         try:
             self.session.set_memory(self.zero.value, self.recompute.value,
                                     self.precision.value, None if k == ALL_STAGES else [k],
-                                    tensor=self.tensor.value,
-                                    sequence=self.sequence.value and self.tensor.value > 1)
+                                    tensor=self.tensor.value, sequence=sequence,
+                                    async_tensor=self.async_tensor.value and sequence)
         finally:  # a refused change: the controls show the plan's settings again
             self._show_stage()
 
@@ -108,7 +113,8 @@ class StageSettingsPanel(Panel):
             rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
                          st.recompute, st.precision,
                          f"{plan.replicas_of(k)} x {st.tensor}"
-                         + (" (sequence)" if st.sequence else "")))
+                         + (" (sequence, async)" if st.async_tensor
+                            else " (sequence)" if st.sequence else "")))
         self.table.value = html_table(
             ("stage", "devices", "ZeRO", "recompute", "precision", "replicas x tensor"), rows,
             f"plan: {degrees_text(plan)}")
@@ -133,6 +139,8 @@ class StageSettingsPanel(Panel):
             self.tensor.value = st.tensor
             self.sequence.value = st.sequence
             self.sequence.disabled = st.tensor == 1
+            self.async_tensor.value = st.async_tensor
+            self.async_tensor.disabled = not st.sequence
 
     def _on_setting(self, _change) -> None:
         if not self._syncing:

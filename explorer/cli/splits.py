@@ -1,0 +1,76 @@
+"""The command line's tensor-parallel options: ``--tensor``, ``--sequence-parallel`` and
+``--async-tensor``, applied to a plan's stages (:meth:`explorer.core.plan.Plan.with_tensor`,
+:meth:`explorer.core.plan.Plan.with_memory`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from explorer.core.errors import ExplorerError
+from explorer.core.plan_layout import unsplit_notes
+
+
+def _degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 10**9:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (at most 10**9), "
+                                         f"not {text!r}")
+    return value
+
+
+def tensor_split(plan, degree: int):
+    """``plan`` with every stage whose device count ``degree`` divides split that many ways
+    by tensor parallelism (its other stages as they were)."""
+    stages = [s for s, devs in enumerate(plan.stages) if len(devs) % degree == 0]
+    if not stages:
+        raise ExplorerError(f"--tensor {degree} divides the devices of none of this plan's "
+                            f"stages ({', '.join(str(len(d)) for d in plan.stages)} devices); "
+                            "use a degree that divides a stage's device count")
+    return plan.with_tensor(degree, stages=stages)
+
+
+def split_options(plan, tensor: int, sequence: bool | None, graph=None,
+                  async_tensor: bool = False):
+    """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`),
+    ``--sequence-parallel`` (on every tensor-parallel stage) and ``--async-tensor`` (on every
+    sequence-parallel stage) applied; with the ``graph``, a stage the degree (or its sequence
+    parallelism) splits nothing of says so first in the plan's notes."""
+    if tensor > 1:
+        plan = tensor_split(plan, tensor)
+    if sequence:
+        stages = [s for s in range(len(plan.stages)) if plan.tensor_of(s) > 1]
+        if not stages:
+            raise ExplorerError("--sequence-parallel splits the ops between tensor-parallel "
+                                "blocks, and this plan has no tensor-parallel stage: add "
+                                "--tensor N (N dividing a stage's device count) or use "
+                                "--algorithm degrees")
+        plan = plan.with_memory(sequence=True, stages=stages)
+    if async_tensor:
+        stages = [s for s in range(len(plan.stages)) if plan.sequence_of(s)]
+        if not stages:
+            raise ExplorerError("--async-tensor pipelines the all-gathers and reduce-scatters "
+                                "of sequence parallelism, and this plan has none: add "
+                                "--tensor N --sequence-parallel, or use --algorithm degrees")
+        plan = plan.with_memory(async_tensor=True, stages=stages)
+    unsplit = unsplit_notes(graph, plan) if graph is not None and (tensor > 1 or sequence) else ()
+    if unsplit:
+        plan = plan.with_settings(notes=(*unsplit, *plan.notes))
+    return plan
+
+
+def add_split_options(parser: argparse.ArgumentParser) -> None:
+    """``--tensor``, ``--sequence-parallel`` and ``--async-tensor``."""
+    parser.add_argument("--tensor", type=_degree, default=1,
+                        help="split each layer of every stage whose device count it divides "
+                             "this many ways (tensor parallelism, Megatron-style); default 1")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="on tensor-parallel stages, also split the norms and residual "
+                             "adds between the split blocks along the sequence (Megatron-LM's "
+                             "sequence parallelism)")
+    parser.add_argument("--async-tensor", action="store_true",
+                        help="on sequence-parallel stages, pipeline the all-gathers and "
+                             "reduce-scatters with the matrix products beside them (torch's "
+                             "async tensor parallelism, on GPUs; CPU ranks run them in turn)")
