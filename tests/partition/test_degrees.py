@@ -24,6 +24,7 @@ from explorer.partition.degrees import (
     mesh_costs,
 )
 from explorer.partition.degrees.interleave import interleaved
+from explorer.partition.degrees.partitioner import with_memory_settings
 from explorer.partition.pipeline_dp import choose_layers
 from explorer.simulate.simulator import simulate
 
@@ -116,6 +117,17 @@ def test_memory_settings_rank_the_simulated_candidates():
     assert all(plan.settings_of(s).precision == "bf16" for s in range(len(plan.stages)))
     assert all(plan.settings_of(s).zero == 1 for s in range(len(plan.stages)))
     assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
+    # async tensor parallelism on the sequence-parallel candidates: brute force again
+    overlapped = {**memory, "async_tensor": True}
+    brute = min(r.step_s for c in cands for r in [simulate(g, with_memory_settings(
+        candidate_plan(g, space, c, "adam", {}, {}), overlapped), costs)] if r.fits)
+    plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands), memory=overlapped,
+                        compare_pipeline_dp=False, compare_baselines=False,
+                        virtual_stages=[1])
+    assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
+    assert all(plan.settings_of(s).async_tensor == plan.sequence_of(s)
+               for s in range(len(plan.stages)))
+    assert any(c.sequence for c in cands)
     with pytest.raises(ExplorerError, match="ZeRO stage 5"):
         ex.partition(g, cl, costs, "degrees", memory={"zero": 5})
     with pytest.raises(ExplorerError, match="no setting 'zro'; its settings are zero"):
@@ -247,9 +259,11 @@ def gpt_pipeline():
 
 def test_the_best_pipeline_is_interleaved_where_that_is_faster(gpt_pipeline):
     """The 1F1B pipeline the search finds, re-cut into 2 and 4 chunks per stage (the
-    simulator's every choice, by brute force): the fastest that fits is returned."""
+    simulator's every choice, by brute force): the fastest that fits is returned. By default
+    every simulated pipeline is re-cut, also into one layer a chunk: never slower."""
     g, cl, costs = gpt_pipeline
-    search = {"micro_batches": [8], "schedules": ["1f1b"], "tensor_degrees": [1]}
+    search = {"micro_batches": [8], "schedules": ["1f1b"], "tensor_degrees": [1],
+              "simulate_top": 1}
     plain = ex.partition(g, cl, costs, "degrees", virtual_stages=[1], **search)
     assert plain.schedule == "1f1b" and len(plain.stages) > 1
     layers, _ = choose_layers(g, plain.options["depth"], 400, 1, False)
@@ -263,13 +277,19 @@ def test_the_best_pipeline_is_interleaved_where_that_is_faster(gpt_pipeline):
         runs = [recut.placement[a] for a, b in itertools.pairwise(ops)
                 if recut.placement[a] != recut.placement[b]] + [recut.placement[ops[-1]]]
         assert runs == list(range(len(plain.stages))) * v  # chunks taken in turn
-    plan = ex.partition(g, cl, costs, "degrees", **search)
+    plan = ex.partition(g, cl, costs, "degrees", virtual_stages=[1, 2, 4], **search)
     best = min(steps, key=steps.get)
     assert best > 1  # (interleaving wins here)
     assert plan.schedule == "interleaved-1f1b" and plan.options["virtual_stages"] == best
     assert math.isclose(simulate(g, plan, costs).step_s, steps[best], rel_tol=1e-12)
     assert "chunks of layers per stage under interleaved 1F1B" in plan.notes[-1]
     assert plan.stages == plain.stages and plan.stage_settings == plain.stage_settings
+    most = len(layers) // len(plain.stages)
+    deepest = simulate(g, interleaved(g, plain, costs, layers, most), costs)
+    default = simulate(g, ex.partition(g, cl, costs, "degrees", **{**search,
+                                                                    "simulate_top": 4}), costs)
+    assert default.fits and default.step_s <= min(
+        [steps[best]] + [deepest.step_s] * deepest.fits) * (1 + 1e-9)
     # only interleaved plans, when asked for
     only = ex.partition(g, cl, costs, "degrees", **{**search,
                                                       "schedules": ["interleaved-1f1b"]})

@@ -42,6 +42,7 @@ from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
 from explorer.costs.model import CostModel
+from explorer.costs.strategies import is_matmul_like
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
 
 
@@ -64,12 +65,16 @@ class LayerCosts:
 def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                 layers: Sequence[Sequence[int]], tp: int, tensor_group: Sequence[str],
                 optimizer: str, type_ids: Sequence[str], sequence: bool = False,
-                settings: StageSettings | None = None) -> LayerCosts | None:
+                settings: StageSettings | None = None,
+                async_tensor: bool = False) -> LayerCosts | None:
     """The per-layer costs of ``base`` (pipeline-dp's table of ``layers`` on the device types
     ``type_ids``, its memory under the memory ``settings``) with the graph split ``tp`` ways
     on ``tensor_group`` (``sequence``: with sequence parallelism; its once-a-step all-reduce
     of the norms' weights is left to the simulator); None when the layout splits no weight
-    at that degree."""
+    at that degree. ``async_tensor`` (with ``sequence``, on devices that pipeline them): a
+    matrix product's all-gathers and reduce-scatters count one piece in ``tp``, the part
+    that a product longer than its transfer leaves exposed (the simulator prices both
+    sides)."""
     if tp == 1:
         return LayerCosts(1, base, StageTables(base), np.zeros(len(layers)),
                           np.zeros(len(layers)), (0.0, 0.0))
@@ -118,12 +123,16 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                 fixed_cut[k, layer_of[i]] += max(0.0, t0 - ovh) * keep
     lat, spb = linear_fit(lambda x: costs.allreduce_s(tuple(tensor_group), int(x)))
     count, nbytes = np.zeros(n), np.zeros(n)
+    pipelined = sequence and async_tensor and all(
+        costs.platform(dev).pipelines_tensor_collectives for dev in tensor_group)
     for _, kind, reduce in layout.collectives():
         share = 1.0 if kind == "allreduce" else 0.5  # (an all-gather or a reduce-scatter)
         for i in in_order(reduce):
             j = layer_of[i]
-            count[j] += share
-            nbytes[j] += share * reduce[graph.nodes[i].name]
+            exposed = (1.0 / tp if pipelined and kind != "allreduce"
+                       and is_matmul_like(graph.nodes[i]) else 1.0)
+            count[j] += share * exposed
+            nbytes[j] += share * exposed * reduce[graph.nodes[i].name]
     per_byte = np.array([costs.optimizer_s(dev, optimizer, 1, 0) for dev in type_ids])
     table = replace(base, fixed_s=base.fixed_s - fixed_cut + count * lat,
                     var_s=base.var_s - var_cut + nbytes * spb,

@@ -55,15 +55,18 @@ def interleaved(graph: OpGraph, plan: Plan, costs: CostModel,
 
 def best_interleaved(graph: OpGraph, costs: CostModel, layers: Sequence[Sequence[int]],
                      best: tuple[Plan, Prediction], virtual_stages: Sequence[int],
-                     only_interleaved: bool = False) -> tuple[Plan, Prediction] | None:
+                     only_interleaved: bool = False,
+                     deepest: bool = False) -> tuple[Plan, Prediction] | None:
     """``best`` (a 1F1B pipeline) or its interleaved re-cut with each of ``virtual_stages``
-    chunks per stage, whichever the simulator finds fastest and fitting (a note says what
-    interleaving changed); with ``only_interleaved`` one of the re-cuts, or None."""
+    chunks per stage (``deepest``: and with one layer a chunk, as many as the layers allow),
+    whichever the simulator finds fastest and fitting (a note says what interleaving
+    changed); with ``only_interleaved`` one of the re-cuts, or None."""
     plan, pred = best
     if plan.schedule != "1f1b":
         return None if only_interleaved else best
     chosen: tuple[Plan, Prediction] | None = None if only_interleaved else best
-    for v in sorted(set(virtual_stages) - {1}):
+    most = len(layers) // len(plan.stages)
+    for v in sorted((set(virtual_stages) | ({most} if deepest else set())) - {1}):
         other = interleaved(graph, plan, costs, layers, v)
         if other is None:
             continue

@@ -37,7 +37,7 @@ PIPELINE_DP_CELLS = 5e7
 MAX_LAYERS = 400
 
 #: the memory settings the ``memory`` option takes (``Plan.with_memory``'s keywords)
-MEMORY_KEYWORDS = ("zero", "recompute", "precision")
+MEMORY_KEYWORDS = ("zero", "recompute", "precision", "async_tensor")
 
 
 def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str,
@@ -77,7 +77,7 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
             max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
             compare_pipeline_dp: bool = True, compare_baselines: bool = True,
             memory: Mapping[str, Any] | None = None,
-            virtual_stages: Sequence[int] = VIRTUAL_STAGES) -> Plan:
+            virtual_stages: Sequence[int] | None = None) -> Plan:
     """Data x tensor x pipeline degrees, micro-batches and schedule, by exhaustive search.
 
     The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
@@ -108,9 +108,9 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         Pipeline schedules to try (default GPipe and 1F1B; ``"interleaved-1f1b"``: the best
         1F1B pipeline re-cut with ``virtual_stages``, and nothing else).
     virtual_stages : list of int
-        Chunks of layers per stage to re-cut the best 1F1B pipeline into, each taken in
-        turn around the stages under interleaved 1F1B (default 1, 2 and 4; 1 keeps it as it
-        is): the simulator keeps the fastest that fits.
+        Chunks of layers per stage to re-cut each simulated 1F1B pipeline into, each taken
+        in turn around the stages under interleaved 1F1B (default 1, 2, 4 and one layer a
+        chunk; 1 keeps it as it is): the simulator keeps the fastest that fits.
     depth, max_layers
         Module depth of the layers (``None``: the finest depth with at most ``max_layers``
         layers).
@@ -122,9 +122,10 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         small enough, and return its plan when the simulator finds it faster.
     memory : dict, optional
         Memory settings (``Plan.with_memory``'s keywords: ``zero``, ``recompute``,
-        ``precision``) every simulated candidate, and pipeline-dp's plan, is scored with and
-        the plan returned carries, so that the simulator ranks the plans as they will run;
-        the estimate that picks the candidates to simulate prices them without.
+        ``precision``, and ``async_tensor`` for the sequence-parallel splits) every
+        simulated candidate, and pipeline-dp's plan, is scored with and the plan returned
+        carries, so that the simulator ranks the plans as they will run; the estimate that
+        picks the candidates to simulate holds them too.
     k, optimizer, compare_baselines
         As in :class:`explorer.partition.options.Options`.
 
@@ -148,7 +149,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     ids = opts.devices(cluster)
     pins = dict(pins or {})
     micro_batches = _checked_options(micro_batches, simulate_top, memory)
-    virtual_stages = check_virtual_stages(virtual_stages)
+    deepest = virtual_stages is None  # (the default: also one layer a chunk)
+    virtual_stages = check_virtual_stages(VIRTUAL_STAGES if deepest else virtual_stages)
     only_interleaved = list(schedules) == [INTERLEAVED]
     schedules = list(dict.fromkeys("1f1b" if s == INTERLEAVED else s for s in schedules))
     whole = ""
@@ -161,28 +163,30 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         # data and tensor degrees only
         layers, used_depth = [list(range(len(graph.nodes)))], 0
         whole = f"degrees: one pipeline stage only ({exc})"
+    stage_memory = {k: v for k, v in (memory or {}).items() if k != "async_tensor"}
     space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
-                        schedules, pins, 1.0, StageSettings(**memory) if memory else None)
+                        schedules, pins, 1.0,
+                        StageSettings(**stage_memory) if stage_memory else None,
+                        async_tensor=bool((memory or {}).get("async_tensor")))
     cands = enumerate_candidates(space, costs, graph.batch_size)
     base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
                  "candidates": len(cands)}
-    best, tried = _best_simulated(graph, costs, space, cands, optimizer, pins, base_opts,
-                                  simulate_top, memory)
-    failure = "" if best is not None else (
+    fitting, tried = _best_simulated(graph, costs, space, cands, optimizer, pins, base_opts,
+                                     simulate_top, memory)
+    failure = "" if fitting else (
         f"degrees: none of {tried} candidates the estimate found fitting fits the simulator's "
         "memory accounting" if cands else "degrees: no mesh, micro-batch count and split fits "
         "the devices' memory by the estimate")
-    if best is not None:
-        plan, pred = best
-        cand_note = (f"degrees: {_describe(_chosen(plan), len(ids))}: simulated "
-                     f"{pred.step_s:.4g} s per step (estimate {plan.options['estimate_s']:.4g}"
-                     f" s); the fastest of {tried} simulated of {len(cands)} candidates")
-        best = (plan.with_settings(notes=(cand_note, *([whole] if whole else [])),
-                                   options={**plan.options, "simulated": tried}), pred)
-        if not pins:  # (a re-cut would move pinned nodes)
-            best = best_interleaved(graph, costs, space.layers, best, virtual_stages,
-                                    only_interleaved)
-            failure = "" if best is not None else NOT_INTERLEAVED
+    noted = [_noted(found, len(ids), tried, len(cands), whole) for found in fitting]
+    best = noted[0] if noted else None
+    if noted and not pins:  # (a re-cut would move pinned nodes)
+        # (each simulated candidate re-cut: a deeper pipeline the estimate ranks below
+        # another may pass it once interleaved)
+        recut = [best_interleaved(graph, costs, space.layers, found, virtual_stages,
+                                  only_interleaved, deepest) for found in noted]
+        best = min((r for r in recut if r is not None), key=lambda r: r[1].step_s,
+                   default=None)
+        failure = "" if best is not None else NOT_INTERLEAVED
     if compare_pipeline_dp and not only_interleaved:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
                                     len(layers), len(ids), memory)
@@ -210,25 +214,50 @@ def _checked_options(micro_batches: int | Sequence[int] | None, simulate_top: in
 def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Sequence[Candidate],
                     optimizer: str, pins: Mapping[str, str], base_opts: Mapping,
                     simulate_top: int, memory: Mapping[str, Any] | None
-                    ) -> tuple[tuple[Plan, Prediction] | None, int]:
+                    ) -> tuple[list[tuple[Plan, Prediction]], int]:
     """Simulate the candidates in the estimate's order (with the ``memory`` settings) until
-    ``simulate_top`` of them fit, or three times as many were tried; the fastest that fits
-    and how many were simulated."""
-    best: tuple[Plan, Prediction] | None = None
-    tried = fitting = 0
+    ``simulate_top`` of them fit, or three times as many were tried; those that fit, fastest
+    first (the estimate's order among equals), and how many were simulated."""
+    fitting: list[tuple[Plan, Prediction]] = []
+    tried = 0
     for cand in cands:
-        if fitting >= simulate_top or tried >= 3 * simulate_top:
+        if len(fitting) >= simulate_top or tried >= 3 * simulate_top:
             break
         plan = candidate_plan(graph, space, cand, optimizer, pins, base_opts)
-        if memory:
-            plan = plan.with_memory(**memory)
+        plan = with_memory_settings(plan, memory)
         pred = simulate(graph, plan, costs)
         tried += 1
         if pred.fits:
-            fitting += 1
-            if best is None or pred.step_s < best[1].step_s * (1 - 1e-9):
-                best = (plan, pred)
-    return best, tried
+            fitting.append((plan, pred))
+    fastest = min((pred.step_s for _, pred in fitting), default=0.0)
+
+    def order(found: tuple[Plan, Prediction]) -> float:
+        # (a step within a relative 1e-9 of the fastest is as fast: the estimate's order)
+        step = found[1].step_s
+        return 0.0 if step <= fastest * (1 + 1e-9) else step
+
+    return sorted(fitting, key=order), tried
+
+
+def _noted(found: tuple[Plan, Prediction], devices: int, tried: int, candidates: int,
+           whole: str) -> tuple[Plan, Prediction]:
+    """A simulated candidate with the note that says what it is and how it was found."""
+    plan, pred = found
+    note = (f"degrees: {_describe(_chosen(plan), devices)}: simulated {pred.step_s:.4g} s "
+            f"per step (estimate {plan.options['estimate_s']:.4g} s); one of {tried} "
+            f"simulated of {candidates} candidates")
+    return (plan.with_settings(notes=(note, *([whole] if whole else [])),
+                               options={**plan.options, "simulated": tried}), pred)
+
+
+def with_memory_settings(plan: Plan, memory: Mapping[str, Any] | None) -> Plan:
+    """``plan`` with the search's ``memory`` settings on every stage (async tensor
+    parallelism where a stage splits by sequence)."""
+    if not memory:
+        return plan
+    sequence = any(plan.sequence_of(s) for s in range(len(plan.stages)))
+    return plan.with_memory(**{k: v for k, v in memory.items()
+                               if k != "async_tensor" or sequence})
 
 
 def _chosen(plan: Plan) -> Candidate:
@@ -257,8 +286,7 @@ def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,
                                                     compare_baselines=False)
     except MemoryExceededError:
         return best
-    if memory:
-        other = other.with_memory(**memory)
+    other = with_memory_settings(other, memory)
     pred = simulate(graph, other, costs)
     if not pred.fits or (best is not None and best[1].step_s <= pred.step_s * (1 + 1e-9)):
         return best

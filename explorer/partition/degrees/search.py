@@ -97,13 +97,13 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 layers: Sequence[Sequence[int]], optimizer: str,
                 tensor_degrees: Sequence[int] | None, micro_batches: Sequence[int] | None,
                 schedules: Sequence[str], pins: Mapping[str, str], headroom: float,
-                settings: StageSettings | None = None) -> Space:
+                settings: StageSettings | None = None, async_tensor: bool = False) -> Space:
     """The space on devices ``ids``: tensor degrees (default: the divisors of the device
     count up to :func:`fast_group`, at which the Megatron layout splits some weight), each
     with and without sequence parallelism (where it splits something more), micro-batch
     counts (default: every divisor of a replica's share of the batch) and schedules; the
     memory estimated under the memory ``settings`` every stage gets (ZeRO over each mesh's
-    replicas)."""
+    replicas); ``async_tensor``: the sequence-parallel splits pipeline their collectives."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -132,7 +132,7 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
             by_tensor[tp] = lc
         if lc is not None and tp > 1 and megatron_layout(graph, tp, True).sequence_ops:
             seq = layer_costs(graph, costs, base, layers, tp, ids[:tp], optimizer, type_ids,
-                              sequence=True, settings=settings)
+                              sequence=True, settings=settings, async_tensor=async_tensor)
             if seq is not None:
                 by_sequence[tp] = seq
     layer_of = {i: j for j, layer in enumerate(layers) for i in layer}
