@@ -117,6 +117,9 @@ class NativePlan:
     #: sequence shards (its shape whole, as the model's own code reads it), and it works on
     #: this device's positions as a plain tensor, as the blocks hand them on
     sequence_entry: str = ""
+    #: async tensor parallelism: on CUDA, the compiler pipelines the sequence-parallel
+    #: all-gathers and reduce-scatters with the matmuls beside them
+    async_tensor: bool = False
 
     @property
     def stages(self) -> int:
@@ -159,7 +162,7 @@ def native_plan(graph: OpGraph, plan: Plan, source: dict, made: Any = None) -> N
         algorithm=plan.algorithm,
         stage_starts=starts, schedule=plan.schedule,  # type: ignore[arg-type]
         virtual_stages=(len(starts) + 1) // len(plan.stages) if starts else 1,
-        **tensor)
+        async_tensor=settings.async_tensor, **tensor)
 
 
 def _check_pipeline_ends(made: Any) -> None:

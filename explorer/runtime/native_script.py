@@ -40,6 +40,7 @@ from explorer.runtime.native_mapping import (
     stage_starts,
 )
 from explorer.runtime.native_tensor import (
+    async_tensor_body,
     loss_holders,
     loss_parallel,
     split_weights_section,
@@ -118,7 +119,9 @@ def _plan_words(p: NativePlan) -> str:
     if p.tensor > 1:
         sequence = any(style == "sequence_norm" for _, style in p.tensor_styles)
         parts.append(f"each layer split {p.tensor} ways (tensor parallel"
-                     + (", the norms between along the sequence)" if sequence else ")"))
+                     + (", the norms between along the sequence" if sequence else "")
+                     + ("; async on CUDA: collectives pipelined with the matmuls"
+                        if p.async_tensor else "") + ")")
     if p.replicas > 1:
         parts.append(f"{p.replicas} data-parallel replicas"
                      + ("" if not p.zero else f" with ZeRO {p.zero}"))
@@ -143,7 +146,8 @@ def _imports(p: NativePlan) -> str:
     lines += ["import gc", "import os", "import time"]
     if p.recompute == "selective":
         lines.append("from functools import partial")
-    lines += ["", "import torch", "import torch.distributed as dist",
+    lines += ["", "import torch"] + ["import torch._inductor.config"] * p.async_tensor + [
+              "import torch.distributed as dist",
               "from torch.distributed.checkpoint.state_dict import StateDictOptions, "
               "set_model_state_dict",
               "from torch.distributed.device_mesh import init_device_mesh"]
@@ -194,9 +198,10 @@ def _constants(p: NativePlan, steps: int, lr: float) -> str:
             lines.append(f"VIRTUAL_STAGES = {p.virtual_stages}")
     if p.tensor > 1:
         lines += tensor_constants(p)
-    if p.blocks and (_fsdp(p) or p.recompute != "none"):
+    if p.blocks and (_fsdp(p) or p.recompute != "none" or p.async_tensor):
         what = " and ".join(x for x in ("sharded" if _fsdp(p) else "",
-                                        "recomputed" if p.recompute != "none" else "") if x)
+                                        "recomputed" if p.recompute != "none" else "",
+                                        "compiled (on CUDA)" if p.async_tensor else "") if x)
         lines.append(f"#: the model's blocks, {what} one at a time")
         lines += listed("BLOCKS", p.blocks)
     if p.precision != "fp32":
@@ -344,6 +349,7 @@ def _parallelize_section(p: NativePlan) -> str:
         body = tensor_body(p)
         if p.blocks and p.recompute != "none":
             body += ["    for path in BLOCKS:", "        recompute(model.get_submodule(path))"]
+        body += async_tensor_body(p)
     note = notes[p.zero] if _fsdp(p) else ""
     what = ("each module split as TENSOR_LAYOUT says" if p.tensor > 1 else
             "in torchtitan's order: recomputation, then sharding")

@@ -152,3 +152,17 @@ def interleave_fused(initial: torch.nn.Module, ranks: int) -> None:
                     rows = tensor.unflatten(0, (parts, ranks, -1))
                     tensor.copy_(rows.transpose(0, 1).flatten(0, 2))
 '''
+
+
+def async_tensor_body(p: NativePlan) -> list[str]:
+    """On CUDA ranks, torch's async tensor parallelism: each split block compiled, with the
+    compiler's micro-pipelining of an all-gather or reduce-scatter with the matmul beside it
+    (torchtitan's ``enable_async_tensor_parallel``); CPU ranks have no symmetric memory and
+    run the collectives in turn."""
+    if not p.async_tensor:
+        return []
+    blocks = ["        for path in BLOCKS:", "            model.get_submodule(path).compile()"]
+    return ['    if mesh["tp"].device_type == "cuda":  # (async tensor parallelism)',
+            "        torch._inductor.config._micro_pipeline_tp = True",
+            *(blocks if p.blocks else ["        model.compile()"])]
+

@@ -237,6 +237,27 @@ class TestText:
         # is whole where the model's own code reads it
         assert 'SEQUENCE_ENTRY = "layers.0"' in text
         assert "register_forward_pre_hook(\n        on_positions, with_kwargs=True)" in text
+        assert "_micro_pipeline_tp" not in text
+
+    def test_async_tensor_parallelism_compiles_the_blocks_on_cuda(self, llama, cpu2):
+        """torchtitan's async tensor parallelism: on CUDA ranks each block compiled with
+        the compiler's micro-pipelining of collectives and matmuls, after its split and
+        recomputation; CPU ranks run as plain sequence parallelism (trained below)."""
+        bm, graph = llama
+        plan = (_replicated(graph, cpu2.ids).with_tensor(2, sequence=True)
+                .with_memory(async_tensor=True, recompute="full"))
+        native = native_plan(graph, plan, bm.record)
+        assert native.async_tensor
+        text = render(native)
+        compile(text, "train.py", "exec")
+        assert "import torch._inductor.config\n" in text
+        assert ('        recompute(model.get_submodule(path))\n'
+                '    if mesh["tp"].device_type == "cuda":  # (async tensor parallelism)\n'
+                '        torch._inductor.config._micro_pipeline_tp = True\n'
+                '        for path in BLOCKS:\n'
+                '            model.get_submodule(path).compile()\n') in text
+        assert "async on CUDA: collectives pipelined with the matmuls" in " ".join(
+            text.split())
 
 
 @pytest.mark.parametrize("source", ["gpt", "llama", "factory_models:hf_gpt2"])
@@ -566,6 +587,8 @@ def test_a_tensor_parallel_script_trains_as_ex_run(factories, cpu2, pool, source
     plan (Hugging Face's Llama: grouped-query attention)."""
     graph, _, model = _captured(source)
     plan = _replicated(graph, cpu2.ids, micro_batches=2).with_tensor(2, sequence=sequence)
+    if source == "gpt":  # (async tensor parallelism: CPU ranks run it as plain sequence)
+        plan = plan.with_memory(async_tensor=True)
     script = ex.export_script(plan, tmp_path / "train.py", graph=graph, steps=3, native=True,
                               **model)
     measured = ex.run(graph, plan=plan, steps=3, warmup=0, progress=False, pool=pool)
