@@ -42,7 +42,8 @@ from explorer.core.plan_schema import (
 )
 
 __all__ = ["DEFAULT_SETTINGS", "INTERLEAVED", "OPTIMIZER_STATE", "PRECISIONS", "RECOMPUTE",
-           "SCHEDULES", "ZERO_STAGES", "Plan", "StageSettings", "check_tensor_alone"]
+           "SCHEDULES", "ZERO_STAGES", "Plan", "StageSettings", "check_no_context",
+           "check_tensor_alone"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ class StageSettings:
     pipelined with the matrix products that read or make them, piece by piece (torch's async
     tensor parallelism, Megatron-LM's tensor-parallel communication overlap; only with
     sequence parallelism, whose collectives they are, and only where the devices can: GPUs
-    with symmetric memory)."""
+    with symmetric memory); ``context``: each replica's ``context`` x ``tensor`` devices
+    also split every sample's sequence ``context`` ways (context parallelism, ring
+    attention: the replicas are ``devices / (context x tensor)``, the context ranks ``tensor``
+    apart, as Megatron-LM orders them; predicted, real steps do not run it yet)."""
 
     zero: int = 0
     recompute: str = "none"
@@ -64,6 +68,7 @@ class StageSettings:
     tensor: int = 1
     sequence: bool = False
     async_tensor: bool = False
+    context: int = 1
 
     def __post_init__(self) -> None:
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
@@ -81,6 +86,9 @@ class StageSettings:
                             "blocks: set a tensor degree above 1 with it")
         if not isinstance(self.async_tensor, bool):
             raise PlanError(f"async_tensor {self.async_tensor!r} must be true or false")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise PlanError(f"context-parallel degree {self.context!r} must be a whole number "
+                            ">= 1")
         if self.async_tensor and not self.sequence:
             raise PlanError("async tensor parallelism pipelines the all-gathers and "
                             "reduce-scatters of sequence parallelism with the matrix products: "
@@ -97,7 +105,8 @@ class StageSettings:
             [self.precision] if self.precision != "fp32" else []) + (
             [f"tensor {self.tensor}"] if self.tensor > 1 else []) + (
             ["sequence"] if self.sequence else []) + (
-            ["async tensor"] if self.async_tensor else [])
+            ["async tensor"] if self.async_tensor else []) + (
+            [f"context {self.context}"] if self.context > 1 else [])
         return ", ".join(parts)
 
 
@@ -111,6 +120,14 @@ def check_tensor_alone(plan: Plan) -> None:
         raise PlanError("real steps of tensor-parallel stages with ZeRO, recomputation or "
                         "bf16/fp16 do not run yet (the prediction stands): to run it, set "
                         "zero=0, recompute='none' and precision='fp32', or tensor=1")
+
+
+def check_no_context(plan: Plan) -> None:
+    """Refuse to run context-parallel stages: the simulator predicts them (ring attention),
+    the runtimes and scripts do not run them yet."""
+    if plan.uses_context_parallel:
+        raise PlanError("real steps of context-parallel stages do not run yet (the prediction "
+                        "stands): to run the plan, set context=1 (--context 1)")
 
 
 @dataclass(frozen=True)
@@ -196,8 +213,16 @@ class Plan:
     def uses_memory_strategies(self) -> bool:
         """Whether some stage sets ZeRO, recomputation or a reduced precision (the memory
         settings but the tensor split)."""
-        return any(replace(st, tensor=1, sequence=False, async_tensor=False)
+        return any(replace(st, tensor=1, sequence=False, async_tensor=False, context=1)
                    != DEFAULT_SETTINGS for st in self.stage_settings)
+
+    @property
+    def uses_context_parallel(self) -> bool:
+        return any(st.context > 1 for st in self.stage_settings)
+
+    def context_of(self, stage: int) -> int:
+        """The context-parallel degree of ``stage`` (1: each device holds whole samples)."""
+        return self.settings_of(stage).context
 
     @property
     def uses_tensor_parallel(self) -> bool:
@@ -213,7 +238,9 @@ class Plan:
         return self.settings_of(stage).tensor
 
     def replicas_of(self, stage: int) -> int:
-        """How many replicas of ``stage`` split the batch: its devices / its tensor degree."""
+        """How many replicas of ``stage`` split the batch's tokens: its devices / its tensor
+        degree (under context parallelism, each sample's sequence too: the replicas of whole
+        samples are ``replicas_of / context_of``)."""
         return len(self.stages[stage]) // self.tensor_of(stage)
 
     @property
@@ -251,7 +278,7 @@ class Plan:
     def with_memory(self, *, zero: int | None = None, recompute: str | None = None,
                     precision: str | None = None, tensor: int | None = None,
                     sequence: bool | None = None, async_tensor: bool | None = None,
-                    stages: Iterable[int] | None = None) -> Plan:
+                    context: int | None = None, stages: Iterable[int] | None = None) -> Plan:
         """This plan with ZeRO, recomputation, precision or the tensor-parallel degree set on
         ``stages`` (default: all); what is not given stays as it was (but sequence
         parallelism ends with a tensor degree of 1, and async tensor parallelism with it).
@@ -271,11 +298,16 @@ class Plan:
                 precision=old.precision if precision is None else precision,
                 tensor=degree, sequence=split_sequence,
                 async_tensor=split_sequence and (old.async_tensor if async_tensor is None
-                                                 else async_tensor))
+                                                 else async_tensor),
+                context=old.context if context is None else context)
             if len(self.stages[s]) % current[s].tensor:
                 raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which a "
                                 f"tensor-parallel degree of {current[s].tensor} does not "
                                 "divide; use a degree that divides it")
+            if len(self.stages[s]) % (current[s].tensor * current[s].context):
+                raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which "
+                                f"context {current[s].context} x tensor {current[s].tensor} "
+                                "does not divide; use degrees whose product divides it")
         if async_tensor and not any(current[s].sequence for s in chosen):
             raise PlanError("async tensor parallelism pipelines the collectives of sequence "
                             "parallelism: split a stage by tensor and sequence first")
@@ -378,6 +410,7 @@ class Plan:
         no tensor-parallel stage with ZeRO, recomputation or reduced precision
         (:func:`check_tensor_alone`)."""
         check_tensor_alone(self)
+        check_no_context(self)
         self.check_batch(batch_size)
         splits = self.data_parallel * self.micro_batches
         if splits > 1 and batch_splits is False:
@@ -391,10 +424,13 @@ class Plan:
                                          **({"tensor": st.tensor} if st.tensor > 1 else {}),
                                          **({"sequence": True} if st.sequence else {}),
                                          **({"async_tensor": True} if st.async_tensor
+                                            else {}),
+                                         **({"context": st.context} if st.context > 1
                                             else {})}
                                         for st in self.stage_settings]}
                     if self.uses_memory_settings else {})
-        version = (ASYNC_TENSOR_VERSION if any(st.async_tensor for st in self.stage_settings)
+        version = (ASYNC_TENSOR_VERSION if any(st.async_tensor or st.context > 1
+                                               for st in self.stage_settings)
                    else INTERLEAVED_VERSION if self.schedule == INTERLEAVED
                    else TENSOR_VERSION if self.uses_tensor_parallel
                    else MEMORY_VERSION if settings or "factory" in (self.model or {}) else 1)

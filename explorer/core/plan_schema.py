@@ -27,7 +27,7 @@ TENSOR_VERSION = 3
 INTERLEAVED = "interleaved-1f1b"
 #: 4 adds the interleaved 1F1B schedule
 INTERLEAVED_VERSION = 4
-#: 5 adds async tensor parallelism (``async_tensor``)
+#: 5 adds async tensor parallelism (``async_tensor``) and context parallelism (``context``)
 ASYNC_TENSOR_VERSION = 5
 SCHEDULES = ("gpipe", "1f1b", INTERLEAVED)
 #: ZeRO stages over a stage's replicas: 0 replicate everything, 1 shard the optimizer state,
@@ -211,7 +211,9 @@ PLAN_SCHEMA = obj({
                                     # version 3: sequence parallelism with it
                                     "sequence": (boolean, False),
                                     # version 5: async tensor parallelism with it
-                                    "async_tensor": (boolean, False)}),
+                                    "async_tensor": (boolean, False),
+                                    # version 5: the stage's context-parallel degree
+                                    "context": (whole(1, MAX_DEVICES), 1)}),
                                0, MAX_DEVICES), []),
 })
 

@@ -28,7 +28,7 @@ import torch
 from explorer.capture.tracing import captured_graph, step_program
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.core.plan import Plan
+from explorer.core.plan import Plan, check_no_context
 from explorer.core.plan_layout import plan_placements
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import recompute_units, rerun_ops, saved_across_units
@@ -187,6 +187,7 @@ def export_script(plan: Plan, path: str | Path, graph: OpGraph | None = None,
     if "factory" in source:
         plan = replace(plan, model=source)
     plan.validate(graph)
+    check_no_context(plan)
     plan.check_batch(graph.batch_size)
     check_supported(graph, plan)
     path = Path(path)
@@ -240,6 +241,7 @@ def _export_native(plan: Plan, path: str | Path, graph: OpGraph, costs: CostMode
     """``export_script(..., native=True)``: the plan as a PyTorch script, its prediction
     (with ``costs``) in its header."""
     plan.validate(graph)
+    check_no_context(plan)
     plan.check_batch(graph.batch_size)
     source = model_source(plan, graph, factory)
     native = native_plan(graph, plan, source, model_on_meta(source) if source else None)

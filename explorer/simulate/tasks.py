@@ -19,6 +19,7 @@ from explorer.core.plan import Plan
 from explorer.costs.model import CostModel
 from explorer.simulate import tensor as split
 from explorer.simulate.arrays import KIND_INPUT, GraphArrays
+from explorer.simulate.context import add_ring_attention
 from explorer.simulate.effects import add_weight_gathers, stage_effects
 from explorer.simulate.gradient_tasks import GradientTasks
 from explorer.simulate.pipeline_order import PipelineOrder, queue_order
@@ -216,6 +217,9 @@ class TaskBuilder(PipelineOrder, GradientTasks):
         if plan.uses_tensor_parallel:
             self.allreduce_bytes += split.add_split_collectives(g, plan, costs, devices,
                                                                 self.frac, fwd_d, bwd_d)
+        if plan.uses_context_parallel:
+            self.allreduce_bytes += add_ring_attention(
+                g, plan, costs, self.ops_by_stage, self.frac, self.out_act, fwd_d, bwd_d)
         if self.eff is not None:
             self.eff.add_recomputation(g, costs, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)
