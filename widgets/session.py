@@ -397,17 +397,19 @@ class Session(BackgroundMeasuring):
     def set_memory(self, zero: int | None = None, recompute: str | None = None,
                    precision: str | None = None, stages: Iterable[int] | None = None,
                    tensor: int | None = None, sequence: bool | None = None,
-                   async_tensor: bool | None = None) -> None:
+                   async_tensor: bool | None = None, context: int | None = None) -> None:
         """Trade memory for time on ``stages`` (positions in ``plan.stages``; all of them
         when None): ZeRO stage 0-3 over the stage's replicas, activation recomputation
         (none, selective, full) and precision (fp32, bf16, fp16), or split the stages'
         layers ``tensor`` ways over their devices (``sequence``: and the ops between the
         split blocks along the sequence, ``async_tensor``: their collectives pipelined with
-        the matrix products); what is not given stays."""
+        the matrix products), or split each sample's sequence ``context`` ways over their
+        replicas; what is not given stays."""
         chosen = range(len(self.plan.stages)) if stages is None else sorted(set(stages))
         plan = self.plan.with_memory(zero=zero, recompute=recompute, precision=precision,
                                      tensor=tensor, sequence=sequence,
-                                     async_tensor=async_tensor, stages=chosen)
+                                     async_tensor=async_tensor, context=context,
+                                     stages=chosen)
         if plan == self.plan:
             return
         self._commit(plan, self.pins, "memory: " + memory_label(plan, list(chosen)))

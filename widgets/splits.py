@@ -50,10 +50,15 @@ NO_SPLIT = Split("", "", "")
 
 
 def degrees_text(plan: Plan) -> str:
-    """A plan's parallel degrees as ``"dp 2 x tp 2 x pp 1"``: its most replicas, its highest
-    tensor-parallel degree and its stage count."""
-    tp = max((plan.tensor_of(s) for s in range(len(plan.stages))), default=1)
-    return f"dp {plan.data_parallel} x tp {tp} x pp {len(plan.stages)}"
+    """A plan's parallel degrees as ``"dp 2 x tp 2 x pp 1"``: its most replicas (of whole
+    samples), its highest tensor-parallel degree and its stage count, with ``"cp 2 x "``
+    before the tensor degree where a stage splits samples by context parallelism."""
+    stages = range(len(plan.stages))
+    tp = max((plan.tensor_of(s) for s in stages), default=1)
+    cp = max((plan.context_of(s) for s in stages), default=1)
+    dp = max((plan.replicas_of(s) // plan.context_of(s) for s in stages), default=1)
+    context = f"cp {cp} x " if cp > 1 else ""
+    return f"dp {dp} x {context}tp {tp} x pp {len(plan.stages)}"
 
 
 def tensor_groups(plan: Plan, stage: int) -> list[tuple[str, ...]]:

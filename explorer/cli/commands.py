@@ -93,6 +93,10 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
         # (degrees ranks its plans with them, async tensor parallelism where it splits
         # by sequence)
         searched_async = "memory" in alg.options and bool(settings.get("async_tensor"))
+        context = settings.get("context") or 1
+        searched_context = "context_degrees" in alg.options and context > 1
+        if searched_context:  # (degrees tries it beside no context split)
+            opts["context_degrees"] = [1, context]
         if "memory" in alg.options and (memory or searched_async):
             opts["memory"] = {**memory, **({"async_tensor": True} if searched_async else {})}
         try:
@@ -100,7 +104,8 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
             if memory:
                 plan = _with_memory(plan, memory)
             plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"),
-                                 graph, bool(settings.get("async_tensor")) and not searched_async)
+                                 graph, bool(settings.get("async_tensor")) and not searched_async,
+                                 1 if searched_context else context)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except SearchTooLarge as exc:  # refused before its search: too large for it
             out.append((name, None, f"skipped: {exc}"))
@@ -129,7 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     settings = {"micro_batches": args.micro_batches, "schedule": args.schedule,
                 "optimizer": args.optimizer, "virtual_stages": args.virtual_stages,
                 "tensor": args.tensor,
-                "sequence": args.sequence_parallel, "async_tensor": args.async_tensor}
+                "sequence": args.sequence_parallel, "async_tensor": args.async_tensor,
+                "context": args.context}
     results = plan_rows(graph, cluster, costs, names, settings, memory_settings(args))
     ok = [(n, p, r) for n, p, r in results if p is not None]
     best = min((x for x in ok if x[2].fits), key=lambda x: x[2].step_s, default=None)
@@ -239,7 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory = memory_settings(args)
     if memory:
         plan = plan.with_memory(**memory)
-    plan = split_options(plan, args.tensor, args.sequence_parallel, graph, args.async_tensor)
+    plan = split_options(plan, args.tensor, args.sequence_parallel, graph, args.async_tensor,
+                         args.context)
     pred = ex.simulate(graph, plan, costs)
     meas = ex.run(graph, plan=plan, costs=costs, steps=args.steps, warmup=args.warmup,
                   force=args.force, timeout_s=args.timeout, progress=not args.quiet,
@@ -369,18 +376,21 @@ def _plan_json(name: str, plan, r, graph, cluster) -> dict[str, Any]:
 
 
 def plan_degrees(plan) -> dict[str, Any]:
-    """A plan's data x tensor x pipeline degrees: the largest replica count and tensor degree
-    of any stage, the stage count, and ``"2x4x8"`` (a degree that differs between stages
-    reads ``"1/2"``, stage by stage)."""
+    """A plan's data x tensor x pipeline degrees: the largest replica count (of whole
+    samples) and tensor degree of any stage, the stage count, and ``"2x4x8"`` (a degree that
+    differs between stages reads ``"1/2"``, stage by stage), with ``" cp 2"`` after it where
+    a stage splits samples by context parallelism (``"cp"``: the largest degree)."""
     stages = range(len(plan.stages))
-    dps = [plan.replicas_of(s) for s in stages]
+    dps = [plan.replicas_of(s) // plan.context_of(s) for s in stages]
     tps = [plan.tensor_of(s) for s in stages]
+    cps = [plan.context_of(s) for s in stages]
 
     def text(xs: list[int]) -> str:
         return str(xs[0]) if len(set(xs)) == 1 else "/".join(map(str, xs))
 
-    return {"dp": max(dps), "tp": max(tps), "pp": len(plan.stages),
-            "text": f"{text(dps)}x{text(tps)}x{len(plan.stages)}"}
+    context = f" cp {text(cps)}" if max(cps) > 1 else ""
+    return {"dp": max(dps), "tp": max(tps), "pp": len(plan.stages), "cp": max(cps),
+            "text": f"{text(dps)}x{text(tps)}x{len(plan.stages)}{context}"}
 
 
 def _settings_text(plan) -> str:

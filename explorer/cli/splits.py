@@ -1,6 +1,6 @@
-"""The command line's tensor-parallel options: ``--tensor``, ``--sequence-parallel`` and
-``--async-tensor``, applied to a plan's stages (:meth:`explorer.core.plan.Plan.with_tensor`,
-:meth:`explorer.core.plan.Plan.with_memory`)."""
+"""The command line's tensor- and context-parallel options: ``--tensor``,
+``--sequence-parallel``, ``--async-tensor`` and ``--context``, applied to a plan's stages
+(:meth:`explorer.core.plan.Plan.with_tensor`, :meth:`explorer.core.plan.Plan.with_memory`)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def tensor_split(plan, degree: int):
 
 
 def split_options(plan, tensor: int, sequence: bool | None, graph=None,
-                  async_tensor: bool = False):
+                  async_tensor: bool = False, context: int = 1):
     """``plan`` with the command line's ``--tensor`` (:func:`tensor_split`),
-    ``--sequence-parallel`` (on every tensor-parallel stage) and ``--async-tensor`` (on every
-    sequence-parallel stage) applied; with the ``graph``, a stage the degree (or its sequence
+    ``--sequence-parallel`` (on every tensor-parallel stage), ``--async-tensor`` (on every
+    sequence-parallel stage) and ``--context`` (on every stage whose devices it divides, with
+    their tensor degree) applied; with the ``graph``, a stage the degree (or its sequence
     parallelism) splits nothing of says so first in the plan's notes."""
     if tensor > 1:
         plan = tensor_split(plan, tensor)
@@ -55,6 +56,15 @@ def split_options(plan, tensor: int, sequence: bool | None, graph=None,
                                 "of sequence parallelism, and this plan has none: add "
                                 "--tensor N --sequence-parallel, or use --algorithm degrees")
         plan = plan.with_memory(async_tensor=True, stages=stages)
+    if context > 1:
+        stages = [s for s, devs in enumerate(plan.stages)
+                  if len(devs) % (context * plan.tensor_of(s)) == 0]
+        if not stages:
+            raise ExplorerError(f"--context {context} x the tensor degree divides the devices "
+                                "of none of this plan's stages "
+                                f"({', '.join(str(len(d)) for d in plan.stages)} devices); "
+                                "use a degree that divides a stage's replicas")
+        plan = plan.with_memory(context=context, stages=stages)
     unsplit = unsplit_notes(graph, plan) if graph is not None and (tensor > 1 or sequence) else ()
     if unsplit:
         plan = plan.with_settings(notes=(*unsplit, *plan.notes))
@@ -62,7 +72,7 @@ def split_options(plan, tensor: int, sequence: bool | None, graph=None,
 
 
 def add_split_options(parser: argparse.ArgumentParser) -> None:
-    """``--tensor``, ``--sequence-parallel`` and ``--async-tensor``."""
+    """``--tensor``, ``--sequence-parallel``, ``--async-tensor`` and ``--context``."""
     parser.add_argument("--tensor", type=_degree, default=1,
                         help="split each layer of every stage whose device count it divides "
                              "this many ways (tensor parallelism, Megatron-style); default 1")
@@ -74,3 +84,8 @@ def add_split_options(parser: argparse.ArgumentParser) -> None:
                         help="on sequence-parallel stages, pipeline the all-gathers and "
                              "reduce-scatters with the matrix products beside them (torch's "
                              "async tensor parallelism, on GPUs; CPU ranks run them in turn)")
+    parser.add_argument("--context", type=_degree, default=1,
+                        help="split each sample's sequence this many ways over a stage's "
+                             "replicas (context parallelism: ring attention; --algorithm "
+                             "degrees tries 1 and this); predicted, real steps do not run it "
+                             "yet; default 1")

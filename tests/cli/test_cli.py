@@ -242,6 +242,19 @@ class TestPlan:
         rc, out, err = _run(capsys, *gpt[:-5], "--algorithm", "degrees", "--async-tensor", "--json")
         assert rc == 0, err
 
+    def test_context_parallelism_is_planned_and_refused_for_real_steps(self, capsys):
+        llama = ["--model", "llama", "--size", "tiny", "--quiet", "--devices", "4xH100",
+                 "--algorithm", "data-parallel"]
+        rc, out, err = _run(capsys, "plan", *llama, "--context", "2", "--json")
+        assert rc == 0, err
+        (p,) = json.loads(out)["plans"]
+        assert p["memory_settings"] == ["context 2"] and p["degrees"]["text"] == "2x1x1 cp 2"
+        rc, _, err = _run(capsys, "plan", *llama, "--context", "8")
+        assert rc == 1 and "--context 8 x the tensor degree divides the devices of none" in err
+        rc, _, err = _run(capsys, "run", *llama[:-5], "--devices", "cpu:2", "--algorithm",
+                          "data-parallel", "--context", "2")
+        assert rc == 2 and "context-parallel stages do not run yet" in err
+
     def test_memory_settings_apply_to_every_stage_and_memory_comes_by_category(self, capsys):
         rc, out, err = _run(capsys, *PLAN, "--devices", "2xT4", "--algorithm", "data-parallel",
                             "--json")

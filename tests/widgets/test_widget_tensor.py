@@ -8,7 +8,7 @@ from builders import tiny_builtin_graph
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.models.synthetic import roofline_costs
-from widgets import Session
+from widgets import Explorer, Session
 from widgets.edits import split_targets
 from widgets.panels.stages import tensor_degrees
 from widgets.splits import SplitView, degrees_text, over
@@ -162,3 +162,29 @@ def test_split_convolutions_say_column_and_row_parallel():
     assert view.of(plan, [op_named(alexnet, "features.6.weight")]).role == "column-parallel"
     assert view.of(plan, [op_named(alexnet, "features.8.weight")]).role == "row-parallel"
     assert view.of(plan, [op_named(alexnet, "features.0.weight")]).role == "replicated"
+
+
+def test_context_parallel_degree_splits_samples_and_is_predicted_only(gpt):
+    """A stage of two replicas whose samples the context degree splits by sequence: the
+    table and the degrees read it, attention's ring adds to the step on GPUs, and the
+    estimate says real steps do not run it."""
+    llama, cl = tiny_builtin_graph("llama"), ex.Cluster.preset("2xH100")
+    costs = roofline_costs(llama, cl)
+    w = Explorer(llama, costs, ex.partition(llama, cl, costs, "data-parallel"))
+    replicated_s = w.session.prediction.step_s
+    assert w.stages.context.value == 1
+    w.stages.context.value = 2
+    assert w.session.plan.context_of(0) == 2
+    assert "1 x 2 x 1" in w.stages.table.value
+    assert "dp 1 x cp 2 x tp 1 x pp 1" in w.stages.table.value
+    assert w.session.prediction.step_s > replicated_s
+    assert "context-parallel stages do not run yet" in w.estimate.table.value
+    w.session.undo()
+    assert w.stages.context.value == 1 and w.session.plan.context_of(0) == 1
+    # the tiny GPT writes its attention out of matmuls: no ring to split it by
+    gpt_w = Explorer(gpt, roofline_costs(gpt, cl), ex.partition(gpt, cl, roofline_costs(gpt, cl),
+                                                              "data-parallel"))
+    gpt_w.stages.context.value = 2
+    assert gpt_w.session.plan.context_of(0) == 1 and gpt_w.stages.context.value == 1
+    assert "F.scaled_dot_product_attention" in gpt_w.session.message
+    assert gpt_w.session.message_where == "settings"

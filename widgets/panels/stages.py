@@ -62,9 +62,13 @@ class StageSettingsPanel(Panel):
                                    layout=W.Layout(width="auto"))
         self.async_tensor = W.Checkbox(description="async (on GPUs)", indent=False,
                                        layout=W.Layout(width="auto"))
+        self.context = W.Dropdown(options=tensor_degrees(len(session.cluster.ids)),
+                                  description="context-parallel degree", style=style,
+                                  layout=W.Layout(width="auto"))
         for w, css in ((self.zero, "pe-zero"), (self.recompute, "pe-recompute"),
                        (self.precision, "pe-precision"), (self.tensor, "pe-tensor"),
-                       (self.sequence, "pe-sequence"), (self.async_tensor, "pe-async-tensor")):
+                       (self.sequence, "pe-sequence"), (self.async_tensor, "pe-async-tensor"),
+                       (self.context, "pe-context")):
             w.add_class(css)
             w.observe(self._on_setting, "value")
         self.stage.observe(lambda _: self._show_stage(), "value")
@@ -79,10 +83,12 @@ class StageSettingsPanel(Panel):
                        "devices (replicas x tensor), and sequence parallelism also splits "
                        "the norms and residual adds between its blocks along the sequence "
                        "(async: on GPUs, its collectives pipelined with the matrix products); "
+                       "a context-parallel degree splits each sample's sequence over that "
+                       "many replicas (ring attention; predicted only); "
                        "each change is estimated at once, and undo takes it back")
         self.widget = W.VBox([title, wrapping([self.stage, self.zero, self.recompute,
                                                self.precision, self.tensor, self.sequence,
-                                               self.async_tensor]),
+                                               self.async_tensor, self.context]),
                               self.note, self.table])
 
     def apply(self) -> None:
@@ -93,7 +99,8 @@ class StageSettingsPanel(Panel):
             self.session.set_memory(self.zero.value, self.recompute.value,
                                     self.precision.value, None if k == ALL_STAGES else [k],
                                     tensor=self.tensor.value, sequence=sequence,
-                                    async_tensor=self.async_tensor.value and sequence)
+                                    async_tensor=self.async_tensor.value and sequence,
+                                    context=self.context.value)
         finally:  # a refused change: the controls show the plan's settings again
             self._show_stage()
 
@@ -112,11 +119,13 @@ class StageSettingsPanel(Panel):
             st = plan.settings_of(k)
             rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
                          st.recompute, st.precision,
-                         f"{plan.replicas_of(k)} x {st.tensor}"
+                         f"{plan.replicas_of(k) // st.context} x "
+                         + (f"{st.context} x " if st.context > 1 else "") + f"{st.tensor}"
                          + (" (sequence, async)" if st.async_tensor
                             else " (sequence)" if st.sequence else "")))
         self.table.value = html_table(
-            ("stage", "devices", "ZeRO", "recompute", "precision", "replicas x tensor"), rows,
+            ("stage", "devices", "ZeRO", "recompute", "precision",
+             "replicas x [context x] tensor"), rows,
             f"plan: {degrees_text(plan)}")
         single = [k for k, devs in enumerate(plan.stages)
                   if len(devs) == 1 and plan.settings_of(k).zero]
@@ -141,6 +150,9 @@ class StageSettingsPanel(Panel):
             self.sequence.disabled = st.tensor == 1
             self.async_tensor.value = st.async_tensor
             self.async_tensor.disabled = not st.sequence
+            if st.context not in self.context.options:
+                self.context.options = sorted({*self.context.options, st.context})
+            self.context.value = st.context
 
     def _on_setting(self, _change) -> None:
         if not self._syncing:
