@@ -39,7 +39,7 @@ def _space(g, cl, costs, depth, pins=None, **kw):
     layers, _ = choose_layers(g, depth, 400, 1, False)
     return build_space(g, costs, cl.ids, layers, "adam", kw.get("tensor_degrees"),
                        kw.get("micro_batches"), ("1f1b", "gpipe"), pins or {}, 1.0,
-                       kw.get("settings"))
+                       kw.get("settings"), context_degrees=kw.get("context_degrees", (1,)))
 
 
 def _brute_estimate(space, costs, batch):
@@ -47,40 +47,44 @@ def _brute_estimate(space, costs, batch):
     split, each scored by the reference (stage by stage) estimate."""
     n_layers = len(space.layers)
     best = math.inf
-    for dp, tp in space.meshes(batch):
-        pin_stage = space.pin_stages(dp * tp)
+    for dp, tp, cp in space.meshes(batch):
+        pin_stage = space.pin_stages(dp * cp * tp)
         if pin_stage is None:
             continue
         for m in space.micro_batch_choices(batch, dp):
             for sched in space.schedules:
-                mesh = mesh_costs(space, costs, dp, tp, m, sched)
-                for s in range(1, min(len(space.ids) // (dp * tp), n_layers) + 1):
+                mesh = mesh_costs(space, costs, dp, tp, m, sched, cp)
+                for s in range(1, min(len(space.ids) // (dp * cp * tp), n_layers) + 1):
                     for cuts in itertools.combinations(range(1, n_layers), s - 1):
-                        for _, lc in space.splits(tp):
+                        for _, lc in space.splits(tp, cp):
                             best = min(best, mesh.score_s(lc, (0, *cuts, n_layers), pin_stage))
     return best
 
 
-@pytest.mark.parametrize("name,devices,depth,pin", [
-    ("mlp", "4xH100", 2, False), ("gpt", "4xH100", 2, False), ("gpt", "4xT4", 2, True),
-    ("mlp", "3xT4", 2, True)])
-def test_search_is_exact_for_its_estimate(name, devices, depth, pin):
+@pytest.mark.parametrize("name,devices,depth,pin,contexts", [
+    ("mlp", "4xH100", 2, False, (1,)), ("gpt", "4xH100", 2, False, (1,)),
+    ("gpt", "4xT4", 2, True, (1,)), ("mlp", "3xT4", 2, True, (1,)),
+    ("llama", "4xH100", 2, False, (1, 2))])
+def test_search_is_exact_for_its_estimate(name, devices, depth, pin, contexts):
     g, cl, costs = _case(name, devices)
     pins = {}
     if pin:  # the last op on the last device, the first op on the first
         ops = [n.name for n in g.nodes if n.kind == "op"]
         pins = {ops[-1]: cl.ids[-1], ops[0]: cl.ids[0]}
-    space = _space(g, cl, costs, depth, pins)
+    space = _space(g, cl, costs, depth, pins, context_degrees=contexts)
     assert len(space.by_tensor) > 1 or name == "mlp"  # some tensor degree splits weights
-    assert bool(space.by_sequence) == (name == "gpt")  # and the GPT's sequence too
+    assert bool(space.by_sequence) == (name != "mlp")  # and the transformers' sequence too
+    # (the llama's fused attention: each split with the samples' sequence split in two)
+    assert {c for _, _, c in space.by_context} == set(contexts) - {1}
     cands = enumerate_candidates(space, costs, g.batch_size)
     brute = _brute_estimate(space, costs, g.batch_size)
     assert cands and math.isclose(cands[0].estimate_s, brute, rel_tol=1e-9)
+    assert {c.cp for c in cands} == set(contexts)
     # every candidate's cuts score what the DP says under the reference estimate
-    for c in cands[:40]:
-        mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule)
-        assert math.isclose(mesh.score_s(space.layer_costs(c.tp, c.sequence), c.bounds,
-                                         space.pin_stages(c.dp * c.tp)), c.estimate_s,
+    for c in cands[:40] + [c for c in cands if c.cp > 1][:20]:
+        mesh = mesh_costs(space, costs, c.dp, c.tp, c.micro_batches, c.schedule, c.cp)
+        assert math.isclose(mesh.score_s(space.layer_costs(c.tp, c.sequence, c.cp), c.bounds,
+                                         space.pin_stages(c.dp * c.cp * c.tp)), c.estimate_s,
                             rel_tol=1e-9)
 
 
@@ -99,6 +103,25 @@ def test_simulating_every_candidate_equals_brute_force_by_the_simulator():
     assert o["degrees"] == f"{o['dp']}x{o['tp']}x{o['pp']}"
     assert plan.tensor_of(0) == o["tp"] and len(plan.stages) == o["pp"]
     assert "degrees: data" in plan.notes[0]
+
+
+def test_context_degrees_are_searched_and_simulated_as_planned():
+    """With context degrees, every candidate (those splitting samples' sequences too) is
+    simulated as its plan says; the search returns the fastest, by brute force."""
+    g, cl, costs = _case("llama", "4xH100")
+    space = _space(g, cl, costs, None, context_degrees=(1, 2))
+    cands = enumerate_candidates(space, costs, g.batch_size)
+    plans = [candidate_plan(g, space, c, "adam", {}, {}) for c in cands]
+    for c, plan in zip(cands, plans, strict=True):
+        assert plan.context_of(0) == c.cp and plan.replicas_of(0) == c.dp * c.cp
+    brute = min(r.step_s for plan in plans for r in [simulate(g, plan, costs)] if r.fits)
+    plan = ex.partition(g, cl, costs, "degrees", simulate_top=len(cands),
+                        compare_pipeline_dp=False, compare_baselines=False, virtual_stages=[1],
+                        context_degrees=[1, 2])
+    assert math.isclose(simulate(g, plan, costs).step_s, brute, rel_tol=1e-12)
+    assert plan.options["cp"] == plan.context_of(0)
+    with pytest.raises(ExplorerError, match="context_degrees are whole numbers"):
+        ex.partition(g, cl, costs, "degrees", context_degrees=[0])
 
 
 def test_memory_settings_rank_the_simulated_candidates():

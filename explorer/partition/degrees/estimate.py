@@ -41,9 +41,10 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
-from explorer.costs.model import CostModel
-from explorer.costs.strategies import is_matmul_like
+from explorer.costs.model import CostModel, op_kind
+from explorer.costs.strategies import activation_bytes, is_matmul_like
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
+from explorer.simulate.context import keys_and_values
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,37 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                     sharded_bytes=None if base.sharded_bytes is None
                     else base.sharded_bytes - sharded_cut)
     return LayerCosts(tp, table, StageTables(table), count, nbytes, (lat, spb))
+
+
+def with_context(lc: LayerCosts, graph: OpGraph, costs: CostModel,
+                 layers: Sequence[Sequence[int]], context: int, context_group: Sequence[str],
+                 sequence: bool, settings: StageSettings | None = None) -> LayerCosts:
+    """``lc`` (a split ``lc.tp`` ways, ``sequence`` as its layout) with each layer's sequence
+    also split ``context`` ways over ``context_group``: the mesh counts ``dp x context``
+    replicas of the tokens, and each fused attention adds the part of its ring that the
+    attention beside it does not hide (:mod:`explorer.simulate.context`: the keys and values
+    once round in the forward and twice in the backward, one ring step in ``context``
+    exposed)."""
+    if context == 1:
+        return lc
+    kind = costs.cluster.device(context_group[0]).kind
+    nbytes = activation_bytes(graph, settings.precision if settings else "fp32", kind)
+    split = (megatron_layout(graph, lc.tp, sequence).split_ops if lc.tp > 1 else set())
+    lat, spb = linear_fit(lambda x: costs.allgather_s(tuple(context_group), int(x)))
+    count, ring_bytes = np.zeros(len(layers)), np.zeros(len(layers))
+    for j, layer in enumerate(layers):
+        for i in layer:
+            node = graph.nodes[i]
+            if op_kind(node.op) != "attention" or len(node.inputs) < 3:
+                continue
+            share = lc.tp if node.name in split else 1
+            passes = 3 if node.requires_grad else 1
+            count[j] += passes / context
+            ring_bytes[j] += passes * sum(int(nbytes[k]) for k in keys_and_values(graph, i)
+                                          ) / share  # (x context bytes / context pieces)
+    table = replace(lc.table, fixed_s=lc.table.fixed_s + count * lat,
+                    var_s=lc.table.var_s + ring_bytes * spb)
+    return replace(lc, table=table, tables=StageTables(table))
 
 
 @dataclass(frozen=True)

@@ -43,27 +43,30 @@ MEMORY_KEYWORDS = ("zero", "recompute", "precision", "async_tensor")
 def candidate_plan(graph: OpGraph, space: Space, cand: Candidate, optimizer: str,
                    pins: Mapping[str, str], options: Mapping, notes: Sequence[str] = ()
                    ) -> Plan:
-    """``cand`` as a plan: stage ``k`` on devices ``k x dp x tp .. (k+1) x dp x tp - 1`` of
-    the space, split ``tp`` ways by tensor parallelism (with sequence parallelism where the
-    candidate says so)."""
-    g = cand.dp * cand.tp
+    """``cand`` as a plan: stage ``k`` on devices ``k x g .. (k+1) x g - 1`` of the space
+    (``g = dp x cp x tp``), split ``tp`` ways by tensor parallelism (with sequence
+    parallelism where the candidate says so) and ``cp`` ways by context parallelism."""
+    g = cand.dp * cand.cp * cand.tp
     stages = [space.ids[k * g:(k + 1) * g] for k in range(cand.pp)]
     assign = {i: k for k in range(cand.pp) for j in range(cand.bounds[k], cand.bounds[k + 1])
               for i in space.layers[j]}
     opts = {**options, "dp": cand.dp, "tp": cand.tp, "pp": cand.pp,
             "degrees": cand.degrees, "micro_batches": cand.micro_batches,
             "schedule": cand.schedule, "estimate_s": cand.estimate_s,
-            "sequence": cand.sequence,
+            "sequence": cand.sequence, "cp": cand.cp,
             "stage_layers": [[cand.bounds[k], cand.bounds[k + 1]] for k in range(cand.pp)]}
-    split = (StageSettings(tensor=cand.tp, sequence=cand.sequence),) * cand.pp
+    split = (StageSettings(tensor=cand.tp, sequence=cand.sequence, context=cand.cp),) * cand.pp
     return Plan.from_assignment(graph, stages, assign, micro_batches=cand.micro_batches,
                                 schedule=cand.schedule, optimizer=optimizer,
                                 algorithm="degrees", options=opts, pinned=frozenset(pins),
-                                notes=tuple(notes), stage_settings=split if cand.tp > 1 else ())
+                                notes=tuple(notes),
+                                stage_settings=split if cand.tp > 1 or cand.cp > 1 else ())
 
 
 def _describe(cand: Candidate, n: int) -> str:
-    return (f"data {cand.dp} x tensor {cand.tp}{' (and sequence)' if cand.sequence else ''} x "
+    context = f"context {cand.cp} x " if cand.cp > 1 else ""
+    return (f"data {cand.dp} x {context}tensor {cand.tp}"
+            f"{' (and sequence)' if cand.sequence else ''} x "
             f"pipeline {cand.pp} on {cand.devices} of {n} devices, {cand.micro_batches} "
             f"micro-batches, {cand.schedule}")
 
@@ -77,7 +80,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
             max_layers: int = MAX_LAYERS, simulate_top: int = 4, optimizer: str = "adam",
             compare_pipeline_dp: bool = True, compare_baselines: bool = True,
             memory: Mapping[str, Any] | None = None,
-            virtual_stages: Sequence[int] | None = None) -> Plan:
+            virtual_stages: Sequence[int] | None = None,
+            context_degrees: Sequence[int] = (1,)) -> Plan:
     """Data x tensor x pipeline degrees, micro-batches and schedule, by exhaustive search.
 
     The space of Alpa's and Galvatron's searches on the layer graph: every mesh of ``pp``
@@ -111,6 +115,10 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
         Chunks of layers per stage to re-cut each simulated 1F1B pipeline into, each taken
         in turn around the stages under interleaved 1F1B (default 1, 2, 4 and one layer a
         chunk; 1 keeps it as it is): the simulator keeps the fastest that fits.
+    context_degrees : list of int
+        Context-parallel degrees to try on every mesh (default 1: none): each sample's
+        sequence split that many ways over the mesh's replicas, ring attention for its fused
+        attention (the plans are predicted; real steps do not run them yet).
     depth, max_layers
         Module depth of the layers (``None``: the finest depth with at most ``max_layers``
         layers).
@@ -167,7 +175,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
                         schedules, pins, 1.0,
                         StageSettings(**stage_memory) if stage_memory else None,
-                        async_tensor=bool((memory or {}).get("async_tensor")))
+                        async_tensor=bool((memory or {}).get("async_tensor")),
+                        context_degrees=_checked_contexts(context_degrees))
     cands = enumerate_candidates(space, costs, graph.batch_size)
     base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
                  "candidates": len(cands)}
@@ -209,6 +218,14 @@ def _checked_options(micro_batches: int | Sequence[int] | None, simulate_top: in
         raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
                             f"{', '.join(MEMORY_KEYWORDS)}")
     return micro_batches
+
+
+def _checked_contexts(context_degrees: Sequence[int]) -> tuple[int, ...]:
+    out = tuple(context_degrees)
+    if not out or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in out):
+        raise ExplorerError(f"context_degrees are whole numbers, 1 or more (1: no context "
+                            f"parallelism), not {list(out)!r}")
+    return out
 
 
 def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Sequence[Candidate],
@@ -263,7 +280,7 @@ def with_memory_settings(plan: Plan, memory: Mapping[str, Any] | None) -> Plan:
 def _chosen(plan: Plan) -> Candidate:
     o = plan.options
     return Candidate(o["dp"], o["tp"], o["pp"], o["micro_batches"], o["schedule"],
-                     o["estimate_s"], (), bool(o.get("sequence")))
+                     o["estimate_s"], (), bool(o.get("sequence")), o.get("cp", 1))
 
 
 def _against_pipeline_dp(graph: OpGraph, cluster: Cluster, costs: CostModel,

@@ -1,6 +1,6 @@
 """The degrees search's space and its exact enumeration under the estimate: every mesh
-``dp x tp x pp <= N`` (tensor splits with and without sequence parallelism), micro-batch count
-and schedule, each with its best stage cuts."""
+``dp x cp x tp x pp <= N`` (tensor splits with and without sequence parallelism, context
+degrees where asked), micro-batch count and schedule, each with its best stage cuts."""
 
 from __future__ import annotations
 
@@ -13,15 +13,22 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import SCHEDULES, StageSettings
 from explorer.core.plan_schema import MAX_MICRO_BATCHES
 from explorer.core.tensor_layout import megatron_layout
-from explorer.costs.model import CostModel
-from explorer.partition.degrees.estimate import LayerCosts, MeshCosts, best_cuts, layer_costs
+from explorer.costs.model import CostModel, op_kind
+from explorer.partition.degrees.estimate import (
+    LayerCosts,
+    MeshCosts,
+    best_cuts,
+    layer_costs,
+    with_context,
+)
 from explorer.partition.pipeline_dp import linear_fit, stage_cost_table
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the space with its stage cuts: ``pp`` stages of ``dp x tp`` devices,
-    stage ``k`` holding layers ``bounds[k]..bounds[k+1]-1``; ``estimate_s`` its score."""
+    """One point of the space with its stage cuts: ``pp`` stages of ``dp x cp x tp``
+    devices, stage ``k`` holding layers ``bounds[k]..bounds[k+1]-1``; ``estimate_s`` its
+    score."""
 
     dp: int
     tp: int
@@ -32,14 +39,16 @@ class Candidate:
     bounds: tuple[int, ...]
     #: the tensor split with sequence parallelism
     sequence: bool = False
+    #: the context-parallel degree: each sample's sequence split that many ways
+    cp: int = 1
 
     @property
     def degrees(self) -> str:
-        return f"{self.dp}x{self.tp}x{self.pp}"
+        return f"{self.dp}x{self.tp}x{self.pp}" + (f" cp {self.cp}" if self.cp > 1 else "")
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -56,19 +65,31 @@ class Space:
     #: per tensor degree, the estimate's inputs with sequence parallelism (where it splits
     #: something more)
     by_sequence: Mapping[int, LayerCosts] = field(default_factory=dict)
+    #: per (tensor degree, sequence parallelism, context degree above 1), the estimate's
+    #: inputs with each sample's sequence split too
+    by_context: Mapping[tuple[int, bool, int], LayerCosts] = field(default_factory=dict)
 
-    def splits(self, tp: int) -> list[tuple[bool, LayerCosts]]:
-        """The tensor splits of degree ``tp`` to try: (sequence parallelism?, costs)."""
-        return [(False, self.by_tensor[tp]),
-                *([(True, self.by_sequence[tp])] if tp in self.by_sequence else [])]
+    def splits(self, tp: int, cp: int = 1) -> list[tuple[bool, LayerCosts]]:
+        """The tensor splits of degree ``tp`` to try (under context degree ``cp``):
+        (sequence parallelism?, costs)."""
+        plain = [(False, self.by_tensor[tp]),
+                 *([(True, self.by_sequence[tp])] if tp in self.by_sequence else [])]
+        return plain if cp == 1 else [(seq, self.by_context[(tp, seq, cp)])
+                                      for seq, _ in plain if (tp, seq, cp) in self.by_context]
 
-    def layer_costs(self, tp: int, sequence: bool) -> LayerCosts:
+    def layer_costs(self, tp: int, sequence: bool, cp: int = 1) -> LayerCosts:
+        if cp > 1:
+            return self.by_context[(tp, sequence, cp)]
         return self.by_sequence[tp] if sequence else self.by_tensor[tp]
 
-    def meshes(self, batch_size: int) -> list[tuple[int, int]]:
-        """Every ``(dp, tp)`` with ``dp x tp <= N`` whose ``dp`` divides the batch."""
+    def meshes(self, batch_size: int) -> list[tuple[int, int, int]]:
+        """Every ``(dp, tp, cp)`` with ``dp x cp x tp <= N`` whose ``dp`` divides the batch
+        (``cp`` 1, or a context degree the space holds for ``tp``)."""
         n = len(self.ids)
-        return [(dp, tp) for tp in sorted(self.by_tensor) for dp in range(1, n // tp + 1)
+        contexts = {tp: sorted({1} | {c for t, _, c in self.by_context if t == tp})
+                    for tp in self.by_tensor}
+        return [(dp, tp, cp) for tp in sorted(self.by_tensor) for cp in contexts[tp]
+                for dp in range(1, n // (tp * cp) + 1)
                 if batch_size <= 0 or batch_size % dp == 0]
 
     def micro_batch_choices(self, batch_size: int, dp: int) -> tuple[int, ...]:
@@ -97,13 +118,16 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 layers: Sequence[Sequence[int]], optimizer: str,
                 tensor_degrees: Sequence[int] | None, micro_batches: Sequence[int] | None,
                 schedules: Sequence[str], pins: Mapping[str, str], headroom: float,
-                settings: StageSettings | None = None, async_tensor: bool = False) -> Space:
+                settings: StageSettings | None = None, async_tensor: bool = False,
+                context_degrees: Sequence[int] = (1,)) -> Space:
     """The space on devices ``ids``: tensor degrees (default: the divisors of the device
     count up to :func:`fast_group`, at which the Megatron layout splits some weight), each
     with and without sequence parallelism (where it splits something more), micro-batch
     counts (default: every divisor of a replica's share of the batch) and schedules; the
     memory estimated under the memory ``settings`` every stage gets (ZeRO over each mesh's
-    replicas); ``async_tensor``: the sequence-parallel splits pipeline their collectives."""
+    replicas); ``async_tensor``: the sequence-parallel splits pipeline their collectives;
+    ``context_degrees``: each split also with every sample's sequence split that many ways
+    (where the graph has fused attention, the ring that needs)."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -135,6 +159,18 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                               sequence=True, settings=settings, async_tensor=async_tensor)
             if seq is not None:
                 by_sequence[tp] = seq
+    by_context: dict[tuple[int, bool, int], LayerCosts] = {}
+    attention = any(op_kind(n.op) == "attention" and len(n.inputs) >= 3
+                    for n in graph.nodes if n.kind == "op")
+    for c in sorted(set(context_degrees) - {1}) if attention else ():
+        if not 1 < c <= n:
+            raise ExplorerError(f"context degree {c} is not between 2 and the {n} devices")
+        splits = [(tp, False, lc) for tp, lc in by_tensor.items()] + [
+            (tp, True, lc) for tp, lc in by_sequence.items()]
+        for tp, sequence, lc in splits:
+            if tp * c <= n:
+                by_context[(tp, sequence, c)] = with_context(
+                    lc, graph, costs, layers, c, ids[:tp * c:tp], sequence, settings)
     layer_of = {i: j for j, layer in enumerate(layers) for i in layer}
     positions: dict[int, set[int]] = {}
     for name, dev in pins.items():
@@ -145,7 +181,8 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     return Space(tuple(ids), tuple(tuple(x) for x in layers), by_tensor,
                  None if micro_batches is None else tuple(micro_batches), tuple(schedules),
                  min(cluster.device(d).memory_bytes for d in ids) * headroom,
-                 {j: tuple(sorted(p)) for j, p in positions.items()}, by_sequence)
+                 {j: tuple(sorted(p)) for j, p in positions.items()}, by_sequence,
+                 by_context)
 
 
 def fast_group(costs: CostModel, ids: Sequence[str]) -> int:
@@ -164,9 +201,11 @@ def fast_group(costs: CostModel, ids: Sequence[str]) -> int:
 
 
 def mesh_costs(space: Space, costs: CostModel, dp: int, tp: int, micro_batches: int,
-               schedule: str) -> MeshCosts:
-    """The links of ``dp x tp`` stages on the space's devices, in order: the slowest link
-    between consecutive stages, the gradient all-reduce over the first stage's replicas."""
+               schedule: str, cp: int = 1) -> MeshCosts:
+    """The links of ``dp x cp x tp`` stages on the space's devices, in order: the slowest
+    link between consecutive stages, the gradient all-reduce over the first stage's ``dp x
+    cp`` replicas of the tokens (the mesh's replicas)."""
+    dp *= cp
     ids, g = space.ids, dp * tp
     cluster = costs.cluster
     bounds = [cluster.link(ids[k * g - 1], ids[k * g]) for k in range(1, len(ids) // g)]
@@ -182,21 +221,22 @@ def enumerate_candidates(space: Space, costs: CostModel, batch_size: int) -> lis
     estimate's memory, each with its best cuts; fastest estimate first (fewer devices, then
     fewer stages, on ties)."""
     out: list[Candidate] = []
-    for dp, tp in space.meshes(batch_size):
-        pin_stage = space.pin_stages(dp * tp)
+    for dp, tp, cp in space.meshes(batch_size):
+        pin_stage = space.pin_stages(dp * cp * tp)
         if pin_stage is None:
             continue
-        most = len(space.ids) // (dp * tp)
+        most = len(space.ids) // (dp * cp * tp)
         for m in space.micro_batch_choices(batch_size, dp):
             for sched in space.schedules:
-                mesh = mesh_costs(space, costs, dp, tp, m, sched)
-                for seq, lc in space.splits(tp):
+                mesh = mesh_costs(space, costs, dp, tp, m, sched, cp)
+                for seq, lc in space.splits(tp, cp):
                     cuts = best_cuts(lc, mesh, most, pin_stage)
                     for s, bounds in enumerate(cuts.bounds, start=1):
                         if bounds and (sched == space.schedules[0] or m > 1):  # (M=1: alike)
                             out.append(Candidate(dp, tp, s, m, sched, cuts.score_s(s, m),
-                                                 bounds, seq))
-    out.sort(key=lambda c: (c.estimate_s, c.devices, c.pp, c.tp, c.micro_batches, c.sequence))
+                                                 bounds, seq, cp))
+    out.sort(key=lambda c: (c.estimate_s, c.devices, c.pp, c.tp, c.micro_batches, c.sequence,
+                            c.cp))
     return [c for c in out if math.isfinite(c.estimate_s)]
 
 
