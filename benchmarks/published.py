@@ -5,17 +5,17 @@ Run: python benchmarks/published.py [--rows NAME,...] [--results DIR]
 Nothing here can run a 70B model on 768 GPUs; what others measured and published is the only
 truth at that scale. Each row is one published run as the explorer sees it: the published
 shape captured on fake tensors with the run's global batch, the cluster as a GPU preset
-(nodes of 8 H100s over InfiniBand), and the published parallelism as a plan (data x tensor x
-pipeline degrees, micro-batches of the published size with gradient accumulation, 1F1B or
-interleaved 1F1B over the published virtual stages, recomputation, bf16 with fp32 master
-weights, ZeRO 1 for Megatron's distributed optimizer and ZeRO 3 for FSDP's full shard),
-costed by the H100 datasheet roofline. The simulator's step gives tokens/s/GPU, TFLOP/s/GPU
-(Megatron-LM's formula for its GPT rows, the graph's own FLOPs for all) and MFU, set against
+(nodes of 8 H100s over InfiniBand), and the published parallelism as a plan (data x context x
+tensor x pipeline degrees, sequence and async tensor parallelism, micro-batches of the
+published size with gradient accumulation, 1F1B or interleaved 1F1B over the published
+virtual stages, recomputation, bf16 with fp32 master weights, ZeRO 1 for Megatron's
+distributed optimizer and ZeRO 3 for FSDP's full shard), costed by the H100 datasheet
+roofline. The simulator's step gives tokens/s/GPU, TFLOP/s/GPU (Megatron-LM's formula for its
+GPT rows, the graph's own FLOPs for all) and MFU, set against
 the published figure.
 
-A run whose parallelism the plan space cannot express yet (context parallelism) is listed
-with the reason instead of a number: a prediction of some other configuration would not be
-a check of anything.
+A run whose parallelism the plan space cannot express is listed with the reason instead of
+a number: a prediction of some other configuration would not be a check of anything.
 
 Sources (as given by the published-runs issue): Megatron-LM README model table (commit
 f2e5db40, r0.8.0; H100, vocab 131072, seq 4096, DP = 48 x (TP x PP) sized, bf16, overlapped
@@ -74,6 +74,9 @@ class PublishedRun:
     context: int = 1
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    #: tensor-parallel communication overlapped with the matrix products (Megatron-LM's
+    #: --tp-comm-overlap, NeMo's tp_comm_overlap): async tensor parallelism
+    async_tensor: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
     #: 1: Megatron's distributed optimizer; 3: FSDP full shard
     zero: int = 1
@@ -94,6 +97,7 @@ class PublishedRun:
         parts += [f"CP{self.context}"] * (self.context > 1)
         parts += [f"VP{self.virtual_stages}"] * (self.virtual_stages > 1)
         parts += ["SP"] * self.sequence_parallel
+        parts += ["async TP"] * self.async_tensor
         parts += ["FSDP" if self.zero == 3 else f"ZeRO{self.zero}"]
         parts += [f"recompute {self.recompute}"] * (self.recompute != "none")
         return " ".join(parts)
@@ -103,9 +107,10 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
               batch: int, tflops: float) -> PublishedRun:
     cfg = GPTConfig(vocab_size=131072, seq_len=4096, d_model=hidden, n_heads=heads,
                     n_layers=layers, batch_size=1, fused_attention=True)
-    # (Megatron-Core overlaps tensor-parallel communication only with sequence parallelism)
+    # (Megatron-Core overlaps tensor-parallel communication, with sequence parallelism)
     return PublishedRun(f"megatron-{size}", "Megatron-LM README (r0.8.0)", cfg, gpus, tp, pp,
-                        1, batch, "tflops", tflops, sequence_parallel=tp > 1)
+                        1, batch, "tflops", tflops, sequence_parallel=tp > 1,
+                        async_tensor=tp > 1)
 
 
 _LLAMA3_8B = LlamaConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layers=32, n_heads=32,
@@ -134,9 +139,9 @@ RUNS = (
     PublishedRun("dgxc-llama3-8b", _DGXC, _LLAMA3_8B, 8, 1, 1, 1, 128, "tokens", 10254,
                  context=2),
     PublishedRun("dgxc-llama3-70b", _DGXC, _LLAMA3_70B, 64, 4, 4, 1, 128, "tokens", 1121,
-                 context=2, virtual_stages=5, sequence_parallel=True),
+                 context=2, virtual_stages=5, sequence_parallel=True, async_tensor=True),
     PublishedRun("dgxc-gpt3-175b", _DGXC, _GPT3_175B, 128, 4, 8, 1, 256, "tokens", 493,
-                 virtual_stages=12, sequence_parallel=True),
+                 virtual_stages=12, sequence_parallel=True, async_tensor=True),
     PublishedRun("foundry-mpt-7b", _FOUNDRY, _mpt(4096, 32, 32), 8, 1, 1, 6, 48, "tokens",
                  10643, zero=3),
     PublishedRun("foundry-mpt-70b", _FOUNDRY, _mpt(8192, 80, 64), 64, 1, 1, 8, 2048, "tokens",
@@ -151,21 +156,13 @@ def megatron_flops(cfg: GPTConfig, batch: int) -> float:
     return 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
 
 
-def missing_parts(run: PublishedRun) -> list[str]:
-    """What the run relies on that the plan space cannot express yet."""
-    out = []
-    if run.context > 1:
-        out.append(f"context parallelism (CP{run.context})")
-    return out
-
-
 def published_plan(graph: ex.OpGraph, cluster: ex.Cluster, run: PublishedRun) -> ex.Plan:
     """The run's parallelism as a plan: ``pipeline`` stages of ``data x tensor`` GPUs (tensor
     groups inside a node), the layers cut evenly by op count into ``pipeline x
     virtual_stages`` chunks taken in turn around the stages, 1F1B (interleaved with virtual
     stages) over the run's micro-batches, its memory settings on every stage."""
     layers = graph.layers()
-    group = run.data * run.tensor
+    group = run.data * run.context * run.tensor
     chunks = run.pipeline * run.virtual_stages
     ops = [sum(1 for i in layer if graph.nodes[i].kind == "op") for layer in layers]
     total, cut, assign = sum(ops), 0, {}
@@ -178,7 +175,8 @@ def published_plan(graph: ex.OpGraph, cluster: ex.Cluster, run: PublishedRun) ->
     plan = ex.Plan.from_assignment(graph, stages, assign, micro_batches=run.micro_batches,
                                    schedule=schedule, algorithm="published")
     return plan.with_memory(precision="bf16", zero=run.zero, recompute=run.recompute,
-                            tensor=run.tensor, sequence=run.sequence_parallel)
+                            tensor=run.tensor, sequence=run.sequence_parallel,
+                            async_tensor=run.async_tensor or None, context=run.context)
 
 
 def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str, object]:
@@ -190,10 +188,6 @@ def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str,
                               "global batch": f"{run.global_batch} x {run.model.seq_len}"}
     unit = "TFLOP/s/GPU" if run.metric == "tflops" else "tokens/s/GPU"
     row["published"] = f"{run.published:,.1f} {unit}"
-    missing = missing_parts(run)
-    if missing:
-        return {**row, "predicted": "-", "error": "-",
-                "notes": "not expressible yet: " + "; ".join(missing)}
     build = build_gpt if isinstance(run.model, GPTConfig) else build_llama
     module, inputs, targets, loss_fn, _ = build(run.model, run.global_batch, None)
     graph = ex.capture(module, inputs, loss_fn, targets, name=run.name)
@@ -230,10 +224,12 @@ def searched(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel, run: P
     precision, ZeRO and recomputation, as
     ``explorer plan --algorithm degrees --precision bf16 --zero 1`` ranks them), against the
     published configuration's predicted step."""
-    memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero}
+    memory = {"precision": "bf16", "recompute": run.recompute, "zero": run.zero,
+              "async_tensor": run.async_tensor}
     try:
         plan = ex.partition(graph, cluster, costs, "degrees", micro_batches=[run.micro_batches],
-                            schedules=["1f1b"], memory=memory)
+                            schedules=["1f1b"], memory=memory,
+                            context_degrees=sorted({1, run.context}))
     except ex.ExplorerError as e:
         return f"no plan: {e}"
     step_s = ex.simulate(graph, plan, costs).step_s
