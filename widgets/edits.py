@@ -101,9 +101,12 @@ def leaving_replicas(plan: ex.Plan, graph: ex.OpGraph, names: Iterable[str],
 
 def fitted(settings: StageSettings, n_devices: int) -> StageSettings:
     """A stage's settings once it has ``n_devices``: a tensor-parallel degree that no longer
-    divides them falls back to 1 (each device holds whole layers again)."""
-    return (settings if n_devices % settings.tensor == 0
-            else replace(settings, tensor=1, sequence=False, async_tensor=False))
+    divides them falls back to 1 (each device holds whole layers again), and so does a
+    context-parallel degree that no longer divides them with it."""
+    if n_devices % settings.tensor:
+        settings = replace(settings, tensor=1, sequence=False, async_tensor=False)
+    return (settings if n_devices % (settings.tensor * settings.context) == 0
+            else replace(settings, context=1))
 
 
 def split_targets(plan: ex.Plan, cluster: ex.Cluster) -> list[str]:

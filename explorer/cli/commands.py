@@ -98,13 +98,17 @@ def plan_rows(graph, cluster, costs, names: Sequence[str], settings: dict[str, A
         if searched_context:  # (degrees tries it beside no context split)
             opts["context_degrees"] = [1, context]
         if "memory" in alg.options and (memory or searched_async):
-            opts["memory"] = {**memory, **({"async_tensor": True} if searched_async else {})}
+            opts["memory"] = {**(memory or {}),
+                              **({"async_tensor": True} if searched_async else {})}
         try:
             plan = ex.partition(graph, cluster, costs, name, **opts)
             if memory:
                 plan = _with_memory(plan, memory)
+            # (a split the command line asks for is made again here: async goes with it)
+            resplit = (settings.get("tensor") or 1) > 1 or bool(settings.get("sequence"))
             plan = split_options(plan, settings.get("tensor") or 1, settings.get("sequence"),
-                                 graph, bool(settings.get("async_tensor")) and not searched_async,
+                                 graph, bool(settings.get("async_tensor"))
+                                 and (resplit or not searched_async),
                                  1 if searched_context else context)
             out.append((name, plan, ex.simulate(graph, plan, costs)))
         except SearchTooLarge as exc:  # refused before its search: too large for it
@@ -367,7 +371,9 @@ def _plan_json(name: str, plan, r, graph, cluster) -> dict[str, Any]:
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
             "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))],
-            "replicas": [plan.replicas_of(s) for s in range(len(plan.stages))],
+            "replicas": [plan.replicas_of(s) // plan.context_of(s)
+                         for s in range(len(plan.stages))],
+            "context": [plan.context_of(s) for s in range(len(plan.stages))],
             "degrees": plan_degrees(plan),
             "notes": list(plan.notes),
             "memory_settings": [plan.settings_of(s).describe() or "default"

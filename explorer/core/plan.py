@@ -370,6 +370,10 @@ class Plan:
                 raise PlanError(f"stage {s} has {len(devs)} devices, which its tensor-parallel "
                                 f"degree {self.tensor_of(s)} does not divide; use a degree that "
                                 "divides it")
+            if len(devs) % (self.tensor_of(s) * self.context_of(s)):
+                raise PlanError(f"stage {s} has {len(devs)} devices, which context "
+                                f"{self.context_of(s)} x tensor {self.tensor_of(s)} does not "
+                                "divide; use degrees whose product divides it")
         unknown_pins = [p for p in self.pinned if p not in names]
         if unknown_pins:
             raise PlanError(f"pinned nodes {unknown_pins[:3]} are not in the graph")
@@ -384,8 +388,9 @@ class Plan:
             raise PlanError(f"the plan has {len(self.stages)} stages for a graph of {n_nodes} "
                             "nodes; a stage with nothing on it cannot run")
         for s in range(len(self.stages)):
-            if 0 < batch_size < self.replicas_of(s):
-                raise PlanError(f"stage {s} has {self.replicas_of(s)} replicas for a batch of "
+            whole = self.replicas_of(s) // self.context_of(s)  # (the context ranks share one)
+            if 0 < batch_size < whole:
+                raise PlanError(f"stage {s} has {whole} replicas for a batch of "
                                 f"{batch_size} samples; use at most {batch_size} devices")
 
     def check_batch(self, batch_size: int) -> None:

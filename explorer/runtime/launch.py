@@ -34,7 +34,7 @@ from explorer.runtime.jobfiles import Job, Runtime, program_parts, write_job
 from explorer.runtime.params import make_optimizer
 from explorer.runtime.pool import RankPool
 from explorer.runtime.segments import choose_runtime
-from explorer.runtime.tensor_parallel import check_supported
+from explorer.runtime.tensor_parallel import check_async_tensor, check_supported
 from explorer.runtime.watch import rank_env, read_results, start_rank, stop, watch
 from explorer.simulate.simulator import execution_order, simulate, unit_costs
 
@@ -152,6 +152,7 @@ def run(model: Any, example_inputs: Any = None, plan: Plan | None = None, steps:
         plan.check_runnable(graph.batch_size, batch_splits(graph))
     except PlanError as e:
         raise PlanError("; ".join([str(e), *graph.notes[:1]])) from None
+    check_async_tensor(plan, cluster)
     dmap = device_override or device_map(plan, cluster)
     scored = costs if costs is not None else unit_costs(graph, plan)
     if cluster is not None and costs is not None and not force:

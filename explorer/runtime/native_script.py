@@ -143,7 +143,7 @@ def _imports(p: NativePlan) -> str:
     lines = []
     if p.micro_batches > 1 and p.replicas > 1 and not p.zero and p.stages == 1:
         lines.append("import contextlib")
-    lines += ["import gc", "import os", "import time"]
+    lines += ["import gc", "import os", "import time"] + ["import warnings"] * p.async_tensor
     if p.recompute == "selective":
         lines.append("from functools import partial")
     lines += ["", "import torch"] + ["import torch._inductor.config"] * p.async_tensor + [
@@ -151,6 +151,9 @@ def _imports(p: NativePlan) -> str:
               "from torch.distributed.checkpoint.state_dict import StateDictOptions, "
               "set_model_state_dict",
               "from torch.distributed.device_mesh import init_device_mesh"]
+    if p.async_tensor:
+        lines.append("from torch.distributed._symmetric_memory import "
+                     "enable_symm_mem_for_group")
     if _fsdp(p) and _gathers_half(p):
         lines.append("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard")
     elif _fsdp(p):

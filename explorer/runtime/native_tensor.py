@@ -164,5 +164,8 @@ def async_tensor_body(p: NativePlan) -> list[str]:
     blocks = ["        for path in BLOCKS:", "            model.get_submodule(path).compile()"]
     return ['    if mesh["tp"].device_type == "cuda":  # (async tensor parallelism)',
             "        torch._inductor.config._micro_pipeline_tp = True",
+            "        with warnings.catch_warnings():  # (deprecated, but the compiler's",
+            "            warnings.simplefilter(\"ignore\", FutureWarning)  # pass reads it)",
+            '            enable_symm_mem_for_group(mesh["tp"].get_group().group_name)',
             *(blocks if p.blocks else ["        model.compile()"])]
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_leaves, tree_map
 
-from explorer.core.errors import ExplorerError
+from explorer.core.errors import ExplorerError, PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import Plan, check_tensor_alone
 from explorer.core.plan_layout import stage_layout
@@ -41,6 +41,8 @@ from explorer.core.tensor_layout import (
     shard_parts,
     split_dim,
 )
+from explorer.devices.cluster import Cluster
+from explorer.platforms import platform_of
 from explorer.runtime.head_shapes import (
     expanded_sizes,
     transposed_dim,
@@ -56,6 +58,24 @@ from explorer.runtime.sequence_parallel import (
 )
 from explorer.runtime.tensor_collectives import AllReduced, Gathered, PartialGrad
 from explorer.runtime.vocab_loss import VOCAB_CALLS, on_vocab
+
+
+def check_async_tensor(plan: Plan, cluster: Cluster | None) -> None:
+    """Refuse a stage with async tensor parallelism on devices that would pipeline its
+    collectives (GPUs): the runtime runs them in turn, so its step would not be the one
+    predicted. (CPU ranks cannot pipeline them: the prediction is plain sequence
+    parallelism's, which they run.)"""
+    if cluster is None:
+        return
+    for s in range(len(plan.stages)):
+        if plan.settings_of(s).async_tensor and any(
+                platform_of(cluster.device(d).kind).pipelines_tensor_collectives
+                for d in plan.stages[s]):
+            raise PlanError(f"stage {s} asks for async tensor parallelism on "
+                            f"{plan.stages[s][0]}, whose collectives the explorer's runtime "
+                            "runs in turn: export the plan as a native script (explorer export "
+                            "--native; it compiles the blocks with torch's async tensor "
+                            "parallelism), or set async_tensor off to run it here")
 
 
 def check_supported(graph: OpGraph, plan: Plan) -> None:

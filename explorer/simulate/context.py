@@ -47,14 +47,24 @@ def keys_and_values(graph: OpGraph, i: int) -> list[int]:
     return out
 
 
+def ring_bytes(graph: OpGraph, i: int, precision: str) -> int:
+    """The bytes of attention op ``i``'s keys and values at the whole batch, as the ring
+    carries them: in 2 bytes under bf16/fp16, in which autocast runs the attention."""
+    nbytes = 0
+    for j in keys_and_values(graph, i):
+        node = graph.nodes[j]
+        half = precision != "fp32" and node.dtype == "float32"
+        nbytes += node.out_bytes // 2 if half else node.out_bytes
+    return nbytes
+
+
 def add_ring_attention(graph: OpGraph, plan: Plan, costs: CostModel, ops_by_stage: list,
-                       frac: list[float], act_bytes: np.ndarray,
-                       fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
+                       frac: list[float], fwd_s: np.ndarray, bwd_s: np.ndarray) -> int:
     """Add each context-parallel stage's ring to its attention ops (the transfers beside the
     attention, :func:`~explorer.simulate.tensor.pipelined_s` over the ``c`` ring steps):
     forward the keys and values once round the ring, backward once more with their
-    gradients; the bytes every device sends in a step (``act_bytes``: each node's output
-    bytes under the plan's precision)."""
+    gradients (each at its bytes under the stage's precision, a device's share of the heads
+    under a tensor split); the bytes every device sends in a step."""
     moved = 0
     split = layouts(graph, plan)
     for s in range(len(plan.stages)):
@@ -62,6 +72,7 @@ def add_ring_attention(graph: OpGraph, plan: Plan, costs: CostModel, ops_by_stag
         if c == 1:
             continue
         group, layout = context_group(plan, s), split.get(s)
+        precision = plan.settings_of(s).precision
         attention = [i for i in ops_by_stage[s].tolist()
                      if op_kind(graph.nodes[i].op) == "attention"
                      and len(graph.nodes[i].inputs) >= 3]
@@ -73,8 +84,7 @@ def add_ring_attention(graph: OpGraph, plan: Plan, costs: CostModel, ops_by_stag
         for i in attention:
             node = graph.nodes[i]
             share = layout.degree if layout is not None and node.name in layout.split_ops else 1
-            block = int(sum(int(act_bytes[j]) for j in keys_and_values(graph, i))
-                        * frac[s] / share)
+            block = int(ring_bytes(graph, i, precision) * frac[s] / share)
             ring_s = costs.allgather_s(group, block * c)  # (c - 1 steps of one block)
             fwd_s[i] = pipelined_s(fwd_s[i], ring_s, c)
             if node.requires_grad:

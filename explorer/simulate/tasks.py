@@ -219,7 +219,7 @@ class TaskBuilder(PipelineOrder, GradientTasks):
                                                                 self.frac, fwd_d, bwd_d)
         if plan.uses_context_parallel:
             self.allreduce_bytes += add_ring_attention(
-                g, plan, costs, self.ops_by_stage, self.frac, self.out_act, fwd_d, bwd_d)
+                g, plan, costs, self.ops_by_stage, self.frac, fwd_d, bwd_d)
         if self.eff is not None:
             self.eff.add_recomputation(g, costs, plan, A, st, fwd_d, bwd_d)
         # the processor time per message, per stage (the slowest replica's platform)

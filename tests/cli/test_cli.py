@@ -249,6 +249,7 @@ class TestPlan:
         assert rc == 0, err
         (p,) = json.loads(out)["plans"]
         assert p["memory_settings"] == ["context 2"] and p["degrees"]["text"] == "2x1x1 cp 2"
+        assert (p["replicas"], p["context"]) == ([2], [2])
         rc, _, err = _run(capsys, "plan", *llama, "--context", "8")
         assert rc == 1 and "--context 8 x the tensor degree divides the devices of none" in err
         rc, _, err = _run(capsys, "run", *llama[:-5], "--devices", "cpu:2", "--algorithm",

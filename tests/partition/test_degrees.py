@@ -122,6 +122,9 @@ def test_context_degrees_are_searched_and_simulated_as_planned():
     assert plan.options["cp"] == plan.context_of(0)
     with pytest.raises(ExplorerError, match="context_degrees are whole numbers"):
         ex.partition(g, cl, costs, "degrees", context_degrees=[0])
+    gpt, _, gpt_costs = _case("gpt", "4xH100")  # (its attention is written out of matmuls)
+    with pytest.raises(ExplorerError, match="this graph has none"):
+        ex.partition(gpt, cl, gpt_costs, "degrees", context_degrees=[1, 2])
 
 
 def test_memory_settings_rank_the_simulated_candidates():

@@ -16,6 +16,7 @@ import torch
 
 import explorer as ex
 from explorer.cli.commands import main as cli
+from explorer.core.errors import PlanError
 from explorer.models.synthetic import roofline_costs
 from explorer.runtime import RankPool
 from explorer.runtime.native_script import (
@@ -250,14 +251,25 @@ class TestText:
         assert native.async_tensor
         text = render(native)
         compile(text, "train.py", "exec")
-        assert "import torch._inductor.config\n" in text
+        assert "import torch._inductor.config\n" in text and "import warnings\n" in text
+        assert ("from torch.distributed._symmetric_memory import enable_symm_mem_for_group\n"
+                in text)
         assert ('        recompute(model.get_submodule(path))\n'
                 '    if mesh["tp"].device_type == "cuda":  # (async tensor parallelism)\n'
                 '        torch._inductor.config._micro_pipeline_tp = True\n'
+                '        with warnings.catch_warnings():  # (deprecated, but the compiler\'s\n'
+                '            warnings.simplefilter("ignore", FutureWarning)  # pass reads it)\n'
+                '            enable_symm_mem_for_group(mesh["tp"].get_group().group_name)\n'
                 '        for path in BLOCKS:\n'
                 '            model.get_submodule(path).compile()\n') in text
         assert "async on CUDA: collectives pipelined with the matmuls" in " ".join(
             text.split())
+        # the explorer's runtime runs the collectives in turn: on GPUs it refuses the plan
+        h100s = ex.Cluster.preset("2xH100")
+        on_gpus = (_replicated(graph, h100s.ids).with_tensor(2, sequence=True)
+                   .with_memory(async_tensor=True))
+        with pytest.raises(PlanError, match="explorer export --native"):
+            ex.run(graph, plan=on_gpus, costs=roofline_costs(graph, h100s), progress=False)
 
 
 @pytest.mark.parametrize("source", ["gpt", "llama", "factory_models:hf_gpt2"])

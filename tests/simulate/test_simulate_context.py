@@ -79,3 +79,38 @@ def test_context_is_predicted_and_refused_for_real_steps(tmp_path):
     d["stage_settings"][0]["context"] = 0
     with pytest.raises(PlanError, match="context"):
         ex.Plan.from_dict(d, g)
+
+
+def test_the_ring_carries_each_device_s_heads_at_the_stage_s_precision():
+    """Tensor 2 x context 2: each device's ring carries its share of the key-value heads,
+    whatever else the stage sets (ZeRO, recomputation), and 2-byte ones under bf16."""
+    g = tiny_builtin_graph("llama")
+    fwd = {n.name: 1.0 for n in g.nodes if n.kind == "op"}
+    cm = costs(g, _gpus(4), fwd, {k: 2 * v for k, v in fwd.items()})
+    split = _one_stage(g, cm.cluster.ids).with_tensor(2)
+
+    def ring_bytes(**settings) -> int:
+        base = split.with_memory(**settings) if settings else split
+        return (ex.simulate(g, base.with_memory(context=2), cm).allreduce_bytes
+                - ex.simulate(g, base, cm).allreduce_bytes)
+
+    heads = sum(g.nodes[j].out_bytes for i, n in enumerate(g.nodes)
+                if n.op.startswith("aten.scaled_dot_product_attention")
+                for j in keys_and_values(g, i))
+    # (every device sends its block: whole / (2 replicas of the tokens) / 2 tensor ranks)
+    assert ring_bytes() == 3 * heads // 4 * 4
+    assert ring_bytes(zero=1) == ring_bytes(recompute="full") == ring_bytes()
+    assert ring_bytes(precision="bf16") == ring_bytes() // 2
+
+
+def test_a_batch_smaller_than_the_devices_is_split_by_sequence():
+    """Sixteen devices over the tiny Llama's batch of 8: as data-parallel replicas they are
+    too many, as 8 replicas x 2 context ranks each they are not."""
+    g = tiny_builtin_graph("llama")
+    cm = costs(g, _gpus(16), {n.name: 1.0 for n in g.nodes if n.kind == "op"}, {})
+    ops = {n.name: 0 for n in g.nodes if n.kind == "op"}
+    with pytest.raises(PlanError, match="16 replicas for a batch of 8 samples"):
+        ex.Plan.from_assignment(g, [cm.cluster.ids], ops)
+    plan = ex.Plan.from_assignment(g, [cm.cluster.ids], ops,
+                                   stage_settings=(StageSettings(context=2),))
+    assert ex.simulate(g, plan, cm).step_s > 0

@@ -42,9 +42,9 @@ from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
 from explorer.costs.model import CostModel, op_kind
-from explorer.costs.strategies import activation_bytes, is_matmul_like
+from explorer.costs.strategies import is_matmul_like
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
-from explorer.simulate.context import keys_and_values
+from explorer.simulate.context import ring_bytes
 
 
 @dataclass(frozen=True)
@@ -156,11 +156,10 @@ def with_context(lc: LayerCosts, graph: OpGraph, costs: CostModel,
     exposed)."""
     if context == 1:
         return lc
-    kind = costs.cluster.device(context_group[0]).kind
-    nbytes = activation_bytes(graph, settings.precision if settings else "fp32", kind)
+    precision = settings.precision if settings else "fp32"
     split = (megatron_layout(graph, lc.tp, sequence).split_ops if lc.tp > 1 else set())
     lat, spb = linear_fit(lambda x: costs.allgather_s(tuple(context_group), int(x)))
-    count, ring_bytes = np.zeros(len(layers)), np.zeros(len(layers))
+    count, ring = np.zeros(len(layers)), np.zeros(len(layers))
     for j, layer in enumerate(layers):
         for i in layer:
             node = graph.nodes[i]
@@ -169,10 +168,10 @@ def with_context(lc: LayerCosts, graph: OpGraph, costs: CostModel,
             share = lc.tp if node.name in split else 1
             passes = 3 if node.requires_grad else 1
             count[j] += passes / context
-            ring_bytes[j] += passes * sum(int(nbytes[k]) for k in keys_and_values(graph, i)
-                                          ) / share  # (x context bytes / context pieces)
+            # (x context bytes in the ring / context pieces)
+            ring[j] += passes * ring_bytes(graph, i, precision) / share
     table = replace(lc.table, fixed_s=lc.table.fixed_s + count * lat,
-                    var_s=lc.table.var_s + ring_bytes * spb)
+                    var_s=lc.table.var_s + ring * spb)
     return replace(lc, table=table, tables=StageTables(table))
 
 

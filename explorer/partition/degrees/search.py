@@ -127,7 +127,7 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     memory estimated under the memory ``settings`` every stage gets (ZeRO over each mesh's
     replicas); ``async_tensor``: the sequence-parallel splits pipeline their collectives;
     ``context_degrees``: each split also with every sample's sequence split that many ways
-    (where the graph has fused attention, the ring that needs)."""
+    (the graph needs fused attention, which the ring serves)."""
     for s in schedules:
         if s not in SCHEDULES:
             raise ExplorerError(f"unknown schedule {s!r}; choose among {', '.join(SCHEDULES)}")
@@ -162,7 +162,11 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     by_context: dict[tuple[int, bool, int], LayerCosts] = {}
     attention = any(op_kind(n.op) == "attention" and len(n.inputs) >= 3
                     for n in graph.nodes if n.kind == "op")
-    for c in sorted(set(context_degrees) - {1}) if attention else ():
+    if set(context_degrees) - {1} and not attention:
+        raise ExplorerError("context parallelism rings the keys and values of fused attention "
+                            "(F.scaled_dot_product_attention), and this graph has none: search "
+                            "without context degrees")
+    for c in sorted(set(context_degrees) - {1}):
         if not 1 < c <= n:
             raise ExplorerError(f"context degree {c} is not between 2 and the {n} devices")
         splits = [(tp, False, lc) for tp, lc in by_tensor.items()] + [
