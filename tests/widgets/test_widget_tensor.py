@@ -181,6 +181,12 @@ def test_context_parallel_degree_splits_samples_and_is_predicted_only(gpt):
     assert "context-parallel stages do not run yet" in w.estimate.table.value
     w.session.undo()
     assert w.stages.context.value == 1 and w.session.plan.context_of(0) == 1
+    # a stage edited down to devices the degree no longer divides falls back to whole samples
+    w.stages.context.value = 2
+    w.session.assign([n.name for n in llama.nodes if n.kind == "op"][-3:], "H100:1")
+    assert [w.session.plan.context_of(s) for s in range(len(w.session.plan.stages))] == [1, 1]
+    w.session.undo()
+    w.session.undo()
     # the tiny GPT writes its attention out of matmuls: no ring to split it by
     gpt_w = Explorer(gpt, roofline_costs(gpt, cl), ex.partition(gpt, cl, roofline_costs(gpt, cl),
                                                               "data-parallel"))
