@@ -56,7 +56,7 @@ def degrees_text(plan: Plan) -> str:
     stages = range(len(plan.stages))
     tp = max((plan.tensor_of(s) for s in stages), default=1)
     cp = max((plan.context_of(s) for s in stages), default=1)
-    dp = max((plan.replicas_of(s) // plan.context_of(s) for s in stages), default=1)
+    dp = max((plan.data_replicas_of(s) for s in stages), default=1)
     context = f"cp {cp} x " if cp > 1 else ""
     return f"dp {dp} x {context}tp {tp} x pp {len(plan.stages)}"
 

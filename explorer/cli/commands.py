@@ -13,6 +13,7 @@ from typing import Any
 
 import explorer as ex
 from explorer.analysis.throughput import throughput, tokens_per_step
+from explorer.cli.arguments import positive_int, whole
 from explorer.cli.bounds import check_batch_size
 from explorer.cli.memory import add_memory_options, memory_settings
 from explorer.cli.splits import add_split_options, split_options
@@ -371,8 +372,7 @@ def _plan_json(name: str, plan, r, graph, cluster) -> dict[str, Any]:
             "bottleneck": r.bottleneck, "stages": [list(s) for s in plan.stages],
             "micro_batches": plan.micro_batches, "schedule": plan.schedule,
             "tensor": [plan.tensor_of(s) for s in range(len(plan.stages))],
-            "replicas": [plan.replicas_of(s) // plan.context_of(s)
-                         for s in range(len(plan.stages))],
+            "replicas": [plan.data_replicas_of(s) for s in range(len(plan.stages))],
             "context": [plan.context_of(s) for s in range(len(plan.stages))],
             "degrees": plan_degrees(plan),
             "notes": list(plan.notes),
@@ -387,7 +387,7 @@ def plan_degrees(plan) -> dict[str, Any]:
     differs between stages reads ``"1/2"``, stage by stage), with ``" cp 2"`` after it where
     a stage splits samples by context parallelism (``"cp"``: the largest degree)."""
     stages = range(len(plan.stages))
-    dps = [plan.replicas_of(s) // plan.context_of(s) for s in stages]
+    dps = [plan.data_replicas_of(s) for s in stages]
     tps = [plan.tensor_of(s) for s in stages]
     cps = [plan.context_of(s) for s in stages]
 
@@ -413,27 +413,8 @@ def _categories(m) -> dict[str, int]:
             "workspace": m.workspace_bytes, "total": m.total_bytes}
 
 
-def _whole_from(lo: int, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = lo - 1
-    if not lo <= value <= 10**9:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= {lo} (at most 10**9), "
-                                         f"not {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _whole_from(1, text)
-
-
-def _whole(text: str) -> int:
-    return _whole_from(0, text)
-
-
 def add_virtual_stages_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--virtual-stages", type=_positive_int, default=None,
+    p.add_argument("--virtual-stages", type=positive_int, default=None,
                    help="chunks of layers per device, taken in turn around the devices "
                         "(even-layers, balanced-params); the schedule: interleaved-1f1b")
 
@@ -472,11 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "such as llama-70b (`explorer models --shapes`), captured without "
                          "running")
     pl.add_argument("--size", default="default", help="tiny, small, default or large")
-    pl.add_argument("--batch-size", type=_positive_int, default=None)
+    pl.add_argument("--batch-size", type=positive_int, default=None)
     pl.add_argument("--devices", default="cpu:2",
                     help="cpu:N (CPU ranks), gpu (this machine's GPUs) or a preset like 4xH100")
     pl.add_argument("--algorithm", default="all", help="a partitioner name, or all")
-    pl.add_argument("--micro-batches", type=_positive_int, default=None)
+    pl.add_argument("--micro-batches", type=positive_int, default=None)
     pl.add_argument("--schedule", choices=SCHEDULES, default=None)
     add_virtual_stages_option(pl)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
@@ -493,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a built-in model (see `explorer models`; default: the plan's, or gpt)")
     r.add_argument("--size", default=None,
                    help="tiny, small, default or large (default: the plan's, or default)")
-    r.add_argument("--batch-size", type=_positive_int, default=None)
+    r.add_argument("--batch-size", type=positive_int, default=None)
     r.add_argument("--devices", default="cpu:2", help="cpu:N (CPU ranks) or gpu")
     r.add_argument("--algorithm", default="even-layers", help="a partitioner name")
     r.add_argument("--plan", help="run this plan JSON instead of partitioning")
@@ -501,9 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="module:function that builds the model with its example batch (like "
                         "ex.builtin_model) instead of a built-in model; a factory a plan "
                         "names is used only when you name it here")
-    r.add_argument("--steps", type=_positive_int, default=5)
-    r.add_argument("--warmup", type=_whole, default=2)
-    r.add_argument("--micro-batches", type=_positive_int, default=None)
+    r.add_argument("--steps", type=positive_int, default=5)
+    r.add_argument("--warmup", type=whole, default=2)
+    r.add_argument("--micro-batches", type=positive_int, default=None)
     r.add_argument("--schedule", choices=SCHEDULES, default=None)
     add_virtual_stages_option(r)
     r.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
@@ -522,13 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", help="the built-in model the plan is for (default: the plan's)")
     e.add_argument("--size", default=None,
                    help="tiny, small, default or large (default: the plan's, or default)")
-    e.add_argument("--batch-size", type=_positive_int, default=None)
+    e.add_argument("--batch-size", type=positive_int, default=None)
     e.add_argument("--factory", default=None,
                    help="module:function that builds the model on every rank instead of "
                         "weights in the job folder; it returns the model with its example "
                         "batch, like ex.builtin_model (a factory the plan names is used only "
                         "when you name it here)")
-    e.add_argument("--steps", type=_positive_int, default=10, help="steps the script runs")
+    e.add_argument("--steps", type=positive_int, default=10, help="steps the script runs")
     e.add_argument("--native", action="store_true",
                    help="write one PyTorch script to read and keep (DeviceMesh, DDP, FSDP2, "
                         "checkpoint, autocast; no job folder, no explorer runtime) for a plan "

@@ -42,8 +42,8 @@ from explorer.core.plan_schema import (
 )
 
 __all__ = ["DEFAULT_SETTINGS", "INTERLEAVED", "OPTIMIZER_STATE", "PRECISIONS", "RECOMPUTE",
-           "SCHEDULES", "ZERO_STAGES", "Plan", "StageSettings", "check_no_context",
-           "check_tensor_alone"]
+           "SCHEDULES", "ZERO_STAGES", "Plan", "StageSettings", "check_mesh",
+           "check_no_context", "check_tensor_alone"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,18 @@ def check_tensor_alone(plan: Plan) -> None:
         raise PlanError("real steps of tensor-parallel stages with ZeRO, recomputation or "
                         "bf16/fp16 do not run yet (the prediction stands): to run it, set "
                         "zero=0, recompute='none' and precision='fp32', or tensor=1")
+
+
+def check_mesh(stage: int, devices: int, settings: StageSettings) -> None:
+    """Refuse ``settings`` on a stage of ``devices`` devices that its tensor degree, or its
+    context x tensor degrees, do not divide."""
+    if devices % settings.tensor:
+        raise PlanError(f"stage {stage} has {devices} devices, which a tensor-parallel degree "
+                        f"{settings.tensor} does not divide; use a degree that divides it")
+    if devices % (settings.tensor * settings.context):
+        raise PlanError(f"stage {stage} has {devices} devices, which context "
+                        f"{settings.context} x tensor {settings.tensor} does not divide; use "
+                        "degrees whose product divides it")
 
 
 def check_no_context(plan: Plan) -> None:
@@ -243,6 +255,11 @@ class Plan:
         samples are ``replicas_of / context_of``)."""
         return len(self.stages[stage]) // self.tensor_of(stage)
 
+    def data_replicas_of(self, stage: int) -> int:
+        """How many replicas of ``stage`` split the batch's samples: its replicas of the
+        tokens over its context degree (the context ranks of a replica share its samples)."""
+        return self.replicas_of(stage) // self.context_of(stage)
+
     @property
     def data_parallel(self) -> int:
         """Largest replica count of any stage."""
@@ -300,14 +317,7 @@ class Plan:
                 async_tensor=split_sequence and (old.async_tensor if async_tensor is None
                                                  else async_tensor),
                 context=old.context if context is None else context)
-            if len(self.stages[s]) % current[s].tensor:
-                raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which a "
-                                f"tensor-parallel degree of {current[s].tensor} does not "
-                                "divide; use a degree that divides it")
-            if len(self.stages[s]) % (current[s].tensor * current[s].context):
-                raise PlanError(f"stage {s} has {len(self.stages[s])} devices, which "
-                                f"context {current[s].context} x tensor {current[s].tensor} "
-                                "does not divide; use degrees whose product divides it")
+            check_mesh(s, len(self.stages[s]), current[s])
         if async_tensor and not any(current[s].sequence for s in chosen):
             raise PlanError("async tensor parallelism pipelines the collectives of sequence "
                             "parallelism: split a stage by tensor and sequence first")
@@ -366,14 +376,7 @@ class Plan:
                             f"stages but {len(self.stages)} stages; set them with with_memory")
         self.check_sizes(graph.batch_size, len(graph.nodes))
         for s, devs in enumerate(self.stages):
-            if len(devs) % self.tensor_of(s):
-                raise PlanError(f"stage {s} has {len(devs)} devices, which its tensor-parallel "
-                                f"degree {self.tensor_of(s)} does not divide; use a degree that "
-                                "divides it")
-            if len(devs) % (self.tensor_of(s) * self.context_of(s)):
-                raise PlanError(f"stage {s} has {len(devs)} devices, which context "
-                                f"{self.context_of(s)} x tensor {self.tensor_of(s)} does not "
-                                "divide; use degrees whose product divides it")
+            check_mesh(s, len(devs), self.settings_of(s))
         unknown_pins = [p for p in self.pinned if p not in names]
         if unknown_pins:
             raise PlanError(f"pinned nodes {unknown_pins[:3]} are not in the graph")
@@ -388,7 +391,7 @@ class Plan:
             raise PlanError(f"the plan has {len(self.stages)} stages for a graph of {n_nodes} "
                             "nodes; a stage with nothing on it cannot run")
         for s in range(len(self.stages)):
-            whole = self.replicas_of(s) // self.context_of(s)  # (the context ranks share one)
+            whole = self.data_replicas_of(s)
             if 0 < batch_size < whole:
                 raise PlanError(f"stage {s} has {whole} replicas for a batch of "
                                 f"{batch_size} samples; use at most {batch_size} devices")

@@ -7,6 +7,7 @@ them into one :class:`Options` and hand that to the shared helpers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,5 +90,14 @@ def check_micro_batches(micro_batches: int | None) -> None:
         raise ExplorerError(f"micro_batches must be >= 1, not {micro_batches}")
 
 
+def whole_numbers(values: Sequence[int], refusal: str) -> tuple[int, ...]:
+    """``values`` as a tuple, at least one, each a whole number 1 or more:
+    :class:`ExplorerError` with ``refusal`` followed by the values, if not."""
+    out = tuple(values)
+    if not out or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in out):
+        raise ExplorerError(f"{refusal}, not {list(out)!r}")
+    return out
+
+
 __all__ = ["SEARCH_OPTIONS", "Options", "check_micro_batches", "check_schedule",
-           "first_devices"]
+           "first_devices", "whole_numbers"]

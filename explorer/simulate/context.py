@@ -21,13 +21,19 @@ from __future__ import annotations
 import numpy as np
 
 from explorer.core.errors import PlanError
-from explorer.core.graph import OpGraph
+from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel, op_kind
 from explorer.simulate.tensor import layouts, pipelined_s
 
 #: ops that repeat keys and values for grouped-query attention: the ring carries their input
 _REPEATS = ("aten.repeat_interleave.self_int", "aten.repeat_interleave.self_Tensor")
+
+
+def is_fused_attention(node: OpNode) -> bool:
+    """Whether ``node`` is an attention the ring serves: one op reading queries, keys and
+    values (``F.scaled_dot_product_attention``)."""
+    return node.kind == "op" and op_kind(node.op) == "attention" and len(node.inputs) >= 3
 
 
 def context_group(plan: Plan, stage: int) -> tuple[str, ...]:
@@ -73,9 +79,7 @@ def add_ring_attention(graph: OpGraph, plan: Plan, costs: CostModel, ops_by_stag
             continue
         group, layout = context_group(plan, s), split.get(s)
         precision = plan.settings_of(s).precision
-        attention = [i for i in ops_by_stage[s].tolist()
-                     if op_kind(graph.nodes[i].op) == "attention"
-                     and len(graph.nodes[i].inputs) >= 3]
+        attention = [i for i in ops_by_stage[s].tolist() if is_fused_attention(graph.nodes[i])]
         if not attention:
             raise PlanError(f"stage {s} splits samples by context parallelism, which rings "
                             "the keys and values of fused attention, and it has none (no "

@@ -119,7 +119,7 @@ class StageSettingsPanel(Panel):
             st = plan.settings_of(k)
             rows.append((str(k), html.escape("+".join(devs)), ZERO_TEXT[st.zero],
                          st.recompute, st.precision,
-                         f"{plan.replicas_of(k) // st.context} x "
+                         f"{plan.data_replicas_of(k)} x "
                          + (f"{st.context} x " if st.context > 1 else "") + f"{st.tensor}"
                          + (" (sequence, async)" if st.async_tensor
                             else " (sequence)" if st.sequence else "")))

@@ -41,10 +41,10 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
 from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
-from explorer.costs.model import CostModel, op_kind
+from explorer.costs.model import CostModel
 from explorer.costs.strategies import is_matmul_like
 from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
-from explorer.simulate.context import ring_bytes
+from explorer.simulate.context import is_fused_attention, ring_bytes
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def with_context(lc: LayerCosts, graph: OpGraph, costs: CostModel,
     for j, layer in enumerate(layers):
         for i in layer:
             node = graph.nodes[i]
-            if op_kind(node.op) != "attention" or len(node.inputs) < 3:
+            if not is_fused_attention(node):
                 continue
             share = lc.tp if node.name in split else 1
             passes = 3 if node.requires_grad else 1

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import INTERLEAVED, Plan
 from explorer.costs.model import CostModel
+from explorer.partition.options import whole_numbers
 from explorer.partition.search.layers import in_turn
 from explorer.simulate.simulator import Prediction, simulate
 
@@ -23,12 +23,8 @@ NOT_INTERLEAVED = ("degrees: the fastest pipeline found cannot be interleaved (o
 
 def check_virtual_stages(virtual_stages: Sequence[int]) -> tuple[int, ...]:
     """The chunk counts, each a whole number 1 or more: :class:`ExplorerError` if not."""
-    out = tuple(virtual_stages)
-    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int) or v < 1]
-    if bad or not out:
-        raise ExplorerError(f"virtual_stages are whole numbers of chunks per stage, 1 or "
-                            f"more (1: one chunk, plain 1F1B), not {list(out)!r}")
-    return out
+    return whole_numbers(virtual_stages, "virtual_stages are whole numbers of chunks per "
+                         "stage, 1 or more (1: one chunk, plain 1F1B)")
 
 
 def interleaved(graph: OpGraph, plan: Plan, costs: CostModel,

@@ -23,7 +23,7 @@ from explorer.partition.degrees.search import (
     build_space,
     enumerate_candidates,
 )
-from explorer.partition.options import Options, check_micro_batches
+from explorer.partition.options import Options, check_micro_batches, whole_numbers
 from explorer.partition.pipeline_dp import choose_layers, dp_cells
 from explorer.partition.registry import algorithm as lookup_algorithm
 from explorer.partition.registry import register
@@ -161,22 +161,15 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     virtual_stages = check_virtual_stages(VIRTUAL_STAGES if deepest else virtual_stages)
     only_interleaved = list(schedules) == [INTERLEAVED]
     schedules = list(dict.fromkeys("1f1b" if s == INTERLEAVED else s for s in schedules))
-    whole = ""
-    try:
-        layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
-    except ExplorerError as exc:
-        if depth is not None:
-            raise
-        # no module depth has few enough layers to cut into stages: one stage, split by
-        # data and tensor degrees only
-        layers, used_depth = [list(range(len(graph.nodes)))], 0
-        whole = f"degrees: one pipeline stage only ({exc})"
+    layers, used_depth, whole = _layers(graph, depth, max_layers)
     stage_memory = {k: v for k, v in (memory or {}).items() if k != "async_tensor"}
     space = build_space(graph, costs, ids, layers, optimizer, tensor_degrees, micro_batches,
                         schedules, pins, 1.0,
                         StageSettings(**stage_memory) if stage_memory else None,
                         async_tensor=bool((memory or {}).get("async_tensor")),
-                        context_degrees=_checked_contexts(context_degrees))
+                        context_degrees=whole_numbers(
+                            context_degrees, "context_degrees are whole numbers, 1 or more "
+                            "(1: no context parallelism)"))
     cands = enumerate_candidates(space, costs, graph.batch_size)
     base_opts = {"k": len(ids), "depth": used_depth, "layers": len(layers),
                  "candidates": len(cands)}
@@ -189,12 +182,8 @@ def degrees(graph: OpGraph, cluster: Cluster, costs: CostModel,
     noted = [_noted(found, len(ids), tried, len(cands), whole) for found in fitting]
     best = noted[0] if noted else None
     if noted and not pins:  # (a re-cut would move pinned nodes)
-        # (each simulated candidate re-cut: a deeper pipeline the estimate ranks below
-        # another may pass it once interleaved)
-        recut = [best_interleaved(graph, costs, space.layers, found, virtual_stages,
-                                  only_interleaved, deepest) for found in noted]
-        best = min((r for r in recut if r is not None), key=lambda r: r[1].step_s,
-                   default=None)
+        best = _fastest_recut(graph, costs, space.layers, noted, virtual_stages,
+                              only_interleaved, deepest)
         failure = "" if best is not None else NOT_INTERLEAVED
     if compare_pipeline_dp and not only_interleaved:
         best = _against_pipeline_dp(graph, cluster, costs, best, pins, k, optimizer,
@@ -218,14 +207,6 @@ def _checked_options(micro_batches: int | Sequence[int] | None, simulate_top: in
         raise ExplorerError(f"degrees: memory has no setting {unknown[0]!r}; its settings are "
                             f"{', '.join(MEMORY_KEYWORDS)}")
     return micro_batches
-
-
-def _checked_contexts(context_degrees: Sequence[int]) -> tuple[int, ...]:
-    out = tuple(context_degrees)
-    if not out or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in out):
-        raise ExplorerError(f"context_degrees are whole numbers, 1 or more (1: no context "
-                            f"parallelism), not {list(out)!r}")
-    return out
 
 
 def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Sequence[Candidate],
@@ -254,6 +235,31 @@ def _best_simulated(graph: OpGraph, costs: CostModel, space: Space, cands: Seque
         return 0.0 if step <= fastest * (1 + 1e-9) else step
 
     return sorted(fitting, key=order), tried
+
+
+def _layers(graph: OpGraph, depth: int | None, max_layers: int
+            ) -> tuple[list[list[int]], int, str]:
+    """The layers to cut into stages, their module depth, and a note when there are none:
+    where no module depth has few enough layers, one layer of everything (one stage, split
+    by data and tensor degrees only)."""
+    try:
+        layers, used_depth = choose_layers(graph, depth, max_layers, 1, False)
+    except ExplorerError as exc:
+        if depth is not None:
+            raise
+        return [list(range(len(graph.nodes)))], 0, f"degrees: one pipeline stage only ({exc})"
+    return layers, used_depth, ""
+
+
+def _fastest_recut(graph: OpGraph, costs: CostModel, layers: Sequence[Sequence[int]],
+                   simulated: Sequence[tuple[Plan, Prediction]], virtual_stages: Sequence[int],
+                   only_interleaved: bool, deepest: bool) -> tuple[Plan, Prediction] | None:
+    """The fastest of the ``simulated`` candidates and their interleaved re-cuts
+    (:func:`best_interleaved`): each is re-cut, as a deeper pipeline the estimate ranks below
+    another may pass it once interleaved."""
+    recut = [best_interleaved(graph, costs, layers, found, virtual_stages, only_interleaved,
+                              deepest) for found in simulated]
+    return min((r for r in recut if r is not None), key=lambda r: r[1].step_s, default=None)
 
 
 def _noted(found: tuple[Plan, Prediction], devices: int, tried: int, candidates: int,

@@ -13,7 +13,7 @@ from explorer.core.graph import OpGraph
 from explorer.core.plan import SCHEDULES, StageSettings
 from explorer.core.plan_schema import MAX_MICRO_BATCHES
 from explorer.core.tensor_layout import megatron_layout
-from explorer.costs.model import CostModel, op_kind
+from explorer.costs.model import CostModel
 from explorer.partition.degrees.estimate import (
     LayerCosts,
     MeshCosts,
@@ -22,6 +22,7 @@ from explorer.partition.degrees.estimate import (
     with_context,
 )
 from explorer.partition.pipeline_dp import linear_fit, stage_cost_table
+from explorer.simulate.context import is_fused_attention
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,7 @@ def build_space(graph: OpGraph, costs: CostModel, ids: Sequence[str],
             if seq is not None:
                 by_sequence[tp] = seq
     by_context: dict[tuple[int, bool, int], LayerCosts] = {}
-    attention = any(op_kind(n.op) == "attention" and len(n.inputs) >= 3
-                    for n in graph.nodes if n.kind == "op")
-    if set(context_degrees) - {1} and not attention:
+    if set(context_degrees) - {1} and not any(map(is_fused_attention, graph.nodes)):
         raise ExplorerError("context parallelism rings the keys and values of fused attention "
                             "(F.scaled_dot_product_attention), and this graph has none: search "
                             "without context degrees")
