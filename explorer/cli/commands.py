@@ -21,6 +21,7 @@ from explorer.core.errors import ExplorerError
 from explorer.core.factory import load_factory, untrusted_factory
 from explorer.core.plan import SCHEDULES
 from explorer.core.units import MiB, table
+from explorer.costs.kernels import KERNELS
 from explorer.devices.cluster import Cluster, parse_devices
 from explorer.models.builtin import build, model_names, shape_names
 from explorer.partition import algorithm, algorithms
@@ -76,7 +77,8 @@ def _prepare(args: argparse.Namespace, made: Any = None):
     costs = ex.profile(graph, cluster, cache=not args.no_cache, progress=not args.quiet,
                        precisions=(half,) if half not in (None, "fp32") else (),
                        # (the runtime the run asks for: its profile predicts it)
-                       runtime="ops" if getattr(args, "runtime", None) == "ops" else "segments")
+                       runtime="ops" if getattr(args, "runtime", None) == "ops" else "segments",
+                       kernels=getattr(args, "kernels", "eager"))
     t_profile = time.perf_counter() - t0
     return bm, graph, cluster, costs, t_capture, t_profile
 
@@ -151,7 +153,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model": bm.name, "size": bm.size, "graph": graph.summary(),
-            "cluster": cluster.name, "capture_s": t_cap, "profile_s": t_prof,
+            "cluster": cluster.name, "kernels": args.kernels, "capture_s": t_cap,
+            "profile_s": t_prof,
             "plans": [_plan_json(n, p, r, graph, costs.cluster) for n, p, r in results],
             "best": best[0] if best else None, "saved": args.out if ok else None}, indent=1))
         return _all_failed(results)
@@ -159,7 +162,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{bm.name} ({bm.size}): {s['ops']} ops, {s['params_bytes'] / MiB:.1f} MiB params, "
           f"{s['gflops_per_step']:.2f} GFLOP/step, batch {s['batch_size']}, captured in "
           f"{t_cap:.1f} s, profiled in {t_prof:.1f} s")
-    print(f"devices: {cluster.name}\n")
+    print(f"devices: {cluster.name}"
+          + (", ops priced as compiled (fused) kernels" if args.kernels == "compiled" else "")
+          + "\n")
     language = tokens_per_step(graph) is not None
     rows = []
     for n, p, r in results:
@@ -462,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_virtual_stages_option(pl)
     pl.add_argument("--optimizer", default=None, help="sgd, momentum, adam (default) or adamw")
     add_split_options(pl)
+    pl.add_argument("--kernels", choices=KERNELS, default="eager",
+                    help="how GPU presets run the ops: eager (one kernel per op, as eager "
+                         "PyTorch; default) or compiled (pointwise and norm ops fused, as "
+                         "torch.compile and fused-kernel frameworks run them)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.add_argument("--out", help="save the fastest plan that fits to this JSON file")
     pl.add_argument("--no-cache", action="store_true", help="profile again, ignoring the cache")

@@ -17,9 +17,16 @@ import numpy as np
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import OPTIMIZER_STATE
+from explorer.costs.kernels import (
+    Kernels,
+    compiled_graph,
+    fused_kernels,
+    launches_no_kernel,
+    op_kind,
+)
 from explorer.costs.strategies import precision_time_factors
 from explorer.devices.cluster import Cluster, Device
-from explorer.devices.presets import KindFit, roofline_fit
+from explorer.devices.presets import KindFit, RooflineFit, roofline_fit
 from explorer.platforms import Platform, platform_of
 from explorer.platforms.cpu import ReplicaEffects
 
@@ -115,6 +122,10 @@ class DeviceCosts:
     #: host's seconds do not shrink with the batch. Empty where the device has one timeline
     #: (CPU ranks: an op's time holds both)
     host_s: list[list[float]] = field(default_factory=list)
+    #: how the ops are priced to run (:data:`explorer.costs.kernels.Kernels`): "eager", one
+    #: kernel per op (measured devices always: they time what the runtime runs), or
+    #: "compiled", fused as ``torch.compile`` runs them (roofline estimates only)
+    kernels: Kernels = "eager"
 
     @property
     def two_timelines(self) -> bool:
@@ -330,6 +341,19 @@ class CostModel:
         per_t = dc.optimizer_s_per_tensor.get(optimizer, dc.optimizer_s_per_tensor.get("sgd", 0))
         return (param_bytes * per_byte + n_tensors * per_t) * self.compute_scale
 
+    @property
+    def kernels(self) -> Kernels:
+        """How the devices run the ops: "compiled" where every device type is priced so
+        (:func:`roofline`'s ``kernels``), else "eager"."""
+        compiled = all(dc.kernels == "compiled" for dc in self.per_type.values())
+        return "compiled" if compiled and self.per_type else "eager"
+
+    def as_run(self, graph: OpGraph) -> OpGraph:
+        """``graph`` as these costs run it: with what a compiled backward keeps
+        (:func:`explorer.costs.kernels.compiled_saves`) where the ops are priced compiled,
+        else ``graph`` itself."""
+        return compiled_graph(graph) if self.kernels == "compiled" else graph
+
     def check(self, graph: OpGraph) -> None:
         if graph.fingerprint != self.graph_fingerprint:
             raise PlanError(f"these costs were profiled for graph {self.graph_fingerprint}, not "
@@ -362,33 +386,6 @@ def _io_bytes(graph: OpGraph, i: int) -> int:
     return n.out_bytes + sum(graph.nodes[p].out_bytes for p in graph.preds[i])
 
 
-#: op names (without ``aten.`` and overload) by the kind of op they were measured as
-_OP_KINDS = {
-    "matmul": ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addbmm", "einsum"),
-    "conv2d": ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
-               "conv_transpose2d", "conv_transpose3d"),
-    "attention": ("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
-                  "scaled_dot_product_efficient_attention", "scaled_dot_product_cudnn_attention",
-                  "flash_attention", "efficient_attention"),
-    "layernorm": ("layer_norm", "native_layer_norm", "rms_norm", "batch_norm",
-                  "native_batch_norm", "group_norm", "native_group_norm", "instance_norm"),
-    "sum": ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
-            "logsumexp", "softmax", "log_softmax", "cross_entropy_loss", "nll_loss",
-            "argmax", "argmin"),
-    "gelu": ("gelu", "relu", "silu", "sigmoid", "tanh", "elu", "leaky_relu", "hardtanh",
-             "mish", "softplus"),
-}
-_KIND_OF = {name: kind for kind, names in _OP_KINDS.items() for name in names}
-
-
-def op_kind(op: str) -> str:
-    """The kind of op a captured op's name (``aten.linear.default``) was measured as: matmul,
-    conv2d, attention, layernorm (norms), sum (reductions), gelu (activations) or add (every
-    other elementwise op)."""
-    name = op.removeprefix("aten.").split(".")[0].lstrip("_")
-    return _KIND_OF.get(name, "add")
-
-
 def precision_of(kind: str, dtype: str) -> str:
     """The precision an op of ``kind`` computes in, with PyTorch's default settings: bf16 for
     half dtypes; fp32 tensors run convolutions in tf32 (``torch.backends.cudnn.allow_tf32`` is
@@ -409,7 +406,8 @@ def _fitted(fit: KindFit | None, efficiency: float,
 
 
 def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
-             efficiency: float = ROOFLINE_EFFICIENCY, measured_fit: bool = True) -> DeviceCosts:
+             efficiency: float = ROOFLINE_EFFICIENCY, measured_fit: bool = True,
+             kernels: Kernels = "eager") -> DeviceCosts:
     """Estimate every node's time on ``device`` from its FLOPs and bytes (a roofline).
 
     time = overhead + max(FLOPs / (peak x efficiency), bytes moved / (bandwidth x efficiency));
@@ -421,6 +419,11 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
     overhead of its kind (:func:`op_kind`) and precision (:func:`precision_of`) instead of
     ``efficiency`` and the nominal overhead, unless ``measured_fit`` is False or
     ``overhead_s`` is given.
+
+    ``kernels="compiled"`` prices the ops as ``torch.compile`` or a framework's fused kernels
+    run them (:func:`explorer.costs.kernels.fused_kernels`): each connected run of pointwise,
+    normalisation and reduction ops one kernel per tensor it writes, moving only the bytes
+    that enter and leave the run; views cost nothing.
     """
     ovh = NOMINAL_OVERHEAD_S.get(device.kind, 5e-6) if overhead_s is None else overhead_s
     fit = roofline_fit(device.name) if measured_fit and overhead_s is None else None
@@ -442,6 +445,8 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
         fwd.append(o + max(n.fwd_flops / peak, moved / bw))
         bwd.append(o + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
         src.append("roofline")
+    if kernels == "compiled":
+        _price_fused(graph, device, fwd, bwd, _RooflineTerms(fit, efficiency, ovh))
     # optimizer: read param, grad and state, write param and state (bandwidth bound); torch's
     # multi-tensor (foreach) kernels update many tensors per launch, so a tensor costs little
     # (a measured fit has its own time per tensor)
@@ -453,4 +458,42 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
                 for opt, st in OPTIMIZER_STATE.items()}
     base_ovh = fit.kinds["add/fp32"].overhead_s if fit else ovh
     return DeviceCosts(device.type_key, fwd, bwd, src, base_ovh, per_byte,
-                       dict.fromkeys(OPTIMIZER_STATE, o))
+                       dict.fromkeys(OPTIMIZER_STATE, o), kernels=kernels)
+
+
+@dataclass(frozen=True)
+class _RooflineTerms:
+    """What a roofline prices with: the measured fit (if any), else the single efficiency and
+    the nominal overhead."""
+
+    fit: RooflineFit | None
+    efficiency: float
+    overhead_s: float
+
+
+def _price_fused(graph: OpGraph, device: Device, fwd: list[float], bwd: list[float],
+                 terms: _RooflineTerms) -> None:
+    """Price the fusible ops (in ``fwd``/``bwd``, in place) as a compiler's kernels: each
+    run's launches and the bytes entering and leaving it at the bandwidth (twice the bytes in
+    the backward), its FLOPs at the peak, shared out among its ops that make a tensor by the
+    bytes each would move on its own; views and size queries cost nothing."""
+    for run in fused_kernels(graph):
+        nodes = [graph.nodes[i] for i in run.nodes]
+        precision = "bf16" if any(n.dtype in ("float16", "bfloat16") for n in nodes) else "fp32"
+        o, f_flops, f_bw = _fitted(terms.fit.kinds.get(f"add/{precision}") if terms.fit
+                                   else None, terms.efficiency, terms.overhead_s)
+        peak = (device.half_flops_per_s if precision == "bf16" else device.flops_per_s) * f_flops
+        bw = device.mem_bandwidth_bytes_per_s * f_bw
+        fwd_s = run.launches * o + max(sum(n.fwd_flops for n in nodes) / peak,
+                                       run.bytes_moved / bw)
+        bwd_s = run.launches * o + max(sum(n.bwd_flops for n in nodes) / peak,
+                                       2 * run.bytes_moved / bw)
+        makers = [i for i, n in zip(run.nodes, nodes, strict=True) if not launches_no_kernel(n)]
+        for i in run.nodes:
+            fwd[i] = bwd[i] = 0.0
+        for times, total_s, ops in ((fwd, fwd_s, makers),
+                                    (bwd, bwd_s, [i for i in makers
+                                                  if graph.nodes[i].requires_grad])):
+            shares = [max(_io_bytes(graph, i), 1) for i in ops]
+            for i, share in zip(ops, shares, strict=True):
+                times[i] = total_s * share / sum(shares)

@@ -87,6 +87,7 @@ def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name
     """
     alg = algorithm(algorithm_name)
     costs.check(graph)
+    graph = costs.as_run(graph)  # (what a compiled backward keeps, where priced compiled)
     unknown = sorted(set(options) - set(alg.options))
     if unknown:
         raise ExplorerError(f"{algorithm_name} has no option {unknown[0]!r}; its options are "

@@ -20,6 +20,7 @@ from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import PRECISIONS
+from explorer.costs.kernels import KERNELS, Kernels
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
@@ -66,7 +67,8 @@ Partial = Callable[[Preliminary], None]
 def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: int = 2,
             cache: bool = True, progress: bool = True, message: bool = True,
             report: ops.Report | None = None, partial: Partial | None = None,
-            precisions: tuple[str, ...] = (), runtime: Runtime = "segments") -> CostModel:
+            precisions: tuple[str, ...] = (), runtime: Runtime = "segments",
+            kernels: Kernels = "eager") -> CostModel:
     """Measure or estimate what every node of ``graph`` costs on every device of ``cluster``.
 
     Devices that are present (this machine's CPU ranks, its GPUs) are measured; others get a
@@ -99,6 +101,12 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     the ops timed one at a time and fitted to segment runs of the same plan
     (:func:`ops.measure`), and the message cost probed in segments; or "ops" (one op at a
     time), the op timing alone. Each is cached apart.
+
+    ``kernels`` is how devices that are estimated (not present: GPU presets) run the ops
+    (:data:`explorer.costs.kernels.Kernels`): "eager", one kernel per op, as eager PyTorch
+    and ``ex.run`` run them; "compiled", their pointwise and normalisation ops fused, as
+    ``torch.compile`` or a training framework's fused kernels run them. Measured devices are
+    timed as they run, so "compiled" is refused where the cluster has one.
     """
     if runtime not in RUNTIMES:
         raise ExplorerError(f"runtime must be one of {', '.join(map(repr, RUNTIMES))}, not "
@@ -106,6 +114,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
     if bad := sorted(set(precisions) - set(HALF_PRECISIONS)):
         raise ExplorerError(f"precision {bad[0]!r} is not one a profile can time: "
                             f"use {' or '.join(HALF_PRECISIONS)}")
+    check_kernels(graph, cluster, kernels)
     if repeats < 1 or warmup < 0:
         raise ExplorerError("repeats must be >= 1 and warmup >= 0")
     if cluster.measure_later and report is not None:
@@ -120,7 +129,7 @@ def profile(graph: OpGraph, cluster: Cluster, repeats: int = REPEATS, warmup: in
             if dev.type_key in per_type:
                 continue
             if not dev.present or graph.runtime is None:
-                per_type[dev.type_key] = roofline(graph, dev)
+                per_type[dev.type_key] = roofline(graph, dev, kernels=kernels)
                 continue
             ranks = [d for d in cluster.devices if d.present and d.type_key == dev.type_key]
             contention = _measures_contention(graph, cluster, ranks)
@@ -231,6 +240,21 @@ def _type_runs(graph: OpGraph, contention: bool, precisions: tuple[str, ...],
             + (2 * ops.ROUNDS * len(precisions) if graph.source == "export" else 0)
             + (2 * host.CONTENTION_ROUNDS + dtensor_probe.split_runs(graph) if contention
                else 0))
+
+
+def check_kernels(graph: OpGraph, cluster: Cluster, kernels: str) -> None:
+    """Refuse a ``kernels`` that is not one, or "compiled" on a cluster with measured
+    devices, before any work."""
+    if kernels not in KERNELS:
+        raise ExplorerError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, not "
+                            f"{kernels!r}")
+    measured = [d.id for d in cluster.devices if d.present and graph.runtime is not None]
+    if kernels == "compiled" and measured:
+        raise ExplorerError(
+            f"kernels='compiled' prices estimated devices (GPU presets such as 8xH100); "
+            f"{measured[0]} is measured, and a measurement times the ops as they run: "
+            "profile it with kernels='eager' and time compiled steps with "
+            "ex.run(..., compile=True)")
 
 
 def _first_run(graph: OpGraph, cluster: Cluster, per_type: dict[str, DeviceCosts],

@@ -23,7 +23,8 @@ import numpy as np
 from explorer.core.errors import PlanError
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import Plan
-from explorer.costs.model import CostModel, op_kind
+from explorer.costs.kernels import op_kind
+from explorer.costs.model import CostModel
 from explorer.simulate.tensor import layouts, pipelined_s
 
 #: ops that repeat keys and values for grouped-query attention: the ring carries their input

@@ -81,6 +81,7 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     """
     costs.check(graph)
     plan.validate(graph, costs.cluster)
+    graph = costs.as_run(graph)  # (what a compiled backward keeps, where priced compiled)
     with without_cycle_collection():
         return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
 

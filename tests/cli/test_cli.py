@@ -197,6 +197,24 @@ class TestPlan:
                             "--json")
         assert json.loads(out)["plans"][0]["throughput"] is None  # an MLP reads no tokens
 
+    def test_presets_priced_as_compiled_kernels(self, capsys):
+        llama = ["plan", "--model", "llama", "--size", "tiny", "--quiet", "--algorithm",
+                 "data-parallel"]
+        steps = {}
+        for kernels in ("eager", "compiled"):
+            rc, out, err = _run(capsys, *llama, "--devices", "2xH100", "--kernels", kernels,
+                                "--json")
+            assert rc == 0, err
+            got = json.loads(out)
+            assert got["kernels"] == kernels
+            steps[kernels] = got["plans"][0]["step_s"]
+        assert steps["compiled"] < steps["eager"]
+        rc, out, err = _run(capsys, *llama, "--devices", "2xH100", "--kernels", "compiled")
+        assert rc == 0 and "devices: 2xH100, ops priced as compiled (fused) kernels" in out
+        # a measured device times what runs: refused with what to do instead
+        rc, _, err = _run(capsys, *llama, "--devices", "cpu:1", "--kernels", "compiled")
+        assert rc == 2 and "cpu:0 is measured" in err and "ex.run(..., compile=True)" in err
+
     def test_a_published_shape_plans_at_any_batch_and_peaks_read_per_stage(self, capsys):
         """A published shape is captured on fake tensors: a batch far over this machine's
         memory is fine; on 16 GPUs the peaks are each stage's highest."""

@@ -10,11 +10,11 @@ from builders import cluster, costs, device, graph
 
 from explorer.core.errors import PlanError, UnknownNameError
 from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.kernels import op_kind
 from explorer.costs.model import (
     ROOFLINE_EFFICIENCY,
     CostModel,
     DeviceCosts,
-    op_kind,
     precision_of,
     roofline,
 )

@@ -376,3 +376,21 @@ def test_a_capture_past_its_time_limit_is_not_run_again(monkeypatch):
         measure.first_graph(torch.nn.Linear(2, 2), (torch.zeros(1, 2),), None, None, None,
                             "background")
     assert calls == [True]  # the real capture would run the same forward, as long again
+
+
+def test_costs_priced_as_compiled_kernels_open_as_given_and_say_so():
+    from widgets import Explorer
+
+    bm = ex.builtin_model("llama", "tiny")
+    graph = ex.capture(bm.module, bm.example_inputs, bm.loss_fn, bm.targets, fake=True)
+    cluster = ex.Cluster.preset("2xH100")
+    compiled = ex.profile(graph, cluster, progress=False, kernels="compiled")
+    w = Explorer(graph, compiled, ex.Plan.single(graph, cluster.ids[0]), progress=False)
+    assert w.session.costs.kernels == "compiled"
+    assert "ops priced as compiled (fused) kernels" in w.status.header.value
+    assert shown_step_s(w) == pytest.approx(
+        ex.simulate(graph, w.session.plan, compiled).step_s)
+    eager = Explorer(graph, ex.profile(graph, cluster, progress=False),
+                     ex.Plan.single(graph, cluster.ids[0]), progress=False)
+    assert "compiled" not in eager.status.header.value
+    assert shown_step_s(w) < shown_step_s(eager)

@@ -47,6 +47,8 @@ class StatusPanel(Panel):
         return (f"<div style='line-height:1.4'><b>{html.escape(g.name)}</b>: {len(g.ops):,} ops, "
                 f"{format_bytes(g.param_bytes)} of parameters, batch {g.batch_size}, on "
                 f"{html.escape(cl.name)} ({html.escape(devices_text(cl.ids))})"
+                + (", ops priced as compiled (fused) kernels"
+                   if self.session.costs.kernels == "compiled" else "")
                 + (f" <i>({html.escape('; '.join(notes))})</i>" if notes else "")
                 + (f"<br><span class='pe-measure'>{html.escape(status)}</span>"
                    if status else "") + "</div>")

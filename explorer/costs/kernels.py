@@ -1,0 +1,221 @@
+"""What kernels a graph's ops run as: the kind each op was measured as, and which ops a
+compiler fuses into one kernel.
+
+Eager PyTorch runs every op as its own kernel, each reading its inputs from memory and writing
+its output back. ``torch.compile`` (inductor) and the fused kernels of training frameworks
+(Megatron-Core's and NeMo's Transformer Engine: fused RMSNorm, SwiGLU, rotary embeddings, bias
+and activation) run a connected run of pointwise, normalisation and reduction ops as one
+kernel, which reads what comes from outside the run and writes only what is read outside it;
+views cost no kernel at all. Matrix products, convolutions and fused attention stay library
+kernels in both (inductor calls cuBLAS, cuDNN and flash attention for them).
+Reference: Ansel et al., "PyTorch 2", ASPLOS 2024 (inductor's fusion of pointwise and
+reduction ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from explorer.core.graph import OpGraph, OpNode
+
+#: how a device runs a graph's ops (``ex.profile(..., kernels=)``): "eager", one kernel per op
+#: as eager PyTorch and the explorer's runtime run them; "compiled", pointwise and
+#: normalisation runs fused as ``torch.compile`` and frameworks' fused kernels run them
+Kernels = Literal["eager", "compiled"]
+KERNELS: tuple[Kernels, ...] = ("eager", "compiled")
+
+#: op names (without ``aten.`` and overload) by the kind of op they were measured as
+_OP_KINDS = {
+    "matmul": ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "addbmm", "einsum"),
+    "conv2d": ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d",
+               "conv_transpose2d", "conv_transpose3d"),
+    "attention": ("scaled_dot_product_attention", "scaled_dot_product_flash_attention",
+                  "scaled_dot_product_efficient_attention", "scaled_dot_product_cudnn_attention",
+                  "flash_attention", "efficient_attention"),
+    "layernorm": ("layer_norm", "native_layer_norm", "rms_norm", "batch_norm",
+                  "native_batch_norm", "group_norm", "native_group_norm", "instance_norm"),
+    "sum": ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "norm",
+            "logsumexp", "softmax", "log_softmax", "cross_entropy_loss", "nll_loss",
+            "argmax", "argmin"),
+    "gelu": ("gelu", "relu", "silu", "sigmoid", "tanh", "elu", "leaky_relu", "hardtanh",
+             "mish", "softplus"),
+}
+_KIND_OF = {name: kind for kind, names in _OP_KINDS.items() for name in names}
+
+
+def op_kind(op: str) -> str:
+    """The kind of op a captured op's name (``aten.linear.default``) was measured as: matmul,
+    conv2d, attention, layernorm (norms), sum (reductions), gelu (activations) or add (every
+    other elementwise op)."""
+    name = op.removeprefix("aten.").split(".")[0].lstrip("_")
+    return _KIND_OF.get(name, "add")
+
+
+#: the kinds of op a compiler fuses with their neighbours of these kinds into one kernel
+FUSIBLE_KINDS = frozenset({"add", "gelu", "sum", "layernorm"})
+
+
+def launches_no_kernel(node: OpNode) -> bool:
+    """Whether an op makes no new tensor on the device: a view (its output shares an input's
+    memory) or a size query (``aten.sym_size``)."""
+    return node.is_view or node.out_bytes == 0
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """One connected run of fusible ops (views inside it included), as a compiler runs it."""
+
+    #: the run's ops, in graph order
+    nodes: tuple[int, ...]
+    #: bytes its kernels read from outside the run and write for readers outside it
+    bytes_moved: int
+    #: kernels it launches: one per tensor written for readers outside the run (at least one)
+    launches: int
+
+
+def _is_fusible(node: OpNode) -> bool:
+    return node.kind == "op" and (launches_no_kernel(node) or op_kind(node.op) in FUSIBLE_KINDS)
+
+
+def _runs(graph: OpGraph) -> list[list[int]]:
+    """The runs of fusible ops a compiler can make one kernel of: union-find over the edges
+    between two of them at the same barrier depth (how many library kernels, a matmul or an
+    attention, the longest path from the inputs passes). Two ops of a run can then never
+    depend on each other through an op outside it (the residual stream's adds, which join
+    every layer's norms, are cut at each matmul they wait for), as a kernel cannot wait for
+    another kernel it feeds."""
+    parent = list(range(len(graph.nodes)))
+    fusible = [_is_fusible(n) for n in graph.nodes]
+    depth = [0] * len(graph.nodes)
+    for i, preds in enumerate(graph.preds):  # (nodes are in topological order)
+        depth[i] = max((depth[p] + (graph.nodes[p].kind == "op" and not fusible[p])
+                        for p in preds), default=0)
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, preds in enumerate(graph.preds):
+        if fusible[i]:
+            for p in preds:
+                if fusible[p] and depth[p] == depth[i]:
+                    parent[root(p)] = root(i)
+    runs: dict[int, list[int]] = {}
+    for i, f in enumerate(fusible):
+        if f:
+            runs.setdefault(root(i), []).append(i)
+    return list(runs.values())
+
+
+def _written(graph: OpGraph, run: set[int], i: int) -> int | None:
+    """The op of ``run`` whose memory node ``i``'s output is (``i`` itself, or the op a view
+    of the run looks into); None where a view looks into a tensor from outside the run."""
+    while launches_no_kernel(graph.nodes[i]):
+        preds = graph.preds[i]
+        if not preds or preds[0] not in run:
+            return None
+        i = preds[0]
+    return i
+
+
+def fused_kernels(graph: OpGraph) -> list[FusedKernels]:
+    """The graph's fusible ops as a compiler runs them: each connected run of pointwise,
+    normalisation and reduction ops (:data:`FUSIBLE_KINDS`) and views is one kernel per tensor
+    it writes for readers outside it (the loss included), reading each tensor from outside the
+    run once."""
+    out = []
+    for nodes in _runs(graph):
+        run = set(nodes)
+        read = {p for i in nodes for p in graph.preds[i] if p not in run}
+        written = {w for i in nodes
+                   if not graph.succs[i] or any(s not in run for s in graph.succs[i])
+                   if (w := _written(graph, run, i)) is not None}
+        moved = sum(graph.nodes[p].out_bytes for p in read) + sum(
+            graph.nodes[w].out_bytes for w in written)
+        out.append(FusedKernels(tuple(nodes), moved, max(len(written), 1)))
+    return out
+
+
+def _root(graph: OpGraph, i: int) -> int:
+    """The op whose memory node ``i``'s output is (through views)."""
+    while graph.nodes[i].is_view and graph.preds[i]:
+        i = graph.preds[i][0]
+    return i
+
+
+def compiled_saves(graph: OpGraph) -> OpGraph:
+    """``graph`` with what a compiled backward keeps: ``torch.compile``'s partitioner (and a
+    fused kernel's own backward) keeps the fewest bytes it can recompute the backward from,
+    recomputing a fused run's pointwise values rather than keeping them where that is
+    cheaper. An op of a run keeps what it saves from outside the run; a value of its own run
+    it saved, it keeps only where the run's inputs that value is made from, less those kept
+    anyway, would take more bytes than the value, else it keeps those inputs instead. The
+    same fingerprint: only ``saves`` differ."""
+    member: dict[int, int] = {}
+    runs = fused_kernels(graph)
+    for k, run in enumerate(runs):
+        member.update(dict.fromkeys(run.nodes, k))
+
+    def own(v: int, name: str) -> bool:  # a value of the saver's own run
+        return v in member and member.get(_root(graph, graph.index[name])) == member[v]
+
+    kept_anyway = {_root(graph, graph.index[name]) for v, n in enumerate(graph.nodes)
+                   for name in n.saves if not own(v, name)}
+    nodes = list(graph.nodes)
+    for run in runs:
+        for v in run.nodes:
+            node = graph.nodes[v]
+            kept: list[str] = []
+            for name in node.saves:
+                s = graph.index[name]
+                if not own(v, name) or _root(graph, s) in kept_anyway:
+                    kept.append(name)
+                    continue
+                inputs = _run_inputs(graph, s, member, member[v])
+                extra = sum(graph.nodes[p].out_bytes for p in inputs
+                            if _root(graph, p) not in kept_anyway)
+                if extra < graph.nodes[_root(graph, s)].out_bytes:
+                    kept += [graph.nodes[p].name for p in inputs]
+                else:
+                    kept.append(name)
+            saves = tuple(dict.fromkeys(kept))
+            if saves != node.saves:
+                nodes[v] = replace(node, saves=saves)
+    return replace(graph, nodes=nodes)
+
+
+#: the last graphs :func:`compiled_graph` rewrote, by ``id`` (with the graph itself, so that
+#: an ``id`` is not reused while cached): a simulation per candidate plan reuses them
+_COMPILED: dict[int, tuple[OpGraph, OpGraph]] = {}
+_COMPILED_KEPT = 4
+
+
+def compiled_graph(graph: OpGraph) -> OpGraph:
+    """:func:`compiled_saves` of ``graph``, the same object for the same graph (the simulator
+    caches its arrays per graph object); a graph it made, itself."""
+    if any(made is graph for _, made in _COMPILED.values()):
+        return graph
+    got = _COMPILED.get(id(graph))
+    if got is None or got[0] is not graph:
+        while len(_COMPILED) >= _COMPILED_KEPT:
+            del _COMPILED[next(iter(_COMPILED))]
+        got = _COMPILED[id(graph)] = (graph, compiled_saves(graph))
+    return got[1]
+
+
+def _run_inputs(graph: OpGraph, i: int, member: dict[int, int], run: int) -> list[int]:
+    """The tensors from outside run ``run`` that node ``i`` of it is computed from."""
+    out, seen, todo = [], {i}, [i]
+    while todo:
+        for p in graph.preds[todo.pop()]:
+            if p in seen:
+                continue
+            seen.add(p)
+            if member.get(p) == run:
+                todo.append(p)
+            elif graph.nodes[p].kind not in ("param", "buffer"):  # (kept whatever happens)
+                out.append(p)
+    return sorted(out)
