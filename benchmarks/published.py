@@ -10,9 +10,10 @@ tensor x pipeline degrees, sequence and async tensor parallelism, micro-batches 
 published size with gradient accumulation, 1F1B or interleaved 1F1B over the published
 virtual stages, recomputation, bf16 with fp32 master weights, ZeRO 1 for Megatron's
 distributed optimizer and ZeRO 3 for FSDP's full shard), costed by the H100 datasheet
-roofline. The simulator's step gives tokens/s/GPU, TFLOP/s/GPU (Megatron-LM's formula for its
-GPT rows, the graph's own FLOPs for all) and MFU, set against
-the published figure.
+roofline (the ops priced as the fused kernels Megatron-Core and NeMo run,
+``kernels="compiled"``; llm-foundry's as eager ones). The simulator's step gives
+tokens/s/GPU, TFLOP/s/GPU (Megatron-LM's formula for its GPT rows, the graph's own FLOPs for
+all) and MFU, set against the published figure.
 
 A run whose parallelism the plan space cannot express is listed with the reason instead of
 a number: a prediction of some other configuration would not be a check of anything.
@@ -44,6 +45,7 @@ import explorer as ex
 from explorer.analysis.throughput import throughput
 from explorer.cli.commands import plan_degrees
 from explorer.core.units import GiB, table
+from explorer.costs.kernels import Kernels
 from explorer.models.builtin import build_gpt, build_llama
 from explorer.models.dense import GPTConfig
 from explorer.models.llama import LlamaConfig
@@ -80,6 +82,10 @@ class PublishedRun:
     recompute: Literal["none", "selective", "full"] = "none"
     #: 1: Megatron's distributed optimizer; 3: FSDP full shard
     zero: int = 1
+    #: "compiled": the framework runs fused kernels (Transformer Engine's fused norms,
+    #: activations and rotary embeddings in Megatron-Core and NeMo), priced as
+    #: ``ex.profile(..., kernels="compiled")`` prices torch.compile's; "eager": one kernel per op
+    kernels: Kernels = "compiled"
 
     @property
     def data(self) -> int:
@@ -100,6 +106,7 @@ class PublishedRun:
         parts += ["async TP"] * self.async_tensor
         parts += ["FSDP" if self.zero == 3 else f"ZeRO{self.zero}"]
         parts += [f"recompute {self.recompute}"] * (self.recompute != "none")
+        parts += ["fused kernels"] * (self.kernels == "compiled")
         return " ".join(parts)
 
 
@@ -143,9 +150,9 @@ RUNS = (
     PublishedRun("dgxc-gpt3-175b", _DGXC, _GPT3_175B, 128, 4, 8, 1, 256, "tokens", 493,
                  virtual_stages=12, sequence_parallel=True, async_tensor=True),
     PublishedRun("foundry-mpt-7b", _FOUNDRY, _mpt(4096, 32, 32), 8, 1, 1, 6, 48, "tokens",
-                 10643, zero=3),
+                 10643, zero=3, kernels="eager"),
     PublishedRun("foundry-mpt-70b", _FOUNDRY, _mpt(8192, 80, 64), 64, 1, 1, 8, 2048, "tokens",
-                 1039, recompute="full", zero=3),
+                 1039, recompute="full", zero=3, kernels="eager"),
 )
 
 
@@ -192,7 +199,7 @@ def predict(run: PublishedRun, gpu: str = GPU, search: bool = True) -> dict[str,
     module, inputs, targets, loss_fn, _ = build(run.model, run.global_batch, None)
     graph = ex.capture(module, inputs, loss_fn, targets, name=run.name)
     cluster = ex.Cluster.preset(f"{run.gpus}x{gpu}")
-    costs = ex.profile(graph, cluster, progress=False)
+    costs = ex.profile(graph, cluster, progress=False, kernels=run.kernels)
     try:
         plan = published_plan(graph, cluster, run)
     except ex.ExplorerError as e:

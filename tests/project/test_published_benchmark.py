@@ -16,10 +16,12 @@ import published
 def test_a_published_run_is_its_parallelism_and_megatrons_flops():
     run = next(r for r in published.RUNS if r.name == "megatron-70b")
     assert (run.data, run.micro_batches) == (48, 8)  # 768 / (8 x 2); 384 / 48 of one sequence
-    assert run.parallelism == "DP48 TP8 PP2 SP async TP ZeRO1"
+    assert run.parallelism == "DP48 TP8 PP2 SP async TP ZeRO1 fused kernels"
     llama = next(r for r in published.RUNS if r.name == "dgxc-llama3-70b")
     assert (llama.data, llama.micro_batches) == (2, 64)  # 64 / (4 x 4 x 2); 128 / 2
-    assert llama.parallelism == "DP2 TP4 PP4 CP2 VP5 SP async TP ZeRO1"
+    assert llama.parallelism == "DP2 TP4 PP4 CP2 VP5 SP async TP ZeRO1 fused kernels"
+    mpt = next(r for r in published.RUNS if r.name == "foundry-mpt-7b")  # FSDP, eager
+    assert (mpt.parallelism, mpt.kernels) == ("DP8 TP1 PP1 FSDP", "eager")
     small = next(r for r in published.RUNS if r.name == "megatron-1.7b").model
     h, s, layers, v = 2048, 4096, 24, 131072
     assert published.megatron_flops(small, 1) == pytest.approx(
@@ -37,7 +39,7 @@ def test_runs_are_predicted_against_their_published_figure(tmp_path, capsys):
     assert mega["error"] == f"{predicted / 408.8 - 1:+.1%}"
     assert 0 < float(mega["MFU"].rstrip("%")) < 100 and mega["fits"] == "yes"
     llama = rows["dgxc-llama3-8b"]  # (context parallelism: each sequence over 2 GPUs)
-    assert llama["parallelism"] == "DP4 TP1 PP1 CP2 ZeRO1"
+    assert llama["parallelism"] == "DP4 TP1 PP1 CP2 ZeRO1 fused kernels"
     assert llama["predicted"].endswith("tokens/s/GPU") and llama["search"].startswith("not run")
     assert "2 of 2 runs predicted" in capsys.readouterr().out
 
