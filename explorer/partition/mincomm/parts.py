@@ -78,10 +78,146 @@ def min_comm_parts(graph: OpGraph, cluster: Cluster, costs: CostModel, k: int | 
     (True, ('H100:0', 'H100:1', 'H100:2', 'H100:3'))
     """
     ids = first_devices(cluster, k)
-    k = len(ids)
     if tolerance < 0:
         raise ExplorerError(f"tolerance must be >= 0, not {tolerance}")
-    pins = dict(pins or {})
+    problem = _problem(graph, cluster, costs, ids, tolerance=tolerance, pins=dict(pins or {}),
+                       micro_batches=micro_batches, schedule=schedule, optimizer=optimizer,
+                       headroom=headroom)
+    problem.coarsen()
+    (mem_over, _, _, cut), name, st = min(
+        (problem.refined(start) for start in problem.starts(graph)), key=lambda r: r[0])
+    k, capm, devices = problem.k, problem.capacity, problem.devices
+    if mem_over:
+        p = max(range(k), key=lambda q: st.Mem[q] - capm[q])
+        raise memory_error(
+            "min-comm", f"part {p} of {k} (its params, optimizer state and activations of "
+            f"{problem.flight[p]} micro-batch(es) in flight)", devices[p], st.Mem[p], capm[p],
+            "use more or larger devices, more micro-batches, or a smaller batch")
+    floor, limit = problem.strict
+    return MinCommResult(
+        part=tuple(st.part[u] for u in problem.unit_of), devices=tuple(devices), cut_s=cut,
+        compute_s=tuple(st.W), floor_s=tuple(floor), limit_s=tuple(limit),
+        memory_bytes=tuple(st.Mem), capacity_bytes=tuple(capm),
+        balanced=all(floor[p] * (1 - 1e-9) <= st.W[p] <= limit[p] * (1 + 1e-9)
+                     for p in range(k)),
+        levels=len(problem.levels), tolerance=tolerance, start=name)
+
+
+#: an initial partition to refine: its name, the level it is of, a part per unit of that
+#: level, and the (floor, limit) compute bounds to refine it within
+_Start = tuple[str, int, list[int], tuple[list[float], list[float]]]
+
+
+@dataclass
+class _Problem:
+    """What min-comm splits: the finest level of units and its coarsenings, the parts'
+    devices in execution order, their fair compute shares, memory and micro-batches in
+    flight."""
+
+    k: int
+    devices: list[str]
+    #: per part: its fair share of the compute (proportional to its device's speed), its
+    #: memory and the micro-batches it keeps in flight
+    share: list[float]
+    capacity: list[float]
+    flight: list[int]
+    tolerance: float
+    total_w: float
+    #: the unit of the finest level each graph node is in
+    unit_of: list[int]
+    levels: list[Level]
+    #: per coarsening, the coarser level's unit of each unit of the finer level
+    maps: list[np.ndarray]
+
+    def bounds(self, tolerance: float) -> tuple[list[float], list[float]]:
+        """(floor, limit) per part at ``tolerance`` around its share."""
+        return ([x * max(0.0, 1 - tolerance) for x in self.share],
+                [x * (1 + tolerance) for x in self.share])
+
+    @property
+    def strict(self) -> tuple[list[float], list[float]]:
+        """(floor, limit) per part at the asked tolerance."""
+        return self.bounds(self.tolerance)
+
+    def coarsen(self) -> None:
+        """Coarsen the finest level while it has more than :data:`COARSEST_PER_PART` units
+        a part and a coarsening is possible."""
+        wcap = max(self.tolerance, 0.02) * min(self.share) if self.total_w > 0 else math.inf
+        mcap = 0.25 * min(self.capacity)
+        while self.levels[-1].n > COARSEST_PER_PART * self.k:
+            got = self.levels[-1].coarsen(wcap, mcap, max(self.flight), self.k)
+            if got is None:
+                break
+            self.levels.append(got[0])
+            self.maps.append(got[1])
+
+    def split(self, level: int, tolerance: float) -> list[int] | None:
+        """An interval partition of ``level`` within ``tolerance`` that fits the memory, if
+        one exists."""
+        lv, b = self.levels[level], self.bounds(tolerance)
+        part = (interval_partition(lv, self.k, b, self.capacity, self.flight, True)
+                or interval_partition(lv, self.k, b, self.capacity, self.flight, False))
+        return None if part is None else clamp(lv, part, self.k)
+
+    def starts(self, graph: OpGraph) -> list[_Start]:
+        """The initial partitions: intervals of the coarsest level (at the smallest tolerance
+        it allows, or of the finest level where the coarsest is too coarse for the memory)
+        and even-layers' stages."""
+        starts: list[_Start] = []
+        top = len(self.levels) - 1
+        # the loosest useful tolerance: any part may hold everything
+        loose = self.total_w / max(min(self.share), 1e-300) if self.total_w > 0 else 1.0
+        found, used = self.split(top, self.tolerance), self.tolerance
+        if found is None and self.split(top, loose) is not None:
+            # the smallest tolerance the coarsest graph allows, so relaxed splits stay balanced
+            lo_t, hi_t = self.tolerance, loose
+            for _ in range(14):
+                mid = (lo_t + hi_t) / 2
+                if self.split(top, mid) is None:
+                    lo_t = mid
+                else:
+                    hi_t = mid
+            found, used = self.split(top, hi_t), hi_t
+        if found is not None:
+            starts.append(("multilevel", top, found, self.bounds(used)))
+        else:  # too coarse for the memory limits: split the finest level
+            found = self.split(0, loose)
+            if found is not None:
+                starts.append(("multilevel", 0, found, self.bounds(loose)))
+        finest = self.levels[0]
+        even = clamp(finest, _even_layers_units(graph, finest, self.unit_of, self.k), self.k)
+        even_w = np.bincount(np.asarray(even, dtype=np.int64), weights=finest.w,
+                             minlength=self.k).tolist()
+        strict = self.strict
+        even_ok = all(lo <= x <= hi for x, lo, hi in zip(even_w, *strict, strict=True))
+        starts.append(("even-layers", 0, even,
+                       strict if even_ok or not starts else starts[0][3]))
+        return starts
+
+    def refined(self, start: _Start) -> tuple[tuple[bool, bool, float, float], str, State]:
+        """``start`` refined at its level and each finer one, with its ranking key (over
+        the memory, unbalanced, by how much, communication: lower is better)."""
+        name, level, part, bounds = start
+        for j in range(level, -1, -1):
+            st = State(self.levels[j], part, self.k, bounds, self.capacity, self.flight)
+            st.refine()
+            part = st.part
+            if j > 0:
+                part = np.asarray(part, dtype=np.int64)[self.maps[j - 1]].tolist()
+        mem_over = any(st.Mem[p] > self.capacity[p] for p in range(self.k))
+        floor, limit = self.strict
+        unbalanced = sum(max(0.0, st.W[p] - limit[p], floor[p] - st.W[p])
+                         for p in range(self.k))
+        return ((mem_over, unbalanced > 1e-12 * (self.total_w or 1), unbalanced, st.cut()),
+                name, st)
+
+
+def _problem(graph: OpGraph, cluster: Cluster, costs: CostModel, ids: tuple[str, ...], *,
+             tolerance: float, pins: dict[str, str], micro_batches: int, schedule: str,
+             optimizer: str, headroom: float) -> _Problem:
+    """The finest level of units (pins applied) and the parts' devices, shares, memory and
+    micro-batches in flight."""
+    k = len(ids)
     by_type: dict[str, list[float]] = {}  # compute seconds of every node per device type
     for d in ids:
         key = cluster.device(d).type_key
@@ -95,9 +231,8 @@ def min_comm_parts(graph: OpGraph, cluster: Cluster, costs: CostModel, k: int | 
     host = hosts(graph)
     eff, alone = effective_pins(graph, host, pins)
     net_w = net_weights_s(graph, costs, ids, micro_batches)
-    frac = 1.0 / micro_batches
     mfix_node = node_memory_bytes(graph, optimizer, 1, 0.0)
-    full = node_memory_bytes(graph, optimizer, 1, frac)
+    full = node_memory_bytes(graph, optimizer, 1, 1.0 / micro_batches)
     mact_node = [a - b for a, b in zip(full, mfix_node, strict=True)]
     flight = [micro_batches if schedule == "gpipe" else min(k - p, micro_batches)
               for p in range(k)]
@@ -111,91 +246,10 @@ def min_comm_parts(graph: OpGraph, cluster: Cluster, costs: CostModel, k: int | 
     speed = {key: 1.0 / max(sum(ws), 1e-300) for key, ws in by_type.items()}
     inv = [speed[cluster.device(d).type_key] for d in devices]
     total_w = sum(w_node)
-    share = [total_w * x / sum(inv) for x in inv]
-    capm = [cluster.device(d).memory_bytes * headroom for d in devices]
-
-    # 1. coarsen
-    levels = [finest]
-    maps: list[np.ndarray] = []
-    wcap = max(tolerance, 0.02) * min(share) if total_w > 0 else math.inf
-    mcap = 0.25 * min(capm)
-    while levels[-1].n > COARSEST_PER_PART * k:
-        res = levels[-1].coarsen(wcap, mcap, max(flight), k)
-        if res is None:
-            break
-        levels.append(res[0])
-        maps.append(res[1])
-
-    # 2. initial partitions: intervals of the coarsest order; and even-layers' stages
-    def bounds(tol: float) -> tuple[list[float], list[float]]:
-        return ([x * max(0.0, 1 - tol) for x in share], [x * (1 + tol) for x in share])
-
-    def split(lv_i: int, tol: float) -> list[int] | None:
-        lv, b = levels[lv_i], bounds(tol)
-        part = (interval_partition(lv, k, b, capm, flight, True)
-                or interval_partition(lv, k, b, capm, flight, False))
-        return None if part is None else clamp(lv, part, k)
-
-    strict = bounds(tolerance)
-    starts = []
-    top = len(levels) - 1
-    # the loosest useful tolerance: any part may hold everything
-    loose = total_w / max(min(share), 1e-300) if total_w > 0 else 1.0
-    found = split(top, tolerance)
-    used = tolerance
-    if found is None and split(top, loose) is not None:
-        # the smallest tolerance the coarsest graph allows, so relaxed splits stay balanced
-        lo_t, hi_t = tolerance, loose
-        for _ in range(14):
-            mid = (lo_t + hi_t) / 2
-            if split(top, mid) is None:
-                lo_t = mid
-            else:
-                hi_t = mid
-        found, used = split(top, hi_t), hi_t
-    if found is not None:
-        starts.append(("multilevel", top, found, bounds(used)))
-    else:  # too coarse for the memory limits: split the finest level
-        found = split(0, loose)
-        if found is not None:
-            starts.append(("multilevel", 0, found, bounds(loose)))
-    even = clamp(finest, _even_layers_units(graph, finest, unit_of, k), k)
-    even_w = np.bincount(np.asarray(even, dtype=np.int64), weights=finest.w,
-                         minlength=k).tolist()
-    even_ok = all(lo <= x <= hi for x, lo, hi in zip(even_w, *strict, strict=True))
-    starts.append(("even-layers", 0, even, strict if even_ok or not starts else starts[0][3]))
-
-    # 3. refine while uncoarsening
-    results = []
-    for name, lv_i, part, bounds_s in starts:
-        for j in range(lv_i, -1, -1):
-            st = State(levels[j], part, k, bounds_s, capm, flight)
-            st.refine()
-            part = st.part
-            if j > 0:
-                part = np.asarray(part, dtype=np.int64)[maps[j - 1]].tolist()
-        mem_over = any(st.Mem[p] > capm[p] for p in range(k))
-        unbalanced = sum(max(0.0, st.W[p] - strict[1][p], strict[0][p] - st.W[p])
-                         for p in range(k))
-        results.append(((mem_over, unbalanced > 1e-12 * (total_w or 1), unbalanced,
-                         st.cut()), name, st))
-    results.sort(key=lambda r: r[0])
-    (mem_over, _, _, cut), name, st = results[0]
-    if mem_over:
-        p = max(range(k), key=lambda q: st.Mem[q] - capm[q])
-        raise memory_error(
-            "min-comm", f"part {p} of {k} (its params, optimizer state and activations of "
-            f"{flight[p]} micro-batch(es) in flight)", devices[p], st.Mem[p], capm[p],
-            "use more or larger devices, more micro-batches, or a smaller batch")
-    part_node = tuple(st.part[u] for u in unit_of)
-    floor, limit = strict
-    return MinCommResult(
-        part=part_node, devices=tuple(devices), cut_s=cut, compute_s=tuple(st.W),
-        floor_s=tuple(floor), limit_s=tuple(limit), memory_bytes=tuple(st.Mem),
-        capacity_bytes=tuple(capm),
-        balanced=all(floor[p] * (1 - 1e-9) <= st.W[p] <= limit[p] * (1 + 1e-9)
-                     for p in range(k)),
-        levels=len(levels), tolerance=tolerance, start=name)
+    return _Problem(k=k, devices=devices, share=[total_w * x / sum(inv) for x in inv],
+                    capacity=[cluster.device(d).memory_bytes * headroom for d in devices],
+                    flight=flight, tolerance=tolerance, total_w=total_w, unit_of=unit_of,
+                    levels=[finest], maps=[])
 
 
 def _even_layers_units(graph: OpGraph, finest: Level, unit_of: list[int], k: int) -> list[int]:
