@@ -14,6 +14,9 @@ reduction ops).
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -75,7 +78,11 @@ class FusedKernels:
 
 
 def _is_fusible(node: OpNode) -> bool:
-    return node.kind == "op" and (launches_no_kernel(node) or op_kind(node.op) in FUSIBLE_KINDS)
+    """A view, a size query or an ATen op of a fusible kind (not a whole module, as a graph
+    captured with hooks has: its ops are modules of unknown kernels)."""
+    return node.kind == "op" and (
+        launches_no_kernel(node)
+        or (node.op.startswith("aten.") and op_kind(node.op) in FUSIBLE_KINDS))
 
 
 def _runs(graph: OpGraph) -> list[list[int]]:
@@ -135,7 +142,9 @@ def fused_kernels(graph: OpGraph) -> list[FusedKernels]:
                    if (w := _written(graph, run, i)) is not None}
         moved = sum(graph.nodes[p].out_bytes for p in read) + sum(
             graph.nodes[w].out_bytes for w in written)
-        out.append(FusedKernels(tuple(nodes), moved, max(len(written), 1)))
+        makes = any(not launches_no_kernel(graph.nodes[i]) for i in nodes)
+        out.append(FusedKernels(tuple(nodes), moved if makes else 0,
+                                max(len(written), 1) if makes else 0))
     return out
 
 
@@ -148,12 +157,12 @@ def _root(graph: OpGraph, i: int) -> int:
 
 def compiled_saves(graph: OpGraph) -> OpGraph:
     """``graph`` with what a compiled backward keeps: ``torch.compile``'s partitioner (and a
-    fused kernel's own backward) keeps the fewest bytes it can recompute the backward from,
-    recomputing a fused run's pointwise values rather than keeping them where that is
-    cheaper. An op of a run keeps what it saves from outside the run; a value of its own run
-    it saved, it keeps only where the run's inputs that value is made from, less those kept
-    anyway, would take more bytes than the value, else it keeps those inputs instead. The
-    same fingerprint: only ``saves`` differ."""
+    fused kernel's own backward) recomputes a fused run's pointwise values from the run's
+    inputs where keeping those takes fewer bytes (it solves a min cut; this is a greedy
+    choice per value). An op of a run keeps what it saves from outside the run; a value of
+    its own run it saved, it keeps only where the run's inputs that value is made from, less
+    those kept anyway, would take more bytes than the value, else it keeps those inputs
+    instead. The same fingerprint: only ``saves`` differ."""
     member: dict[int, int] = {}
     runs = fused_kernels(graph)
     for k, run in enumerate(runs):
@@ -187,23 +196,70 @@ def compiled_saves(graph: OpGraph) -> OpGraph:
     return replace(graph, nodes=nodes)
 
 
-#: the last graphs :func:`compiled_graph` rewrote, by ``id`` (with the graph itself, so that
-#: an ``id`` is not reused while cached): a simulation per candidate plan reuses them
-_COMPILED: dict[int, tuple[OpGraph, OpGraph]] = {}
-_COMPILED_KEPT = 4
+@dataclass(frozen=True)
+class _Compiled:
+    """A graph's :func:`compiled_saves`, kept while the graph lives."""
+
+    original: weakref.ref[OpGraph]
+    #: the graph's nodes when it was rewritten (an edit in place makes it stale)
+    nodes: tuple[OpNode, ...]
+    compiled: OpGraph
+    #: the nodes whose saves the rewrite changed
+    changed: tuple[int, ...]
 
 
-def compiled_graph(graph: OpGraph) -> OpGraph:
+#: the graphs :func:`compiled_graph` rewrote, by ``id`` of the graph and of the rewrite (each
+#: dropped when its graph is collected): a simulation per candidate plan reuses them
+_COMPILED: dict[int, _Compiled] = {}
+_MADE: dict[int, _Compiled] = {}
+_LOCK = threading.Lock()
+
+
+def _entry(graph: OpGraph) -> _Compiled:
+    """The cached rewrite of ``graph`` (or of the graph ``graph`` is the rewrite of)."""
+    with _LOCK:
+        made = _MADE.get(id(graph))
+        if made is not None and made.compiled is graph:
+            return made
+        got = _COMPILED.get(id(graph))
+        if (got is not None and got.original() is graph and len(got.nodes) == len(graph.nodes)
+                and all(a is b for a, b in zip(got.nodes, graph.nodes, strict=True))):
+            return got
+        compiled = compiled_saves(graph)
+        changed = tuple(v for v, (a, b) in enumerate(zip(compiled.nodes, graph.nodes,
+                                                         strict=True)) if a is not b)
+        got = _Compiled(weakref.ref(graph), tuple(graph.nodes), compiled, changed)
+        key, made_key = id(graph), id(compiled)
+        _COMPILED[key] = _MADE[made_key] = got
+        weakref.finalize(graph, _forget, key, made_key)
+        return got
+
+
+def _forget(key: int, made_key: int) -> None:
+    with _LOCK:
+        _COMPILED.pop(key, None)
+        _MADE.pop(made_key, None)
+
+
+def compiled_graph(graph: OpGraph, stage_of: Mapping[str, int] | None = None) -> OpGraph:
     """:func:`compiled_saves` of ``graph``, the same object for the same graph (the simulator
-    caches its arrays per graph object); a graph it made, itself."""
-    if any(made is graph for _, made in _COMPILED.values()):
-        return graph
-    got = _COMPILED.get(id(graph))
-    if got is None or got[0] is not graph:
-        while len(_COMPILED) >= _COMPILED_KEPT:
-            del _COMPILED[next(iter(_COMPILED))]
-        got = _COMPILED[id(graph)] = (graph, compiled_saves(graph))
-    return got[1]
+    caches its arrays per graph object); a graph it made stays itself. With ``stage_of`` (a
+    plan's stage per node name): an op whose compiled saves would reach another stage's
+    tensors (a stage cut inside a fused run) keeps what eager autograd keeps, what its own
+    stage holds."""
+    entry = _entry(graph)
+    if stage_of is None:
+        return entry.compiled
+    original = entry.original()
+    nodes = entry.compiled.nodes
+    back = [v for v in entry.changed
+            if any(stage_of[s] != stage_of[nodes[v].name] for s in nodes[v].saves)]
+    if not back or original is None:
+        return entry.compiled
+    kept = list(nodes)
+    for v in back:
+        kept[v] = original.nodes[v]
+    return replace(entry.compiled, nodes=kept)
 
 
 def _run_inputs(graph: OpGraph, i: int, member: dict[int, int], run: int) -> list[int]:

@@ -9,6 +9,7 @@ per-op cost (dispatch, kernel launch) does not shrink with the batch.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -32,6 +33,10 @@ from explorer.platforms.cpu import ReplicaEffects
 
 #: fraction of a device's peak reached by real kernels in the roofline estimate
 ROOFLINE_EFFICIENCY = 0.6
+#: the batch fraction a compiled roofline tabulates its times at (``DeviceCosts.fractions``):
+#: its times are linear in the batch down to there, each op's fixed part the launches it
+#: stands for (a share of its fused run's)
+COMPILED_FRACTION = 2.0**-20
 #: fixed cost per op when nothing was measured: eager PyTorch dispatch + kernel launch
 NOMINAL_OVERHEAD_S = {"cuda": 8e-6, "cpu": 4e-6}
 #: the runtimes a profile's times can be of (``DeviceCosts.runtime``): the names of
@@ -348,11 +353,11 @@ class CostModel:
         compiled = all(dc.kernels == "compiled" for dc in self.per_type.values())
         return "compiled" if compiled and self.per_type else "eager"
 
-    def as_run(self, graph: OpGraph) -> OpGraph:
+    def as_run(self, graph: OpGraph, stage_of: Mapping[str, int] | None = None) -> OpGraph:
         """``graph`` as these costs run it: with what a compiled backward keeps
-        (:func:`explorer.costs.kernels.compiled_saves`) where the ops are priced compiled,
-        else ``graph`` itself."""
-        return compiled_graph(graph) if self.kernels == "compiled" else graph
+        (:func:`explorer.costs.kernels.compiled_graph`, on the stages ``stage_of`` gives
+        where known) where the ops are priced compiled, else ``graph`` itself."""
+        return compiled_graph(graph, stage_of) if self.kernels == "compiled" else graph
 
     def check(self, graph: OpGraph) -> None:
         if graph.fingerprint != self.graph_fingerprint:
@@ -445,8 +450,15 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
         fwd.append(o + max(n.fwd_flops / peak, moved / bw))
         bwd.append(o + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
         src.append("roofline")
+    base_ovh = fit.kinds["add/fp32"].overhead_s if fit else ovh
+    tables: dict[str, Any] = {}
     if kernels == "compiled":
-        _price_fused(graph, device, fwd, bwd, _RooflineTerms(fit, efficiency, ovh))
+        # a run's launches are one fixed cost shared by its ops: tabulated, so that a
+        # fraction of the batch scales the rest of each op's time only
+        fixed = _price_fused(graph, device, fwd, bwd, _RooflineTerms(fit, efficiency, ovh))
+        tables = {"fractions": [COMPILED_FRACTION],
+                  "fwd_at": [_at_fraction(fwd, fixed[0], base_ovh, COMPILED_FRACTION)],
+                  "bwd_at": [_at_fraction(bwd, fixed[1], base_ovh, COMPILED_FRACTION)]}
     # optimizer: read param, grad and state, write param and state (bandwidth bound); torch's
     # multi-tensor (foreach) kernels update many tensors per launch, so a tensor costs little
     # (a measured fit has its own time per tensor)
@@ -456,9 +468,8 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
                          if fit else None, efficiency, ovh / 8)
     per_byte = {opt: (3 + 2 * st) / (device.mem_bandwidth_bytes_per_s * f_bw)
                 for opt, st in OPTIMIZER_STATE.items()}
-    base_ovh = fit.kinds["add/fp32"].overhead_s if fit else ovh
     return DeviceCosts(device.type_key, fwd, bwd, src, base_ovh, per_byte,
-                       dict.fromkeys(OPTIMIZER_STATE, o), kernels=kernels)
+                       dict.fromkeys(OPTIMIZER_STATE, o), kernels=kernels, **tables)
 
 
 @dataclass(frozen=True)
@@ -472,11 +483,14 @@ class _RooflineTerms:
 
 
 def _price_fused(graph: OpGraph, device: Device, fwd: list[float], bwd: list[float],
-                 terms: _RooflineTerms) -> None:
+                 terms: _RooflineTerms) -> tuple[dict[int, float], dict[int, float]]:
     """Price the fusible ops (in ``fwd``/``bwd``, in place) as a compiler's kernels: each
     run's launches and the bytes entering and leaving it at the bandwidth (twice the bytes in
     the backward), its FLOPs at the peak, shared out among its ops that make a tensor by the
-    bytes each would move on its own; views and size queries cost nothing."""
+    bytes each would move on its own; views and size queries cost nothing. Returns, per op
+    of a run, the part of its forward and of its backward that does not shrink with the
+    batch: its share of the run's launches."""
+    fixed: tuple[dict[int, float], dict[int, float]] = ({}, {})
     for run in fused_kernels(graph):
         nodes = [graph.nodes[i] for i in run.nodes]
         precision = "bf16" if any(n.dtype in ("float16", "bfloat16") for n in nodes) else "fp32"
@@ -484,16 +498,29 @@ def _price_fused(graph: OpGraph, device: Device, fwd: list[float], bwd: list[flo
                                    else None, terms.efficiency, terms.overhead_s)
         peak = (device.half_flops_per_s if precision == "bf16" else device.flops_per_s) * f_flops
         bw = device.mem_bandwidth_bytes_per_s * f_bw
-        fwd_s = run.launches * o + max(sum(n.fwd_flops for n in nodes) / peak,
-                                       run.bytes_moved / bw)
-        bwd_s = run.launches * o + max(sum(n.bwd_flops for n in nodes) / peak,
-                                       2 * run.bytes_moved / bw)
+        launch_s = run.launches * o
+        fwd_s = launch_s + max(sum(n.fwd_flops for n in nodes) / peak, run.bytes_moved / bw)
+        bwd_s = launch_s + max(sum(n.bwd_flops for n in nodes) / peak,
+                               2 * run.bytes_moved / bw)
         makers = [i for i, n in zip(run.nodes, nodes, strict=True) if not launches_no_kernel(n)]
         for i in run.nodes:
             fwd[i] = bwd[i] = 0.0
-        for times, total_s, ops in ((fwd, fwd_s, makers),
-                                    (bwd, bwd_s, [i for i in makers
-                                                  if graph.nodes[i].requires_grad])):
+        for times, fixed_part, total_s, ops in (
+                (fwd, fixed[0], fwd_s, makers),
+                (bwd, fixed[1], bwd_s, [i for i in makers if graph.nodes[i].requires_grad])):
             shares = [max(_io_bytes(graph, i), 1) for i in ops]
             for i, share in zip(ops, shares, strict=True):
                 times[i] = total_s * share / sum(shares)
+                fixed_part[i] = launch_s * share / sum(shares)
+    return fixed
+
+
+def _at_fraction(times: list[float], fixed: dict[int, float], overhead_s: float,
+                 fraction: float) -> list[float]:
+    """Each node's seconds at ``fraction`` of the batch: its fixed part (``fixed``, else the
+    per-op overhead, as :meth:`DeviceCosts.at` takes it without tables) and the rest scaled."""
+    out = []
+    for i, t in enumerate(times):
+        f = fixed.get(i, min(overhead_s, t))
+        out.append(f + (t - f) * fraction if t > 0.0 else 0.0)
+    return out

@@ -213,6 +213,8 @@ def _merged_costs(graph: OpGraph, small: OpGraph, costs: CostModel,
             if n.kind == "op":
                 ms = {dc.source[i] for i in members[n.name] if graph.nodes[i].kind == "op"}
                 src[k] = "measured" if "measured" in ms else (sorted(ms)[0] if ms else "free")
+        # (eager kernels, whatever ``dc.kernels``: the graph coarsened is the one the costs
+        # run, compiled saves and all, and a merged node is no op to fuse again)
         per_type[key] = DeviceCosts(
             key, total("fwd_s", 1.0), total("bwd_s", 1.0), src, dc.overhead_s,
             dict(dc.optimizer_s_per_byte), dict(dc.optimizer_s_per_tensor),

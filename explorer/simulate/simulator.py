@@ -81,7 +81,8 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     """
     costs.check(graph)
     plan.validate(graph, costs.cluster)
-    graph = costs.as_run(graph)  # (what a compiled backward keeps, where priced compiled)
+    # (what a compiled backward keeps on each stage, where priced compiled)
+    graph = costs.as_run(graph, plan.placement)
     with without_cycle_collection():
         return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
 
@@ -154,6 +155,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
     """
     if costs is None:
         costs = unit_costs(graph, plan)
+    graph = costs.as_run(graph, plan.placement)  # (as simulate runs it)
     with without_cycle_collection():
         tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     return stage_actions(tasks, timing, len(plan.stages))

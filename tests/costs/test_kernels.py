@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 import explorer as ex
@@ -104,6 +105,27 @@ class TestFusedKernels:
         once = compiled_graph(g)  # one object for the simulator's caches
         assert compiled_graph(g) is once and compiled_graph(once) is once
 
+    def test_a_stage_cut_inside_a_run_keeps_what_the_stage_holds(self):
+        g = _rms_norm_graph()
+        cut = {n.name: 0 if k <= g.index["mul"] else 1 for k, n in enumerate(g.nodes)}
+        on_stages = compiled_graph(g, cut)
+        # the scale op, past the cut, keeps the mul it receives, not mm1 from stage 0
+        assert on_stages["scale"].saves == ("mul", "g")
+        assert on_stages["mul"].saves == ("mm1",)  # on the stage of its run's input
+        assert compiled_graph(g, dict.fromkeys(cut, 0)) is compiled_graph(g)
+
+    def test_modules_of_a_hooks_capture_and_lone_views_are_no_fused_kernels(self):
+        g = OpGraph("hooks", [
+            OpNode("x", "input", "input", out_bytes=MB),
+            OpNode("fc", "op", "module:Linear", inputs=("x",), out_bytes=MB),
+            OpNode("act", "op", "module:ReLU", inputs=("fc",), out_bytes=MB),
+            OpNode("norm", "op", "module:LayerNorm", inputs=("act",), out_bytes=MB),
+            OpNode("flat", "op", "aten.view.default", inputs=("x",), out_bytes=MB,
+                   is_view=True),
+        ], batch_size=1)
+        (views,) = fused_kernels(g)
+        assert (views.nodes, views.launches, views.bytes_moved) == ((g.index["flat"],), 0, 0)
+
     def test_op_kinds_that_fuse(self):
         assert [op_kind(o) for o in ("aten.pow.Tensor_Scalar", "aten.silu.default",
                                      "aten.mean.dim", "aten.rms_norm.default",
@@ -128,6 +150,23 @@ class TestCompiledRoofline:
             i = g.index[name]
             assert (compiled.fwd_s[i], compiled.bwd_s[i]) == (eager.fwd_s[i], eager.bwd_s[i])
         assert (eager.kernels, compiled.kernels) == ("eager", "compiled")
+
+    def test_a_runs_launches_do_not_shrink_with_the_batch(self, h100):
+        g = _rms_norm_graph()
+        dc = roofline(g, h100, kernels="compiled")
+        bw = 3350e9 * 0.6
+        run = [g.index[n] for n in ("pow", "mean", "add", "rsqrt", "mul", "scale", "flat")]
+        for fraction in (0.5, 1 / 8, 1 / 1024):
+            assert sum(dc.at(dc.fwd_s, dc.fwd_at, i, fraction) for i in run) == pytest.approx(
+                8e-6 + fraction * (8 * MB + 4096) / bw)
+            assert sum(dc.at(dc.bwd_s, dc.bwd_at, i, fraction) for i in run) == pytest.approx(
+                8e-6 + fraction * 2 * (8 * MB + 4096) / bw)
+            mm = g.index["mm1"]  # a library kernel: its own launch, as eager prices it
+            eager = roofline(g, h100)
+            assert dc.at(dc.fwd_s, dc.fwd_at, mm, fraction) == pytest.approx(
+                eager.at(eager.fwd_s, eager.fwd_at, mm, fraction))
+            assert list(dc.at_many("fwd_s", np.array(run), fraction)) == pytest.approx(
+                [dc.at(dc.fwd_s, dc.fwd_at, i, fraction) for i in run])
 
     def test_a_captured_llama_costs_less_compiled_and_its_matmuls_the_same(self, h100):
         bm = ex.builtin_model("llama", "tiny")
