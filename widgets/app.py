@@ -15,6 +15,7 @@ import ipywidgets as W
 from IPython.display import publish_display_data
 
 import explorer as ex
+from explorer.costs.kernels import Kernels
 from explorer.devices.cluster import parse_devices
 from explorer.models.builtin import DEFAULT_SIZE
 from widgets.panels.base import Panel, bokehjs_for_this_page, renew_bokeh_views
@@ -44,6 +45,8 @@ class Explorer(W.VBox):
     ``"never"`` not at all (see :meth:`Session.open`). ``Explorer(graph, costs, plan)`` (the
     plan optional) opens an already captured graph;
     ``Explorer.builtin("gpt", size="small", devices="cpu:2")`` opens a built-in model.
+    ``kernels="compiled"`` prices GPU presets as ``torch.compile`` runs the ops (fused
+    kernels: ``ex.profile``'s ``kernels``).
     Without a plan it opens with the fastest quick baseline that fits.
 
     The state is ``session`` (a :class:`Session`: drive it from code and the widget follows);
@@ -55,11 +58,12 @@ class Explorer(W.VBox):
     def __init__(self, model: Any, example_inputs: Any = None, cluster: Any = None,
                  loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
                  plan: ex.Plan | None = None, backend: str = "canvas", height: int = 560,
-                 progress: bool = True, measure: str = "background") -> None:
+                 progress: bool = True, measure: str = "background",
+                 kernels: Kernels = "eager") -> None:
         # the background measuring starts once the first picture is drawn (below): it would
         # take the processor from it, all the more on a busy machine
         self.session = s = Session.open(model, example_inputs, cluster, loss_fn, targets, costs,
-                                        plan, progress, measure, start=False)
+                                        plan, progress, measure, start=False, kernels=kernels)
         self.status = StatusPanel(s)
         self.graph = GraphPanel(s, backend, height)
         self.estimate = EstimatePanel(s)

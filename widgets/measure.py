@@ -34,6 +34,7 @@ import explorer as ex
 from explorer.capture.fake import is_fake_graph
 from explorer.core.errors import CaptureError, CaptureTimeout, ExplorerError
 from explorer.core.graph import OpGraph
+from explorer.costs.kernels import Kernels
 from explorer.models.synthetic import roofline_costs
 from explorer.profiling import Preliminary
 
@@ -62,10 +63,11 @@ def check_mode(measure: str) -> None:
                             f"{', '.join(MEASURE_MODES)}")
 
 
-def roofline_model(graph: OpGraph, cluster: ex.Cluster) -> ex.CostModel:
+def roofline_model(graph: OpGraph, cluster: ex.Cluster, kernels: Kernels = "eager"
+                   ) -> ex.CostModel:
     """Roofline estimates on every device of ``cluster``, present or not: the costs the
     profiler gives devices that are absent, built at once for the ones it would measure."""
-    return roofline_costs(graph, cluster)
+    return roofline_costs(graph, cluster, kernels)
 
 
 def has_present(cluster: ex.Cluster) -> bool:
@@ -94,7 +96,7 @@ def first_graph(module: Any, inputs: Any, loss_fn: Any, targets: Any, name: str 
 
 
 def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
-                   fingerprint: str) -> Work:
+                   fingerprint: str, kernels: Kernels = "eager") -> Work:
     """What is left after opening on estimates: the capture with real weights (``real`` when
     it is a function that captures; a graph is already real) and, when devices of
     ``cluster`` are present, their profile (rooflines for the others), whose preliminary
@@ -111,7 +113,7 @@ def measuring_work(real: OpGraph | Callable[[], OpGraph], cluster: ex.Cluster,
                                f"({len(graph.ops):,} ops) than the one without running; the "
                                "numbers stay roofline estimates. Open it with measure='now'")
         if not has_present(cluster):
-            return graph, roofline_model(graph, cluster)
+            return graph, roofline_model(graph, cluster, kernels)
         measured = cluster
         if cluster.measure_later:
             report("measuring this host's CPU ranks (once per host)")
@@ -162,21 +164,27 @@ def untimed_precision(graph: OpGraph, costs: ex.CostModel, plan: ex.Plan) -> str
 
 
 def opening_costs(graph: OpGraph, capture: Callable[[], OpGraph] | None,
-                  cluster: ex.Cluster, measure: str, progress: bool
+                  cluster: ex.Cluster, measure: str, progress: bool, kernels: Kernels = "eager"
                   ) -> tuple[ex.CostModel, Work | None]:
     """The costs to open ``graph`` on, and the work left for the background (None: none).
 
     ``capture`` captures with real weights when ``graph`` was captured without running
     (None: ``graph`` is real). A real graph on devices that are all absent has its rooflines
     at once (what the profiler would give them; nothing run, no cache read); a real graph
-    measured ``"now"`` is profiled before opening."""
+    measured ``"now"`` is profiled before opening. ``kernels``: how the estimates run the ops
+    (:func:`ex.profile`'s; "compiled" only where no device is here)."""
+    if kernels == "compiled" and has_present(cluster):  # (before anything runs)
+        here = ", ".join(d.id for d in cluster.devices if d.present)
+        raise ExplorerError(f"kernels='compiled' prices devices that are not here (GPU presets "
+                            f"such as \"8xH100\"); {here} here are measured as they run: "
+                            "open with kernels='eager', or on a preset cluster")
     if capture is None and not has_present(cluster):
-        return roofline_model(graph, cluster), None
+        return roofline_model(graph, cluster, kernels), None
     if capture is None and measure == "now":
-        return ex.profile(graph, cluster, progress=progress), None
-    work = (measuring_work(capture or graph, cluster, graph.fingerprint)
+        return ex.profile(graph, cluster, progress=progress, kernels=kernels), None
+    work = (measuring_work(capture or graph, cluster, graph.fingerprint, kernels)
             if measure == "background" else None)
-    return roofline_model(graph, cluster), work
+    return roofline_model(graph, cluster, kernels), work
 
 
 def numbers_status(preliminary: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
+from explorer.costs.kernels import KERNELS, Kernels
 from explorer.devices.cluster import parse_devices
 from explorer.models.builtin import BuiltinModel
 from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
@@ -64,10 +65,13 @@ def auto_plan(graph: ex.OpGraph, cluster: ex.Cluster, costs: ex.CostModel
 def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn: Any = None,
             targets: Any = None, costs: ex.CostModel | None = None,
             plan: ex.Plan | None = None, progress: bool = True,
-            measure: str = "background") -> Opening:
+            measure: str = "background", kernels: Kernels = "eager") -> Opening:
     """The graph, costs and plan for :meth:`widgets.Session.open` (its arguments, same
     meaning); raises :class:`ExplorerError` naming the argument that is wrong."""
     check_mode(measure)
+    if kernels not in KERNELS:
+        raise ExplorerError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, not "
+                            f"{kernels!r}")
     capture: Callable[[], OpGraph] | None = None
     source = model.record if isinstance(model, BuiltinModel) else None
     if isinstance(model, OpGraph):
@@ -92,6 +96,10 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
         graph, fake = first_graph(*args, measure if costs is None else "now")
         if fake:
             capture = functools.partial(ex.capture, *args[:4], name=args[4])
+    if kernels != "eager" and costs is not None:
+        raise ExplorerError(f"kernels={kernels!r} prices the costs the explorer makes; the "
+                            "costs given say how they were priced (ex.profile(graph, cluster, "
+                            "kernels=...)): give one or the other")
     if isinstance(cluster, str) and costs is None:  # a device spec, as Explorer.builtin
         cluster = parse_devices(cluster, measure="later")  # (devices=...) takes it
     check_type(cluster, ex.Cluster, "cluster",
@@ -102,7 +110,7 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
     if costs is None:
         # (this machine's devices: CPU ranks measure the host in the background, not here)
         here = cluster or ex.Cluster.discover(measure="later")
-        costs, work = opening_costs(graph, capture, here, measure, progress)
+        costs, work = opening_costs(graph, capture, here, measure, progress, kernels)
     note = ""
     if plan is None:
         plan, note = auto_plan(graph, costs.cluster, costs)

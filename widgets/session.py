@@ -27,6 +27,7 @@ from typing import Any
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.units import MiB
+from explorer.costs.kernels import Kernels
 from explorer.partition import algorithm as get_algorithm
 from widgets.edits import (
     count_label,
@@ -149,7 +150,8 @@ class Session(BackgroundMeasuring):
     def open(cls, model: Any, example_inputs: Any = None, cluster: Any = None,
              loss_fn: Any = None, targets: Any = None, costs: ex.CostModel | None = None,
              plan: ex.Plan | None = None, progress: bool = True,
-             measure: str = "background", start: bool = True) -> Session:
+             measure: str = "background", start: bool = True,
+             kernels: Kernels = "eager") -> Session:
         """A session on a module (captured with its example batch), a built-in model, or an
         already captured graph (``open(graph, costs, plan)``); profiled on ``cluster`` (this
         machine's devices by default) unless ``costs`` are given. Without a plan, the session
@@ -164,9 +166,11 @@ class Session(BackgroundMeasuring):
         waits for them); "now"
         measures before opening; "never" keeps the roofline estimates and runs nothing.
         Without ``start`` the background work waits for :meth:`start_measuring` (the widget
-        draws its first picture first: nothing measures before it)."""
+        draws its first picture first: nothing measures before it). ``kernels="compiled"``
+        prices devices that are not here (GPU presets) as ``torch.compile`` runs the ops
+        (``ex.profile``'s ``kernels``)."""
         o = opening(model, example_inputs, cluster, loss_fn, targets, costs, plan, progress,
-                    measure)
+                    measure, kernels)
         session = cls(o.graph, o.costs.cluster, o.costs, o.plan)
         session.model_source = o.source
         if o.note:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.kernels import Kernels
 from explorer.costs.model import CostModel, roofline
 from explorer.devices.cluster import Cluster
 
@@ -78,10 +79,11 @@ def replicated(block: OpGraph, n_nodes: int) -> OpGraph:
                    nodes[-1].name)
 
 
-def roofline_costs(graph: OpGraph, cluster: Cluster) -> CostModel:
-    """A cost model from FLOPs and bytes alone (no profiling), for any cluster."""
+def roofline_costs(graph: OpGraph, cluster: Cluster, kernels: Kernels = "eager") -> CostModel:
+    """A cost model from FLOPs and bytes alone (no profiling), for any cluster, its ops run
+    as ``kernels`` says (:func:`explorer.costs.model.roofline`)."""
     per = {}
     for d in cluster.devices:
         if d.type_key not in per:
-            per[d.type_key] = roofline(graph, d)
+            per[d.type_key] = roofline(graph, d, kernels=kernels)
     return CostModel(graph.fingerprint, cluster, per)

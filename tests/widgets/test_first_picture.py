@@ -394,3 +394,26 @@ def test_costs_priced_as_compiled_kernels_open_as_given_and_say_so():
                      ex.Plan.single(graph, cluster.ids[0]), progress=False)
     assert "compiled" not in eager.status.header.value
     assert shown_step_s(w) < shown_step_s(eager)
+
+
+def test_a_model_opens_on_presets_priced_as_compiled_kernels():
+    from widgets import Explorer
+
+    bm = ex.builtin_model("llama", "tiny")
+    compiled = Explorer(bm, cluster="2xH100", kernels="compiled", progress=False,
+                        measure="never")
+    eager = Explorer(bm, cluster="2xH100", progress=False, measure="never")
+    assert compiled.session.costs.kernels == "compiled"
+    assert eager.session.costs.kernels == "eager"
+    assert "ops priced as compiled (fused) kernels" in compiled.status.header.value
+    plan = eager.session.plan
+    assert (ex.simulate(compiled.session.graph, plan, compiled.session.costs).step_s
+            < ex.simulate(eager.session.graph, plan, eager.session.costs).step_s)
+    # devices that are here are measured as they run; costs given say how they were priced
+    with pytest.raises(ExplorerError, match="cpu:0 here are measured as they run"):
+        Explorer(bm, cluster="cpu:1", kernels="compiled", progress=False)
+    with pytest.raises(ExplorerError, match="give one or the other"):
+        Explorer(compiled.session.graph, compiled.session.costs, kernels="compiled",
+                 progress=False)
+    with pytest.raises(ExplorerError, match="kernels must be one of"):
+        Explorer(bm, cluster="2xH100", kernels="fused", progress=False)
