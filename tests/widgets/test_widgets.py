@@ -266,9 +266,14 @@ def test_layout_rows_route_long_edges_between_items_and_frame_modules(gpt):
     chains = [tuple(f for f, fr in enumerate(frames.values()) if k in fr.members)
               for k in range(len(v.items))]
     assert frame_levels(chains)[0] == 2  # blocks > blocks.0 > blocks.0.attn
-    t0 = time.perf_counter()
-    layered_layout(len(lay.xy), edges)
-    assert time.perf_counter() - t0 < 1.0  # ~50 ms; benchmarks/editing.py measures it
+    # ~50 ms; benchmarks/editing.py measures it. The least of three runs: a busy shared host
+    # stalls one run now and then, a layout too slow is slow in all three
+    took = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        layered_layout(len(lay.xy), edges)
+        took.append(time.perf_counter() - t0)
+    assert min(took) < 1.0, took
 
 
 def test_large_graphs_are_drawn_in_blocks():
