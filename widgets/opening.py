@@ -17,7 +17,7 @@ from typing import Any
 import explorer as ex
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
-from explorer.costs.kernels import KERNELS, Kernels
+from explorer.costs.kernels import Kernels, check_kernels_name
 from explorer.devices.cluster import parse_devices
 from explorer.models.builtin import BuiltinModel
 from explorer.partition.quick import QUICK_BASELINES, fastest_quick_baseline
@@ -69,9 +69,7 @@ def opening(model: Any, example_inputs: Any = None, cluster: Any = None, loss_fn
     """The graph, costs and plan for :meth:`widgets.Session.open` (its arguments, same
     meaning); raises :class:`ExplorerError` naming the argument that is wrong."""
     check_mode(measure)
-    if kernels not in KERNELS:
-        raise ExplorerError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, not "
-                            f"{kernels!r}")
+    check_kernels_name(kernels)
     capture: Callable[[], OpGraph] | None = None
     source = model.record if isinstance(model, BuiltinModel) else None
     if isinstance(model, OpGraph):

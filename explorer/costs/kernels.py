@@ -20,13 +20,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph, OpNode
+from explorer.costs.memory import view_roots
 
 #: how a device runs a graph's ops (``ex.profile(..., kernels=)``): "eager", one kernel per op
 #: as eager PyTorch and the explorer's runtime run them; "compiled", pointwise and
 #: normalisation runs fused as ``torch.compile`` and frameworks' fused kernels run them
 Kernels = Literal["eager", "compiled"]
 KERNELS: tuple[Kernels, ...] = ("eager", "compiled")
+
+
+def check_kernels_name(kernels: str) -> None:
+    """Refuse a ``kernels`` that is not one of :data:`KERNELS`, saying which are."""
+    if kernels not in KERNELS:
+        raise ExplorerError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, not "
+                            f"{kernels!r}")
 
 #: op names (without ``aten.`` and overload) by the kind of op they were measured as
 _OP_KINDS = {
@@ -148,13 +157,6 @@ def fused_kernels(graph: OpGraph) -> list[FusedKernels]:
     return out
 
 
-def _root(graph: OpGraph, i: int) -> int:
-    """The op whose memory node ``i``'s output is (through views)."""
-    while graph.nodes[i].is_view and graph.preds[i]:
-        i = graph.preds[i][0]
-    return i
-
-
 def compiled_saves(graph: OpGraph) -> OpGraph:
     """``graph`` with what a compiled backward keeps: ``torch.compile``'s partitioner (and a
     fused kernel's own backward) recomputes a fused run's pointwise values from the run's
@@ -164,14 +166,15 @@ def compiled_saves(graph: OpGraph) -> OpGraph:
     those kept anyway, would take more bytes than the value, else it keeps those inputs
     instead. The same fingerprint: only ``saves`` differ."""
     member: dict[int, int] = {}
+    root = view_roots(graph)
     runs = fused_kernels(graph)
     for k, run in enumerate(runs):
         member.update(dict.fromkeys(run.nodes, k))
 
     def own(v: int, name: str) -> bool:  # a value of the saver's own run
-        return v in member and member.get(_root(graph, graph.index[name])) == member[v]
+        return v in member and member.get(root[graph.index[name]]) == member[v]
 
-    kept_anyway = {_root(graph, graph.index[name]) for v, n in enumerate(graph.nodes)
+    kept_anyway = {root[graph.index[name]] for v, n in enumerate(graph.nodes)
                    for name in n.saves if not own(v, name)}
     nodes = list(graph.nodes)
     for run in runs:
@@ -180,13 +183,13 @@ def compiled_saves(graph: OpGraph) -> OpGraph:
             kept: list[str] = []
             for name in node.saves:
                 s = graph.index[name]
-                if not own(v, name) or _root(graph, s) in kept_anyway:
+                if not own(v, name) or root[s] in kept_anyway:
                     kept.append(name)
                     continue
                 inputs = _run_inputs(graph, s, member, member[v])
                 extra = sum(graph.nodes[p].out_bytes for p in inputs
-                            if _root(graph, p) not in kept_anyway)
-                if extra < graph.nodes[_root(graph, s)].out_bytes:
+                            if root[p] not in kept_anyway)
+                if extra < graph.nodes[root[s]].out_bytes:
                     kept += [graph.nodes[p].name for p in inputs]
                 else:
                     kept.append(name)

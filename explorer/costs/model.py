@@ -25,7 +25,7 @@ from explorer.costs.kernels import (
     launches_no_kernel,
     op_kind,
 )
-from explorer.costs.strategies import precision_time_factors
+from explorer.costs.strategies import HALF_DTYPES, precision_time_factors
 from explorer.devices.cluster import Cluster, Device
 from explorer.devices.presets import KindFit, RooflineFit, roofline_fit
 from explorer.platforms import Platform, platform_of
@@ -493,7 +493,7 @@ def _price_fused(graph: OpGraph, device: Device, fwd: list[float], bwd: list[flo
     fixed: tuple[dict[int, float], dict[int, float]] = ({}, {})
     for run in fused_kernels(graph):
         nodes = [graph.nodes[i] for i in run.nodes]
-        precision = "bf16" if any(n.dtype in ("float16", "bfloat16") for n in nodes) else "fp32"
+        precision = "bf16" if any(n.dtype in HALF_DTYPES for n in nodes) else "fp32"
         o, f_flops, f_bw = _fitted(terms.fit.kinds.get(f"add/{precision}") if terms.fit
                                    else None, terms.efficiency, terms.overhead_s)
         peak = (device.half_flops_per_s if precision == "bf16" else device.flops_per_s) * f_flops

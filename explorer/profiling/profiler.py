@@ -20,7 +20,7 @@ from explorer.capture.tracing import batch_splits
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import PRECISIONS
-from explorer.costs.kernels import KERNELS, Kernels
+from explorer.costs.kernels import Kernels, check_kernels_name
 from explorer.costs.model import CostModel, DeviceCosts, roofline
 from explorer.devices.cluster import Cluster, Device
 from explorer.platforms import platform_of
@@ -245,9 +245,7 @@ def _type_runs(graph: OpGraph, contention: bool, precisions: tuple[str, ...],
 def check_kernels(graph: OpGraph, cluster: Cluster, kernels: str) -> None:
     """Refuse a ``kernels`` that is not one, or "compiled" on a cluster with measured
     devices, before any work."""
-    if kernels not in KERNELS:
-        raise ExplorerError(f"kernels must be one of {', '.join(map(repr, KERNELS))}, not "
-                            f"{kernels!r}")
+    check_kernels_name(kernels)
     measured = [d.id for d in cluster.devices if d.present and graph.runtime is not None]
     if kernels == "compiled" and measured:
         raise ExplorerError(
