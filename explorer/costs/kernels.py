@@ -20,9 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import networkx as nx
+
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph, OpNode
 from explorer.costs.memory import view_roots
+from explorer.costs.strategies import activation_bytes
 
 #: how a device runs a graph's ops (``ex.profile(..., kernels=)``): "eager", one kernel per op
 #: as eager PyTorch and the explorer's runtime run them; "compiled", pointwise and
@@ -157,14 +160,17 @@ def fused_kernels(graph: OpGraph) -> list[FusedKernels]:
     return out
 
 
-def compiled_saves(graph: OpGraph) -> OpGraph:
+def compiled_saves(graph: OpGraph, half: bool = False) -> OpGraph:
     """``graph`` with what a compiled backward keeps: ``torch.compile``'s partitioner (and a
-    fused kernel's own backward) recomputes a fused run's pointwise values from the run's
-    inputs where keeping those takes fewer bytes (it solves a min cut; this is a greedy
-    choice per value). An op of a run keeps what it saves from outside the run; a value of
-    its own run it saved, it keeps only where the run's inputs that value is made from, less
-    those kept anyway, would take more bytes than the value, else it keeps those inputs
-    instead. The same fingerprint: only ``saves`` differ."""
+    fused kernel's own backward) recomputes a fused run's pointwise values from the fewest
+    bytes it can keep (:func:`_kept_values`: the minimum cut AOTAutograd's
+    ``min_cut_rematerialization_partition`` takes, per run), the values sized as autocast
+    makes them where ``half`` (a bf16/fp16 plan). An op of a run keeps what it saves from
+    outside the run; a value of its own run it saved (or a buffer of its own it saved, such
+    as a cross-entropy's log-softmax), it keeps where the cut keeps that value, else the
+    kept values it is recomputed from. A fused run's backward is fused too: the gradients
+    between the pieces of one op (``backward_scratch_bytes``) are never written. The same
+    fingerprint: only what the ops keep differs."""
     member: dict[int, int] = {}
     root = view_roots(graph)
     runs = fused_kernels(graph)
@@ -176,27 +182,93 @@ def compiled_saves(graph: OpGraph) -> OpGraph:
 
     kept_anyway = {root[graph.index[name]] for v, n in enumerate(graph.nodes)
                    for name in n.saves if not own(v, name)}
+    sizes = (activation_bytes(graph, "bf16", "cuda").tolist() if half
+             else [n.out_bytes for n in graph.nodes])
     nodes = list(graph.nodes)
-    for run in runs:
+    for k, run in enumerate(runs):
+        needed = {graph.index[name] for v in run.nodes for name in graph.nodes[v].saves
+                  if own(v, name)}
+        needed |= {_buffer_of(v) for v in run.nodes if graph.nodes[v].saved_extra_bytes}
+        kept = (_kept_values(graph, run.nodes, needed, kept_anyway, root, sizes) if needed
+                else set())
         for v in run.nodes:
             node = graph.nodes[v]
-            kept: list[str] = []
+            saves: list[str] = []
             for name in node.saves:
                 s = graph.index[name]
-                if not own(v, name) or root[s] in kept_anyway:
-                    kept.append(name)
-                    continue
-                inputs = _run_inputs(graph, s, member, member[v])
-                extra = sum(graph.nodes[p].out_bytes for p in inputs
-                            if root[p] not in kept_anyway)
-                if extra < graph.nodes[root[s]].out_bytes:
-                    kept += [graph.nodes[p].name for p in inputs]
+                if not own(v, name) or s in kept or root[s] in kept_anyway:
+                    saves.append(name)
                 else:
-                    kept.append(name)
-            saves = tuple(dict.fromkeys(kept))
-            if saves != node.saves:
-                nodes[v] = replace(node, saves=saves)
+                    saves += [graph.nodes[p].name for p in _kept_sources(graph, s, kept,
+                                                                          member, k)]
+            extra = node.saved_extra_bytes
+            if extra and _buffer_of(v) not in kept:  # recomputed from the op's inputs
+                saves += [graph.nodes[p].name for p in _kept_sources(graph, v, kept,
+                                                                      member, k)]
+                extra = 0
+            changed = replace(node, saves=tuple(dict.fromkeys(saves)), saved_extra_bytes=extra,
+                              backward_scratch_bytes=0)
+            if changed != node:
+                nodes[v] = changed
     return replace(graph, nodes=nodes)
+
+
+def _buffer_of(v: int) -> int:
+    """The key the minimum cut gives what op ``v`` saves beyond its inputs and output."""
+    return -1 - v
+
+
+def _kept_values(graph: OpGraph, run: tuple[int, ...], needed: set[int],
+                 kept_anyway: set[int], root: list[int], sizes: list[int]) -> set[int]:
+    """The values of a fused run and of the tensors it reads that a compiled backward keeps so
+    that every ``needed`` value (a node, or an op's own saved buffer: :func:`_buffer_of`)
+    can be recomputed from them: a minimum cut between the tensors the run reads (made
+    before it: a backward cannot remake them) and the needed values, each value's capacity
+    its ``sizes`` bytes (those ``kept_anyway`` for other ops cost nothing; weights and
+    buffers are there anyway). Of equal cuts, the one keeping needed values themselves
+    (nothing to recompute)."""
+    members = set(run)
+    outside = {p for i in run for p in graph.preds[i]
+               if p not in members and graph.nodes[p].kind not in ("param", "buffer")}
+    buffers = [u for u in needed if u < 0]
+    values = sorted(members | outside) + buffers
+    scale = len(values) + 1  # (ties broken below one byte)
+    flow = nx.DiGraph()
+    for u in values:
+        made = -1 - u if u < 0 else u  # (an op's saved buffer is made with it, from its inputs)
+        nbytes = (graph.nodes[made].saved_extra_bytes if u < 0
+                  else 0 if root[u] in kept_anyway else sizes[root[u]])
+        flow.add_edge(("made", u), ("kept", u), capacity=nbytes * scale + (u not in needed))
+        if u in outside:
+            flow.add_edge("forward", ("made", u))  # (no capacity: unbounded)
+            continue
+        for p in graph.preds[made]:
+            if p in members or p in outside:
+                flow.add_edge(("kept", p), ("made", u))
+    for u in needed:
+        flow.add_edge(("kept", u), "backward")
+    if "forward" not in flow:  # nothing it reads comes from before it: all recomputed
+        return set()
+    _, (reached, _) = nx.minimum_cut(flow, "forward", "backward")
+    return {u for u in values if ("made", u) in reached and ("kept", u) not in reached}
+
+
+def _kept_sources(graph: OpGraph, i: int, kept: set[int], member: dict[int, int],
+                  run: int) -> list[int]:
+    """The ``kept`` values node ``i`` of run ``run`` is recomputed from (walking back through
+    the run's other values; weights and buffers are kept whatever happens)."""
+    out, seen, todo = [], {i}, [i]
+    while todo:
+        for p in graph.preds[todo.pop()]:
+            if p in seen:
+                continue
+            seen.add(p)
+            if p in kept or (member.get(p) != run
+                             and graph.nodes[p].kind not in ("param", "buffer")):
+                out.append(p)
+            elif member.get(p) == run:
+                todo.append(p)
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -206,51 +278,59 @@ class _Compiled:
     original: weakref.ref[OpGraph]
     #: the graph's nodes when it was rewritten (an edit in place makes it stale)
     nodes: tuple[OpNode, ...]
+    #: whether the values were sized as a bf16/fp16 plan makes them
+    half: bool
     compiled: OpGraph
     #: the nodes whose saves the rewrite changed
     changed: tuple[int, ...]
 
 
-#: the graphs :func:`compiled_graph` rewrote, by ``id`` of the graph and of the rewrite (each
-#: dropped when its graph is collected): a simulation per candidate plan reuses them
-_COMPILED: dict[int, _Compiled] = {}
+#: the graphs :func:`compiled_graph` rewrote, by ``id`` of the graph and the sizing, and by
+#: ``id`` of the rewrite (each dropped when its graph is collected): a simulation per
+#: candidate plan reuses them
+_COMPILED: dict[tuple[int, bool], _Compiled] = {}
 _MADE: dict[int, _Compiled] = {}
 _LOCK = threading.Lock()
 
 
-def _entry(graph: OpGraph) -> _Compiled:
+def _entry(graph: OpGraph, half: bool) -> _Compiled:
     """The cached rewrite of ``graph`` (or of the graph ``graph`` is the rewrite of)."""
     with _LOCK:
         made = _MADE.get(id(graph))
         if made is not None and made.compiled is graph:
-            return made
-        got = _COMPILED.get(id(graph))
+            original = made.original()
+            if made.half == half or original is None:
+                return made
+            graph = original
+        got = _COMPILED.get((id(graph), half))
         if (got is not None and got.original() is graph and len(got.nodes) == len(graph.nodes)
                 and all(a is b for a, b in zip(got.nodes, graph.nodes, strict=True))):
             return got
-        compiled = compiled_saves(graph)
+        compiled = compiled_saves(graph, half)
         changed = tuple(v for v, (a, b) in enumerate(zip(compiled.nodes, graph.nodes,
                                                          strict=True)) if a is not b)
-        got = _Compiled(weakref.ref(graph), tuple(graph.nodes), compiled, changed)
-        key, made_key = id(graph), id(compiled)
+        got = _Compiled(weakref.ref(graph), tuple(graph.nodes), half, compiled, changed)
+        key, made_key = (id(graph), half), id(compiled)
         _COMPILED[key] = _MADE[made_key] = got
         weakref.finalize(graph, _forget, key, made_key)
         return got
 
 
-def _forget(key: int, made_key: int) -> None:
+def _forget(key: tuple[int, bool], made_key: int) -> None:
     with _LOCK:
         _COMPILED.pop(key, None)
         _MADE.pop(made_key, None)
 
 
-def compiled_graph(graph: OpGraph, stage_of: Mapping[str, int] | None = None) -> OpGraph:
-    """:func:`compiled_saves` of ``graph``, the same object for the same graph (the simulator
-    caches its arrays per graph object); a graph it made stays itself. With ``stage_of`` (a
-    plan's stage per node name): an op whose compiled saves would reach another stage's
-    tensors (a stage cut inside a fused run) keeps what eager autograd keeps, what its own
-    stage holds."""
-    entry = _entry(graph)
+def compiled_graph(graph: OpGraph, stage_of: Mapping[str, int] | None = None,
+                   half: bool = False) -> OpGraph:
+    """:func:`compiled_saves` of ``graph`` (its values sized as a bf16/fp16 plan makes them
+    where ``half``), the same object for the same graph (the simulator caches its arrays per
+    graph object); a graph it made stays itself, or becomes its original's rewrite of the
+    other sizing. With ``stage_of`` (a plan's stage per node name): an op whose compiled
+    saves would reach another stage's tensors (a stage cut inside a fused run) keeps what
+    eager autograd keeps, what its own stage holds."""
+    entry = _entry(graph, half)
     if stage_of is None:
         return entry.compiled
     original = entry.original()
@@ -263,18 +343,3 @@ def compiled_graph(graph: OpGraph, stage_of: Mapping[str, int] | None = None) ->
     for v in back:
         kept[v] = original.nodes[v]
     return replace(entry.compiled, nodes=kept)
-
-
-def _run_inputs(graph: OpGraph, i: int, member: dict[int, int], run: int) -> list[int]:
-    """The tensors from outside run ``run`` that node ``i`` of it is computed from."""
-    out, seen, todo = [], {i}, [i]
-    while todo:
-        for p in graph.preds[todo.pop()]:
-            if p in seen:
-                continue
-            seen.add(p)
-            if member.get(p) == run:
-                todo.append(p)
-            elif graph.nodes[p].kind not in ("param", "buffer"):  # (kept whatever happens)
-                out.append(p)
-    return sorted(out)

@@ -353,11 +353,14 @@ class CostModel:
         compiled = all(dc.kernels == "compiled" for dc in self.per_type.values())
         return "compiled" if compiled and self.per_type else "eager"
 
-    def as_run(self, graph: OpGraph, stage_of: Mapping[str, int] | None = None) -> OpGraph:
+    def as_run(self, graph: OpGraph, stage_of: Mapping[str, int] | None = None,
+               half: bool = False) -> OpGraph:
         """``graph`` as these costs run it: with what a compiled backward keeps
         (:func:`explorer.costs.kernels.compiled_graph`, on the stages ``stage_of`` gives
-        where known) where the ops are priced compiled, else ``graph`` itself."""
-        return compiled_graph(graph, stage_of) if self.kernels == "compiled" else graph
+        where known, its values sized in bf16/fp16 where ``half``) where the ops are priced
+        compiled, else ``graph`` itself."""
+        return (compiled_graph(graph, stage_of, half) if self.kernels == "compiled"
+                else graph)
 
     def check(self, graph: OpGraph) -> None:
         if graph.fingerprint != self.graph_fingerprint:

@@ -87,7 +87,10 @@ def partition(graph: OpGraph, cluster: Cluster, costs: CostModel, algorithm_name
     """
     alg = algorithm(algorithm_name)
     costs.check(graph)
-    graph = costs.as_run(graph)  # (what a compiled backward keeps, where priced compiled)
+    # (what a compiled backward keeps, where priced compiled, in the precision planned with)
+    memory = options.get("memory")
+    half = isinstance(memory, Mapping) and memory.get("precision", "fp32") != "fp32"
+    graph = costs.as_run(graph, half=half)
     unknown = sorted(set(options) - set(alg.options))
     if unknown:
         raise ExplorerError(f"{algorithm_name} has no option {unknown[0]!r}; its options are "

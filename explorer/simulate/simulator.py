@@ -82,9 +82,17 @@ def simulate(graph: OpGraph, plan: Plan, costs: CostModel) -> Prediction:
     costs.check(graph)
     plan.validate(graph, costs.cluster)
     # (what a compiled backward keeps on each stage, where priced compiled)
-    graph = costs.as_run(graph, plan.placement)
+    graph = as_run(graph, plan, costs)
     with without_cycle_collection():
         return _predict(graph, plan, costs, *_schedule(graph, plan, costs))
+
+
+def as_run(graph: OpGraph, plan: Plan, costs: CostModel) -> OpGraph:
+    """``graph`` as ``costs`` run it under ``plan`` (:meth:`CostModel.as_run`): where priced
+    compiled, with what a compiled backward keeps on each stage, sized in 2 bytes where a
+    stage computes in bf16/fp16."""
+    half = any(plan.settings_of(s).precision != "fp32" for s in range(len(plan.stages)))
+    return costs.as_run(graph, plan.placement, half)
 
 
 @contextmanager
@@ -155,7 +163,7 @@ def execution_order(graph: OpGraph, plan: Plan, costs: CostModel | None = None) 
     """
     if costs is None:
         costs = unit_costs(graph, plan)
-    graph = costs.as_run(graph, plan.placement)  # (as simulate runs it)
+    graph = as_run(graph, plan, costs)  # (as simulate runs it)
     with without_cycle_collection():
         tasks, timing = _schedule(graph, plan, costs)  # the order the prediction assumes
     return stage_actions(tasks, timing, len(plan.stages))

@@ -105,6 +105,59 @@ class TestFusedKernels:
         once = compiled_graph(g)  # one object for the simulator's caches
         assert compiled_graph(g) is once and compiled_graph(once) is once
 
+    def test_a_residual_add_fused_with_the_norm_is_all_its_backward_keeps(self):
+        """h = x + a is fused with the RMSNorm that reads it; the norm's pow keeps h, so a
+        minimum cut keeps h alone and recomputes x * rsqrt from it (choosing value by value,
+        the product would be kept: remaking it from outside the run takes x and a)."""
+        def op(name, aten, inputs, nbytes=4 * MB, **kw):
+            return OpNode(name, "op", aten, inputs=inputs, out_bytes=nbytes,
+                          requires_grad=True, **kw)
+        g = OpGraph("residual-norm", [
+            OpNode("x", "input", "input", out_bytes=4 * MB),
+            OpNode("a", "input", "input", out_bytes=4 * MB),
+            OpNode("g", "param", "param", out_bytes=4096, param_bytes=4096, requires_grad=True),
+            OpNode("w", "param", "param", out_bytes=MB, param_bytes=MB, requires_grad=True),
+            op("h", "aten.add.Tensor", ("x", "a")),
+            op("pow", "aten.pow.Tensor_Scalar", ("h",), saves=("h",)),
+            op("mean", "aten.mean.dim", ("pow",), nbytes=4096),
+            op("eps", "aten.add.Tensor", ("mean",), nbytes=4096),
+            op("rsqrt", "aten.rsqrt.default", ("eps",), nbytes=4096, saves=("rsqrt",)),
+            op("mul", "aten.mul.Tensor", ("h", "rsqrt"), saves=("h", "rsqrt")),
+            op("scale", "aten.mul.Tensor", ("mul", "g"), saves=("mul", "g")),
+            op("mm", "aten.mm.default", ("scale", "w"), fwd_flops=10**9, saves=("scale", "w")),
+            op("out", "aten.add.Tensor", ("h", "mm")),
+        ], batch_size=8)
+        saves = {n.name: n.saves for n in compiled_saves(g).nodes if n.saves}
+        assert saves == {"pow": ("h",), "rsqrt": ("h",), "mul": ("h",), "scale": ("h", "g"),
+                         "mm": ("scale", "w")}
+
+    @pytest.mark.parametrize("half", [False, True])
+    def test_a_cross_entropy_keeps_its_logits_where_they_take_fewer_bytes(self, half):
+        """A cross-entropy saves its fp32 log-softmax (as many bytes as fp32 logits) and
+        passes a gradient of that size inside its backward. Compiled, its backward is one
+        kernel (no such gradient), and it keeps the logits instead where autocast makes them
+        2-byte (a bf16 plan), its log-softmax where the two are the same size."""
+        g = OpGraph("loss", [
+            OpNode("x", "input", "input", out_bytes=MB),
+            OpNode("t", "input", "input", dtype="int64", out_bytes=4096),
+            OpNode("w", "param", "param", out_bytes=MB, param_bytes=MB, requires_grad=True),
+            OpNode("logits", "op", "aten.mm.default", inputs=("x", "w"), out_bytes=8 * MB,
+                   requires_grad=True, fwd_flops=10**9, saves=("x", "w")),
+            OpNode("ce", "op", "aten.cross_entropy_loss.default", inputs=("logits", "t"),
+                   out_bytes=4, requires_grad=True, saves=("t",), saved_extra_bytes=8 * MB,
+                   backward_scratch_bytes=8 * MB),
+        ], batch_size=8, loss="ce")
+        ce = compiled_saves(g, half)["ce"]
+        assert ce.backward_scratch_bytes == 0
+        if half:
+            assert (ce.saves, ce.saved_extra_bytes) == (("t", "logits"), 0)
+        else:
+            assert (ce.saves, ce.saved_extra_bytes) == (("t",), 8 * MB)
+        eager = compiled_graph(g)
+        assert compiled_graph(g, half=True) is compiled_graph(g, half=True) is not eager
+        # (a rewrite asked for the other sizing is its original's)
+        assert compiled_graph(eager, half=True) is compiled_graph(g, half=True)
+
     def test_a_stage_cut_inside_a_run_keeps_what_the_stage_holds(self):
         g = _rms_norm_graph()
         cut = {n.name: 0 if k <= g.index["mul"] else 1 for k, n in enumerate(g.nodes)}
