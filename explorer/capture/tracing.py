@@ -49,6 +49,7 @@ from explorer.capture.fake import (
     needs_real_data,
     on_meta,
 )
+from explorer.capture.flops import attention_fraction
 from explorer.capture.grad_regions import inline_grad_regions
 from explorer.capture.hooks import capture_hooks
 from explorer.capture.replay import ReplayCache, replay
@@ -365,6 +366,14 @@ def _as_tuple(x: Any, what: str) -> tuple[torch.Tensor, ...]:
 
 
 
+def _computed_fraction(fx: Any, values: dict[str, Any], ours: dict[Any, str]) -> float:
+    """:attr:`OpNode.computed_fraction` of an exported node, from its argument values."""
+    def value(a: Any) -> Any:
+        return values.get(ours[a]) if isinstance(a, torch.fx.Node) and a in ours else a
+    return attention_fraction(fx.target, tuple(value(a) for a in fx.args),
+                              {k: value(v) for k, v in fx.kwargs.items()})
+
+
 def _module_of(fx: Any) -> tuple[str, str]:
     stack = fx.meta.get("nn_module_stack") or {}
     if not stack:
@@ -466,7 +475,7 @@ def _from_export(program: Any, runtime: CaptureRuntime, name: str,
             nm, "op", _op_name(fx.target), mpath, mtype, tuple(preds), shapes, dtype,
             out_bytes, 0, prof.requires_grad, prof.fwd_flops, prof.bwd_flops,
             prof.saved_names(slots, nm), prof.saved_extra_bytes, prof.is_view,
-            prof.backward_scratch_bytes))
+            prof.backward_scratch_bytes, _computed_fraction(fx, values, ours)))
     bs = int(runtime.inputs[0].shape[0])
     graph = OpGraph(name, nodes, bs, "export", ours[loss_fx])
     graph.runtime = runtime

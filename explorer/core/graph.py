@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -45,10 +46,24 @@ class OpNode:
     #: gradients passed between the autograd nodes one captured op is made of (a
     #: cross-entropy's log-softmax gradient), held only while that backward runs
     backward_scratch_bytes: int = 0
+    #: the share of ``fwd_flops`` and ``bwd_flops`` the op's kernels compute: a causal
+    #: attention's flash kernel skips the score blocks its mask hides (about half), while
+    #: its FLOPs count them all, as FlopCounterMode and Megatron-LM's formula do
+    computed_fraction: float = 1.0
 
     @property
     def flops(self) -> int:
         return self.fwd_flops + self.bwd_flops
+
+
+def computed_share(nodes: Iterable[OpNode]) -> float:
+    """The share of the ``nodes``' FLOPs their kernels compute (:attr:`OpNode.computed_fraction`
+    weighted by each node's FLOPs; 1 where they count none)."""
+    nodes = list(nodes)
+    flops = sum(n.flops for n in nodes)
+    if not flops:
+        return 1.0
+    return sum(n.flops * n.computed_fraction for n in nodes) / flops
 
 
 @dataclass

@@ -450,8 +450,9 @@ def roofline(graph: OpGraph, device: Device, overhead_s: float | None = None,
         peak = (device.half_flops_per_s if half else device.flops_per_s) * f_flops
         bw = device.mem_bandwidth_bytes_per_s * f_bw
         moved = 0 if n.is_view else _io_bytes(graph, i)
-        fwd.append(o + max(n.fwd_flops / peak, moved / bw))
-        bwd.append(o + max(n.bwd_flops / peak, 2 * moved / bw) if n.requires_grad else 0.0)
+        work = n.computed_fraction / peak  # (seconds per counted FLOP)
+        fwd.append(o + max(n.fwd_flops * work, moved / bw))
+        bwd.append(o + max(n.bwd_flops * work, 2 * moved / bw) if n.requires_grad else 0.0)
         src.append("roofline")
     base_ovh = fit.kinds["add/fp32"].overhead_s if fit else ovh
     tables: dict[str, Any] = {}

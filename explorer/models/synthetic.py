@@ -73,7 +73,7 @@ def replicated(block: OpGraph, n_nodes: int) -> OpGraph:
                                 .rstrip("."), n.module_type, inputs, n.shapes, n.dtype,
                                 n.out_bytes, n.param_bytes, n.requires_grad, n.fwd_flops,
                                 n.bwd_flops, saves, n.saved_extra_bytes, n.is_view,
-                                n.backward_scratch_bytes))
+                                n.backward_scratch_bytes, n.computed_fraction))
         last = next(m.name for m in reversed(nodes) if m.kind == "op")
     return OpGraph(f"{block.name}x{copies}", nodes, block.batch_size, "synthetic",
                    nodes[-1].name)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from explorer.core.graph import OpGraph, OpNode
+from explorer.core.graph import OpGraph, OpNode, computed_share
 from explorer.core.plan import Plan
 from explorer.costs.model import CostModel, DeviceCosts
 
@@ -170,7 +170,8 @@ def coarsen(graph: OpGraph, costs: CostModel, target: int = 2000) -> Coarse:
             bwd_flops=sum(nodes[i].bwd_flops for i in ops),
             saves=tuple(saves), saved_extra_bytes=extra,
             # (its members' backwards run one after another)
-            backward_scratch_bytes=max(nodes[i].backward_scratch_bytes for i in ops)))
+            backward_scratch_bytes=max(nodes[i].backward_scratch_bytes for i in ops),
+            computed_fraction=computed_share([nodes[i] for i in ops])))
         for i in ops:
             of[i] = name
         members[name] = tuple(grp)

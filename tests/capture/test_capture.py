@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import explorer as ex
-from explorer.capture.flops import flop_counter
+from explorer.capture.flops import causal_fraction, flop_counter
 from explorer.core.errors import CaptureError, ExplorerError, InputMismatchError
 
 NAMES = ex.model_names()
@@ -216,6 +216,35 @@ def test_fused_attention_counts_its_flops(fake):
     g = ex.capture(FusedAttention(), torch.randn(3, 10, 16), fake=fake)
     (op,) = [n for n in g.ops if "attention" in n.op]
     assert (op.fwd_flops, op.bwd_flops) == (4 * 3 * 2 * 10 * 10 * 8, 10 * 3 * 2 * 10 * 10 * 8)
+
+
+class MaskedAttention(FusedAttention):
+    """The same attention under an explicit mask (its kernel computes every score)."""
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_a_causal_attention_computes_the_scores_its_mask_leaves(fake):
+    """is_causal: query i sees keys 0..i, 55 of the 10 x 10 scores, the share a flash kernel
+    computes; an explicit mask, whatever it hides, leaves the kernel computing them all."""
+    (causal,) = [n for n in ex.capture(FusedAttention(), torch.randn(3, 10, 16), fake=fake).ops
+                 if "attention" in n.op]
+    assert causal.computed_fraction == 55 / 100
+    (masked,) = [n for n in ex.capture(MaskedAttention(), torch.randn(3, 10, 16),
+                                       fake=fake).ops if "attention" in n.op]
+    assert masked.computed_fraction == 1.0
+    assert (masked.fwd_flops, masked.bwd_flops) == (causal.fwd_flops, causal.bwd_flops)
+
+
+def test_causal_fraction_of_unequal_query_and_key_lengths():
+    # (the mask is_causal makes: query i sees keys 0..i)
+    assert causal_fraction(4, 8) == (1 + 2 + 3 + 4) / 32
+    assert causal_fraction(8, 4) == (1 + 2 + 3 + 4 + 4 * 4) / 32
+    assert causal_fraction(1, 1) == 1.0
 
 
 class DataDependent(nn.Module):

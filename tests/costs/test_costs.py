@@ -188,6 +188,18 @@ class TestRoofline:
         assert dc.fwd_s[5] == pytest.approx(8e-6 + 2e10 / (989e12 * 0.6))
         assert dc.bwd_s[5] == 0.0  # no gradient needed
 
+    def test_a_causal_attention_costs_the_scores_its_kernel_computes(self, h100):
+        # the matmul as a causal attention computing 55 % of its counted FLOPs: its time is
+        # that share's (FLOPs still count them all)
+        g = _matmul_graph()
+        i = 2
+        g.nodes[i] = replace(g.nodes[i], op="aten.scaled_dot_product_attention.default",
+                             computed_fraction=0.55)
+        dc = roofline(g, h100)
+        assert dc.fwd_s[i] == pytest.approx(8e-6 + 0.55 * 2e9 / (67e12 * 0.6))
+        assert dc.bwd_s[i] == pytest.approx(8e-6 + 0.55 * 4e9 / (67e12 * 0.6))
+        assert g.nodes[i].fwd_flops == 2e9
+
     def test_placeholders_are_free(self, h100):
         dc = roofline(_matmul_graph(), h100)
         assert dc.fwd_s[:2] == [0.0, 0.0]
