@@ -513,8 +513,12 @@ class _MemoryPass:
                                     step_end[k]])
             size = np.concatenate([size[whole], np.repeat(size[a], M),
                                    eff.shard[weight[k]]])
+        # (a 2-byte working copy's backward makes its gradient in 2 bytes, added into the
+        # fp32 gradient held for the optimizer)
+        made_bytes = (np.where(eff.half_weights, pbytes // 2, pbytes)
+                      if eff is not None and len(eff.half_weights) else pbytes)
         more = _accumulations(node, user, user_stage, self.bwd, self.per_mb, M,
-                              self.timing.arrays, pbytes, S, keys[apart])
+                              self.timing.arrays, made_bytes, S, keys[apart])
         return EventArrays(np.concatenate([on, on, more.stage]),
                            np.concatenate([made, freed, more.time]),
                            np.concatenate([size, -size, more.nbytes]))

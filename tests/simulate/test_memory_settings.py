@@ -163,6 +163,19 @@ class TestZero:
                 if iv.device == "d:0" and iv.kind == "reduce-scatter"] == [-1, -1]
         assert pred.allreduce_bytes > whole.allreduce_bytes
 
+    def test_a_2_byte_working_copy_makes_its_gradients_in_2_bytes(self):
+        # ZeRO 1 under bf16: the second micro-batch's backward of mm1 makes w1's gradient in
+        # the working copy's 2 bytes (20 MiB, not 40) before adding it into the fp32
+        # gradient held for the optimizer; the rest of the peak is the same
+        g = chain(40 * MiB, 30 * MiB)
+        cl = cluster(2, bandwidth=1e7, memory=2**40)
+        plan = Plan.from_assignment(g, [("d:0", "d:1")], {i: 0 for i in range(len(g))},
+                                    micro_batches=2, schedule="1f1b")
+        grads = {p: simulate(g, plan.with_memory(zero=1, precision=p),
+                             costs(g, cl, FWD, BWD)).memory["d:0"].grads_bytes
+                 for p in ("fp32", "bf16")}
+        assert grads["fp32"] - grads["bf16"] == 20 * MiB
+
     @pytest.mark.parametrize("zero", [1, 2])
     def test_a_pipeline_stage_gathers_after_its_optimizer_step(self, zero):
         # mm1 (w1) on two replicas, mm2 (w2) and the rest on a third device: the replicated
