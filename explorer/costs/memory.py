@@ -21,6 +21,7 @@ they depend on the schedule, which the simulator has.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,14 +46,25 @@ def view_roots(graph: OpGraph) -> list[int]:
     return root
 
 
-def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int],
-                    half_weights: Sequence[bool] | None = None,
-                    dropped: Sequence[bool] | None = None) -> list[int]:
-    """[node] bytes of the 2-byte copies a matmul-like op saves, under autocast, of the fp32
-    tensors it reads and saves (weights, activations kept in fp32; not the weights ZeRO 3
-    gathers in 2 bytes, ``half_weights``, nor the values recomputation drops, ``dropped``,
-    whose copies are made again with them)."""
+@dataclass(frozen=True)
+class CastCopies:
+    """The 2-byte copies matmul-like ops save under autocast (:func:`cast_copies`)."""
+
+    #: [node] bytes of the copies each op saves
+    nbytes: list[int]
+    #: (op, saved name) pairs whose value the op keeps as a copy, not as it is
+    replaced: frozenset[tuple[int, str]]
+
+
+def cast_copies(graph: OpGraph, act: list[int], root: list[int],
+                half_weights: Sequence[bool] | None = None,
+                dropped: Sequence[bool] | None = None) -> CastCopies:
+    """The 2-byte copies a matmul-like op saves, under autocast, of the fp32 tensors it reads
+    and saves (weights, activations kept in fp32; not the weights ZeRO 3 gathers in 2 bytes,
+    ``half_weights``, nor the values recomputation drops, ``dropped``, whose copies are made
+    again with them): what they take per op, and which saved values they stand in for."""
     out = [0] * len(graph)
+    replaced = set()
     for v, n in enumerate(graph.nodes):
         if n.kind != "op" or not is_matmul_like(n):
             continue
@@ -65,9 +77,10 @@ def cast_copy_bytes(graph: OpGraph, act: list[int], root: list[int],
                 continue
             if q.kind == "param":
                 out[v] += q.param_bytes // 2 or q.out_bytes // 2
-            elif act[root[graph.index[name]]] == q.out_bytes and q.dtype in FLOAT_DTYPES:
+            elif act[r] == q.out_bytes and q.dtype in FLOAT_DTYPES:
                 out[v] += q.out_bytes // 2
-    return out
+                replaced.add((v, name))
+    return CastCopies(out, frozenset(replaced))
 
 
 def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 1,
@@ -77,7 +90,6 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     (default: none) on a stage of ``replicas`` devices of ``device_kind``."""
     settings = settings or DEFAULT_SETTINGS
     state = OPTIMIZER_STATE[optimizer]
-    saved: set[str] = {s for n in graph.nodes for s in n.saves}
     plain = settings.is_default
     zero = settings.zero if replicas > 1 else 0
     if not plain:
@@ -87,9 +99,13 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
         dropped = rec.dropped.tolist()
         root = view_roots(graph)
         half = settings.precision != "fp32"
-        copies = (cast_copy_bytes(graph, act, root, half_weights.tolist(), dropped) if half
-                  else [0] * len(graph))
+        cast = (cast_copies(graph, act, root, half_weights.tolist(), dropped) if half
+                else CastCopies([0] * len(graph), frozenset()))
+        copies = cast.nbytes
         sources = set(rec.sources[0].tolist())
+    # (a value an op keeps as autocast's 2-byte copy is not kept as it is for that op)
+    saved = {s for v, n in enumerate(graph.nodes) for s in n.saves
+             if plain or (v, s) not in cast.replaced}
 
     def shard(nbytes: int, stage: int) -> int:
         return shard_bytes(nbytes, replicas) if zero >= stage else nbytes
@@ -126,18 +142,31 @@ def node_memory_bytes(graph: OpGraph, optimizer: str = "adam", in_flight: int = 
     return out
 
 
-def zero_sharded_bytes(graph: OpGraph, optimizer: str, zero: int) -> list[int]:
-    """Bytes of each node's charge (:func:`node_memory_bytes`) that ZeRO stage ``zero``
-    divides by the replica count: the optimizer state (1), the gradient too (2), the weight
-    too (3)."""
+def zero_sharded_bytes(graph: OpGraph, optimizer: str, zero: int,
+                       precision: str = "fp32") -> list[int]:
+    """Bytes of each node's charge on one device (:func:`node_memory_bytes` with one replica)
+    that ZeRO stage ``zero`` divides by the replica count: the optimizer state (1), the
+    gradient too (2), the weight too (3); under ZeRO 1-2 in bf16/fp16 the fp32 weight too,
+    as the master copy sharded with the optimizer state (the replicas hold a 2-byte working
+    copy besides: :func:`zero_working_bytes`)."""
     state = OPTIMIZER_STATE[optimizer]
+    working = zero_working_bytes(graph, zero, precision)
     out = []
-    for n in graph.nodes:
+    for n, half in zip(graph.nodes, working, strict=True):
         pb = n.param_bytes if n.kind != "buffer" and (n.kind == "param" or n.param_bytes) else 0
         trains = n.requires_grad or n.kind == "op"
         out.append(pb * ((state if zero >= 1 and trains else 0)
-                         + (1 if zero >= 2 and trains else 0) + (1 if zero >= 3 else 0)))
+                         + (1 if zero >= 2 and trains else 0) + (1 if zero >= 3 or half else 0)))
     return out
+
+
+def zero_working_bytes(graph: OpGraph, zero: int, precision: str) -> list[int]:
+    """Bytes each trained weight adds to its charge on a stage with replicas under ZeRO 1-2
+    in bf16/fp16 (:func:`node_memory_bytes`): its 2-byte working copy, beside the master
+    copy's shard (:func:`zero_sharded_bytes`)."""
+    half = gathered_half(graph, zero, precision) if zero in (1, 2) else None
+    return [n.param_bytes // 2 if half is not None and half[i] and n.requires_grad else 0
+            for i, n in enumerate(graph.nodes)]
 
 
 def stage_memory_bytes(graph: OpGraph, stage_of: Sequence[int], n_stages: int,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from explorer.core.graph import OpGraph, OpNode
 from explorer.core.plan import StageSettings
-from explorer.costs.memory import node_memory_bytes, stage_memory_bytes
+from explorer.costs.memory import (
+    node_memory_bytes,
+    stage_memory_bytes,
+    zero_sharded_bytes,
+    zero_working_bytes,
+)
+from explorer.partition.pipeline_dp import replicated_bytes
 
 
 def chain() -> OpGraph:
@@ -71,3 +77,43 @@ def test_half_precision_charges_the_copies_matmuls_save():
     g = chain()
     # mm saves autocast's 2-byte copy of x (80 B in fp32)
     assert node_memory_bytes(g, settings=StageSettings(precision="bf16"))[2] == 40
+
+
+def test_a_value_a_matmul_keeps_as_a_2_byte_copy_is_not_kept_as_it_is():
+    # x -> exp (fp32 under autocast) -> mm (saves exp): under bf16 the matmul keeps
+    # autocast's 2-byte copy of exp's output (80 B), not the fp32 output too; with another
+    # op saving it as it is, both
+    def graph(exp_saved: bool) -> OpGraph:
+        return OpGraph("e", [
+            OpNode("x", "input", "input", out_bytes=80),
+            OpNode("w", "param", "param", out_bytes=400, param_bytes=400, requires_grad=True),
+            OpNode("exp", "op", "aten.exp.default", inputs=("x",), out_bytes=160,
+                   requires_grad=True, saves=("exp",) if exp_saved else ()),
+            OpNode("mm", "op", "aten.mm.default", inputs=("exp", "w"), out_bytes=160,
+                   requires_grad=True, saves=("exp", "w")),
+            OpNode("loss", "op", "aten.sum.default", inputs=("mm",), out_bytes=4,
+                   requires_grad=True)], 8, "export", "loss")
+
+    half = StageSettings(precision="bf16")
+    only_mm = node_memory_bytes(graph(False), settings=half)
+    assert (only_mm[2], only_mm[3]) == (0, 80 + 200)  # (and w's copy)
+    both = node_memory_bytes(graph(True), settings=half)
+    assert (both[2], both[3]) == (160, 80 + 200)
+
+
+def test_a_replicated_stage_holds_its_one_device_bytes_less_shards_plus_working_copies():
+    # what the partitioners' tables compute for a stage of r replicas from its one-device
+    # charge equals the charge on r replicas, ZeRO 1-3 in fp32 and bf16 (ZeRO 1-2 in bf16:
+    # a 2-byte working copy of w, 200 B, beside the fp32 master shard)
+    g = chain()
+    for precision in ("fp32", "bf16"):
+        for zero in (1, 2, 3):
+            settings = StageSettings(zero=zero, precision=precision)
+            one = node_memory_bytes(g, settings=settings, replicas=1)[1]
+            sharded = zero_sharded_bytes(g, "adam", zero, precision)[1]
+            working = zero_working_bytes(g, zero, precision)[1]
+            assert working == (200 if precision == "bf16" and zero < 3 else 0)
+            for r in (2, 4):
+                assert replicated_bytes(one, sharded, working, r) == node_memory_bytes(
+                    g, settings=settings, replicas=r)[1]
+            assert replicated_bytes(one, sharded, working, 1) == one

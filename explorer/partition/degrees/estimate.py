@@ -40,10 +40,15 @@ import numpy as np
 from explorer.core.graph import OpGraph
 from explorer.core.plan import StageSettings
 from explorer.core.tensor_layout import megatron_layout
-from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
+from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes, zero_working_bytes
 from explorer.costs.model import CostModel
 from explorer.costs.strategies import is_matmul_like
-from explorer.partition.pipeline_dp import StageCostTable, StageTables, linear_fit
+from explorer.partition.pipeline_dp import (
+    StageCostTable,
+    StageTables,
+    linear_fit,
+    replicated_bytes,
+)
 from explorer.simulate.context import is_fused_attention, ring_bytes
 
 
@@ -93,9 +98,14 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                            dtype=float)
     full_mem = np.asarray(node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, kind),
                           dtype=float)
-    sharded = (np.asarray(zero_sharded_bytes(graph, optimizer, settings.zero), dtype=float)
-               if base.sharded_bytes is not None and settings is not None else None)
-    param_cut, grad_cut, opt_bytes_cut, act_cut, sharded_cut = (np.zeros(n) for _ in range(5))
+    zero = base.sharded_bytes is not None and settings is not None
+    sharded = (np.asarray(zero_sharded_bytes(graph, optimizer, settings.zero,
+                                             settings.precision), dtype=float)
+               if zero else None)
+    working = (np.asarray(zero_working_bytes(graph, settings.zero, settings.precision),
+                          dtype=float) if zero and base.working_bytes is not None else None)
+    param_cut, grad_cut, opt_bytes_cut, act_cut, sharded_cut, working_cut = (
+        np.zeros(n) for _ in range(6))
     def in_order(names) -> list[int]:  # graph order: sums that do not depend on hashing
         return sorted(idx[name] for name in names)
 
@@ -103,6 +113,8 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
         param_cut[layer_of[i]] += fixed_mem[i] * keep
         if sharded is not None:
             sharded_cut[layer_of[i]] += sharded[i] * keep
+        if working is not None:
+            working_cut[layer_of[i]] += working[i] * keep
         nd = graph.nodes[i]
         if nd.kind == "param" and nd.requires_grad:
             grad_cut[layer_of[i]] += nd.out_bytes * keep
@@ -141,7 +153,9 @@ def layer_costs(graph: OpGraph, costs: CostModel, base: StageCostTable,
                     param_bytes=base.param_bytes - param_cut,
                     act_bytes=base.act_bytes - act_cut, grad_bytes=base.grad_bytes - grad_cut,
                     sharded_bytes=None if base.sharded_bytes is None
-                    else base.sharded_bytes - sharded_cut)
+                    else base.sharded_bytes - sharded_cut,
+                    working_bytes=None if base.working_bytes is None
+                    else base.working_bytes - working_cut)
     return LayerCosts(tp, table, StageTables(table), count, nbytes, (lat, spb))
 
 
@@ -209,9 +223,10 @@ class MeshCosts:
     def stage_memory_bytes(self, lc: LayerCosts, j0: int, j1: int, remaining: int) -> float:
         t, tb = lc.table, lc.tables
         frac = self.in_flight(remaining) / (self.dp * self.micro_batches)
-        fixed = float(t.param_bytes[j0:j1].sum())
-        if t.sharded_bytes is not None:  # (what ZeRO divides over the replicas)
-            fixed -= float(t.sharded_bytes[j0:j1].sum()) * (1.0 - 1.0 / self.dp)
+        fixed = replicated_bytes(
+            float(t.param_bytes[j0:j1].sum()),
+            None if t.sharded_bytes is None else float(t.sharded_bytes[j0:j1].sum()),
+            None if t.working_bytes is None else float(t.working_bytes[j0:j1].sum()), self.dp)
         return (fixed + float(tb.recv_par[j0, j1])
                 + (float(t.act_bytes[j0:j1].sum()) + float(tb.recv_act[j0, j1])) * frac)
 
@@ -247,9 +262,8 @@ def _matrices(lc: LayerCosts, mesh: MeshCosts) -> tuple[np.ndarray, np.ndarray, 
         gb = tb.diff(tb.grad)
         time = time + np.where(gb > 0, mesh.ar_latency_s + mesh.ar_s_per_byte * gb, 0.0)
     time = np.where(tb.empty, np.inf, time)
-    fixed = tb.diff(tb.param) + tb.recv_par
-    if tb.sharded is not None:  # (what ZeRO divides over the replicas)
-        fixed = fixed - tb.diff(tb.sharded) * (1.0 - 1.0 / dp)
+    fixed = replicated_bytes(tb.diff(tb.param), tb.span(tb.sharded), tb.span(tb.working),
+                             dp) + tb.recv_par
     return time, fixed, tb.diff(tb.act) + tb.recv_act
 
 

@@ -31,8 +31,14 @@ from explorer.partition.pipeline_dp.solver import (
            solve_stages,
            stage_matrices,
 )
-from explorer.partition.pipeline_dp.table import Stage, StageCostTable, StageNet, StageSolution
+from explorer.partition.pipeline_dp.table import (
+    Stage,
+    StageCostTable,
+    StageNet,
+    StageSolution,
+    replicated_bytes,
+)
 
 __all__ = ["Stage", "StageCostTable", "StageNet", "StageSolution", "StageTables",
            "allowed_replicas", "choose_layers", "dp_cells", "linear_fit", "pipeline_dp",
-           "solve_stages", "stage_cost_table", "stage_matrices"]
+           "replicated_bytes", "solve_stages", "stage_cost_table", "stage_matrices"]

@@ -12,7 +12,7 @@ import numpy as np
 from explorer.core.errors import ExplorerError
 from explorer.core.graph import OpGraph
 from explorer.core.plan import StageSettings
-from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes
+from explorer.costs.memory import node_memory_bytes, zero_sharded_bytes, zero_working_bytes
 from explorer.costs.model import CostModel
 from explorer.devices.cluster import Cluster
 from explorer.partition.bounds import FULL_SEARCH_DEVICES, distinct_links
@@ -100,10 +100,13 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     kind = cluster.device(ids[0]).kind
     fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0, settings, 1, kind)
     full_mem = node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, kind)
-    sharded = None
+    sharded = working = None
     if settings is not None and settings.zero:
-        sharded = np.zeros(n)
-        np.add.at(sharded, layer_of, zero_sharded_bytes(graph, optimizer, settings.zero))
+        sharded, working = np.zeros(n), np.zeros(n)
+        np.add.at(sharded, layer_of, zero_sharded_bytes(graph, optimizer, settings.zero,
+                                                        settings.precision))
+        np.add.at(working, layer_of, zero_working_bytes(graph, settings.zero,
+                                                        settings.precision))
     param_bytes = np.zeros(n)
     act_bytes = np.zeros(n)
     for i in range(len(nodes)):
@@ -153,7 +156,7 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
         link_latency_s=tuple(lat), link_s_per_byte=tuple(spb), allreduce_latency_s=ar_lat,
         allreduce_s_per_byte=ar_spb, micro_batches=micro_batches, schedule=schedule,
         replicas=reps, layer_pins=layer_pins, pins_by_position=by_position,
-        sharded_bytes=sharded)
+        sharded_bytes=sharded, working_bytes=working)
 
 
 def allowed_replicas(batch_size: int, n_devices: int, micro_batches: int,

@@ -9,7 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from explorer.core.errors import ExplorerError
-from explorer.partition.pipeline_dp.table import Stage, StageCostTable, StageSolution
+from explorer.partition.pipeline_dp.table import (
+    Stage,
+    StageCostTable,
+    StageSolution,
+    replicated_bytes,
+)
 
 
 def _rect_table(size: int, rows0, rows1, cols0, cols1, weights) -> np.ndarray:
@@ -40,6 +45,7 @@ class StageTables:
         self.param = pre(t.param_bytes)
         self.act = pre(t.act_bytes)
         self.sharded = None if t.sharded_bytes is None else pre(t.sharded_bytes)
+        self.working = None if t.working_bytes is None else pre(t.working_bytes)
         self.grad = pre(t.grad_bytes)
         # received by stage [j0, j1): nets from before j0 with a consumer in [j0, j1); for
         # j0 in (c_{i-1}, c_i] the first consumer at or after j0 is c_i, so any j1 > c_i counts
@@ -107,6 +113,10 @@ class StageTables:
     def diff(self, prefix: np.ndarray) -> np.ndarray:
         return prefix[None, :] - prefix[:, None]
 
+    def span(self, prefix: np.ndarray | None) -> np.ndarray | None:
+        """:meth:`diff` of a table that may be missing (None)."""
+        return None if prefix is None else self.diff(prefix)
+
 
 def stage_matrices(t: StageCostTable, tb: StageTables, d: int, r: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -138,9 +148,8 @@ def stage_matrices(t: StageCostTable, tb: StageTables, d: int, r: int
             allowed = allowed & (tb.pin_lo >= d) & (tb.pin_hi < d + r)
         else:
             allowed = allowed & tb.pin_ok & (tb.pin_count <= r)
-    fixed_mem = tb.diff(tb.param) + tb.recv_par
-    if r > 1 and tb.sharded is not None:
-        fixed_mem = fixed_mem - tb.diff(tb.sharded) * (1.0 - 1.0 / r)
+    fixed_mem = replicated_bytes(tb.diff(tb.param), tb.span(tb.sharded), tb.span(tb.working),
+                                 r) + tb.recv_par
     act_mem = tb.diff(tb.act) + tb.recv_act
     return time, fixed_mem, act_mem, allowed
 

@@ -9,8 +9,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+
+def replicated_bytes(params: Any, sharded: Any, working: Any, replicas: int) -> Any:
+    """What a stage's weights, gradients and optimizer state take on each of its ``replicas``
+    devices, from what they take on one (``params``): less ZeRO's shards of ``sharded``,
+    plus ``working`` (what replicas hold more: ZeRO 1-2's 2-byte working copies under
+    bf16/fp16); either None for nothing. Floats or arrays alike."""
+    if replicas <= 1:
+        return params
+    if sharded is not None:
+        params = params - sharded * (1.0 - 1.0 / replicas)
+    if working is not None:
+        params = params + working
+    return params
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,9 @@ class StageCostTable:
     pins_by_position: bool = True
     # (L,): the part of param_bytes ZeRO divides by a stage's replica count (None: no ZeRO)
     sharded_bytes: np.ndarray | None = None
+    #: (L,) what a replicated stage holds more per layer (ZeRO 1-2's 2-byte working copies
+    #: of the weights under bf16/fp16; None: nothing)
+    working_bytes: np.ndarray | None = None
 
     @property
     def n_layers(self) -> int:
@@ -145,9 +163,10 @@ class StageCostTable:
         """Estimated peak bytes on each device of stage ``(j0, j1, d, r)``."""
         _, _, ract, rpar, _, _ = self._crossing(j0, j1)
         frac = self.in_flight(remaining) / (r * self.micro_batches)
-        params = float(self.param_bytes[j0:j1].sum())
-        if r > 1 and self.sharded_bytes is not None:
-            params -= float(self.sharded_bytes[j0:j1].sum()) * (1.0 - 1.0 / r)
+        params = replicated_bytes(
+            float(self.param_bytes[j0:j1].sum()),
+            None if self.sharded_bytes is None else float(self.sharded_bytes[j0:j1].sum()),
+            None if self.working_bytes is None else float(self.working_bytes[j0:j1].sum()), r)
         return params + (float(self.act_bytes[j0:j1].sum()) + ract) * frac + rpar
 
     def stage_capacity_bytes(self, d: int, r: int) -> float:
