@@ -214,7 +214,8 @@ def compiled_saves(graph: OpGraph, half: bool = False) -> OpGraph:
 
 
 def _buffer_of(v: int) -> int:
-    """The key the minimum cut gives what op ``v`` saves beyond its inputs and output."""
+    """The key the minimum cut gives what op ``v`` saves beyond its inputs and output (and,
+    given that key, the op)."""
     return -1 - v
 
 
@@ -235,7 +236,8 @@ def _kept_values(graph: OpGraph, run: tuple[int, ...], needed: set[int],
     scale = len(values) + 1  # (ties broken below one byte)
     flow = nx.DiGraph()
     for u in values:
-        made = -1 - u if u < 0 else u  # (an op's saved buffer is made with it, from its inputs)
+        # (an op's saved buffer is made with the op, from its inputs; the key maps both ways)
+        made = _buffer_of(u) if u < 0 else u
         nbytes = (graph.nodes[made].saved_extra_bytes if u < 0
                   else 0 if root[u] in kept_anyway else sizes[root[u]])
         flow.add_edge(("made", u), ("kept", u), capacity=nbytes * scale + (u not in needed))
