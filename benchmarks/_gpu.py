@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOT_AVAILABLE = "not available"
@@ -189,6 +190,25 @@ def median_time_s(fn: Callable[[], Any], cuda: bool, repeats: int, warmup: int) 
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def kernel_time_s(fn: Callable[[], Any], repeats: int, warmup: int) -> float | None:
+    """Mean seconds the device spends in kernels per ``fn()`` call over ``repeats`` calls, from
+    a torch.profiler (kineto) trace: the device's own time, without the gap a host slower
+    than a small kernel leaves between CUDA events around one call (in training the host
+    issues ahead, and the cost model keeps its time on a lane of its own). None where the
+    trace holds no kernel time (no GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e6 / repeats if total_us > 0 else None
 
 
 # -- the results file --------------------------------------------------------------------------

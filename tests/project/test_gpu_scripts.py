@@ -162,7 +162,8 @@ def test_a_case_killed_midway_is_not_retried_forever(tmp_path):
 
 @pytest.mark.gpu
 def test_presets_measure_on_the_gpu(tmp_path):
-    """On a GPU: one op kind measured with CUDA events, the device named by NVML."""
+    """On a GPU: one op kind measured as its kernels' device time (and with CUDA events),
+    the device named by NVML."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = tmp_path / "x.json"
@@ -171,6 +172,7 @@ def test_presets_measure_on_the_gpu(tmp_path):
     assert not data["device"]["nvml_device_name"].startswith("not available")
     cases = data["cases"].values()
     assert cases and all(c["measured_s"] > 0 for c in cases)
+    assert all(c["kernels_s"] == c["measured_s"] and c["events_s"] > 0 for c in cases)
     name = data["device"]["nvml_device_name"]
     assert data["fits"]["add/fp32"]["source"].startswith(f"fitted, measured on {name}, ")
 
