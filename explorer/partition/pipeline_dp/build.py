@@ -6,6 +6,7 @@ Also chooses the layers the stage DP cuts (the finest module depth it can handle
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,25 +58,46 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
     than FULL_SEARCH_DEVICES devices), replica counts are powers of two.
     """
     cluster = costs.cluster
-    nodes = graph.nodes
-    n = len(layers)
-    layer_of = [0] * len(nodes)
+    layer_of = np.zeros(len(graph.nodes), dtype=np.int64)
     for j, layer in enumerate(layers):
-        for i in layer:
-            layer_of[i] = j
-    type_keys: list[str] = []
-    rep: list[str] = []
-    for dev in ids:
-        key = cluster.device(dev).type_key
-        if key not in type_keys:
-            type_keys.append(key)
-            rep.append(dev)
-    device_type = tuple(type_keys.index(cluster.device(dev).type_key) for dev in ids)
+        layer_of[list(layer)] = j
+    type_keys = list(dict.fromkeys(cluster.device(dev).type_key for dev in ids))
+    # one device of each type, in order of first appearance: the rows of the time tables
+    rep = [next(dev for dev in ids if cluster.device(dev).type_key == key)
+           for key in type_keys]
+    fixed, var = _layer_times(graph, costs, rep, layer_of, len(layers))
+    opt, grad_bytes = _optimizer_times(graph, costs, rep, layer_of, len(layers), optimizer)
+    memory = _layer_memory(graph, layer_of, len(layers), optimizer, settings,
+                           cluster.device(ids[0]).kind)
+    n_dev = len(ids)
+    wide = n_dev > FULL_SEARCH_DEVICES if wide is None else wide
+    links = [cluster.link(ids[d], ids[d + 1]) for d in range(n_dev - 1)]
+    ar_lat, ar_spb = _allreduce_fits(graph, costs, ids, replicate, wide)
+    return StageCostTable(
+        fixed_s=fixed, var_s=var, optimizer_s=opt, param_bytes=memory.param_bytes,
+        act_bytes=memory.act_bytes, grad_bytes=grad_bytes, nets=_nets(graph, layer_of),
+        device_type=tuple(type_keys.index(cluster.device(dev).type_key) for dev in ids),
+        capacity_bytes=tuple(cluster.device(dev).memory_bytes * headroom for dev in ids),
+        # (as CostModel.transfer_s: latency + bytes / bandwidth x scale)
+        link_latency_s=tuple(lk.latency_s for lk in links),
+        link_s_per_byte=tuple(costs.link_scale / lk.bandwidth_bytes_per_s for lk in links),
+        allreduce_latency_s=ar_lat, allreduce_s_per_byte=ar_spb,
+        micro_batches=micro_batches, schedule=schedule,
+        replicas=allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate, wide),
+        layer_pins=_layer_pins(graph, ids, layer_of, len(layers), pins),
+        pins_by_position=not _homogeneous(cluster, ids),
+        sharded_bytes=memory.sharded_bytes, working_bytes=memory.working_bytes)
+
+
+def _layer_times(graph: OpGraph, costs: CostModel, rep: Sequence[str], layer_of: np.ndarray,
+                 n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per device type (``rep``: one device of each) and layer, the forward and backward
+    seconds that do not shrink with the batch (at fraction 0) and those that do (the rest at
+    the whole batch)."""
     fixed = np.zeros((len(rep), n))
     var = np.zeros((len(rep), n))
-    opt = np.zeros((len(rep), n))
     for k, dev in enumerate(rep):
-        for i, nd in enumerate(nodes):
+        for i, nd in enumerate(graph.nodes):
             if nd.kind != "op":
                 continue
             f0, f1 = costs.fwd_s(i, dev, 0.0), costs.fwd_s(i, dev, 1.0)
@@ -84,22 +106,48 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                 b0, b1 = costs.bwd_s(i, dev, 0.0), costs.bwd_s(i, dev, 1.0)
             fixed[k, layer_of[i]] += f0 + b0
             var[k, layer_of[i]] += (f1 - f0) + (b1 - b0)
+    return fixed, var
+
+
+def _optimizer_times(graph: OpGraph, costs: CostModel, rep: Sequence[str],
+                     layer_of: np.ndarray, n: int, optimizer: str
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per device type and layer the optimizer step's seconds, and per layer the gradient
+    bytes a replicated stage all-reduces."""
     tensor_bytes = np.zeros(n)
     tensor_count = np.zeros(n)
     grad_bytes = np.zeros(n)
-    for i, nd in enumerate(nodes):
+    for i, nd in enumerate(graph.nodes):
         if nd.param_bytes and nd.kind != "buffer":  # what the simulator's optimizer steps
             tensor_bytes[layer_of[i]] += nd.param_bytes
             tensor_count[layer_of[i]] += 1
         if nd.kind == "param" and nd.requires_grad:  # what it all-reduces
             grad_bytes[layer_of[i]] += nd.out_bytes
+    opt = np.zeros((len(rep), n))
     for k, dev in enumerate(rep):  # optimizer_s is linear in bytes and tensors, zero at zero
         per_byte = costs.optimizer_s(dev, optimizer, 1, 0)
         per_tensor = costs.optimizer_s(dev, optimizer, 0, 1)
         opt[k] = tensor_bytes * per_byte + tensor_count * per_tensor
-    kind = cluster.device(ids[0]).kind
-    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0, settings, 1, kind)
-    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, kind)
+    return opt, grad_bytes
+
+
+@dataclass(frozen=True)
+class _LayerMemory:
+    """Per layer: what stays all step on one device (weights, gradients, optimizer state,
+    buffers), the saved activations of one micro-batch at the whole batch, and what ZeRO
+    shards and adds over a stage's replicas (None without ZeRO)."""
+
+    param_bytes: np.ndarray
+    act_bytes: np.ndarray
+    sharded_bytes: np.ndarray | None
+    working_bytes: np.ndarray | None
+
+
+def _layer_memory(graph: OpGraph, layer_of: np.ndarray, n: int, optimizer: str,
+                  settings: StageSettings | None, device_kind: str) -> _LayerMemory:
+    """The layers' memory under the memory ``settings`` every stage gets."""
+    fixed_mem = node_memory_bytes(graph, optimizer, 1, 0.0, settings, 1, device_kind)
+    full_mem = node_memory_bytes(graph, optimizer, 1, 1.0, settings, 1, device_kind)
     sharded = working = None
     if settings is not None and settings.zero:
         sharded, working = np.zeros(n), np.zeros(n)
@@ -109,54 +157,57 @@ def stage_cost_table(graph: OpGraph, costs: CostModel, ids: Sequence[str],
                                                         settings.precision))
     param_bytes = np.zeros(n)
     act_bytes = np.zeros(n)
-    for i in range(len(nodes)):
+    for i in range(len(graph.nodes)):
         param_bytes[layer_of[i]] += fixed_mem[i]
         act_bytes[layer_of[i]] += full_mem[i] - fixed_mem[i]
+    return _LayerMemory(param_bytes, act_bytes, sharded, working)
+
+
+def _nets(graph: OpGraph, layer_of: np.ndarray) -> tuple[StageNet, ...]:
+    """Every tensor read by a later layer than the one making it (the batch excepted: every
+    rank loads its own copy)."""
+    nodes = graph.nodes
     nets = []
     for p, nd in enumerate(nodes):
         if nd.kind == "input" or nd.out_bytes <= 0:
-            continue  # every rank loads its own copy of the batch
-        a = layer_of[p]
-        cons = sorted({layer_of[c] for c in graph.succs[p]} - {a})
+            continue
+        a = int(layer_of[p])
+        cons = sorted({int(layer_of[c]) for c in graph.succs[p]} - {a})
         if not cons:
             continue
         grad = nd.requires_grad and any(nodes[c].requires_grad for c in graph.succs[p])
         nets.append(StageNet(a, tuple(cons), nd.out_bytes, nd.kind == "op", grad))
+    return tuple(nets)
+
+
+def _allreduce_fits(graph: OpGraph, costs: CostModel, ids: Sequence[str], replicate: bool,
+                    wide: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[d, r] (latency, seconds per byte) of the all-reduce over the ``r`` devices from
+    position ``d``, for the replica counts any micro-batch count allows (those of one)."""
     n_dev = len(ids)
-    lat, spb = [], []
-    for d in range(n_dev - 1):  # as CostModel.transfer_s: latency + bytes / bandwidth x scale
-        link = cluster.link(ids[d], ids[d + 1])
-        lat.append(link.latency_s)
-        spb.append(costs.link_scale / link.bandwidth_bytes_per_s)
     ar_lat = np.zeros((n_dev, n_dev + 1))
     ar_spb = np.zeros((n_dev, n_dev + 1))
-    wide = n_dev > FULL_SEARCH_DEVICES if wide is None else wide
-    # the replica counts of any micro-batch count (those of one micro-batch)
     for r in allowed_replicas(graph.batch_size, n_dev, 1, replicate, wide):
         for d in range(n_dev - r + 1) if r > 1 else ():
             group = tuple(ids[d:d + r])
             ar_lat[d, r], ar_spb[d, r] = linear_fit(lambda x, g=group: costs.allreduce_s(g, int(x)))
-    reps = allowed_replicas(graph.batch_size, n_dev, micro_batches, replicate, wide)
-    by_position = not _homogeneous(cluster, ids)
-    layer_pins: tuple[frozenset[int], ...] = ()
-    if pins:
-        key_of = {dev: j for j, dev in enumerate(ids)}  # positions, or labels
-        per_layer: list[set[int]] = [set() for _ in range(n)]
-        for name, dev in pins.items():
-            if dev not in key_of:
-                raise ExplorerError(f"node {name!r} is pinned to {dev}, which is not among the "
-                                    f"devices this plan may use ({', '.join(ids)})")
-            per_layer[layer_of[graph.index[name]]].add(key_of[dev])
-        layer_pins = tuple(frozenset(s) for s in per_layer)
-    return StageCostTable(
-        fixed_s=fixed, var_s=var, optimizer_s=opt, param_bytes=param_bytes,
-        act_bytes=act_bytes, grad_bytes=grad_bytes, nets=tuple(nets),
-        device_type=device_type,
-        capacity_bytes=tuple(cluster.device(dev).memory_bytes * headroom for dev in ids),
-        link_latency_s=tuple(lat), link_s_per_byte=tuple(spb), allreduce_latency_s=ar_lat,
-        allreduce_s_per_byte=ar_spb, micro_batches=micro_batches, schedule=schedule,
-        replicas=reps, layer_pins=layer_pins, pins_by_position=by_position,
-        sharded_bytes=sharded, working_bytes=working)
+    return ar_lat, ar_spb
+
+
+def _layer_pins(graph: OpGraph, ids: Sequence[str], layer_of: np.ndarray, n: int,
+                pins: Mapping[str, str] | None) -> tuple[frozenset[int], ...]:
+    """Per layer, the device positions (labels, on identical devices and links) its pinned
+    nodes must be on; empty without pins."""
+    if not pins:
+        return ()
+    key_of = {dev: j for j, dev in enumerate(ids)}  # positions, or labels
+    per_layer: list[set[int]] = [set() for _ in range(n)]
+    for name, dev in pins.items():
+        if dev not in key_of:
+            raise ExplorerError(f"node {name!r} is pinned to {dev}, which is not among the "
+                                f"devices this plan may use ({', '.join(ids)})")
+        per_layer[int(layer_of[graph.index[name]])].add(key_of[dev])
+    return tuple(frozenset(s) for s in per_layer)
 
 
 def allowed_replicas(batch_size: int, n_devices: int, micro_batches: int,
