@@ -58,6 +58,16 @@ class WapPoint:
     simulated_on: str = "ops"
     fit: bool | None = None
 
+    @classmethod
+    def of(cls, k: int, algorithm: str, plan: Plan, step_s: float, energy_j: float,
+           batch_size: int, tried: tuple[tuple[str, str], ...]) -> WapPoint:
+        """The point of ``plan`` (simulated on the graph itself) for a batch of
+        ``batch_size`` samples."""
+        return cls(k, algorithm, plan, step_s,
+                   batch_size / step_s if step_s > 0 else math.inf, energy_j,
+                   batch_size / energy_j if energy_j > 0 else math.inf, len(plan.devices),
+                   tried)
+
     @property
     def fits(self) -> bool:
         return self.plan is not None if self.fit is None else self.fit
@@ -164,6 +174,31 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
     >>> [p.k for p in res.points], res.chosen_k in (1, 2)
     ([1, 2], True)
     """
+    names = _checked_names(algorithms, objective, within)
+    top = len(cluster) if max_k is None else max_k
+    if not 1 <= top <= len(cluster):
+        raise ExplorerError(f"max_k={max_k}, but the cluster has {len(cluster)} devices")
+    pins = dict(pins or {})
+    n_ops = sum(1 for n in graph.nodes if n.kind == "op")
+    if coarse_above is not None and n_ops > coarse_above:
+        res = _coarse_sweep(graph, cluster, costs, names, objective, within, pins, top, n_ops)
+        if res is not None:
+            return res
+    seen = _Predictions(graph, costs)
+    points = [_sweep_point(graph, cluster.subset(cluster.ids[:k]), costs, names, pins, seen)
+              for k in swept_counts(top)]
+    feasible = [p for p in points if p.fits]
+    if not feasible:
+        reasons = "; ".join(f"k={p.k}: " + ", ".join(f"{a}: {r}" for a, r in p.tried[:2])
+                            for p in points)
+        raise MemoryExceededError(f"wap: no device count has a plan that fits ({reasons})")
+    chosen, why = _choose(feasible, objective, within)
+    return WapResult(tuple(points), chosen.k, objective, within, why)
+
+
+def _checked_names(algorithms: Sequence[str], objective: str, within: float) -> list[str]:
+    """The partitioners a sweep runs ("data-parallel" first, always), every option checked:
+    :class:`ExplorerError` saying what is wrong."""
     if objective not in OBJECTIVES:
         raise ExplorerError(f"unknown objective {objective!r}; choose one of "
                             f"{', '.join(OBJECTIVES)}")
@@ -174,56 +209,39 @@ def wap_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel,
         if nm == "wap":
             raise ExplorerError("wap cannot sweep over itself; leave 'wap' out of algorithms")
         lookup_algorithm(nm)  # unknown names raise, listing the known ones
-    top = len(cluster) if max_k is None else max_k
-    if not 1 <= top <= len(cluster):
-        raise ExplorerError(f"max_k={max_k}, but the cluster has {len(cluster)} devices")
-    pins = dict(pins or {})
-    n_ops = sum(1 for n in graph.nodes if n.kind == "op")
-    if coarse_above is not None and n_ops > coarse_above:
-        res = _coarse_sweep(graph, cluster, costs, names, objective, within, pins, top, n_ops)
-        if res is not None:
-            return res
-    batch = max(graph.batch_size, 1)
-    points = []
-    seen = _Predictions(graph, costs)
-    for k in swept_counts(top):
-        sub = cluster.subset(cluster.ids[:k])
-        tried: list[tuple[str, str]] = []
-        best: tuple[float, float, str, Plan, Any] | None = None
-        missing = sorted({d for d in pins.values() if d not in sub.ids})
-        if missing:
-            tried.append(("*", f"pinned device(s) {', '.join(missing)} not among the first "
-                               f"{k}"))
-        else:
-            for nm in names:
-                opts = ({"compare_baselines": False}
-                        if "compare_baselines" in lookup_algorithm(nm).options else {})
-                try:
-                    plan = partition(graph, sub, costs, nm, pins=pins, **opts)
-                except ExplorerError as exc:
-                    tried.append((nm, f"no plan: {exc}"))
-                    continue
-                pred = seen.simulate(plan)
-                if not pred.fits:
-                    tried.append((nm, f"does not fit: {pred.memory_report()}"))
-                    continue
-                tried.append((nm, f"{pred.step_s:.6g} s per step"))
-                if best is None or (pred.step_s, pred.energy_j) < (best[0], best[1]):
-                    best = (pred.step_s, pred.energy_j, nm, plan, pred)
-        if best is None:
-            points.append(WapPoint(k, "", None, math.inf, 0.0, math.inf, 0.0, 0, tuple(tried)))
+    return names
+
+
+def _sweep_point(graph: OpGraph, sub: Cluster, costs: CostModel, names: Sequence[str],
+                 pins: Mapping[str, str], seen: _Predictions) -> WapPoint:
+    """The point of the sweep on the devices of ``sub``: the fastest plan of the
+    partitioners ``names`` that fits the simulator's memory (the lower energy on ties), and
+    what each tried."""
+    k = len(sub)
+    tried: list[tuple[str, str]] = []
+    best: tuple[float, float, str, Plan] | None = None
+    missing = sorted({d for d in pins.values() if d not in sub.ids})
+    if missing:
+        tried.append(("*", f"pinned device(s) {', '.join(missing)} not among the first {k}"))
+    for nm in names if not missing else ():
+        opts = ({"compare_baselines": False}
+                if "compare_baselines" in lookup_algorithm(nm).options else {})
+        try:
+            plan = partition(graph, sub, costs, nm, pins=pins, **opts)
+        except ExplorerError as exc:
+            tried.append((nm, f"no plan: {exc}"))
             continue
-        step_s, energy_j, nm, plan, pred = best
-        points.append(WapPoint(
-            k, nm, plan, step_s, batch / step_s if step_s > 0 else math.inf, energy_j,
-            batch / energy_j if energy_j > 0 else math.inf, len(plan.devices), tuple(tried)))
-    feasible = [p for p in points if p.fits]
-    if not feasible:
-        reasons = "; ".join(f"k={p.k}: " + ", ".join(f"{a}: {r}" for a, r in p.tried[:2])
-                            for p in points)
-        raise MemoryExceededError(f"wap: no device count has a plan that fits ({reasons})")
-    chosen, why = _choose(feasible, objective, within)
-    return WapResult(tuple(points), chosen.k, objective, within, why)
+        pred = seen.simulate(plan)
+        if not pred.fits:
+            tried.append((nm, f"does not fit: {pred.memory_report()}"))
+            continue
+        tried.append((nm, f"{pred.step_s:.6g} s per step"))
+        if best is None or (pred.step_s, pred.energy_j) < (best[0], best[1]):
+            best = (pred.step_s, pred.energy_j, nm, plan)
+    if best is None:
+        return WapPoint(k, "", None, math.inf, 0.0, math.inf, 0.0, 0, tuple(tried))
+    step_s, energy_j, nm, plan = best
+    return WapPoint.of(k, nm, plan, step_s, energy_j, max(graph.batch_size, 1), tuple(tried))
 
 
 def swept_counts(top: int) -> list[int]:
@@ -258,17 +276,10 @@ def _coarse_sweep(graph: OpGraph, cluster: Cluster, costs: CostModel, names: lis
     pred = simulate(graph, plan, costs)
     if not pred.fits:
         return None
-    batch = max(graph.batch_size, 1)
-    points = []
-    for p in res.points:
-        if p.k == chosen.k:
-            points.append(WapPoint(
-                p.k, p.algorithm, plan, pred.step_s,
-                batch / pred.step_s if pred.step_s > 0 else math.inf, pred.energy_j,
-                batch / pred.energy_j if pred.energy_j > 0 else math.inf, len(plan.devices),
-                p.tried, "ops"))
-        else:
-            points.append(replace(p, plan=None, fit=p.fits, simulated_on=where))
+    points = [WapPoint.of(p.k, p.algorithm, plan, pred.step_s, pred.energy_j,
+                          max(graph.batch_size, 1), p.tried) if p.k == chosen.k
+              else replace(p, plan=None, fit=p.fits, simulated_on=where)
+              for p in res.points]
     why = (f"{res.why} (swept on a stand-in of {graph.name or 'the graph'} merged into "
            f"{where}; on all {n_ops} ops the k={chosen.k} plan takes "
            f"{pred.step_s * 1e3:.3f} ms and {pred.energy_j:.3g} J per step)")
